@@ -1,0 +1,31 @@
+# Two commands set up a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test bench bench-quick install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test,examples]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/data_parallel.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -m "not slow"
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.run --quick --json benchmarks/results/quick.json --markdown BENCHMARKS.md
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run --json benchmarks/results/full.json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

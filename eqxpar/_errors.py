@@ -1,0 +1,39 @@
+"""The exceptions eqxpar raises for mistakes it can catch before XLA does.
+
+Every error names the value that was wrong, the value that was expected and the
+fix, so that a user never has to decode an XLA partitioner message to find a typo
+in a mesh size or an axis name. All of them derive from `EqxparError` (and from
+`ValueError`, so code that already catches `ValueError` keeps working).
+"""
+
+
+class EqxparError(ValueError):
+    """Base class of every error eqxpar raises on bad input."""
+
+
+class MeshError(EqxparError):
+    """The requested mesh does not fit the available devices."""
+
+
+class AxisNameError(EqxparError):
+    """A rule, spec or annotation names a mesh axis the mesh does not have."""
+
+
+class SpecError(EqxparError):
+    """A PartitionSpec does not fit the array it is applied to (e.g. too long)."""
+
+
+class DivisibilityError(SpecError):
+    """An array dimension is not divisible by the size of the mesh axes it is split over."""
+
+
+class BatchError(EqxparError):
+    """A batch cannot be split over the data-parallel devices or micro-batches."""
+
+
+class UnmatchedLeafError(EqxparError):
+    """A strict path rule met a leaf that none of its patterns match."""
+
+
+class PlanError(EqxparError):
+    """A plan option has a value eqxpar does not support."""

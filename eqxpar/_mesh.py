@@ -1,0 +1,99 @@
+"""Device meshes with eqxpar's fixed axis names."""
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from ._errors import MeshError
+
+#: Mesh axis names, outermost first. Every eqxpar mesh has all four, size 1 where
+#: unused, so one set of rules (e.g. "embed" -> "fsdp") serves every mesh. The order
+#: follows communication intensity: `data` (one gradient reduction per step) is
+#: outermost, so it lands across hosts, and `tensor` (collectives inside every layer)
+#: is innermost, so its devices are neighbours.
+AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "tensor")
+
+#: Axes a batch's leading dimension is split over: FSDP is data parallel in its
+#: activations, so both carry distinct examples.
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+def make_mesh(
+    *,
+    data: int = 1,
+    pipe: int = 1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "tensor")`.
+
+    **Arguments:**
+
+    - `data`, `pipe`, `fsdp`, `tensor`: axis sizes. Size 1 is allowed (the axis is
+      still present, so rules may name it). At most one size may be `-1`, meaning
+      "whatever the device count leaves".
+    - `devices`: devices to lay out, in order; defaults to `jax.devices()`. When the
+      sizes use fewer devices than given, the first ones are used.
+
+    **Returns:** a `jax.sharding.Mesh` whose axes are all of type `Auto`, so the
+    compiler (GSPMD) places the collectives outside `shard_map` regions and a
+    partial-manual `shard_map` keeps the other axes sharded.
+
+    **Raises:** `MeshError` when the sizes do not fit the devices.
+
+    ```python
+    mesh = eqxpar.make_mesh(data=2, tensor=4)   # 8 devices
+    mesh = eqxpar.make_mesh(data=-1)            # all devices on `data`
+    ```
+    """
+    sizes = {"data": data, "pipe": pipe, "fsdp": fsdp, "tensor": tensor}
+    devices = list(jax.devices() if devices is None else devices)
+    n_devices = len(devices)
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise MeshError(
+                f"mesh axis {name}={size!r} is not a valid size; expected a positive "
+                "integer, or -1 to infer it from the device count."
+            )
+    inferred = [name for name, size in sizes.items() if size == -1]
+    if len(inferred) > 1:
+        raise MeshError(
+            f"mesh axes {inferred} are all -1; at most one axis size can be inferred. "
+            "Give explicit sizes to all but one of them."
+        )
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if inferred:
+        if n_devices % known:
+            raise MeshError(
+                f"cannot infer {inferred[0]}=-1: the other axes use {known} devices, "
+                f"which does not divide the {n_devices} available devices. Choose sizes "
+                f"whose product divides {n_devices}."
+            )
+        sizes[inferred[0]] = n_devices // known
+    total = math.prod(sizes.values())
+    if total > n_devices:
+        shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
+        raise MeshError(
+            f"mesh {shape} needs {total} devices but only {n_devices} are available. "
+            f"Use axis sizes whose product is at most {n_devices}, or, to simulate "
+            "devices on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{total} before importing jax."
+        )
+    return jax.make_mesh(
+        tuple(sizes[a] for a in AXES),
+        AXES,
+        axis_types=(AxisType.Auto,) * len(AXES),
+        devices=devices[:total],
+    )
+
+
+def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
+    """Number of devices a dimension split over `axes` of `mesh` is divided into."""
+    if axes is None:
+        return 1
+    if isinstance(axes, str):
+        axes = (axes,)
+    return math.prod(mesh.shape[a] for a in axes)

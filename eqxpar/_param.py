@@ -1,0 +1,53 @@
+"""Logical axis names stored on Equinox fields."""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+
+# The metadata key under which a field's logical axis names live. Equinox keeps
+# field metadata on the class, so every pytree that reuses the model's module
+# classes (gradients, optax moments) carries the same names for free.
+AXES_KEY = "eqxpar_axes"
+
+
+def param(*, axes: Sequence[str | None], **field_kwargs: Any) -> Any:
+    """Declare a module field as a weight with logical axis names.
+
+    A thin wrapper over `eqx.field(metadata=...)`: the names say what each dimension
+    *means* ("embed", "mlp", "heads", "vocab"; `None` for a dimension that is never
+    split). A plan's rules turn them into mesh axes as late as possible, so the same
+    module runs under every strategy.
+
+    **Arguments:**
+
+    - `axes`: one logical name (or `None`) per dimension of the weight.
+    - `field_kwargs`: forwarded to `eqx.field` (e.g. `converter`).
+
+    **Returns:** a dataclass field for an `eqx.Module` class body.
+
+    ```python
+    class ColumnLinear(eqx.Module):
+        weight: Float[Array, "d_in d_out"] = eqxpar.param(axes=("embed", "mlp"))
+    ```
+    """
+    axes = tuple(axes)
+    for name in axes:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"eqxpar.param(axes={axes!r}): every entry must be a logical axis name "
+                f"(str) or None, got {name!r}."
+            )
+    metadata = dict(field_kwargs.pop("metadata", {}))
+    metadata[AXES_KEY] = axes
+    return eqx.field(metadata=metadata, **field_kwargs)
+
+
+def field_axes(module: eqx.Module, name: str) -> tuple[str | None, ...] | None:
+    """The logical axes declared on field `name` of `module`, or None."""
+    fields = getattr(type(module), "__dataclass_fields__", {})
+    field = fields.get(name)
+    if not isinstance(field, dataclasses.Field):
+        return None
+    return field.metadata.get(AXES_KEY)

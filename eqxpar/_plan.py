@@ -1,0 +1,141 @@
+"""The plan: one frozen object that says how a training step is parallelised."""
+
+import contextvars
+import dataclasses
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._errors import AxisNameError, PlanError
+from ._mesh import BATCH_AXES
+from ._rules import Rule, as_rules, mesh_axis_names
+
+# `with plan:` blocks nest per thread; the tokens to restore live beside the value.
+_TOKENS = threading.local()
+_CURRENT: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("eqxpar_plan", default=None)
+
+Mode = Literal["auto", "manual"]
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Plan:
+    """How a model is laid out on a mesh and how its step is run.
+
+    **Arguments:**
+
+    - `mesh`: the device mesh (usually from `eqxpar.make_mesh`).
+    - `rules`: a rule or sequence of rules (`eqxpar.rules`) mapping weights to
+      PartitionSpecs; first match wins, unclaimed weights are replicated. The
+      default (no rules) replicates every weight: data parallelism.
+    - `batch_axes`: mesh axes the batch's leading dimension is split over; default
+      the mesh's `data` and `fsdp` axes.
+    - `annotations`: name -> PartitionSpec for `eqxpar.annotate(x, name)`. Defaults:
+      `"batch"` and `"activations"` both split the leading dimension over
+      `batch_axes`; entries given here override them.
+    - `mode`: `"auto"` compiles the step with `jax.jit` and lets the compiler (GSPMD)
+      insert collectives; `"manual"` runs the per-device step inside
+      `jax.shard_map`, with eqxpar issuing the collectives itself.
+
+    Validated when built: every mesh axis named by a rule or annotation must exist.
+    Entering a plan (`with plan:`) makes it the one `eqxpar.annotate` resolves
+    against; eqxpar's train steps enter it while tracing.
+
+    ```python
+    mesh = eqxpar.make_mesh(data=8)
+    plan = eqxpar.Plan(mesh)                      # data parallel, automatic
+    plan = eqxpar.Plan(mesh, mode="manual")       # data parallel in shard_map
+    ```
+    """
+
+    mesh: Mesh
+    rules: tuple[Rule, ...]
+    batch_axes: tuple[str, ...]
+    annotations: tuple[tuple[str, PartitionSpec], ...]
+    mode: Mode
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        rules: Rule | Sequence[Rule] | None = None,
+        batch_axes: Sequence[str] | None = None,
+        annotations: Mapping[str, PartitionSpec] | None = None,
+        mode: Mode = "auto",
+    ):
+        if not isinstance(mesh, Mesh):
+            raise PlanError(
+                f"Plan(mesh={mesh!r}): expected a jax.sharding.Mesh; build one with "
+                "eqxpar.make_mesh(data=..., fsdp=..., tensor=..., pipe=...)."
+            )
+        names = tuple(mesh.axis_names)
+        rules = as_rules(rules)
+        for rule in rules:
+            declared = getattr(rule, "mesh_axes", None)
+            for axis in sorted(declared() if declared else ()):
+                if axis not in names:
+                    raise AxisNameError(
+                        f"rule {rule!r} names mesh axis {axis!r}, but the mesh has axes "
+                        f"{names}. Use one of those names."
+                    )
+        if batch_axes is None:
+            batch_axes = tuple(a for a in BATCH_AXES if a in names)
+        batch_axes = tuple(batch_axes)
+        for axis in batch_axes:
+            if axis not in names:
+                raise AxisNameError(
+                    f"Plan(batch_axes={batch_axes!r}) names mesh axis {axis!r}, but the "
+                    f"mesh has axes {names}. Use one of those names."
+                )
+        table = {"batch": PartitionSpec(batch_axes), "activations": PartitionSpec(batch_axes)}
+        for key, spec in dict(annotations or {}).items():
+            if not isinstance(spec, PartitionSpec):
+                spec = PartitionSpec(*spec)
+            for entry in spec:
+                for axis in mesh_axis_names(entry):
+                    if axis not in names:
+                        raise AxisNameError(
+                            f"annotation {key!r} -> {spec} names mesh axis {axis!r}, but "
+                            f"the mesh has axes {names}. Use one of those names."
+                        )
+            table[key] = spec
+        if mode not in ("auto", "manual"):
+            raise PlanError(f"Plan(mode={mode!r}): expected 'auto' or 'manual'.")
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "batch_axes", batch_axes)
+        object.__setattr__(self, "annotations", tuple(sorted(table.items())))
+        object.__setattr__(self, "mode", mode)
+
+    @property
+    def batch_size_multiple(self) -> int:
+        """Number of devices the batch is split over (the data-parallel size)."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def batch_spec(self) -> PartitionSpec:
+        """The PartitionSpec of a batch leaf: leading dimension over `batch_axes`."""
+        return PartitionSpec(self.batch_axes)
+
+    def annotation(self, name: str) -> PartitionSpec | None:
+        """The spec registered for annotation `name`, or None."""
+        return dict(self.annotations).get(name)
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """A `NamedSharding` of `spec` on this plan's mesh."""
+        return NamedSharding(self.mesh, spec)
+
+    def __enter__(self) -> "Plan":
+        _TOKENS.stack = getattr(_TOKENS, "stack", [])
+        _TOKENS.stack.append(_CURRENT.set(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(_TOKENS.stack.pop())
+
+
+def current_plan() -> Plan | None:
+    """The plan entered with `with plan:` (or by an eqxpar step while tracing)."""
+    return _CURRENT.get()

@@ -1,0 +1,118 @@
+"""`filter_shard_map`: `jax.shard_map` over Equinox modules with non-array leaves."""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec
+
+from ._errors import AxisNameError, PlanError
+from ._plan import Plan
+from ._specs import check_spec, is_array_like, partition_specs
+
+
+def _check_specs(tree: Any, specs: Any, plan: Plan, *, where: str) -> None:
+    leaves, treedef = jax.tree.flatten(tree)
+    try:
+        spec_leaves = treedef.flatten_up_to(specs) if not isinstance(specs, PartitionSpec) else [specs] * len(leaves)
+    except (ValueError, TypeError) as e:
+        raise PlanError(
+            f"{where}: the specs {specs!r} do not match the structure of the argument "
+            f"({treedef}). Give one PartitionSpec for the whole argument, a pytree "
+            "of specs mirroring it (eqxpar.partition_specs), or None for the plan's rules."
+        ) from e
+    for leaf, spec in zip(leaves, spec_leaves):
+        if spec is not None and is_array_like(leaf):
+            check_spec(spec, tuple(leaf.shape), plan.mesh, where=f"{where}, array of shape {tuple(leaf.shape)}")
+
+
+def filter_shard_map(
+    fn: Callable,
+    plan: Plan,
+    *,
+    in_specs: Sequence[Any] | None = None,
+    out_specs: Any,
+    axis_names: Sequence[str] | None = None,
+    check_vma: bool = True,
+) -> Callable:
+    """`jax.shard_map` that takes and returns Equinox modules.
+
+    Non-array leaves (activation functions, static settings, Python scalars) pass
+    through untouched; only arrays are split over the mesh. Input specs default to
+    the plan's rules, so a model goes in with one line.
+
+    **Arguments:**
+
+    - `fn`: the per-device function. Inside it the manual axes' collectives
+      (`jax.lax.psum(x, "data")`, ...) are available.
+    - `plan`: gives the mesh, and the rules for inputs without a spec.
+    - `in_specs`: one entry per positional argument: None (use the plan's rules, so
+      replicated weights come in replicated and sharded weights as shards), a
+      `PartitionSpec` for every array leaf of that argument (e.g.
+      `plan.batch_spec`), or a pytree of specs mirroring it. Default: all from rules.
+    - `out_specs`: a `PartitionSpec` for every output array, or a pytree of them
+      mirroring the output (non-array positions may hold None, as
+      `eqxpar.partition_specs` returns).
+    - `axis_names`: the manual mesh axes; default all of them. Others stay automatic.
+    - `check_vma`: as in `jax.shard_map`. With it on, the gradient of a replicated
+      input w.r.t. a per-device loss comes back already summed over the devices
+      the loss varies along: do not `psum`/`pmean` it again.
+
+    **Returns:** a function of the same arguments that returns `fn`'s output, with
+    arrays reassembled into global arrays.
+
+    ```python
+    def local_loss(model, x, y):
+        return jax.lax.pmean(jnp.mean((jax.vmap(model)(x) - y) ** 2), ("data", "fsdp"))
+
+    loss = eqxpar.filter_shard_map(local_loss, plan,
+                                   in_specs=(None, plan.batch_spec, plan.batch_spec),
+                                   out_specs=P())(model, x, y)
+    ```
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"filter_shard_map(..., plan={plan!r}): expected an eqxpar.Plan.")
+    manual = frozenset(plan.mesh.axis_names if axis_names is None else axis_names)
+    for axis in manual:
+        if axis not in plan.mesh.axis_names:
+            raise AxisNameError(
+                f"filter_shard_map(axis_names=...) names mesh axis {axis!r}, but the mesh "
+                f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
+            )
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any) -> Any:
+        if in_specs is not None and len(in_specs) != len(args):
+            raise PlanError(
+                f"filter_shard_map: in_specs has {len(in_specs)} entries but the function "
+                f"was called with {len(args)} positional arguments; give one entry per "
+                "argument (None to use the plan's rules)."
+            )
+        dynamic, static = eqx.partition(args, eqx.is_array)
+        specs = []
+        for i, arg in enumerate(dynamic):
+            given = None if in_specs is None else in_specs[i]
+            spec = partition_specs(arg, plan) if given is None else given
+            _check_specs(arg, spec, plan, where=f"filter_shard_map argument {i}")
+            specs.append(spec)
+        out_static: list[Any] = []
+
+        def per_device(dynamic):
+            out = fn(*eqx.combine(dynamic, static))
+            out_dynamic, static_part = eqx.partition(out, eqx.is_array)
+            out_static.append(static_part)
+            return out_dynamic
+
+        out_dynamic = jax.shard_map(
+            per_device,
+            mesh=plan.mesh,
+            in_specs=(tuple(specs),),
+            out_specs=out_specs,
+            axis_names=set(manual),
+            check_vma=check_vma,
+        )(tuple(dynamic))
+        return eqx.combine(out_dynamic, out_static[-1])
+
+    return wrapped

@@ -1,0 +1,177 @@
+"""Placing pytrees on a plan's mesh: `shard`, `shard_batch`, `annotate`."""
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, ArrayLike, PyTree
+
+from ._errors import BatchError, PlanError
+from ._plan import Plan, current_plan
+from ._rules import mesh_axis_names
+from ._specs import check_spec, is_array_like, partition_specs
+
+
+def _manual_axes() -> frozenset[str]:
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def _drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in mesh_axis_names(entry) if a not in drop)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
+
+
+def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str) -> Any:
+    if isinstance(x, jax.core.Tracer):
+        manual = _manual_axes()
+        if manual:
+            # Inside shard_map the manual axes are already split by hand (shapes
+            # are per device along them); only the automatic axes can still be
+            # constrained.
+            spec = _drop_axes(spec, manual)
+            if all(e is None for e in spec) or manual >= set(plan.mesh.axis_names):
+                return x
+            check_spec(spec, tuple(x.shape), plan.mesh, where=where)
+            return jax.lax.with_sharding_constraint(x, spec)
+        check_spec(spec, tuple(x.shape), plan.mesh, where=where)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
+    check_spec(spec, tuple(x.shape), plan.mesh, where=where)
+    return jax.device_put(x, NamedSharding(plan.mesh, spec))
+
+
+def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
+    """The `NamedSharding` of every array leaf of `tree` under `plan` (None elsewhere)."""
+    specs = partition_specs(tree, plan)
+    return jax.tree.map(
+        lambda s: None if s is None else plan.sharding(s),
+        specs,
+        is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
+    )
+
+
+def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None) -> PyTree:
+    """Place `tree` on the plan's mesh: `device_put` outside jit, a sharding
+    constraint inside jit (and only on the automatic axes inside `shard_map`).
+
+    Non-array leaves (activation functions, static settings) are returned as they
+    are, so an Equinox model goes in and an Equinox model comes out.
+
+    **Arguments:**
+
+    - `tree`: any pytree, typically a model, optimizer state or batch.
+    - `plan`: the plan whose mesh and rules give each leaf's spec.
+    - `specs`: optional PartitionSpecs instead of the rules: one `PartitionSpec` for
+      every leaf, or a pytree of them matching `tree`'s array leaves.
+
+    **Returns:** a pytree of the same structure. Outside jit, an array that already
+    has its sharding may be returned as it is (no copy), so donating the result
+    also invalidates the input.
+
+    ```python
+    model = eqxpar.shard(model, plan)        # weights placed per the plan's rules
+    ```
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"shard(..., plan={plan!r}): expected an eqxpar.Plan.")
+    if specs is None:
+        specs = partition_specs(tree, plan)
+    elif isinstance(specs, PartitionSpec):
+        spec = specs
+        specs = jax.tree.map(lambda x: spec if is_array_like(x) else None, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = treedef.flatten_up_to(specs)
+    out = []
+    for leaf, spec in zip(leaves, spec_leaves):
+        if spec is None or not is_array_like(leaf):
+            out.append(leaf)
+            continue
+        out.append(_place(leaf, spec, plan, where=f"shard: array of shape {tuple(leaf.shape)}"))
+    return jax.tree.unflatten(treedef, out)
+
+
+def check_batch(batch: PyTree, plan: Plan, *, microbatches: int = 1) -> int:
+    """Check every batch leaf splits over the data-parallel devices (and
+    micro-batches); return the batch size."""
+    sizes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if not is_array_like(leaf):
+            continue
+        where = jax.tree_util.keystr(path) or "<root>"
+        if len(leaf.shape) == 0:
+            raise BatchError(
+                f"batch leaf {where} is a scalar; every batch leaf needs a leading batch "
+                "dimension. Close over constants in the loss function instead."
+            )
+        sizes.add(leaf.shape[0])
+        if len(sizes) > 1:
+            raise BatchError(
+                f"batch leaves have different leading (batch) sizes {sorted(sizes)}; "
+                "every leaf of a batch must have the same batch size."
+            )
+    if not sizes:
+        raise BatchError("the batch has no array leaves; pass arrays with a leading batch dimension.")
+    (size,) = sizes
+    if microbatches < 1:
+        raise BatchError(f"accumulate={microbatches} is not a valid micro-batch count; expected >= 1.")
+    if size % microbatches:
+        raise BatchError(
+            f"batch size {size} is not divisible by the {microbatches} micro-batches. "
+            f"Use a batch size that is a multiple of {microbatches}, or a micro-batch "
+            f"count that divides {size}."
+        )
+    dp = plan.batch_size_multiple
+    if (size // microbatches) % dp:
+        per = "each micro-batch of " if microbatches > 1 else ""
+        raise BatchError(
+            f"{per}batch size {size // microbatches} is not divisible by the "
+            f"{dp} data-parallel devices (mesh axes {plan.batch_axes}). Use a batch size "
+            f"that is a multiple of {dp * microbatches}."
+        )
+    return size
+
+
+def shard_batch(batch: PyTree, plan: Plan) -> PyTree:
+    """Split every leaf's leading (batch) dimension over the plan's batch axes.
+
+    **Raises:** `BatchError` when the batch size is not a multiple of the
+    data-parallel size.
+
+    ```python
+    x, y = eqxpar.shard_batch((x, y), plan)
+    ```
+    """
+    check_batch(batch, plan)
+    return shard(batch, plan, specs=plan.batch_spec)
+
+
+def annotate(x: ArrayLike, name: str) -> Array:
+    """Constrain an activation to the sharding the current plan gives `name`.
+
+    A no-op when no plan is active or the plan has no such annotation, so a model
+    can be annotated once and still run on one device. Inside a `shard_map` the
+    manual axes are dropped from the constraint.
+
+    **Arguments:**
+
+    - `x`: an activation, inside or outside jit.
+    - `name`: an annotation name registered in the plan (`"batch"`,
+      `"activations"`, or any name given in `Plan(annotations=...)`).
+
+    **Returns:** `x`, constrained.
+
+    ```python
+    h = eqxpar.annotate(h, "activations")
+    ```
+    """
+    plan = current_plan()
+    if plan is None:
+        return x
+    spec = plan.annotation(name)
+    if spec is None:
+        return x
+    if not hasattr(x, "shape"):
+        x = jax.numpy.asarray(x)
+    return _place(x, spec, plan, where=f"annotate(x, {name!r})")

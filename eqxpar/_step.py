@@ -1,0 +1,303 @@
+"""`make_step`: one compiled training step for any plan."""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, PyTree
+
+from ._errors import PlanError
+from ._plan import Plan
+from ._shard_map import filter_shard_map
+from ._sharding import check_batch, named_shardings, shard
+from ._specs import partition_specs
+from ._train_state import TrainState
+
+Metrics = dict[str, Any]
+
+
+def _learning_rate(opt_state: PyTree) -> Array | None:
+    # optax.inject_hyperparams keeps the schedule's current value in its state.
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
+    for node in nodes:
+        hyper = getattr(node, "hyperparams", None)
+        if isinstance(hyper, dict) and "learning_rate" in hyper:
+            return jnp.asarray(hyper["learning_rate"])
+    return None
+
+
+def _split_microbatches(batch: PyTree, k: int) -> PyTree:
+    # Micro-batch j takes rows j, k + j, 2k + j, ...: each device already holds its
+    # share of every micro-batch, so splitting moves no data between devices.
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+class _Gradients:
+    """Loss, aux and gradients of `loss_fn` over a batch, accumulated over k
+    micro-batches with `lax.scan` when k > 1."""
+
+    def __init__(self, loss_fn: Callable, *, has_aux: bool, accumulate: int, plan: Plan, local_axes: tuple[str, ...] = ()):
+        # `local_axes`: inside shard_map, the manual axes the batch is split over.
+        # The parameters are marked as varying along them before differentiating,
+        # so each device's gradient stays local (no implicit psum per micro-batch)
+        # and the caller reduces the accumulated gradient once.
+        self.local_axes = local_axes
+        self.loss_fn = loss_fn
+        self.has_aux = has_aux
+        self.accumulate = accumulate
+        self.plan = plan
+        self.takes_key = "key" in inspect.signature(loss_fn).parameters
+
+    def _value_and_grad(self, params, static, batch, key):
+        def scalar_loss(params):
+            model = eqx.combine(params, static)
+            out = self.loss_fn(model, batch, key=key) if self.takes_key else self.loss_fn(model, batch)
+            loss, aux = out if self.has_aux else (out, None)
+            return loss, aux
+
+        (loss, aux), grads = jax.value_and_grad(scalar_loss, has_aux=True)(params)
+        return loss, aux, grads
+
+    def __call__(self, model, batch, key):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        if self.local_axes:
+            params = jax.tree.map(lambda p: jax.lax.pcast(p, self.local_axes, to="varying"), params)
+        k = self.accumulate
+        if k == 1:
+            return self._value_and_grad(params, static, batch, key)
+        micro = _split_microbatches(batch, k)
+
+        def accumulate(carry, xs):
+            grads_sum, loss_sum = carry
+            index, mb = xs
+            mb = shard(mb, self.plan, specs=self.plan.batch_spec)
+            loss, aux, grads = self._value_and_grad(params, static, mb, jax.random.fold_in(key, index))
+            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+            return (grads_sum, loss_sum + loss), aux
+
+        loss_zero = jnp.zeros((), jnp.float32)
+        if self.local_axes:
+            # The carry's types must match the per-device loss, which varies.
+            loss_zero = jax.lax.pcast(loss_zero, self.local_axes, to="varying")
+        init = (jax.tree.map(jnp.zeros_like, params), loss_zero)
+        (grads, loss), aux = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
+        grads = jax.tree.map(lambda g: g / k, grads)
+        return loss / k, aux, grads
+
+
+def _apply(optimizer, state: TrainState, grads, loss, aux, has_aux) -> tuple[TrainState, Metrics]:
+    params = eqx.filter(state.model, eqx.is_inexact_array)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    model = eqx.apply_updates(state.model, updates)
+    metrics: Metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    lr = _learning_rate(opt_state)
+    if lr is not None:
+        metrics["learning_rate"] = lr
+    if has_aux:
+        metrics["aux"] = aux
+    new_state = TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=state.key)
+    return new_state, metrics
+
+
+class Step:
+    """A compiled training step `(state, batch) -> (state, metrics)`.
+
+    Built by `eqxpar.train.make_step`. Compiled once per state layout and batch
+    shape (later calls reuse it); `.lower(state, batch)` gives the
+    `jax.stages.Lowered` for reading the HLO, and `.compile(...)` the compiled
+    executable.
+    """
+
+    def __init__(self, body: Callable, plan: Plan, *, donate: bool, accumulate: int):
+        self._body = body
+        self._plan = plan
+        self._donate = donate
+        self._accumulate = accumulate
+        self._cache: dict[Any, tuple[Callable, PyTree]] = {}
+
+    def _jitted(self, state: TrainState, batch: PyTree) -> tuple[Callable, PyTree]:
+        dynamic, static = eqx.partition(state, eqx.is_array)
+        static_leaves, static_def = jax.tree.flatten(static)
+        try:
+            cache_key = (static_def, tuple(static_leaves), jax.tree.structure(dynamic), jax.tree.structure(batch))
+            hash(cache_key)
+        except TypeError as e:
+            raise PlanError(
+                "the train state holds an unhashable non-array leaf; make it an array "
+                "or a hashable static field (eqx.field(static=True))."
+            ) from e
+        cached = self._cache.get(cache_key)
+        if cached is not None:
+            return cached
+        plan = self._plan
+        state_shardings = named_shardings(dynamic, plan)
+        batch_sharding = plan.sharding(plan.batch_spec)
+        replicated = plan.sharding(PartitionSpec())
+        body = self._body
+
+        def step(dynamic, batch):
+            with plan:
+                new_state, metrics = body(eqx.combine(dynamic, static), batch)
+            new_dynamic, new_static = eqx.partition(new_state, eqx.is_array)
+            if jax.tree.structure(new_static) != static_def:
+                raise PlanError(
+                    "the step changed the non-array part of the train state; the "
+                    "optimizer update must keep the model's structure."
+                )
+            return new_dynamic, metrics
+
+        jitted = jax.jit(
+            step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=(0,) if self._donate else (),
+        )
+        self._cache[cache_key] = (jitted, static)
+        return self._cache[cache_key]
+
+    def _prepare(self, state: TrainState, batch: PyTree) -> tuple[Callable, Any, Any, Any]:
+        if not isinstance(state, TrainState):
+            raise PlanError(
+                f"a step takes (state, batch) with state an eqxpar.train.TrainState, got "
+                f"{type(state).__name__}; build it with eqxpar.train.init(model, optimizer, plan, key=...)."
+            )
+        check_batch(batch, self._plan, microbatches=self._accumulate)
+        jitted, static = self._jitted(state, batch)
+        dynamic = eqx.filter(state, eqx.is_array)
+        return jitted, static, dynamic, batch
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        jitted, static, dynamic, batch = self._prepare(state, batch)
+        batch = shard(batch, self._plan, specs=self._plan.batch_spec)
+        new_dynamic, metrics = jitted(dynamic, batch)
+        return eqx.combine(new_dynamic, static), metrics
+
+    def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
+        """Lower the step for `state` and `batch` (arrays or `jax.ShapeDtypeStruct`s)."""
+        jitted, _, dynamic, batch = self._prepare(state, batch)
+        return jitted.lower(dynamic, batch)
+
+    def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
+        """The compiled executable for `state` and `batch` (for HLO, memory, cost)."""
+        return self.lower(state, batch).compile()
+
+
+def make_step(
+    loss_fn: Callable[..., Float[Array, ""] | tuple[Float[Array, ""], Any]],
+    optimizer: optax.GradientTransformation,
+    plan: Plan,
+    *,
+    accumulate: int = 1,
+    donate: bool = True,
+    has_aux: bool = False,
+) -> Step:
+    """Build the compiled training step for `plan`.
+
+    One step computes the loss and gradients over the global batch, reduces the
+    gradients over the data-parallel devices, applies the optimizer and returns the
+    new state and metrics. Under `plan.mode == "auto"` the compiler places the
+    collectives (GSPMD); under `"manual"` the step runs per device inside
+    `jax.shard_map` and eqxpar reduces the gradients itself (one all-reduce of the
+    gradient bytes).
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch) -> loss` (a float scalar), or
+      `-> (loss, aux)` with `has_aux=True`. The loss must be a mean over the batch's
+      examples so that sharded and accumulated steps equal the full-batch one. If
+      it takes a `key=` keyword it gets a fresh key each step.
+    - `optimizer`: an optax transformation (wrap it in `optax.inject_hyperparams` to
+      report the learning rate).
+    - `plan`: the plan.
+    - `accumulate`: number of micro-batches the batch is split into; their
+      gradients are averaged with a `lax.scan`, equal to the full-batch gradient.
+    - `donate`: donate the input state's buffers to the output state.
+    - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
+
+    **Returns:** a `Step`; `step(state, batch) -> (state, metrics)` with metrics
+    `{"loss", "grad_norm", "learning_rate" (when exposed), "aux" (with has_aux;
+    stacked over micro-batches when accumulate > 1, averaged over data-parallel
+    devices in manual mode)}`. Every batch leaf has a leading batch dimension.
+
+    ```python
+    step = eqxpar.train.make_step(loss_fn, optim, plan)
+    state, metrics = step(state, (x, y))
+    ```
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"make_step(..., plan={plan!r}): expected an eqxpar.Plan.")
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise PlanError(f"make_step(accumulate={accumulate!r}): expected an integer >= 1.")
+    if plan.mode == "auto":
+        grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan)
+        body = _auto_body(grads_of, optimizer, plan, has_aux)
+    else:
+        grads_of = _Gradients(
+            loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=plan.batch_axes
+        )
+        body = _manual_body(grads_of, optimizer, plan, has_aux)
+    return Step(body, plan, donate=donate, accumulate=accumulate)
+
+
+def _auto_body(grads_of: _Gradients, optimizer, plan: Plan, has_aux: bool) -> Callable:
+    def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        key = jax.random.fold_in(state.key, state.step)
+        loss, aux, grads = grads_of(state.model, batch, key)
+        # Gradients take the parameters' sharding (FSDP: reduce to shards).
+        grads = shard(grads, plan)
+        return _apply(optimizer, state, grads, loss, aux, has_aux)
+
+    return body
+
+
+def _manual_body(grads_of: _Gradients, optimizer, plan: Plan, has_aux: bool) -> Callable:
+    axes = plan.batch_axes
+    dp = plan.batch_size_multiple
+
+    def per_device(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        key = jax.random.fold_in(state.key, state.step)
+        # Distinct examples per device need distinct randomness (e.g. dropout).
+        for axis in axes:
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+        loss, aux, grads = grads_of(state.model, batch, key)
+        # `grads_of` differentiated w.r.t. parameters marked varying, so these are
+        # this device's (accumulated) gradients: one all-reduce of the gradient
+        # bytes makes them global. (Differentiating the replicated parameters
+        # directly would make check_vma insert that psum itself, once per
+        # micro-batch; a pmean on top of it would reduce twice.)
+        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / dp, grads)
+        loss = jax.lax.pmean(loss, axes)
+        if has_aux:
+            aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+        return _apply(optimizer, state, grads, loss, aux, has_aux)
+
+    def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        specs = partition_specs(state, plan)
+        sharded = [
+            s for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+            if any(e is not None for e in s)
+        ]
+        if sharded:
+            raise PlanError(
+                "mode='manual' currently runs data parallelism only, with every weight "
+                f"replicated, but the plan's rules shard some weights (e.g. {sharded[0]}). "
+                "Use mode='auto' for sharded weights, or rules that replicate them."
+            )
+        step = filter_shard_map(
+            per_device,
+            plan,
+            in_specs=(specs, plan.batch_spec),
+            out_specs=(specs, PartitionSpec()),
+        )
+        return step(state, batch)
+
+    return body
