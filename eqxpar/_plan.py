@@ -63,7 +63,7 @@ class Plan:
         rules: Rule | Sequence[Rule] | None = None,
         batch_axes: Sequence[str] | None = None,
         annotations: Mapping[str, PartitionSpec] | None = None,
-        mode: Mode = "auto",
+        mode: str = "auto",
     ):
         if not isinstance(mesh, Mesh):
             raise PlanError(

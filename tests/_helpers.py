@@ -24,13 +24,14 @@ class LogicalMLP(eqx.Module):
     w1: Float[Array, "d_in d_hidden"] = eqxpar.param(axes=("embed", "mlp"))
     b1: Float[Array, " d_hidden"] = eqxpar.param(axes=("mlp",))
     w2: Float[Array, "d_hidden d_out"] = eqxpar.param(axes=("mlp", "embed"))
-    activation: Callable = jax.nn.gelu  # a non-array leaf, as in eqx.nn.MLP
+    activation: Callable  # a non-array leaf, as in eqx.nn.MLP
 
     def __init__(self, d_in: int, d_hidden: int, d_out: int, *, key):
         k1, k2 = jax.random.split(key)
         self.w1 = jax.random.normal(k1, (d_in, d_hidden)) / np.sqrt(d_in)
         self.b1 = jnp.zeros((d_hidden,))
         self.w2 = jax.random.normal(k2, (d_hidden, d_out)) / np.sqrt(d_hidden)
+        self.activation = jax.nn.gelu
 
     def __call__(self, x):
         return self.activation(x @ self.w1 + self.b1) @ self.w2

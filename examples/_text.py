@@ -1,0 +1,47 @@
+"""Character-level text that is always present: Python's own `pydoc_data.topics`
+(the help texts of the language reference, about 800 kB of English prose and code).
+
+No download: the module ships with every CPython.
+"""
+
+import numpy as np
+
+
+def load_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[name] for name in sorted(topics))
+
+
+class CharData:
+    """The text as integer ids, a vocabulary, and fixed-length windows."""
+
+    def __init__(self, text: str | None = None):
+        text = load_text() if text is None else text
+        # Keep printable ASCII and newlines; map everything else to '?'.
+        chars = [c if (" " <= c <= "~" or c == "\n") else "?" for c in text]
+        self.vocab = sorted(set(chars))
+        self.index = {c: i for i, c in enumerate(self.vocab)}
+        self.ids = np.array([self.index[c] for c in chars], dtype=np.int32)
+        split = int(0.95 * len(self.ids))
+        self.train_ids, self.eval_ids = self.ids[:split], self.ids[split:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def unigram_entropy(self) -> float:
+        """Entropy (nats) of the character distribution: the loss of a model that
+        ignores context."""
+        counts = np.bincount(self.train_ids, minlength=self.vocab_size).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+    def windows(self, rng: np.random.Generator, batch: int, length: int, *, split: str = "train") -> np.ndarray:
+        """`batch` random windows of `length` consecutive ids: shape (batch, length)."""
+        ids = self.train_ids if split == "train" else self.eval_ids
+        starts = rng.integers(0, len(ids) - length, size=batch)
+        return np.stack([ids[s : s + length] for s in starts])
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
