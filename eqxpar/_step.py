@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._errors import PlanError
 from ._plan import Plan
@@ -191,6 +191,68 @@ class Step:
         return self.lower(state, batch).compile()
 
 
+def _validate(plan: Plan, accumulate: int, where: str) -> None:
+    if not isinstance(plan, Plan):
+        raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
+
+
+def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: bool) -> Callable:
+    """`(model, batch, key) -> (loss, aux, grads)` over the global batch, for the
+    plan's mode; gradients come out with the parameters' sharding."""
+    if plan.mode == "auto":
+        grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan)
+
+        def automatic(model, batch, key):
+            loss, aux, grads = grads_of(model, batch, key)
+            # Gradients take the parameters' sharding (FSDP: reduce to shards).
+            return loss, aux, shard(grads, plan)
+
+        return automatic
+
+    axes = plan.batch_axes
+    dp = plan.batch_size_multiple
+    grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=axes)
+
+    def per_device(model, batch, key):
+        # Distinct examples per device need distinct randomness (e.g. dropout).
+        for axis in axes:
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+        loss, aux, grads = grads_of(model, batch, key)
+        # `grads_of` differentiated w.r.t. parameters marked varying, so these are
+        # this device's (accumulated) gradients: one all-reduce of the gradient
+        # bytes makes them global. (Differentiating the replicated parameters
+        # directly would make check_vma insert that psum itself, once per
+        # micro-batch; a pmean on top of it would reduce twice.)
+        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / dp, grads)
+        loss = jax.lax.pmean(loss, axes)
+        if has_aux:
+            aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+        return loss, aux, grads
+
+    def manual(model, batch, key):
+        specs = partition_specs(model, plan)
+        sharded = [
+            s for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+            if any(e is not None for e in s)
+        ]
+        if sharded:
+            raise PlanError(
+                "mode='manual' currently runs data parallelism only, with every weight "
+                f"replicated, but the plan's rules shard some weights (e.g. {sharded[0]}). "
+                "Use mode='auto' for sharded weights, or rules that replicate them."
+            )
+        return filter_shard_map(
+            per_device,
+            plan,
+            in_specs=(specs, plan.batch_spec, PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec(), specs),
+        )(model, batch, key)
+
+    return manual
+
+
 def make_step(
     loss_fn: Callable[..., Float[Array, ""] | tuple[Float[Array, ""], Any]],
     optimizer: optax.GradientTransformation,
@@ -205,9 +267,9 @@ def make_step(
     One step computes the loss and gradients over the global batch, reduces the
     gradients over the data-parallel devices, applies the optimizer and returns the
     new state and metrics. Under `plan.mode == "auto"` the compiler places the
-    collectives (GSPMD); under `"manual"` the step runs per device inside
-    `jax.shard_map` and eqxpar reduces the gradients itself (one all-reduce of the
-    gradient bytes).
+    collectives (GSPMD); under `"manual"` the loss and gradients are computed per
+    device inside `jax.shard_map` and eqxpar reduces the gradients itself (one
+    all-reduce of the gradient bytes).
 
     **Arguments:**
 
@@ -233,71 +295,54 @@ def make_step(
     state, metrics = step(state, (x, y))
     ```
     """
-    if not isinstance(plan, Plan):
-        raise PlanError(f"make_step(..., plan={plan!r}): expected an eqxpar.Plan.")
-    if not isinstance(accumulate, int) or accumulate < 1:
-        raise PlanError(f"make_step(accumulate={accumulate!r}): expected an integer >= 1.")
-    if plan.mode == "auto":
-        grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan)
-        body = _auto_body(grads_of, optimizer, plan, has_aux)
-    else:
-        grads_of = _Gradients(
-            loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=plan.batch_axes
-        )
-        body = _manual_body(grads_of, optimizer, plan, has_aux)
+    _validate(plan, accumulate, "make_step")
+    gradients = _gradient_fn(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
+
+    def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        key = jax.random.fold_in(state.key, state.step)
+        loss, aux, grads = gradients(state.model, batch, key)
+        return _apply(optimizer, state, grads, loss, aux, has_aux)
+
     return Step(body, plan, donate=donate, accumulate=accumulate)
 
 
-def _auto_body(grads_of: _Gradients, optimizer, plan: Plan, has_aux: bool) -> Callable:
-    def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
-        key = jax.random.fold_in(state.key, state.step)
-        loss, aux, grads = grads_of(state.model, batch, key)
-        # Gradients take the parameters' sharding (FSDP: reduce to shards).
-        grads = shard(grads, plan)
-        return _apply(optimizer, state, grads, loss, aux, has_aux)
+def make_value_and_grad(
+    loss_fn: Callable[..., Float[Array, ""] | tuple[Float[Array, ""], Any]],
+    plan: Plan,
+    *,
+    accumulate: int = 1,
+    has_aux: bool = False,
+) -> Callable:
+    """The loss and gradients of a train step, without the update: compiled, and
+    computed exactly as `make_step` computes them for `plan`.
 
-    return body
+    Useful for custom update rules, for gradient inspection, and for checking a
+    plan against a single-device `jax.value_and_grad`.
 
+    **Arguments:** as for `make_step` (`loss_fn`, `plan`, `accumulate`, `has_aux`).
 
-def _manual_body(grads_of: _Gradients, optimizer, plan: Plan, has_aux: bool) -> Callable:
-    axes = plan.batch_axes
-    dp = plan.batch_size_multiple
+    **Returns:** `f(model, batch, *, key=None) -> (loss, grads)`, or
+    `((loss, aux), grads)` with `has_aux`; `grads` mirrors the model's floating-point
+    arrays (None elsewhere) with the parameters' sharding. `key` reaches a loss
+    function that takes `key=` (default `jax.random.key(0)`).
 
-    def per_device(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
-        key = jax.random.fold_in(state.key, state.step)
-        # Distinct examples per device need distinct randomness (e.g. dropout).
-        for axis in axes:
-            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-        loss, aux, grads = grads_of(state.model, batch, key)
-        # `grads_of` differentiated w.r.t. parameters marked varying, so these are
-        # this device's (accumulated) gradients: one all-reduce of the gradient
-        # bytes makes them global. (Differentiating the replicated parameters
-        # directly would make check_vma insert that psum itself, once per
-        # micro-batch; a pmean on top of it would reduce twice.)
-        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / dp, grads)
-        loss = jax.lax.pmean(loss, axes)
-        if has_aux:
-            aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
-        return _apply(optimizer, state, grads, loss, aux, has_aux)
+    ```python
+    loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
+    ```
+    """
+    _validate(plan, accumulate, "make_value_and_grad")
+    gradients = _gradient_fn(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
 
-    def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
-        specs = partition_specs(state, plan)
-        sharded = [
-            s for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-            if any(e is not None for e in s)
-        ]
-        if sharded:
-            raise PlanError(
-                "mode='manual' currently runs data parallelism only, with every weight "
-                f"replicated, but the plan's rules shard some weights (e.g. {sharded[0]}). "
-                "Use mode='auto' for sharded weights, or rules that replicate them."
-            )
-        step = filter_shard_map(
-            per_device,
-            plan,
-            in_specs=(specs, plan.batch_spec),
-            out_specs=(specs, PartitionSpec()),
-        )
-        return step(state, batch)
+    @eqx.filter_jit
+    def compiled(model, batch, key):
+        with plan:
+            model = shard(model, plan)
+            batch = shard(batch, plan, specs=plan.batch_spec)
+            loss, aux, grads = gradients(model, batch, key)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
 
-    return body
+    def value_and_grad(model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> Any:
+        check_batch(batch, plan, microbatches=accumulate)
+        return compiled(model, batch, jax.random.key(0) if key is None else key)
+
+    return value_and_grad

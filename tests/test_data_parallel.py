@@ -172,3 +172,16 @@ def test_caller_model_survives_donation():
     step = eqxpar.train.make_step(mse_loss, optax.sgd(1e-2), plan)
     step(state, regression_batches(1, d_in=4)[0])
     assert np.isfinite(np.asarray(model.layers[0].weight)).all()  # not deleted
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_loss_and_gradients_equal_single_device(mode, accumulate):
+    model = TinyTransformer(key=jax.random.key(2))
+    batch = token_batches(1, batch=32)[0]
+    ref_loss, ref_grads = eqx.filter_value_and_grad(lm_loss)(model, batch)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, fsdp=2), mode=mode)
+    loss, grads = eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=accumulate)(model, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_trees_close(grads, ref_grads)
+    assert all(g.sharding.spec == P() for g in jax.tree.leaves(grads))

@@ -1,0 +1,132 @@
+"""Measurements: interleaved step timing, collective bytes, memory, parity.
+
+Timing interleaves the sides step by step (eqxpar, baseline, eqxpar, ...) so that the
+noise of 2 shared CPU cores hits both alike; only ratios taken in one process mean
+anything (ANCHORS.md: about +-20 % run to run).
+"""
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+import eqxpar
+
+from ._baseline import JitStep
+
+# Keeps the relative error finite on leaves that are exactly zero in the reference.
+_TINY = 1e-30
+
+
+class EqxparRunner:
+    """Runs an eqxpar step over pre-placed batches, one batch per step, in order."""
+
+    def __init__(self, step: eqxpar.train.Step, plan: eqxpar.Plan, model: Any, optim: Any, batches: Sequence):
+        self.step = step
+        self.state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+        # Placed up front so the timed steps measure the step, not host-to-device copies.
+        self.batches = [eqxpar.shard_batch(b, plan) for b in batches]
+        self.done = 0
+        self.loss: jax.Array | None = None
+
+    def __call__(self) -> PyTree:
+        self.state, metrics = self.step(self.state, self.batches[self.done])
+        self.done += 1
+        self.loss = metrics["loss"]
+        return eqx.filter((self.state, metrics), eqx.is_array)
+
+    def compile(self) -> jax.stages.Compiled:
+        return self.step.compile(self.state, self.batches[0])
+
+    def params(self) -> PyTree:
+        return eqx.filter(self.state.model, eqx.is_inexact_array)
+
+
+class BaselineRunner:
+    """Runs a hand-written `JitStep` over the same batches, placed in its own sharding."""
+
+    def __init__(self, step: JitStep, batches: Sequence):
+        self.step = step
+        self.batches = [step.put_batch(b) for b in batches]
+        self.done = 0
+
+    def __call__(self) -> PyTree:
+        loss = self.step(self.batches[self.done])
+        self.done += 1
+        return (self.step.params, self.step.opt_state, loss)
+
+    def compile(self) -> jax.stages.Compiled:
+        return self.step.compile(self.batches[0])
+
+    def params(self) -> PyTree:
+        return self.step.params
+
+
+def time_interleaved(sides: Sequence[Callable[[], PyTree]], *, warm: int, timed: int) -> list[list[float]]:
+    """Wall seconds of each of `timed` steps per side, after `warm` untimed steps per side.
+
+    The sides take turns one step at a time, each step waited for to completion
+    (`block_until_ready` on everything it returns) before the next starts.
+    """
+    for _ in range(warm):
+        for side in sides:
+            jax.block_until_ready(side())
+    times: list[list[float]] = [[] for _ in sides]
+    for _ in range(timed):
+        for side, out in zip(sides, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(side())
+            out.append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def comm(compiled: jax.stages.Compiled) -> tuple[dict[str, int], dict[str, int]]:
+    """Collective result bytes and counts by kind, per device (kinds that occur only)."""
+    stats = eqxpar.inspect.collective_stats(compiled)
+    kinds = [k for k in stats.count if stats.count[k]]
+    return {k: int(stats.bytes[k]) for k in kinds}, {k: int(stats.count[k]) for k in kinds}
+
+
+def memory(compiled: jax.stages.Compiled) -> tuple[int, int]:
+    """Per-device argument and temporary bytes of a compiled step."""
+    analysis = compiled.memory_analysis()
+    return int(analysis.argument_size_in_bytes), int(analysis.temp_size_in_bytes)
+
+
+def max_rel_err(got: PyTree, want: PyTree) -> float:
+    """Max over leaves of max|got - want| / (max|want| + tiny): the error relative to each leaf's scale."""
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        raise ValueError(f"parity: {len(got_leaves)} leaves against {len(want_leaves)} in the reference")
+    worst = 0.0
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            raise ValueError(f"parity: shape {a.shape} against {b.shape} in the reference")
+        worst = max(worst, float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + _TINY)))
+    return worst
+
+
+def gradient_parity(loss_fn: Callable, plan: eqxpar.Plan, model: Any, batch: PyTree) -> tuple[float, float]:
+    """Loss and gradient error of the plan's step against one device, at the same parameters.
+
+    The contract (DESIGN.md, parity) is about the loss and gradients a step computes:
+    both come from `eqxpar.train.make_value_and_grad`, the gradient path `make_step`
+    uses, and are compared with `eqx.filter_value_and_grad` on one device.
+
+    Returns `(loss_rel_err, grads_max_rel_err)`.
+    """
+    loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
+    device = jax.devices()[0]
+    single = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(single, jax.device_put(batch, device))
+    return max_rel_err(loss, ref_loss), max_rel_err(grads, ref_grads)

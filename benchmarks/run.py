@@ -1,0 +1,197 @@
+"""Measure every registered strategy on the ANCHORS.md workload and write JSON (and Markdown).
+
+    python -m benchmarks.run [--quick] [--only dp,dp_manual] --json PATH [--markdown PATH]
+
+For each strategy: the eqxpar step's median step time beside a hand-written `jax.jit`
+step with the same shardings (interleaved in this process), collective bytes against
+the theoretical minimum and the baseline, per-device memory, parity of the loss and
+gradients with one device, and the parameter trajectory against a single-device run
+over the same steps.
+"""
+
+import os
+
+# 8 simulated CPU devices; XLA reads the flag once, when jax is first imported.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+
+from . import _measure, _workload, report  # noqa: E402
+from ._baseline import reference_run  # noqa: E402
+from ._strategies import STRATEGIES, min_comm_bytes  # noqa: E402
+
+DEVICES = 8
+# (warm-up steps, timed steps) per side; one step is about 1 s on 2 cores.
+QUICK = (3, 5)
+FULL = (5, 30)
+
+
+def _mesh_dict(mesh: jax.sharding.Mesh) -> dict[str, int]:
+    # Only the axes that split something; size-1 axes are eqxpar's fixed padding.
+    return {name: int(size) for name, size in mesh.shape.items() if size > 1}
+
+
+class _Reference:
+    """Single-device reference runs, computed once per step count and shared by strategies."""
+
+    def __init__(self, model: Any, optim: Any, batches: Sequence):
+        self.model, self.optim, self.batches = model, optim, batches
+        self.cache: dict[int, tuple[Any, jax.Array]] = {}
+
+    def __call__(self, steps: int) -> tuple[Any, jax.Array]:
+        if steps not in self.cache:
+            self.cache[steps] = reference_run(_workload.loss_fn, self.optim, self.model, self.batches[:steps])
+        return self.cache[steps]
+
+
+def measure(
+    name: str, model: Any, optim: Any, batches: Sequence, reference: _Reference, *, warm: int, timed: int
+) -> dict:
+    """One record of the JSON for strategy `name`."""
+    setup = STRATEGIES[name](model, optim)
+    eqx_runner = _measure.EqxparRunner(setup.step, setup.plan, model, optim, batches)
+    base_runner = None if setup.baseline is None else _measure.BaselineRunner(setup.baseline, batches)
+    sides = [eqx_runner] + ([base_runner] if base_runner is not None else [])
+    times = _measure.time_interleaved(sides, warm=warm, timed=timed)
+
+    compiled = eqx_runner.compile()
+    comm_bytes, comm_counts = _measure.comm(compiled)
+    arg_bytes, temp_bytes = _measure.memory(compiled)
+    comm_baseline = None
+    if base_runner is not None:
+        comm_baseline = sum(_measure.comm(base_runner.compile())[0].values())
+
+    # Parity of the step: loss and gradients at the trained parameters, against one
+    # device (the contract). Separately, the trajectory: parameters and last loss
+    # after the same steps from the same init. AdamW divides each gradient element by
+    # its own running scale, so DP's reduction-order rounding (~1e-7 on gradients)
+    # grows to ~1e-4 on parameters whose gradients are tiny; the hand-written
+    # baseline (same shardings, no eqxpar) shows that this is the strategy's, not
+    # eqxpar's.
+    grad_loss_err, grads_err = _measure.gradient_parity(
+        _workload.loss_fn, setup.plan, eqx_runner.state.model, batches[0]
+    )
+    ref_params, ref_loss = reference(eqx_runner.done)
+    params_err = _measure.max_rel_err(eqx_runner.params(), ref_params)
+    loss_err = _measure.max_rel_err(eqx_runner.loss, ref_loss)
+    vs_baseline = None
+    if base_runner is not None:
+        if base_runner.done != eqx_runner.done:
+            raise RuntimeError(f"{name}: baseline ran {base_runner.done} steps, eqxpar {eqx_runner.done}")
+        vs_baseline = _measure.max_rel_err(eqx_runner.params(), base_runner.params())
+    mesh_shape = {k: int(v) for k, v in setup.plan.mesh.shape.items()}
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    return {
+        "strategy": name,
+        "mesh": _mesh_dict(setup.plan.mesh),
+        "step_time_s": _measure.median(times[0]),
+        "baseline_step_time_s": _measure.median(times[1]) if base_runner is not None else None,
+        "step_times_s": times[0],
+        "baseline_step_times_s": times[1] if base_runner is not None else None,
+        "comm_bytes": comm_bytes,
+        "comm_counts": comm_counts,
+        "comm_bytes_total": sum(comm_bytes.values()),
+        "comm_bytes_min": min_comm_bytes(setup.min_kind, param_bytes=param_bytes, mesh_shape=mesh_shape),
+        "comm_bytes_baseline": comm_baseline,
+        "mem_argument_bytes": arg_bytes,
+        "mem_temp_bytes": temp_bytes,
+        "parity_max_rel_err": max(grad_loss_err, grads_err),
+        "parity_grads_rel_err": grads_err,
+        "parity_loss_rel_err": grad_loss_err,
+        "trajectory_params_rel_err": params_err,
+        "trajectory_loss_rel_err": loss_err,
+        "trajectory_vs_baseline_rel_err": vs_baseline,
+        "bubble_fraction": None,
+    }
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK[0]} warm + {QUICK[1]} timed steps per side"
+    )
+    parser.add_argument("--only", help=f"comma-separated strategies out of {','.join(STRATEGIES)}")
+    parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
+    parser.add_argument("--markdown", type=pathlib.Path, help="also render the results as Markdown here")
+    args = parser.parse_args(argv)
+    names = list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        parser.error(
+            f"--only {args.only!r}: unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}"
+        )
+    args.names = names
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = _parse(argv)
+    if jax.device_count() != DEVICES:
+        sys.exit(
+            f"benchmarks need {DEVICES} devices, jax sees {jax.device_count()} (was jax imported before?)"
+        )
+    started = time.perf_counter()
+    warm, timed = QUICK if args.quick else FULL
+    model = _workload.make_model()
+    optim = _workload.make_optimizer()
+    batches = _workload.make_batches(warm + timed)
+    reference = _Reference(model, optim, batches)
+
+    command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
+    data: dict[str, Any] = {
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "workload": _workload.describe(),
+        "timing": {
+            "warm_steps": warm,
+            "timed_steps": timed,
+            "statistic": "median",
+            "interleaved": "step by step",
+        },
+        "command": command,
+        "records": [],
+    }
+    print(
+        f"{command}\njax {jax.__version__}, {jax.device_count()} devices; {warm} warm + {timed} timed steps per side"
+    )
+    print(" | ".join(report.COLUMNS))
+    for name in args.names:
+        record = measure(name, model, optim, batches, reference, warm=warm, timed=timed)
+        data["records"].append(record)
+        print(" | ".join(report.row(record)), flush=True)
+        print(
+            f"  parity at the trained parameters: loss {record['parity_loss_rel_err']:.2e}, gradients "
+            f"{record['parity_grads_rel_err']:.2e}; trajectory after {warm + timed} steps: parameters "
+            f"{record['trajectory_params_rel_err']:.2e} (hand-written jax.jit vs eqxpar: "
+            f"{report.format_or_dash(record['trajectory_vs_baseline_rel_err'], '.2e')})",
+            flush=True,
+        )
+    data["wall_time_s"] = time.perf_counter() - started
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(data, indent=2) + "\n")
+    if args.markdown is not None:
+        args.markdown.write_text(report.render(data))
+    print(
+        f"wrote {args.json}"
+        + (f" and {args.markdown}" if args.markdown else "")
+        + f" in {data['wall_time_s']:.0f} s"
+    )
+    return data
+
+
+if __name__ == "__main__":
+    main()
