@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench bench-quick install clean
+.PHONY: demo test bench bench-quick install clean lint
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+
+lint: $(STAMP)
+	$(PY) -m pip install --quiet "ruff>=0.6"
+	$(PY) -m ruff check eqxpar tests examples benchmarks
+	$(PY) -m ruff format --check eqxpar tests examples benchmarks

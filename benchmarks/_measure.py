@@ -128,5 +128,7 @@ def gradient_parity(loss_fn: Callable, plan: eqxpar.Plan, model: Any, batch: PyT
     loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
     device = jax.devices()[0]
     single = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
-    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(single, jax.device_put(batch, device))
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(
+        single, jax.device_put(batch, device)
+    )
     return max_rel_err(loss, ref_loss), max_rel_err(grads, ref_grads)

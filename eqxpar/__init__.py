@@ -4,25 +4,50 @@ Write the model once with ordinary-looking Equinox layers; choose data, FSDP,
 tensor, sequence or pipeline parallelism by changing only the mesh and the plan.
 """
 
-from . import inspect as inspect, rules as rules, train as train
+from . import inspect as inspect
+from . import rules as rules
+from . import train as train
 from ._errors import (
     AxisNameError as AxisNameError,
+)
+from ._errors import (
     BatchError as BatchError,
+)
+from ._errors import (
     DivisibilityError as DivisibilityError,
+)
+from ._errors import (
     EqxparError as EqxparError,
+)
+from ._errors import (
     MeshError as MeshError,
+)
+from ._errors import (
     PlanError as PlanError,
+)
+from ._errors import (
     SpecError as SpecError,
+)
+from ._errors import (
     UnmatchedLeafError as UnmatchedLeafError,
 )
-from ._mesh import AXES as AXES, BATCH_AXES as BATCH_AXES, make_mesh as make_mesh
+from ._mesh import AXES as AXES
+from ._mesh import BATCH_AXES as BATCH_AXES
+from ._mesh import make_mesh as make_mesh
 from ._param import param as param
-from ._plan import Plan as Plan, current_plan as current_plan
+from ._plan import Plan as Plan
+from ._plan import current_plan as current_plan
 from ._shard_map import filter_shard_map as filter_shard_map
 from ._sharding import (
     annotate as annotate,
+)
+from ._sharding import (
     named_shardings as named_shardings,
+)
+from ._sharding import (
     shard as shard,
+)
+from ._sharding import (
     shard_batch as shard_batch,
 )
 from ._specs import partition_specs as partition_specs

@@ -13,10 +13,25 @@ from collections import Counter
 from typing import Any
 
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "pred": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
 }
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -24,7 +39,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "al
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+(\([^)]*\)|\S).*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s+=\s+(.*?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_TRIP = re.compile(r'known_trip_count[^0-9]*(\d+)')
+_TRIP = re.compile(r"known_trip_count[^0-9]*(\d+)")
 _CALLS = re.compile(r"\b(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
@@ -108,7 +123,11 @@ def collective_stats(compiled_or_text: Any) -> CollectiveStats:
                 count[base] += weight
                 # An async start's result is a tuple (operands, results[, scratch]);
                 # the moved data is its result element.
-                nbytes[base] += weight * (_async_result_bytes(result_type) if opcode.endswith("-start") else shape_bytes(result_type))
+                nbytes[base] += weight * (
+                    _async_result_bytes(result_type)
+                    if opcode.endswith("-start")
+                    else shape_bytes(result_type)
+                )
             inner = weight
             if opcode == "while":
                 trip = _TRIP.search(line)

@@ -53,8 +53,7 @@ def _as_axes(value: Any, *, where: str) -> MeshAxes:
     if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise AxisNameError(
-        f"{where}: {value!r} is not a mesh axis; expected a mesh axis name, a tuple "
-        "of names, or None."
+        f"{where}: {value!r} is not a mesh axis; expected a mesh axis name, a tuple of names, or None."
     )
 
 
@@ -86,9 +85,7 @@ class Logical:
     mapping: tuple[tuple[str, MeshAxes], ...]
 
     def __init__(self, mapping: Mapping[str, MeshAxes]):
-        items = tuple(
-            (str(k), _as_axes(v, where=f"Logical rule {k!r}")) for k, v in dict(mapping).items()
-        )
+        items = tuple((str(k), _as_axes(v, where=f"Logical rule {k!r}")) for k, v in dict(mapping).items())
         object.__setattr__(self, "mapping", items)
 
     def mesh_axes(self) -> set[str]:

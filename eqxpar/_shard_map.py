@@ -16,16 +16,20 @@ from ._specs import check_spec, is_array_like, partition_specs
 def _check_specs(tree: Any, specs: Any, plan: Plan, *, where: str) -> None:
     leaves, treedef = jax.tree.flatten(tree)
     try:
-        spec_leaves = treedef.flatten_up_to(specs) if not isinstance(specs, PartitionSpec) else [specs] * len(leaves)
+        spec_leaves = (
+            treedef.flatten_up_to(specs) if not isinstance(specs, PartitionSpec) else [specs] * len(leaves)
+        )
     except (ValueError, TypeError) as e:
         raise PlanError(
             f"{where}: the specs {specs!r} do not match the structure of the argument "
             f"({treedef}). Give one PartitionSpec for the whole argument, a pytree "
             "of specs mirroring it (eqxpar.partition_specs), or None for the plan's rules."
         ) from e
-    for leaf, spec in zip(leaves, spec_leaves):
+    for leaf, spec in zip(leaves, spec_leaves, strict=True):
         if spec is not None and is_array_like(leaf):
-            check_spec(spec, tuple(leaf.shape), plan.mesh, where=f"{where}, array of shape {tuple(leaf.shape)}")
+            check_spec(
+                spec, tuple(leaf.shape), plan.mesh, where=f"{where}, array of shape {tuple(leaf.shape)}"
+            )
 
 
 def filter_shard_map(

@@ -84,7 +84,7 @@ def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None) -> PyTree:
     leaves, treedef = jax.tree.flatten(tree)
     spec_leaves = treedef.flatten_up_to(specs)
     out = []
-    for leaf, spec in zip(leaves, spec_leaves):
+    for leaf, spec in zip(leaves, spec_leaves, strict=True):
         if spec is None or not is_array_like(leaf):
             out.append(leaf)
             continue

@@ -45,7 +45,15 @@ class _Gradients:
     """Loss, aux and gradients of `loss_fn` over a batch, accumulated over k
     micro-batches with `lax.scan` when k > 1."""
 
-    def __init__(self, loss_fn: Callable, *, has_aux: bool, accumulate: int, plan: Plan, local_axes: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        loss_fn: Callable,
+        *,
+        has_aux: bool,
+        accumulate: int,
+        plan: Plan,
+        local_axes: tuple[str, ...] = (),
+    ):
         # `local_axes`: inside shard_map, the manual axes the batch is split over.
         # The parameters are marked as varying along them before differentiating,
         # so each device's gradient stays local (no implicit psum per micro-batch)
@@ -128,7 +136,12 @@ class Step:
         dynamic, static = eqx.partition(state, eqx.is_array)
         static_leaves, static_def = jax.tree.flatten(static)
         try:
-            cache_key = (static_def, tuple(static_leaves), jax.tree.structure(dynamic), jax.tree.structure(batch))
+            cache_key = (
+                static_def,
+                tuple(static_leaves),
+                jax.tree.structure(dynamic),
+                jax.tree.structure(batch),
+            )
             hash(cache_key)
         except TypeError as e:
             raise PlanError(
@@ -164,7 +177,7 @@ class Step:
         self._cache[cache_key] = (jitted, static)
         return self._cache[cache_key]
 
-    def _prepare(self, state: TrainState, batch: PyTree) -> tuple[Callable, Any, Any, Any]:
+    def _prepare(self, state: TrainState, batch: PyTree) -> tuple[Callable, PyTree, PyTree]:
         if not isinstance(state, TrainState):
             raise PlanError(
                 f"a step takes (state, batch) with state an eqxpar.train.TrainState, got "
@@ -172,18 +185,17 @@ class Step:
             )
         check_batch(batch, self._plan, microbatches=self._accumulate)
         jitted, static = self._jitted(state, batch)
-        dynamic = eqx.filter(state, eqx.is_array)
-        return jitted, static, dynamic, batch
+        return jitted, static, eqx.filter(state, eqx.is_array)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
-        jitted, static, dynamic, batch = self._prepare(state, batch)
+        jitted, static, dynamic = self._prepare(state, batch)
         batch = shard(batch, self._plan, specs=self._plan.batch_spec)
         new_dynamic, metrics = jitted(dynamic, batch)
         return eqx.combine(new_dynamic, static), metrics
 
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
-        """Lower the step for `state` and `batch` (arrays or `jax.ShapeDtypeStruct`s)."""
-        jitted, _, dynamic, batch = self._prepare(state, batch)
+        """Lower the step for `state` and `batch` (concrete arrays; nothing runs)."""
+        jitted, _, dynamic = self._prepare(state, batch)
         return jitted.lower(dynamic, batch)
 
     def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
@@ -228,13 +240,16 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
         grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / dp, grads)
         loss = jax.lax.pmean(loss, axes)
         if has_aux:
-            aux = jax.tree.map(lambda a: jax.lax.pmean(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+            aux = jax.tree.map(
+                lambda a: jax.lax.pmean(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux
+            )
         return loss, aux, grads
 
     def manual(model, batch, key):
         specs = partition_specs(model, plan)
         sharded = [
-            s for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+            s
+            for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
             if any(e is not None for e in s)
         ]
         if sharded:

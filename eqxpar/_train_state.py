@@ -29,7 +29,9 @@ class TrainState(eqx.Module):
     key: PRNGKeyArray
 
 
-def init(model: PyTree, optimizer: optax.GradientTransformation, plan: Plan, *, key: PRNGKeyArray) -> TrainState:
+def init(
+    model: PyTree, optimizer: optax.GradientTransformation, plan: Plan, *, key: PRNGKeyArray
+) -> TrainState:
     """Place `model` on the plan's mesh and build its sharded optimizer state.
 
     The optimizer state is created directly in its final sharding (inside jit), so a
@@ -49,6 +51,7 @@ def init(model: PyTree, optimizer: optax.GradientTransformation, plan: Plan, *, 
     state = eqxpar.train.init(model, optax.adamw(1e-3), plan, key=jax.random.key(0))
     ```
     """
+
     # Built inside jit so that the state owns fresh buffers (each step donates
     # them; they must not be the caller's model arrays) and is created directly in
     # its sharding.

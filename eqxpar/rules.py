@@ -13,9 +13,19 @@ The last three need no metadata, so they also shard plain Equinox models.
 
 from ._rules import (
     FSDP as FSDP,
+)
+from ._rules import (
     ByPath as ByPath,
+)
+from ._rules import (
     Leaf as Leaf,
+)
+from ._rules import (
     Logical as Logical,
+)
+from ._rules import (
     Policy as Policy,
+)
+from ._rules import (
     Rule as Rule,
 )

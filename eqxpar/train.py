@@ -1,4 +1,7 @@
 """Typed train-step builders: `TrainState`, `init`, `make_step`, `make_value_and_grad`."""
 
-from ._step import Step as Step, make_step as make_step, make_value_and_grad as make_value_and_grad
-from ._train_state import TrainState as TrainState, init as init
+from ._step import Step as Step
+from ._step import make_step as make_step
+from ._step import make_value_and_grad as make_value_and_grad
+from ._train_state import TrainState as TrainState
+from ._train_state import init as init

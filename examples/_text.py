@@ -37,7 +37,9 @@ class CharData:
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
-    def windows(self, rng: np.random.Generator, batch: int, length: int, *, split: str = "train") -> np.ndarray:
+    def windows(
+        self, rng: np.random.Generator, batch: int, length: int, *, split: str = "train"
+    ) -> np.ndarray:
         """`batch` random windows of `length` consecutive ids: shape (batch, length)."""
         ids = self.train_ids if split == "train" else self.eval_ids
         starts = rng.integers(0, len(ids) - length, size=batch)

@@ -11,7 +11,9 @@ model that ignores context would reach).
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import argparse  # noqa: E402
 
@@ -46,7 +48,9 @@ def loss_fn(model, windows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mode", choices=["auto", "manual"], default="auto")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=256)
@@ -67,7 +71,9 @@ def main(argv=None):
     evaluate = eqx.filter_jit(loss_fn)
 
     rng = np.random.default_rng(0)
-    eval_batch = eqxpar.shard_batch(data.windows(np.random.default_rng(1), 1024, args.context + 1, split="eval"), plan)
+    eval_batch = eqxpar.shard_batch(
+        data.windows(np.random.default_rng(1), 1024, args.context + 1, split="eval"), plan
+    )
     try:
         from tqdm import trange
     except ImportError:  # the examples extra is optional
@@ -76,8 +82,10 @@ def main(argv=None):
     for i in bar:
         state, metrics = step(state, data.windows(rng, args.batch_size, args.context + 1))
         if (i + 1) % 100 == 0 or i + 1 == args.steps:
-            message = (f"step {i + 1}: loss {float(metrics['loss']):.3f}, "
-                       f"eval {float(evaluate(state.model, eval_batch)):.3f}, lr {float(metrics['learning_rate']):.2e}")
+            message = (
+                f"step {i + 1}: loss {float(metrics['loss']):.3f}, "
+                f"eval {float(evaluate(state.model, eval_batch)):.3f}, lr {float(metrics['learning_rate']):.2e}"
+            )
             bar.write(message) if hasattr(bar, "write") else print(message)
 
     final = float(evaluate(state.model, eval_batch))

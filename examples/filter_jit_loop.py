@@ -11,7 +11,9 @@ gradients) and the result equals one device's.
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import argparse  # noqa: E402
 
@@ -41,9 +43,9 @@ def make_step(optim):
     return step
 
 
-def batches(n, *, batch=64, key=jax.random.key(0)):
+def batches(n, *, batch=64, seed=0):
     """A noisy sine regression problem: y = sin(3 x) + noise."""
-    for k in jax.random.split(key, n):
+    for k in jax.random.split(jax.random.key(seed), n):
         kx, kn = jax.random.split(k)
         x = jax.random.uniform(kx, (batch, 1), minval=-2, maxval=2)
         yield x, jnp.sin(3 * x) + 0.05 * jax.random.normal(kn, (batch, 1))
@@ -65,7 +67,9 @@ def train(model, optim, data, plan=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8))

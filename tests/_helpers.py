@@ -58,7 +58,7 @@ class TinyTransformer(eqx.Module):
         h = jax.vmap(self.embed)(tokens)
         n = tokens.shape[0]
         mask = jnp.tril(jnp.ones((n, n), bool))
-        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlps)):
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlps, strict=True)):
             x = jax.vmap(self.norms[2 * i])(h)
             h = h + attn(x, x, x, mask=mask)
             h = h + jax.vmap(mlp)(jax.vmap(self.norms[2 * i + 1])(h))
@@ -112,7 +112,7 @@ def reference_run(model, optimizer, loss_fn, batches):
 def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
     la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
     assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 

@@ -15,8 +15,15 @@ from ._helpers import LogicalMLP, mse_loss, regression_batches
 
 
 def test_errors_share_one_base_class():
-    for cls in (eqxpar.MeshError, eqxpar.AxisNameError, eqxpar.SpecError, eqxpar.DivisibilityError,
-                eqxpar.BatchError, eqxpar.UnmatchedLeafError, eqxpar.PlanError):
+    for cls in (
+        eqxpar.MeshError,
+        eqxpar.AxisNameError,
+        eqxpar.SpecError,
+        eqxpar.DivisibilityError,
+        eqxpar.BatchError,
+        eqxpar.UnmatchedLeafError,
+        eqxpar.PlanError,
+    ):
         assert issubclass(cls, eqxpar.EqxparError)
 
 
@@ -26,7 +33,9 @@ def test_mesh_larger_than_devices():
 
 
 def test_unknown_axis_in_logical_rule():
-    with pytest.raises(eqxpar.AxisNameError, match=r"'model'.*mesh has axes \('data', 'pipe', 'fsdp', 'tensor'\)"):
+    with pytest.raises(
+        eqxpar.AxisNameError, match=r"'model'.*mesh has axes \('data', 'pipe', 'fsdp', 'tensor'\)"
+    ):
         eqxpar.Plan(eqxpar.make_mesh(data=8), rules=Logical({"mlp": "model"}))
 
 
@@ -46,38 +55,41 @@ def test_unknown_axis_in_annotation():
         eqxpar.Plan(eqxpar.make_mesh(data=8), annotations={"hidden": P(None, "model")})
 
 
-def test_batch_not_divisible_by_data_parallel_size():
+def dp_step(data, *, accumulate=1):
+    """A small data-parallel state and step on `data` devices."""
     model = eqx.nn.MLP(16, 4, 8, 1, key=jax.random.key(0))
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=data))
     state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
-    step = eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan)
+    return plan, state, eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan, accumulate=accumulate)
+
+
+def test_batch_not_divisible_by_data_parallel_size():
+    plan, state, step = dp_step(8)
     x, y = regression_batches(1, batch=12)[0]
-    with pytest.raises(eqxpar.BatchError, match=r"batch size 12 is not divisible by the 8 data-parallel.*multiple of 8"):
+    with pytest.raises(
+        eqxpar.BatchError, match=r"batch size 12 is not divisible by the 8 data-parallel.*multiple of 8"
+    ):
         step(state, (x, y))
     with pytest.raises(eqxpar.BatchError, match="batch size 12"):
         eqxpar.shard_batch((x, y), plan)
 
 
 def test_microbatches_not_dividing_the_batch():
-    model = eqx.nn.MLP(16, 4, 8, 1, key=jax.random.key(0))
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=2))
-    state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
-    step = eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan, accumulate=3)
+    _, state, step = dp_step(2, accumulate=3)
     with pytest.raises(eqxpar.BatchError, match=r"batch size 32 is not divisible by the 3 micro-batches"):
         step(state, regression_batches(1)[0])
 
 
 def test_micro_batch_not_divisible_by_data_parallel_size():
-    model = eqx.nn.MLP(16, 4, 8, 1, key=jax.random.key(0))
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
-    state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
-    step = eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan, accumulate=8)
+    _, state, step = dp_step(8, accumulate=8)
     with pytest.raises(eqxpar.BatchError, match=r"micro-batch of batch size 4 .* multiple of 64"):
         step(state, regression_batches(1)[0])
 
 
 def test_spec_longer_than_rank():
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=ByPath([("bias", P(None, "tensor"))], strict=False))
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4), rules=ByPath([("bias", P(None, "tensor"))], strict=False)
+    )
     model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
     with pytest.raises(eqxpar.SpecError, match=r"leaf \.bias: spec .* 2 entries but the array has rank 1"):
         eqxpar.partition_specs(model, plan)

@@ -21,7 +21,11 @@ def test_example_runs(script, args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets its own
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loss" in result.stdout

@@ -52,7 +52,12 @@ def test_shape_bytes():
 def test_hand_written_hlo():
     stats = collective_stats(HLO)
     assert stats.count == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 1, "collective-permute": 3}
-    assert stats.bytes == {"all-reduce": 160, "all-gather": 256, "reduce-scatter": 32, "collective-permute": 3 * 128}
+    assert stats.bytes == {
+        "all-reduce": 160,
+        "all-gather": 256,
+        "reduce-scatter": 32,
+        "collective-permute": 3 * 128,
+    }
     assert stats.total_bytes == 160 + 256 + 32 + 384
 
 

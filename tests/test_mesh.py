@@ -53,7 +53,7 @@ def test_bad_sizes(bad):
 @given(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=4, max_size=4), st.integers(0, 3))
 def test_any_fitting_shape_builds(sizes, infer):
     names = ("data", "pipe", "fsdp", "tensor")
-    kwargs = dict(zip(names, sizes))
+    kwargs = dict(zip(names, sizes, strict=True))
     total = 1
     for s in sizes:
         total *= s

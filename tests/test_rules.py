@@ -75,8 +75,13 @@ def test_fsdp_rule_skips_indivisible_dimensions():
 def test_rules_on_a_small_eqx_nn_transformer(mesh):
     model = TinyTransformer(key=jax.random.key(0))
     rules = [
-        ByPath([(r"attn\[\d+\]\.(query|key|value)_proj\.weight$", P("tensor", None)),
-                (r"attn\[\d+\]\.output_proj\.weight$", P(None, "tensor"))], strict=False),
+        ByPath(
+            [
+                (r"attn\[\d+\]\.(query|key|value)_proj\.weight$", P("tensor", None)),
+                (r"attn\[\d+\]\.output_proj\.weight$", P(None, "tensor")),
+            ],
+            strict=False,
+        ),
         FSDP(axis="fsdp", min_size=512),
     ]
     plan = eqxpar.Plan(mesh, rules=rules)
@@ -105,7 +110,11 @@ def test_policy_sees_logical_axes_and_mesh(mesh):
     seen = []
     model = LogicalMLP(8, 16, 8, key=jax.random.key(0))
     eqxpar.partition_specs(model, eqxpar.Plan(mesh, rules=Policy(lambda leaf: seen.append(leaf))))
-    assert {leaf.path: leaf.axes for leaf in seen} == {".w1": ("embed", "mlp"), ".b1": ("mlp",), ".w2": ("mlp", "embed")}
+    assert {leaf.path: leaf.axes for leaf in seen} == {
+        ".w1": ("embed", "mlp"),
+        ".b1": ("mlp",),
+        ".w2": ("mlp", "embed"),
+    }
     assert all(leaf.mesh is mesh for leaf in seen)
 
 
@@ -125,7 +134,7 @@ def test_fsdp_specs_always_divide(shape, n):
     mesh = eqxpar.make_mesh(fsdp=n, data=-1)
     leaf = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.float32)
     spec = eqxpar.partition_specs(leaf, eqxpar.Plan(mesh, rules=FSDP(min_size=1)))
-    for dim, entry in zip(shape, spec):
+    for dim, entry in zip(shape, spec, strict=False):
         if entry is not None:
             assert dim % n == 0
     if any(d % n == 0 for d in shape):

@@ -77,7 +77,9 @@ def test_annotate_inside_shard_map_drops_manual_axes():
         return eqxpar.annotate(x * 2, "hidden")
 
     with plan:
-        f = eqxpar.filter_shard_map(local, plan, in_specs=(P("data"),), out_specs=P("data"), axis_names=("data",))
+        f = eqxpar.filter_shard_map(
+            local, plan, in_specs=(P("data"),), out_specs=P("data"), axis_names=("data",)
+        )
         out = jax.jit(f)(jnp.ones((8, 8)))
     np.testing.assert_array_equal(out, 2 * jnp.ones((8, 8)))
 
@@ -104,7 +106,11 @@ def test_filter_shard_map_takes_and_returns_modules():
     np.testing.assert_array_equal(same.w1, model.w1)
     ref_loss, ref_grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
-    for a, b in zip(jax.tree.leaves(eqx.filter(grads, eqx.is_array)), jax.tree.leaves(eqx.filter(ref_grads, eqx.is_array))):
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(grads, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(ref_grads, eqx.is_array)),
+        strict=True,
+    ):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
