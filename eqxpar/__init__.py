@@ -4,7 +4,9 @@ Write the model once with ordinary-looking Equinox layers; choose data, FSDP,
 tensor, sequence or pipeline parallelism by changing only the mesh and the plan.
 """
 
+from . import collectives as collectives
 from . import inspect as inspect
+from . import nn as nn
 from . import rules as rules
 from . import train as train
 from ._errors import (

@@ -38,6 +38,14 @@ class Plan:
     - `mode`: `"auto"` compiles the step with `jax.jit` and lets the compiler (GSPMD)
       insert collectives; `"manual"` runs the per-device step inside
       `jax.shard_map`, with eqxpar issuing the collectives itself.
+    - `sequence_parallel`: tensor-parallel layers keep the activations between
+      blocks split along the sequence over `tensor_axis` (all-gather before a
+      column-parallel layer, reduce-scatter after a row-parallel one, norms on
+      sequence shards) instead of replicated.
+    - `tp_overlap`: in manual mode, tensor-parallel layers overlap their
+      all-gather / reduce-scatter with the matmul as ring `ppermute` collective
+      matmuls. Needs `sequence_parallel=True` (the ring splits the sequence).
+    - `tensor_axis`: the mesh axis tensor-parallel layers split over.
 
     Validated when built: every mesh axis named by a rule or annotation must exist.
     Entering a plan (`with plan:`) makes it the one `eqxpar.annotate` resolves
@@ -55,6 +63,9 @@ class Plan:
     batch_axes: tuple[str, ...]
     annotations: tuple[tuple[str, PartitionSpec], ...]
     mode: Mode
+    sequence_parallel: bool
+    tp_overlap: bool
+    tensor_axis: str
 
     def __init__(
         self,
@@ -64,6 +75,9 @@ class Plan:
         batch_axes: Sequence[str] | None = None,
         annotations: Mapping[str, PartitionSpec] | None = None,
         mode: str = "auto",
+        sequence_parallel: bool = False,
+        tp_overlap: bool = False,
+        tensor_axis: str = "tensor",
     ):
         if not isinstance(mesh, Mesh):
             raise PlanError(
@@ -103,11 +117,23 @@ class Plan:
             table[key] = spec
         if mode not in ("auto", "manual"):
             raise PlanError(f"Plan(mode={mode!r}): expected 'auto' or 'manual'.")
+        if tensor_axis not in names:
+            raise AxisNameError(
+                f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}. Use one of those names."
+            )
+        if tp_overlap and not sequence_parallel:
+            raise PlanError(
+                "Plan(tp_overlap=True) needs sequence_parallel=True: the ring collective "
+                "matmuls pass sequence blocks around the tensor axis. Set sequence_parallel=True."
+            )
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "batch_axes", batch_axes)
         object.__setattr__(self, "annotations", tuple(sorted(table.items())))
         object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
+        object.__setattr__(self, "tp_overlap", bool(tp_overlap))
+        object.__setattr__(self, "tensor_axis", tensor_axis)
 
     @property
     def batch_size_multiple(self) -> int:

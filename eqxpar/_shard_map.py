@@ -1,7 +1,7 @@
 """`filter_shard_map`: `jax.shard_map` over Equinox modules with non-array leaves."""
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec
 
 from ._errors import AxisNameError, PlanError
 from ._plan import Plan
-from ._specs import check_spec, is_array_like, partition_specs
+from ._specs import check_spec, drop_axes, is_array_like, partition_specs
 
 
 def _check_specs(tree: Any, specs: Any, plan: Plan, *, where: str) -> None:
@@ -38,7 +38,7 @@ def filter_shard_map(
     *,
     in_specs: Sequence[Any] | None = None,
     out_specs: Any,
-    axis_names: Sequence[str] | None = None,
+    axis_names: Collection[str] | None = None,
     check_vma: bool = True,
 ) -> Callable:
     """`jax.shard_map` that takes and returns Equinox modules.
@@ -60,6 +60,10 @@ def filter_shard_map(
       mirroring the output (non-array positions may hold None, as
       `eqxpar.partition_specs` returns).
     - `axis_names`: the manual mesh axes; default all of them. Others stay automatic.
+      In a partial-manual region, axes of size 1 are left automatic (they split
+      nothing, and XLA rejects collectives over a size-1 manual axis there); if no
+      manual axis is left, `fn` runs directly. Code that must work at size 1 should
+      not name such an axis in its own collectives (eqxpar.nn layers don't).
     - `check_vma`: as in `jax.shard_map`. With it on, the gradient of a replicated
       input w.r.t. a per-device loss comes back already summed over the devices
       the loss varies along: do not `psum`/`pmean` it again.
@@ -86,6 +90,20 @@ def filter_shard_map(
                 f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
             )
 
+    if manual != frozenset(plan.mesh.axis_names):
+        manual = frozenset(a for a in manual if plan.mesh.shape[a] > 1)
+    dropped = (
+        frozenset(plan.mesh.axis_names) - manual if manual != frozenset(plan.mesh.axis_names) else frozenset()
+    )
+
+    def keep_manual(specs: Any) -> Any:
+        # Spec entries naming an axis left automatic would not be manual specs.
+        return jax.tree.map(
+            lambda s: drop_axes(s, dropped) if isinstance(s, PartitionSpec) else s,
+            specs,
+            is_leaf=lambda s: isinstance(s, PartitionSpec),
+        )
+
     @functools.wraps(fn)
     def wrapped(*args: Any) -> Any:
         if in_specs is not None and len(in_specs) != len(args):
@@ -100,7 +118,9 @@ def filter_shard_map(
             given = None if in_specs is None else in_specs[i]
             spec = partition_specs(arg, plan) if given is None else given
             _check_specs(arg, spec, plan, where=f"filter_shard_map argument {i}")
-            specs.append(spec)
+            specs.append(keep_manual(spec))
+        if not manual:
+            return fn(*args)
         out_static: list[Any] = []
 
         def per_device(dynamic):
@@ -113,7 +133,7 @@ def filter_shard_map(
             per_device,
             mesh=plan.mesh,
             in_specs=(tuple(specs),),
-            out_specs=out_specs,
+            out_specs=keep_manual(out_specs),
             axis_names=set(manual),
             check_vma=check_vma,
         )(tuple(dynamic))

@@ -8,20 +8,11 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 from ._errors import BatchError, PlanError
 from ._plan import Plan, current_plan
-from ._rules import mesh_axis_names
-from ._specs import check_spec, is_array_like, partition_specs
+from ._specs import check_spec, drop_axes, is_array_like, partition_specs
 
 
 def _manual_axes() -> frozenset[str]:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
-
-
-def _drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
-    entries = []
-    for entry in spec:
-        kept = tuple(a for a in mesh_axis_names(entry) if a not in drop)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return PartitionSpec(*entries)
 
 
 def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str) -> Any:
@@ -31,7 +22,7 @@ def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str) -> Any:
             # Inside shard_map the manual axes are already split by hand (shapes
             # are per device along them); only the automatic axes can still be
             # constrained.
-            spec = _drop_axes(spec, manual)
+            spec = drop_axes(spec, manual)
             if all(e is None for e in spec) or manual >= set(plan.mesh.axis_names):
                 return x
             check_spec(spec, tuple(x.shape), plan.mesh, where=where)

@@ -47,6 +47,15 @@ def leaves_with_axes(tree: Any) -> Iterator[tuple[tuple, Any, tuple | None]]:
     yield from visit(tree, (), None)
 
 
+def drop_axes(spec: PartitionSpec, drop: frozenset[str] | set[str]) -> PartitionSpec:
+    """`spec` with the mesh axes in `drop` removed (entries left empty become None)."""
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in mesh_axis_names(entry) if a not in drop)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
+
+
 def check_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | None, *, where: str) -> None:
     """Raise an eqxpar error if `spec` cannot split an array of `shape` on `mesh`."""
     if len(spec) > len(shape):

@@ -8,6 +8,8 @@ replicated):
 - `ByPath([(regex, spec), ...], strict=)`: specs by regular expression on leaf paths.
 - `Policy(fn)`: any function of the leaf.
 
+Ready-made: `MEGATRON` (tensor parallelism of eqxpar.nn layers) and `MEGATRON_FSDP`.
+
 The last three need no metadata, so they also shard plain Equinox models.
 """
 
@@ -28,4 +30,13 @@ from ._rules import (
 )
 from ._rules import (
     Rule as Rule,
+)
+
+#: Megatron tensor parallelism for eqxpar.nn layers: MLP hidden features, attention
+#: heads and the vocabulary split over `tensor`; everything else replicated.
+MEGATRON = Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor"})
+
+#: `MEGATRON` plus FSDP: the model dimension of every weight split over `fsdp`.
+MEGATRON_FSDP = Logical(
+    {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor", "embed": "fsdp"}
 )

@@ -118,3 +118,21 @@ def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
 
 def param_bytes(model) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+def assert_trees_close_to_scale(a, b, *, rtol=RTOL, atol=ATOL):
+    """Every leaf within `rtol` of the reference *relative to that leaf's scale*:
+    max|a - b| <= rtol * max|b| + atol (the floor for leaves whose exact value is
+    zero, e.g. an attention key bias, which softmax ignores).
+
+    For tensor-parallel results: each element is a sum over many paths whose order
+    the split changes, so its float32 error scales with the terms' magnitude (the
+    leaf's scale), not with the element itself, which may sit near zero.
+    """
+    la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert x.shape == y.shape
+        scale = float(np.max(np.abs(y)))
+        assert float(np.max(np.abs(x - y))) <= rtol * scale + atol, (float(np.max(np.abs(x - y))), scale)

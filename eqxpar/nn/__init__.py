@@ -1,0 +1,22 @@
+"""Tensor-parallel Equinox layers.
+
+Every layer declares logical axes on its weights (`"embed"`, `"mlp"`, `"heads"`,
+`"kv_heads"`, `"vocab"`) and runs unchanged under automatic sharding (it only
+constrains activations) and inside `shard_map` over its tensor axis (it issues its
+own collectives: synchronous, or ring collective matmuls with the plan's
+`tp_overlap`), with or without sequence parallelism (the plan's
+`sequence_parallel`). Activations are batch-first `(batch, seq, features)`.
+"""
+
+from ._attention import Attention as Attention
+from ._block import TransformerBlock as TransformerBlock
+from ._context import TensorContext as TensorContext
+from ._context import tensor_context as tensor_context
+from ._linear import MLP as MLP
+from ._linear import ColumnLinear as ColumnLinear
+from ._linear import RowLinear as RowLinear
+from ._norm import LayerNorm as LayerNorm
+from ._norm import RMSNorm as RMSNorm
+from ._vocab import Embedding as Embedding
+from ._vocab import Unembed as Unembed
+from ._vocab import cross_entropy as cross_entropy

@@ -1,0 +1,133 @@
+"""Multi-head attention with heads split over the tensor axis."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from .._errors import DivisibilityError, PlanError
+from .._param import param
+from ._context import tensor_context
+from ._linear import _normal
+from ._matmul import check_split, column_matmul, lift, row_matmul
+
+
+class Attention(eqx.Module):
+    """Causal (or masked) multi-head self-attention, heads split over the tensor axis.
+
+    Query, key and value projections are column-parallel (each device computes its
+    own heads), attention runs on local heads with no communication, and the
+    output projection is row-parallel.
+
+    **Arguments:**
+
+    - `d_model`, `num_heads`: model width and number of query heads.
+    - `num_kv_heads`: key/value heads for grouped-query attention (default
+      `num_heads`); must divide `num_heads`. Both head counts must be divisible by
+      the tensor axis size.
+    - `head_dim`: default `d_model // num_heads`.
+    - `fused_qkv`: store Q, K and V as one weight `(d_model, 3, heads, head_dim)`
+      (needs `num_kv_heads == num_heads`); else three weights. Either way the
+      projections share one gather of the input.
+    - `causal`: apply a causal mask (default True).
+    - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
+
+    Input and output `(batch, seq, d_model)` (the local sequence block under
+    sequence parallelism in manual mode).
+    """
+
+    wq: Float[Array, "d_model heads head_dim"] | None = param(axes=("embed", "heads", None))
+    wk: Float[Array, "d_model kv_heads head_dim"] | None = param(axes=("embed", "kv_heads", None))
+    wv: Float[Array, "d_model kv_heads head_dim"] | None = param(axes=("embed", "kv_heads", None))
+    wqkv: Float[Array, "d_model three heads head_dim"] | None = param(axes=("embed", None, "heads", None))
+    bq: Float[Array, "heads head_dim"] | None = param(axes=("heads", None))
+    bk: Float[Array, "kv_heads head_dim"] | None = param(axes=("kv_heads", None))
+    bv: Float[Array, "kv_heads head_dim"] | None = param(axes=("kv_heads", None))
+    wo: Float[Array, "heads head_dim d_model"] = param(axes=("heads", None, "embed"))
+    bo: Float[Array, " d_model"] | None = param(axes=("embed",))
+    d_model: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    axis: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        fused_qkv: bool = False,
+        causal: bool = True,
+        use_bias: bool = True,
+        axis: str = "tensor",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        kv = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % kv:
+            raise DivisibilityError(
+                f"Attention(num_heads={num_heads}, num_kv_heads={kv}): the query heads must be a "
+                "multiple of the key/value heads for grouped-query attention."
+            )
+        if fused_qkv and kv != num_heads:
+            raise PlanError(
+                f"Attention(fused_qkv=True, num_kv_heads={kv}): a fused QKV weight needs as many "
+                f"key/value heads as query heads ({num_heads}); use fused_qkv=False for grouped-query."
+            )
+        hd = d_model // num_heads if head_dim is None else head_dim
+        kq, kk, kvk, ko = jax.random.split(key, 4)
+        self.wq = self.wk = self.wv = self.wqkv = None
+        if fused_qkv:
+            self.wqkv = _normal(kq, (d_model, 3, num_heads, hd), d_model, dtype)
+        else:
+            self.wq = _normal(kq, (d_model, num_heads, hd), d_model, dtype)
+            self.wk = _normal(kk, (d_model, kv, hd), d_model, dtype)
+            self.wv = _normal(kvk, (d_model, kv, hd), d_model, dtype)
+        self.bq = jnp.zeros((num_heads, hd), dtype) if use_bias else None
+        self.bk = jnp.zeros((kv, hd), dtype) if use_bias else None
+        self.bv = jnp.zeros((kv, hd), dtype) if use_bias else None
+        self.wo = _normal(ko, (num_heads, hd, d_model), num_heads * hd, dtype)
+        self.bo = jnp.zeros((d_model,), dtype) if use_bias else None
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, kv, hd
+        self.causal, self.axis = causal, axis
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq_in d_model"],
+        *,
+        mask: Bool[Array, "seq seq"] | None = None,
+    ) -> Float[Array, "batch seq_out d_model"]:
+        ctx = tensor_context(self.axis)
+        check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
+        if self.wqkv is not None:
+            check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
+            (qkv,) = column_matmul(x, [self.wqkv], ctx)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
+            check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
+            q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx)
+        if self.bq is not None:
+            q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
+        heads = ctx.constrain(_attend(q, k, v, causal=self.causal, mask=mask), None, ctx.axis, None)
+        y = row_matmul(heads, self.wo, ctx, in_dims=2)
+        return y if self.bo is None else y + lift(self.bo, y.ndim)
+
+
+def _attend(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None) -> Array:
+    # q: (b, s, hq, d); k, v: (b, s, hkv, d). Query head i reads key/value head
+    # i // (hq / hkv); with heads split contiguously over the tensor axis every
+    # device holds whole groups, so this runs on local heads unchanged.
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, s, hkv, hq // hkv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k) / jnp.sqrt(jnp.asarray(d, q.dtype))
+    allowed = jnp.ones((s, s), bool) if mask is None else mask
+    if causal:
+        allowed = allowed & jnp.tril(jnp.ones((s, s), bool))
+    scores = jnp.where(lift(allowed, scores.ndim), scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, s, hq, d)
