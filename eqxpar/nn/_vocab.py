@@ -77,7 +77,7 @@ class Unembed(eqx.Module):
 
 
 def cross_entropy(
-    logits: Float[Array, "batch seq vocab"], labels: Int[Array, "batch seq"], *, axis: str = "tensor"
+    logits: Float[Array, "batch seq vocab"], labels: Int[Array, "_batch _seq"], *, axis: str = "tensor"
 ) -> Float[Array, "batch seq"]:
     """Per-token softmax cross-entropy of vocabulary-split logits, without gathering them.
 

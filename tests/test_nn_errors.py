@@ -1,0 +1,84 @@
+"""Misusing a tensor-parallel layer raises an eqxpar error naming the value and the fix."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+from eqxpar import nn
+
+
+def manual_plan(tp=4, **options):
+    return eqxpar.Plan(
+        eqxpar.make_mesh(data=8 // tp, tensor=tp), rules=eqxpar.rules.MEGATRON, mode="manual", **options
+    )
+
+
+def test_heads_not_divisible_by_tensor_size():
+    attn = nn.Attention(24, 6, key=jax.random.key(0))
+    with pytest.raises(eqxpar.DivisibilityError, match=r"leaf \.wq: dimension 1 .* size 6.* 4 devices"):
+        eqxpar.shard(attn, manual_plan())
+
+
+def test_hidden_features_not_divisible_inside_manual_region():
+    mlp = nn.MLP(8, 6, key=jax.random.key(0))
+    plan = manual_plan()
+    f = eqxpar.filter_shard_map(
+        lambda m, x: m(x), plan, in_specs=(P(), P()), out_specs=P(), axis_names={"tensor"}
+    )
+    with (
+        plan,
+        pytest.raises(eqxpar.DivisibilityError, match=r"MLP.w_in \(d_hidden\) has 6 entries.*4 devices"),
+    ):
+        f(mlp, jnp.ones((2, 4, 8)))
+
+
+def test_whole_weights_inside_a_manual_region():
+    mlp = nn.MLP(8, 16, key=jax.random.key(0))
+    plan = manual_plan()
+    # in_specs replicate the weights instead of splitting them per the rules.
+    f = eqxpar.filter_shard_map(
+        lambda m, x: m(x), plan, in_specs=(P(), P()), out_specs=P(), axis_names={"tensor"}
+    )
+    with (
+        plan,
+        pytest.raises(eqxpar.PlanError, match=r"inside a shard_map over 'tensor' but its weight is whole"),
+    ):
+        f(mlp, jnp.ones((2, 4, 8)))
+
+
+def test_weight_shards_outside_a_manual_region():
+    mlp = nn.MLP(8, 16, key=jax.random.key(0))
+    local = jax.tree.map(lambda w: w[..., :4] if w.shape[-1] == 16 else w, mlp)  # one device's w_in shard
+    with (
+        manual_plan(),
+        pytest.raises(
+            eqxpar.PlanError,
+            match=r"one device's shard \(4 of 16 entries\) but mesh axis 'tensor' is not manual",
+        ),
+    ):
+        local(jnp.ones((2, 4, 8)))
+
+
+def test_sequence_split_activations_given_to_cross_entropy():
+    plan = manual_plan(sequence_parallel=True)
+    f = eqxpar.filter_shard_map(
+        lambda z, y: nn.cross_entropy(z, y),
+        plan,
+        in_specs=(P(None, "tensor", None), P()),
+        out_specs=P(),
+        axis_names={"tensor"},
+    )
+    with (
+        plan,
+        pytest.raises(
+            eqxpar.SpecError, match=r"logits of shape \(2, 2, 8\) do not match labels of shape \(2, 8\)"
+        ),
+    ):
+        f(jnp.ones((2, 8, 8)), jnp.zeros((2, 8), jnp.int32))
+
+
+def test_overlap_needs_sequence_parallel():
+    with pytest.raises(eqxpar.PlanError, match="tp_overlap=True\\) needs sequence_parallel=True"):
+        manual_plan(tp_overlap=True)
