@@ -128,6 +128,21 @@ def _to_varying(x: Array, axes: frozenset) -> Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _prepare_matmul(
+    x: Array, w: Array, axis_name: str, axis: int, fn: str, *, scatter: bool
+) -> tuple[int, int, Array, Array]:
+    """The checks and casts both collective matmuls start with: returns the axis
+    size, the normalised `axis`, and `x`, `w` cast to varying."""
+    n = _axis_size(axis_name, fn)
+    axis = _check_matmul(x, w, axis, fn)
+    if scatter:
+        _check_divisible(x, axis, n, axis_name, fn)
+    # Everything in the ring varies over axis_name (it arrives by ppermute) and over
+    # whatever x and w already vary over: cast once, outside the loop (_to_varying).
+    vma = _varying(x) | _varying(w) | {axis_name}
+    return n, axis, _to_varying(x, vma), _to_varying(w, vma)
+
+
 def _dot(a: Array, w: Array) -> Array:
     # Contract a's last dimension with w's first; tensordot keeps any leading
     # dimensions without broadcasting (rank promotion stays strict).
@@ -460,13 +475,7 @@ def all_gather_matmul(
     # h: (batch, seq, f/n)
     ```
     """
-    fn = "all_gather_matmul"
-    n = _axis_size(axis_name, fn)
-    axis = _check_matmul(x, w, axis, fn)
-    # Everything in the ring varies over axis_name (it arrives by ppermute) and over
-    # whatever x and w already vary over: cast once, outside the loop (_to_varying).
-    vma = _varying(x) | _varying(w) | {axis_name}
-    x, w = _to_varying(x, vma), _to_varying(w, vma)
+    n, axis, x, w = _prepare_matmul(x, w, axis_name, axis, "all_gather_matmul", scatter=False)
     if n == 1:
         return _dot(x, w)
     return _ag_matmul(x, w, axis_name, axis, bidirectional)
@@ -517,12 +526,7 @@ def matmul_reduce_scatter(
     # y: (batch, seq/n, d)
     ```
     """
-    fn = "matmul_reduce_scatter"
-    n = _axis_size(axis_name, fn)
-    axis = _check_matmul(x, w, axis, fn)
-    _check_divisible(x, axis, n, axis_name, fn)
-    vma = _varying(x) | _varying(w) | {axis_name}
-    x, w = _to_varying(x, vma), _to_varying(w, vma)
+    n, axis, x, w = _prepare_matmul(x, w, axis_name, axis, "matmul_reduce_scatter", scatter=True)
     if n == 1:
         return _dot(x, w)
     return _matmul_rs(x, w, axis_name, axis, bidirectional)

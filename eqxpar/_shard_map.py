@@ -90,11 +90,11 @@ def filter_shard_map(
                 f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
             )
 
-    if manual != frozenset(plan.mesh.axis_names):
+    all_axes = frozenset(plan.mesh.axis_names)
+    if manual != all_axes:
         manual = frozenset(a for a in manual if plan.mesh.shape[a] > 1)
-    dropped = (
-        frozenset(plan.mesh.axis_names) - manual if manual != frozenset(plan.mesh.axis_names) else frozenset()
-    )
+    # Empty for a fully manual region; else the axes left automatic.
+    dropped = all_axes - manual
 
     def keep_manual(specs: Any) -> Any:
         # Spec entries naming an axis left automatic would not be manual specs.
