@@ -7,7 +7,9 @@ where it is called (a full `jax.shard_map`, or a partial-manual one whose
 
 - `all_gather` / `psum_scatter`: tiled gather / reduce-scatter along one array
   dimension; each is the other's transpose, so the backward pass of a gather is a
-  reduce-scatter (the cheap one), not an all-reduce.
+  reduce-scatter (the cheap one), not an all-reduce. In a partial-manual region
+  where an automatic axis splits something, they run as plain `ppermute` rings
+  (same bytes): XLA would otherwise gather the automatically split dimensions.
 - `all_gather_mean_grad`: a gather whose backward pass averages the per-device
   gradients instead of summing them (FSDP weight shards).
 - `all_gather_matmul` / `matmul_reduce_scatter`: the collective matmuls of
@@ -43,6 +45,7 @@ With `n == 1` every function is its local, communication-free equivalent.
 """
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +196,8 @@ def all_gather(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> Sha
     axis = _check_axis(axis, x.ndim, x.shape, "all_gather")
     if n == 1:
         return _to_varying(x, frozenset({axis_name}))
+    if _automatic_axes_split():
+        return _ring_all_gather(_to_varying(x, _varying(x) | {axis_name}), axis_name, axis)
     return lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
@@ -225,6 +230,8 @@ def psum_scatter(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> S
     _check_divisible(x, axis, n, axis_name, "psum_scatter")
     if n == 1:
         return _to_varying(x, frozenset({axis_name}))
+    if _automatic_axes_split():
+        return _ring_psum_scatter(_to_varying(x, _varying(x) | {axis_name}), axis_name, axis)
     return lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
 
 
@@ -281,15 +288,18 @@ def all_gather_mean_grad(x: Float[Array, "..."], *, axis_name: str, axis: int = 
 
 
 def _ag_ring(
-    x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool, keep_x: bool
+    x: Array, f: Callable[[Array], Array], axis_name: str, axis: int, bidirectional: bool, keep_x: bool
 ) -> tuple[Array, Array | None]:
-    # all_gather(x, axis) @ w for n >= 2, and (if keep_x) the gathered x, which the
-    # ring sees block by block anyway. x and w already vary over axis_name.
+    # all_gather(f(x), axis) for n >= 2, with f applied block by block as the blocks
+    # arrive (f: a matmul, or the identity for a plain ring all-gather; it must keep
+    # dimension `axis`), and (if keep_x) the gathered x, which the ring sees anyway.
+    # x, and whatever f closes over, already vary over axis_name.
     n = lax.axis_size(axis_name)
     block = x.shape[axis]
     vma = _varying(x)
-    out_shape = (*x.shape[:axis], n * block, *x.shape[axis + 1 : -1], w.shape[1])
-    out = _to_varying(jnp.zeros(out_shape, jnp.result_type(x.dtype, w.dtype)), vma)
+    product = jax.eval_shape(f, x)
+    out_shape = (*product.shape[:axis], n * block, *product.shape[axis + 1 :])
+    out = _to_varying(jnp.zeros(out_shape, product.dtype), vma)
     xs_shape = (*x.shape[:axis], n * block, *x.shape[axis + 1 :])
     xs = _to_varying(jnp.zeros(xs_shape, x.dtype), vma) if keep_x else None
     me = lax.axis_index(axis_name)
@@ -299,7 +309,7 @@ def _ag_ring(
         # xb is the block device `origin` (mod n) owns; its product goes there.
         out, xs = acc
         start = (origin % n) * block
-        out = lax.dynamic_update_slice_in_dim(out, _dot(xb, w), start, axis)
+        out = lax.dynamic_update_slice_in_dim(out, f(xb), start, axis)
         if xs is not None:
             xs = lax.dynamic_update_slice_in_dim(xs, xb, start, axis)
         return out, xs
@@ -339,8 +349,10 @@ def _ag_ring(
     return acc
 
 
-def _rs_ring(x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool) -> Array:
-    # psum_scatter(x @ w, axis) for n >= 2; x and w already vary over axis_name.
+def _rs_ring(x: Array, f: Callable[[Array], Array], axis_name: str, axis: int, bidirectional: bool) -> Array:
+    # psum_scatter(f(x), axis) for n >= 2, f applied to one block of x at a time (a
+    # matmul, or the identity for a plain ring reduce-scatter); x, and whatever f
+    # closes over, already vary over axis_name.
     n = lax.axis_size(axis_name)
     block = x.shape[axis] // n
     me = lax.axis_index(axis_name)
@@ -348,7 +360,7 @@ def _rs_ring(x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool)
 
     def partial(target: Array) -> Array:
         # This device's addend for output block `target` (mod n).
-        return _dot(lax.dynamic_slice_in_dim(x, (target % n) * block, block, axis), w)
+        return f(lax.dynamic_slice_in_dim(x, (target % n) * block, block, axis))
 
     if not bidirectional or n == 2:
         # The accumulator here at step k is for block me-1-k: it started at device
@@ -397,17 +409,17 @@ def _contract_all_but_last(a: Array, b: Array) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _ag_matmul(x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool) -> Array:
-    return _ag_ring(x, w, axis_name, axis, bidirectional, keep_x=False)[0]
+    return _ag_ring(x, functools.partial(_dot, w=w), axis_name, axis, bidirectional, keep_x=False)[0]
 
 
 def _ag_matmul_fwd(x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool) -> tuple:
-    out, xs = _ag_ring(x, w, axis_name, axis, bidirectional, keep_x=True)
+    out, xs = _ag_ring(x, functools.partial(_dot, w=w), axis_name, axis, bidirectional, keep_x=True)
     return out, (xs, w)
 
 
 def _ag_matmul_bwd(axis_name: str, axis: int, bidirectional: bool, res: tuple, ct: Array) -> tuple:
     xs, w = res
-    dx = _rs_ring(ct, w.T, axis_name, axis, bidirectional).astype(xs.dtype)
+    dx = _rs_ring(ct, functools.partial(_dot, w=w.T), axis_name, axis, bidirectional).astype(xs.dtype)
     dw = _contract_all_but_last(xs, ct).astype(w.dtype)
     return dx, dw
 
@@ -417,21 +429,74 @@ _ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _matmul_rs(x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool) -> Array:
-    return _rs_ring(x, w, axis_name, axis, bidirectional)
+    return _rs_ring(x, functools.partial(_dot, w=w), axis_name, axis, bidirectional)
 
 
 def _matmul_rs_fwd(x: Array, w: Array, axis_name: str, axis: int, bidirectional: bool) -> tuple:
-    return _rs_ring(x, w, axis_name, axis, bidirectional), (x, w)
+    return _rs_ring(x, functools.partial(_dot, w=w), axis_name, axis, bidirectional), (x, w)
 
 
 def _matmul_rs_bwd(axis_name: str, axis: int, bidirectional: bool, res: tuple, ct: Array) -> tuple:
     x, w = res
-    dx, cts = _ag_ring(ct, w.T, axis_name, axis, bidirectional, keep_x=True)
+    dx, cts = _ag_ring(ct, functools.partial(_dot, w=w.T), axis_name, axis, bidirectional, keep_x=True)
     dw = _contract_all_but_last(x, cts).astype(w.dtype)
     return dx.astype(x.dtype), dw
 
 
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
+
+
+def _identity(x: Array) -> Array:
+    return x
+
+
+# Plain ring all-gather / reduce-scatter: what `all_gather` and `psum_scatter` run in
+# a partial-manual region (see `_automatic_axes_split`). Each is the other's
+# transpose, so the backward pass stays a ring too.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ring_all_gather(x: Array, axis_name: str, axis: int) -> Array:
+    return _ag_ring(x, _identity, axis_name, axis, False, keep_x=False)[0]
+
+
+def _ring_all_gather_fwd(x: Array, axis_name: str, axis: int) -> tuple[Array, None]:
+    return _ring_all_gather(x, axis_name, axis), None
+
+
+def _ring_all_gather_bwd(axis_name: str, axis: int, _: None, ct: Array) -> tuple[Array]:
+    return (_rs_ring(ct, _identity, axis_name, axis, False),)
+
+
+_ring_all_gather.defvjp(_ring_all_gather_fwd, _ring_all_gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ring_psum_scatter(x: Array, axis_name: str, axis: int) -> Array:
+    return _rs_ring(x, _identity, axis_name, axis, False)
+
+
+def _ring_psum_scatter_fwd(x: Array, axis_name: str, axis: int) -> tuple[Array, None]:
+    return _ring_psum_scatter(x, axis_name, axis), None
+
+
+def _ring_psum_scatter_bwd(axis_name: str, axis: int, _: None, ct: Array) -> tuple[Array]:
+    return (_ag_ring(ct, _identity, axis_name, axis, False, keep_x=False)[0],)
+
+
+_ring_psum_scatter.defvjp(_ring_psum_scatter_fwd, _ring_psum_scatter_bwd)
+
+
+def _automatic_axes_split() -> bool:
+    # In a partial-manual shard_map (some mesh axes automatic), XLA 0.10 partitions
+    # an all-gather or reduce-scatter over a manual axis by first gathering every
+    # dimension the automatic axes split: the batch, sharded over an automatic
+    # `data`, would be gathered, and every device would then compute on the whole
+    # batch. ppermute (and psum) keep those dimensions split, so there the same
+    # collective runs as a ring of ppermutes, which moves the same bytes.
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    return bool(manual) and any(size > 1 for name, size in mesh.shape.items() if name not in manual)
 
 
 def all_gather_matmul(

@@ -5,6 +5,24 @@ the gathered tensor; reduce-scatter: the shard; collective-permute: the moved
 tensor; all-to-all: the tensor), per device. A collective inside a `while` body is
 weighted by the loop's trip count (XLA records it as `known_trip_count`), nested
 loops multiply, and computations called from several places count once per call.
+
+Result bytes say how big a collective is, not what it costs: an all-reduce over 2
+devices and one over 64 have the same result but move different amounts. So each
+collective also gets *wire bytes*, what one device sends under a bandwidth-optimal
+ring over its replica group of n devices:
+
+| kind               | wire bytes             |
+|--------------------|------------------------|
+| all-reduce         | 2 (n-1)/n x result     |
+| all-gather         | (n-1)/n x result       |
+| reduce-scatter     | (n-1) x result (shard) |
+| all-to-all         | (n-1)/n x result       |
+| collective-permute | result                 |
+
+with 0 when n == 1, rounded down per instruction. n comes from `replica_groups=`,
+written either explicitly (`{{0,1,2,3},{4,5,6,7}}`: the first group's size) or as
+an iota (`[G,n]<=[...]`: G groups of n); an empty or missing list means every
+device in one group.
 """
 
 import dataclasses
@@ -42,21 +60,37 @@ _SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _TRIP = re.compile(r"known_trip_count[^0-9]*(\d+)")
 _CALLS = re.compile(r"\b(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_GROUPS_IOTA = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]")
+_GROUPS_LIST = re.compile(r"\breplica_groups=\{(\{[^}]*\})?")
+_MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 
 
 @dataclasses.dataclass
 class CollectiveStats:
-    """Collective counts and result bytes by kind, per device."""
+    """Collective counts, result bytes and wire bytes (ring cost, see the module
+    docstring) by kind, per device; `in_loops` counts (trip-weighted) the
+    collectives of each kind that sit inside a `while` body, e.g. a ring's
+    collective-permutes, or an all-reduce that should have been after the loop."""
 
     count: Counter
     bytes: Counter
+    wire_bytes: Counter = dataclasses.field(default_factory=Counter)
+    in_loops: Counter = dataclasses.field(default_factory=Counter)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
+    @property
+    def total_wire_bytes(self) -> int:
+        return sum(self.wire_bytes.values())
+
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {k: {"count": self.count[k], "bytes": self.bytes[k]} for k in KINDS if self.count[k]}
+        return {
+            k: {"count": self.count[k], "bytes": self.bytes[k], "wire_bytes": self.wire_bytes[k]}
+            for k in KINDS
+            if self.count[k]
+        }
 
 
 def shape_bytes(type_text: str) -> int:
@@ -95,22 +129,54 @@ def _parse(text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def collective_stats(compiled_or_text: Any) -> CollectiveStats:
-    """Collective counts and result bytes of a compiled computation, per device.
+def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> CollectiveStats:
+    """Collective counts, result bytes and wire bytes of a compiled computation,
+    per device.
 
     **Arguments:**
 
     - `compiled_or_text`: a `jax.stages.Compiled` (or anything with `.as_text()`)
       or the HLO text itself.
+    - `num_devices`: the group size of a collective whose `replica_groups` is
+      empty (all devices). Only needed then, and only when the `HloModule` line
+      lacks `num_partitions=`/`replica_count=` (XLA omits them when 1).
 
-    **Returns:** a `CollectiveStats` (`.count`, `.bytes` by kind, `.total_bytes`).
+    **Returns:** a `CollectiveStats` (`.count`, `.bytes`, `.wire_bytes`, `.in_loops`
+    by kind; `.total_bytes`, `.total_wire_bytes`).
+
+    **Raises:** `ValueError` if a collective spans all devices and their number is
+    neither given nor in the text.
+
+    ```python
+    stats = collective_stats(jax.jit(f).lower(x).compile())
+    stats.wire_bytes["all-reduce"]  # e.g. 3072: a 2048-byte psum over 4 devices
+    ```
     """
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     computations, entry = _parse(text)
     count: Counter = Counter()
     nbytes: Counter = Counter()
+    wire: Counter = Counter()
 
-    def visit(name: str, weight: int, depth: int) -> None:
+    if num_devices is None:
+        header = re.search(r"^HloModule\b.*$", text, re.MULTILINE)
+        sizes = dict(_MODULE_SIZE.findall(header.group(0))) if header else {}
+        if sizes:
+            num_devices = int(sizes.get("num_partitions", 1)) * int(sizes.get("replica_count", 1))
+
+    def all_devices() -> int:
+        # Raised lazily: text whose collectives all name their groups needs no count.
+        if num_devices is None:
+            raise ValueError(
+                "a collective has empty replica_groups (all devices) but the HLO text "
+                "has no num_partitions=/replica_count= on its HloModule line; pass "
+                "collective_stats(..., num_devices=N)"
+            )
+        return num_devices
+
+    in_loops: Counter = Counter()
+
+    def visit(name: str, weight: int, depth: int, looped: bool) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (recursive computations?)")
         for line in computations.get(name, ()):
@@ -121,13 +187,20 @@ def collective_stats(compiled_or_text: Any) -> CollectiveStats:
             base = opcode.removesuffix("-start")
             if base in KINDS and not opcode.endswith("-done"):
                 count[base] += weight
+                if looped:
+                    in_loops[base] += weight
                 # An async start's result is a tuple (operands, results[, scratch]);
                 # the moved data is its result element.
-                nbytes[base] += weight * (
+                size = (
                     _async_result_bytes(result_type)
                     if opcode.endswith("-start")
                     else shape_bytes(result_type)
                 )
+                nbytes[base] += weight * size
+                if base == "collective-permute":
+                    wire[base] += weight * size
+                else:
+                    wire[base] += weight * _ring_bytes(base, size, _group_size(line) or all_devices())
             inner = weight
             if opcode == "while":
                 trip = _TRIP.search(line)
@@ -136,13 +209,34 @@ def collective_stats(compiled_or_text: Any) -> CollectiveStats:
                 # Fusions hold no collectives; reducers of collectives are scalars.
                 continue
             for callee in _CALLS.findall(line):
-                visit(callee, inner, depth + 1)
+                visit(callee, inner, depth + 1, looped or opcode == "while")
             for group in _BRANCHES.findall(line):
                 for callee in group.split(","):
-                    visit(callee.strip().lstrip("%"), inner, depth + 1)
+                    visit(callee.strip().lstrip("%"), inner, depth + 1, looped)
 
-    visit(entry, 1, 0)
-    return CollectiveStats(count=count, bytes=nbytes)
+    visit(entry, 1, 0, False)
+    return CollectiveStats(count=count, bytes=nbytes, wire_bytes=wire, in_loops=in_loops)
+
+
+def _group_size(line: str) -> int | None:
+    # None: empty or missing replica_groups, i.e. all devices in one group.
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        return int(m.group(2))
+    m = _GROUPS_LIST.search(line)
+    if m and m.group(1):
+        return len([d for d in m.group(1).strip("{}").split(",") if d.strip()]) or None
+    return None
+
+
+def _ring_bytes(kind: str, size: int, n: int) -> int:
+    if n <= 1:
+        return 0
+    if kind == "all-reduce":
+        return 2 * (n - 1) * size // n
+    if kind == "reduce-scatter":
+        return (n - 1) * size
+    return (n - 1) * size // n  # all-gather, all-to-all
 
 
 def _async_result_bytes(result_type: str) -> int:

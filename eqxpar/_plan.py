@@ -46,6 +46,11 @@ class Plan:
       all-gather / reduce-scatter with the matmul as ring `ppermute` collective
       matmuls. Needs `sequence_parallel=True` (the ring splits the sequence).
     - `tensor_axis`: the mesh axis tensor-parallel layers split over.
+    - `manual_axes`: with `mode="manual"`, the mesh axes the per-device step is
+      manual over (default: all of them). Naming a subset, e.g. `("tensor",)`,
+      gives a partial-manual step: eqxpar issues the tensor-parallel collectives
+      inside `shard_map` while the other axes stay automatic, so the compiler
+      splits the batch over `data` and reduces its gradients there.
 
     Validated when built: every mesh axis named by a rule or annotation must exist.
     Entering a plan (`with plan:`) makes it the one `eqxpar.annotate` resolves
@@ -66,6 +71,7 @@ class Plan:
     sequence_parallel: bool
     tp_overlap: bool
     tensor_axis: str
+    manual_axes: tuple[str, ...]
 
     def __init__(
         self,
@@ -78,6 +84,7 @@ class Plan:
         sequence_parallel: bool = False,
         tp_overlap: bool = False,
         tensor_axis: str = "tensor",
+        manual_axes: Sequence[str] | None = None,
     ):
         if not isinstance(mesh, Mesh):
             raise PlanError(
@@ -126,6 +133,25 @@ class Plan:
                 "Plan(tp_overlap=True) needs sequence_parallel=True: the ring collective "
                 "matmuls pass sequence blocks around the tensor axis. Set sequence_parallel=True."
             )
+        if manual_axes is not None:
+            if mode != "manual":
+                raise PlanError(
+                    f"Plan(manual_axes={manual_axes!r}) needs mode='manual'; in mode='auto' "
+                    "every axis is automatic. Set mode='manual' or drop manual_axes."
+                )
+            if isinstance(manual_axes, str):
+                manual_axes = (manual_axes,)
+            for axis in manual_axes:
+                if axis not in names:
+                    raise AxisNameError(
+                        f"Plan(manual_axes={tuple(manual_axes)!r}) names mesh axis {axis!r}, but "
+                        f"the mesh has axes {names}. Use some of those names."
+                    )
+            if not manual_axes:
+                raise PlanError("Plan(manual_axes=()): name at least one axis, or use mode='auto'.")
+            manual_axes = tuple(a for a in names if a in set(manual_axes))
+        else:
+            manual_axes = names if mode == "manual" else ()
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "batch_axes", batch_axes)
@@ -134,6 +160,7 @@ class Plan:
         object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
         object.__setattr__(self, "tp_overlap", bool(tp_overlap))
         object.__setattr__(self, "tensor_axis", tensor_axis)
+        object.__setattr__(self, "manual_axes", manual_axes)
 
     @property
     def batch_size_multiple(self) -> int:

@@ -1,6 +1,7 @@
 """`make_step`: one compiled training step for any plan."""
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -210,6 +211,35 @@ def _validate(plan: Plan, accumulate: int, where: str) -> None:
         raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
 
 
+def _effective_manual_axes(plan: Plan) -> tuple[str, ...]:
+    # As filter_shard_map treats them: a partial-manual region leaves size-1 axes
+    # automatic (XLA rejects collectives over them there).
+    manual = plan.manual_axes
+    if set(manual) == set(plan.mesh.axis_names):
+        return manual
+    return tuple(a for a in manual if plan.mesh.shape[a] > 1)
+
+
+def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: tuple[str, ...]) -> None:
+    # Inside the manual region a weight split over a manual axis arrives as a shard.
+    # eqxpar.nn layers know what to do with shards of the tensor axis; nothing
+    # gathers a weight split over another manual axis (FSDP over data/fsdp is
+    # automatic mode's), so such a model would silently compute on fragments.
+    allowed = {plan.tensor_axis}
+    for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
+        if not isinstance(spec, PartitionSpec):
+            continue
+        for entry in spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                if axis in manual_axes and axis not in allowed and plan.mesh.shape[axis] > 1:
+                    raise PlanError(
+                        f"mode='manual' splits weights over the tensor axis {plan.tensor_axis!r} only, "
+                        f"but the plan's rules give a weight the spec {spec}, over manual axis "
+                        f"{axis!r}. Use mode='auto' for weights sharded over {axis!r} (FSDP), or "
+                        f"Plan(manual_axes=...) without {axis!r}."
+                    )
+
+
 def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: bool) -> Callable:
     """`(model, batch, key) -> (loss, aux, grads)` over the global batch, for the
     plan's mode; gradients come out with the parameters' sharding."""
@@ -223,8 +253,12 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
         return automatic
 
-    axes = plan.batch_axes
-    dp = plan.batch_size_multiple
+    manual_axes = _effective_manual_axes(plan)
+    # The batch axes this step splits the batch over by hand; batch axes left
+    # automatic (partial-manual plans) are the compiler's: it sees the whole batch
+    # along them, and reduces the gradients over them itself, after the region.
+    axes = tuple(a for a in plan.batch_axes if a in manual_axes)
+    dp = math.prod(plan.mesh.shape[a] for a in axes)
     grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=axes)
 
     def per_device(model, batch, key):
@@ -232,11 +266,16 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
         for axis in axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         loss, aux, grads = grads_of(model, batch, key)
-        # `grads_of` differentiated w.r.t. parameters marked varying, so these are
-        # this device's (accumulated) gradients: one all-reduce of the gradient
-        # bytes makes them global. (Differentiating the replicated parameters
-        # directly would make check_vma insert that psum itself, once per
-        # micro-batch; a pmean on top of it would reduce twice.)
+        if not axes:
+            return loss, aux, grads
+        # `grads_of` differentiated w.r.t. parameters marked varying along the batch
+        # axes, so these are this device's (accumulated) gradients: one all-reduce
+        # of the gradient bytes makes them global. (Differentiating the replicated
+        # parameters directly would make check_vma insert that psum itself, once per
+        # micro-batch; a pmean on top of it would reduce twice.) Along the tensor
+        # axis check_vma does the right thing unaided: a weight split over it gets
+        # its own shard's gradient, and a replicated weight used on sequence shards
+        # gets its partial gradients summed.
         grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / dp, grads)
         loss = jax.lax.pmean(loss, axes)
         if has_aux:
@@ -247,23 +286,18 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
     def manual(model, batch, key):
         specs = partition_specs(model, plan)
-        sharded = [
-            s
-            for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-            if any(e is not None for e in s)
-        ]
-        if sharded:
-            raise PlanError(
-                "mode='manual' currently runs data parallelism only, with every weight "
-                f"replicated, but the plan's rules shard some weights (e.g. {sharded[0]}). "
-                "Use mode='auto' for sharded weights, or rules that replicate them."
-            )
-        return filter_shard_map(
+        _check_manual_specs(specs, plan, manual_axes)
+        loss, aux, grads = filter_shard_map(
             per_device,
             plan,
             in_specs=(specs, plan.batch_spec, PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(), specs),
+            axis_names=manual_axes,
         )(model, batch, key)
+        if set(manual_axes) != set(plan.mesh.axis_names):
+            # Automatic axes: gradients take the parameters' sharding, as in auto mode.
+            grads = shard(grads, plan)
+        return loss, aux, grads
 
     return manual
 

@@ -1,15 +1,16 @@
 """The collective counter reads result bytes from HLO text and weights loop bodies
-by their trip count."""
+by their trip count; wire bytes follow each collective's replica-group size."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar.inspect import collective_stats, shape_bytes
 
 HLO = """
-HloModule m
+HloModule m, num_partitions=8
 
 %add (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
@@ -33,9 +34,10 @@ HloModule m
 ENTRY %main (x: f32[8,4], y: bf16[16]) -> f32[8,4] {
   %x = f32[8,4]{1,0} parameter(0)
   %y = bf16[16]{0} parameter(1)
-  %ar = (f32[8,4]{1,0}, bf16[16]{0}) all-reduce(%x, %y), to_apply=%add
-  %ag = f32[16,4]{1,0} all-gather(%x), dimensions={0}
-  %rs = f32[2,4]{1,0} reduce-scatter(%x), dimensions={0}, to_apply=%add
+  %ar = (f32[8,4]{1,0}, bf16[16]{0}) all-reduce(%x, %y), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %ag = f32[16,4]{1,0} all-gather(%x), replica_groups=[4,2]<=[8], dimensions={0}
+  %rs = f32[2,4]{1,0} reduce-scatter(%x), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, to_apply=%add
+  %a2a = f32[8,4]{1,0} all-to-all(%x), replica_groups={}, dimensions={0}
   %init = (s32[], f32[8,4]) tuple(s32[] constant(0), %x)
   %w = (s32[], f32[8,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %out = f32[8,4]{1,0} get-tuple-element(%w), index=1
@@ -51,14 +53,49 @@ def test_shape_bytes():
 
 def test_hand_written_hlo():
     stats = collective_stats(HLO)
-    assert stats.count == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 1, "collective-permute": 3}
+    assert stats.count == {
+        "all-reduce": 1,
+        "all-gather": 1,
+        "reduce-scatter": 1,
+        "all-to-all": 1,
+        "collective-permute": 3,
+    }
     assert stats.bytes == {
         "all-reduce": 160,
         "all-gather": 256,
         "reduce-scatter": 32,
+        "all-to-all": 128,
         "collective-permute": 3 * 128,
     }
-    assert stats.total_bytes == 160 + 256 + 32 + 384
+    assert stats.total_bytes == 160 + 256 + 32 + 128 + 384
+    assert stats.wire_bytes == {
+        "all-reduce": 2 * 3 * 160 // 4,  # explicit groups of 4
+        "all-gather": 1 * 256 // 2,  # iota [4,2]: groups of 2
+        "reduce-scatter": 3 * 32,  # iota [2,4] transposed: groups of 4
+        "all-to-all": 7 * 128 // 8,  # empty groups: num_partitions=8
+        "collective-permute": 3 * 128,
+    }
+    assert stats.total_wire_bytes == 240 + 128 + 96 + 112 + 384
+    assert stats.as_dict()["all-to-all"] == {"count": 1, "bytes": 128, "wire_bytes": 112}
+    # Only the permute sits in the while body.
+    assert stats.in_loops == {"collective-permute": 3}
+
+
+def test_wire_bytes_device_count_and_edge_cases():
+    # An explicit count overrides num_partitions; without either, empty groups raise.
+    assert collective_stats(HLO, num_devices=4).wire_bytes["all-to-all"] == 3 * 128 // 4
+    with pytest.raises(ValueError, match="num_devices"):
+        collective_stats(HLO.replace(", num_partitions=8", ""))
+    text = """
+HloModule m
+ENTRY %main (x: f32[8,4]) -> f32[8,4] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %one = f32[8,4]{1,0} all-gather(%x), replica_groups={{0},{1},{2}}, dimensions={0}
+  ROOT %three = f32[8,4]{1,0} all-to-all(%one), replica_groups={{0,1,2}}, dimensions={0}
+}
+"""
+    stats = collective_stats(text)
+    assert stats.wire_bytes == {"all-gather": 0, "all-to-all": 2 * 128 // 3}  # n=1; rounded down
 
 
 def test_compiled_scan_of_ppermutes_is_weighted():
@@ -74,3 +111,24 @@ def test_compiled_scan_of_ppermutes_is_weighted():
     stats = collective_stats(f.lower(jnp.ones((64, 16))).compile())
     assert stats.count["collective-permute"] == 5
     assert stats.bytes["collective-permute"] == 5 * 8 * 16 * 4
+
+
+def test_compiled_psums_wire_bytes_follow_group_size():
+    mesh = eqxpar.make_mesh(data=2, tensor=4)
+
+    def f(x, y):
+        return jax.lax.psum(x, "tensor"), jax.lax.psum(y, "data")
+
+    # Per device: x f32[16,32] (2048 bytes) summed over 4, y f32[8,8] (256 bytes)
+    # over 2. Different groups, so XLA cannot combine the two all-reduces.
+    g = jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=(P("data", "tensor"), P("data", "tensor")),
+        out_specs=(P("data"), P(None, "tensor")),
+    )
+    compiled = jax.jit(g).lower(jnp.ones((32, 128)), jnp.ones((16, 32))).compile()
+    stats = collective_stats(compiled)
+    assert stats.count == {"all-reduce": 2}
+    assert stats.bytes["all-reduce"] == 2048 + 256
+    assert stats.wire_bytes["all-reduce"] == 2 * 3 * 2048 // 4 + 2 * 1 * 256 // 2

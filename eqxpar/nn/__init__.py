@@ -17,6 +17,8 @@ from ._linear import ColumnLinear as ColumnLinear
 from ._linear import RowLinear as RowLinear
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
+from ._sequence import sequence_mean as sequence_mean
+from ._sequence import split_sequence as split_sequence
 from ._vocab import Embedding as Embedding
 from ._vocab import Unembed as Unembed
 from ._vocab import cross_entropy as cross_entropy

@@ -104,12 +104,12 @@ class Attention(eqx.Module):
         check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
         if self.wqkv is not None:
             check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
-            (qkv,) = column_matmul(x, [self.wqkv], ctx)
+            (qkv,) = column_matmul(x, [self.wqkv], ctx, split_dim=2)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
             check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
-            q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx)
+            q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx, split_dim=1)
         if self.bq is not None:
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
         heads = ctx.constrain(_attend(q, k, v, causal=self.causal, mask=mask), None, ctx.axis, None)

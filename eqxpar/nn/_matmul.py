@@ -63,13 +63,16 @@ def _check_seq(x: jax.Array, ctx: TensorContext, *, what: str) -> None:
         )
 
 
-def column_matmul(x: jax.Array, weights: Sequence[jax.Array], ctx: TensorContext) -> list[jax.Array]:
+def column_matmul(
+    x: jax.Array, weights: Sequence[jax.Array], ctx: TensorContext, *, split_dim: int = -1
+) -> list[jax.Array]:
     """`[x @ w for w in weights]` with each `w`'s output features split over the axis.
 
     `x`: `(batch, seq', d_in)` where `seq'` is the local sequence block under
     sequence parallelism in manual mode; each `w`: `(d_in, *out)` (local shards in
-    manual mode). Returns `(batch, seq, *out)` per weight. Several weights share one
-    gather (or one ring) of `x`.
+    manual mode), split over the axis along its dimension `split_dim` (e.g. the
+    heads of a `(d_in, heads, head_dim)` weight: 1). Returns `(batch, seq, *out)`
+    per weight. Several weights share one gather (or one ring) of `x`.
     """
     _check_seq(x, ctx, what="column-parallel layer input")
     if not ctx.manual:
@@ -77,7 +80,11 @@ def column_matmul(x: jax.Array, weights: Sequence[jax.Array], ctx: TensorContext
         outs = []
         for w in weights:
             y = jnp.tensordot(x, w, axes=1)
-            outs.append(ctx.constrain(y, None, *([None] * (w.ndim - 2)), ctx.axis))
+            # Say which output dimension is split: left to itself, GSPMD may split
+            # another one (say head_dim) and then all-reduce attention scores.
+            entries: list[str | None] = [None] * w.ndim  # y's seq, then w's output dims
+            entries[split_dim % w.ndim] = ctx.axis
+            outs.append(ctx.constrain(y, *entries))
         return outs
     if not ctx.sequence_parallel:
         return [jnp.tensordot(x, w, axes=1) for w in weights]
