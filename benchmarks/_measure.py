@@ -17,6 +17,7 @@ from jaxtyping import PyTree
 
 import eqxpar
 
+from . import _workload
 from ._baseline import JitStep
 
 # Keeps the relative error finite on leaves that are exactly zero in the reference.
@@ -89,11 +90,15 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
-def comm(compiled: jax.stages.Compiled) -> tuple[dict[str, int], dict[str, int]]:
-    """Collective result bytes and counts by kind, per device (kinds that occur only)."""
+def comm(compiled: jax.stages.Compiled) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Collective result bytes, counts and wire bytes by kind, per device (kinds that occur only)."""
     stats = eqxpar.inspect.collective_stats(compiled)
     kinds = [k for k in stats.count if stats.count[k]]
-    return {k: int(stats.bytes[k]) for k in kinds}, {k: int(stats.count[k]) for k in kinds}
+    return (
+        {k: int(stats.bytes[k]) for k in kinds},
+        {k: int(stats.count[k]) for k in kinds},
+        {k: int(stats.wire_bytes[k]) for k in kinds},
+    )
 
 
 def memory(compiled: jax.stages.Compiled) -> tuple[int, int]:
@@ -103,32 +108,68 @@ def memory(compiled: jax.stages.Compiled) -> tuple[int, int]:
 
 
 def max_rel_err(got: PyTree, want: PyTree) -> float:
-    """Max over leaves of max|got - want| / (max|want| + tiny): the error relative to each leaf's scale."""
+    """Max over leaves of max|got - want| / max(max|want|, floor): the error relative
+    to each leaf's scale.
+
+    `floor` is 1e-3 of the largest magnitude in the whole reference tree. A leaf
+    whose exact value is zero (an attention *key* bias: softmax ignores it) holds
+    pure rounding, ~1e-11 here, whose ratio to itself says nothing; against a
+    thousandth of the tree's scale it is judged as what it is.
+    """
     got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
     if len(got_leaves) != len(want_leaves):
         raise ValueError(f"parity: {len(got_leaves)} leaves against {len(want_leaves)} in the reference")
+    scale = max((float(np.max(np.abs(np.asarray(b, np.float64)))) for b in want_leaves), default=0.0)
+    floor = max(1e-3 * scale, _TINY)
     worst = 0.0
     for a, b in zip(got_leaves, want_leaves, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if a.shape != b.shape:
             raise ValueError(f"parity: shape {a.shape} against {b.shape} in the reference")
-        worst = max(worst, float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + _TINY)))
+        worst = max(worst, float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor)))
     return worst
 
 
-def gradient_parity(loss_fn: Callable, plan: eqxpar.Plan, model: Any, batch: PyTree) -> tuple[float, float]:
+def gradient_parity(
+    loss_fn: Callable,
+    plan: eqxpar.Plan,
+    model: Any,
+    batch: PyTree,
+    *,
+    reference_loss_fn: Callable | None = None,
+    convert: Callable[[Any], Any] | None = None,
+) -> tuple[float, float]:
     """Loss and gradient error of the plan's step against one device, at the same parameters.
 
     The contract (DESIGN.md, parity) is about the loss and gradients a step computes:
     both come from `eqxpar.train.make_value_and_grad`, the gradient path `make_step`
-    uses, and are compared with `eqx.filter_value_and_grad` on one device.
+    uses, and are compared with `eqx.filter_value_and_grad` on one device. When the
+    eqxpar side runs a re-layout of the workload (`convert(workload) -> model`), the
+    reference is the plain workload model at the same weights, `reference_loss_fn`,
+    its gradients converted the same way.
 
     Returns `(loss_rel_err, grads_max_rel_err)`.
     """
     loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
     device = jax.devices()[0]
     single = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
-    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(
+    ref_loss_fn = loss_fn
+    if convert is not None and reference_loss_fn is not None:
+        single = _invert(convert, single)
+        ref_loss_fn = reference_loss_fn
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(ref_loss_fn))(
         single, jax.device_put(batch, device)
     )
+    if convert is not None and reference_loss_fn is not None:
+        ref_grads = eqx.filter(convert(ref_grads), eqx.is_inexact_array)
     return max_rel_err(loss, ref_loss), max_rel_err(grads, ref_grads)
+
+
+def _invert(convert: Callable[[Any], Any], model: Any) -> Any:
+    # `convert` only moves and reshapes weights: a permutation, whose inverse is its
+    # transpose, i.e. its VJP. Pulling `model` back through it gives the workload
+    # model with the same weights.
+    template = _workload.make_model()
+    _, pullback = jax.vjp(lambda w: convert(w), eqx.filter(template, eqx.is_inexact_array))
+    (weights,) = pullback(eqx.filter(model, eqx.is_inexact_array))
+    return eqx.combine(weights, eqx.filter(template, eqx.is_inexact_array, inverse=True))

@@ -10,14 +10,19 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import optax
 from jax.sharding import PartitionSpec
 
 import eqxpar
 
-from . import _workload
+from . import _tp_model, _workload
 from ._baseline import JitStep
+
+
+def _same(model: Any) -> Any:
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,25 +34,91 @@ class Setup:
     baseline: JitStep | None
     # What the minimum is the minimum *of*: a kind `min_comm_bytes` knows.
     min_kind: str
+    # The eqxpar side may run the workload written with eqxpar.nn layers: `convert`
+    # maps the workload model (and, being a pure re-layout, its gradients and
+    # parameters) to that model, whose loss is `loss_fn`.
+    loss_fn: Callable = _workload.loss_fn
+    convert: Callable[[Any], Any] = _same
 
 
-def min_comm_bytes(kind: str, *, param_bytes: int, mesh_shape: dict[str, int]) -> int:
-    """Theoretical minimum collective *result* bytes per device per step for `kind`.
+@dataclasses.dataclass(frozen=True)
+class Minimum:
+    """The theoretical communication minimum per device per step, counted two ways."""
 
-    Counted as `eqxpar.inspect.collective_stats` counts (all-reduce: the full tensor),
-    so the record's total can be divided by it directly.
+    #: Collective result bytes, as `eqxpar.inspect.collective_stats(...).bytes` counts.
+    result_bytes: int
+    #: Bytes each device sends with bandwidth-optimal rings, as `.wire_bytes` counts:
+    #: the measure that treats an all-reduce and the all-gather + reduce-scatter (or
+    #: ring of permutes) replacing it alike.
+    wire_bytes: int
+
+
+def _ring(kind: str, nbytes: int, n: int) -> int:
+    # Wire bytes of one collective of `nbytes` result bytes over n devices.
+    if n <= 1:
+        return 0
+    return {"all-reduce": 2 * (n - 1) * nbytes // n, "all-gather": (n - 1) * nbytes // n}[kind]
+
+
+def min_comm_bytes(
+    kind: str,
+    *,
+    param_bytes: int,
+    mesh_shape: dict[str, int],
+    local_param_bytes: int | None = None,
+    cfg: _workload.Config = _workload.CONFIG,
+) -> Minimum:
+    """Theoretical minimum collective bytes per device per step for `kind`.
 
     - `"dp"` (every weight replicated, batch split over `data` x `fsdp`): the gradients
       must be summed over the data-parallel devices once per step, and nothing else
       must move: one all-reduce of the whole gradient, whose result is
       `param_bytes` (4 x 3,454,464 = 13,817,856 B for this workload; 24.2 MB on the
-      wire with a ring). The 4-byte reduction of the scalar loss is not counted.
-      With a single data-parallel device nothing moves: 0.
+      wire with a ring over 8). The 4-byte reduction of the scalar loss is not
+      counted. With a single data-parallel device nothing moves: 0.
+    - `"tp"` (Megatron layout over `tensor`, batch over `data`; ANCHORS.md): per layer
+      and direction, the attention and MLP outputs are summed over `tensor`: 4
+      all-reduces of the local activation `(batch / data, seq, d_model)` per layer
+      (2.10 MB each here, 16 in all = 33.55 MB), plus one all-reduce over `data` of
+      the gradients of this device's parameters, `local_param_bytes` (4.36 MB):
+      37.91 MB of results. Sequence parallelism replaces each activation all-reduce
+      by an all-gather and a reduce-scatter of the same wire bytes, so its minimum
+      is the same on the wire.
     """
+    dp = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
     if kind == "dp":
-        dp = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
-        return param_bytes if dp > 1 else 0
-    raise ValueError(f"min_comm_bytes: no formula for strategy kind {kind!r}; known: 'dp'")
+        result = param_bytes if dp > 1 else 0
+        return Minimum(result, _ring("all-reduce", result, dp))
+    if kind == "tp":
+        if local_param_bytes is None:
+            raise ValueError("min_comm_bytes('tp', ...) needs local_param_bytes")
+        tp = mesh_shape.get("tensor", 1)
+        activation = (cfg.batch // dp) * cfg.seq_len * cfg.d_model * 4
+        count = 4 * cfg.layers if tp > 1 else 0
+        grads = local_param_bytes if dp > 1 else 0
+        return Minimum(
+            count * activation + grads,
+            count * _ring("all-reduce", activation, tp) + _ring("all-reduce", grads, dp),
+        )
+    raise ValueError(f"min_comm_bytes: no formula for strategy kind {kind!r}; known: 'dp', 'tp'")
+
+
+def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
+    """Bytes of one device's share of `model`'s floating-point parameters under `plan`."""
+    specs = eqxpar.partition_specs(model, plan)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    total = 0
+    for leaf, spec in zip(
+        jax.tree.leaves(params),
+        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+        strict=True,
+    ):
+        split = 1
+        for entry in spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                split *= plan.mesh.shape[axis]
+        total += leaf.nbytes // split
+    return total
 
 
 #: `builder(model, optim) -> Setup`; the model's arrays must not be donated by it.
@@ -73,8 +144,72 @@ def _dp(mode: str) -> Builder:
     return build
 
 
+def _tp_baseline_specs(model: _workload.Transformer) -> Any:
+    """Megatron shardings of the plain workload model for the `jax.jit` baseline:
+    QKV and MLP-up split along their output features, the attention and MLP-down
+    projections along their input features; everything else replicated."""
+    specs = jax.tree.map(lambda _: PartitionSpec(), eqx.filter(model, eqx.is_inexact_array))
+    column, row = PartitionSpec("tensor", None), PartitionSpec(None, "tensor")
+    blocks = [
+        eqx.tree_at(
+            lambda b: (b.qkv.weight, b.qkv.bias, b.up.weight, b.up.bias, b.out.weight, b.down.weight),
+            block,
+            (column, PartitionSpec("tensor"), column, PartitionSpec("tensor"), row, row),
+        )
+        for block in specs.blocks
+    ]
+    specs = eqx.tree_at(lambda s: s.blocks, specs, blocks)
+    return specs
+
+
+def _tp(**plan_options: Any) -> Builder:
+    """Tensor parallelism, mesh data 2 x tensor 4, Megatron layout (`_tp_model`)."""
+
+    def build(model: Any, optim: optax.GradientTransformation) -> Setup:
+        plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, **plan_options)
+        step = eqxpar.train.make_step(_tp_model.loss_fn, optim, plan)
+        specs = _tp_baseline_specs(model)
+        baseline = JitStep(
+            _workload.loss_fn,
+            optim,
+            model,
+            plan.mesh,
+            param_specs=specs,
+            opt_state_specs=_opt_specs(optim, model, specs),
+            batch_spec=PartitionSpec("data"),
+        )
+        return Setup(
+            plan=plan,
+            step=step,
+            baseline=baseline,
+            min_kind="tp",
+            loss_fn=_tp_model.loss_fn,
+            convert=_tp_model.convert,
+        )
+
+    return build
+
+
+def _opt_specs(optim: optax.GradientTransformation, model: Any, param_specs: Any) -> Any:
+    """Optimizer-state specs mirroring `param_specs` (moments shaped like the parameters)."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = jax.eval_shape(optim.init, params)
+    params_def = jax.tree.structure(params)
+    spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+    def for_node(node: Any) -> Any:
+        if jax.tree.structure(node) == params_def:
+            return jax.tree.unflatten(params_def, spec_leaves)
+        return jax.tree.map(lambda _: PartitionSpec(), node)
+
+    return jax.tree.map(for_node, state, is_leaf=lambda n: jax.tree.structure(n) == params_def)
+
+
 #: name -> builder, in the order they are run and reported.
 STRATEGIES: dict[str, Builder] = {
     "dp": _dp("auto"),
     "dp_manual": _dp("manual"),
+    "tp": _tp(mode="auto"),
+    "tp_sp": _tp(mode="manual", sequence_parallel=True),
+    "tp_overlap": _tp(mode="manual", sequence_parallel=True, tp_overlap=True),
 }

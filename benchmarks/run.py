@@ -30,7 +30,7 @@ import jax  # noqa: E402
 
 from . import _measure, _workload, report  # noqa: E402
 from ._baseline import reference_run  # noqa: E402
-from ._strategies import STRATEGIES, min_comm_bytes  # noqa: E402
+from ._strategies import STRATEGIES, local_param_bytes, min_comm_bytes  # noqa: E402
 
 DEVICES = 8
 # (warm-up steps, timed steps) per side; one step is about 1 s on 2 cores.
@@ -61,17 +61,19 @@ def measure(
 ) -> dict:
     """One record of the JSON for strategy `name`."""
     setup = STRATEGIES[name](model, optim)
-    eqx_runner = _measure.EqxparRunner(setup.step, setup.plan, model, optim, batches)
+    eqx_model = setup.convert(model)
+    eqx_runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
     base_runner = None if setup.baseline is None else _measure.BaselineRunner(setup.baseline, batches)
     sides = [eqx_runner] + ([base_runner] if base_runner is not None else [])
     times = _measure.time_interleaved(sides, warm=warm, timed=timed)
 
     compiled = eqx_runner.compile()
-    comm_bytes, comm_counts = _measure.comm(compiled)
+    comm_bytes, comm_counts, comm_wire = _measure.comm(compiled)
     arg_bytes, temp_bytes = _measure.memory(compiled)
-    comm_baseline = None
+    comm_baseline = wire_baseline = None
     if base_runner is not None:
-        comm_baseline = sum(_measure.comm(base_runner.compile())[0].values())
+        base_bytes, _, base_wire = _measure.comm(base_runner.compile())
+        comm_baseline, wire_baseline = sum(base_bytes.values()), sum(base_wire.values())
 
     # Parity of the step: loss and gradients at the trained parameters, against one
     # device (the contract). Separately, the trajectory: parameters and last loss
@@ -81,18 +83,33 @@ def measure(
     # baseline (same shardings, no eqxpar) shows that this is the strategy's, not
     # eqxpar's.
     grad_loss_err, grads_err = _measure.gradient_parity(
-        _workload.loss_fn, setup.plan, eqx_runner.state.model, batches[0]
+        setup.loss_fn,
+        setup.plan,
+        eqx_runner.state.model,
+        batches[0],
+        reference_loss_fn=_workload.loss_fn,
+        convert=setup.convert,
     )
     ref_params, ref_loss = reference(eqx_runner.done)
-    params_err = _measure.max_rel_err(eqx_runner.params(), ref_params)
+    params_err = _measure.max_rel_err(
+        eqx_runner.params(), eqx.filter(setup.convert(ref_params), eqx.is_inexact_array)
+    )
     loss_err = _measure.max_rel_err(eqx_runner.loss, ref_loss)
     vs_baseline = None
     if base_runner is not None:
         if base_runner.done != eqx_runner.done:
             raise RuntimeError(f"{name}: baseline ran {base_runner.done} steps, eqxpar {eqx_runner.done}")
-        vs_baseline = _measure.max_rel_err(eqx_runner.params(), base_runner.params())
+        vs_baseline = _measure.max_rel_err(
+            eqx_runner.params(), eqx.filter(setup.convert(base_runner.params()), eqx.is_inexact_array)
+        )
     mesh_shape = {k: int(v) for k, v in setup.plan.mesh.shape.items()}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    minimum = min_comm_bytes(
+        setup.min_kind,
+        param_bytes=param_bytes,
+        mesh_shape=mesh_shape,
+        local_param_bytes=local_param_bytes(eqx_model, setup.plan),
+    )
     return {
         "strategy": name,
         "mesh": _mesh_dict(setup.plan.mesh),
@@ -103,8 +120,12 @@ def measure(
         "comm_bytes": comm_bytes,
         "comm_counts": comm_counts,
         "comm_bytes_total": sum(comm_bytes.values()),
-        "comm_bytes_min": min_comm_bytes(setup.min_kind, param_bytes=param_bytes, mesh_shape=mesh_shape),
+        "comm_bytes_min": minimum.result_bytes,
         "comm_bytes_baseline": comm_baseline,
+        "comm_wire_bytes": comm_wire,
+        "comm_wire_bytes_total": sum(comm_wire.values()),
+        "comm_wire_bytes_min": minimum.wire_bytes,
+        "comm_wire_bytes_baseline": wire_baseline,
         "mem_argument_bytes": arg_bytes,
         "mem_temp_bytes": temp_bytes,
         "parity_max_rel_err": max(grad_loss_err, grads_err),

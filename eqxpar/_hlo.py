@@ -62,6 +62,10 @@ _CALLS = re.compile(r"\b(?:body|to_apply|calls|true_computation|false_computatio
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _GROUPS_IOTA = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]")
 _GROUPS_LIST = re.compile(r"\breplica_groups=\{(\{[^}]*\})?")
+# Named-mesh form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}: one group
+# per combination of the unnamed axes, spanning the axes named in braces.
+_GROUPS_MESH = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 
 
@@ -220,6 +224,14 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
 
 def _group_size(line: str) -> int | None:
     # None: empty or missing replica_groups, i.e. all devices in one group.
+    m = _GROUPS_MESH.search(line)
+    if m:
+        sizes = {name: int(n) for name, n in _MESH_AXIS.findall(m.group(1))}
+        named = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+        size = 1
+        for axis in named:
+            size *= sizes.get(axis, 1)
+        return size
     m = _GROUPS_IOTA.search(line)
     if m:
         return int(m.group(2))

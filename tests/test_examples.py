@@ -13,6 +13,26 @@ CASES = [
     ("data_parallel.py", ["--steps", "3", "--batch-size", "64"]),
     ("data_parallel.py", ["--steps", "3", "--batch-size", "64", "--mode", "manual", "--accumulate", "2"]),
     ("filter_jit_loop.py", ["--steps", "3"]),
+    *[
+        (
+            "tensor_parallel.py",
+            [
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--seq-len",
+                "16",
+                "--d-model",
+                "32",
+                "--layers",
+                "1",
+                "--mode",
+                mode,
+            ],
+        )
+        for mode in ["auto", "sync", "sp", "overlap", "partial"]
+    ],
 ]
 
 

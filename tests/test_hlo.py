@@ -96,6 +96,15 @@ ENTRY %main (x: f32[8,4]) -> f32[8,4] {
 """
     stats = collective_stats(text)
     assert stats.wire_bytes == {"all-gather": 0, "all-to-all": 2 * 128 // 3}  # n=1; rounded down
+    # XLA's named-mesh form: groups span the axes in braces (here 2 of the 8 devices).
+    named = """
+HloModule m, num_partitions=8
+ENTRY %main (x: f32[8,4]) -> f32[8,4] {
+  %x = f32[8,4]{1,0} parameter(0)
+  ROOT %r = f32[8,4]{1,0} all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add
+}
+"""
+    assert collective_stats(named).wire_bytes == {"all-reduce": 2 * 1 * 128 // 2}
 
 
 def test_compiled_scan_of_ppermutes_is_weighted():

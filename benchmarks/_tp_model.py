@@ -1,0 +1,104 @@
+"""The ANCHORS.md workload rewritten with eqxpar.nn layers, for the tensor-parallel
+strategies, and the map from the plain-Equinox workload's weights to it.
+
+Same function, same weights: `convert(workload_model)` gives a model whose loss
+equals the workload's (up to float32 rounding), and `convert` of the workload's
+gradients gives this model's gradients, so parity is checked against the
+single-device run of the ordinary model. The Megatron layout of ANCHORS.md's
+minimum: attention heads and MLP hidden features split over `tensor`; the
+embedding, positions, final norm and head replicated (a vocabulary split would add
+activation all-reduces this small vocabulary does not repay).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+import eqxpar
+from eqxpar import nn
+
+from . import _workload
+
+
+class TPTransformer(eqx.Module):
+    """`_workload.Transformer` with `eqxpar.nn.TransformerBlock`s (fused QKV, GELU,
+    LayerNorm, biases) on batch-first activations; returns this device's logits
+    `(batch, seq', vocab)` (the local sequence block under sequence parallelism)."""
+
+    embed: Float[Array, "vocab d_model"] = eqxpar.param(axes=(None, "embed"))
+    positions: Float[Array, "seq d_model"] = eqxpar.param(axes=(None, "embed"))
+    blocks: list[nn.TransformerBlock]
+    ln_f: nn.LayerNorm
+    head: Float[Array, "d_model vocab"] = eqxpar.param(axes=("embed", None))
+
+    def __call__(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out vocab"]:
+        # Split the ids and the position table, not the embedded activations: the
+        # backward pass then sums table-sized gradients over `tensor`, not (B, S, D).
+        ids = nn.split_sequence(tokens)
+        positions = nn.split_sequence(self.positions[: tokens.shape[1]], seq_dim=0)
+        x = jnp.take(self.embed, ids, axis=0) + positions[None]
+        for block in self.blocks:
+            x = block(x)
+        return jnp.tensordot(self.ln_f(x), self.head, axes=1)
+
+
+def loss_fn(model: TPTransformer, batch: _workload.Batch) -> Float[Array, ""]:
+    """The workload's loss: next-token cross-entropy averaged over every token."""
+    inputs, targets = batch
+    logits = model(inputs)
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, nn.split_sequence(targets))
+    return nn.sequence_mean(per_token)
+
+
+def convert(model: _workload.Transformer, cfg: _workload.Config = _workload.CONFIG) -> TPTransformer:
+    """The same weights in `TPTransformer`'s layout. Works on any pytree shaped like
+    the workload model (its gradients, say): it only moves and reshapes arrays."""
+    d, h, hd = cfg.d_model, cfg.heads, cfg.head_dim
+    blocks = []
+    for b in model.blocks:
+        block = nn.TransformerBlock(d, h, cfg.mlp, fused_qkv=True, key=jax.random.key(0))
+        # eqx.nn.Linear stores (out, in); the eqxpar layers store (in, ..., out).
+        block = eqx.tree_at(
+            lambda t: (
+                t.norm1.weight,
+                t.norm1.bias,
+                t.attn.wqkv,
+                t.attn.bq,
+                t.attn.bk,
+                t.attn.bv,
+                t.attn.wo,
+                t.attn.bo,
+                t.norm2.weight,
+                t.norm2.bias,
+                t.mlp.w_in,
+                t.mlp.b_in,
+                t.mlp.w_out,
+                t.mlp.b_out,
+            ),
+            block,
+            (
+                b.ln1.weight,
+                b.ln1.bias,
+                b.qkv.weight.T.reshape(d, 3, h, hd),
+                *b.qkv.bias.reshape(3, h, hd),
+                b.out.weight.T.reshape(h, hd, d),
+                b.out.bias,
+                b.ln2.weight,
+                b.ln2.bias,
+                b.up.weight.T[:, None, :],
+                b.up.bias[None, :],
+                b.down.weight.T,
+                b.down.bias,
+            ),
+        )
+        blocks.append(block)
+    ln_f = eqx.tree_at(lambda n: (n.weight, n.bias), nn.LayerNorm(d), (model.ln_f.weight, model.ln_f.bias))
+    return TPTransformer(
+        embed=model.embed.weight,
+        positions=model.positions.weight,
+        blocks=blocks,
+        ln_f=ln_f,
+        head=model.head.weight.T,
+    )
