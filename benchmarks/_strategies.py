@@ -104,7 +104,7 @@ def min_comm_bytes(
 
 
 def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
-    """Bytes of one device's share of `model`'s floating-point parameters under `plan`."""
+    """Bytes of one device's share of `model`'s floating-point parameters (arrays) under `plan`."""
     specs = eqxpar.partition_specs(model, plan)
     params = eqx.filter(model, eqx.is_inexact_array)
     total = 0
