@@ -16,6 +16,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 import eqxpar
+from eqxpar._rules import mesh_axis_names
 
 from . import _tp_model, _workload
 from ._baseline import JitStep
@@ -115,7 +116,7 @@ def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
     ):
         split = 1
         for entry in spec:
-            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            for axis in mesh_axis_names(entry):
                 split *= plan.mesh.shape[axis]
         total += leaf.nbytes // split
     return total

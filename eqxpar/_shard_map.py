@@ -6,7 +6,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from ._errors import AxisNameError, PlanError
 from ._plan import Plan
@@ -30,6 +30,16 @@ def _check_specs(tree: Any, specs: Any, plan: Plan, *, where: str) -> None:
             check_spec(
                 spec, tuple(leaf.shape), plan.mesh, where=f"{where}, array of shape {tuple(leaf.shape)}"
             )
+
+
+def region_manual_axes(mesh: Mesh, axis_names: Collection[str]) -> frozenset[str]:
+    """The axes a `shard_map` over `axis_names` is really manual over: all of them
+    in a fully manual region; in a partial-manual one, those of size > 1 (a size-1
+    axis splits nothing, and XLA rejects collectives over a size-1 manual axis there)."""
+    manual = frozenset(axis_names)
+    if manual == frozenset(mesh.axis_names):
+        return manual
+    return frozenset(a for a in manual if mesh.shape[a] > 1)
 
 
 def filter_shard_map(
@@ -90,11 +100,9 @@ def filter_shard_map(
                 f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
             )
 
-    all_axes = frozenset(plan.mesh.axis_names)
-    if manual != all_axes:
-        manual = frozenset(a for a in manual if plan.mesh.shape[a] > 1)
+    manual = region_manual_axes(plan.mesh, manual)
     # Empty for a fully manual region; else the axes left automatic.
-    dropped = all_axes - manual
+    dropped = frozenset(plan.mesh.axis_names) - manual
 
     def keep_manual(specs: Any) -> Any:
         # Spec entries naming an axis left automatic would not be manual specs.

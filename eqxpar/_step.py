@@ -2,7 +2,7 @@
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import equinox as eqx
@@ -14,7 +14,8 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._errors import PlanError
 from ._plan import Plan
-from ._shard_map import filter_shard_map
+from ._rules import mesh_axis_names
+from ._shard_map import filter_shard_map, region_manual_axes
 from ._sharding import check_batch, named_shardings, shard
 from ._specs import partition_specs
 from ._train_state import TrainState
@@ -211,16 +212,7 @@ def _validate(plan: Plan, accumulate: int, where: str) -> None:
         raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
 
 
-def _effective_manual_axes(plan: Plan) -> tuple[str, ...]:
-    # As filter_shard_map treats them: a partial-manual region leaves size-1 axes
-    # automatic (XLA rejects collectives over them there).
-    manual = plan.manual_axes
-    if set(manual) == set(plan.mesh.axis_names):
-        return manual
-    return tuple(a for a in manual if plan.mesh.shape[a] > 1)
-
-
-def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: tuple[str, ...]) -> None:
+def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
     # Inside the manual region a weight split over a manual axis arrives as a shard.
     # eqxpar.nn layers know what to do with shards of the tensor axis; nothing
     # gathers a weight split over another manual axis (FSDP over data/fsdp is
@@ -230,7 +222,7 @@ def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: tuple[str, ...])
         if not isinstance(spec, PartitionSpec):
             continue
         for entry in spec:
-            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            for axis in mesh_axis_names(entry):
                 if axis in manual_axes and axis not in allowed and plan.mesh.shape[axis] > 1:
                     raise PlanError(
                         f"mode='manual' splits weights over the tensor axis {plan.tensor_axis!r} only, "
@@ -253,7 +245,7 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
         return automatic
 
-    manual_axes = _effective_manual_axes(plan)
+    manual_axes = region_manual_axes(plan.mesh, plan.manual_axes)
     # The batch axes this step splits the batch over by hand; batch axes left
     # automatic (partial-manual plans) are the compiler's: it sees the whole batch
     # along them, and reduces the gradients over them itself, after the region.
