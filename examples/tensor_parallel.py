@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _loop import train  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
@@ -125,19 +126,14 @@ def main(argv=None):
     eval_batch = eqxpar.shard_batch(
         data.windows(np.random.default_rng(1), 256, args.seq_len + 1, split="eval"), plan
     )
-    try:
-        from tqdm import trange
-    except ImportError:  # the examples extra is optional
-        trange = range
-    bar = trange(args.steps)
-    for i in bar:
-        state, metrics = step(state, data.windows(rng, args.batch_size, args.seq_len + 1))
-        if (i + 1) % 50 == 0 or i + 1 == args.steps:
-            message = (
-                f"step {i + 1}: loss {float(metrics['loss']):.3f}, "
-                f"eval {float(evaluate(state.model, eval_batch)):.3f}, lr {float(metrics['learning_rate']):.2e}"
-            )
-            bar.write(message) if hasattr(bar, "write") else print(message)
+    state = train(
+        step,
+        state,
+        lambda: data.windows(rng, args.batch_size, args.seq_len + 1),
+        lambda model: evaluate(model, eval_batch),
+        steps=args.steps,
+        every=50,
+    )
 
     final = float(evaluate(state.model, eval_batch))
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {data.unigram_entropy():.3f})")
