@@ -4,7 +4,10 @@ Write the model once with ordinary-looking Equinox layers; choose data, FSDP,
 tensor, sequence or pipeline parallelism by changing only the mesh and the plan.
 """
 
+from . import checkpoint as checkpoint
 from . import collectives as collectives
+from . import data as data
+from . import distributed as distributed
 from . import inspect as inspect
 from . import nn as nn
 from . import rules as rules
@@ -37,6 +40,7 @@ from ._mesh import AXES as AXES
 from ._mesh import BATCH_AXES as BATCH_AXES
 from ._mesh import make_mesh as make_mesh
 from ._param import param as param
+from ._param import stacked as stacked
 from ._plan import Plan as Plan
 from ._plan import current_plan as current_plan
 from ._shard_map import filter_shard_map as filter_shard_map

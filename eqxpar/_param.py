@@ -10,6 +10,9 @@ import equinox as eqx
 # field metadata on the class, so every pytree that reuses the model's module
 # classes (gradients, optax moments) carries the same names for free.
 AXES_KEY = "eqxpar_axes"
+# The metadata key of a field holding a stack of identical sub-modules (every array
+# below it has extra leading dimensions, e.g. one per layer or pipeline stage).
+LEADING_KEY = "eqxpar_leading_axes"
 
 
 def param(*, axes: Sequence[str | None], **field_kwargs: Any) -> Any:
@@ -51,3 +54,39 @@ def field_axes(module: eqx.Module, name: str) -> tuple[str | None, ...] | None:
     if not isinstance(field, dataclasses.Field):
         return None
     return field.metadata.get(AXES_KEY)
+
+
+def stacked(*, leading: Sequence[str]) -> Any:
+    """Declare a module field that holds a *stack* of identical sub-modules.
+
+    Every array below the field has `len(leading)` extra leading dimensions (one
+    per layer of a scanned stack, or per pipeline stage); their logical names are
+    `leading`, prepended to the names the sub-modules declare, so rules see e.g.
+    `("layers", "embed", "mlp")`. `eqxpar.nn.Stacked` uses `("layers",)`.
+
+    **Arguments:**
+
+    - `leading`: one logical name per leading dimension.
+
+    **Returns:** a dataclass field for an `eqx.Module` class body.
+
+    ```python
+    class Stages(eqx.Module):
+        blocks: Block = eqxpar.stacked(leading=("stage",))
+    ```
+    """
+    leading = tuple(leading)
+    if not leading or not all(isinstance(name, str) for name in leading):
+        raise TypeError(
+            f"eqxpar.stacked(leading={leading!r}): expected one or more logical axis names (str)."
+        )
+    return eqx.field(metadata={LEADING_KEY: leading})
+
+
+def field_leading(module: eqx.Module, name: str) -> tuple[str, ...]:
+    """The leading logical axes declared with `stacked` on field `name`, or ()."""
+    fields = getattr(type(module), "__dataclass_fields__", {})
+    field = fields.get(name)
+    if not isinstance(field, dataclasses.Field):
+        return ()
+    return tuple(field.metadata.get(LEADING_KEY, ()))

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._errors import AxisNameError, PlanError
@@ -18,6 +19,15 @@ _TOKENS = threading.local()
 _CURRENT: contextvars.ContextVar["Plan | None"] = contextvars.ContextVar("eqxpar_plan", default=None)
 
 Mode = Literal["auto", "manual"]
+
+#: Rematerialisation policies of scanned stacks (`eqxpar.nn.Stacked`), from most
+#: memory to least: keep everything; keep matmul results; keep each block's input
+#: only; keep only the stack's input (the whole stack is recomputed once in the
+#: backward pass, and each block once more inside that).
+REMAT_POLICIES = ("none", "dots", "inputs", "full")
+
+#: Pipeline schedules (`eqxpar.pipeline.schedule`, `Plan(schedule=...)`).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -51,6 +61,32 @@ class Plan:
       gives a partial-manual step: eqxpar issues the tensor-parallel collectives
       inside `shard_map` while the other axes stay automatic, so the compiler
       splits the batch over `data` and reduces its gradients there.
+    - `remat`: what a scanned stack (`eqxpar.nn.Stacked`) keeps for the backward
+      pass, per block: `"none"` (everything), `"dots"` (matmul outputs; the rest
+      is recomputed), `"inputs"` (nothing but each block's input; the block is
+      recomputed), `"full"` (nothing but the stack's input: the forward pass is
+      recomputed once more, keeping block inputs, then each block as in
+      `"inputs"`).
+    - `schedule`: run the step as a pipeline over mesh axis `pipe` with this
+      schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`; see
+      `eqxpar.pipeline`); the loss must be an `eqxpar.pipeline.PipelineLoss`.
+      None (default): no pipeline.
+    - `microbatches`: micro-batches each pipeline step splits the batch into
+      (pipeline plans only; gradient accumulation is `make_step(accumulate=...)`).
+    - `chunks`: virtual stages per device (`schedule="interleaved"` only).
+    - `zero1`: ZeRO-1: parameters stay as the rules place them (typically
+      replicated) while the optimizer state is split over `batch_axes`; each step
+      reduce-scatters the gradients, updates the parameter shards and all-gathers
+      the new parameters.
+    - `param_dtype`: the dtype of the stored (master) parameters and hence of the
+      optimizer state; `train.init` casts floating-point weights to it. None:
+      leave the model's dtypes.
+    - `compute_dtype`: the dtype the loss is computed in: floating-point weights
+      and batch leaves are cast to it inside the step (e.g. `jnp.bfloat16`);
+      gradients come back in the parameters' dtype. None: no cast.
+    - `reduce_dtype`: the dtype gradients are reduced in over the data-parallel
+      devices in manual steps (default: the parameters' dtype). Automatic steps
+      reduce wherever the compiler puts the reduction, in the dtype it has there.
 
     Validated when built: every mesh axis named by a rule or annotation must exist.
     Entering a plan (`with plan:`) makes it the one `eqxpar.annotate` resolves
@@ -72,6 +108,14 @@ class Plan:
     tp_overlap: bool
     tensor_axis: str
     manual_axes: tuple[str, ...]
+    remat: str
+    schedule: str | None
+    microbatches: int
+    chunks: int
+    zero1: bool
+    param_dtype: Any
+    compute_dtype: Any
+    reduce_dtype: Any
 
     def __init__(
         self,
@@ -85,6 +129,14 @@ class Plan:
         tp_overlap: bool = False,
         tensor_axis: str = "tensor",
         manual_axes: Sequence[str] | None = None,
+        remat: str = "none",
+        schedule: str | None = None,
+        microbatches: int = 1,
+        chunks: int = 1,
+        zero1: bool = False,
+        param_dtype: Any = None,
+        compute_dtype: Any = None,
+        reduce_dtype: Any = None,
     ):
         if not isinstance(mesh, Mesh):
             raise PlanError(
@@ -152,6 +204,9 @@ class Plan:
             manual_axes = tuple(a for a in names if a in set(manual_axes))
         else:
             manual_axes = names if mode == "manual" else ()
+        if remat not in REMAT_POLICIES:
+            raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
+        _check_pipeline(schedule, microbatches, chunks, manual_axes, names)
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "rules", rules)
         object.__setattr__(self, "batch_axes", batch_axes)
@@ -161,6 +216,26 @@ class Plan:
         object.__setattr__(self, "tp_overlap", bool(tp_overlap))
         object.__setattr__(self, "tensor_axis", tensor_axis)
         object.__setattr__(self, "manual_axes", manual_axes)
+        object.__setattr__(self, "remat", remat)
+        object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "microbatches", microbatches)
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "zero1", bool(zero1))
+        for what, dtype in (
+            ("param_dtype", param_dtype),
+            ("compute_dtype", compute_dtype),
+            ("reduce_dtype", reduce_dtype),
+        ):
+            if dtype is not None:
+                try:
+                    dtype = jnp.dtype(dtype)
+                except TypeError as e:
+                    raise PlanError(f"Plan({what}={dtype!r}): not a dtype; use e.g. jnp.bfloat16.") from e
+                if not jnp.issubdtype(dtype, jnp.floating):
+                    raise PlanError(
+                        f"Plan({what}={dtype}): expected a floating-point dtype (float32, bfloat16, ...)."
+                    )
+            object.__setattr__(self, what, dtype)
 
     @property
     def batch_size_multiple(self) -> int:
@@ -171,6 +246,16 @@ class Plan:
     def batch_spec(self) -> PartitionSpec:
         """The PartitionSpec of a batch leaf: leading dimension over `batch_axes`."""
         return PartitionSpec(self.batch_axes)
+
+    @property
+    def optimizer_rules(self) -> tuple[Rule, ...]:
+        """The rules that place the optimizer state: the parameters' rules, or
+        under `zero1` those plus a split over `batch_axes` (see `rules.ZeroShard`)."""
+        if not self.zero1:
+            return self.rules
+        from ._rules import ZeroShard
+
+        return (ZeroShard(self.rules, axis=self.batch_axes),)
 
     def annotation(self, name: str) -> PartitionSpec | None:
         """The spec registered for annotation `name`, or None."""
@@ -187,6 +272,41 @@ class Plan:
 
     def __exit__(self, *exc: Any) -> None:
         _CURRENT.reset(_TOKENS.stack.pop())
+
+
+def _check_pipeline(
+    schedule: str | None, microbatches: int, chunks: int, manual_axes: tuple[str, ...], names: tuple[str, ...]
+) -> None:
+    for what, value in (("microbatches", microbatches), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"Plan({what}={value!r}): expected a positive integer.")
+    if schedule is None:
+        if microbatches != 1 or chunks != 1:
+            raise PlanError(
+                f"Plan(microbatches={microbatches}, chunks={chunks}) needs a pipeline schedule: set "
+                f"schedule= one of {PIPELINE_SCHEDULES}. (Gradient accumulation without a pipeline is "
+                "eqxpar.train.make_step(..., accumulate=k).)"
+            )
+        return
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PlanError(
+            f"Plan(schedule={schedule!r}): unknown schedule; expected one of {PIPELINE_SCHEDULES}."
+        )
+    if "pipe" not in names:
+        raise PlanError(
+            f"Plan(schedule={schedule!r}) pipelines over mesh axis 'pipe', but the mesh has axes "
+            f"{names}. Build the mesh with eqxpar.make_mesh(pipe=...)."
+        )
+    if chunks > 1 and schedule != "interleaved":
+        raise PlanError(
+            f"Plan(schedule={schedule!r}, chunks={chunks}): only schedule='interleaved' runs several "
+            "chunks (virtual stages) per device. Use schedule='interleaved', or chunks=1."
+        )
+    if manual_axes and set(manual_axes) != set(names):
+        raise PlanError(
+            f"Plan(schedule={schedule!r}, manual_axes={manual_axes!r}): a pipeline step runs manual "
+            "over every mesh axis. Drop manual_axes."
+        )
 
 
 def current_plan() -> Plan | None:

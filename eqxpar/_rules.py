@@ -31,6 +31,9 @@ class Leaf:
     - `shape`, `dtype`: the leaf's global shape and dtype.
     - `axes`: the logical axis names declared with `eqxpar.param`, or None.
     - `mesh`: the mesh the spec is for (None when resolving without one).
+    - `leading`: how many leading dimensions are stack dimensions (one per layer
+      of an `eqxpar.nn.Stacked`, or per pipeline stage); 0 for ordinary leaves.
+      `axes`, when declared, already starts with their names.
     """
 
     path: str
@@ -38,6 +41,7 @@ class Leaf:
     dtype: Any
     axes: tuple[str | None, ...] | None
     mesh: Mesh | None
+    leading: int = 0
 
 
 @runtime_checkable
@@ -113,8 +117,9 @@ class FSDP:
     """Shard every large-enough array over one mesh axis (works on any pytree).
 
     Splits the largest dimension that the axis size divides evenly (the first such
-    dimension on a tie); arrays with fewer than `min_size` elements, or with no
-    divisible dimension, are replicated. Needs no metadata, so it shards plain
+    dimension on a tie), never a stack dimension (layers of a scanned stack, which
+    are used one at a time); arrays with fewer than `min_size` elements per stack
+    entry, or with no divisible dimension, are replicated. Needs no metadata, so it shards plain
     Equinox models (`eqx.nn.MLP`) as well as eqxpar layers.
 
     **Arguments:**
@@ -140,9 +145,11 @@ class FSDP:
                 "dimension; resolve it through a Plan (partition_specs(tree, plan))."
             )
         size = math.prod(leaf.mesh.shape[a] for a in mesh_axis_names(self.axis))
-        if math.prod(leaf.shape) < self.min_size:
+        if math.prod(leaf.shape[leaf.leading :]) < self.min_size:
             return PartitionSpec()
-        candidates = [i for i, d in enumerate(leaf.shape) if d % size == 0 and d >= size]
+        candidates = [
+            i for i, d in enumerate(leaf.shape) if i >= leaf.leading and d % size == 0 and d >= size
+        ]
         if not candidates:
             return PartitionSpec()
         dim = max(candidates, key=lambda i: (leaf.shape[i], -i))
@@ -237,3 +244,60 @@ def as_rules(rules: Any) -> tuple[Rule, ...]:
         f"{rules!r} is not a rule; expected an eqxpar.rules rule (Logical, FSDP, "
         "ByPath, Policy), a sequence of them, or None."
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroShard:
+    """Another rule set's specs, with one more dimension split over `axis`: the
+    layout of ZeRO-1 optimizer state (`Plan(zero1=True)` uses it).
+
+    The added split goes on the largest dimension the rule set leaves unsplit and
+    that the axis size divides (never a stack dimension); leaves with fewer than
+    `min_size` elements per stack entry, or with no such dimension, keep the base
+    spec.
+
+    **Arguments:**
+
+    - `base`: the rules giving the parameters' specs (a rule or sequence).
+    - `axis`: the mesh axis or axes to add (default `("data", "fsdp")`).
+    - `min_size`: see `FSDP`.
+
+    ```python
+    opt_rules = eqxpar.rules.ZeroShard(eqxpar.rules.MEGATRON, axis=("data",))
+    ```
+    """
+
+    base: Any
+    axis: str | tuple[str, ...] = ("data", "fsdp")
+    min_size: int = 2**10
+
+    def mesh_axes(self) -> set[str]:
+        out = set(mesh_axis_names(self.axis))
+        for rule in as_rules(self.base):
+            declared = getattr(rule, "mesh_axes", None)
+            out |= set(declared() if declared else ())
+        return out
+
+    def spec(self, leaf: Leaf) -> PartitionSpec | None:
+        spec = None
+        for rule in as_rules(self.base):
+            spec = rule.spec(leaf)
+            if spec is not None:
+                break
+        entries: list[MeshAxes] = list(spec or PartitionSpec())
+        entries += [None] * (len(leaf.shape) - len(entries))
+        axes = tuple(a for a in mesh_axis_names(self.axis) if leaf.mesh is None or leaf.mesh.shape[a] > 1)
+        used = {a for e in entries for a in mesh_axis_names(e)}
+        if not axes or used & set(axes) or math.prod(leaf.shape[leaf.leading :]) < self.min_size:
+            return PartitionSpec(*entries)
+        size = math.prod(leaf.mesh.shape[a] for a in axes) if leaf.mesh is not None else 1
+        free = [
+            i
+            for i, d in enumerate(leaf.shape)
+            if i >= leaf.leading and entries[i] is None and d % size == 0 and d >= size
+        ]
+        if not free:
+            return PartitionSpec(*entries)
+        dim = max(free, key=lambda i: (leaf.shape[i], -i))
+        entries[dim] = axes if len(axes) > 1 else axes[0]
+        return PartitionSpec(*entries)

@@ -10,7 +10,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import GetAttrKey, keystr
 
 from ._errors import AxisNameError, DivisibilityError, SpecError
-from ._param import field_axes
+from ._param import field_axes, field_leading
 from ._rules import Leaf, Rule, as_rules, mesh_axis_names
 
 
@@ -30,21 +30,32 @@ def leaves_with_axes(tree: Any) -> Iterator[tuple[tuple, Any, tuple | None]]:
 
     The logical axes of a leaf come from the field metadata of the module that
     holds it directly, so gradients and optax moments (which reuse the model's
-    module classes) report the same axes as the parameters.
+    module classes) report the same axes as the parameters. Below a stacked field
+    (`eqxpar.stacked`) the stack's leading names are prepended.
     """
+    for path, leaf, axes, _ in leaves_with_layout(tree):
+        yield path, leaf, axes
 
-    def visit(node, path, axes):
+
+def leaves_with_layout(tree: Any) -> Iterator[tuple[tuple, Any, tuple | None, int]]:
+    """As `leaves_with_axes`, plus the number of leading stack dimensions of each
+    leaf (0 outside stacked fields)."""
+
+    def visit(node, path, axes, leading):
         structure = jax.tree.structure(node)
         if structure.num_nodes == 1 and structure.num_leaves == 1:
-            yield path, node, axes
+            declared = None if axes is None else leading + axes
+            yield path, node, declared, len(leading)
             return
         for key, child in _children(node):
             child_axes = None
+            child_leading = leading
             if isinstance(node, eqx.Module) and isinstance(key, GetAttrKey):
                 child_axes = field_axes(node, key.name)
-            yield from visit(child, path + (key,), child_axes)
+                child_leading = leading + field_leading(node, key.name)
+            yield from visit(child, path + (key,), child_axes, child_leading)
 
-    yield from visit(tree, (), None)
+    yield from visit(tree, (), None, ())
 
 
 def drop_axes(spec: PartitionSpec, drop: frozenset[str] | set[str]) -> PartitionSpec:
@@ -99,7 +110,8 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
     **Arguments:**
 
     - `tree`: any pytree.
-    - `rules`: an `eqxpar.Plan` (its rules and mesh), a rule, or a sequence of rules.
+    - `rules`: an `eqxpar.Plan` (its rules and mesh; a `TrainState`'s optimizer
+      state gets the plan's `optimizer_rules`), a rule, or a sequence of rules.
     - `mesh`: the mesh to check the specs against, when `rules` is not a plan.
 
     **Returns:** a pytree of the same structure with a `PartitionSpec` at every array
@@ -114,14 +126,21 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
     ```
     """
     from ._plan import Plan
+    from ._train_state import TrainState
 
     if isinstance(rules, Plan):
-        mesh = rules.mesh
-        rules = rules.rules
+        plan = rules
+        if isinstance(tree, TrainState) and plan.optimizer_rules != plan.rules:
+            # ZeRO-1: the optimizer state has its own layout.
+            opt_specs = partition_specs(tree.opt_state, plan.optimizer_rules, mesh=plan.mesh)
+            specs = partition_specs(tree, plan.rules, mesh=plan.mesh)
+            return eqx.tree_at(lambda s: s.opt_state, specs, opt_specs, is_leaf=lambda x: x is None)
+        mesh = plan.mesh
+        rules = plan.rules
     rule_list: tuple[Rule, ...] = as_rules(rules)
     _, treedef = jax.tree.flatten(tree)
     specs = []
-    for path, leaf, axes in leaves_with_axes(tree):
+    for path, leaf, axes, leading in leaves_with_layout(tree):
         if not is_array_like(leaf):
             specs.append(None)
             continue
@@ -135,7 +154,9 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
             )
         spec = PartitionSpec()
         if shape:
-            info = Leaf(path=keystr(path), shape=shape, dtype=leaf.dtype, axes=axes, mesh=mesh)
+            info = Leaf(
+                path=keystr(path), shape=shape, dtype=leaf.dtype, axes=axes, mesh=mesh, leading=leading
+            )
             for rule in rule_list:
                 found = rule.spec(info)
                 if found is not None:

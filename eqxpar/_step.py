@@ -13,12 +13,13 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._errors import PlanError
+from ._fsdp import gathered_axes, gathers_of, prepare_model
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map, region_manual_axes
 from ._sharding import check_batch, named_shardings, shard
 from ._specs import partition_specs
-from ._train_state import TrainState
+from ._train_state import TrainState, cast_floating
 
 Metrics = dict[str, Any]
 
@@ -31,6 +32,12 @@ def _learning_rate(opt_state: PyTree) -> Array | None:
         if isinstance(hyper, dict) and "learning_rate" in hyper:
             return jnp.asarray(hyper["learning_rate"])
     return None
+
+
+def _vary(x: Array, axes: tuple[str, ...]) -> Array:
+    # A weight split over an axis is already varying along it (pcast rejects that).
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _split_microbatches(batch: PyTree, k: int) -> PyTree:
@@ -55,12 +62,16 @@ class _Gradients:
         accumulate: int,
         plan: Plan,
         local_axes: tuple[str, ...] = (),
+        prepare: Callable | None = None,
     ):
         # `local_axes`: inside shard_map, the manual axes the batch is split over.
         # The parameters are marked as varying along them before differentiating,
         # so each device's gradient stays local (no implicit psum per micro-batch)
         # and the caller reduces the accumulated gradient once.
+        # `prepare`: applied to the model inside the differentiated function (manual
+        # FSDP gathers weight shards there, so gradients flow back as reduce-scatters).
         self.local_axes = local_axes
+        self.prepare = prepare
         self.loss_fn = loss_fn
         self.has_aux = has_aux
         self.accumulate = accumulate
@@ -68,11 +79,21 @@ class _Gradients:
         self.takes_key = "key" in inspect.signature(loss_fn).parameters
 
     def _value_and_grad(self, params, static, batch, key):
+        compute = self.plan.compute_dtype
+        if compute is not None:
+            batch = cast_floating(batch, compute)
+
         def scalar_loss(params):
+            if compute is not None:
+                # Mixed precision: the cast sits inside the differentiated function,
+                # so gradients come back in the parameters' (master) dtype.
+                params = cast_floating(params, compute)
             model = eqx.combine(params, static)
+            if self.prepare is not None:
+                model = self.prepare(model)
             out = self.loss_fn(model, batch, key=key) if self.takes_key else self.loss_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
-            return loss, aux
+            return loss.astype(jnp.float32) if compute is not None else loss, aux
 
         (loss, aux), grads = jax.value_and_grad(scalar_loss, has_aux=True)(params)
         return loss, aux, grads
@@ -80,7 +101,7 @@ class _Gradients:
     def __call__(self, model, batch, key):
         params, static = eqx.partition(model, eqx.is_inexact_array)
         if self.local_axes:
-            params = jax.tree.map(lambda p: jax.lax.pcast(p, self.local_axes, to="varying"), params)
+            params = jax.tree.map(lambda p: _vary(p, self.local_axes), params)
         k = self.accumulate
         if k == 1:
             return self._value_and_grad(params, static, batch, key)
@@ -104,10 +125,17 @@ class _Gradients:
         return loss / k, aux, grads
 
 
-def _apply(optimizer, state: TrainState, grads, loss, aux, has_aux) -> tuple[TrainState, Metrics]:
-    params = eqx.filter(state.model, eqx.is_inexact_array)
+def _apply(optimizer, plan: Plan, state: TrainState, grads, loss, aux, has_aux) -> tuple[TrainState, Metrics]:
+    model = state.model
+    if plan.zero1:
+        # ZeRO-1: update this device's slice of every parameter (slicing a
+        # replicated array moves nothing), then gather the new parameters.
+        model = shard(model, plan, specs=partition_specs(model, plan.optimizer_rules, mesh=plan.mesh))
+    params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    model = eqx.apply_updates(state.model, updates)
+    model = eqx.apply_updates(model, updates)
+    if plan.zero1:
+        model = shard(model, plan)
     metrics: Metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     lr = _learning_rate(opt_state)
     if lr is not None:
@@ -214,10 +242,10 @@ def _validate(plan: Plan, accumulate: int, where: str) -> None:
 
 def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
     # Inside the manual region a weight split over a manual axis arrives as a shard.
-    # eqxpar.nn layers know what to do with shards of the tensor axis; nothing
-    # gathers a weight split over another manual axis (FSDP over data/fsdp is
-    # automatic mode's), so such a model would silently compute on fragments.
-    allowed = {plan.tensor_axis}
+    # eqxpar.nn layers know what to do with shards of the tensor axis, and the step
+    # gathers shards of the batch axes (FSDP); nothing would gather a weight split
+    # over another manual axis, so such a model would silently compute on fragments.
+    allowed = {plan.tensor_axis, *plan.batch_axes}
     for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
         if not isinstance(spec, PartitionSpec):
             continue
@@ -225,17 +253,22 @@ def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str])
             for axis in mesh_axis_names(entry):
                 if axis in manual_axes and axis not in allowed and plan.mesh.shape[axis] > 1:
                     raise PlanError(
-                        f"mode='manual' splits weights over the tensor axis {plan.tensor_axis!r} only, "
-                        f"but the plan's rules give a weight the spec {spec}, over manual axis "
-                        f"{axis!r}. Use mode='auto' for weights sharded over {axis!r} (FSDP), or "
-                        f"Plan(manual_axes=...) without {axis!r}."
+                        f"mode='manual' splits weights over the tensor axis {plan.tensor_axis!r} and "
+                        f"the batch axes {plan.batch_axes} (FSDP) only, but the plan's rules give a "
+                        f"weight the spec {spec}, over manual axis {axis!r}. Use mode='auto' for "
+                        f"such weights, or Plan(manual_axes=...) without {axis!r}."
                     )
 
 
 def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: bool) -> Callable:
     """`(model, batch, key) -> (loss, aux, grads)` over the global batch, for the
     plan's mode; gradients come out with the parameters' sharding."""
-    if plan.mode == "auto":
+    if plan.schedule is not None:
+        # Pipeline plans run their own engine (eqxpar.pipeline): same contract.
+        from .pipeline._engine import pipeline_gradients
+
+        return pipeline_gradients(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
+    if plan.mode == "auto" and not plan.zero1:
         grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan)
 
         def automatic(model, batch, key):
@@ -245,21 +278,27 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
         return automatic
 
-    manual_axes = region_manual_axes(plan.mesh, plan.manual_axes)
+    # ZeRO-1 under an automatic plan: only the batch axes are manual, so that the
+    # gradients can be reduce-scattered (XLA all-reduces and slices otherwise).
+    manual_axes = region_manual_axes(plan.mesh, plan.batch_axes if plan.mode == "auto" else plan.manual_axes)
     # The batch axes this step splits the batch over by hand; batch axes left
     # automatic (partial-manual plans) are the compiler's: it sees the whole batch
     # along them, and reduces the gradients over them itself, after the region.
     axes = tuple(a for a in plan.batch_axes if a in manual_axes)
     dp = math.prod(plan.mesh.shape[a] for a in axes)
-    grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=axes)
 
-    def per_device(model, batch, key):
+    def per_device(model, batch, key, specs, out_specs):
+        prepare = (lambda m: prepare_model(m, specs, axes)) if axes else None
+        grads_of = _Gradients(
+            loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=axes, prepare=prepare
+        )
         # Distinct examples per device need distinct randomness (e.g. dropout).
         for axis in axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         loss, aux, grads = grads_of(model, batch, key)
         if not axes:
             return loss, aux, grads
+
         # `grads_of` differentiated w.r.t. parameters marked varying along the batch
         # axes, so these are this device's (accumulated) gradients: one all-reduce
         # of the gradient bytes makes them global. (Differentiating the replicated
@@ -267,8 +306,28 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
         # micro-batch; a pmean on top of it would reduce twice.) Along the tensor
         # axis check_vma does the right thing unaided: a weight split over it gets
         # its own shard's gradient, and a replicated weight used on sequence shards
-        # gets its partial gradients summed.
-        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / dp, grads)
+        # gets its partial gradients summed. A weight split over batch axes (FSDP)
+        # was gathered in the loss, so its gradient arrives reduce-scattered over
+        # those axes and is summed over the remaining ones only.
+        # Under ZeRO-1 a gradient whose out spec adds batch axes is reduce-scattered
+        # along that dimension instead: each device keeps the slice it updates.
+        def reduce(spec, out_spec, g):
+            if g is None:
+                return None
+            gathered = gathered_axes(spec, axes)
+            scatter = [(d, a) for d, a in gathers_of(out_spec, axes, where="gradient") if set(a) - gathered]
+            rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
+            dtype = g.dtype
+            if plan.reduce_dtype is not None:
+                g = g.astype(plan.reduce_dtype)
+            for dim, over in scatter:
+                g = jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+            if rest:
+                g = jax.lax.psum(g, rest)
+            return (g / dp).astype(dtype)
+
+        is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
+        grads = jax.tree.map(reduce, specs, out_specs, grads, is_leaf=is_spec)
         loss = jax.lax.pmean(loss, axes)
         if has_aux:
             aux = jax.tree.map(
@@ -279,16 +338,18 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
     def manual(model, batch, key):
         specs = partition_specs(model, plan)
         _check_manual_specs(specs, plan, manual_axes)
+        # The gradients' layout: the parameters', or under ZeRO-1 the optimizer's.
+        grad_specs = partition_specs(model, plan.optimizer_rules, mesh=plan.mesh)
         loss, aux, grads = filter_shard_map(
-            per_device,
+            lambda model, batch, key: per_device(model, batch, key, specs, grad_specs),
             plan,
             in_specs=(specs, plan.batch_spec, PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(), specs),
+            out_specs=(PartitionSpec(), PartitionSpec(), grad_specs),
             axis_names=manual_axes,
         )(model, batch, key)
         if set(manual_axes) != set(plan.mesh.axis_names):
-            # Automatic axes: gradients take the parameters' sharding, as in auto mode.
-            grads = shard(grads, plan)
+            # Automatic axes: gradients take their sharding there, as in auto mode.
+            grads = shard(grads, plan, specs=partition_specs(grads, plan.optimizer_rules, mesh=plan.mesh))
         return loss, aux, grads
 
     return manual
@@ -342,7 +403,7 @@ def make_step(
     def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         key = jax.random.fold_in(state.key, state.step)
         loss, aux, grads = gradients(state.model, batch, key)
-        return _apply(optimizer, state, grads, loss, aux, has_aux)
+        return _apply(optimizer, plan, state, grads, loss, aux, has_aux)
 
     return Step(body, plan, donate=donate, accumulate=accumulate)
 

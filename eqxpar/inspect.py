@@ -1,5 +1,18 @@
-"""Reading what a compiled step does: collective traffic and memory per device."""
+"""Reading what a plan and a compiled step do: where every array lives, the
+collective traffic beside its theoretical minimum, memory per device, and
+pictures of array layouts."""
 
 from ._hlo import CollectiveStats as CollectiveStats
 from ._hlo import collective_stats as collective_stats
 from ._hlo import shape_bytes as shape_bytes
+from ._layout import layout as layout
+from ._layout import save_layout_png as save_layout_png
+from ._memory import MemoryReport as MemoryReport
+from ._memory import memory_report as memory_report
+from ._report import CommReport as CommReport
+from ._report import Minimum as Minimum
+from ._report import comm_report as comm_report
+from ._report import minimum_comm as minimum_comm
+from ._table import Row as Row
+from ._table import ShardingTable as ShardingTable
+from ._table import sharding_table as sharding_table

@@ -7,6 +7,8 @@ replicated):
 - `FSDP(axis=, min_size=)`: shard each large array's largest divisible dimension.
 - `ByPath([(regex, spec), ...], strict=)`: specs by regular expression on leaf paths.
 - `Policy(fn)`: any function of the leaf.
+- `ZeroShard(base, axis=)`: another rule set's specs plus a split over the
+  data-parallel axes (the ZeRO-1 optimizer-state layout).
 
 Ready-made: `MEGATRON` (tensor parallelism of eqxpar.nn layers) and `MEGATRON_FSDP`.
 
@@ -30,6 +32,9 @@ from ._rules import (
 )
 from ._rules import (
     Rule as Rule,
+)
+from ._rules import (
+    ZeroShard as ZeroShard,
 )
 
 #: Megatron tensor parallelism for eqxpar.nn layers: MLP hidden features, attention

@@ -123,12 +123,14 @@ def test_bad_plan_mode():
         eqxpar.Plan(eqxpar.make_mesh(data=8), mode="sync")
 
 
-def test_manual_mode_rejects_weights_split_over_a_batch_axis():
+def test_manual_mode_rejects_weights_split_over_a_non_batch_axis():
+    # Batch axes are gathered (manual FSDP) and tensor is the layers'; nothing
+    # gathers a weight split over `pipe` outside a pipeline schedule.
     model = LogicalMLP(8, 16, 8, key=jax.random.key(0))
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, fsdp=2), rules=Logical({"mlp": "fsdp"}), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, pipe=2), rules=Logical({"mlp": "pipe"}), mode="manual")
     state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan)
-    with pytest.raises(eqxpar.PlanError, match="over manual axis 'fsdp'"):
+    with pytest.raises(eqxpar.PlanError, match="over manual axis 'pipe'"):
         step(state, regression_batches(1, d_in=8, d_out=8)[0])
 
 

@@ -140,14 +140,6 @@ def test_partial_manual_keeps_the_batch_split_and_reductions_out_of_loops(mode):
         assert abs(stats.total_wire_bytes - full_stats.total_wire_bytes) <= 0.05 * full_stats.total_wire_bytes
 
 
-def test_manual_plan_rejects_weights_split_over_other_manual_axes():
-    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4), rules=eqxpar.rules.MEGATRON_FSDP, mode="manual")
-    model = TinyGPT(key=jax.random.key(0))
-    value_and_grad = eqxpar.train.make_value_and_grad(loss_fn, plan)
-    with pytest.raises(eqxpar.PlanError, match="over manual axis 'fsdp'"):
-        value_and_grad(model, batches(1)[0])
-
-
 def test_manual_axes_validation():
     mesh = eqxpar.make_mesh(data=2, tensor=4)
     with pytest.raises(eqxpar.PlanError, match="needs mode='manual'"):

@@ -19,6 +19,7 @@ from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
 from ._sequence import sequence_mean as sequence_mean
 from ._sequence import split_sequence as split_sequence
+from ._stack import Stacked as Stacked
 from ._vocab import Embedding as Embedding
 from ._vocab import Unembed as Unembed
 from ._vocab import cross_entropy as cross_entropy

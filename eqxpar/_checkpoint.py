@@ -1,0 +1,424 @@
+"""Sharded, asynchronous, atomic checkpoints of a train state, on orbax-checkpoint.
+
+Only arrays go into the files: each process writes the shards it holds, and a
+restore reads only the shards the target plan puts on this process, so a state
+saved under one mesh restores under another. Everything that is not an array (the
+model's structure, activation functions, static fields) comes from the `like`
+template at restore time: nothing is pickled. Beside the arrays a small JSON item
+records each array leaf's path, shape and dtype (checked against the template, so
+a checkpoint of another model fails with a clear error) and the data iterator's
+position.
+"""
+
+import json
+import os
+import pathlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding
+from jaxtyping import PyTree
+
+from ._errors import EqxparError
+from ._plan import Plan
+from ._sharding import named_shardings
+
+_FORMAT = "eqxpar.checkpoint"
+_VERSION = 1
+_ARRAYS = "state"
+_META = "eqxpar"
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(EqxparError):
+    """A checkpoint cannot be saved or restored (missing, corrupt, foreign, mismatched)."""
+
+
+def _orbax() -> ModuleType:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise CheckpointError(
+            "eqxpar.checkpoint needs orbax-checkpoint, which is not installed. Install it "
+            "with `pip install eqxpar[checkpoint]` (or `pip install orbax-checkpoint`)."
+        ) from e
+    return ocp
+
+
+def _is_array(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _array_leaves(tree: PyTree) -> list[tuple[str, Any]]:
+    """`(path, leaf)` for every array leaf, in flattening order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(path) or "<root>", leaf) for path, leaf in flat if _is_array(leaf)]
+
+
+def _name(i: int) -> str:
+    return f"leaf_{i:05d}"
+
+
+class CheckpointManager:
+    """Save and restore a train state every few steps, keeping the last few.
+
+    Each `save` writes one step's checkpoint into `directory/<step>`: the arrays
+    of the state (each process writes only its own shards, in the background),
+    and a JSON record of the leaves and of `data_state`. A checkpoint becomes
+    visible only when complete (orbax writes into a temporary directory and
+    renames it), so a crash during a save leaves the previous one loadable.
+
+    All processes of a run must call `save`, `wait` and `restore` together, with
+    the same arguments.
+
+    **Arguments:**
+
+    - `directory`: where the checkpoints live (created if missing; on a
+      filesystem all processes share).
+    - `max_to_keep`: keep the newest this many checkpoints (None: keep all).
+    - `async_save`: write in a background thread; `save` returns once the arrays
+      are copied off the devices (so the next train step may overwrite them).
+
+    ```python
+    manager = eqxpar.checkpoint.CheckpointManager("ckpt", max_to_keep=3)
+    if manager.latest_step() is not None:
+        state, data_state = manager.restore(like=state, plan=plan)
+    ...
+    manager.save(int(state.step), state, data_state=iterator.get_state())
+    manager.wait()                     # before exiting
+    ```
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True):
+        ocp = _orbax()
+        if max_to_keep is not None and (
+            not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1
+        ):
+            raise CheckpointError(
+                f"CheckpointManager(max_to_keep={max_to_keep!r}): expected an integer >= 1 or None."
+            )
+        self._directory = pathlib.Path(directory).absolute()
+        if self._directory.exists() and not self._directory.is_dir():
+            raise CheckpointError(
+                f"CheckpointManager: {str(self._directory)!r} exists and is not a directory. "
+                "Give a directory path for the checkpoints."
+            )
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=bool(async_save),
+            create=True,
+            # Leftovers of saves that crashed midway are never loadable; drop them.
+            cleanup_tmp_directories=True,
+        )
+        self._ocp = ocp
+        self._manager = _guard(
+            lambda: ocp.CheckpointManager(self._directory, options=options, item_names=(_ARRAYS, _META)),
+            f"opening checkpoint directory {str(self._directory)!r}",
+            "check that the path is a writable directory.",
+        )
+
+    @property
+    def directory(self) -> pathlib.Path:
+        """The checkpoint directory (absolute)."""
+        return self._directory
+
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints in the directory, oldest first.
+
+        ```python
+        manager.all_steps()          # [10, 20, 30]
+        ```
+        """
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none.
+
+        ```python
+        if manager.latest_step() is not None:
+            state, data_state = manager.restore(like=state, plan=plan)
+        ```
+        """
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: PyTree, *, data_state: dict[str, Any] | None = None) -> None:
+        """Start saving `state` (and the data position) as checkpoint `step`.
+
+        Returns once the arrays are copied off the devices; the files are written
+        in the background (call `wait()` before reading them or exiting). Older
+        checkpoints beyond `max_to_keep` are deleted once this one is complete.
+
+        **Arguments:**
+
+        - `step`: the checkpoint's step number (>= 0, not already saved).
+        - `state`: the train state (`eqxpar.train.TrainState`, or any pytree).
+          Only its arrays are saved; PRNG keys are saved as their raw key data.
+        - `data_state`: a JSON-serialisable dict, e.g. `iterator.get_state()`.
+
+        **Raises:** `CheckpointError` for a bad step, a step already saved, a
+        state without arrays or a `data_state` JSON cannot hold.
+
+        ```python
+        manager.save(int(state.step), state, data_state=iterator.get_state())
+        ```
+        """
+        if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"CheckpointManager.save(step={step!r}): expected an integer >= 0.")
+        step = int(step)
+        if step in self.all_steps():
+            raise CheckpointError(
+                f"checkpoint step {step} already exists in {str(self._directory)!r}. Save each step "
+                "once: use a new step number, or delete that step's directory first."
+            )
+        if data_state is not None and not isinstance(data_state, dict):
+            raise CheckpointError(
+                f"CheckpointManager.save(data_state={data_state!r}): expected a dict or None, "
+                "e.g. ShardedIterator.get_state()."
+            )
+        try:
+            data_json = json.loads(json.dumps(data_state, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"CheckpointManager.save(data_state={data_state!r}): not JSON-serialisable ({e}). "
+                "Pass a dict of numbers and strings, e.g. ShardedIterator.get_state()."
+            ) from e
+        leaves = _array_leaves(state)
+        if not leaves:
+            raise CheckpointError(
+                "CheckpointManager.save: the state has no array leaves to save; pass the "
+                "train state (eqxpar.train.TrainState)."
+            )
+        arrays = {}
+        records = []
+        for i, (path, leaf) in enumerate(leaves):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise CheckpointError(
+                    f"CheckpointManager.save: leaf {path} is an abstract ShapeDtypeStruct, not an "
+                    "array. Save a concrete state (the one the train step returns)."
+                )
+            record = {"path": path, "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+            if _is_key(leaf):
+                record["key_impl"] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            record["data_shape"] = list(leaf.shape)
+            arrays[_name(i)] = leaf
+            records.append(record)
+        meta = {"format": _FORMAT, "version": _VERSION, "leaves": records, "data_state": data_json}
+        ocp = self._ocp
+        args = ocp.args.Composite(**{_ARRAYS: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)})
+        _guard(
+            lambda: self._manager.save(step, args=args, force=True),
+            f"saving checkpoint step {step} to {str(self._directory)!r}",
+            "check free disk space and write permission.",
+        )
+
+    def wait(self) -> None:
+        """Block until every started save is written and visible.
+
+        **Raises:** `CheckpointError` if a background save failed.
+
+        ```python
+        manager.save(step, state)
+        manager.wait()               # the files of `step` are now complete
+        ```
+        """
+        _guard(
+            self._manager.wait_until_finished,
+            f"writing checkpoints to {str(self._directory)!r}",
+            "check free disk space and write permission.",
+        )
+
+    def restore(
+        self, step: int | None = None, *, like: PyTree, plan: Plan | None = None
+    ) -> tuple[PyTree, dict[str, Any] | None]:
+        """Load checkpoint `step` (default: the latest) into the shape of `like`.
+
+        Each array is read directly into the sharding `plan` gives it
+        (`eqxpar.named_shardings(like, plan)`), reading only this process's
+        shards, so a state saved under one mesh and plan loads under any other
+        (e.g. saved under `fsdp=8`, restored under `fsdp=4, tensor=2`).
+
+        **Arguments:**
+
+        - `step`: the checkpoint to load; None for the latest.
+        - `like`: a state of the same structure: the freshly initialised state, or
+          its outline `eqx.filter_eval_shape(eqxpar.train.init, model, optim,
+          plan, key=key)`. Its non-array parts are used as they are.
+        - `plan`: the target plan; None to use the shardings of `like`'s arrays.
+
+        **Returns:** `(state, data_state)`: the restored state (global arrays, in
+        the plan's shardings) and the saved `data_state` (None if none was saved).
+
+        **Raises:** `CheckpointError` when there is no checkpoint, the step is
+        missing, the files are corrupt or truncated, the directory is not an
+        eqxpar checkpoint, or its arrays do not match `like`.
+
+        ```python
+        abstract = eqx.filter_eval_shape(eqxpar.train.init, model, optim, plan, key=key)
+        state, data_state = manager.restore(like=abstract, plan=plan)
+        iterator.set_state(data_state)
+        ```
+        """
+        self.wait()  # a save still being written would otherwise be invisible
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(
+                    f"no complete checkpoint in {str(self._directory)!r}. Check the path, or "
+                    "start from a fresh state when latest_step() is None."
+                )
+            step = steps[-1]
+        if not isinstance(step, int | np.integer) or isinstance(step, bool) or step not in steps:
+            raise CheckpointError(
+                f"checkpoint step {step!r} is not in {str(self._directory)!r} (complete steps: "
+                f"{steps}). Restore one of those, or step=None for the latest."
+            )
+        step = int(step)
+        where = self._directory / str(step)
+        ocp = self._ocp
+        fix = (
+            f"delete {str(where)!r} and restore an earlier step "
+            f"(restore(step=...), steps {[s for s in steps if s != step]}), or point the manager at "
+            "the right directory."
+        )
+        if not (where / _META).is_dir() or not (where / _ARRAYS).is_dir():
+            raise CheckpointError(
+                f"{str(where)!r} is not an eqxpar checkpoint (no {_META!r} and {_ARRAYS!r} items). "
+                f"It was written by something else, or is incomplete: {fix}"
+            )
+        meta = _guard(
+            lambda: self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[
+                _META
+            ],
+            f"reading checkpoint {str(where)!r}",
+            fix,
+        )
+        if (
+            not isinstance(meta, dict)
+            or meta.get("format") != _FORMAT
+            or not isinstance(meta.get("leaves"), list)
+        ):
+            raise CheckpointError(f"{str(where)!r} is not an eqxpar checkpoint (unknown metadata): {fix}")
+        if meta.get("version") != _VERSION:
+            raise CheckpointError(
+                f"{str(where)!r} has eqxpar checkpoint version {meta.get('version')!r}; this eqxpar "
+                f"reads version {_VERSION}. Restore it with the eqxpar version that wrote it."
+            )
+        leaves = _array_leaves(like)
+        records = meta["leaves"]
+        _check_matches(records, leaves, where)
+        shardings = _target_shardings(like, plan, leaves)
+        target = {}
+        for i, (record, sharding) in enumerate(zip(records, shardings, strict=True)):
+            dtype = jnp.uint32 if "key_impl" in record else jnp.dtype(record["dtype"])
+            target[_name(i)] = jax.ShapeDtypeStruct(tuple(record["data_shape"]), dtype, sharding=sharding)
+        arrays = _guard(
+            lambda: self._manager.restore(
+                step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(target)})
+            )[_ARRAYS],
+            f"reading the arrays of checkpoint {str(where)!r}",
+            fix,
+        )
+        restored = []
+        for i, record in enumerate(records):
+            value = arrays[_name(i)]
+            if "key_impl" in record:
+                value = jax.random.wrap_key_data(value, impl=record["key_impl"])
+            restored.append(value)
+        flat, treedef = jax.tree.flatten(like)
+        it = iter(restored)
+        state = jax.tree.unflatten(treedef, [next(it) if _is_array(leaf) else leaf for leaf in flat])
+        return state, meta.get("data_state")
+
+    def close(self) -> None:
+        """Wait for pending saves, then release the manager's threads (also on `with` exit).
+
+        ```python
+        with eqxpar.checkpoint.CheckpointManager("ckpt") as manager:
+            manager.save(0, state)
+        ```
+        """
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self._directory)!r}, steps={self.all_steps()})"
+
+
+def _guard(fn: Callable[[], Any], doing: str, fix: str) -> Any:
+    # orbax and tensorstore report a damaged file as a deep traceback of their own
+    # exception types; turn any failure into one eqxpar error that says what was
+    # being done, where, and what to do about it.
+    try:
+        return fn()
+    except EqxparError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        error = CheckpointError(f"{doing} failed: {type(e).__name__}: {first[:500]}. Fix: {fix}")
+        # The library's own traceback stays reachable as __context__ but is not printed.
+        raise error from None
+
+
+def _check_matches(records: list[dict[str, Any]], leaves: list[tuple[str, Any]], where: pathlib.Path) -> None:
+    fix = (
+        "Restore with `like` built for the same model and optimizer as the saved run "
+        "(e.g. eqx.filter_eval_shape(eqxpar.train.init, model, optimizer, plan, key=key))."
+    )
+    if len(records) != len(leaves):
+        raise CheckpointError(
+            f"{str(where)!r} holds {len(records)} arrays but `like` has {len(leaves)}. {fix}"
+        )
+    for record, (path, leaf) in zip(records, leaves, strict=True):
+        saved = (record.get("path"), tuple(record.get("shape", ())), record.get("dtype"))
+        wanted = (path, tuple(leaf.shape), str(leaf.dtype))
+        if saved != wanted:
+            raise CheckpointError(
+                f"{str(where)!r} does not match `like`: saved leaf {saved[0]} has shape {saved[1]} "
+                f"and dtype {saved[2]}, but `like` has {wanted[0]} with shape {wanted[1]} and dtype "
+                f"{wanted[2]}. {fix}"
+            )
+
+
+def _target_shardings(like: PyTree, plan: Plan | None, leaves: list[tuple[str, Any]]) -> list[Sharding]:
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise CheckpointError(
+                f"CheckpointManager.restore(plan={plan!r}): expected an eqxpar.Plan or None."
+            )
+        _, treedef = jax.tree.flatten(like)
+        shardings = [s for s in treedef.flatten_up_to(named_shardings(like, plan)) if s is not None]
+        if len(shardings) != len(leaves):
+            raise CheckpointError(
+                "CheckpointManager.restore: the plan's rules did not give every array leaf of `like` "
+                "a sharding; pass a `like` whose array leaves are arrays or jax.ShapeDtypeStructs."
+            )
+        return shardings
+    out = []
+    for path, leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, Sharding):
+            raise CheckpointError(
+                f"CheckpointManager.restore(plan=None): leaf {path} of `like` has no sharding to "
+                "restore into. Pass plan=... (the target plan), or a `like` of placed arrays."
+            )
+        out.append(sharding)
+    return out

@@ -1,0 +1,314 @@
+"""Start N JAX processes on this machine, stream their output, stop them all on a failure.
+
+JAX peers of a dead process block in their next collective until the coordinator's
+heartbeat gives up (100 s by default), so the launcher watches its children itself:
+the first one to exit non-zero gets every other one killed at once.
+"""
+
+import collections
+import os
+import queue
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, DistributedError
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_TAIL_LINES = 20
+# After SIGTERM, how long a child may take to exit before it gets SIGKILL.
+_TERM_GRACE_S = 3.0
+_POLL_S = 0.05
+# How long to wait, after a failure, for near-simultaneous failures of its peers.
+_SETTLE_S = 0.2
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the coordinator).
+
+    ```python
+    coordinator = f"127.0.0.1:{eqxpar.launch.free_port()}"
+    ```
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _xla_flags(existing: str, devices_per_process: int) -> str:
+    flags = [f for f in shlex.split(existing) if not f.startswith(_DEVICE_FLAG)]
+    return " ".join([*flags, f"{_DEVICE_FLAG}={devices_per_process}"])
+
+
+def child_env(
+    rank: int, processes: int, devices_per_process: int, coordinator: str, extra: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The environment of process `rank`: the launcher's own, plus the run's settings."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    env[ENV_COORDINATOR] = coordinator
+    env[ENV_NUM_PROCESSES] = str(processes)
+    env[ENV_PROCESS_ID] = str(rank)
+    env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), devices_per_process)
+    env["JAX_PLATFORMS"] = "cpu"
+    # Lines must reach the launcher as they are printed, not when a buffer fills.
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class _Child:
+    """One launched process, its output pumps and the tail of its output."""
+
+    def __init__(self, rank: int, command: list[str], env: dict[str, str], lock: threading.Lock):
+        self.rank = rank
+        # Its own session (process group), so killing it also kills whatever it spawned.
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout, lock), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr, lock), daemon=True),
+        ]
+        for pump in self.pumps:
+            pump.start()
+
+    def _pump(self, stream: Any, sink: Any, lock: threading.Lock) -> None:
+        # `stream`: the child's pipe (binary); `sink`: a text stream such as sys.stdout.
+        prefix = f"[rank {self.rank}] "
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            with lock:
+                self.tail.append(line)
+                sink.write(prefix + line + "\n")
+                sink.flush()
+        stream.close()
+
+    def kill(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def finish_output(self, timeout: float) -> None:
+        for pump in self.pumps:
+            pump.join(timeout)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _exit_code(code: int) -> int:
+    # A signal death is reported as the shell does (128 + signal number).
+    return 128 - code if code < 0 else code
+
+
+def run(
+    script: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    processes: int,
+    devices_per_process: int = 1,
+    timeout: float | int | None = None,
+    env: Mapping[str, str] | None = None,
+    python: str | None = None,
+) -> int:
+    """Run `python script args...` as `processes` JAX processes on this machine.
+
+    Each process gets `EQXPAR_COORDINATOR` (127.0.0.1 and a free port),
+    `EQXPAR_NUM_PROCESSES` and `EQXPAR_PROCESS_ID`, read by
+    `eqxpar.distributed.initialize()`, plus `JAX_PLATFORMS=cpu` and
+    `XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`.
+    Their standard output and error are streamed line by line, each line prefixed
+    with `[rank k]`. When a process exits non-zero (or is killed), every other one
+    is killed with its whole process group, and the rank, its exit status and the
+    last lines of its output are written to standard error.
+
+    **Arguments:**
+
+    - `script`: path of the Python script to run.
+    - `args`: its command-line arguments.
+    - `processes`: number of processes (>= 1).
+    - `devices_per_process`: simulated CPU devices in each process (>= 1).
+    - `timeout`: seconds after which all processes are killed (None: no limit).
+    - `env`: extra environment variables for every process.
+    - `python`: the interpreter (default: the one running the launcher).
+
+    **Returns:** 0 when every process exits with 0; otherwise the failing
+    process's exit code (128 + signal number for a signal), or 124 on timeout.
+
+    ```python
+    code = eqxpar.launch.run("train.py", ["--steps", "10"], processes=2, devices_per_process=4)
+    ```
+    """
+    for name, value in (("processes", processes), ("devices_per_process", devices_per_process)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DistributedError(f"launch.run({name}={value!r}): expected an integer >= 1.")
+    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+        raise DistributedError(
+            f"launch.run(timeout={timeout!r}): expected a positive number of seconds or None."
+        )
+    timeout = None if timeout is None else float(timeout)
+    script = os.fspath(script)
+    if not os.path.isfile(script):
+        raise DistributedError(
+            f"launch.run: script {script!r} does not exist (working directory {os.getcwd()!r}). "
+            "Give the path of a Python file."
+        )
+    if isinstance(args, str):
+        raise DistributedError(
+            f"launch.run(args={args!r}): expected a sequence of arguments, e.g. {shlex.split(args)!r}."
+        )
+    coordinator = f"127.0.0.1:{free_port()}"
+    command = [python or sys.executable, script, *args]
+    lock = threading.Lock()
+    children: list[_Child] = []
+    start = time.monotonic()
+    try:
+        for rank in range(processes):
+            children.append(
+                _Child(rank, command, child_env(rank, processes, devices_per_process, coordinator, env), lock)
+            )
+        return _watch(children, lock, start=start, timeout=timeout)
+    except BaseException:
+        _stop(children)
+        raise
+
+
+def _watch(children: list[_Child], lock: threading.Lock, *, start: float, timeout: float | None) -> int:
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for child in children:
+        threading.Thread(target=lambda c=child: exits.put((c.rank, c.proc.wait())), daemon=True).start()
+    finished = 0
+    while True:
+        try:
+            rank, code = exits.get(timeout=_POLL_S)
+        except queue.Empty:
+            if timeout is not None and time.monotonic() - start > timeout:
+                _stop(children)
+                with lock:
+                    sys.stderr.write(
+                        f"eqxpar.launch: the {len(children)} processes did not finish within "
+                        f"{timeout:g} s; killed them all. Raise the timeout or look for a hang.\n"
+                    )
+                    sys.stderr.flush()
+                return 124
+            continue
+        if code == 0:
+            finished += 1
+            if finished == len(children):
+                for child in children:
+                    child.finish_output(5.0)
+                return 0
+            continue
+        # A crash often makes its peers fail a moment later (broken connections).
+        # Among failures that arrive together, a death by signal is the likelier
+        # cause, and the others its consequences.
+        failures = [(rank, code)]
+        time.sleep(_SETTLE_S)
+        while not exits.empty():
+            other = exits.get()
+            if other[1] != 0:
+                failures.append(other)
+        rank, code = next((f for f in failures if f[1] < 0), failures[0])
+        child = children[rank]
+        _stop([c for c in children if c is not child])
+        child.finish_output(2.0)
+        _report(child, code, children, failures, lock)
+        return _exit_code(code)
+
+
+def _stop(children: list[_Child]) -> None:
+    alive = [c for c in children if c.proc.poll() is None]
+    for child in alive:
+        child.kill(signal.SIGTERM)
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for child in alive:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in children:
+        # The group may hold grandchildren even after the child itself is gone.
+        child.kill(signal.SIGKILL)
+        child.proc.wait()
+        child.finish_output(2.0)
+
+
+def _report(
+    child: _Child, code: int, children: list[_Child], failures: list[tuple[int, int]], lock: threading.Lock
+) -> None:
+    tail = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
+    also = "".join(
+        f" Rank {rank} also {_describe(c)} at about the same time."
+        for rank, c in failures
+        if rank != child.rank
+    )
+    with lock:
+        sys.stderr.write(
+            f"eqxpar.launch: rank {child.rank} (pid {child.proc.pid}) {_describe(code)}; "
+            f"stopped the other {len(children) - 1} process(es).{also} "
+            f"Last lines of rank {child.rank}'s output:\n{tail}\n"
+        )
+        sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: `python -m eqxpar.launch -n N [--devices-per-process D] [--timeout S] script.py [args...]`.
+
+    **Returns:** the exit code of `run` (0 when every process succeeded).
+
+    ```python
+    sys.exit(eqxpar.launch.main(["-n", "2", "--devices-per-process", "4", "train.py"]))
+    ```
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eqxpar.launch",
+        description="Run a JAX script as N processes on this machine (simulated CPU devices), "
+        "streaming their output; if one fails, all are stopped.",
+    )
+    parser.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
+    parser.add_argument(
+        "--devices-per-process", type=int, default=1, help="simulated CPU devices per process (default 1)"
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    options = parser.parse_args(argv)
+
+    def terminated(signum: int, frame: object) -> None:
+        # Unwind through run(), which kills the children, instead of orphaning them.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        return run(
+            options.script,
+            options.args,
+            processes=options.processes,
+            devices_per_process=options.devices_per_process,
+            timeout=options.timeout,
+        )
+    except DistributedError as e:
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,12 @@
+"""Feeding a multi-process run: each process's rows, assembled into global batches.
+
+```python
+it = eqxpar.data.ShardedIterator((x, y), plan, batch_size=64, seed=0)
+batch = eqxpar.data.global_batch(next(it), plan)      # global arrays, batch_spec
+state, metrics = step(state, batch)
+```
+"""
+
+from ._data import ShardedIterator as ShardedIterator
+from ._data import global_batch as global_batch
+from ._data import process_slice as process_slice

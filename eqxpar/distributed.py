@@ -1,0 +1,20 @@
+"""Multi-process runs: `initialize`, process-aware printing and logging.
+
+```python
+import eqxpar.distributed as dist
+dist.initialize()                    # reads eqxpar.launch's environment, or Slurm/MPI/k8s
+dist.print_once("only process 0 prints this")
+dist.log("every process logs this, as [rank k/n] ...")
+```
+"""
+
+from ._distributed import DistributedError as DistributedError
+from ._distributed import RankLoggerAdapter as RankLoggerAdapter
+from ._distributed import get_logger as get_logger
+from ._distributed import initialize as initialize
+from ._distributed import is_main_process as is_main_process
+from ._distributed import log as log
+from ._distributed import print_once as print_once
+from ._distributed import process_count as process_count
+from ._distributed import process_index as process_index
+from ._distributed import rank_prefix as rank_prefix

@@ -1,0 +1,134 @@
+"""A stack of identical blocks stored once and run with `lax.scan`."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PRNGKeyArray, PyTree
+
+from .._errors import PlanError
+from .._fsdp import Gather, gather_weights
+from .._param import stacked
+from .._plan import current_plan
+
+
+def _checkpoint(fn: Callable, policy: str) -> Callable:
+    if policy == "none":
+        # Under manual FSDP this keeps each layer's gathered weights for the
+        # backward pass (one gather per step, like GSPMD); any other policy
+        # gathers them again there, so no layer stays whole between the passes.
+        return fn
+    base = (
+        jax.checkpoint_policies.checkpoint_dots
+        if policy == "dots"
+        else jax.checkpoint_policies.nothing_saveable
+    )
+
+    def policy_fn(prim, *args, **params):
+        # Never keep a gathered weight (a dot of two weights would be one).
+        if prim.name == "all_gather":
+            return False
+        return base(prim, *args, **params)
+
+    return jax.checkpoint(fn, policy=policy_fn, prevent_cse=False)
+
+
+class Stacked(eqx.Module):
+    """`depth` identical blocks stored as one module and applied in order with
+    `lax.scan`, so compile time does not grow with depth.
+
+    Every array of `blocks` has a leading layer dimension, named `"layers"` for the
+    rules (unsharded unless a rule maps it); `rules.FSDP` never splits it. The
+    active plan's `remat` decides what the scan keeps for the backward pass.
+
+    **Arguments:**
+
+    - `make_block`: `make_block(key) -> block`, called once under `eqx.filter_vmap`
+      to build all blocks at once; a block maps `(x, *args) -> x` (same shape).
+    - `depth`: number of blocks (keyword-only).
+    - `key`: PRNG key (keyword-only).
+
+    Calling the stack applies block 0, then 1, ...: `stack(x, *args, **kwargs)`
+    passes the extra arguments to every block unchanged.
+
+    ```python
+    stack = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 4, 256, key=k),
+                              depth=8, key=key)
+    y = stack(x)                                   # x: (batch, seq, 64)
+    ```
+    """
+
+    blocks: PyTree = stacked(leading=("layers",))
+    depth: int = eqx.field(static=True)
+    # Set by a manual FSDP step on its per-device copy of the model: how each array
+    # of a layer is all-gathered inside the scanned body (so one layer's weights
+    # are whole at a time; the gather's transpose reduce-scatters the gradient).
+    layer_gathers: tuple[Gather, ...] | None = eqx.field(static=True, default=None)
+
+    def __init__(self, make_block: Callable[[PRNGKeyArray], Any], *, depth: int, key: PRNGKeyArray):
+        if not isinstance(depth, int) or depth < 1:
+            raise PlanError(f"Stacked(depth={depth!r}): expected a positive integer number of blocks.")
+        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(key, depth))
+        self.depth = depth
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[Any]) -> "Stacked":
+        """Stack already-built blocks of one structure (e.g. to convert a model
+        that keeps a list of layers)."""
+        blocks = list(blocks)
+        if not blocks:
+            raise PlanError("Stacked.from_blocks([]): give at least one block.")
+        structures = {jax.tree.structure(eqx.filter(b, eqx.is_array)) for b in blocks}
+        if len(structures) != 1:
+            raise PlanError(
+                "Stacked.from_blocks: the blocks differ in structure; a stack needs identical "
+                "blocks (same class, same shapes, same static settings)."
+            )
+        arrays = [eqx.filter(b, eqx.is_array) for b in blocks]
+        static = eqx.filter(blocks[0], eqx.is_array, inverse=True)
+        stacked_arrays = jax.tree.map(lambda *xs: jnp.stack(xs), *arrays)
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "blocks", eqx.combine(stacked_arrays, static))
+        object.__setattr__(obj, "depth", len(blocks))
+        object.__setattr__(obj, "layer_gathers", None)
+        return obj
+
+    def with_layer_gathers(self, gathers: tuple[Gather, ...] | None) -> "Stacked":
+        """A copy whose scanned body all-gathers each layer's arrays as `gathers`
+        says (one entry per array of `blocks`, in leaf order); used by manual FSDP
+        steps, not by users."""
+        obj = object.__new__(type(self))
+        for name in ("blocks", "depth"):
+            object.__setattr__(obj, name, getattr(self, name))
+        object.__setattr__(obj, "layer_gathers", gathers)
+        return obj
+
+    def __getitem__(self, index: int) -> Any:
+        """Block `index` as an ordinary module."""
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda x: x[index], arrays), static)
+
+    def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+        plan = current_plan()
+        policy = plan.remat if plan is not None else "none"
+        gathers = self.layer_gathers
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def layer(h, params):
+            if gathers is not None:
+                leaves, treedef = jax.tree.flatten(params)
+                leaves = [gather_weights(x, g) for x, g in zip(leaves, gathers, strict=True)]
+                params = jax.tree.unflatten(treedef, leaves)
+            return eqx.combine(params, static)(h, *args, **kwargs)
+
+        layer = _checkpoint(layer, "inputs" if policy == "full" else policy)
+
+        def run(h, arrays):
+            h, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), h, arrays)
+            return h
+
+        if policy == "full":
+            run = _checkpoint(run, "inputs")
+        return run(x, arrays)

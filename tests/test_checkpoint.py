@@ -1,0 +1,234 @@
+"""eqxpar.checkpoint: sharded async save, restore onto another mesh, damage and crashes."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+import eqxpar.checkpoint
+from eqxpar.checkpoint import CheckpointError, CheckpointManager
+
+from ._helpers import mse_loss
+
+HERE = pathlib.Path(__file__).parent
+
+
+def regression_batches(n):
+    # numpy, not jax.random: eager random ops would each compile, and time matters here.
+    rng = np.random.default_rng(0)
+    return [
+        (rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32))
+        for _ in range(n)
+    ]
+
+
+def _fsdp_plan(**sizes):
+    return eqxpar.Plan(eqxpar.make_mesh(**sizes), rules=eqxpar.rules.FSDP(min_size=256))
+
+
+def _state(plan, *, width=64, seed=0):
+    model = eqx.nn.MLP(16, 4, width, 2, key=jax.random.key(seed))
+    optimizer = optax.adamw(1e-2)
+    return eqxpar.train.init(model, optimizer, plan, key=jax.random.key(seed + 1)), optimizer
+
+
+def _host(state):
+    """Every array leaf as numpy (key arrays as their key data), in flattening order."""
+    out = []
+    for leaf in jax.tree.leaves(eqx.filter(state, eqx.is_array)):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out.append(np.array(leaf))
+    return out
+
+
+def _assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+def test_async_save_survives_donated_steps_and_keeps_last_k(tmp_path):
+    plan = _fsdp_plan(fsdp=8)
+    state, optimizer = _state(plan)
+    step = eqxpar.train.make_step(mse_loss, optimizer, plan)
+    batches = regression_batches(5)
+    manager = CheckpointManager(tmp_path / "all", max_to_keep=None)
+    assert manager.latest_step() is None
+    snapshots = {}
+    for i, batch in enumerate(batches[:4], start=1):
+        state, _ = step(state, batch)
+        snapshots[i] = _host(state)
+        # The next step donates and overwrites these buffers while the save may
+        # still be writing in the background; the checkpoint must hold step i's values.
+        manager.save(i, state, data_state={"step": i, "seed": 7})
+    manager.wait()
+    assert manager.all_steps() == [1, 2, 3, 4]
+    for i in (2, 4):
+        restored, data_state = manager.restore(i, like=state, plan=plan)
+        assert data_state == {"step": i, "seed": 7}
+        assert int(restored.step) == i
+        _assert_bitwise_equal(_host(restored), snapshots[i])
+    restored, _ = manager.restore(2, like=state, plan=plan)
+    want = jax.tree.leaves(eqxpar.named_shardings(eqx.filter(restored, eqx.is_array), plan))
+    assert [leaf.sharding for leaf in jax.tree.leaves(eqx.filter(restored, eqx.is_array))] == want
+    # The non-array parts come from `like`, not from the file.
+    assert restored.model.activation is state.model.activation
+    # A restored state trains on bit for bit as the original did.
+    again, _ = step(restored, batches[2])
+    _assert_bitwise_equal(_host(again), snapshots[3])
+    manager.close()
+
+    with CheckpointManager(tmp_path / "last2", max_to_keep=2) as keep:
+        for i in range(4):
+            keep.save(i, again)
+    assert CheckpointManager(tmp_path / "last2").all_steps() == [2, 3]
+    _, data_state = CheckpointManager(tmp_path / "last2").restore(like=again, plan=plan)
+    assert data_state is None
+
+
+def test_restore_onto_another_mesh(tmp_path):
+    source = _fsdp_plan(fsdp=8)
+    state, optimizer = _state(source)
+    step = eqxpar.train.make_step(mse_loss, optimizer, source)
+    state, _ = step(state, regression_batches(1)[0])
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state)
+
+    rules = [
+        eqxpar.rules.ByPath([(r"layers\[1\]\.weight$", P("tensor", "fsdp"))], strict=False),
+        eqxpar.rules.FSDP(min_size=256),
+    ]
+    target = eqxpar.Plan(eqxpar.make_mesh(fsdp=4, tensor=2), rules=rules)
+    model = eqx.nn.MLP(16, 4, 64, 2, key=jax.random.key(99))
+    abstract = eqx.filter_eval_shape(eqxpar.train.init, model, optimizer, target, key=jax.random.key(5))
+    restored, _ = CheckpointManager(tmp_path).restore(like=abstract, plan=target)
+
+    _assert_bitwise_equal(_host(restored), _host(state))
+    weight = restored.model.layers[1].weight
+    assert weight.sharding.spec == P("tensor", "fsdp")
+    assert weight.sharding.mesh.shape["tensor"] == 2
+    mu = restored.opt_state[0].mu.layers[1].weight
+    assert mu.sharding.spec == P("tensor", "fsdp")
+
+
+def _largest_file(root: pathlib.Path) -> pathlib.Path:
+    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_damaged_or_foreign_checkpoints_raise_eqxpar_errors(tmp_path):
+    plan = _fsdp_plan(fsdp=8)
+    state, _ = _state(plan)
+    with CheckpointManager(tmp_path / "run", max_to_keep=None) as manager:
+        manager.save(1, state, data_state={"step": 1, "seed": 0})
+        manager.save(2, state, data_state={"step": 2, "seed": 0})
+    manager = CheckpointManager(tmp_path / "run")
+
+    # A truncated array file: an eqxpar error naming the checkpoint and the fix.
+    victim = _largest_file(tmp_path / "run" / "2" / "state")
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"run/2.*restore an earlier step") as info:
+        manager.restore(like=state, plan=plan)
+    assert "[1]" in str(info.value)
+    # The other checkpoint still loads.
+    restored, data_state = manager.restore(1, like=state, plan=plan)
+    assert data_state == {"step": 1, "seed": 0}
+    _assert_bitwise_equal(_host(restored), _host(state))
+
+    # Garbage metadata.
+    meta = next(p for p in (tmp_path / "run" / "1" / "eqxpar").rglob("*") if p.is_file())
+    meta.write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"run/1"):
+        manager.restore(1, like=state, plan=plan)
+
+    # Another model's checkpoint.
+    other = eqx.tree_at(lambda s: s.model.layers[0].weight, state, jnp.zeros((64, 8)))
+    with CheckpointManager(tmp_path / "other") as m:
+        m.save(0, other)
+    with pytest.raises(CheckpointError, match=r"does not match `like`.*layers\[0\]\.weight"):
+        CheckpointManager(tmp_path / "other").restore(like=state, plan=plan)
+
+    # A directory some other tool wrote.
+    foreign = tmp_path / "foreign" / "3"
+    foreign.mkdir(parents=True)
+    (foreign / "weights.bin").write_bytes(b"\x00" * 64)
+    m = CheckpointManager(tmp_path / "foreign")
+    if m.latest_step() == 3:
+        with pytest.raises(CheckpointError, match="not an eqxpar checkpoint"):
+            m.restore(like=state, plan=plan)
+    else:
+        with pytest.raises(CheckpointError, match="no complete checkpoint"):
+            m.restore(like=state, plan=plan)
+
+
+def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
+    directory = tmp_path / "ckpt"
+    result = subprocess.run(
+        [sys.executable, str(HERE / "_multihost_script.py"), "crash-mid-save", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == -9, result.stderr[-3000:]
+    assert "crashing mid-save" in result.stdout
+    leftovers = [p.name for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+    assert leftovers, sorted(p.name for p in directory.iterdir())  # it really died inside the save
+
+    manager = CheckpointManager(directory)
+    assert manager.all_steps() == [1]
+    like = {"key": jax.random.key(0), "w": jnp.zeros(8)}
+    restored, data_state = manager.restore(like=like)
+    assert data_state == {"step": 1, "seed": 0}
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(8.0))
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(restored["key"])), np.asarray(jax.random.key_data(jax.random.key(3)))
+    )
+    # The next save goes through, and the crashed one's leftovers are gone.
+    manager.save(2, like)
+    manager.close()
+    assert CheckpointManager(directory).all_steps() == [1, 2]
+    assert not [p for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+
+
+def test_bad_arguments(tmp_path, monkeypatch):
+    plan = _fsdp_plan(fsdp=8)
+    state, _ = _state(plan)
+    manager = CheckpointManager(tmp_path / "c")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        manager.restore(like=state, plan=plan)
+    with pytest.raises(CheckpointError, match=r"step=-1"):
+        manager.save(-1, state)
+    with pytest.raises(CheckpointError, match="not JSON-serialisable"):
+        manager.save(0, state, data_state={"step": object()})
+    with pytest.raises(CheckpointError, match="no array leaves"):
+        manager.save(0, {"lr": 0.1})
+    manager.save(0, state)
+    manager.wait()
+    with pytest.raises(CheckpointError, match="already exists"):
+        manager.save(0, state)
+    with pytest.raises(CheckpointError, match=r"step 7 is not in .*\[0\]"):
+        manager.restore(7, like=state, plan=plan)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), eqx.filter(state, eqx.is_array))
+    with pytest.raises(CheckpointError, match="has no sharding"):
+        manager.restore(like=abstract)
+    with pytest.raises(CheckpointError, match="max_to_keep=0"):
+        CheckpointManager(tmp_path / "d", max_to_keep=0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        CheckpointManager(tmp_path / "file")
+    assert json.loads(json.dumps(manager.all_steps())) == [0]
+    manager.close()
+
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+    with pytest.raises(CheckpointError, match=r"pip install eqxpar\[checkpoint\]"):
+        CheckpointManager(tmp_path / "e")

@@ -1,0 +1,252 @@
+"""eqxpar.launch, and whole multi-process runs through it.
+
+The launcher's own behaviour is checked with tiny scripts that do not import JAX
+(fast). One test then runs examples/multihost.py as 1 process x 8 devices and as
+2 processes x 4 devices, kills one process of a third run with SIGKILL and
+resumes it from its checkpoint.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import eqxpar.launch
+from eqxpar.distributed import DistributedError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "_multihost_script.py"
+
+
+def _script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers signal 0; it is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_run_passes_rank_environment_and_prefixes_output(tmp_path, capsys):
+    script = _script(
+        tmp_path,
+        "env.py",
+        """
+        import os, sys
+        keys = ["EQXPAR_PROCESS_ID", "EQXPAR_NUM_PROCESSES", "EQXPAR_COORDINATOR", "XLA_FLAGS", "JAX_PLATFORMS"]
+        print(" ".join(f"{k}={os.environ[k]}" for k in keys))
+        print("to stderr", file=sys.stderr)
+        print("args", sys.argv[1:])
+        """,
+    )
+    code = eqxpar.launch.run(script, ["--a", "1"], processes=3, devices_per_process=2)
+    out, err = capsys.readouterr()
+    assert code == 0
+    lines = out.splitlines()
+    coordinators = set()
+    for rank in range(3):
+        (line,) = [ln for ln in lines if ln.startswith(f"[rank {rank}] EQXPAR_PROCESS_ID")]
+        assert f"EQXPAR_PROCESS_ID={rank} EQXPAR_NUM_PROCESSES=3" in line
+        assert "--xla_force_host_platform_device_count=2" in line
+        assert line.count("xla_force_host_platform_device_count") == 1  # replaces pytest's own flag
+        assert line.endswith("JAX_PLATFORMS=cpu")
+        coordinators.add(line.split("EQXPAR_COORDINATOR=")[1].split()[0])
+        assert f"[rank {rank}] args ['--a', '1']" in lines
+        assert f"[rank {rank}] to stderr" in err.splitlines()
+    (coordinator,) = coordinators
+    assert coordinator.startswith("127.0.0.1:") and int(coordinator.split(":")[1]) > 0
+
+
+def test_a_failing_rank_stops_the_others_and_is_named(tmp_path, capsys):
+    script = _script(
+        tmp_path,
+        "fail.py",
+        """
+        import os, subprocess, sys, time
+        rank = int(os.environ["EQXPAR_PROCESS_ID"])
+        here = os.path.dirname(__file__)
+        if rank == 1:
+            # Fail once the others (and their children) are surely up.
+            while not all(os.path.exists(os.path.join(here, f"pids{r}")) for r in (0, 2)):
+                time.sleep(0.02)
+            print("about to fail", flush=True)
+            raise SystemExit("rank one broke: disk on fire")
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.path.join(here, f"pids{rank}.tmp"), "w") as f:
+            f.write(f"{os.getpid()} {child.pid}")
+        os.rename(os.path.join(here, f"pids{rank}.tmp"), os.path.join(here, f"pids{rank}"))
+        time.sleep(600)
+        """,
+    )
+    start = time.monotonic()
+    code = eqxpar.launch.run(script, [], processes=3, timeout=120)
+    elapsed = time.monotonic() - start
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert elapsed < 30
+    assert "eqxpar.launch: rank 1 (pid" in err and "exited with code 1" in err
+    assert "stopped the other 2 process(es)" in err
+    assert "    rank one broke: disk on fire" in err  # the tail of its output
+    for rank in (0, 2):
+        pids = [int(p) for p in (tmp_path / f"pids{rank}").read_text().split()]
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), f"rank {rank} or its child survived"
+
+
+def test_timeout_and_bad_arguments(tmp_path, capsys):
+    sleeper = _script(tmp_path, "sleep.py", "import time\ntime.sleep(600)\n")
+    start = time.monotonic()
+    assert eqxpar.launch.run(sleeper, processes=2, timeout=1) == 124
+    assert time.monotonic() - start < 15
+    assert "did not finish within 1 s" in capsys.readouterr().err
+    with pytest.raises(DistributedError, match=r"processes=0.*>= 1"):
+        eqxpar.launch.run(sleeper, processes=0)
+    with pytest.raises(DistributedError, match=r"devices_per_process=-4"):
+        eqxpar.launch.run(sleeper, processes=1, devices_per_process=-4)
+    with pytest.raises(DistributedError, match=r"missing\.py' does not exist"):
+        eqxpar.launch.run(tmp_path / "missing.py", processes=1)
+    with pytest.raises(
+        DistributedError, match=r"expected a sequence of arguments, e\.g\. \['--steps', '3'\]"
+    ):
+        eqxpar.launch.run(sleeper, "--steps 3", processes=1)
+
+
+def test_command_line(tmp_path, capsys):
+    script = _script(tmp_path, "hi.py", "import os\nprint('hi from', os.environ['EQXPAR_PROCESS_ID'])\n")
+    ok = subprocess.run(
+        [sys.executable, "-m", "eqxpar.launch", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(ok.stdout.splitlines()) == ["[rank 0] hi from 0", "[rank 1] hi from 1"]
+    with pytest.raises(SystemExit) as info:
+        eqxpar.launch.main(["-n", "0", str(script)])
+    assert info.value.code == 2
+    assert "processes=0" in capsys.readouterr().err
+
+
+class _Run:
+    """A subprocess whose output lines are collected, with arrival times, as they come."""
+
+    def __init__(self, command, env):
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        self.proc.stdout.close()
+
+    def wait(self, timeout=300):
+        code = self.proc.wait(timeout)
+        self.end = time.monotonic()
+        self.reader.join(10)
+        return code
+
+    @property
+    def output(self):
+        return "\n".join(line for _, line in self.lines)
+
+
+def _launch(n, devices, *args):
+    return [sys.executable, "-m", "eqxpar.launch", "-n", str(n), "--devices-per-process", str(devices)] + [
+        "--timeout",
+        "280",
+        str(SCRIPT),
+        "train",
+        *args,
+    ]
+
+
+def test_two_processes_match_one_and_a_killed_run_resumes_exactly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each run sets its own devices
+    # Later runs reuse the executables earlier ones compiled (same programs): the
+    # machine is small and each process compiles the same few steps.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax-cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    common = ["--steps", "6", "--ckpt-every", "3", "--plan", "fsdp"]
+
+    def files(name):
+        return ["--ckpt-dir", str(tmp_path / name), "--metrics-json", str(tmp_path / f"{name}.json")]
+
+    # Three independent runs at once: 1 x 8 without the launcher, 2 x 4 through
+    # it, and a 2 x 4 run whose rank 1 dies by SIGKILL after step 4 (its last
+    # checkpoint is step 3).
+    single = _Run(
+        [sys.executable, str(ROOT / "examples" / "multihost.py"), *common, *files("single")]
+        + ["--params-out", str(tmp_path / "single.npz")],
+        env,
+    )
+    multi = _Run(
+        _launch(2, 4, "--", *common, *files("multi"), "--params-out", str(tmp_path / "multi.npz")), env
+    )
+    killed = _Run(
+        _launch(2, 4, "--die-after-step", "4", "--die-rank", "1", "--", *common, *files("killed")), env
+    )
+    killed_code = killed.wait()
+    # Resumed from its step-3 checkpoint (while the other two still run).
+    resumed = _Run(
+        _launch(
+            2, 4, "--", *common, *files("killed"), "--resume", "--params-out", str(tmp_path / "resumed.npz")
+        ),
+        env,
+    )
+    assert single.wait() == 0, single.output[-4000:]
+    assert multi.wait() == 0, multi.output[-4000:]
+
+    # 2 processes x 4 devices train exactly like 1 process x 8 devices.
+    one = json.loads((tmp_path / "single.json").read_text())
+    two = json.loads((tmp_path / "multi.json").read_text())
+    assert list(one) == [str(s) for s in range(1, 7)] == list(two)
+    np.testing.assert_allclose(list(two.values()), list(one.values()), rtol=1e-5)
+    a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "multi.npz")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6)
+    # Each process fed half of every global batch; only process 0 printed losses.
+    assert "[rank 0] [rank 0/2] feeds rows slice(0, 32, None)" in multi.output
+    assert "[rank 1] [rank 1/2] feeds rows slice(32, 64, None)" in multi.output
+    assert "[rank 0] step 6: loss" in multi.output and "[rank 1] step" not in multi.output
+
+    # The launcher noticed the dead rank, stopped its peer and named it, fast.
+    assert killed_code != 0, killed.output[-4000:]
+    died_at = min(t for t, line in killed.lines if "[rank 1] [rank 1/2] killing myself with SIGKILL" in line)
+    assert killed.end - died_at < 60
+    assert "eqxpar.launch: rank 1 (pid" in killed.output and "was killed by SIGKILL" in killed.output
+    assert "[rank 0] step 4: loss" in killed.output and "[rank 0] step 5: loss" not in killed.output
+
+    # Resumed, it ends bit for bit where the uninterrupted 2 x 4 run ended.
+    assert resumed.wait() == 0, resumed.output[-4000:]
+    assert "resumed from step 3" in resumed.output
+    after = json.loads((tmp_path / "killed.json").read_text())
+    assert after == {s: two[s] for s in ("4", "5", "6")}
+    c = np.load(tmp_path / "resumed.npz")
+    for name in b:
+        np.testing.assert_array_equal(c[name], b[name])
