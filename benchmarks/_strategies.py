@@ -7,11 +7,13 @@ to `STRATEGIES` and, for a new kind of parallelism, a case to `min_comm_bytes`.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
@@ -101,7 +103,56 @@ def min_comm_bytes(
             count * activation + grads,
             count * _ring("all-reduce", activation, tp) + _ring("all-reduce", grads, dp),
         )
-    raise ValueError(f"min_comm_bytes: no formula for strategy kind {kind!r}; known: 'dp', 'tp'")
+    raise ValueError(f"min_comm_bytes: no formula for strategy kind {kind!r}; known: 'dp', 'tp', 'sharded'")
+
+
+def sharded_minimum(model: Any, plan: eqxpar.Plan, cfg: _workload.Config = _workload.CONFIG) -> Minimum:
+    """The minimum of a plan whose weights may be split over the batch axes (FSDP,
+    HSDP, ZeRO-1) and over `tensor`, counted leaf by leaf from `model`'s specs.
+
+    Per floating-point weight, with `L` its bytes on one tensor shard and `g` the
+    number of batch-axis devices its spec (or, under ZeRO-1, its optimizer state's
+    spec) splits it over, of the plan's `dp` batch devices:
+
+    - `g > 1`: one all-gather of `L` (the weight made whole once per step and kept
+      for the backward pass: remat "none"; under ZeRO-1 after the update), one
+      reduce-scatter of its gradient (result `L / g`), and an all-reduce of that
+      shard over the other `dp / g` batch devices (HSDP);
+    - `g == 1`: one all-reduce of its gradient `L` over the `dp` batch devices;
+
+    plus, with `tensor > 1`, the activation traffic of the `"tp"` minimum (4
+    all-reduces of the local activation per layer, or the same wire bytes as
+    sequence-parallel gather/scatter pairs). With `Plan(compute_dtype=...)` the
+    gathers, their reduce-scatters and the activations are in that dtype.
+    """
+    specs = eqxpar.partition_specs(model, plan.optimizer_rules, mesh=plan.mesh)
+    mesh = plan.mesh.shape
+    dp = math.prod(mesh[a] for a in plan.batch_axes)
+    compute = 4 if plan.compute_dtype is None else jnp.dtype(plan.compute_dtype).itemsize
+    result = wire = 0
+    for leaf, spec in zip(
+        jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)),
+        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+        strict=True,
+    ):
+        axes = [a for entry in spec for a in mesh_axis_names(entry)]
+        tp = math.prod(mesh[a] for a in axes if a not in plan.batch_axes)
+        g = math.prod(mesh[a] for a in axes if a in plan.batch_axes)
+        local = leaf.nbytes // tp
+        if g > 1:
+            gathered = local * compute // leaf.dtype.itemsize
+            result += gathered + gathered // g + (gathered // g if dp > g else 0)
+            wire += _ring("all-gather", gathered, g) + (g - 1) * (gathered // g)
+            wire += _ring("all-reduce", gathered // g, dp // g)
+        elif dp > 1:
+            result += local
+            wire += _ring("all-reduce", local, dp)
+    tp = mesh.get("tensor", 1)
+    if tp > 1:
+        activation = (cfg.batch // dp) * cfg.seq_len * cfg.d_model * compute
+        result += 4 * cfg.layers * activation
+        wire += 4 * cfg.layers * _ring("all-reduce", activation, tp)
+    return Minimum(result, wire)
 
 
 def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
@@ -206,6 +257,98 @@ def _opt_specs(optim: optax.GradientTransformation, model: Any, param_specs: Any
     return jax.tree.map(for_node, state, is_leaf=lambda n: jax.tree.structure(n) == params_def)
 
 
+def _add_axis(specs: Any, model: Any, axis: str, size: int) -> Any:
+    """`specs` with `axis` added on each leaf's largest unsplit dimension that
+    `size` divides (the FSDP layout GSPMD is given; small leaves stay as they are)."""
+
+    def add(spec: PartitionSpec, leaf: Any) -> PartitionSpec:
+        entries = list(spec) + [None] * (leaf.ndim - len(spec))
+        free = [i for i, d in enumerate(leaf.shape) if entries[i] is None and d % size == 0 and d >= size]
+        if leaf.size < 2**10 or not free:
+            return PartitionSpec(*entries)
+        entries[max(free, key=lambda i: (leaf.shape[i], -i))] = axis
+        return PartitionSpec(*entries)
+
+    return jax.tree.map(
+        add, specs, eqx.filter(model, eqx.is_inexact_array), is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
+
+
+def _fsdp(mesh: dict[str, int], **plan_options: Any) -> Builder:
+    """FSDP / HSDP on the plain workload: every large weight split over `fsdp` on
+    its largest divisible dimension (ANCHORS' `jax.jit` FSDP layout)."""
+
+    def build(model: Any, optim: optax.GradientTransformation) -> Setup:
+        plan = eqxpar.Plan(eqxpar.make_mesh(**mesh), rules=eqxpar.rules.FSDP(axis="fsdp"), **plan_options)
+        step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
+        specs = eqxpar.partition_specs(eqx.filter(model, eqx.is_inexact_array), plan)
+        baseline = JitStep(
+            _workload.loss_fn,
+            optim,
+            model,
+            plan.mesh,
+            param_specs=specs,
+            opt_state_specs=_opt_specs(optim, model, specs),
+            batch_spec=plan.batch_spec,
+        )
+        return Setup(plan=plan, step=step, baseline=baseline, min_kind="sharded")
+
+    return build
+
+
+def _zero1(model: Any, optim: optax.GradientTransformation) -> Setup:
+    """ZeRO-1 over data 8: weights replicated, optimizer state split."""
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=jax.device_count()), zero1=True)
+    step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt_specs = eqxpar.partition_specs(params, plan.optimizer_rules, mesh=plan.mesh)
+    baseline = JitStep(
+        _workload.loss_fn,
+        optim,
+        model,
+        plan.mesh,
+        param_specs=jax.tree.map(lambda _: PartitionSpec(), params),
+        opt_state_specs=_opt_specs(optim, model, opt_specs),
+        batch_spec=plan.batch_spec,
+    )
+    return Setup(plan=plan, step=step, baseline=baseline, min_kind="sharded")
+
+
+def _fsdp_tp(mesh: dict[str, int], **plan_options: Any) -> Builder:
+    """FSDP x TP hybrids on the eqxpar.nn workload (`_tp_model`): Megatron over
+    `tensor`, the model dimension over `fsdp` (rules.MEGATRON_FSDP), manual SP."""
+
+    def build(model: Any, optim: optax.GradientTransformation) -> Setup:
+        plan = eqxpar.Plan(
+            eqxpar.make_mesh(**mesh),
+            rules=eqxpar.rules.MEGATRON_FSDP,
+            mode="manual",
+            sequence_parallel=True,
+            **plan_options,
+        )
+        step = eqxpar.train.make_step(_tp_model.loss_fn, optim, plan)
+        specs = _add_axis(_tp_baseline_specs(model), model, "fsdp", mesh["fsdp"])
+        baseline = JitStep(
+            _workload.loss_fn,
+            optim,
+            model,
+            plan.mesh,
+            param_specs=specs,
+            opt_state_specs=_opt_specs(optim, model, specs),
+            batch_spec=plan.batch_spec,
+        )
+        return Setup(
+            plan=plan,
+            step=step,
+            baseline=baseline,
+            min_kind="sharded",
+            loss_fn=_tp_model.loss_fn,
+            convert=_tp_model.convert,
+        )
+
+    return build
+
+
 #: name -> builder, in the order they are run and reported.
 STRATEGIES: dict[str, Builder] = {
     "dp": _dp("auto"),
@@ -213,4 +356,11 @@ STRATEGIES: dict[str, Builder] = {
     "tp": _tp(mode="auto"),
     "tp_sp": _tp(mode="manual", sequence_parallel=True),
     "tp_overlap": _tp(mode="manual", sequence_parallel=True, tp_overlap=True),
+    "fsdp": _fsdp({"fsdp": 8}),
+    "fsdp_manual": _fsdp({"fsdp": 8}, mode="manual"),
+    "zero1": _zero1,
+    "hsdp": _fsdp({"data": 2, "fsdp": 4}, mode="manual"),
+    "fsdp_tp": _fsdp_tp({"fsdp": 2, "tensor": 4}),
+    "dp_fsdp_tp": _fsdp_tp({"data": 2, "fsdp": 2, "tensor": 2}),
+    "dp_fsdp_tp_bf16": _fsdp_tp({"data": 2, "fsdp": 2, "tensor": 2}, compute_dtype=jnp.bfloat16),
 }

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 
 from . import _measure, _workload, report  # noqa: E402
 from ._baseline import reference_run  # noqa: E402
-from ._strategies import STRATEGIES, local_param_bytes, min_comm_bytes  # noqa: E402
+from ._strategies import STRATEGIES, local_param_bytes, min_comm_bytes, sharded_minimum  # noqa: E402
 
 DEVICES = 8
 # (warm-up steps, timed steps) per side; one step is about 1 s on 2 cores.
@@ -104,12 +104,15 @@ def measure(
         )
     mesh_shape = {k: int(v) for k, v in setup.plan.mesh.shape.items()}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    minimum = min_comm_bytes(
-        setup.min_kind,
-        param_bytes=param_bytes,
-        mesh_shape=mesh_shape,
-        local_param_bytes=local_param_bytes(eqx_model, setup.plan),
-    )
+    if setup.min_kind == "sharded":
+        minimum = sharded_minimum(eqx_model, setup.plan)
+    else:
+        minimum = min_comm_bytes(
+            setup.min_kind,
+            param_bytes=param_bytes,
+            mesh_shape=mesh_shape,
+            local_param_bytes=local_param_bytes(eqx_model, setup.plan),
+        )
     return {
         "strategy": name,
         "mesh": _mesh_dict(setup.plan.mesh),
@@ -146,6 +149,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", help=f"comma-separated strategies out of {','.join(STRATEGIES)}")
     parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
     parser.add_argument("--markdown", type=pathlib.Path, help="also render the results as Markdown here")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other strategies' records already in --json (e.g. with --only, to re-measure some)",
+    )
     args = parser.parse_args(argv)
     names = list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
@@ -201,6 +209,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
             flush=True,
         )
     data["wall_time_s"] = time.perf_counter() - started
+    if args.merge and args.json.exists():
+        # Records of strategies not measured now come from the earlier file, each
+        # with the command that made it; the order is the registry's.
+        old = json.loads(args.json.read_text())
+        fresh = {r["strategy"]: r for r in data["records"]}
+        kept = {}
+        for r in old.get("records", []):
+            if r["strategy"] not in fresh:
+                kept[r["strategy"]] = {**r, "command": r.get("command", old.get("command"))}
+        for r in data["records"]:
+            r["command"] = command
+        merged = {**kept, **fresh}
+        data["records"] = [merged[n] for n in STRATEGIES if n in merged]
+        data["commands"] = sorted({r["command"] for r in data["records"]})
+        data["wall_time_s"] = None
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=2) + "\n")
@@ -209,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(
         f"wrote {args.json}"
         + (f" and {args.markdown}" if args.markdown else "")
-        + f" in {data['wall_time_s']:.0f} s"
+        + (f" in {data['wall_time_s']:.0f} s" if data["wall_time_s"] is not None else "")
     )
     return data
 

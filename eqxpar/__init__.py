@@ -10,6 +10,7 @@ from . import data as data
 from . import distributed as distributed
 from . import inspect as inspect
 from . import nn as nn
+from . import pipeline as pipeline
 from . import rules as rules
 from . import train as train
 from ._errors import (

@@ -1,0 +1,55 @@
+"""Pipeline parallelism: a scan-based engine that follows schedules given as data.
+
+A model's blocks live in an `eqxpar.nn.Stacked` (a leading "layers" axis); a
+pipeline plan splits that axis over mesh axis `pipe`, so device `s` holds a
+contiguous run of layers, and runs the train step as one `lax.scan` over the
+ticks of a schedule table inside `shard_map`. The parts before and after the
+stack (embedding, head) are replicated over `pipe` and run on the first and last
+stage; the loss is given in those three parts as a `PipelineLoss`.
+
+```python
+plan = eqxpar.Plan(eqxpar.make_mesh(pipe=4, data=2),
+                   rules=eqxpar.pipeline.stage_rules(),
+                   schedule="1f1b", microbatches=8)
+loss = eqxpar.pipeline.PipelineLoss(first, lambda m: m.blocks, last)
+step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
+```
+
+- `schedule(name, *, stages, microbatches, chunks=1) -> Schedule`: the tables
+  (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`) with their bubble
+  fractions and buffer sizes; `save_schedule_png` draws one.
+- `PipelineLoss(first, stack, last)`: the loss in three parts.
+- `stage_rules(*rules)`: rules that also split every stack's layers over `pipe`.
+- `to_pipeline_order` / `from_pipeline_order`: the storage order of interleaved
+  (several chunks per device) stacks.
+"""
+
+from .._plan import PIPELINE_SCHEDULES as SCHEDULES
+from ._layout import StageRules as StageRules
+from ._layout import from_pipeline_order as from_pipeline_order
+from ._layout import stage_rules as stage_rules
+from ._layout import to_pipeline_order as to_pipeline_order
+from ._loss import PipelineLoss as PipelineLoss
+from ._picture import save_schedule_png as save_schedule_png
+from ._schedule import ACTION_NAMES as ACTION_NAMES
+from ._schedule import COSTS as COSTS
+from ._schedule import Buffers as Buffers
+from ._schedule import Schedule as Schedule
+from ._schedule import check_table as check_table
+from ._schedule import schedule as schedule
+
+__all__ = [
+    "SCHEDULES",
+    "ACTION_NAMES",
+    "COSTS",
+    "Buffers",
+    "PipelineLoss",
+    "Schedule",
+    "StageRules",
+    "check_table",
+    "from_pipeline_order",
+    "save_schedule_png",
+    "schedule",
+    "stage_rules",
+    "to_pipeline_order",
+]

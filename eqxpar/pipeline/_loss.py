@@ -1,0 +1,78 @@
+"""`PipelineLoss`: a loss given in the three parts a pipeline runs separately."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+from jaxtyping import Array, Float, PyTree
+
+from .._errors import PlanError
+from ..nn._stack import Stacked
+
+
+class PipelineLoss(eqx.Module):
+    """A loss function in three parts, so that a pipeline can run the middle one.
+
+    A pipeline engine must run the model's stack of blocks itself, stage by stage
+    and micro-batch by micro-batch, so it needs the loss cut where the stack
+    starts and ends:
+
+    - `first(model, batch) -> activations`: everything before the stack (e.g. the
+      embedding), on one micro-batch; activations have the micro-batch's rows as
+      their leading dimension. Runs on the first pipeline stage.
+    - `stack(model) -> eqxpar.nn.Stacked`: which stack to pipeline, e.g.
+      `lambda m: m.blocks`. Its layers are split over mesh axis `pipe`.
+    - `last(model, activations, batch) -> loss`: everything after the stack (e.g.
+      final norm, head and cross-entropy), the mean over the micro-batch's rows.
+      Runs on the last pipeline stage.
+
+    `first` and `last` must not use the stack (under a pipeline they see only
+    the current stage's part of it).
+
+    Called as `loss(model, batch)` it is the plain sequential composition
+    `last(model, stack(model)(first(model, batch)), batch)`: an ordinary loss
+    function for non-pipeline plans and for a single-device reference. (With
+    `chunks > 1` the stack is stored in pipeline order; see
+    `eqxpar.pipeline.from_pipeline_order` before calling it sequentially.)
+
+    ```python
+    loss = eqxpar.pipeline.PipelineLoss(
+        first=lambda m, batch: m.embed(batch[:, :-1]),
+        stack=lambda m: m.blocks,
+        last=lambda m, h, batch: jnp.mean(eqxpar.nn.cross_entropy(m.head(m.norm(h)), batch[:, 1:])),
+    )
+    step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
+    ```
+    """
+
+    first: Callable[[Any, PyTree], PyTree]
+    stack: Callable[[Any], Stacked]
+    last: Callable[[Any, PyTree, PyTree], Float[Array, ""]]
+
+    def __init__(
+        self,
+        first: Callable[[Any, PyTree], PyTree],
+        stack: Callable[[Any], Stacked],
+        last: Callable[[Any, PyTree, PyTree], Float[Array, ""]],
+    ):
+        for name, fn in (("first", first), ("stack", stack), ("last", last)):
+            if not callable(fn):
+                raise PlanError(f"PipelineLoss({name}={fn!r}): expected a callable.")
+        self.first, self.stack, self.last = first, stack, last
+
+    def stack_of(self, model: Any) -> Stacked:
+        """`stack(model)`, checked to be an `eqxpar.nn.Stacked`."""
+        found = self.stack(model)
+        if not isinstance(found, Stacked):
+            raise PlanError(
+                f"PipelineLoss.stack(model) returned {type(found).__name__}, expected an "
+                "eqxpar.nn.Stacked (identical blocks with a leading 'layers' axis). Build the "
+                "blocks with eqxpar.nn.Stacked(make_block, depth=..., key=...), or convert a list "
+                "with eqxpar.nn.Stacked.from_blocks(blocks)."
+            )
+        return found
+
+    def __call__(self, model: Any, batch: PyTree) -> Float[Array, ""]:
+        h = self.first(model, batch)
+        h = self.stack_of(model)(h)
+        return self.last(model, h, batch)

@@ -1,0 +1,50 @@
+"""3D parallelism: pipeline x data x tensor (2 x 2 x 2) on 8 simulated CPU devices.
+
+The character-level transformer of `pipeline_parallel.py`, its layers split over
+`pipe` (two stages, run with a schedule table), the batch over `data` (one
+gradient all-reduce per step) and, inside every stage, the attention heads, MLP
+features and vocabulary over `tensor` (Megatron layers issuing their own
+all-reduces). One compiled step, manual over all three axes:
+
+    python examples/hybrid_3d.py                        # 1F1B
+    python examples/hybrid_3d.py --schedule zero_bubble
+    python examples/hybrid_3d.py --schedule interleaved --chunks 2
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+
+from pipeline_parallel import main as pipeline_main  # noqa: E402
+
+import eqxpar  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--schedule", choices=eqxpar.pipeline.SCHEDULES, default="1f1b")
+    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=4)
+    args, rest = parser.parse_known_args(argv)
+    return pipeline_main(
+        [
+            "--hybrid",
+            "--schedule",
+            args.schedule,
+            "--chunks",
+            str(args.chunks),
+            "--microbatches",
+            str(args.microbatches),
+            *rest,
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Pipeline-parallel steps: every schedule gives the loss and gradients of the
+sequential single-device model; the 3D hybrid (pipe x data x tensor) trains like
+one device over several steps; 1F1B's compiled temp memory does not grow with
+the micro-batches while GPipe's does; bad input raises eqxpar errors."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqxpar
+from eqxpar import nn
+from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_pipeline_order
+
+from ._helpers import ATOL, RTOL, assert_trees_close, assert_trees_close_to_scale, reference_run
+
+D_IN, D, D_OUT, ROWS = 3, 8, 2, 2
+
+
+class Block(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def __init__(self, key, d=D):
+        self.w = jax.random.normal(key, (d, d)) / np.sqrt(d)
+        self.b = 0.1 * jax.random.normal(jax.random.fold_in(key, 1), (d,))
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w + self.b[None, :])
+
+
+class Tiny(eqx.Module):
+    """A linear input layer, a stack of residual blocks, a linear head."""
+
+    w_in: jax.Array
+    blocks: nn.Stacked
+    w_out: jax.Array
+
+    def __init__(self, depth, *, key, d=D):
+        k = jax.random.split(key, 3)
+        self.w_in = jax.random.normal(k[0], (D_IN, d))
+        self.blocks = nn.Stacked(lambda kk: Block(kk, d), depth=depth, key=k[1])
+        self.w_out = jax.random.normal(k[2], (d, D_OUT)) / np.sqrt(d)
+
+
+def tiny_loss():
+    return PipelineLoss(
+        first=lambda m, batch: batch[0] @ m.w_in,
+        stack=lambda m: m.blocks,
+        last=lambda m, h, batch: jnp.mean((h @ m.w_out - batch[1]) ** 2),
+    )
+
+
+def regression_batch(n, seed=0):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n, D_IN)), jax.random.normal(ky, (n, D_OUT))
+
+
+def pipeline_plan(name, *, pipe, microbatches, chunks=1, data=1, tensor=1, rules=None, **kwargs):
+    mesh = eqxpar.make_mesh(pipe=pipe, data=data, tensor=tensor)
+    return eqxpar.Plan(
+        mesh, rules=stage_rules(rules), schedule=name, microbatches=microbatches, chunks=chunks, **kwargs
+    )
+
+
+def reorder(tree, *, stages, chunks, forward=True):
+    convert = to_pipeline_order if forward else from_pipeline_order
+    return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=chunks))
+
+
+# (schedule, chunks, stages, micro-batches per stage): a Latin square, so every
+# schedule meets every stage count and every micro-batch multiple, and every stage
+# count every multiple, in 15 cases rather than the 45 of the whole product.
+VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("zero_bubble", 1)]
+CASES = [
+    (name, chunks, stages, (1, 2, 4)[(i + j) % 3])
+    for i, (name, chunks) in enumerate(VARIANTS)
+    for j, stages in enumerate((1, 2, 4))
+]
+
+
+@pytest.mark.parametrize(
+    "name,chunks,stages,per_stage", CASES, ids=[f"{n}-v{v}-p{p}-m{k * p}" for n, v, p, k in CASES]
+)
+def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
+    microbatches = per_stage * stages
+    loss = tiny_loss()
+    model = Tiny(stages * chunks, key=jax.random.key(stages + 10 * chunks))
+    batch = regression_batch(ROWS * microbatches)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
+
+    plan = pipeline_plan(name, pipe=stages, microbatches=microbatches, chunks=chunks)
+    stored = reorder(model, stages=stages, chunks=chunks)
+    value, grads = eqxpar.train.make_value_and_grad(loss, plan)(stored, batch)
+    # The stack's gradients come out split over pipe like the layers.
+    assert stages == 1 or grads.blocks.blocks.w.sharding.spec[0] == "pipe"
+    grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
+    np.testing.assert_allclose(float(value), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads)
+
+
+def test_pipeline_order_round_trip_and_layout():
+    model = Tiny(8, key=jax.random.key(0))
+    stored = to_pipeline_order(model.blocks, stages=2, chunks=2)
+    # Device 0 stores chunks 0 and 1 = virtual stages 0 and 2 = layers 0, 1, 4, 5.
+    np.testing.assert_array_equal(stored.blocks.w[2], model.blocks.blocks.w[4])
+    np.testing.assert_array_equal(stored.blocks.w[4], model.blocks.blocks.w[2])
+    back = from_pipeline_order(stored, stages=2, chunks=2)
+    assert_trees_close(back, model.blocks, rtol=0, atol=0)
+    assert_trees_close(to_pipeline_order(model.blocks, stages=4, chunks=1), model.blocks, rtol=0, atol=0)
+
+
+# --- 3D hybrid: pipe 2 x data 2 x tensor 2, eqxpar.nn layers ------------------
+
+VOCAB, DM, HEADS, HIDDEN, SEQ = 16, 8, 2, 16, 4
+
+
+class MLPBlock(eqx.Module):
+    """A pre-norm residual MLP block of eqxpar.nn layers (tensor parallel: hidden
+    features split over `tensor`, one all-reduce per direction)."""
+
+    norm: nn.LayerNorm
+    mlp: nn.MLP
+
+    def __init__(self, key):
+        self.norm = nn.LayerNorm(DM)
+        self.mlp = nn.MLP(DM, HIDDEN, key=key)
+
+    def __call__(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class TinyLM(eqx.Module):
+    """Vocabulary-parallel embedding and head around a stack of MLP blocks. (The
+    examples test runs transformer blocks, attention included, the same way.)"""
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+    norm: nn.LayerNorm
+    head: nn.Unembed
+
+    def __init__(self, depth, *, key):
+        k = jax.random.split(key, 3)
+        self.embed = nn.Embedding(VOCAB, DM, key=k[0])
+        self.blocks = nn.Stacked(MLPBlock, depth=depth, key=k[1])
+        self.norm = nn.LayerNorm(DM)
+        self.head = nn.Unembed(DM, VOCAB, key=k[2])
+
+
+LM_LOSS = PipelineLoss(
+    first=lambda m, tokens: m.embed(tokens[:, :-1]),
+    stack=lambda m: m.blocks,
+    last=lambda m, h, tokens: jnp.mean(nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:])),
+)
+
+
+def test_3d_hybrid_trains_like_one_device():
+    model = TinyLM(4, key=jax.random.key(0))
+    optim = optax.sgd(0.5)  # (Adam would blow float32 noise in exactly-zero gradients up to lr)
+    keys = jax.random.split(jax.random.key(3), 5)
+    batches = [jax.random.randint(k, (8, SEQ + 1), 0, VOCAB) for k in keys]
+    ref_losses, ref_model = reference_run(model, optim, LM_LOSS, batches)
+
+    plan = pipeline_plan("1f1b", pipe=2, data=2, tensor=2, microbatches=2, rules=eqxpar.rules.MEGATRON)
+    step = eqxpar.train.make_step(LM_LOSS, optim, plan)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))
+    # The layers are split over pipe, the heads over tensor.
+    spec = state.model.blocks.blocks.mlp.w_in.sharding.spec
+    assert spec[0] == "pipe" and spec[-1] == "tensor", spec
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close_to_scale(state.model, ref_model)
+
+
+# --- Memory: compiled temp bytes ------------------------------------------------
+
+
+def compiled_step(name, microbatches, *, stages=2, rows=16, width=128):
+    model = Tiny(stages, key=jax.random.key(0), d=width)
+    plan = pipeline_plan(name, pipe=stages, microbatches=microbatches)
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(tiny_loss(), optim, plan)
+    return step.compile(state, regression_batch(rows * microbatches))
+
+
+def temp_bytes(name, microbatches):
+    return compiled_step(name, microbatches).memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_does_not_grow_with_microbatches_gpipe_does():
+    act = 16 * 128 * 4  # one micro-batch's activation, bytes
+    ofob = [temp_bytes("1f1b", m) for m in (2, 8)]
+    gpipe = [temp_bytes("gpipe", m) for m in (2, 8)]
+    # GPipe keeps every micro-batch's stage input: six more of them.
+    assert gpipe[1] - gpipe[0] >= 5 * act, gpipe
+    # 1F1B keeps `stages` of them, whatever the micro-batch count (the batch
+    # itself grows, 16 x 5 floats a micro-batch, a tenth of an activation).
+    assert ofob[1] - ofob[0] <= act, ofob
+    assert ofob[1] < gpipe[1]
+
+
+def test_permutes_run_every_tick_outside_the_branches():
+    compiled = compiled_step("1f1b", 4)
+    stats = eqxpar.inspect.collective_stats(compiled)
+    ticks = eqxpar.pipeline.schedule("1f1b", stages=2, microbatches=4).ticks
+    # One activation forward and one cotangent backward per tick, in the tick loop.
+    assert stats.count["collective-permute"] == 2 * ticks, stats.count
+    assert stats.in_loops.get("collective-permute", 0) >= 2
+
+
+# --- Errors ---------------------------------------------------------------------
+
+
+def test_plan_validation():
+    mesh = eqxpar.make_mesh(pipe=2)
+    with pytest.raises(eqxpar.PlanError, match="'pipedream'"):
+        eqxpar.Plan(mesh, schedule="pipedream")
+    with pytest.raises(eqxpar.PlanError, match="only schedule='interleaved'"):
+        eqxpar.Plan(mesh, schedule="1f1b", chunks=2)
+    with pytest.raises(eqxpar.PlanError, match="needs a pipeline schedule"):
+        eqxpar.Plan(mesh, microbatches=4)
+    with pytest.raises(eqxpar.PlanError, match="microbatches=0"):
+        eqxpar.Plan(mesh, schedule="gpipe", microbatches=0)
+    with pytest.raises(eqxpar.PlanError, match="Drop manual_axes"):
+        eqxpar.Plan(mesh, schedule="gpipe", mode="manual", manual_axes=("tensor",))
+
+
+def test_bad_input_errors():
+    model = Tiny(4, key=jax.random.key(0))
+    batch = regression_batch(8)
+    plan = pipeline_plan("1f1b", pipe=2, microbatches=4)
+    loss = tiny_loss()
+    with pytest.raises(eqxpar.PlanError, match="must be an eqxpar.pipeline.PipelineLoss"):
+        eqxpar.train.make_value_and_grad(loss.__call__, plan)(model, batch)
+    with pytest.raises(eqxpar.BatchError, match="batch size 6"):
+        eqxpar.train.make_value_and_grad(loss, plan)(model, regression_batch(6))
+    with pytest.raises(eqxpar.DivisibilityError, match=r"size 3, which is not divisible by the 2 devices"):
+        eqxpar.train.make_value_and_grad(loss, plan)(Tiny(3, key=jax.random.key(0)), batch)
+    interleaved = pipeline_plan("interleaved", pipe=2, microbatches=4, chunks=4)
+    with pytest.raises(eqxpar.DivisibilityError, match="2 stages x 4 chunks"):
+        eqxpar.train.make_value_and_grad(loss, interleaved)(model, batch)
+    odd = pipeline_plan("interleaved", pipe=2, microbatches=3, chunks=2)
+    with pytest.raises(eqxpar.PlanError, match="multiple of 2"):
+        eqxpar.train.make_value_and_grad(loss, odd)(model, regression_batch(6))
+    with pytest.raises(eqxpar.PlanError, match="accumulate"):
+        eqxpar.train.make_value_and_grad(loss, plan, accumulate=2)(model, batch)
+    not_stacked = PipelineLoss(loss.first, lambda m: m.w_in, loss.last)
+    with pytest.raises(eqxpar.PlanError, match="expected an eqxpar.nn.Stacked"):
+        eqxpar.train.make_value_and_grad(not_stacked, plan)(model, batch)
+    # The stack's layers must be split over pipe by the rules.
+    unsplit = eqxpar.Plan(eqxpar.make_mesh(pipe=2), schedule="1f1b", microbatches=4)
+    with pytest.raises(eqxpar.PlanError, match="stage_rules"):
+        eqxpar.train.make_value_and_grad(loss, unsplit)(model, batch)
+
+
+def test_fsdp_weights_are_rejected():
+    plan = pipeline_plan(
+        "gpipe", pipe=2, data=2, microbatches=2, rules=eqxpar.rules.FSDP(axis="data", min_size=1)
+    )
+    with pytest.raises(eqxpar.PlanError, match="no FSDP"):
+        eqxpar.train.make_value_and_grad(tiny_loss(), plan)(
+            Tiny(2, key=jax.random.key(0)), regression_batch(8)
+        )

@@ -1,0 +1,122 @@
+"""Pipeline schedule tables: valid, with the bubble fractions of their formulas,
+buffers sized by stages (1F1B, zero-bubble) or micro-batches (GPipe), and the text
+and PNG renderings."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import eqxpar
+from eqxpar.pipeline import schedule
+
+GRID = [(p, k * p) for p in (1, 2, 4, 8) for k in (1, 2, 4)]
+VARIANTS = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved", 1),
+    ("interleaved", 2),
+    ("interleaved", 3),
+    ("zero_bubble", 1),
+]
+
+
+@pytest.mark.parametrize("name,chunks", VARIANTS)
+@pytest.mark.parametrize("stages,microbatches", GRID)
+def test_tables_are_valid_and_match_their_bubble_formula(name, chunks, stages, microbatches):
+    s = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
+    eqxpar.pipeline.check_table(s)
+    table = s.table
+    assert table.shape[1:] == (stages, 3)
+    # Each (micro-batch, virtual stage, action) exactly once.
+    entries = s.entries()
+    keys = [(mb, k, a) for _, _, mb, k, a in entries]
+    assert len(keys) == len(set(keys))
+    per_unit = 2 if name != "zero_bubble" else 3
+    assert len(keys) == per_unit * microbatches * stages * chunks
+    p, m, v = stages, microbatches, chunks
+    if name == "zero_bubble":
+        # ZB-H1 under unit costs: a third of 1F1B's bubble when m >= p.
+        assert s.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+        # Every action costs 1, so running in lockstep loses nothing.
+        assert s.lockstep_bubble_fraction == pytest.approx(s.bubble_fraction)
+    else:
+        assert s.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert s.lockstep_bubble_fraction >= s.bubble_fraction - 1e-12
+    if name == "gpipe":
+        # Forward ticks and backward ticks never mix: lockstep costs what the table does.
+        assert s.lockstep_bubble_fraction == pytest.approx(s.bubble_fraction)
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 2), (2, 8), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_beats_1f1b(stages, microbatches):
+    zb = schedule("zero_bubble", stages=stages, microbatches=microbatches)
+    ofob = schedule("1f1b", stages=stages, microbatches=microbatches)
+    assert zb.bubble_fraction < ofob.bubble_fraction
+    assert zb.lockstep_bubble_fraction < ofob.lockstep_bubble_fraction
+
+
+def test_dependencies_hold_in_the_table():
+    # Spelled out once for 1F1B: F of stage s after F of stage s - 1, B of stage s
+    # after B of stage s + 1 (and after its own F).
+    s = schedule("1f1b", stages=4, microbatches=8)
+    tick = {(mb, k, a): t for t, _, mb, k, a in s.entries()}
+    for mb in range(8):
+        for k in range(4):
+            if k:
+                assert tick[(mb, k, 1)] > tick[(mb, k - 1, 1)]
+            if k < 3:
+                assert tick[(mb, k, 2)] > tick[(mb, k + 1, 2)]
+            assert tick[(mb, k, 2)] > tick[(mb, k, 1)]
+    # A broken table is caught.
+    broken = eqxpar.pipeline.Schedule("1f1b", 4, 8, 1, s.table[::-1].copy())
+    with pytest.raises(eqxpar.PlanError, match="before what it depends on"):
+        eqxpar.pipeline.check_table(broken)
+
+
+def test_in_flight_grows_with_stages_for_1f1b_and_with_microbatches_for_gpipe():
+    for p in (2, 4, 8):
+        counts = [schedule("1f1b", stages=p, microbatches=k * p).in_flight for k in (1, 2, 4, 8)]
+        assert counts == [p] * 4
+        zb = [schedule("zero_bubble", stages=p, microbatches=k * p).in_flight for k in (2, 4, 8)]
+        assert len(set(zb)) == 1 and zb[0] <= 2 * p - 1
+        gpipe = [schedule("gpipe", stages=p, microbatches=k * p).in_flight for k in (1, 2, 4, 8)]
+        assert gpipe == [k * p for k in (1, 2, 4, 8)]
+
+
+def test_text_rendering():
+    s = schedule("interleaved", stages=2, microbatches=2, chunks=2)
+    text = str(s)
+    lines = text.splitlines()
+    assert lines[0].startswith("interleaved: 2 stages x 2 chunk(s), 2 micro-batches")
+    assert "bubble 20.0%" in lines[0]
+    assert len(lines) == 3 and lines[1].startswith("dev0") and "F0:0" in lines[1] and "B1:1" in lines[2]
+    assert "I0" in str(schedule("zero_bubble", stages=2, microbatches=2))
+
+
+def test_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "zb.png"
+    eqxpar.pipeline.save_schedule_png(schedule("zero_bubble", stages=4, microbatches=8), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(eqxpar.EqxparError, match=r"pip install eqxpar\[examples\]"):
+        eqxpar.pipeline.save_schedule_png(schedule("1f1b", stages=2, microbatches=2), tmp_path / "x.png")
+
+
+def test_bad_schedule_arguments():
+    with pytest.raises(eqxpar.PlanError, match="'pipedream'"):
+        schedule("pipedream", stages=2, microbatches=2)
+    with pytest.raises(eqxpar.PlanError, match="only the 'interleaved' schedule"):
+        schedule("1f1b", stages=2, microbatches=2, chunks=2)
+    with pytest.raises(eqxpar.PlanError, match="multiple of 4"):
+        schedule("interleaved", stages=4, microbatches=6, chunks=2)
+    with pytest.raises(eqxpar.PlanError, match="microbatches=0"):
+        schedule("gpipe", stages=2, microbatches=0)
+
+
+def test_table_is_read_only():
+    s = schedule("gpipe", stages=2, microbatches=2)
+    assert isinstance(s.table, np.ndarray)
+    with pytest.raises(ValueError):
+        s.table[0, 0, 0] = 5
