@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/data_parallel.py
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow"

@@ -17,6 +17,7 @@ from ._linear import ColumnLinear as ColumnLinear
 from ._linear import RowLinear as RowLinear
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
+from ._rotary import apply_rotary as apply_rotary
 from ._sequence import sequence_mean as sequence_mean
 from ._sequence import split_sequence as split_sequence
 from ._stack import Stacked as Stacked

@@ -10,6 +10,7 @@ from .._param import param
 from ._context import tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul, lift, row_matmul
+from ._rotary import apply_rotary
 
 
 class Attention(eqx.Module):
@@ -30,10 +31,21 @@ class Attention(eqx.Module):
       (needs `num_kv_heads == num_heads`); else three weights. Either way the
       projections share one gather of the input.
     - `causal`: apply a causal mask (default True).
+    - `rotary`: rotate queries and keys by their positions (rotary position
+      embeddings, `eqxpar.nn.apply_rotary`; default False). Positions are the
+      tokens' global indices `0 .. seq - 1` in every mode: the projections hold
+      the whole sequence (under sequence parallelism they gather it first).
+      `head_dim` must be even.
+    - `rotary_base`: the rotary wavelength base (default 10000.0).
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
+
+    ```python
+    attn = eqxpar.nn.Attention(256, 8, num_kv_heads=2, rotary=True, key=key)
+    y = attn(x)                             # x: (batch, seq, 256)
+    ```
     """
 
     wq: Float[Array, "d_model heads head_dim"] | None = param(axes=("embed", "heads", None))
@@ -51,6 +63,8 @@ class Attention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     axis: str = eqx.field(static=True)
+    rotary: bool = eqx.field(static=True)
+    rotary_base: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -61,6 +75,8 @@ class Attention(eqx.Module):
         head_dim: int | None = None,
         fused_qkv: bool = False,
         causal: bool = True,
+        rotary: bool = False,
+        rotary_base: float = 10000.0,
         use_bias: bool = True,
         axis: str = "tensor",
         dtype=jnp.float32,
@@ -78,6 +94,11 @@ class Attention(eqx.Module):
                 f"key/value heads as query heads ({num_heads}); use fused_qkv=False for grouped-query."
             )
         hd = d_model // num_heads if head_dim is None else head_dim
+        if rotary and hd % 2:
+            raise DivisibilityError(
+                f"Attention(rotary=True, head_dim={hd}): rotary embeddings turn pairs of features, "
+                "so head_dim must be even. Pass an even head_dim (or d_model / num_heads)."
+            )
         kq, kk, kvk, ko = jax.random.split(key, 4)
         self.wq = self.wk = self.wv = self.wqkv = None
         if fused_qkv:
@@ -93,6 +114,7 @@ class Attention(eqx.Module):
         self.bo = jnp.zeros((d_model,), dtype) if use_bias else None
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, kv, hd
         self.causal, self.axis = causal, axis
+        self.rotary, self.rotary_base = bool(rotary), float(rotary_base)
 
     def __call__(
         self,
@@ -112,6 +134,11 @@ class Attention(eqx.Module):
             q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx, split_dim=1)
         if self.bq is not None:
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
+        if self.rotary:
+            # q and k hold the whole sequence here in every mode (column_matmul gathers
+            # it under sequence parallelism), so arange(seq) are the global positions.
+            q = apply_rotary(q, base=self.rotary_base)
+            k = apply_rotary(k, base=self.rotary_base)
         heads = ctx.constrain(_attend(q, k, v, causal=self.causal, mask=mask), None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
         return y if self.bo is None else y + lift(self.bo, y.ndim)

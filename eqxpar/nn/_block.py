@@ -21,10 +21,17 @@ class TransformerBlock(eqx.Module):
 
     **Arguments:** `d_model`, `num_heads`, `d_hidden`; keyword-only
     `num_kv_heads=None`, `activation="gelu"|"swiglu"`, `norm="layer"|"rms"`,
-    `use_bias=True`, `fused_qkv=False`, `axis="tensor"`, `dtype`, `key`.
+    `use_bias=True`, `fused_qkv=False`, `rotary=False` (rotary position embeddings
+    in the attention), `rotary_base=10000.0`, `axis="tensor"`, `dtype`, `key`.
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
+
+    ```python
+    block = eqxpar.nn.TransformerBlock(256, 8, 1024, activation="swiglu", norm="rms",
+                                       rotary=True, key=key)
+    y = block(x)                            # x: (batch, seq, 256)
+    ```
     """
 
     norm1: LayerNorm | RMSNorm
@@ -43,6 +50,8 @@ class TransformerBlock(eqx.Module):
         norm: str = "layer",
         use_bias: bool = True,
         fused_qkv: bool = False,
+        rotary: bool = False,
+        rotary_base: float = 10000.0,
         axis: str = "tensor",
         dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -64,6 +73,8 @@ class TransformerBlock(eqx.Module):
             num_heads,
             num_kv_heads=num_kv_heads,
             fused_qkv=fused_qkv,
+            rotary=rotary,
+            rotary_base=rotary_base,
             use_bias=use_bias,
             axis=axis,
             dtype=dtype,

@@ -4,12 +4,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._collectives import psum_scatter
 from .._errors import SpecError
 from .._param import param
-from ._context import tensor_context
+from .._plan import current_plan
+from ._context import TensorContext, tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul
 
@@ -23,7 +25,14 @@ class Embedding(eqx.Module):
 
     **Arguments:** `vocab_size`, `d_model`; keyword-only `axis="tensor"`, `dtype`, `key`.
 
-    Input ids `(batch, seq)`; output `(batch, seq', d_model)`.
+    Input ids `(batch, seq)`; output `(batch, seq', d_model)`. `attend(h)` reuses the
+    same weight as the output head (tied embeddings).
+
+    ```python
+    embed = eqxpar.nn.Embedding(50304, 256, key=key)
+    h = embed(ids)                          # ids: (batch, seq) int
+    logits = embed.attend(h)                # (batch, seq, vocab), vocabulary split
+    ```
     """
 
     weight: Float[Array, "vocab d_model"] = param(axes=("vocab", "embed"))
@@ -40,7 +49,7 @@ class Embedding(eqx.Module):
         ctx = tensor_context(self.axis)
         check_split(self.weight.shape[0], self.vocab_size, ctx, what="Embedding.weight (vocab_size)")
         if not ctx.manual:
-            return ctx.constrain(jnp.take(self.weight, ids, axis=0), ctx.seq(), None)
+            return ctx.constrain(jnp.take(_whole_rows(self.weight, ctx), ids, axis=0), ctx.seq(), None)
         rows = self.weight.shape[0]
         local = ids - jax.lax.axis_index(ctx.axis) * rows
         inside = (local >= 0) & (local < rows)
@@ -50,6 +59,49 @@ class Embedding(eqx.Module):
             return psum_scatter(partial, axis_name=ctx.axis, axis=1)
         return jax.lax.psum(partial, ctx.axis)
 
+    def attend(self, x: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq vocab"]:
+        """The output head of tied embeddings: logits `x @ weight.T`, scored against
+        this embedding's own rows.
+
+        The rows are split over the tensor axis, so this is a column-parallel matmul
+        with the vocabulary as output features: each device scores its own rows and
+        the logits stay split over the vocabulary (never gathered; feed them to
+        `eqxpar.nn.cross_entropy`). Under sequence parallelism in manual mode the
+        input is this device's sequence block and is gathered first (or around a
+        ring with `tp_overlap`), like `Unembed`'s. The weight's gradient collects
+        both uses, lookup and head.
+
+        **Arguments:** `x`: `(batch, seq', d_model)` activations.
+
+        **Returns:** logits `(batch, seq, vocab)`, vocabulary split over the axis
+        (`vocab / n` columns per device in manual mode).
+
+        ```python
+        logits = model.embed.attend(model.norm(h))
+        loss = eqxpar.nn.cross_entropy(logits, labels).mean()
+        ```
+        """
+        ctx = tensor_context(self.axis)
+        check_split(self.weight.shape[0], self.vocab_size, ctx, what="Embedding.weight (vocab_size)")
+        (logits,) = column_matmul(x, [self.weight.T], ctx)
+        return logits
+
+
+def _whole_rows(weight: Array, ctx: TensorContext) -> Array:
+    # Automatic mode: a lookup reads whole rows, so give GSPMD the table split over
+    # the vocabulary only. Under FSDP rules its model dimension is split too, and
+    # GSPMD would otherwise have to move the looked-up rows from a feature split to
+    # the batch split (an all-to-all it does not do: it rematerialises the whole
+    # activation, and says so). Gathering a weight for use is what FSDP does anyway.
+    plan = current_plan()
+    if (
+        plan is None
+        or not isinstance(weight, jax.core.Tracer)
+        or jax.sharding.get_abstract_mesh().manual_axes
+    ):
+        return weight
+    return jax.lax.with_sharding_constraint(weight, NamedSharding(plan.mesh, PartitionSpec(ctx.axis, None)))
+
 
 class Unembed(eqx.Module):
     """The output head: `(batch, seq', d_model) -> (batch, seq, vocab)` logits with the
@@ -57,6 +109,13 @@ class Unembed(eqx.Module):
     `eqxpar.nn.cross_entropy`).
 
     **Arguments:** `d_model`, `vocab_size`; keyword-only `axis="tensor"`, `dtype`, `key`.
+    For an output head that shares the input embedding's weight, use
+    `Embedding.attend` instead.
+
+    ```python
+    head = eqxpar.nn.Unembed(256, 50304, key=key)
+    loss = eqxpar.nn.cross_entropy(head(h), labels).mean()
+    ```
     """
 
     weight: Float[Array, "d_model vocab"] = param(axes=("embed", "vocab"))

@@ -1,0 +1,18 @@
+"""Reference models built only from `eqxpar.nn` layers.
+
+Each runs unchanged under every plan: one device, automatic data / FSDP / tensor
+parallelism, and manual tensor-parallel steps.
+
+- `MLPClassifier`: column/row-parallel MLP pairs over feature vectors.
+- `GPT` (`GPTConfig`): a pre-norm decoder with rotary positions, SwiGLU or GELU
+  MLPs, tied or untied embeddings and its blocks in one scanned `eqxpar.nn.Stacked`;
+  `lm_loss`, `generate`, and the pipeline pieces `gpt_first` / `gpt_last`.
+"""
+
+from ._gpt import GPT as GPT
+from ._gpt import GPTConfig as GPTConfig
+from ._gpt import generate as generate
+from ._gpt import gpt_first as gpt_first
+from ._gpt import gpt_last as gpt_last
+from ._gpt import lm_loss as lm_loss
+from ._mlp import MLPClassifier as MLPClassifier

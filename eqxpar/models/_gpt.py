@@ -1,0 +1,320 @@
+"""A GPT-style decoder built only from `eqxpar.nn` layers."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .. import nn
+from .._errors import DivisibilityError, PlanError, SpecError
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The shape of a `GPT`; frozen and hashable, so the model keeps it as a static field.
+
+    **Fields:**
+
+    - `vocab_size`: number of token ids (a multiple of the tensor axis size, which
+      splits the vocabulary: pad it, the extra ids never occur).
+    - `d_model`: width of the residual stream.
+    - `num_heads`: query heads per block (a multiple of the tensor axis size).
+    - `num_layers`: number of transformer blocks (one scanned `eqxpar.nn.Stacked`).
+    - `d_hidden`: hidden width of each block's MLP (a multiple of the tensor axis size).
+    - `num_kv_heads`: key/value heads for grouped-query attention (default `num_heads`).
+    - `activation`: `"swiglu"` (default) or `"gelu"`.
+    - `norm`: `"rms"` (default) or `"layer"`.
+    - `tied`: the output head reuses the embedding's weight (default True).
+    - `rotary`: rotary position embeddings in every attention (default True). The
+      model has no learned positions; with `rotary=False` it has none at all and
+      only the causal mask tells tokens apart.
+    - `rotary_base`: the rotary wavelength base (default 10000.0).
+    - `max_seq_len`: the longest input the model takes (default 256); `generate`
+      slides a window of this length.
+    - `use_bias`: biases in the linear layers and LayerNorms (default False).
+
+    ```python
+    config = eqxpar.models.GPTConfig(vocab_size=128, d_model=128, num_heads=4,
+                                     num_layers=4, d_hidden=384)
+    ```
+    """
+
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    num_layers: int
+    d_hidden: int
+    num_kv_heads: int | None = None
+    activation: str = "swiglu"
+    norm: str = "rms"
+    tied: bool = True
+    rotary: bool = True
+    rotary_base: float = 10000.0
+    max_seq_len: int = 256
+    use_bias: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_hidden", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"GPTConfig({name}={value!r}): expected a positive integer.")
+        if self.activation not in ("swiglu", "gelu"):
+            raise PlanError(f"GPTConfig(activation={self.activation!r}): expected 'swiglu' or 'gelu'.")
+        if self.norm not in ("rms", "layer"):
+            raise PlanError(f"GPTConfig(norm={self.norm!r}): expected 'rms' or 'layer'.")
+        if self.d_model % self.num_heads:
+            raise DivisibilityError(
+                f"GPTConfig(d_model={self.d_model}, num_heads={self.num_heads}): the heads split the "
+                f"model width, so num_heads must divide d_model. Use d_model a multiple of {self.num_heads}."
+            )
+        if self.rotary and (self.d_model // self.num_heads) % 2:
+            raise DivisibilityError(
+                f"GPTConfig(rotary=True): head_dim = d_model / num_heads = "
+                f"{self.d_model // self.num_heads} is odd, and rotary embeddings turn feature pairs. "
+                "Choose d_model and num_heads with an even quotient."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """`d_model // num_heads`."""
+        return self.d_model // self.num_heads
+
+
+class GPT(eqx.Module):
+    """A pre-norm decoder-only transformer language model, tensor parallel throughout.
+
+    `embed` (vocabulary-parallel `eqxpar.nn.Embedding`) -> `blocks` (one
+    `eqxpar.nn.Stacked` of `eqxpar.nn.TransformerBlock`s, run by `lax.scan`, with
+    rotary positions and SwiGLU or GELU MLPs) -> `final_norm` -> `head` (an
+    `eqxpar.nn.Unembed`, or None when the embeddings are tied and
+    `embed.attend` scores the output). The same instance runs under every plan:
+    on one device, under automatic sharding (data, FSDP, tensor parallel) and in
+    manual tensor-parallel steps (sync, sequence parallel, ring overlap,
+    partial-manual).
+
+    **Arguments:** `config` (a `GPTConfig`); keyword-only `key`.
+
+    Calling it maps token ids `(batch, seq)` to logits `(batch, seq, vocab)` with
+    the vocabulary split over the tensor axis (whole in automatic mode; `vocab / n`
+    columns per device in manual mode): feed them to `eqxpar.nn.cross_entropy`,
+    or use `lm_loss`.
+
+    ```python
+    model = eqxpar.models.GPT(config, key=jax.random.key(0))
+    logits = model(tokens)                          # tokens: (batch, seq) int
+    loss = eqxpar.models.lm_loss(model, tokens)     # next-token cross-entropy
+    ```
+    """
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+    final_norm: nn.RMSNorm | nn.LayerNorm
+    head: nn.Unembed | None
+    config: GPTConfig = eqx.field(static=True)
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        if not isinstance(config, GPTConfig):
+            raise PlanError(f"GPT(config={config!r}): expected an eqxpar.models.GPTConfig.")
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        c = config
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.d_model, key=k_embed)
+
+        def make_block(k):
+            return nn.TransformerBlock(
+                c.d_model,
+                c.num_heads,
+                c.d_hidden,
+                num_kv_heads=c.num_kv_heads,
+                activation=c.activation,
+                norm=c.norm,
+                use_bias=c.use_bias,
+                rotary=c.rotary,
+                rotary_base=c.rotary_base,
+                key=k,
+            )
+
+        self.blocks = nn.Stacked(make_block, depth=c.num_layers, key=k_blocks)
+        self.final_norm = (
+            nn.RMSNorm(c.d_model) if c.norm == "rms" else nn.LayerNorm(c.d_model, use_bias=c.use_bias)
+        )
+        self.head = None if c.tied else nn.Unembed(c.d_model, c.vocab_size, key=k_head)
+
+    def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out d_model"]:
+        """The residual stream entering the blocks: token embeddings, no positions
+        (rotary attention adds those). Under sequence parallelism in manual mode,
+        this device's sequence block.
+
+        **Arguments:** `tokens`: `(batch, seq)` ids, `seq <= config.max_seq_len`.
+
+        **Returns:** `(batch, seq', d_model)`.
+
+        ```python
+        h = model.logits(model.blocks(model.embed_tokens(tokens)))
+        ```
+        """
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise SpecError(
+                f"GPT: input of {tokens.shape[1]} tokens (shape {tokens.shape}) is longer than "
+                f"config.max_seq_len={self.config.max_seq_len}. Feed at most that many tokens, or "
+                "build the model with a larger max_seq_len."
+            )
+        return self.embed(tokens)
+
+    def logits(self, h: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq vocab"]:
+        """Final norm and output head: `(batch, seq', d_model) -> (batch, seq, vocab)`,
+        vocabulary split over the tensor axis, never gathered (tied: scored against
+        the embedding's rows).
+
+        **Arguments:** `h`: the blocks' output.
+
+        **Returns:** logits with the whole sequence.
+
+        ```python
+        logits = model.logits(model.blocks(model.embed_tokens(tokens)))
+        ```
+        """
+        h = self.final_norm(h)
+        return self.embed.attend(h) if self.head is None else self.head(h)
+
+    def __call__(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab"]:
+        """Logits `(batch, seq, vocab)` of token ids `(batch, seq)`, vocabulary split
+        over the tensor axis: `logits(blocks(embed_tokens(tokens)))`."""
+        return self.logits(self.blocks(self.embed_tokens(tokens)))
+
+
+def gpt_first(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, "batch seq d_model"]:
+    """The first pipeline piece of `lm_loss`: the embedding of `tokens[:, :-1]`.
+
+    `lm_loss(m, t) == gpt_last(m, m.blocks(gpt_first(m, t)), t)`; a pipeline engine
+    runs `gpt_first` on the first stage, `model.blocks` over the stages and
+    `gpt_last` on the last.
+
+    **Arguments:** `model`; `tokens` `(batch, seq + 1)`.
+
+    **Returns:** activations `(batch, seq', d_model)` (`seq'` the local sequence block
+    under sequence parallelism in manual mode).
+
+    ```python
+    h = eqxpar.models.gpt_first(model, tokens)
+    ```
+    """
+    return model.embed_tokens(tokens[:, :-1])
+
+
+def gpt_last(
+    model: GPT, h: Float[Array, "batch seq d_model"], tokens: Int[Array, "batch seq_plus_1"]
+) -> Float[Array, ""]:
+    """The last pipeline piece of `lm_loss`: final norm, head and the mean
+    next-token cross-entropy of the blocks' output `h` against `tokens[:, 1:]`.
+
+    The head returns the whole sequence in every mode (under sequence parallelism it
+    gathers it), so the labels are the whole `tokens[:, 1:]`; the logits stay split
+    over the vocabulary and `eqxpar.nn.cross_entropy` reduces them without gathering.
+
+    **Arguments:** `model`; `h` `(batch, seq', d_model)`; `tokens` `(batch, seq + 1)`.
+
+    **Returns:** the mean loss over the batch's tokens (a scalar).
+
+    ```python
+    loss = eqxpar.models.gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
+    ```
+    """
+    return jnp.mean(nn.cross_entropy(model.logits(h), tokens[:, 1:]))
+
+
+def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
+    """Next-token cross-entropy of `model` on `tokens`, the mean over every predicted token.
+
+    Predicts `tokens[:, 1:]` from `tokens[:, :-1]`; a mean over the batch, so it is a
+    valid `loss_fn` for `eqxpar.train.make_step` under any plan (sharded and
+    accumulated steps equal the full-batch one).
+
+    **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids.
+
+    **Returns:** a float scalar (nats per token).
+
+    ```python
+    step = eqxpar.train.make_step(eqxpar.models.lm_loss, optimizer, plan)
+    state, metrics = step(state, tokens)
+    ```
+    """
+    return gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
+
+
+@eqx.filter_jit
+def _generate(model: GPT, prompt: Array, key: Array, steps: int, temperature: Array) -> Array:
+    batch, length = prompt.shape
+    window = model.config.max_seq_len
+    total = length + steps
+    # A buffer at least one window long: early windows start at 0 and run past the
+    # tokens written so far, which the causal mask keeps from affecting them.
+    buffer = jnp.zeros((batch, max(total, window)), prompt.dtype)
+    buffer = jax.lax.dynamic_update_slice_in_dim(buffer, prompt, 0, axis=1)
+    # The temperature is traced (one compilation serves every value): sample with a
+    # safe divisor and pick the greedy token where it is 0.
+    greedy = temperature == 0
+    divisor = jnp.where(greedy, jnp.ones_like(temperature), temperature)
+
+    def body(t, carry):
+        buffer, key = carry
+        n = length + t  # tokens so far; the next one goes at index n
+        start = jnp.maximum(n - window, 0)
+        ids = jax.lax.dynamic_slice_in_dim(buffer, start, window, axis=1)
+        last = jax.lax.dynamic_index_in_dim(model(ids), n - start - 1, axis=1, keepdims=False)
+        key, sub = jax.random.split(key)
+        sampled = jax.random.categorical(sub, last / divisor, axis=-1)
+        token = jnp.where(greedy, jnp.argmax(last, axis=-1), sampled).astype(buffer.dtype)
+        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token[:, None], n, axis=1)
+        return buffer, key
+
+    buffer, _ = jax.lax.fori_loop(0, steps, body, (buffer, key))
+    return buffer[:, :total]
+
+
+def generate(
+    model: GPT,
+    prompt_ids: Int[Array, "*batch prompt"],
+    *,
+    steps: int,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+) -> Int[Array, "*batch total"]:
+    """Sample `steps` tokens after `prompt_ids`, one at a time.
+
+    Each new token is drawn from the model's next-token distribution given the last
+    `config.max_seq_len` tokens (the model re-reads that window every step: simple,
+    no key/value cache). Compiled once per prompt shape and number of steps (a
+    `fori_loop`; the temperature is traced). Runs on one device or on a model
+    sharded for automatic mode (call it outside `shard_map`).
+
+    **Arguments:**
+
+    - `model`: a `GPT`.
+    - `prompt_ids`: `(prompt,)` or `(batch, prompt)` ids, `prompt >= 1`.
+    - `steps`: number of tokens to add (keyword-only).
+    - `key`: PRNG key for sampling (keyword-only).
+    - `temperature`: divides the logits before sampling; `0` picks the most likely
+      token (greedy).
+
+    **Returns:** `(prompt + steps,)` or `(batch, prompt + steps)` ids, the prompt first.
+
+    ```python
+    ids = eqxpar.models.generate(model, prompt, steps=200, key=jax.random.key(0),
+                                 temperature=0.8)
+    ```
+    """
+    if prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] < 1:
+        raise SpecError(
+            f"generate: prompt_ids of shape {prompt_ids.shape}; expected (prompt,) or (batch, prompt) "
+            "with at least one token."
+        )
+    if not isinstance(steps, int) or steps < 0:
+        raise PlanError(f"generate(steps={steps!r}): expected a non-negative integer.")
+    if temperature < 0:
+        raise PlanError(f"generate(temperature={temperature!r}): expected >= 0 (0 is greedy).")
+    batched = prompt_ids if prompt_ids.ndim == 2 else prompt_ids[None]
+    out = _generate(model, batched, key, steps, jnp.asarray(temperature, jnp.float32))
+    return out if prompt_ids.ndim == 2 else out[0]

@@ -1,0 +1,249 @@
+"""eqxpar's main demo: a GPT trained on Python's own documentation, on 8 simulated
+CPU devices, data x FSDP x tensor parallel (x pipeline, with --pipe).
+
+The model is `eqxpar.models.GPT` (rotary positions, SwiGLU MLPs, grouped-query
+attention, tied embeddings, blocks in one scanned stack), built only from
+`eqxpar.nn` layers, trained at character level on `pydoc_data.topics` (the help
+texts that ship with every CPython: nothing to download). The same model runs
+under any plan; the flags choose it:
+
+    python examples/demo.py                           # data 2 x fsdp 2 x tensor 2, automatic (GSPMD)
+    python examples/demo.py --mode manual --sequence-parallel  # eqxpar issues the tensor collectives
+    python examples/demo.py --mode manual --sequence-parallel --tp-overlap  # ... as ring matmuls
+    python examples/demo.py --data 8 --fsdp 1 --tensor 1      # plain data parallel
+    python examples/demo.py --pipe 2 --data 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
+
+It prints where every array lives and what one step communicates (when this
+eqxpar has `eqxpar.inspect.sharding_table` / `comm_report`), a progress bar with
+periodic evaluation, the final evaluation loss beside the unigram entropy of the
+text (the loss of a model that ignores context), and a sample of generated text.
+The loss curve goes to `<out>/loss.png` and the sample to `<out>/sample.txt`.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _loop import train  # noqa: E402
+from _text import CharData  # noqa: E402
+
+import eqxpar  # noqa: E402
+from eqxpar.models import GPT, GPTConfig, generate, gpt_first, gpt_last, lm_loss  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    mesh = parser.add_argument_group("mesh and plan")
+    mesh.add_argument("--data", type=int, default=2, help="data-parallel devices")
+    mesh.add_argument("--fsdp", type=int, default=2, help="FSDP devices (weights and batch split)")
+    mesh.add_argument("--tensor", type=int, default=2, help="tensor-parallel devices")
+    mesh.add_argument("--pipe", type=int, default=1, help="pipeline stages (needs eqxpar.pipeline)")
+    mesh.add_argument("--mode", choices=["auto", "manual"], default="auto")
+    mesh.add_argument(
+        "--manual-axes",
+        default="tensor",
+        help="with --mode manual: the axes eqxpar issues collectives for, comma-separated, or 'all' "
+        "(default: tensor; data and fsdp stay the compiler's)",
+    )
+    mesh.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="split activations between blocks along the sequence over tensor",
+    )
+    mesh.add_argument(
+        "--tp-overlap", action="store_true", help="ring collective matmuls (manual mode, sequence parallel)"
+    )
+    mesh.add_argument("--schedule", default="1f1b", help="pipeline schedule (with --pipe > 1)")
+    mesh.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (with --pipe > 1)")
+    mesh.add_argument("--remat", default="none", help="what the scanned blocks keep for backward")
+    run = parser.add_argument_group("training")
+    run.add_argument("--steps", type=int, default=400)
+    run.add_argument("--batch-size", type=int, default=32)
+    run.add_argument("--seq-len", type=int, default=64)
+    run.add_argument("--lr", type=float, default=3e-3)
+    run.add_argument("--eval-every", type=int, default=100)
+    model = parser.add_argument_group("model")
+    model.add_argument("--d-model", type=int, default=128)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--kv-heads", type=int, default=2)
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--d-hidden", type=int, default=384)
+    parser.add_argument("--sample-len", type=int, default=400, help="characters to generate at the end")
+    parser.add_argument("--out", default="demo_out", help="directory for loss.png and sample.txt")
+    return parser.parse_args(argv)
+
+
+def build_plan(args: argparse.Namespace) -> tuple[eqxpar.Plan, object]:
+    """The plan the flags describe, and the loss function it trains."""
+    mesh = eqxpar.make_mesh(data=args.data, pipe=args.pipe, fsdp=args.fsdp, tensor=args.tensor)
+    options = dict(
+        rules=eqxpar.rules.MEGATRON_FSDP,
+        mode=args.mode,
+        sequence_parallel=args.sequence_parallel,
+        tp_overlap=args.tp_overlap,
+        remat=args.remat,
+    )
+    if args.mode == "manual" and args.manual_axes != "all":
+        options["manual_axes"] = tuple(a.strip() for a in args.manual_axes.split(","))
+    if args.pipe == 1:
+        return eqxpar.Plan(mesh, **options), lm_loss
+    try:
+        import eqxpar.pipeline as pipeline
+    except ImportError:
+        sys.exit(
+            f"--pipe {args.pipe}: this eqxpar has no pipeline engine (eqxpar.pipeline). "
+            "Run with --pipe 1, or install an eqxpar that has it."
+        )
+    options["rules"] = pipeline.stage_rules(eqxpar.rules.MEGATRON_FSDP)
+    options.pop("manual_axes", None)  # a pipeline step is manual over every axis
+    plan = eqxpar.Plan(mesh, schedule=args.schedule, microbatches=args.microbatches, **options)
+    # The pipeline runs the stack stage by stage; the embedding and the head run on
+    # the first and last stage. Sequentially composed, this is exactly lm_loss.
+    return plan, pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+
+
+def decode(data: CharData, ids) -> str:
+    # The vocabulary is padded to a multiple of the tensor size; padding ids never
+    # occur in the text, but a sample could still draw one.
+    return "".join(data.vocab[i] if i < data.vocab_size else "?" for i in np.asarray(ids).tolist())
+
+
+def save_curve(path: pathlib.Path, train_losses, evals, entropy: float, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss curve (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(np.arange(1, len(train_losses) + 1), train_losses, lw=0.8, alpha=0.7, label="train loss")
+    if evals:
+        steps, values = zip(*evals, strict=True)
+        ax.plot(steps, values, "o-", label="eval loss")
+    ax.axhline(entropy, color="gray", ls="--", label=f"unigram entropy {entropy:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / character")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    data = CharData()
+    plan, loss_fn = build_plan(args)
+    entropy = data.unigram_entropy()
+    config = GPTConfig(
+        # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).
+        vocab_size=-(-data.vocab_size // args.tensor) * args.tensor,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        num_layers=args.layers,
+        d_hidden=args.d_hidden,
+        max_seq_len=args.seq_len,
+    )
+    # Built under jit: one compilation for the whole initialisation.
+    model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    mesh_text = " x ".join(f"{a} {n}" for a, n in plan.mesh.shape.items() if n > 1) or "one device"
+    mode = args.mode
+    if plan.mode == "manual" and set(plan.manual_axes) != set(plan.mesh.axis_names):
+        mode += " over " + ", ".join(plan.manual_axes)
+    mode += ", sequence parallel" if args.sequence_parallel else ""
+    mode += ", ring overlap" if args.tp_overlap else ""
+    if args.pipe > 1:
+        mode += f", pipeline {args.schedule} x {args.microbatches} micro-batches"
+    print(f"mesh {mesh_text}; mode {mode}")
+    print(
+        f"GPT: {n_params:,} parameters, {config.num_layers} layers, d_model {config.d_model}, "
+        f"{config.num_heads} heads ({config.num_kv_heads} kv), vocab {config.vocab_size}; "
+        f"text: {len(data.ids):,} characters"
+    )
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20), max(2, args.steps))
+    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
+    step = eqxpar.train.make_step(loss_fn, optimizer, plan)
+
+    rng = np.random.default_rng(0)
+
+    def next_batch():
+        return data.windows(rng, args.batch_size, args.seq_len + 1)
+
+    if hasattr(eqxpar.inspect, "sharding_table"):
+        print(eqxpar.inspect.sharding_table(state.model, plan))
+    if hasattr(eqxpar.inspect, "comm_report"):
+        # Compiles the step; with the batch placed as the step places it, the first
+        # training step reuses that executable instead of compiling again.
+        print(eqxpar.inspect.comm_report(step, state, eqxpar.shard_batch(next_batch(), plan)))
+
+    # The trained model holds ordinary (sharded) global arrays, so it evaluates and
+    # generates under plain jit whatever the plan it trains under.
+    evaluate = eqx.filter_jit(lm_loss)
+    eval_batch = eqxpar.shard_batch(
+        data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
+    )
+    train_losses, evals = [], []
+
+    def recording_step(state, batch):
+        state, metrics = step(state, batch)
+        # Wait for each step: XLA:CPU runs the 8 simulated devices on a few threads,
+        # and with many steps queued (asynchronous dispatch) their collectives can
+        # stall waiting for each other until XLA aborts. One step at a time costs
+        # almost nothing here (a step is far longer than its dispatch).
+        train_losses.append(float(metrics["loss"]))
+        return state, metrics
+
+    def recording_eval(model):
+        value = float(evaluate(model, eval_batch))
+        evals.append((len(train_losses), value))
+        return value
+
+    state = train(recording_step, state, next_batch, recording_eval, steps=args.steps, every=args.eval_every)
+    final = evals[-1][1]
+    print(f"final eval loss {final:.3f} nats/char (unigram entropy {entropy:.3f})")
+
+    prompt = "Python "
+    ids = generate(
+        state.model,
+        jax.numpy.asarray([data.index[c] for c in prompt], jax.numpy.int32),
+        steps=args.sample_len,
+        key=jax.random.key(2),
+        temperature=0.8,
+    )
+    sample = decode(data, ids)
+    print("sample:\n" + sample)
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sample.txt").write_text(sample + "\n")
+    title = f"GPT on pydoc topics: {mesh_text}, {args.mode}"
+    if save_curve(out / "loss.png", train_losses, evals, entropy, title):
+        print(f"loss curve: {out / 'loss.png'}")
+    print(f"total time {time.perf_counter() - start:.0f} s")
+    return {"final_eval_loss": final, "unigram_entropy": entropy, "sample": sample}
+
+
+if __name__ == "__main__":
+    main()

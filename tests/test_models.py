@@ -1,0 +1,262 @@
+"""eqxpar.models: one GPT definition gives the single-device loss and gradients
+under every plan (data parallel, FSDP, tensor parallel automatic and manual, with
+sequence parallelism, ring overlap, partial-manual, remat), tied and untied,
+SwiGLU and GELU, grouped-query attention; over three optimizer steps for two of
+them. Tied heads, the pipeline pieces, generation and the MLP classifier."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqxpar
+from eqxpar import models, nn
+from eqxpar.models import GPT, GPTConfig, MLPClassifier, generate, gpt_first, gpt_last, lm_loss
+
+from ._helpers import RTOL, assert_trees_close_to_scale, reference_run
+
+CONFIGS = {
+    # SwiGLU, RMSNorm, tied embeddings, grouped-query attention (8 query, 4 kv heads).
+    "swiglu-tied-gqa": GPTConfig(
+        vocab_size=32, d_model=32, num_heads=8, num_kv_heads=4, num_layers=2, d_hidden=64, max_seq_len=16
+    ),
+    # GELU, LayerNorm, untied head, biases everywhere.
+    "gelu-untied": GPTConfig(
+        vocab_size=32,
+        d_model=32,
+        num_heads=4,
+        num_layers=2,
+        d_hidden=64,
+        activation="gelu",
+        norm="layer",
+        tied=False,
+        use_bias=True,
+        max_seq_len=16,
+    ),
+}
+BATCH, SEQ = 8, 8  # tokens are (BATCH, SEQ + 1): SEQ predicted positions
+
+
+def tokens(seed: int) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (BATCH, SEQ + 1), 0, 32)
+
+
+def mesh(**sizes):
+    return eqxpar.make_mesh(**sizes)
+
+
+# (id, config, plan factory). Factories: the mesh is built when the test runs.
+PLANS = [
+    ("dp-auto", "gelu-untied", lambda: eqxpar.Plan(mesh(data=8))),
+    (
+        "fsdp-tp-auto-remat-full",
+        "swiglu-tied-gqa",
+        lambda: eqxpar.Plan(mesh(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP, remat="full"),
+    ),
+    ("tp-auto", "gelu-untied", lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON)),
+    (
+        "tp-sync",
+        "swiglu-tied-gqa",
+        lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual"),
+    ),
+    (
+        "tp-sp-remat-full",
+        "gelu-untied",
+        lambda: eqxpar.Plan(
+            mesh(data=4, tensor=2),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            sequence_parallel=True,
+            remat="full",
+        ),
+    ),
+]
+
+# Trained for three SGD steps against single-device training.
+STEP_PLANS = [
+    (
+        "tp-overlap",
+        "swiglu-tied-gqa",
+        lambda: eqxpar.Plan(
+            mesh(data=2, tensor=4),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            sequence_parallel=True,
+            tp_overlap=True,
+        ),
+    ),
+    (
+        "partial-manual-sp",
+        "gelu-untied",
+        lambda: eqxpar.Plan(
+            mesh(data=2, tensor=4),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            manual_axes=("tensor",),
+            sequence_parallel=True,
+        ),
+    ),
+]
+
+
+class Lazy(dict):
+    """A dict that computes a missing entry with `make(name)`: each xdist worker
+    builds (compiles) only what its tests use."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, name):
+        self[name] = self.make(name)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def gpts():
+    # Built under jit: one compilation, not one per random array.
+    return Lazy(lambda name: eqx.filter_jit(GPT)(CONFIGS[name], key=jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def single_device(gpts):
+    """Loss and gradients of `lm_loss` on one device, per config."""
+
+    def run(name):
+        model, batch = jax.device_put((gpts[name], tokens(1)), jax.devices()[0])
+        return eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, batch)
+
+    return Lazy(run)
+
+
+@pytest.mark.parametrize("config,make_plan", [p[1:] for p in PLANS], ids=[p[0] for p in PLANS])
+def test_gpt_loss_and_gradients_match_single_device(gpts, single_device, config, make_plan):
+    loss, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan())(gpts[config], tokens(1))
+    ref_loss, ref_grads = single_device[config]
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
+
+
+@pytest.mark.parametrize("config,make_plan", [p[1:] for p in STEP_PLANS], ids=[p[0] for p in STEP_PLANS])
+def test_gpt_training_steps_match_single_device(gpts, config, make_plan):
+    # One batch three times: the loss must fall, so the steps demonstrably update.
+    model, optim, batches = gpts[config], optax.sgd(0.5), [tokens(1)] * 3
+    ref_losses, ref_model = reference_run(model, optim, lm_loss, batches)
+    plan = make_plan()
+    step = eqxpar.train.make_step(lm_loss, optim, plan)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert ref_losses[-1] < ref_losses[0]  # the steps did train
+    assert_trees_close_to_scale(state.model, ref_model)
+
+
+def test_gpt_structure_and_pipeline_pieces(gpts):
+    tied, untied = gpts["swiglu-tied-gqa"], gpts["gelu-untied"]
+    assert tied.head is None and isinstance(untied.head, nn.Unembed)
+    assert isinstance(tied.blocks, nn.Stacked) and tied.blocks.depth == 2
+    assert tied.blocks.blocks.attn.wq.shape == (2, 32, 8, 4)  # one leading layer axis
+    batch = tokens(2)
+
+    def pieces(model):
+        h = model.blocks(model.embed_tokens(batch[:, :-1]))
+        normed = model.final_norm(h)
+        # The loss written out independently: optax on the model's logits, shifted labels.
+        direct = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(model(batch[:, :-1]), batch[:, 1:]))
+        split = gpt_last(model, model.blocks(gpt_first(model, batch)), batch)
+        return model.logits(h), normed, direct, split, lm_loss(model, batch)
+
+    @eqx.filter_jit
+    def pieces_and_causality(tied, untied):
+        return pieces(tied), (untied(batch), untied(changed))
+
+    changed = batch.at[:, 5].set((batch[:, 5] + 1) % 32)
+    (logits, normed, direct, split, loss), (out, out_changed) = pieces_and_causality(tied, untied)
+    # A tied head scores the activations against the embedding's own rows.
+    np.testing.assert_allclose(logits, normed @ tied.embed.weight.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(loss), float(direct), rtol=1e-6)
+    np.testing.assert_allclose(float(split), float(direct), rtol=1e-6)
+    # Logits do not depend on later tokens (causal) but do on earlier ones.
+    np.testing.assert_allclose(out[:, :5], out_changed[:, :5], rtol=1e-6)
+    assert float(jnp.max(jnp.abs(out[:, 5:] - out_changed[:, 5:]))) > 1e-4
+
+
+def test_generate_greedy_matches_rerunning_the_model():
+    config = GPTConfig(vocab_size=16, d_model=16, num_heads=2, num_layers=1, d_hidden=32, max_seq_len=8)
+    model = eqx.filter_jit(GPT)(config, key=jax.random.key(3))
+    # 7 prompt tokens, window 8: the first step reads a window padded past the
+    # written tokens, later ones a sliding window.
+    prompt = jax.random.randint(jax.random.key(4), (2, 7), 0, 16)
+    out = generate(model, prompt, steps=5, key=jax.random.key(0), temperature=0.0)
+    assert out.shape == (2, 12)
+    np.testing.assert_array_equal(out[:, :7], prompt)
+    forward = eqx.filter_jit(lambda m, ids: m(ids))
+    ids = prompt
+    for _ in range(5):  # the window slides once the sequence is longer than max_seq_len
+        window = ids[:, -config.max_seq_len :]
+        ids = jnp.concatenate([ids, jnp.argmax(forward(model, window)[:, -1], axis=-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, ids)
+    # Sampling (the same compilation: the temperature is traced) stays in the
+    # vocabulary and differs from the greedy choice.
+    sampled = [generate(model, prompt, steps=5, key=jax.random.key(i), temperature=2.0) for i in range(3)]
+    assert all(s.shape == (2, 12) and int(s.min()) >= 0 and int(s.max()) < 16 for s in sampled)
+    assert any(not np.array_equal(s, out) for s in sampled)
+
+
+def test_gpt_errors():
+    with pytest.raises(eqxpar.PlanError, match="activation='relu'"):
+        GPTConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=1, d_hidden=8, activation="relu")
+    with pytest.raises(eqxpar.DivisibilityError, match="num_heads=3"):
+        GPTConfig(vocab_size=8, d_model=8, num_heads=3, num_layers=1, d_hidden=8)
+    with pytest.raises(eqxpar.DivisibilityError, match="is odd"):
+        GPTConfig(vocab_size=8, d_model=12, num_heads=4, num_layers=1, d_hidden=8)
+    config = GPTConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=1, d_hidden=8, max_seq_len=4)
+    model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
+    with pytest.raises(eqxpar.SpecError, match="max_seq_len=4"):
+        model(jnp.zeros((1, 5), jnp.int32))
+    with pytest.raises(eqxpar.SpecError, match="at least one token"):
+        generate(model, jnp.zeros((1, 0), jnp.int32), steps=2, key=jax.random.key(0))
+    with pytest.raises(eqxpar.PlanError, match="temperature=-1"):
+        generate(model, jnp.zeros((1, 2), jnp.int32), steps=2, key=jax.random.key(0), temperature=-1.0)
+
+
+def classifier_batch():
+    kx, ky = jax.random.split(jax.random.key(5))
+    return jax.random.normal(kx, (8, 12)), jax.random.randint(ky, (8,), 0, 5)
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    model = eqx.filter_jit(MLPClassifier)(12, 16, 5, depth=2, key=jax.random.key(0))
+    batch = classifier_batch()
+    return model, batch, eqx.filter_jit(eqx.filter_value_and_grad(MLPClassifier.loss))(model, batch)
+
+
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_mlp_classifier_matches_single_device(classifier, mode):
+    model, batch, (ref_loss, ref_grads) = classifier
+    assert len(model.ups) == len(model.downs) == 2
+    plan = eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode=mode)
+    loss, grads = eqxpar.train.make_value_and_grad(MLPClassifier.loss, plan)(model, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
+
+
+def test_mlp_classifier_rejects_sequence_parallel_plans(classifier):
+    model = classifier[0]
+    plan = eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, sequence_parallel=True)
+    with pytest.raises(eqxpar.PlanError, match="sequence_parallel=True"):
+        eqxpar.train.make_value_and_grad(MLPClassifier.loss, plan)(model, classifier_batch())
+    with pytest.raises(eqxpar.PlanError, match="depth=0"):
+        MLPClassifier(12, 16, 5, depth=0, key=jax.random.key(0))
+
+
+def test_models_namespace():
+    assert eqxpar.models is models
+    for name in ("GPT", "GPTConfig", "MLPClassifier", "lm_loss", "generate", "gpt_first", "gpt_last"):
+        assert getattr(models, name).__doc__
