@@ -9,7 +9,6 @@ manual FSDP step gathers one layer's weights at a time.
 """
 
 import argparse
-import math
 import time
 
 import equinox as eqx
@@ -103,10 +102,9 @@ def memory_summary(state, plan) -> str:
         lines.append(
             f"  {name:<16} {_mb(per_device):>10} per device of {_mb(total):>10} ({per_device / total:.0%})"
         )
-    n = math.prod(plan.mesh.shape.values())
     lines.append(
         f"  {'together':<16} {_mb(table.bytes_per_device):>10} per device of {_mb(table.bytes):>10} "
-        f"({table.bytes_per_device / table.bytes:.0%}; 1/{n} would be {1 / n:.0%})"
+        f"({table.bytes_per_device / table.bytes:.0%})"
     )
     return "\n".join(lines)
 
