@@ -85,6 +85,7 @@ def init(
     # Built from host values: a key made by jax.random.key lives on one local
     # device, which device_put cannot place on a mesh spanning several processes.
     step = jax.device_put(np.zeros((), np.int32), replicated)
-    key_data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
-    key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
+    if not isinstance(key, jax.core.Tracer):  # traced (eval_shape, jit): nothing to place
+        key_data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
+        key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
     return TrainState(model=model, opt_state=opt_state, step=step, key=key)
