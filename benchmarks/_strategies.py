@@ -196,6 +196,27 @@ def _dp(mode: str) -> Builder:
     return build
 
 
+def _gspmd_baseline(
+    model: Any,
+    optim: optax.GradientTransformation,
+    plan: eqxpar.Plan,
+    param_specs: Any,
+    opt_specs: Any = None,
+) -> JitStep:
+    """The plain workload under `jax.jit` on the plan's mesh with these parameter
+    specs, the optimizer state laid out like `opt_specs` (default: like the
+    parameters) and the batch split like the plan's."""
+    return JitStep(
+        _workload.loss_fn,
+        optim,
+        model,
+        plan.mesh,
+        param_specs=param_specs,
+        opt_state_specs=_opt_specs(optim, model, param_specs if opt_specs is None else opt_specs),
+        batch_spec=plan.batch_spec,
+    )
+
+
 def _tp_baseline_specs(model: _workload.Transformer) -> Any:
     """Megatron shardings of the plain workload model for the `jax.jit` baseline:
     QKV and MLP-up split along their output features, the attention and MLP-down
@@ -221,15 +242,7 @@ def _tp(**plan_options: Any) -> Builder:
         plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, **plan_options)
         step = eqxpar.train.make_step(_tp_model.loss_fn, optim, plan)
         specs = _tp_baseline_specs(model)
-        baseline = JitStep(
-            _workload.loss_fn,
-            optim,
-            model,
-            plan.mesh,
-            param_specs=specs,
-            opt_state_specs=_opt_specs(optim, model, specs),
-            batch_spec=PartitionSpec("data"),
-        )
+        baseline = _gspmd_baseline(model, optim, plan, specs)
         return Setup(
             plan=plan,
             step=step,
@@ -282,15 +295,7 @@ def _fsdp(mesh: dict[str, int], **plan_options: Any) -> Builder:
         plan = eqxpar.Plan(eqxpar.make_mesh(**mesh), rules=eqxpar.rules.FSDP(axis="fsdp"), **plan_options)
         step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
         specs = eqxpar.partition_specs(eqx.filter(model, eqx.is_inexact_array), plan)
-        baseline = JitStep(
-            _workload.loss_fn,
-            optim,
-            model,
-            plan.mesh,
-            param_specs=specs,
-            opt_state_specs=_opt_specs(optim, model, specs),
-            batch_spec=plan.batch_spec,
-        )
+        baseline = _gspmd_baseline(model, optim, plan, specs)
         return Setup(plan=plan, step=step, baseline=baseline, min_kind="sharded")
 
     return build
@@ -302,15 +307,7 @@ def _zero1(model: Any, optim: optax.GradientTransformation) -> Setup:
     step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
     params = eqx.filter(model, eqx.is_inexact_array)
     opt_specs = eqxpar.partition_specs(params, plan.optimizer_rules, mesh=plan.mesh)
-    baseline = JitStep(
-        _workload.loss_fn,
-        optim,
-        model,
-        plan.mesh,
-        param_specs=jax.tree.map(lambda _: PartitionSpec(), params),
-        opt_state_specs=_opt_specs(optim, model, opt_specs),
-        batch_spec=plan.batch_spec,
-    )
+    baseline = _gspmd_baseline(model, optim, plan, jax.tree.map(lambda _: PartitionSpec(), params), opt_specs)
     return Setup(plan=plan, step=step, baseline=baseline, min_kind="sharded")
 
 
@@ -328,15 +325,7 @@ def _fsdp_tp(mesh: dict[str, int], **plan_options: Any) -> Builder:
         )
         step = eqxpar.train.make_step(_tp_model.loss_fn, optim, plan)
         specs = _add_axis(_tp_baseline_specs(model), model, "fsdp", mesh["fsdp"])
-        baseline = JitStep(
-            _workload.loss_fn,
-            optim,
-            model,
-            plan.mesh,
-            param_specs=specs,
-            opt_state_specs=_opt_specs(optim, model, specs),
-            batch_spec=plan.batch_spec,
-        )
+        baseline = _gspmd_baseline(model, optim, plan, specs)
         return Setup(
             plan=plan,
             step=step,

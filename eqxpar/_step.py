@@ -226,7 +226,9 @@ class Step:
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
         """Lower the step for `state` and `batch` (concrete arrays; nothing runs)."""
         jitted, _, dynamic = self._prepare(state, batch)
-        return jitted.lower(dynamic, batch)
+        # Placed as `__call__` places it, so that `.compile()` is the executable
+        # the step runs (jit caches by the inputs' shardings).
+        return jitted.lower(dynamic, shard(batch, self._plan, specs=self._plan.batch_spec))
 
     def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
         """The compiled executable for `state` and `batch` (for HLO, memory, cost)."""

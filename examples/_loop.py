@@ -4,6 +4,25 @@ train loss, eval loss and learning rate every so often."""
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import optax
+
+import eqxpar
+
+
+def adamw_warmup_cosine(lr: float, steps: int) -> optax.GradientTransformation:
+    """AdamW (weight decay 0.01) with 5% linear warm-up then cosine decay over
+    `steps`, its learning rate exposed for the metrics."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(2, steps))
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+
+
+def print_collectives(step: Any, state: Any, batch: Any) -> None:
+    """Print what one step communicates, read from its compiled HLO (per device)."""
+    stats = eqxpar.inspect.collective_stats(step.compile(state, batch))
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(stats.count.items()))
+    print(f"collectives per step: {kinds or 'none'}; {stats.total_wire_bytes / 1e6:.2f} MB sent per device")
+
 
 def train(
     step: Callable,
@@ -23,6 +42,9 @@ def train(
     bar = trange(steps)
     for i in bar:
         state, metrics = step(state, next_batch())
+        # One step in flight at a time: XLA:CPU's collectives can give up waiting
+        # ("rendezvous ... may be stuck") when many dispatched steps queue up.
+        jax.block_until_ready(metrics["loss"])
         if (i + 1) % every == 0 or i + 1 == steps:
             message = (
                 f"step {i + 1}: loss {float(metrics['loss']):.3f}, "

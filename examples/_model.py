@@ -15,8 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from _loop import train
+from _loop import adamw_warmup_cosine, print_collectives, train
 from _text import CharData
 
 import eqxpar
@@ -114,7 +113,7 @@ def run(plan, args, *, vocab_multiple: int = 1, show_table: bool = False) -> flo
     start = time.perf_counter()
     data = CharData()
     # The vocabulary may be split over `tensor`: pad it to a multiple (the extra ids never occur).
-    vocab = -(-data.vocab_size // vocab_multiple) * vocab_multiple
+    vocab = data.padded_vocab_size(vocab_multiple)
     mesh_text = " x ".join(f"{k}={v}" for k, v in plan.mesh.shape.items() if v > 1)
     print(f"mesh {mesh_text}, vocab {vocab}, {len(data.ids):,} characters")
 
@@ -128,8 +127,7 @@ def run(plan, args, *, vocab_multiple: int = 1, show_table: bool = False) -> flo
         num_layers=args.layers,
         key=jax.random.key(0),
     )
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20), max(2, args.steps))
-    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     if show_table:
         print(eqxpar.inspect.sharding_table(state, plan))
@@ -158,10 +156,5 @@ def run(plan, args, *, vocab_multiple: int = 1, show_table: bool = False) -> flo
         f"{time.perf_counter() - start:.1f} s"
     )
 
-    # What one step communicates, read from its compiled HLO (per device).
-    # (A sharded batch, like the ones the step ran on: the executable is cached.)
-    batch = eqxpar.shard_batch(data.windows(rng, args.batch_size, args.seq_len + 1), plan)
-    stats = eqxpar.inspect.collective_stats(step.compile(state, batch))
-    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(stats.count.items()))
-    print(f"collectives per step: {kinds or 'none'}; {stats.total_wire_bytes / 1e6:.2f} MB sent per device")
+    print_collectives(step, state, data.windows(rng, args.batch_size, args.seq_len + 1))
     return final

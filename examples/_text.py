@@ -30,6 +30,11 @@ class CharData:
     def vocab_size(self) -> int:
         return len(self.vocab)
 
+    def padded_vocab_size(self, multiple: int) -> int:
+        """The vocabulary size rounded up to a multiple of `multiple`, for a
+        vocabulary split over that many devices (the extra ids never occur)."""
+        return -(-self.vocab_size // multiple) * multiple
+
     def unigram_entropy(self) -> float:
         """Entropy (nats) of the character distribution: the loss of a model that
         ignores context."""

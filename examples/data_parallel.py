@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _loop import train  # noqa: E402
+from _loop import adamw_warmup_cosine, train  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
@@ -65,8 +65,7 @@ def main(argv=None):
     print(f"mesh {dict(mesh.shape)}, mode {args.mode}, vocab {data.vocab_size}, {len(data.ids):,} characters")
 
     model = CharMLP(data.vocab_size, args.context, key=jax.random.key(0))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, args.steps // 20), max(2, args.steps))
-    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    optimizer = adamw_warmup_cosine(3e-3, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(loss_fn, optimizer, plan, accumulate=args.accumulate)
     evaluate = eqx.filter_jit(loss_fn)

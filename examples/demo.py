@@ -13,8 +13,8 @@ under any plan; the flags choose it:
     python examples/demo.py --data 8 --fsdp 1 --tensor 1      # plain data parallel
     python examples/demo.py --pipe 2 --data 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
 
-It prints where every array lives and what one step communicates (when this
-eqxpar has `eqxpar.inspect.sharding_table` / `comm_report`), a progress bar with
+It prints where every array lives and what one step communicates
+(`eqxpar.inspect.sharding_table` / `comm_report`), a progress bar with
 periodic evaluation, the final evaluation loss beside the unigram entropy of the
 text (the loss of a model that ignores context), and a sample of generated text.
 The loss curve goes to `<out>/loss.png` and the sample to `<out>/sample.txt`.
@@ -28,14 +28,12 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse  # noqa: E402
 import pathlib  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from _loop import train  # noqa: E402
+from _loop import adamw_warmup_cosine, train  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
@@ -101,13 +99,7 @@ def build_plan(args: argparse.Namespace) -> tuple[eqxpar.Plan, object]:
         options["manual_axes"] = tuple(a.strip() for a in args.manual_axes.split(","))
     if args.pipe == 1:
         return eqxpar.Plan(mesh, **options), lm_loss
-    try:
-        import eqxpar.pipeline as pipeline
-    except ImportError:
-        sys.exit(
-            f"--pipe {args.pipe}: this eqxpar has no pipeline engine (eqxpar.pipeline). "
-            "Run with --pipe 1, or install an eqxpar that has it."
-        )
+    pipeline = eqxpar.pipeline
     options["rules"] = pipeline.stage_rules(eqxpar.rules.MEGATRON_FSDP)
     options.pop("manual_axes", None)  # a pipeline step is manual over every axis
     plan = eqxpar.Plan(mesh, schedule=args.schedule, microbatches=args.microbatches, **options)
@@ -155,7 +147,7 @@ def main(argv=None) -> dict:
     entropy = data.unigram_entropy()
     config = GPTConfig(
         # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).
-        vocab_size=-(-data.vocab_size // args.tensor) * args.tensor,
+        vocab_size=data.padded_vocab_size(args.tensor),
         d_model=args.d_model,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
@@ -181,8 +173,7 @@ def main(argv=None) -> dict:
         f"text: {len(data.ids):,} characters"
     )
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20), max(2, args.steps))
-    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(loss_fn, optimizer, plan)
 
@@ -191,12 +182,9 @@ def main(argv=None) -> dict:
     def next_batch():
         return data.windows(rng, args.batch_size, args.seq_len + 1)
 
-    if hasattr(eqxpar.inspect, "sharding_table"):
-        print(eqxpar.inspect.sharding_table(state.model, plan))
-    if hasattr(eqxpar.inspect, "comm_report"):
-        # Compiles the step; with the batch placed as the step places it, the first
-        # training step reuses that executable instead of compiling again.
-        print(eqxpar.inspect.comm_report(step, state, eqxpar.shard_batch(next_batch(), plan)))
+    print(eqxpar.inspect.sharding_table(state.model, plan))
+    # Compiles the step: the executable the first training step then reuses.
+    print(eqxpar.inspect.comm_report(step, state, next_batch()))
 
     # The trained model holds ordinary (sharded) global arrays, so it evaluates and
     # generates under plain jit whatever the plan it trains under.

@@ -28,8 +28,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from _loop import train  # noqa: E402
+from _loop import adamw_warmup_cosine, train  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
@@ -103,7 +102,7 @@ def main(argv=None):
         print(f"schedule picture saved to {args.png}")
 
     data = CharData()
-    vocab = -(-data.vocab_size // tensor) * tensor  # the vocabulary is split over `tensor`
+    vocab = data.padded_vocab_size(tensor)  # the vocabulary is split over `tensor`
     plan = eqxpar.Plan(
         mesh,
         rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON),
@@ -128,8 +127,7 @@ def main(argv=None):
         model,
         eqxpar.pipeline.to_pipeline_order(model.blocks, stages=stages, chunks=args.chunks),
     )
-    lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20), max(2, args.steps))
-    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=0.01)
+    optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(LOSS, optimizer, plan)
 

@@ -30,8 +30,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from _loop import train  # noqa: E402
+from _loop import adamw_warmup_cosine, print_collectives, train  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
@@ -101,7 +100,7 @@ def main(argv=None):
     mesh = eqxpar.make_mesh(data=2, tensor=TENSOR)
     plan = eqxpar.Plan(mesh, rules=eqxpar.rules.MEGATRON, **MODES[args.mode])
     # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).
-    vocab = -(-data.vocab_size // TENSOR) * TENSOR
+    vocab = data.padded_vocab_size(TENSOR)
     print(f"mesh {dict(mesh.shape)}, mode {args.mode}, vocab {vocab}, {len(data.ids):,} characters")
 
     # Built under jit: one compilation for the whole initialisation, not one per random array.
@@ -114,8 +113,7 @@ def main(argv=None):
         num_layers=args.layers,
         key=jax.random.key(0),
     )
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 20), max(2, args.steps))
-    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.01)
+    optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(loss_fn, optimizer, plan)
     # The trained model holds ordinary (sharded) global arrays, so it evaluates
@@ -138,11 +136,7 @@ def main(argv=None):
     final = float(evaluate(state.model, eval_batch))
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {data.unigram_entropy():.3f})")
 
-    # What one step communicates, read from its compiled HLO (per device).
-    compiled = step.compile(state, data.windows(rng, args.batch_size, args.seq_len + 1))
-    stats = eqxpar.inspect.collective_stats(compiled)
-    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(stats.count.items()))
-    print(f"collectives per step: {kinds or 'none'}; {stats.total_wire_bytes / 1e6:.2f} MB sent per device")
+    print_collectives(step, state, data.windows(rng, args.batch_size, args.seq_len + 1))
     return final
 
 

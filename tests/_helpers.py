@@ -1,5 +1,9 @@
 """Small models, data and a single-device reference run shared by the tests."""
 
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 
 import equinox as eqx
@@ -136,3 +140,22 @@ def assert_trees_close_to_scale(a, b, *, rtol=RTOL, atol=ATOL):
         assert x.shape == y.shape
         scale = float(np.max(np.abs(y)))
         assert float(np.max(np.abs(x - y))) <= rtol * scale + atol, (float(np.max(np.abs(x - y))), scale)
+
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def run_example(script: str, args, *, xla_flags: str | None = None) -> subprocess.CompletedProcess:
+    """Run `examples/<script>` with `args` in a fresh interpreter; the example sets
+    its own device count, so the test's XLA_FLAGS are replaced by `xla_flags`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

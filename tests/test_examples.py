@@ -1,13 +1,8 @@
 """Every example runs from the command line for a few steps."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-ROOT = pathlib.Path(__file__).parent.parent
+from ._helpers import run_example
 
 CASES = [
     ("data_parallel.py", ["--steps", "3", "--batch-size", "64"]),
@@ -38,14 +33,6 @@ CASES = [
 
 @pytest.mark.parametrize("script,args", CASES, ids=[" ".join([s, *a]) for s, a in CASES])
 def test_example_runs(script, args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets its own
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_example(script, args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loss" in result.stdout

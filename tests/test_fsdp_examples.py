@@ -4,10 +4,8 @@ describe, splitting the parameters and optimizer state as they say (checked on
 shapes only, nothing compiled)."""
 
 import importlib
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import equinox as eqx
@@ -17,6 +15,8 @@ import optax
 import pytest
 
 import eqxpar
+
+from ._helpers import run_example
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -49,17 +49,9 @@ CASES = [
 
 @pytest.mark.parametrize("script,args", CASES, ids=[" ".join([s, *a]) for s, a in CASES])
 def test_fsdp_example_runs(script, args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example adds the device count
-    # Two steps of a tiny model: compilation dominates, so compile cheaply.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *TINY, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # Two steps of a tiny model: compilation dominates, so compile cheaply (the
+    # example adds the device count to these flags).
+    result = run_example(script, [*TINY, *args], xla_flags="--xla_backend_optimization_level=0")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "per device of" in out

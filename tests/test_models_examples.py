@@ -1,17 +1,11 @@
 """The demo (examples/demo.py) runs from the command line for a few steps on a
 tiny GPT: the default plan (data x fsdp x tensor, automatic), and a pipeline plan
-(pipe x data x tensor, manual tensor parallel with sequence parallelism) when this
-eqxpar has the pipeline engine, else it exits with a clear message. (Each run
+(pipe x data x tensor, manual tensor parallel with sequence parallelism). (Each run
 costs a process and four compilations: the manual and overlapped tensor-parallel
 plans are covered by tests/test_models.py instead.)"""
 
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
+from ._helpers import run_example
 
-ROOT = pathlib.Path(__file__).parent.parent
 TINY = [
     "--steps",
     "2",
@@ -34,19 +28,10 @@ TINY = [
     "--sample-len",
     "20",
 ]
-HAS_PIPELINE = importlib.util.find_spec("eqxpar.pipeline") is not None
 
 
 def run_demo(args, out):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the demo sets its own
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), *TINY, "--out", str(out), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_example("demo.py", [*TINY, "--out", str(out), *args])
 
 
 def test_demo_runs_default_plan(tmp_path):
@@ -65,10 +50,6 @@ def test_demo_pipeline_flag(tmp_path):
     args = ["--pipe", "2", "--data", "2", "--fsdp", "1", "--tensor", "2", "--microbatches", "2"]
     args += ["--mode", "manual", "--sequence-parallel"]
     result = run_demo(args, tmp_path)
-    if not HAS_PIPELINE:
-        assert result.returncode != 0
-        assert "no pipeline engine (eqxpar.pipeline)" in result.stderr
-        return
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sequence parallel, pipeline 1f1b x 2 micro-batches" in result.stdout
     assert "final eval loss" in result.stdout
