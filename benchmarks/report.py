@@ -156,23 +156,24 @@ NOTES = {
         "for sync, just over it for the ring. On 2 shared cores the ring's permutes cannot overlap anything, "
         "so it costs its loop overhead and buys nothing; it is judged here by bytes and parity."
     ),
-    "fsdp": (
-        "**fsdp / fsdp_manual / zero1 / hsdp** run the plain workload (no eqxpar layer) with "
+    "fsdp_manual": (
+        "**fsdp_manual / zero1 / hsdp** run the plain workload (no eqxpar layer) with "
         "`rules.FSDP` (every large weight split over `fsdp` on its largest divisible dimension, "
         "ANCHORS.md's `jax.jit` FSDP layout) or ZeRO-1's `rules.ZeroShard`. The minimum "
         "(`benchmarks/_strategies.py::sharded_minimum`) gathers each split weight once and keeps "
         "it for the backward pass (remat none), reduce-scatters its gradient and all-reduces the "
-        "replicated leaves. `fsdp` (automatic) is GSPMD itself: on CPU it all-reduces the whole "
-        "gradient and slices it (1.5x the minimum on the wire). `fsdp_manual` reduce-scatters "
-        "through the gather's transpose: exactly the minimum, 0.67x GSPMD's wire bytes."
+        "replicated leaves. The baseline, `jax.jit` with the same shardings, all-reduces the whole "
+        "gradient on CPU and slices it (36.24 MB on the wire, 1.50x the minimum); eqxpar's manual "
+        "FSDP reduce-scatters through the gather's transpose: the minimum, 0.67x GSPMD's wire "
+        "bytes. eqxpar's automatic `fsdp` plan *is* that GSPMD step, so it misses the 1.05x "
+        "contract and is not listed; `python -m benchmarks.run --quick --only fsdp ...` measures it."
     ),
     "fsdp_tp": (
         "**fsdp_tp / dp_fsdp_tp** run the `eqxpar.nn` workload with `rules.MEGATRON_FSDP` "
         "(heads, MLP features, vocabulary over `tensor`; the model dimension over `fsdp`), manual "
         "with sequence parallelism; the baseline is `jax.jit` with the Megatron shardings plus "
-        "`fsdp` on each weight's largest free dimension. **dp_fsdp_tp_bf16** adds "
-        "`compute_dtype=bfloat16`: weights are gathered and activations moved in bfloat16 (the "
-        "minimum counts them so), and its parity is bfloat16's (about 1e-2), not float32's."
+        "`fsdp` on each weight's largest free dimension. Over the minimum by the sequence-parallel "
+        "overhead of tp_sp (replicated weights' gradients summed over `tensor` too)."
     ),
 }
 
