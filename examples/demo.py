@@ -1,5 +1,5 @@
 """eqxpar's main demo: a GPT trained on Python's own documentation, on 8 simulated
-CPU devices, data x FSDP x tensor parallel (x pipeline, with --pipe).
+CPU devices, pipeline x data x tensor parallel (2 x 2 x 2) by default.
 
 The model is `eqxpar.models.GPT` (rotary positions, SwiGLU MLPs, grouped-query
 attention, tied embeddings, blocks in one scanned stack), built only from
@@ -7,11 +7,13 @@ attention, tied embeddings, blocks in one scanned stack), built only from
 texts that ship with every CPython: nothing to download). The same model runs
 under any plan; the flags choose it:
 
-    python examples/demo.py                           # data 2 x fsdp 2 x tensor 2, automatic (GSPMD)
-    python examples/demo.py --mode manual --sequence-parallel  # eqxpar issues the tensor collectives
-    python examples/demo.py --mode manual --sequence-parallel --tp-overlap  # ... as ring matmuls
-    python examples/demo.py --data 8 --fsdp 1 --tensor 1      # plain data parallel
-    python examples/demo.py --pipe 2 --data 2 --fsdp 1 --tensor 2 --schedule 1f1b --microbatches 4
+    python examples/demo.py                  # pipe 2 x data 2 x tensor 2, 1F1B, 4 micro-batches
+    python examples/demo.py --schedule zero_bubble          # another pipeline schedule
+    python examples/demo.py --data 1 --fsdp 2               # pipe 2 x fsdp 2 x tensor 2
+    python examples/demo.py --pipe 1 --fsdp 2               # data 2 x fsdp 2 x tensor 2, automatic (GSPMD)
+    python examples/demo.py --pipe 1 --fsdp 2 --mode manual --sequence-parallel  # eqxpar's collectives
+    python examples/demo.py --pipe 1 --fsdp 2 --mode manual --sequence-parallel --tp-overlap  # ring matmuls
+    python examples/demo.py --pipe 1 --data 8 --tensor 1    # plain data parallel
 
 It prints where every array lives and what one step communicates
 (`eqxpar.inspect.sharding_table` / `comm_report`), a progress bar with
@@ -46,9 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     mesh = parser.add_argument_group("mesh and plan")
     mesh.add_argument("--data", type=int, default=2, help="data-parallel devices")
-    mesh.add_argument("--fsdp", type=int, default=2, help="FSDP devices (weights and batch split)")
+    mesh.add_argument("--fsdp", type=int, default=1, help="FSDP devices (weights and batch split)")
     mesh.add_argument("--tensor", type=int, default=2, help="tensor-parallel devices")
-    mesh.add_argument("--pipe", type=int, default=1, help="pipeline stages (needs eqxpar.pipeline)")
+    mesh.add_argument("--pipe", type=int, default=2, help="pipeline stages (1: no pipeline)")
     mesh.add_argument("--mode", choices=["auto", "manual"], default="auto")
     mesh.add_argument(
         "--manual-axes",
@@ -159,8 +161,9 @@ def main(argv=None) -> dict:
     model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     mesh_text = " x ".join(f"{a} {n}" for a, n in plan.mesh.shape.items() if n > 1) or "one device"
-    mode = args.mode
-    if plan.mode == "manual" and set(plan.manual_axes) != set(plan.mesh.axis_names):
+    # A pipeline step is one shard_map over every axis: the layers issue their own collectives.
+    mode = "manual (pipeline)" if args.pipe > 1 else args.mode
+    if args.pipe == 1 and plan.mode == "manual" and set(plan.manual_axes) != set(plan.mesh.axis_names):
         mode += " over " + ", ".join(plan.manual_axes)
     mode += ", sequence parallel" if args.sequence_parallel else ""
     mode += ", ring overlap" if args.tp_overlap else ""
@@ -226,7 +229,9 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sample.txt").write_text(sample + "\n")
-    title = f"GPT on pydoc topics: {mesh_text}, {args.mode}"
+    title = f"GPT on pydoc topics: {mesh_text}" + (
+        f", {args.schedule}" if args.pipe > 1 else f", {args.mode}"
+    )
     if save_curve(out / "loss.png", train_losses, evals, entropy, title):
         print(f"loss curve: {out / 'loss.png'}")
     print(f"total time {time.perf_counter() - start:.0f} s")

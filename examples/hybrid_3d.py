@@ -9,6 +9,7 @@ all-reduces). One compiled step, manual over all three axes:
     python examples/hybrid_3d.py                        # 1F1B
     python examples/hybrid_3d.py --schedule zero_bubble
     python examples/hybrid_3d.py --schedule interleaved --chunks 2
+    python examples/hybrid_3d.py --fsdp      # pipe 2 x fsdp 2 x tensor 2: weights split over fsdp too
 """
 
 import os

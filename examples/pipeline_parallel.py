@@ -12,6 +12,7 @@ schedule table; the script prints the table and its bubble fractions first:
     python examples/pipeline_parallel.py --schedule interleaved --chunks 2
     python examples/pipeline_parallel.py --schedule zero_bubble
     python examples/pipeline_parallel.py --hybrid                 # pipe 2 x data 2 x tensor 2
+    python examples/pipeline_parallel.py --hybrid --fsdp          # pipe 2 x fsdp 2 x tensor 2
 
 `--png schedule.png` also draws the table (needs matplotlib).
 """
@@ -80,6 +81,11 @@ def main(argv=None):
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=1, help="virtual stages per device (interleaved)")
     parser.add_argument("--hybrid", action="store_true", help="pipe 2 x data 2 x tensor 2")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="put the other devices on `fsdp` rather than `data`: weights split over them too",
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -92,7 +98,8 @@ def main(argv=None):
 
     stages = args.stages or (2 if args.hybrid else 4)
     tensor = 2 if args.hybrid else 1
-    mesh = eqxpar.make_mesh(pipe=stages, tensor=tensor, data=-1)
+    batch_axis = "fsdp" if args.fsdp else "data"
+    mesh = eqxpar.make_mesh(pipe=stages, tensor=tensor, **{batch_axis: -1})
     schedule = eqxpar.pipeline.schedule(
         args.schedule, stages=stages, microbatches=args.microbatches, chunks=args.chunks
     )
@@ -105,7 +112,9 @@ def main(argv=None):
     vocab = data.padded_vocab_size(tensor)  # the vocabulary is split over `tensor`
     plan = eqxpar.Plan(
         mesh,
-        rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON),
+        # MEGATRON_FSDP also splits the model dimension over `fsdp`; under a pipeline
+        # those weights are gathered once per step and their gradients reduce-scattered.
+        rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON_FSDP if args.fsdp else eqxpar.rules.MEGATRON),
         schedule=args.schedule,
         microbatches=args.microbatches,
         chunks=args.chunks,

@@ -1,6 +1,6 @@
 """The demo (examples/demo.py) runs from the command line for a few steps on a
-tiny GPT: the default plan (data x fsdp x tensor, automatic), and a pipeline plan
-(pipe x data x tensor, manual tensor parallel with sequence parallelism). (Each run
+tiny GPT: the default plan (pipe x data x tensor, 1F1B), and the data x fsdp x
+tensor plan without a pipeline (automatic). (Each run
 costs a process and four compilations: the manual and overlapped tensor-parallel
 plans are covered by tests/test_models.py instead.)"""
 
@@ -38,7 +38,7 @@ def test_demo_runs_default_plan(tmp_path):
     result = run_demo([], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "mesh data 2 x fsdp 2 x tensor 2; mode auto\n" in out
+    assert "mesh data 2 x pipe 2 x tensor 2; mode manual (pipeline), pipeline 1f1b x 4 micro-batches\n" in out
     assert "step 2: loss" in out
     assert "final eval loss" in out and "unigram entropy" in out
     assert "sample:\nPython " in out
@@ -46,10 +46,8 @@ def test_demo_runs_default_plan(tmp_path):
     assert (tmp_path / "sample.txt").read_text().startswith("Python ")
 
 
-def test_demo_pipeline_flag(tmp_path):
-    args = ["--pipe", "2", "--data", "2", "--fsdp", "1", "--tensor", "2", "--microbatches", "2"]
-    args += ["--mode", "manual", "--sequence-parallel"]
-    result = run_demo(args, tmp_path)
+def test_demo_without_pipeline(tmp_path):
+    result = run_demo(["--pipe", "1", "--fsdp", "2"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "sequence parallel, pipeline 1f1b x 2 micro-batches" in result.stdout
+    assert "mesh data 2 x fsdp 2 x tensor 2; mode auto\n" in result.stdout
     assert "final eval loss" in result.stdout

@@ -259,11 +259,53 @@ def test_bad_input_errors():
         eqxpar.train.make_value_and_grad(loss, unsplit)(model, batch)
 
 
-def test_fsdp_weights_are_rejected():
-    plan = pipeline_plan(
-        "gpipe", pipe=2, data=2, microbatches=2, rules=eqxpar.rules.FSDP(axis="data", min_size=1)
-    )
-    with pytest.raises(eqxpar.PlanError, match="no FSDP"):
+def test_pipeline_fsdp_tensor_trains_like_one_device_and_gathers_once():
+    # pipe 2 x fsdp 2 x tensor 2: the model dimension split over fsdp, the
+    # hidden features and vocabulary over tensor, the layers over pipe.
+    model = TinyLM(4, key=jax.random.key(0))
+    optim = optax.sgd(0.5)
+    keys = jax.random.split(jax.random.key(4), 5)
+    batches = [jax.random.randint(k, (8, SEQ + 1), 0, VOCAB) for k in keys]
+    ref_losses, ref_model = reference_run(model, optim, LM_LOSS, batches)
+
+    mesh = eqxpar.make_mesh(pipe=2, fsdp=2, tensor=2)
+    plan = eqxpar.Plan(mesh, rules=stage_rules(eqxpar.rules.MEGATRON_FSDP), schedule="1f1b", microbatches=2)
+    step = eqxpar.train.make_step(LM_LOSS, optim, plan)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))
+    spec = state.model.blocks.blocks.mlp.w_in.sharding.spec
+    assert spec[0] == "pipe" and spec[1] == "fsdp" and spec[-1] == "tensor", spec
+    stats = eqxpar.inspect.collective_stats(step.compile(state, batches[0]))
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close_to_scale(state.model, ref_model)
+
+    # Every fsdp-split weight is gathered once per step (outside the tick loop)
+    # and its gradient reduce-scattered once: the bytes of this device's
+    # gathered weights, and half of them.
+    specs = eqxpar.partition_specs(eqx.filter(model, eqx.is_inexact_array), plan)
+    gathered = 0
+    for leaf, s in zip(
+        jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)),
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+        strict=True,
+    ):
+        axes = [
+            a for entry in s if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)
+        ]
+        if "fsdp" in axes:
+            gathered += leaf.nbytes // np.prod([mesh.shape[a] for a in axes if a != "fsdp"])
+    assert stats.bytes["all-gather"] == gathered, (stats.bytes, gathered)
+    assert stats.bytes["reduce-scatter"] == gathered // 2, (stats.bytes, gathered)
+    assert "all-gather" not in stats.in_loops and "reduce-scatter" not in stats.in_loops, stats.in_loops
+
+
+def test_pipeline_rejects_weights_split_over_pipe_outside_the_stack():
+    rules = eqxpar.rules.ByPath([(r"w_out$", jax.sharding.PartitionSpec("pipe"))], strict=False)
+    plan = pipeline_plan("gpipe", pipe=2, microbatches=2, rules=rules)
+    with pytest.raises(eqxpar.PlanError, match="only the layer axis"):
         eqxpar.train.make_value_and_grad(tiny_loss(), plan)(
-            Tiny(2, key=jax.random.key(0)), regression_batch(8)
+            Tiny(2, key=jax.random.key(0), d=D), regression_batch(8)
         )

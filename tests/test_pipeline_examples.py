@@ -8,7 +8,7 @@ TINY = ["--steps", "2", "--batch-size", "16", "--seq-len", "8", "--d-model", "16
 
 CASES = [
     ("pipeline_parallel.py", ["--schedule", "1f1b", "--microbatches", "4", "--layers", "4", *TINY]),
-    ("hybrid_3d.py", ["--schedule", "zero_bubble", "--microbatches", "2", "--layers", "2", *TINY]),
+    ("hybrid_3d.py", ["--schedule", "zero_bubble", "--fsdp", "--microbatches", "2", "--layers", "2", *TINY]),
 ]
 
 

@@ -24,8 +24,16 @@ schedule column, hence their branch.
 After the scan the gradients of everything outside the stack (computed on the
 first or last stage only) are summed over `pipe`, and all gradients over the
 data-parallel axes.
+
+FSDP under a pipeline: weights the rules split over the data-parallel axes (e.g.
+`stage_rules(rules.FSDP())`) are all-gathered once per step, before the scan, and
+their gradients reduce-scattered once, after it. Gathering per tick instead would
+move a stage's weights once per micro-batch and action; gathered once, a device
+holds its own stage's whole weights (1 / pipe of the model) during the step,
+while parameters and optimizer state stay split between steps.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +46,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .._errors import BatchError, DivisibilityError, PlanError
+from .._fsdp import gather_weights, gathers_of
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
@@ -119,6 +128,9 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
                     continue
                 if axis == PIPE and in_stack and dim == 0:
                     continue
+                if axis in plan.batch_axes:
+                    # FSDP: gathered before the scan (gathers_of checks the layout).
+                    continue
                 if axis == PIPE:
                     raise PlanError(
                         f"leaf {where} has spec {spec}, splitting dimension {dim} over 'pipe'; under a "
@@ -127,9 +139,8 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
                     )
                 raise PlanError(
                     f"leaf {where} has spec {spec}, splitting a weight over mesh axis {axis!r}; pipeline "
-                    "plans split weights over 'pipe' (the stack's layers) and the tensor axis only (no "
-                    f"FSDP yet). Drop {axis!r} from the rules (e.g. use rules.MEGATRON rather than "
-                    "MEGATRON_FSDP), or put those devices on 'data'."
+                    "plans split weights over 'pipe' (the stack's layers), the tensor axis and the "
+                    f"data-parallel axes {plan.batch_axes} (FSDP) only. Drop {axis!r} from the rules."
                 )
     if p > 1:
         for spec in jax.tree.leaves(stack_specs, is_leaf=is_spec):
@@ -164,15 +175,34 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
     batch_axes = tuple(a for a in plan.batch_axes)
     dp = math.prod(plan.mesh.shape[a] for a in batch_axes)
     all_axes = frozenset(plan.mesh.axis_names)
+    # Size-1 axes split nothing: no gather for them.
+    split_axes = tuple(a for a in batch_axes if plan.mesh.shape[a] > 1)
     n_inputs = max(1, sched.buffers.inputs)
     n_cots = max(1, sched.buffers.cotangents)
 
     def where(tree: Any) -> Any:
         return loss_fn.stack(tree).blocks
 
-    def per_device(model: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def per_device(model: Any, batch: Any, specs: Any) -> tuple[jax.Array, Any]:
         d = lax.axis_index(PIPE)
         params, static = eqx.partition(model, eqx.is_inexact_array)
+        # FSDP shards made whole once for the step; `gathers` mirrors `params`.
+        gathers = jax.tree.map(
+            lambda x, spec: (
+                None
+                if x is None
+                else gathers_of(spec, split_axes, where=f"a weight of shape {x.shape} under a pipeline")
+            ),
+            params,
+            specs,
+            is_leaf=lambda x: x is None,
+        )
+        params = jax.tree.map(
+            lambda x, g: x if x is None else gather_weights(x, g),
+            params,
+            gathers,
+            is_leaf=lambda x: x is None,
+        )
         # Parameters are marked varying over pipe and the batch axes, so that each
         # device's gradients stay its own (no implicit all-reduce inside the
         # branches); they are reduced once, after the scan.
@@ -319,7 +349,20 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         grads = eqx.tree_at(where, g_rest, g_blocks)
         if batch_axes:
-            grads = jax.tree.map(lambda g: lax.psum(g, batch_axes) / dp, grads)
+
+            def reduce(g: jax.Array | None, gather: Any) -> jax.Array | None:
+                if g is None:
+                    return None
+                # Reduce-scatter over the axes the weight was gathered over (the
+                # gather's transpose), then sum over the other batch axes.
+                for dim, axes in reversed(gather):
+                    g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+                rest_axes = tuple(a for a in batch_axes if all(a not in axes for _, axes in gather))
+                if rest_axes:
+                    g = lax.psum(g, rest_axes)
+                return g / dp
+
+            grads = jax.tree.map(reduce, grads, gathers, is_leaf=lambda x: x is None)
             loss = lax.pmean(loss, batch_axes)
         return loss, grads
 
@@ -344,7 +387,7 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
         specs = partition_specs(model, plan)
         _check_specs(specs, loss_fn, plan)
         loss, grads = filter_shard_map(
-            per_device,
+            functools.partial(per_device, specs=specs),
             plan,
             in_specs=(specs, plan.batch_spec),
             out_specs=(PartitionSpec(), specs),
