@@ -2,6 +2,8 @@
 
 import inspect
 import math
+import os
+import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -235,6 +237,46 @@ class Step:
         return self.lower(state, batch).compile()
 
 
+#: The XLA flag that makes XLA:CPU run each device's collectives in program order.
+CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _warn_cpu_collective_order(plan: Plan) -> None:
+    """Warn when `plan` runs manual collectives over two or more axes on XLA:CPU
+    without `CPU_COLLECTIVE_ORDER_FLAG`.
+
+    JAX gives every collective of a `shard_map` the same channel id, and XLA:CPU
+    keys its rendezvous by (device group, kind, channel id). Its default
+    concurrency-optimised scheduler may start two independent collectives of one
+    kind over one group at once (two FSDP weight gathers of a layer; the
+    reduce-scatters of their gradients), and the simulated devices then join each
+    other's rendezvous: the process aborts ("Unexpected number of participants")
+    or hangs. It happens with a region manual over `fsdp` and `tensor` with
+    sequence parallelism. The flag can only be set before JAX starts its CPU
+    backend (a per-compilation option is ignored), so eqxpar can only say so.
+    """
+    if plan.mesh.devices.flat[0].platform != "cpu":
+        return
+    if plan.schedule is not None:
+        manual = plan.mesh.axis_names
+    elif plan.mode == "manual":
+        manual = plan.manual_axes
+    else:
+        return
+    if sum(plan.mesh.shape[a] > 1 for a in manual) < 2:
+        return
+    if CPU_COLLECTIVE_ORDER_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
+        return
+    warnings.warn(
+        f"this plan issues its own collectives over several mesh axes ({', '.join(manual)}) on "
+        "XLA:CPU, whose default scheduler can run two of them at once and abort the process "
+        "('Unexpected number of participants'). Set XLA_FLAGS to include "
+        f"{CPU_COLLECTIVE_ORDER_FLAG} before importing jax (as the eqxpar examples do).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _validate(plan: Plan, accumulate: int, where: str) -> None:
     if not isinstance(plan, Plan):
         raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
@@ -394,12 +436,18 @@ def make_step(
     stacked over micro-batches when accumulate > 1, averaged over data-parallel
     devices in manual mode)}`. Every batch leaf has a leading batch dimension.
 
+    **Warns:** `RuntimeWarning` on XLA:CPU when the plan is manual over two or more
+    mesh axes (or is a pipeline) and `XLA_FLAGS` lacks
+    `--xla_cpu_enable_concurrency_optimized_scheduler=false`: without it XLA:CPU
+    may run two collectives of one kind over one device group at once and abort.
+
     ```python
     step = eqxpar.train.make_step(loss_fn, optim, plan)
     state, metrics = step(state, (x, y))
     ```
     """
     _validate(plan, accumulate, "make_step")
+    _warn_cpu_collective_order(plan)
     gradients = _gradient_fn(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
 
     def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:

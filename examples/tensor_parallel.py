@@ -20,8 +20,11 @@ XLA would otherwise gather the batch that the automatic `data` axis splits.)
 
 import os
 
+# 8 simulated devices; and XLA:CPU running each device's collectives in program
+# order (plans manual over several axes need it: see eqxpar.train.make_step).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 
 import argparse  # noqa: E402

@@ -139,3 +139,18 @@ def test_filter_shard_map_wrong_number_of_specs():
     f = eqxpar.filter_shard_map(lambda a, b: a, plan, in_specs=(P(),), out_specs=P())
     with pytest.raises(eqxpar.PlanError, match="in_specs has 1 entries .* 2 positional"):
         f(jnp.zeros(8), jnp.zeros(8))
+
+
+def test_cpu_collective_order_warning(monkeypatch):
+    # Manual over fsdp and tensor on XLA:CPU needs the in-order collective flag
+    # (set by conftest); without it make_step says how to set it.
+    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4), mode="manual", manual_axes=("fsdp", "tensor"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with pytest.warns(RuntimeWarning, match="xla_cpu_enable_concurrency_optimized_scheduler=false"):
+        eqxpar.train.make_step(lambda m, b: jnp.mean(b), optax.sgd(0.1), plan)
+    # One manual axis, or an automatic plan: no warning.
+    for quiet in (
+        eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4), mode="manual", manual_axes=("tensor",)),
+        eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4)),
+    ):
+        eqxpar.train.make_step(lambda m, b: jnp.mean(b), optax.sgd(0.1), quiet)
