@@ -1,0 +1,182 @@
+"""The benchmark plots (`benchmarks.plots`) and the scaling sweep's record, plot and
+Markdown functions (`benchmarks.scaling`), on small fixtures: nothing is measured."""
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from benchmarks import _workload, plots, scaling  # noqa: E402
+from benchmarks._strategies import Minimum  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path) -> bool:
+    return path.exists() and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 1000
+
+
+def _record(strategy: str, **fields) -> dict:
+    # The fields of a benchmarks.run record that the plots read.
+    return {
+        "strategy": strategy,
+        "mesh": {"data": 8},
+        "step_time_s": 1.1,
+        "baseline_step_time_s": 1.0,
+        "comm_wire_bytes_total": 24_181_255,
+        "comm_wire_bytes_min": 24_181_248,
+        "comm_wire_bytes_baseline": 36_237_831,
+        "mem_argument_bytes": 40 * 2**20,
+        "mem_temp_bytes": 60 * 2**20,
+        **fields,
+    }
+
+
+FIXTURE = {
+    "jax": "0.10.2",
+    "records": [
+        _record("dp", baseline="hand-written jax.jit step with the same shardings, float32 (no casts)"),
+        # No baseline at all: a gap in comm.png, left out of step_ratio.png.
+        _record("tp_sp", comm_wire_bytes_baseline=None, baseline_step_time_s=None),
+        _record(
+            "pp_1f1b",
+            baseline="GPipe",
+            memory_sweep=[
+                {"microbatches": 8, "mem_temp_bytes": 90 * 2**20, "mem_argument_bytes": 30 * 2**20},
+                {"microbatches": 4, "mem_temp_bytes": 80 * 2**20, "mem_argument_bytes": 30 * 2**20},
+                {"microbatches": 16, "mem_temp_bytes": 95 * 2**20},
+            ],
+        ),
+        _record("pp_gpipe", memory_sweep=[{"microbatches": 4, "mem_temp_bytes": 160 * 2**20}]),
+        # Fields it does not know, and ones of the wrong type, are ignored.
+        {"strategy": "odd", "step_time_s": "fast", "comm_wire_bytes_total": None, "surprise": [1, 2]},
+    ],
+}
+
+
+def test_plots_render_all_three_pngs(tmp_path):
+    path = tmp_path / "quick.json"
+    path.write_text(json.dumps(FIXTURE))
+    written = plots.main(["--json", str(path), "--out", str(tmp_path / "out")])
+    assert written == {"comm.png": True, "step_ratio.png": True, "pipeline_memory.png": True}
+    for name in written:
+        assert _is_png(tmp_path / "out" / name), name
+
+
+def test_pipeline_memory_is_skipped_without_sweeps(tmp_path, capsys):
+    path = tmp_path / "quick.json"
+    path.write_text(json.dumps({"records": [_record("dp"), _record("fsdp_manual", memory_sweep="n/a")]}))
+    written = plots.main(["--json", str(path), "--out", str(tmp_path)])
+    assert written["pipeline_memory.png"] is False
+    assert not (tmp_path / "pipeline_memory.png").exists()
+    assert "skipped pipeline_memory.png" in capsys.readouterr().out
+
+
+def test_plots_survive_empty_and_odd_inputs(tmp_path):
+    assert plots.write_all({}, tmp_path) == dict.fromkeys(plots.PLOTS, False)
+    assert plots.write_all({"records": "nope"}, tmp_path) == dict.fromkeys(plots.PLOTS, False)
+    # Only records without a baseline time: nothing to divide by.
+    assert not plots.plot_step_ratio([_record("x", baseline_step_time_s=None)], tmp_path / "r.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_sweep_orders_and_drops_incomplete_points():
+    record = FIXTURE["records"][2]
+    assert plots.memory_sweep(record) == [(4, 80 * 2**20), (8, 90 * 2**20), (16, 95 * 2**20)]
+    assert plots.memory_sweep({"memory_sweep": [{"microbatches": 2}, "x"]}) == []
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install -e \.\[examples\]"):
+        plots.figure()
+
+
+def _point(sweep: str, strategy: str, mesh: dict, d_model: int = 256, **kwargs) -> dict:
+    # A scaling record with made-up numbers that scale the way the real ones should.
+    n = scaling.mesh_devices(mesh)
+    params = 3_454_464 * (d_model // 256) ** 2
+    wire = 2 * (n - 1) * params * 4 // n
+    return scaling.make_record(
+        sweep=sweep,
+        strategy=strategy,
+        mesh=mesh,
+        cfg=scaling.config(d_model),
+        params=params,
+        minimum=Minimum(params * 4 if n > 1 else 0, wire),
+        comm_bytes={"all-reduce": params * 4} if n > 1 else {},
+        comm_counts={"all-reduce": 1} if n > 1 else {},
+        comm_wire={"all-reduce": wire} if n > 1 else {},
+        mem_argument_bytes=3 * params * 4 // (n if strategy == "fsdp_manual" else 1),
+        mem_temp_bytes=500 * 2**20 // n,
+        step_times_s=[1.2, 1.0, 1.1],
+        reference=scaling.SINGLE_REFERENCE if sweep == "devices" else scaling.SAME_SHARDINGS_REFERENCE,
+        reference_step_times_s=[1.0, 0.9, 1.0],
+        **kwargs,
+    )
+
+
+def test_make_record_derives_ratios():
+    one = _point("devices", "dp", {"data": 1, "pipe": 1, "fsdp": 1, "tensor": 1})
+    assert one["mesh"] == {} and one["devices"] == 1
+    assert one["wire_over_min"] == 1.0  # nothing to move, nothing moved
+    eight = _point("devices", "dp", {"data": 8})
+    assert eight["comm_wire_bytes_total"] == eight["comm_wire_bytes_min"] == 2 * 7 * 4 * 3_454_464 // 8
+    assert eight["step_time_s"] == 1.1 and eight["reference_step_time_s"] == 1.0
+    assert eight["step_time_ratio"] == pytest.approx(1.1)
+    assert eight["param_bytes"] == 4 * 3_454_464
+    json.dumps(eight)  # JSON-ready
+
+
+def test_config_scales_mlp_with_width():
+    cfg = scaling.config(512)
+    assert (cfg.d_model, cfg.mlp, cfg.heads, cfg.layers) == (512, 2048, 4, 4)
+    assert scaling.config(256) == _workload.CONFIG
+
+
+def test_scaling_plots_and_markdown(tmp_path):
+    devices = [
+        _point("devices", s, {axis: n})
+        for s, axis in (("dp", "data"), ("fsdp_manual", "fsdp"))
+        for n in (1, 2, 4, 8)
+    ]
+    width = [
+        _point("width", s, {axis: 8}, d, comm_wire_baseline=36_000_000, vs_baseline_rel_err=1e-7)
+        for s, axis in (("dp", "data"), ("fsdp_manual", "fsdp"))
+        for d in (128, 256, 512)
+    ]
+    data = {
+        "command": "python -m benchmarks.scaling --quick",
+        "jax": "0.10.2",
+        "devices": 8,
+        "platform": "cpu",
+        "timing": {"warm_steps": 2, "timed_steps": 3},
+        "devices_sweep": devices,
+        "width_sweep": width,
+        "single_device": {"d_model": 256, "mem_argument_bytes": 40 * 2**20, "mem_temp_bytes": 555 * 2**20},
+    }
+    path = tmp_path / "scaling.json"
+    path.write_text(json.dumps(data))
+    out = scaling.main(
+        ["--json", str(path), "--replot", "--png-dir", str(tmp_path), "--markdown", str(tmp_path / "S.md")]
+    )
+    assert out == data
+    assert _is_png(tmp_path / "scaling_devices.png") and _is_png(tmp_path / "scaling_width.png")
+    page = (tmp_path / "S.md").read_text()
+    assert page.count("| fsdp_manual |") == 7
+    # FSDP arguments in the fixture are exactly 1/n: the finding says 1.00 at each n.
+    assert "over the one-device figure: 1.000, 1.000, 1.000" in page
+    assert "n = 8: 24.18 MB (1.0000 × that)" in page
+    # Empty sweeps draw nothing and do not crash.
+    assert not scaling.plot_devices([], tmp_path / "none.png")
+    assert "| strategy |" in scaling.render({})
