@@ -5,6 +5,7 @@ noise of 2 shared CPU cores hits both alike; only ratios taken in one process me
 anything (ANCHORS.md: about +-20 % run to run).
 """
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +131,32 @@ def max_rel_err(got: PyTree, want: PyTree) -> float:
     return worst
 
 
+def norm_rel_err(got: PyTree, want: PyTree) -> float:
+    """||got - want|| / ||want|| over the whole tree (2-norm of all leaves together):
+    the error of the gradient as one vector, which leaves of pure rounding noise
+    (exactly zero in the reference's math) cannot dominate."""
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        raise ValueError(f"parity: {len(got_leaves)} leaves against {len(want_leaves)} in the reference")
+    diff = sum(
+        float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+        for a, b in zip(got_leaves, want_leaves, strict=True)
+    )
+    ref = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in want_leaves)
+    return math.sqrt(diff) / max(math.sqrt(ref), _TINY)
+
+
+_REFERENCE_VG: dict[Callable, Callable] = {}
+
+
+def _reference_value_and_grad(loss_fn: Callable) -> Callable:
+    # One jitted function per loss, so that the strategies sharing a reference
+    # share its compilation (a fresh filter_jit wrapper would compile again).
+    if loss_fn not in _REFERENCE_VG:
+        _REFERENCE_VG[loss_fn] = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+    return _REFERENCE_VG[loss_fn]
+
+
 def gradient_parity(
     loss_fn: Callable,
     plan: eqxpar.Plan,
@@ -138,7 +165,8 @@ def gradient_parity(
     *,
     reference_loss_fn: Callable | None = None,
     convert: Callable[[Any], Any] | None = None,
-) -> tuple[float, float]:
+    template: Any = None,
+) -> tuple[float, float, float]:
     """Loss and gradient error of the plan's step against one device, at the same parameters.
 
     The contract (DESIGN.md, parity) is about the loss and gradients a step computes:
@@ -146,30 +174,31 @@ def gradient_parity(
     uses, and are compared with `eqx.filter_value_and_grad` on one device. When the
     eqxpar side runs a re-layout of the workload (`convert(workload) -> model`), the
     reference is the plain workload model at the same weights, `reference_loss_fn`,
-    its gradients converted the same way.
+    its gradients converted the same way; `template` is a workload model of the
+    right shape (default: `_workload.make_model()`).
 
-    Returns `(loss_rel_err, grads_max_rel_err)`.
+    Returns `(loss_rel_err, grads_max_rel_err, grads_norm_rel_err)`.
     """
     loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
     device = jax.devices()[0]
     single = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
     ref_loss_fn = loss_fn
     if convert is not None and reference_loss_fn is not None:
-        single = _invert(convert, single)
+        single = invert(convert, single, template)
         ref_loss_fn = reference_loss_fn
-    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(ref_loss_fn))(
-        single, jax.device_put(batch, device)
-    )
+    ref_loss, ref_grads = _reference_value_and_grad(ref_loss_fn)(single, jax.device_put(batch, device))
     if convert is not None and reference_loss_fn is not None:
         ref_grads = eqx.filter(convert(ref_grads), eqx.is_inexact_array)
-    return max_rel_err(loss, ref_loss), max_rel_err(grads, ref_grads)
+    return max_rel_err(loss, ref_loss), max_rel_err(grads, ref_grads), norm_rel_err(grads, ref_grads)
 
 
-def _invert(convert: Callable[[Any], Any], model: Any) -> Any:
+def invert(convert: Callable[[Any], Any], model: Any, template: Any = None) -> Any:
+    """The workload model `w` with `convert(w) == model`, shaped like `template`
+    (default: `_workload.make_model()`)."""
     # `convert` only moves and reshapes weights: a permutation, whose inverse is its
     # transpose, i.e. its VJP. Pulling `model` back through it gives the workload
     # model with the same weights.
-    template = _workload.make_model()
+    template = _workload.make_model() if template is None else template
     _, pullback = jax.vjp(lambda w: convert(w), eqx.filter(template, eqx.is_inexact_array))
     (weights,) = pullback(eqx.filter(model, eqx.is_inexact_array))
     return eqx.combine(weights, eqx.filter(template, eqx.is_inexact_array, inverse=True))

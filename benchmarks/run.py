@@ -2,18 +2,24 @@
 
     python -m benchmarks.run [--quick] [--only dp,dp_manual] --json PATH [--markdown PATH]
 
-For each strategy: the eqxpar step's median step time beside a hand-written `jax.jit`
-step with the same shardings (interleaved in this process), collective bytes against
-the theoretical minimum and the baseline, per-device memory, parity of the loss and
-gradients with one device, and the parameter trajectory against a single-device run
-over the same steps.
+For each strategy: the eqxpar step's median step time beside a baseline step
+(interleaved in this process: a hand-written `jax.jit` step with the same shardings;
+for pipelines, eqxpar's GPipe step of the same model and mesh), collective bytes
+against the theoretical minimum and the baseline, per-device memory, parity of the
+loss and gradients with one device, the parameter trajectory against a
+single-device run over the same steps, and the contract the record is held to.
+Pipeline records add their schedule, the bytes the engine is designed to send and a
+memory sweep over the micro-batch count (compiled, not run).
 """
 
 import os
 
-# 8 simulated CPU devices; XLA reads the flag once, when jax is first imported.
+# 8 simulated CPU devices; XLA reads the flags once, when jax is first imported. The
+# scheduler flag keeps XLA:CPU from running two collectives of a multi-axis manual
+# plan at once (which can abort the process; eqxpar warns without it).
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 
 import argparse  # noqa: E402
@@ -30,11 +36,19 @@ import jax  # noqa: E402
 
 from . import _measure, _workload, report  # noqa: E402
 from ._baseline import reference_run  # noqa: E402
-from ._strategies import STRATEGIES, local_param_bytes, min_comm_bytes, sharded_minimum  # noqa: E402
+from ._strategies import (  # noqa: E402
+    STRATEGIES,
+    EqxBaseline,
+    local_param_bytes,
+    min_comm_bytes,
+    sharded_minimum,
+)
 
 DEVICES = 8
-# (warm-up steps, timed steps) per side; one step is about 1 s on 2 cores.
-QUICK = (3, 5)
+# (warm-up steps, timed steps) per side; one step takes 1-7 s on 2 cores. The first
+# warm-up step compiles; compiles (steps, parity, memory sweeps), not the timed
+# steps, are most of --quick's wall time.
+QUICK = (1, 3)
 FULL = (5, 30)
 
 
@@ -43,27 +57,45 @@ def _mesh_dict(mesh: jax.sharding.Mesh) -> dict[str, int]:
     return {name: int(size) for name, size in mesh.shape.items() if size > 1}
 
 
-class _Reference:
-    """Single-device reference runs, computed once per step count and shared by strategies."""
+class _Workloads:
+    """The workload model of each config and its single-device reference runs,
+    built once per process and shared by the strategies."""
 
-    def __init__(self, model: Any, optim: Any, batches: Sequence):
-        self.model, self.optim, self.batches = model, optim, batches
-        self.cache: dict[int, tuple[Any, jax.Array]] = {}
+    def __init__(self, optim: Any, batches: Sequence):
+        self.optim, self.batches = optim, batches
+        self.models: dict[_workload.Config, Any] = {}
+        self.runs: dict[tuple, tuple[Any, jax.Array]] = {}
 
-    def __call__(self, steps: int) -> tuple[Any, jax.Array]:
-        if steps not in self.cache:
-            self.cache[steps] = reference_run(_workload.loss_fn, self.optim, self.model, self.batches[:steps])
-        return self.cache[steps]
+    def model(self, cfg: _workload.Config) -> Any:
+        if cfg not in self.models:
+            self.models[cfg] = _workload.make_model(cfg)
+        return self.models[cfg]
+
+    def reference(self, cfg: _workload.Config, loss_fn: Any, steps: int) -> tuple[Any, jax.Array]:
+        """(parameters, last loss) after `steps` single-device steps of `loss_fn`."""
+        key = (cfg, loss_fn, steps)
+        if key not in self.runs:
+            self.runs[key] = reference_run(loss_fn, self.optim, self.model(cfg), self.batches[:steps])
+        return self.runs[key]
 
 
-def measure(
-    name: str, model: Any, optim: Any, batches: Sequence, reference: _Reference, *, warm: int, timed: int
-) -> dict:
+def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, timed: int) -> dict:
     """One record of the JSON for strategy `name`."""
-    setup = STRATEGIES[name](model, optim)
+    started = time.perf_counter()
+    builder = STRATEGIES[name]
+    # Pipeline records may run a variant of the workload (8 layers: see _pipeline).
+    cfg = getattr(builder, "config", _workload.CONFIG)
+    model, optim = workloads.model(cfg), workloads.optim
+    setup = builder(model, optim)
     eqx_model = setup.convert(model)
     eqx_runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
-    base_runner = None if setup.baseline is None else _measure.BaselineRunner(setup.baseline, batches)
+    base_runner: Any = None
+    if isinstance(setup.baseline, EqxBaseline):
+        base_runner = _measure.EqxparRunner(
+            setup.baseline.step, setup.baseline.plan, setup.baseline.convert(model), optim, batches
+        )
+    elif setup.baseline is not None:
+        base_runner = _measure.BaselineRunner(setup.baseline, batches)
     sides = [eqx_runner] + ([base_runner] if base_runner is not None else [])
     times = _measure.time_interleaved(sides, warm=warm, timed=timed)
 
@@ -82,15 +114,16 @@ def measure(
     # grows to ~1e-4 on parameters whose gradients are tiny; the hand-written
     # baseline (same shardings, no eqxpar) shows that this is the strategy's, not
     # eqxpar's.
-    grad_loss_err, grads_err = _measure.gradient_parity(
+    grad_loss_err, grads_err, grads_norm_err = _measure.gradient_parity(
         setup.loss_fn,
         setup.plan,
         eqx_runner.state.model,
         batches[0],
-        reference_loss_fn=_workload.loss_fn,
+        reference_loss_fn=setup.reference_loss_fn,
         convert=setup.convert,
+        template=model,
     )
-    ref_params, ref_loss = reference(eqx_runner.done)
+    ref_params, ref_loss = workloads.reference(cfg, setup.reference_loss_fn, eqx_runner.done)
     params_err = _measure.max_rel_err(
         eqx_runner.params(), eqx.filter(setup.convert(ref_params), eqx.is_inexact_array)
     )
@@ -99,12 +132,22 @@ def measure(
     if base_runner is not None:
         if base_runner.done != eqx_runner.done:
             raise RuntimeError(f"{name}: baseline ran {base_runner.done} steps, eqxpar {eqx_runner.done}")
-        vs_baseline = _measure.max_rel_err(
-            eqx_runner.params(), eqx.filter(setup.convert(base_runner.params()), eqx.is_inexact_array)
-        )
+        if isinstance(setup.baseline, EqxBaseline):
+            # Both sides back in the workload's layout (their stacks' orders differ).
+            got = _measure.invert(setup.convert, eqx_runner.state.model, model)
+            want = _measure.invert(setup.baseline.convert, base_runner.state.model, model)
+            vs_baseline = _measure.max_rel_err(
+                eqx.filter(got, eqx.is_inexact_array), eqx.filter(want, eqx.is_inexact_array)
+            )
+        else:
+            vs_baseline = _measure.max_rel_err(
+                eqx_runner.params(), eqx.filter(setup.convert(base_runner.params()), eqx.is_inexact_array)
+            )
     mesh_shape = {k: int(v) for k, v in setup.plan.mesh.shape.items()}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    if setup.min_kind == "sharded":
+    if setup.min_kind == "custom":
+        minimum = setup.minimum(eqx_model)
+    elif setup.min_kind == "sharded":
         minimum = sharded_minimum(eqx_model, setup.plan)
     else:
         minimum = min_comm_bytes(
@@ -113,9 +156,10 @@ def measure(
             mesh_shape=mesh_shape,
             local_param_bytes=local_param_bytes(eqx_model, setup.plan),
         )
-    return {
+    record = {
         "strategy": name,
         "mesh": _mesh_dict(setup.plan.mesh),
+        "baseline": setup.baseline_name if base_runner is not None else None,
         "step_time_s": _measure.median(times[0]),
         "baseline_step_time_s": _measure.median(times[1]) if base_runner is not None else None,
         "step_times_s": times[0],
@@ -134,11 +178,18 @@ def measure(
         "parity_max_rel_err": max(grad_loss_err, grads_err),
         "parity_grads_rel_err": grads_err,
         "parity_loss_rel_err": grad_loss_err,
+        "parity_grads_norm_rel_err": grads_norm_err,
         "trajectory_params_rel_err": params_err,
         "trajectory_loss_rel_err": loss_err,
         "trajectory_vs_baseline_rel_err": vs_baseline,
         "bubble_fraction": None,
     }
+    if setup.extra is not None:
+        record.update(setup.extra(compiled, eqx_model, eqx_runner))
+    record["contract"] = setup.contract
+    # Everything this record cost: compiles, timed steps, parity, memory sweep.
+    record["wall_time_s"] = time.perf_counter() - started
+    return record
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -173,10 +224,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         )
     started = time.perf_counter()
     warm, timed = QUICK if args.quick else FULL
-    model = _workload.make_model()
     optim = _workload.make_optimizer()
+    # Every config shares the batch shape (the 8-layer variant changes the depth only).
     batches = _workload.make_batches(warm + timed)
-    reference = _Reference(model, optim, batches)
+    workloads = _Workloads(optim, batches)
 
     command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {
@@ -198,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     print(" | ".join(report.COLUMNS))
     for name in args.names:
-        record = measure(name, model, optim, batches, reference, warm=warm, timed=timed)
+        record = measure(name, workloads, batches, warm=warm, timed=timed)
         data["records"].append(record)
         print(" | ".join(report.row(record)), flush=True)
         print(

@@ -5,6 +5,10 @@ the gathered tensor; reduce-scatter: the shard; collective-permute: the moved
 tensor; all-to-all: the tensor), per device. A collective inside a `while` body is
 weighted by the loop's trip count (XLA records it as `known_trip_count`), nested
 loops multiply, and computations called from several places count once per call.
+A conditional (`lax.cond` / `lax.switch`) counts only its branch that moves the
+most wire bytes: each device runs one branch per execution, so summing them would
+count, e.g., every action of a pipeline tick at once. That is an upper bound where
+devices take cheaper branches.
 
 Result bytes say how big a collective is, not what it costs: an all-reduce over 2
 devices and one over 64 have the same result but move different amounts. So each
@@ -58,7 +62,8 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+(\([^)]*\)|\S).*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s+=\s+(.*?)\s+([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _TRIP = re.compile(r"known_trip_count[^0-9]*(\d+)")
-_CALLS = re.compile(r"\b(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(?:body|to_apply|calls)=%?([\w.\-]+)")
+_CONDITIONAL = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _GROUPS_IOTA = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]")
 _GROUPS_LIST = re.compile(r"\breplica_groups=\{(\{[^}]*\})?")
@@ -180,9 +185,10 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
 
     in_loops: Counter = Counter()
 
-    def visit(name: str, weight: int, depth: int, looped: bool) -> None:
+    def visit(name: str, weight: int, depth: int, looped: bool, acc: tuple[Counter, ...]) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (recursive computations?)")
+        count, nbytes, wire, in_loops = acc
         for line in computations.get(name, ()):
             m = _INSTRUCTION.match(line)
             if not m:
@@ -213,12 +219,23 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
                 # Fusions hold no collectives; reducers of collectives are scalars.
                 continue
             for callee in _CALLS.findall(line):
-                visit(callee, inner, depth + 1, looped or opcode == "while")
-            for group in _BRANCHES.findall(line):
-                for callee in group.split(","):
-                    visit(callee.strip().lstrip("%"), inner, depth + 1, looped)
+                visit(callee, inner, depth + 1, looped or opcode == "while", acc)
+            branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
+            branches += _CONDITIONAL.findall(line)
+            if branches:
+                # A device runs one branch per execution of a conditional: count the
+                # branch that moves the most (e.g. a pipeline tick's costliest
+                # action), not their sum.
+                taken = []
+                for callee in branches:
+                    sub: tuple[Counter, ...] = (Counter(), Counter(), Counter(), Counter())
+                    visit(callee, inner, depth + 1, looped, sub)
+                    taken.append(sub)
+                heaviest = max(taken, key=lambda sub: (sum(sub[2].values()), sum(sub[1].values())))
+                for total, part in zip(acc, heaviest, strict=True):
+                    total.update(part)
 
-    visit(entry, 1, 0, False)
+    visit(entry, 1, 0, False, (count, nbytes, wire, in_loops))
     return CollectiveStats(count=count, bytes=nbytes, wire_bytes=wire, in_loops=in_loops)
 
 

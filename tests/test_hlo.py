@@ -141,3 +141,28 @@ def test_compiled_psums_wire_bytes_follow_group_size():
     assert stats.count == {"all-reduce": 2}
     assert stats.bytes["all-reduce"] == 2048 + 256
     assert stats.wire_bytes["all-reduce"] == 2 * 3 * 2048 // 4 + 2 * 1 * 256 // 2
+
+
+def test_a_conditional_counts_its_heaviest_branch_only():
+    # Each device runs one branch per execution: the 4 KiB all-reduce branch counts
+    # (3 times, in a loop of 3), not the sum with the 1 KiB branch.
+    def f(x, i):
+        def body(carry, _):
+            carry = jax.lax.switch(
+                i,
+                [
+                    lambda c: jax.lax.psum(c, "d"),
+                    lambda c: c.at[:2].set(jax.lax.psum(c[:2], "d")),
+                    lambda c: c,
+                ],
+                carry,
+            )
+            return carry, None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+    stats = collective_stats(g.lower(jnp.zeros((8, 128)), jnp.int32(0)).compile())
+    assert stats.count["all-reduce"] == 3, stats.count
+    assert stats.bytes["all-reduce"] == 3 * 8 * 128 * 4, stats.bytes
