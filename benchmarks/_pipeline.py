@@ -71,7 +71,10 @@ def _last(model: PipeTransformer, h: Float[Array, "rows seq d"], batch: _workloa
 LOSS = eqxpar.pipeline.PipelineLoss(_first, lambda m: m.blocks, _last)
 
 
+@eqx.filter_jit
 def _stacked(blocks: list, stages: int, chunks: int) -> nn.Stacked:
+    # One compiled program rather than an eager op (and its compile) per leaf: the
+    # runner converts models and gradients several times per record.
     stack = nn.Stacked.from_blocks(blocks)
     return eqxpar.pipeline.to_pipeline_order(stack, stages=stages, chunks=chunks)
 

@@ -52,6 +52,9 @@ def loss_fn(model: TPTransformer, batch: _workload.Batch) -> Float[Array, ""]:
     return nn.sequence_mean(per_token)
 
 
+# Jitted: eagerly, building each block and moving each weight is an op (and a
+# compile) apiece, and the benchmark converts models and gradients several times.
+@eqx.filter_jit
 def convert(model: _workload.Transformer, cfg: _workload.Config = _workload.CONFIG) -> TPTransformer:
     """The same weights in `TPTransformer`'s layout. Works on any pytree shaped like
     the workload model (its gradients, say): it only moves and reshapes arrays."""

@@ -154,10 +154,11 @@ NOTES = {
         "sequence parallelism each device computes the replicated weights' gradients (embedding, "
         "positions, head, norms, row biases: 1.18 MB) on its sequence block only, so they are "
         "summed over `tensor` as well as `data`. Step time: the target is 0.5 x the `jax.jit` TP "
-        "step (ANCHORS.md's hand-written sequence-parallel `shard_map`: 0.31); measured 0.57 "
-        "(sync) and 0.58 (ring) in the run below, with other work on the 2 cores; 0.46-0.52 and "
-        "0.52-0.60 in earlier runs: around the target, within the noise, and held to the stable "
-        "line, 0.7. On 2 shared cores the ring's permutes cannot overlap anything, so it costs its "
+        "step (ANCHORS.md's hand-written sequence-parallel `shard_map`: 0.31); measured 0.54 "
+        "(sync) and 0.54 (ring) in the run below; 0.46-0.57 and 0.52-0.60 in earlier runs. That "
+        "is around the target but not reliably under it (the collectives equal the hand-written "
+        "step's, and the per-device FLOPs are those of the model, so the gap to 0.31 is in the "
+        "compute itself: layouts and copies, not found yet). The harness holds the stable line, 0.7. On 2 shared cores the ring's permutes cannot overlap anything, so it costs its "
         "loop overhead and buys nothing; it is judged here by bytes and parity."
     ),
     "fsdp": (
@@ -213,8 +214,7 @@ NOTES = {
         "parity and trajectory are against the plain 8-layer workload on one device. Each uses 16 "
         "micro-batches (4p) of one sequence per data-parallel device (the workload's batch of 32). "
         "The baseline of every pipeline record is eqxpar's GPipe step of the same model on the same "
-        "mesh, timed interleaved in the same process (for pp_gpipe: a second run of that step, "
-        "so its ratio is noise around 1). "
+        "mesh, timed interleaved in the same process (pp_gpipe is that baseline, so it has no ratio). "
         "Traffic: the engine sends one activation forward and one cotangent back on every tick, "
         "zeros when a device has nothing to send, so its collective-permute bytes are ticks x 2 x "
         "131,072 B (one sequence of 128 x 256 float32): 9.96 MB for GPipe and 1F1B (38 ticks), 18.35 "
@@ -250,11 +250,12 @@ NOTES = {
         "timed interleaved (no `jax.jit` step pipelines, so none is comparable). Its "
         "collective-permute bytes match the formula (18 ticks x 2 x 262,144 B); the stage body's "
         "tensor-parallel all-reduces run inside the schedule's `lax.switch` branches, and the HLO "
-        "count (`eqxpar.inspect.collective_stats`) charges every branch's collectives on every "
-        "tick (20 all-reduces x 18 ticks), so its 109 MB overstate what a device runs: at most "
-        "the formula's 40.1 MB (6 activation all-reduces per layer and micro-batch on the busiest "
-        "device: forward, recomputed forward, backward), 1.69x the 23.8 MB minimum (4 per layer and "
-        "micro-batch, no recomputation, boundary traffic one way per device)."
+        "count (`eqxpar.inspect.collective_stats`) charges each tick with its heaviest branch (a "
+        "backward: forward recomputed, then pulled back), as if every device ran one on every "
+        "tick: 52.7 MB, an upper bound. What a device runs is at most the formula's 40.1 MB (6 "
+        "activation all-reduces per layer and micro-batch on the busiest device: forward, "
+        "recomputed forward, backward), 1.69x the 23.8 MB minimum (4 per layer and micro-batch, "
+        "no recomputation, boundary traffic one way per device)."
     ),
 }
 

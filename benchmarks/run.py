@@ -48,7 +48,7 @@ DEVICES = 8
 # (warm-up steps, timed steps) per side; one step takes 1-7 s on 2 cores. The first
 # warm-up step compiles; compiles (steps, parity, memory sweeps), not the timed
 # steps, are most of --quick's wall time.
-QUICK = (1, 3)
+QUICK = (1, 2)
 FULL = (5, 30)
 
 
