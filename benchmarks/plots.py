@@ -24,7 +24,7 @@ MiB = 2**20
 _COMM_SERIES = (
     ("comm_wire_bytes_total", "eqxpar", "tab:blue"),
     ("comm_wire_bytes_min", "theoretical minimum", "tab:green"),
-    ("comm_wire_bytes_baseline", "jax.jit (GSPMD) baseline", "tab:gray"),
+    ("comm_wire_bytes_baseline", "baseline: jax.jit (GSPMD); eqxpar GPipe for pipelines", "tab:gray"),
 )
 
 
