@@ -202,3 +202,21 @@ def invert(convert: Callable[[Any], Any], model: Any, template: Any = None) -> A
     _, pullback = jax.vjp(lambda w: convert(w), eqx.filter(template, eqx.is_inexact_array))
     (weights,) = pullback(eqx.filter(model, eqx.is_inexact_array))
     return eqx.combine(weights, eqx.filter(template, eqx.is_inexact_array, inverse=True))
+
+
+def run_header(command: str, *, warm: int, timed: int) -> dict[str, Any]:
+    """What every benchmark JSON starts with: versions, devices, the workload, the
+    timing protocol and the command that made it."""
+    return {
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "workload": _workload.describe(),
+        "timing": {
+            "warm_steps": warm,
+            "timed_steps": timed,
+            "statistic": "median",
+            "interleaved": "step by step",
+        },
+        "command": command,
+    }

@@ -231,17 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {
-        "jax": jax.__version__,
-        "devices": jax.device_count(),
-        "platform": jax.devices()[0].platform,
-        "workload": _workload.describe(),
-        "timing": {
-            "warm_steps": warm,
-            "timed_steps": timed,
-            "statistic": "median",
-            "interleaved": "step by step",
-        },
-        "command": command,
+        **_measure.run_header(command, warm=warm, timed=timed),
         "records": [],
     }
     print(

@@ -761,17 +761,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     batches = _workload.make_batches(warm + timed)
     command = "python -m benchmarks.scaling " + shlex.join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {
-        "jax": jax.__version__,
-        "devices": jax.device_count(),
-        "platform": jax.devices()[0].platform,
-        "workload": _workload.describe(),
-        "timing": {
-            "warm_steps": warm,
-            "timed_steps": timed,
-            "statistic": "median",
-            "interleaved": "step by step",
-        },
-        "command": command,
+        **_measure.run_header(command, warm=warm, timed=timed),
         # How busy the host was: step-time ratios from a loaded machine are noisier.
         "cpu_count": os.cpu_count(),
         "load_average_1min": {"start": os.getloadavg()[0]},

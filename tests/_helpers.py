@@ -113,6 +113,15 @@ def reference_run(model, optimizer, loss_fn, batches):
     return losses, eqx.combine(params, static)
 
 
+def run_steps(step, state, batches):
+    """Run `step` over `batches` from `state`; return (losses, final state)."""
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
 def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
     la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
     assert len(la) == len(lb)

@@ -21,6 +21,7 @@ from ._helpers import (
     param_bytes,
     reference_run,
     regression_batches,
+    run_steps,
     token_batches,
 )
 
@@ -31,11 +32,7 @@ STEPS = 5
 def run(plan, model, optimizer, loss_fn, batches, **step_kwargs):
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(loss_fn, optimizer, plan, **step_kwargs)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, state
+    return run_steps(step, state, batches)
 
 
 @pytest.mark.parametrize("mode", MODES)

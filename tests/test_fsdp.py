@@ -20,6 +20,7 @@ from ._helpers import (
     assert_trees_close_to_scale,
     lm_loss,
     reference_run,
+    run_steps,
     token_batches,
 )
 
@@ -94,11 +95,7 @@ PLANS = {
 def train(plan, model, loss, data):
     state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(loss, OPTIM, plan)
-    losses = []
-    for batch in data:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, state
+    return run_steps(step, state, data)
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))

@@ -15,7 +15,7 @@ import eqxpar
 from eqxpar import models, nn
 from eqxpar.models import GPT, GPTConfig, MLPClassifier, generate, gpt_first, gpt_last, lm_loss
 
-from ._helpers import RTOL, assert_trees_close_to_scale, reference_run
+from ._helpers import RTOL, assert_trees_close_to_scale, reference_run, run_steps
 
 CONFIGS = {
     # SwiGLU, RMSNorm, tied embeddings, grouped-query attention (8 query, 4 kv heads).
@@ -147,10 +147,7 @@ def test_gpt_training_steps_match_single_device(gpts, config, make_plan):
     plan = make_plan()
     step = eqxpar.train.make_step(lm_loss, optim, plan)
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses, state = run_steps(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert ref_losses[-1] < ref_losses[0]  # the steps did train
     assert_trees_close_to_scale(state.model, ref_model)

@@ -14,7 +14,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_pipeline_order
 
-from ._helpers import ATOL, RTOL, assert_trees_close, assert_trees_close_to_scale, reference_run
+from ._helpers import ATOL, RTOL, assert_trees_close, assert_trees_close_to_scale, reference_run, run_steps
 
 D_IN, D, D_OUT, ROWS = 3, 8, 2, 2
 
@@ -169,10 +169,7 @@ def test_3d_hybrid_trains_like_one_device():
     # The layers are split over pipe, the heads over tensor.
     spec = state.model.blocks.blocks.mlp.w_in.sharding.spec
     assert spec[0] == "pipe" and spec[-1] == "tensor", spec
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses, state = run_steps(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_trees_close_to_scale(state.model, ref_model)
 
@@ -283,10 +280,7 @@ def test_pipeline_fsdp_tensor_trains_like_one_device_and_gathers_once():
     spec = state.model.blocks.blocks.mlp.w_in.sharding.spec
     assert spec[0] == "pipe" and spec[1] == "fsdp" and spec[-1] == "tensor", spec
     stats = eqxpar.inspect.collective_stats(step.compile(state, batches[0]))
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses, state = run_steps(step, state, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_trees_close_to_scale(state.model, ref_model)
 

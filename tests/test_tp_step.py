@@ -13,7 +13,7 @@ import pytest
 import eqxpar
 from eqxpar import nn
 
-from ._helpers import RTOL, assert_trees_close_to_scale, reference_run
+from ._helpers import RTOL, assert_trees_close_to_scale, reference_run, run_steps
 
 VOCAB, D, HEADS, HIDDEN, SEQ, BATCH = 64, 32, 8, 64, 16, 8
 
@@ -83,10 +83,7 @@ def reference():
 def run_plan(plan, model, optim, *, accumulate=1):
     step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate=accumulate)
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
-    losses = []
-    for batch in batches(3):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    losses, state = run_steps(step, state, batches(3))
     return losses, state.model
 
 
