@@ -241,6 +241,18 @@ class Step:
 CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
+def step_manual_axes(plan: Plan) -> frozenset[str]:
+    """The mesh axes a step built for `plan` runs manually (inside `shard_map`):
+    every axis for a pipeline; none for an automatic plan; the batch axes for an
+    automatic ZeRO-1 plan (to reduce-scatter the gradients); else the plan's
+    `manual_axes`, as `region_manual_axes` keeps them."""
+    if plan.schedule is not None:
+        return frozenset(plan.mesh.axis_names)
+    if plan.mode == "auto" and not plan.zero1:
+        return frozenset()
+    return region_manual_axes(plan.mesh, plan.batch_axes if plan.mode == "auto" else plan.manual_axes)
+
+
 def _warn_cpu_collective_order(plan: Plan) -> None:
     """Warn when `plan` runs manual collectives over two or more axes on XLA:CPU
     without `CPU_COLLECTIVE_ORDER_FLAG`.
@@ -257,12 +269,7 @@ def _warn_cpu_collective_order(plan: Plan) -> None:
     """
     if plan.mesh.devices.flat[0].platform != "cpu":
         return
-    if plan.schedule is not None:
-        manual = plan.mesh.axis_names
-    elif plan.mode == "manual":
-        manual = plan.manual_axes
-    else:
-        return
+    manual = sorted(step_manual_axes(plan), key=plan.mesh.axis_names.index)
     if sum(plan.mesh.shape[a] > 1 for a in manual) < 2:
         return
     if CPU_COLLECTIVE_ORDER_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
@@ -324,7 +331,7 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
     # ZeRO-1 under an automatic plan: only the batch axes are manual, so that the
     # gradients can be reduce-scattered (XLA all-reduces and slices otherwise).
-    manual_axes = region_manual_axes(plan.mesh, plan.batch_axes if plan.mode == "auto" else plan.manual_axes)
+    manual_axes = step_manual_axes(plan)
     # The batch axes this step splits the batch over by hand; batch axes left
     # automatic (partial-manual plans) are the compiler's: it sees the whole batch
     # along them, and reduces the gradients over them itself, after the region.
@@ -436,8 +443,8 @@ def make_step(
     stacked over micro-batches when accumulate > 1, averaged over data-parallel
     devices in manual mode)}`. Every batch leaf has a leading batch dimension.
 
-    **Warns:** `RuntimeWarning` on XLA:CPU when the plan is manual over two or more
-    mesh axes (or is a pipeline) and `XLA_FLAGS` lacks
+    **Warns:** `RuntimeWarning` on XLA:CPU when the step is manual over two or more
+    mesh axes of size > 1 (a manual plan, a pipeline, ZeRO-1) and `XLA_FLAGS` lacks
     `--xla_cpu_enable_concurrency_optimized_scheduler=false`: without it XLA:CPU
     may run two collectives of one kind over one device group at once and abort.
 
