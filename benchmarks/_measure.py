@@ -14,6 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 from jaxtyping import PyTree
 
 import eqxpar
@@ -26,20 +27,41 @@ _TINY = 1e-30
 
 
 class EqxparRunner:
-    """Runs an eqxpar step over pre-placed batches, one batch per step, in order."""
+    """Runs an eqxpar step over pre-placed batches, one batch per step, in order.
 
-    def __init__(self, step: eqxpar.train.Step, plan: eqxpar.Plan, model: Any, optim: Any, batches: Sequence):
+    With `keep_first=True` it keeps, on the host, what the first step computed:
+    its loss (`first_loss`) and its gradients (`first_grads`, read back from
+    AdamW's first moment by `adam_gradients`), for `step_parity`.
+    """
+
+    def __init__(
+        self,
+        step: eqxpar.train.Step,
+        plan: eqxpar.Plan,
+        model: Any,
+        optim: Any,
+        batches: Sequence,
+        *,
+        keep_first: bool = False,
+    ):
         self.step = step
         self.state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
         # Placed up front so the timed steps measure the step, not host-to-device copies.
         self.batches = [eqxpar.shard_batch(b, plan) for b in batches]
         self.done = 0
         self.loss: jax.Array | None = None
+        self.keep_first = keep_first
+        self.first_loss: np.ndarray | None = None
+        self.first_grads: PyTree = None
 
     def __call__(self) -> PyTree:
         self.state, metrics = self.step(self.state, self.batches[self.done])
         self.done += 1
         self.loss = metrics["loss"]
+        if self.keep_first and self.done == 1:
+            # Copied to the host now: the next step donates these buffers.
+            self.first_loss = np.asarray(metrics["loss"])
+            self.first_grads = adam_gradients(self.state.opt_state)
         return eqx.filter((self.state, metrics), eqx.is_array)
 
     def compile(self) -> jax.stages.Compiled:
@@ -146,6 +168,32 @@ def norm_rel_err(got: PyTree, want: PyTree) -> float:
     return math.sqrt(diff) / max(math.sqrt(ref), _TINY)
 
 
+def adam_gradients(opt_state: PyTree, *, b1: float = _workload.ADAM_B1) -> PyTree:
+    """The gradients of the first step, read back from AdamW's state after it.
+
+    From zero, Adam's first moment after one step is `mu = (1 - b1) * g` (one float32
+    multiply), so `mu / (1 - b1)` is the step's own gradient to within two roundings
+    (~1e-7 relative): the gradients the compiled step used, with no second program
+    to compile. Raises if the state is not exactly one step past its init.
+
+    Returns the gradients as float64 host arrays, shaped like the parameters.
+    """
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"adam_gradients: expected one AdamW state in the optimizer state, found {len(found)}"
+        )
+    (adam,) = found
+    if int(adam.count) != 1:
+        raise ValueError(f"adam_gradients: the AdamW state is {int(adam.count)} steps old, not 1")
+    scale = np.float64(np.float32(1 - b1))
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) / scale, adam.mu)
+
+
 _REFERENCE_VG: dict[Callable, Callable] = {}
 
 
@@ -157,39 +205,37 @@ def _reference_value_and_grad(loss_fn: Callable) -> Callable:
     return _REFERENCE_VG[loss_fn]
 
 
-def gradient_parity(
-    loss_fn: Callable,
-    plan: eqxpar.Plan,
-    model: Any,
+def step_parity(
+    runner: EqxparRunner,
+    reference_loss_fn: Callable,
+    workload_model: Any,
     batch: PyTree,
     *,
-    reference_loss_fn: Callable | None = None,
-    convert: Callable[[Any], Any] | None = None,
-    template: Any = None,
+    convert: Callable[[Any], Any],
 ) -> tuple[float, float, float]:
-    """Loss and gradient error of the plan's step against one device, at the same parameters.
+    """Loss and gradient error of the first step `runner` ran against one device.
 
     The contract (DESIGN.md, parity) is about the loss and gradients a step computes:
-    both come from `eqxpar.train.make_value_and_grad`, the gradient path `make_step`
-    uses, and are compared with `eqx.filter_value_and_grad` on one device. When the
-    eqxpar side runs a re-layout of the workload (`convert(workload) -> model`), the
-    reference is the plain workload model at the same weights, `reference_loss_fn`,
-    its gradients converted the same way; `template` is a workload model of the
-    right shape (default: `_workload.make_model()`).
+    here they are the compiled step's own, from its first call (`keep_first=True`;
+    the gradients via `adam_gradients`), at the initial parameters
+    `convert(workload_model)` on `batch` (the runner's first batch). The reference is
+    `eqx.filter_value_and_grad(reference_loss_fn)` of the plain `workload_model` on one
+    device, its gradients mapped by `convert` (a pure re-layout).
 
     Returns `(loss_rel_err, grads_max_rel_err, grads_norm_rel_err)`.
     """
-    loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
+    if runner.first_grads is None:
+        raise ValueError("step_parity: the runner kept no first step (keep_first=True, then run it)")
     device = jax.devices()[0]
-    single = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
-    ref_loss_fn = loss_fn
-    if convert is not None and reference_loss_fn is not None:
-        single = invert(convert, single, template)
-        ref_loss_fn = reference_loss_fn
-    ref_loss, ref_grads = _reference_value_and_grad(ref_loss_fn)(single, jax.device_put(batch, device))
-    if convert is not None and reference_loss_fn is not None:
-        ref_grads = eqx.filter(convert(ref_grads), eqx.is_inexact_array)
-    return max_rel_err(loss, ref_loss), max_rel_err(grads, ref_grads), norm_rel_err(grads, ref_grads)
+    single = jax.device_put(workload_model, device)
+    ref_loss, ref_grads = _reference_value_and_grad(reference_loss_fn)(single, jax.device_put(batch, device))
+    ref_grads = eqx.filter(convert(ref_grads), eqx.is_inexact_array)
+    grads = runner.first_grads
+    return (
+        max_rel_err(runner.first_loss, ref_loss),
+        max_rel_err(grads, ref_grads),
+        norm_rel_err(grads, ref_grads),
+    )
 
 
 def invert(convert: Callable[[Any], Any], model: Any, template: Any = None) -> Any:

@@ -142,9 +142,14 @@ def make_batches(n: int, cfg: Config = CONFIG, *, key: PRNGKeyArray | None = Non
     return batches
 
 
+#: AdamW's first-moment decay (optax's default, named: the harness reads the first
+#: step's gradients back from the first moment, `_measure.adam_gradients`).
+ADAM_B1 = 0.9
+
+
 def make_optimizer(cfg: Config = CONFIG) -> optax.GradientTransformation:
     """AdamW as ANCHORS.md specifies."""
-    return optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return optax.adamw(cfg.learning_rate, b1=ADAM_B1, weight_decay=cfg.weight_decay)
 
 
 def describe(cfg: Config = CONFIG) -> dict:

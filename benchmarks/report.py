@@ -60,10 +60,11 @@ EXPLANATION = """\
   its own `contract` (listed under "Contracts" below).
 - **argument MiB / temp MiB**: per-device argument and temporary buffer sizes of the compiled
   eqxpar step (`compiled.memory_analysis()`).
-- **parity max rel err**: at the trained parameters, the loss and gradients of the eqxpar
-  step's own gradient path (`eqxpar.train.make_value_and_grad`) against
-  `eqx.filter_value_and_grad` on one device: max over the loss and every gradient leaf of
-  max|eqxpar - reference| / max|reference| (details below). The contract is at most 1e-5.
+- **parity max rel err**: the loss and gradients the compiled eqxpar step computed in its
+  first call (the gradients read back from AdamW's first moment, `mu / (1 - b1)`) against
+  `eqx.filter_value_and_grad` on one device at the same initial parameters and batch: max
+  over the loss and every gradient leaf of max|eqxpar - reference| / max|reference|
+  (details below). The contract is at most 1e-5.
 """
 
 _SHORT = {
@@ -123,8 +124,8 @@ PARITY_COLUMNS = (
 )
 
 PARITY_EXPLANATION = """\
-The first two columns are the parity of the step (the contract): at the trained parameters,
-the loss and gradients eqxpar computes for the plan against one device, leaf by leaf. The
+The first columns are the parity of the step (the contract): the loss and gradients of the
+compiled step's first call against one device at the same parameters, leaf by leaf. The
 trajectory columns compare whole runs after the same steps from the same init over the same
 batches. Data parallelism sums the gradients in another order than one device does, so they
 differ by float32 rounding (~1e-7). AdamW then divides each gradient element by its own running

@@ -5,6 +5,7 @@ import math
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -299,3 +300,48 @@ def test_committed_quick_results_meet_the_contract():
             ]
         assert r["comm_wire_bytes_formula"] >= r["comm_wire_bytes_min"], name
     assert records["pp_interleaved"]["chunks"] == 2
+
+
+@pytest.mark.parametrize("name", ["tp_sp"])
+def test_first_step_gradients_read_back_from_adam(name):
+    # The harness takes a step's gradients from AdamW's first moment after its
+    # first call: they must be the gradients eqxpar's own gradient path gives at
+    # the same parameters, to float32 rounding; and only one step old.
+    from benchmarks import _measure
+
+    model, optim = _workload.make_model(), _workload.make_optimizer()
+    batches = _workload.make_batches(2)
+    setup = STRATEGIES[name](model, optim)
+    runner = _measure.EqxparRunner(
+        setup.step, setup.plan, setup.convert(model), optim, batches, keep_first=True
+    )
+    initial = runner.state.model
+    loss, grads = eqxpar.train.make_value_and_grad(setup.loss_fn, setup.plan)(initial, batches[0])
+    runner()
+    assert float(runner.first_loss) == float(loss)
+    got, want = jax.tree.leaves(runner.first_grads), jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, np.asarray(b, np.float64), rtol=1e-6, atol=1e-7 * np.abs(b).max())
+    with pytest.raises(ValueError, match="2 steps old"):
+        runner()
+        _measure.adam_gradients(runner.state.opt_state)
+    with pytest.raises(ValueError, match="one AdamW state"):
+        _measure.adam_gradients(())
+
+
+def test_memory_only_compile_measures_the_same_bytes():
+    # The pipeline memory sweep compiles without LLVM optimisation: buffer
+    # assignment, hence memory_analysis, must not change.
+    from benchmarks._strategies import _MEMORY_ONLY, _memory_dict
+
+    def f(x, w):
+        def body(h, _):
+            return jax.nn.gelu(h @ w), h
+
+        return jax.lax.scan(body, x, None, length=4)
+
+    lowered = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w)[1]), argnums=1)).lower(
+        jnp.ones((64, 128)), jnp.ones((128, 128))
+    )
+    assert _memory_dict(lowered.compile(compiler_options=_MEMORY_ONLY)) == _memory_dict(lowered.compile())
