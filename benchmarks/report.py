@@ -154,13 +154,21 @@ NOTES = {
         "**tp_sp / tp_overlap**: the same wire bytes; 3.3 % over the minimum because under "
         "sequence parallelism each device computes the replicated weights' gradients (embedding, "
         "positions, head, norms, row biases: 1.18 MB) on its sequence block only, so they are "
-        "summed over `tensor` as well as `data`. Step time: the target is 0.5 x the `jax.jit` TP "
-        "step (ANCHORS.md's hand-written sequence-parallel `shard_map`: 0.31); measured 0.54 "
-        "(sync) and 0.54 (ring) in the run below; 0.46-0.57 and 0.52-0.60 in earlier runs. That "
-        "is around the target but not reliably under it (the collectives equal the hand-written "
-        "step's, and the per-device FLOPs are those of the model, so the gap to 0.31 is in the "
-        "compute itself: layouts and copies, not found yet). The harness holds the stable line, 0.7. On 2 shared cores the ring's permutes cannot overlap anything, so it costs its "
-        "loop overhead and buys nothing; it is judged here by bytes and parity."
+        "summed over `tensor` (by autodiff) and then over `data` (by the step): two all-reduces "
+        "where one over both axes would do. Step time: the issue's target is 0.5 x the `jax.jit` "
+        "TP step, after ANCHORS.md's hand-written sequence-parallel `shard_map` at 0.31. Here that "
+        "hand-written step (`benchmarks/_handwritten_sp.py`) is timed in the same process (table "
+        "above): it runs at about 0.48-0.54 x `jax.jit` TP, about as fast as one device running "
+        "the whole step (the same arithmetic on the same 2 cores; `jax.jit` TP is about 2x that), "
+        "and eqxpar's step runs 0-13 % slower than it across runs (the same collectives, AG 16 / "
+        "RS 16 / AR 3; eqxpar adds the `grad_norm` metric, about 2 % when removed, separate Q/K/V "
+        "bias leaves and the split gradient all-reduce). 0.31 could not be reproduced "
+        "here against this `jax.jit` TP step: ANCHORS.md's `jax.jit` TP (122 MiB temp, no "
+        "resharding) was a different program from this one (87 MiB, plus the QKV resharding "
+        "above). The records are held to the hand-written step's time (<= 1.25x, noise on 2 "
+        "shared cores) and to being clearly faster than `jax.jit` TP (<= 0.7x). On 2 shared "
+        "cores the ring's permutes cannot overlap anything, so tp_overlap costs its loop overhead "
+        "and buys nothing; it is judged by bytes and parity."
     ),
     "fsdp": (
         "**fsdp** (automatic mode) *is* the GSPMD step: `jax.jit` on CPU all-reduces the whole "
@@ -331,6 +339,7 @@ def _clause(key: str, value: Any) -> str:
         "parity_loss_max_rel_err": "loss parity ≤ {}",
         "parity_grads_norm_max_rel_err": "gradient parity in 2-norm ≤ {}",
         "step_ratio_max": "step ≤ {} × baseline",
+        "step_ratio_vs_handwritten_sp_max": "step ≤ {} × the hand-written sequence-parallel step",
         "permute_bytes_eq_formula": "CP bytes = formula",
         "temp_growth_max": "temp growth 4p→16p < {:.0%}",
         "temp_growth_min": "temp growth 4p→16p ≥ {:.0%}",
@@ -378,6 +387,37 @@ def parity_table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def reference_table(records: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of the steps timed beside some records (`references`), as
+    ratios to the record's baseline, and eqxpar's step over each."""
+    lines = [
+        "| strategy | step | step time (s) | ratio to baseline | eqxpar step / this step |",
+        "|---|---|---|---|---|",
+    ]
+    for r in records:
+        if not r.get("references"):
+            continue
+        lines.append(
+            f"| {r['strategy']} | eqxpar | {r['step_time_s']:.3f} | "
+            f"{r['step_time_s'] / r['baseline_step_time_s']:.3f} | 1 |"
+        )
+        for ref in r["references"].values():
+            lines.append(
+                f"| {r['strategy']} | {ref['what']} | {ref['step_time_s']:.3f} | "
+                f"{ref['ratio_to_baseline']:.3f} | {ref['eqxpar_over_reference']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+REFERENCE_EXPLANATION = """\
+Steps timed interleaved with the record's two sides, in the same process, over the same batches.
+The baseline is the `jax.jit` TP step. The hand-written step is ANCHORS.md's comparison
+(`shard_map`, Megatron layout, sequence parallel, sync `all_gather` / `psum_scatter`; tested to
+compute the workload's loss and gradients); one device runs the whole step, the same arithmetic
+on the same 2 cores that the 8 simulated devices share.
+"""
+
+
 def table(records: Sequence[dict[str, Any]]) -> str:
     """A Markdown table of `records`, one line per strategy."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -411,6 +451,14 @@ def render(data: dict[str, Any]) -> str:
         parts += ["", "Timing: " + ", ".join(f"{k} {v}" for k, v in timing.items()) + "."]
     parts += ["", table(data["records"]), "", "Columns:", "", EXPLANATION]
     parts += ["## Parity", "", parity_table(data["records"]), "", PARITY_EXPLANATION]
+    if any(r.get("references") for r in data["records"]):
+        parts += [
+            "## Sequence parallelism against a hand-written step",
+            "",
+            reference_table(data["records"]),
+            "",
+            REFERENCE_EXPLANATION,
+        ]
     if any(r.get("schedule") is not None for r in data["records"]):
         parts += ["## Pipelines", "", pipeline_table(data["records"]), "", PIPELINE_EXPLANATION]
     if any(r.get("contract") for r in data["records"]):

@@ -96,8 +96,13 @@ def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, t
         )
     elif setup.baseline is not None:
         base_runner = _measure.BaselineRunner(setup.baseline, batches)
-    sides = [eqx_runner] + ([base_runner] if base_runner is not None else [])
+    refs = {
+        name: _measure.BaselineRunner(make(model, optim), batches)
+        for name, (_, make) in setup.references.items()
+    }
+    sides = [eqx_runner] + ([base_runner] if base_runner is not None else []) + list(refs.values())
     times = _measure.time_interleaved(sides, warm=warm, timed=timed)
+    ref_times = dict(zip(refs, times[len(sides) - len(refs) :], strict=True))
 
     compiled = eqx_runner.compile()
     comm_bytes, comm_counts, comm_wire = _measure.comm(compiled)
@@ -178,6 +183,17 @@ def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, t
         "trajectory_vs_baseline_rel_err": vs_baseline,
         "bubble_fraction": None,
     }
+    if refs:
+        record["references"] = {
+            name: {
+                "what": setup.references[name][0],
+                "step_time_s": _measure.median(t),
+                "step_times_s": t,
+                "ratio_to_baseline": _measure.median(t) / record["baseline_step_time_s"],
+                "eqxpar_over_reference": record["step_time_s"] / _measure.median(t),
+            }
+            for name, t in ref_times.items()
+        }
     if setup.extra is not None:
         record.update(setup.extra(compiled, eqx_model, eqx_runner))
     record["contract"] = setup.contract

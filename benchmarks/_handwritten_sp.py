@@ -1,0 +1,195 @@
+"""A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar.
+
+ANCHORS.md compares `jax.jit` TP with "a hand-written `shard_map` TP + sequence
+parallel, sync all_gather / psum_scatter" of the same step. This is that step,
+written the way a JAX user would write it with no library, so that the `tp_sp` and
+`tp_overlap` records can time eqxpar against it in the same process (ANCHORS' own
+figure was taken in another process, against a `jax.jit` TP step that is not ours).
+
+Mesh data x tensor, manual over both. Per device: the batch rows of its `data`
+index and the sequence block of its `tensor` index. Per block: LayerNorm on the
+block, all-gather of the sequence over `tensor`, QKV / MLP-up on this device's
+heads / hidden features, attention, the output / MLP-down products
+reduce-scattered back to sequence blocks. Weights are the workload's, split the
+Megatron way (QKV by heads, MLP-up by hidden features, output and MLP-down by
+input features); the rest replicated. Gradients come from `jax.value_and_grad`
+inside the `shard_map` (`check_vma=True` places their reductions), AdamW updates
+each device's shards.
+"""
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, PyTree
+
+from . import _workload
+
+_BLOCK_SPECS = {
+    "ln1_w": PartitionSpec(),
+    "ln1_b": PartitionSpec(),
+    "w_qkv": PartitionSpec(None, None, "tensor", None),  # (d, 3, heads, head_dim)
+    "b_qkv": PartitionSpec(None, "tensor", None),
+    "w_out": PartitionSpec("tensor", None, None),  # (heads, head_dim, d)
+    "b_out": PartitionSpec(),
+    "ln2_w": PartitionSpec(),
+    "ln2_b": PartitionSpec(),
+    "w_up": PartitionSpec(None, "tensor"),
+    "b_up": PartitionSpec("tensor"),
+    "w_down": PartitionSpec("tensor", None),
+    "b_down": PartitionSpec(),
+}
+
+
+def params_of(model: _workload.Transformer, cfg: _workload.Config = _workload.CONFIG) -> dict:
+    """The workload's weights as a dict of arrays, `(in, ..., out)` oriented."""
+    d, h, hd = cfg.d_model, cfg.heads, cfg.head_dim
+    blocks = [
+        {
+            "ln1_w": b.ln1.weight,
+            "ln1_b": b.ln1.bias,
+            "w_qkv": b.qkv.weight.T.reshape(d, 3, h, hd),
+            "b_qkv": b.qkv.bias.reshape(3, h, hd),
+            "w_out": b.out.weight.T.reshape(h, hd, d),
+            "b_out": b.out.bias,
+            "ln2_w": b.ln2.weight,
+            "ln2_b": b.ln2.bias,
+            "w_up": b.up.weight.T,
+            "b_up": b.up.bias,
+            "w_down": b.down.weight.T,
+            "b_down": b.down.bias,
+        }
+        for b in model.blocks
+    ]
+    return {
+        "embed": model.embed.weight,
+        "positions": model.positions.weight,
+        "blocks": blocks,
+        "lnf_w": model.ln_f.weight,
+        "lnf_b": model.ln_f.bias,
+        "head": model.head.weight.T,
+    }
+
+
+def param_specs(params: dict) -> dict:
+    """PartitionSpecs of `params_of`'s dict: Megatron over `tensor`, else replicated."""
+    rest = {k: PartitionSpec() for k in ("embed", "positions", "lnf_w", "lnf_b", "head")}
+    return {**rest, "blocks": [dict(_BLOCK_SPECS) for _ in params["blocks"]]}
+
+
+def _layer_norm(x: Array, w: Array, b: Array) -> Array:
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + 1e-5) * w + b
+
+
+def _block(p: dict, x: Float[Array, "b s_local d"]) -> Float[Array, "b s_local d"]:
+    h = lax.all_gather(_layer_norm(x, p["ln1_w"], p["ln1_b"]), "tensor", axis=1, tiled=True)
+    qkv = jnp.einsum("bsd,dthe->bsthe", h, p["w_qkv"]) + p["b_qkv"]
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    seq, head_dim = h.shape[1], q.shape[-1]
+    scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
+    mixed = jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(scores, axis=-1), v)
+    attn = jnp.einsum("bqhe,hed->bqd", mixed, p["w_out"])
+    x = x + lax.psum_scatter(attn, "tensor", scatter_dimension=1, tiled=True) + p["b_out"]
+    h = lax.all_gather(_layer_norm(x, p["ln2_w"], p["ln2_b"]), "tensor", axis=1, tiled=True)
+    up = jax.nn.gelu(h @ p["w_up"] + p["b_up"])
+    return x + lax.psum_scatter(up @ p["w_down"], "tensor", scatter_dimension=1, tiled=True) + p["b_down"]
+
+
+def _loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]:
+    # Written with numpy broadcasting, as users write it (the tests run under
+    # rank_promotion="raise").
+    with jax.numpy_rank_promotion("allow"):
+        return _broadcasting_loss(params, batch)
+
+
+def _broadcasting_loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]:
+    inputs, targets = batch  # this device's rows, the whole sequence
+    n, i = lax.axis_size("tensor"), lax.axis_index("tensor")
+    block = inputs.shape[1] // n
+    ids = lax.dynamic_slice_in_dim(inputs, i * block, block, axis=1)
+    labels = lax.dynamic_slice_in_dim(targets, i * block, block, axis=1)
+    positions = lax.dynamic_slice_in_dim(params["positions"], i * block, block, axis=0)
+    x = params["embed"][ids] + positions[None]
+    for p in params["blocks"]:
+        x = _block(p, x)
+    logits = _layer_norm(x, params["lnf_w"], params["lnf_b"]) @ params["head"]
+    local = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return lax.pmean(local, ("data", "tensor"))
+
+
+class HandwrittenSP:
+    """The step above with its own (donated) state; the `BaselineRunner` interface of
+    `JitStep` (`put_batch`, call on a placed batch -> loss, `compile`, `params`).
+
+    **Arguments:** `model` (the workload; copied, never donated), `optim`, `mesh`
+    with axes `data` and `tensor`.
+    """
+
+    def __init__(self, model: _workload.Transformer, optim: optax.GradientTransformation, mesh: Mesh):
+        params = params_of(model)
+        specs = param_specs(params)
+        is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
+        opt_specs = optax.tree_map_params(
+            optim,
+            lambda _, spec: spec,
+            optim.init(params),
+            specs,
+            transform_non_params=lambda _: PartitionSpec(),
+            is_leaf=is_spec,
+        )
+
+        def body(params: dict, opt_state: PyTree, batch: _workload.Batch) -> tuple:
+            loss, grads = jax.value_and_grad(_loss)(params, batch)
+            updates, opt_state = optim.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        step = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, opt_specs, PartitionSpec("data")),
+            out_specs=(specs, opt_specs, PartitionSpec()),
+            check_vma=True,
+        )
+        to_shardings = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=is_spec)  # noqa: E731
+
+        # Fresh buffers in their shardings, owned (and donated) by this step.
+        @jax.jit
+        def place(params: dict) -> tuple:
+            params = jax.lax.with_sharding_constraint(jax.tree.map(jnp.copy, params), to_shardings(specs))
+            return params, jax.lax.with_sharding_constraint(optim.init(params), to_shardings(opt_specs))
+
+        self.params, self.opt_state = place(params)
+        self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+        self.jitted = jax.jit(step, donate_argnums=(0, 1))
+
+    def put_batch(self, batch: PyTree) -> PyTree:
+        return jax.device_put(batch, self.batch_sharding)
+
+    def __call__(self, batch: PyTree) -> jax.Array:
+        self.params, self.opt_state, loss = self.jitted(self.params, self.opt_state, batch)
+        return loss
+
+    def compile(self, batch: PyTree) -> jax.stages.Compiled:
+        return self.jitted.lower(self.params, self.opt_state, batch).compile()
+
+
+def loss_and_grads(model: _workload.Transformer, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
+    """The hand-written step's loss and gradients (as `params_of`'s dict) at `model`, for tests."""
+    params = params_of(model)
+    specs = param_specs(params)
+    f = jax.shard_map(
+        jax.value_and_grad(_loss),
+        mesh=mesh,
+        in_specs=(specs, PartitionSpec("data")),
+        out_specs=(PartitionSpec(), specs),
+        check_vma=True,
+    )
+    return jax.jit(f)(params, batch)
