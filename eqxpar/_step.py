@@ -64,6 +64,7 @@ class _Gradients:
         accumulate: int,
         plan: Plan,
         local_axes: tuple[str, ...] = (),
+        vary_axes: tuple[str, ...] | None = None,
         prepare: Callable | None = None,
     ):
         # `local_axes`: inside shard_map, the manual axes the batch is split over.
@@ -72,7 +73,10 @@ class _Gradients:
         # and the caller reduces the accumulated gradient once.
         # `prepare`: applied to the model inside the differentiated function (manual
         # FSDP gathers weight shards there, so gradients flow back as reduce-scatters).
+        # `vary_axes` (default `local_axes`): the axes the parameters are marked
+        # varying along, a superset of `local_axes` (see `_gradient_fn`).
         self.local_axes = local_axes
+        self.vary_axes = local_axes if vary_axes is None else vary_axes
         self.prepare = prepare
         self.loss_fn = loss_fn
         self.has_aux = has_aux
@@ -102,8 +106,8 @@ class _Gradients:
 
     def __call__(self, model, batch, key):
         params, static = eqx.partition(model, eqx.is_inexact_array)
-        if self.local_axes:
-            params = jax.tree.map(lambda p: _vary(p, self.local_axes), params)
+        if self.vary_axes:
+            params = jax.tree.map(lambda p: _vary(p, self.vary_axes), params)
         k = self.accumulate
         if k == 1:
             return self._value_and_grad(params, static, batch, key)
@@ -338,10 +342,31 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
     axes = tuple(a for a in plan.batch_axes if a in manual_axes)
     dp = math.prod(plan.mesh.shape[a] for a in axes)
 
+    # Under sequence parallelism every use of a weight replicated over `tensor` sits
+    # on a sequence block, so its gradient is a sum of per-device partials. Left to
+    # autodiff, that sum is an all-reduce over `tensor` followed by the step's own
+    # over the batch axes; marking those weights varying along `tensor` too keeps
+    # the partials local, and one all-reduce over both axes sums them (fewer bytes,
+    # one collective). Only where the batch axes are reduced here by hand.
+    tensor = plan.tensor_axis
+    merge_tensor = (
+        bool(axes)
+        and plan.sequence_parallel
+        and tensor in manual_axes
+        and tensor not in axes
+        and plan.mesh.shape.get(tensor, 1) > 1
+    )
+
     def per_device(model, batch, key, specs, out_specs):
         prepare = (lambda m: prepare_model(m, specs, axes)) if axes else None
         grads_of = _Gradients(
-            loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan, local_axes=axes, prepare=prepare
+            loss_fn,
+            has_aux=has_aux,
+            accumulate=accumulate,
+            plan=plan,
+            local_axes=axes,
+            vary_axes=axes + ((tensor,) if merge_tensor else ()),
+            prepare=prepare,
         )
         # Distinct examples per device need distinct randomness (e.g. dropout).
         for axis in axes:
@@ -368,6 +393,8 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
             gathered = gathered_axes(spec, axes)
             scatter = [(d, a) for d, a in gathers_of(out_spec, axes, where="gradient") if set(a) - gathered]
             rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
+            if merge_tensor and tensor not in gathered_axes(spec, (tensor,)):
+                rest = rest + (tensor,)
             dtype = g.dtype
             if plan.reduce_dtype is not None:
                 g = g.astype(plan.reduce_dtype)

@@ -132,9 +132,14 @@ def test_partial_manual_keeps_the_batch_split_and_reductions_out_of_loops(mode):
     if mode != "sync":
         # Sequence parallel in a partial-manual region: the gathers and scatters run
         # as permute rings (XLA would gather the data-split batch for a plain
-        # all-gather there), and move the same wire bytes as in the full region's.
+        # all-gather there), and move the same wire bytes as the full region's
+        # all-gathers and reduce-scatters (or rings). (The gradient all-reduces differ: the full
+        # region sums replicated weights over data and tensor at once.)
         full_stats = eqxpar.inspect.collective_stats(full)
-        assert abs(stats.total_wire_bytes - full_stats.total_wire_bytes) <= 0.05 * full_stats.total_wire_bytes
+        activations = sum(
+            full_stats.wire_bytes[k] for k in ("all-gather", "reduce-scatter", "collective-permute")
+        )
+        assert stats.wire_bytes["collective-permute"] == activations
 
 
 def test_manual_axes_validation():
