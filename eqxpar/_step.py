@@ -382,7 +382,9 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
         # micro-batch; a pmean on top of it would reduce twice.) Along the tensor
         # axis check_vma does the right thing unaided: a weight split over it gets
         # its own shard's gradient, and a replicated weight used on sequence shards
-        # gets its partial gradients summed. A weight split over batch axes (FSDP)
+        # gets its partial gradients summed (under sequence parallelism those
+        # partials are kept local instead and summed here with the batch axes, in
+        # the same all-reduce: `merge_tensor`). A weight split over batch axes (FSDP)
         # was gathered in the loss, so its gradient arrives reduce-scattered over
         # those axes and is summed over the remaining ones only.
         # Under ZeRO-1 a gradient whose out spec adds batch axes is reduce-scattered
