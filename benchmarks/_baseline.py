@@ -26,7 +26,29 @@ def _train_step(loss_fn: Callable, optim: optax.GradientTransformation, static: 
     return step
 
 
-class JitStep:
+class OwnStateStep:
+    """A compiled `(params, opt_state, batch) -> (params, opt_state, loss)` step that
+    holds its own (donated) state: subclasses set `jitted`, `params`, `opt_state`
+    and `batch_sharding`."""
+
+    jitted: Any
+    params: PyTree
+    opt_state: PyTree
+    batch_sharding: NamedSharding
+
+    def put_batch(self, batch: PyTree) -> PyTree:
+        return jax.device_put(batch, self.batch_sharding)
+
+    def __call__(self, batch: PyTree) -> jax.Array:
+        """One step on an already placed batch; returns the loss."""
+        self.params, self.opt_state, loss = self.jitted(self.params, self.opt_state, batch)
+        return loss
+
+    def compile(self, batch: PyTree) -> jax.stages.Compiled:
+        return self.jitted.lower(self.params, self.opt_state, batch).compile()
+
+
+class JitStep(OwnStateStep):
     """A `jax.jit` train step with the given shardings; holds its own (donated) state.
 
     **Arguments:**
@@ -76,17 +98,6 @@ class JitStep:
             out_shardings=(param_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
-
-    def put_batch(self, batch: PyTree) -> PyTree:
-        return jax.device_put(batch, self.batch_sharding)
-
-    def __call__(self, batch: PyTree) -> jax.Array:
-        """One step on an already placed batch; returns the loss."""
-        self.params, self.opt_state, loss = self.jitted(self.params, self.opt_state, batch)
-        return loss
-
-    def compile(self, batch: PyTree) -> jax.stages.Compiled:
-        return self.jitted.lower(self.params, self.opt_state, batch).compile()
 
 
 def reference_run(

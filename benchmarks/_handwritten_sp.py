@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PyTree
 
 from . import _workload
+from ._baseline import OwnStateStep
 
 _BLOCK_SPECS = {
     "ln1_w": PartitionSpec(),
@@ -125,9 +126,8 @@ def _broadcasting_loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]
     return lax.pmean(local, ("data", "tensor"))
 
 
-class HandwrittenSP:
-    """The step above with its own (donated) state; the `BaselineRunner` interface of
-    `JitStep` (`put_batch`, call on a placed batch -> loss, `compile`, `params`).
+class HandwrittenSP(OwnStateStep):
+    """The step above with its own (donated) state, run like a `JitStep`.
 
     **Arguments:** `model` (the workload; copied, never donated), `optim`, `mesh`
     with axes `data` and `tensor`.
@@ -169,16 +169,6 @@ class HandwrittenSP:
         self.params, self.opt_state = place(params)
         self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
         self.jitted = jax.jit(step, donate_argnums=(0, 1))
-
-    def put_batch(self, batch: PyTree) -> PyTree:
-        return jax.device_put(batch, self.batch_sharding)
-
-    def __call__(self, batch: PyTree) -> jax.Array:
-        self.params, self.opt_state, loss = self.jitted(self.params, self.opt_state, batch)
-        return loss
-
-    def compile(self, batch: PyTree) -> jax.stages.Compiled:
-        return self.jitted.lower(self.params, self.opt_state, batch).compile()
 
 
 def loss_and_grads(model: _workload.Transformer, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
