@@ -42,6 +42,12 @@ def _vary(x: Array, axes: tuple[str, ...]) -> Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _varies_along(tree: PyTree, axis: str) -> bool:
+    """Whether any floating-point array in `tree` varies along manual mesh `axis`."""
+    leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
+    return any(axis in jax.typeof(x).mat.varying for x in leaves)
+
+
 def _split_microbatches(batch: PyTree, k: int) -> PyTree:
     # Micro-batch j takes rows j, k + j, 2k + j, ...: each device already holds its
     # share of every micro-batch, so splitting moves no data between devices.
@@ -359,19 +365,31 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
     def per_device(model, batch, key, specs, out_specs):
         prepare = (lambda m: prepare_model(m, specs, axes)) if axes else None
-        grads_of = _Gradients(
-            loss_fn,
-            has_aux=has_aux,
-            accumulate=accumulate,
-            plan=plan,
-            local_axes=axes,
-            vary_axes=axes + ((tensor,) if merge_tensor else ()),
-            prepare=prepare,
-        )
+
+        def gradients(vary_axes):
+            grads_of = _Gradients(
+                loss_fn,
+                has_aux=has_aux,
+                accumulate=accumulate,
+                plan=plan,
+                local_axes=axes,
+                vary_axes=vary_axes,
+                prepare=prepare,
+            )
+            return grads_of(model, batch, key)
+
         # Distinct examples per device need distinct randomness (e.g. dropout).
         for axis in axes:
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-        loss, aux, grads = grads_of(model, batch, key)
+        merged = merge_tensor
+        loss, aux, grads = gradients(axes + ((tensor,) if merged else ()))
+        if merged and _varies_along((loss, aux), tensor):
+            # A replicated weight reaches the loss off the sequence blocks (say, a
+            # scale applied after `sequence_mean`), where its uses are not per-device
+            # partials: trace again and let autodiff sum over `tensor` (the unused
+            # first trace is dead code, removed before compiling).
+            merged = False
+            loss, aux, grads = gradients(axes)
         if not axes:
             return loss, aux, grads
 
@@ -395,7 +413,7 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
             gathered = gathered_axes(spec, axes)
             scatter = [(d, a) for d, a in gathers_of(out_spec, axes, where="gradient") if set(a) - gathered]
             rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
-            if merge_tensor and tensor not in gathered_axes(spec, (tensor,)):
+            if merged and tensor not in gathered_axes(spec, (tensor,)):
                 rest = rest + (tensor,)
             dtype = g.dtype
             if plan.reduce_dtype is not None:

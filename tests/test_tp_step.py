@@ -152,3 +152,56 @@ def test_manual_axes_validation():
         eqxpar.Plan(mesh, mode="manual", manual_axes=())
     assert eqxpar.Plan(mesh, mode="manual", manual_axes="tensor").manual_axes == ("tensor",)
     assert eqxpar.Plan(mesh, mode="manual").manual_axes == tuple(mesh.axis_names)
+
+
+def _all_reduces(compiled):
+    """(replica groups text, result bytes, op_name) of each all-reduce of a compiled step."""
+    import re
+
+    from eqxpar._hlo import shape_bytes
+
+    out = []
+    for line in compiled.as_text().splitlines():
+        m = re.search(r"= (.+?) all-reduce(?:-start)?\(.*replica_groups=(\{[^ ]*\}|\[[^ ]*\])", line)
+        if m:
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append((m.group(2), shape_bytes(m.group(1)), name.group(1) if name else ""))
+    return out
+
+
+def test_sequence_parallel_sums_replicated_gradients_in_one_all_reduce():
+    # Under sequence parallelism each device holds partial gradients of the
+    # weights replicated over `tensor` (norms, row biases): they are summed over
+    # data and tensor in one all-reduce, not over tensor (autodiff, in the
+    # backward pass) and then over data (the step). Over tensor alone only the
+    # forward pass reduces (the vocabulary-parallel cross-entropy's max and sums).
+    reductions = _all_reduces(compiled_step("sp"))
+    tensor = "{{0,1,2,3},{4,5,6,7}}"
+    backward_over_tensor = [r for r in reductions if r[0] == tensor and "transpose(" in r[2]]
+    assert not backward_over_tensor, backward_over_tensor
+    assert sum(b for g, b, _ in reductions if g == "{{0,1,2,3,4,5,6,7}}") > 0, reductions
+
+
+class ScaledGPT(eqx.Module):
+    gpt: TinyGPT
+    scale: jax.Array
+
+
+def scaled_loss(model, batch):
+    ids, labels = batch
+    return jnp.mean(nn.cross_entropy(model.gpt(ids), labels)) * model.scale
+
+
+def test_sequence_parallel_weight_used_off_the_sequence_blocks():
+    # A replicated weight that meets the loss after the sequence reduction (a
+    # scale) has no per-device partials: the step falls back to autodiff's sum
+    # over tensor for the whole model and still trains like one device.
+    model = ScaledGPT(TinyGPT(key=jax.random.key(0)), jnp.asarray(1.5))
+    optim = optax.sgd(0.5)
+    ref_losses, ref_model = reference_run(model, optim, scaled_loss, batches(3))
+    plan = make_plan("sp")
+    step = eqxpar.train.make_step(scaled_loss, optim, plan)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    losses, state = run_steps(step, state, batches(3))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close_to_scale(state.model, ref_model)
