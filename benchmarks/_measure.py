@@ -194,22 +194,17 @@ def adam_gradients(opt_state: PyTree, *, b1: float = _workload.ADAM_B1) -> PyTre
     return jax.tree.map(lambda m: np.asarray(m, np.float64) / scale, adam.mu)
 
 
-_REFERENCE_VG: dict[Callable, Callable] = {}
-
-
-def _reference_value_and_grad(loss_fn: Callable) -> Callable:
-    # One jitted function per loss, so that the strategies sharing a reference
-    # share its compilation (a fresh filter_jit wrapper would compile again).
-    if loss_fn not in _REFERENCE_VG:
-        _REFERENCE_VG[loss_fn] = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
-    return _REFERENCE_VG[loss_fn]
+def reference_gradients(loss_fn: Callable, model: Any, batch: PyTree) -> tuple[jax.Array, PyTree]:
+    """`eqx.filter_value_and_grad(loss_fn)` of `model` on `batch`, on one device."""
+    device = jax.devices()[0]
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(
+        jax.device_put(model, device), jax.device_put(batch, device)
+    )
 
 
 def step_parity(
     runner: EqxparRunner,
-    reference_loss_fn: Callable,
-    workload_model: Any,
-    batch: PyTree,
+    reference: tuple[jax.Array, PyTree],
     *,
     convert: Callable[[Any], Any],
 ) -> tuple[float, float, float]:
@@ -218,17 +213,15 @@ def step_parity(
     The contract (DESIGN.md, parity) is about the loss and gradients a step computes:
     here they are the compiled step's own, from its first call (`keep_first=True`;
     the gradients via `adam_gradients`), at the initial parameters
-    `convert(workload_model)` on `batch` (the runner's first batch). The reference is
-    `eqx.filter_value_and_grad(reference_loss_fn)` of the plain `workload_model` on one
-    device, its gradients mapped by `convert` (a pure re-layout).
+    `convert(workload_model)` on the runner's first batch. `reference` is
+    `reference_gradients` of the plain workload model at those weights on that batch;
+    its gradients are mapped by `convert` (a pure re-layout).
 
     Returns `(loss_rel_err, grads_max_rel_err, grads_norm_rel_err)`.
     """
     if runner.first_grads is None:
         raise ValueError("step_parity: the runner kept no first step (keep_first=True, then run it)")
-    device = jax.devices()[0]
-    single = jax.device_put(workload_model, device)
-    ref_loss, ref_grads = _reference_value_and_grad(reference_loss_fn)(single, jax.device_put(batch, device))
+    ref_loss, ref_grads = reference
     ref_grads = eqx.filter(convert(ref_grads), eqx.is_inexact_array)
     grads = runner.first_grads
     return (

@@ -157,6 +157,18 @@ class Traffic:
         return dataclasses.asdict(self)
 
 
+def _traffic(s: "Shapes", permute: int, tensor_all_reduces: int, result: int, wire: int) -> Traffic:
+    # The parts of a step's traffic that designed and minimum bytes share.
+    return Traffic(
+        permute=permute,
+        stage_grads=s.stage_param_bytes if s.dp > 1 else 0,
+        rest_grads=s.rest_param_bytes,
+        tensor=tensor_all_reduces * s.activation_bytes,
+        result=result,
+        wire=wire,
+    )
+
+
 def _ring_all_reduce(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n if n > 1 else 0
 
@@ -233,14 +245,7 @@ def designed_bytes(s: Shapes, ticks: int) -> Traffic:
         + _ring_all_reduce(s.rest_param_bytes, s.stages)
         + tensor * _ring_all_reduce(s.activation_bytes, s.tensor)
     )
-    return Traffic(
-        permute=permute,
-        stage_grads=s.stage_param_bytes if s.dp > 1 else 0,
-        rest_grads=s.rest_param_bytes,
-        tensor=tensor * s.activation_bytes,
-        result=result,
-        wire=wire,
-    )
+    return _traffic(s, permute, tensor, result, wire)
 
 
 def minimum_bytes(s: Shapes) -> Traffic:
@@ -274,14 +279,7 @@ def minimum_bytes(s: Shapes) -> Traffic:
         + _ring_all_reduce(s.rest_param_bytes, n)
         + tensor * _ring_all_reduce(s.activation_bytes, s.tensor)
     )
-    return Traffic(
-        permute=permute,
-        stage_grads=s.stage_param_bytes if s.dp > 1 else 0,
-        rest_grads=s.rest_param_bytes,
-        tensor=tensor * s.activation_bytes,
-        result=result,
-        wire=wire,
-    )
+    return _traffic(s, permute, tensor, result, wire)
 
 
 def formula_text(s: Shapes, ticks: int) -> str:

@@ -414,22 +414,18 @@ def _fsdp_tp(mesh: dict[str, int], **plan_options: Any) -> Builder:
         step = eqxpar.train.make_step(_tp_model.loss_fn, optim, plan)
         specs = _add_axis(_tp_baseline_specs(model), model, "fsdp", mesh["fsdp"])
         baseline = _gspmd_baseline(model, optim, plan, specs)
-        if plan.compute_dtype is None:
-            return Setup(
-                plan=plan,
-                step=step,
-                baseline=baseline,
-                min_kind="sharded",
-                loss_fn=_tp_model.loss_fn,
-                convert=_tp_model.convert,
-            )
-        return Setup(
+        setup = Setup(
             plan=plan,
             step=step,
             baseline=baseline,
             min_kind="sharded",
             loss_fn=_tp_model.loss_fn,
             convert=_tp_model.convert,
+        )
+        if plan.compute_dtype is None:
+            return setup
+        return dataclasses.replace(
+            setup,
             reference_loss_fn=mixed_precision(_workload.loss_fn, plan.compute_dtype),
             baseline_name="hand-written jax.jit step with the same shardings, float32 (no casts)",
             extra=_moved_dtype_minimum(plan),

@@ -7,7 +7,8 @@ For each strategy: the eqxpar step's median step time beside a baseline step
 for pipelines, eqxpar's GPipe step of the same model and mesh), collective bytes
 against the theoretical minimum and the baseline, per-device memory, parity of the
 loss and gradients of the step's first call with one device, the parameter
-trajectory against a single-device run over the same steps, and the contract the record is held to.
+trajectory against a single-device run over the same steps, and the contract the
+record is held to.
 Pipeline records add their schedule, the bytes the engine is designed to send and a
 memory sweep over the micro-batch count (compiled, not run).
 """
@@ -65,6 +66,7 @@ class _Workloads:
         self.optim, self.batches = optim, batches
         self.models: dict[_workload.Config, Any] = {}
         self.runs: dict[tuple, tuple[Any, jax.Array]] = {}
+        self.gradients: dict[tuple, tuple[jax.Array, Any]] = {}
 
     def model(self, cfg: _workload.Config) -> Any:
         if cfg not in self.models:
@@ -77,6 +79,13 @@ class _Workloads:
         if key not in self.runs:
             self.runs[key] = reference_run(loss_fn, self.optim, self.model(cfg), self.batches[:steps])
         return self.runs[key]
+
+    def first_gradients(self, cfg: _workload.Config, loss_fn: Any) -> tuple[jax.Array, Any]:
+        """Loss and gradients of `loss_fn` at the initial model on the first batch, one device."""
+        key = (cfg, loss_fn)
+        if key not in self.gradients:
+            self.gradients[key] = _measure.reference_gradients(loss_fn, self.model(cfg), self.batches[0])
+        return self.gradients[key]
 
 
 def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, timed: int) -> dict:
@@ -120,7 +129,7 @@ def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, t
     # whose gradients are tiny; the hand-written baseline (same shardings, no eqxpar)
     # shows that this is the strategy's, not eqxpar's.
     grad_loss_err, grads_err, grads_norm_err = _measure.step_parity(
-        eqx_runner, setup.reference_loss_fn, model, batches[0], convert=setup.convert
+        eqx_runner, workloads.first_gradients(cfg, setup.reference_loss_fn), convert=setup.convert
     )
     ref_params, ref_loss = workloads.reference(cfg, setup.reference_loss_fn, eqx_runner.done)
     params_err = _measure.max_rel_err(
