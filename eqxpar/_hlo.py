@@ -34,6 +34,10 @@ import re
 from collections import Counter
 from typing import Any
 
+from ._compiled import compiled_stage
+from ._errors import EqxparError
+from ._text import short
+
 _DTYPE_BYTES = {
     "pred": 1,
     "s4": 1,
@@ -134,8 +138,29 @@ def _parse(text: str) -> tuple[dict[str, list[str]], str]:
             continue
         computations[current].append(line)
     if entry is None:
-        raise ValueError("no ENTRY computation found in the HLO text")
+        raise EqxparError(
+            "collective_stats: no ENTRY computation found in the HLO text (starting "
+            f"{short(text)}). Pass compiled HLO: compiled.as_text(), not the lowered "
+            "StableHLO of lowered.as_text()."
+        )
     return computations, entry
+
+
+def _hlo_text(target: Any) -> str:
+    """The compiled HLO text of whatever `collective_stats` accepts."""
+    if isinstance(target, str):
+        return target
+    compiled = compiled_stage(target)
+    if compiled is not None:
+        return compiled.as_text()
+    as_text = getattr(target, "as_text", None)
+    if callable(as_text):
+        return as_text()
+    raise EqxparError(
+        f"collective_stats({type(target).__name__} {short(target)}): expected a compiled "
+        "computation (jax.jit(f).lower(x).compile() or eqx.filter_jit(f).lower(x).compile()), "
+        "its Lowered, or HLO text. For an eqxpar step pass step.compile(state, batch)."
+    )
 
 
 def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> CollectiveStats:
@@ -144,8 +169,10 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
 
     **Arguments:**
 
-    - `compiled_or_text`: a `jax.stages.Compiled` (or anything with `.as_text()`)
-      or the HLO text itself.
+    - `compiled_or_text`: a compiled computation (`jax.jit(f).lower(x).compile()`,
+      or `eqx.filter_jit(f).lower(x).compile()`), a lowered one (compiled here:
+      XLA places the collectives when it partitions the program), anything else
+      whose `.as_text()` is compiled HLO, or the HLO text itself.
     - `num_devices`: the group size of a collective whose `replica_groups` is
       empty (all devices). Only needed then, and only when the `HloModule` line
       lacks `num_partitions=`/`replica_count=` (XLA omits them when 1).
@@ -153,15 +180,16 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     **Returns:** a `CollectiveStats` (`.count`, `.bytes`, `.wire_bytes`, `.in_loops`
     by kind; `.total_bytes`, `.total_wire_bytes`).
 
-    **Raises:** `ValueError` if a collective spans all devices and their number is
-    neither given nor in the text.
+    **Raises:** `EqxparError` (a `ValueError`) for an argument it cannot read, text
+    with no `ENTRY` computation, or a collective that spans all devices when their
+    number is neither given nor in the text.
 
     ```python
     stats = collective_stats(jax.jit(f).lower(x).compile())
     stats.wire_bytes["all-reduce"]  # e.g. 3072: a 2048-byte psum over 4 devices
     ```
     """
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    text = _hlo_text(compiled_or_text)
     computations, entry = _parse(text)
     count: Counter = Counter()
     nbytes: Counter = Counter()
@@ -176,10 +204,10 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     def all_devices() -> int:
         # Raised lazily: text whose collectives all name their groups needs no count.
         if num_devices is None:
-            raise ValueError(
-                "a collective has empty replica_groups (all devices) but the HLO text "
-                "has no num_partitions=/replica_count= on its HloModule line; pass "
-                "collective_stats(..., num_devices=N)"
+            raise EqxparError(
+                "collective_stats: a collective has empty replica_groups (all devices) but "
+                "the HLO text has no num_partitions=/replica_count= on its HloModule line; "
+                "pass collective_stats(..., num_devices=N)."
             )
         return num_devices
 

@@ -64,8 +64,9 @@ def memory_report(compiled_or_step: Any, *args: Any) -> MemoryReport:
     **Arguments:**
 
     - `compiled_or_step`: an eqxpar `Step` followed by its `(state, batch)` (it is
-      compiled for them; nothing runs), or a `jax.stages.Compiled` / `Lowered`
-      with no further arguments.
+      compiled for them; nothing runs), or a compiled or lowered computation with
+      no further arguments: `jax.jit(f).lower(...)` or `eqx.filter_jit(f).lower(...)`,
+      with or without `.compile()`.
 
     **Returns:** a `MemoryReport` (`argument_bytes`, `output_bytes`, `alias_bytes`,
     `temp_bytes`, `generated_code_bytes`, `total`); `str(report)` is a table.

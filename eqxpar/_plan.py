@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._errors import AxisNameError, PlanError
 from ._mesh import BATCH_AXES
-from ._rules import Rule, as_rules, mesh_axis_names
+from ._rules import Rule, as_rules, as_spec, mesh_axis_names
+from ._text import short
 
 # `with plan:` blocks nest per thread; the tokens to restore live beside the value.
 _TOKENS = threading.local()
@@ -40,8 +41,8 @@ class Plan:
     - `rules`: a rule or sequence of rules (`eqxpar.rules`) mapping weights to
       PartitionSpecs; first match wins, unclaimed weights are replicated. The
       default (no rules) replicates every weight: data parallelism.
-    - `batch_axes`: mesh axes the batch's leading dimension is split over; default
-      the mesh's `data` and `fsdp` axes.
+    - `batch_axes`: mesh axes (one name or a sequence of names) the batch's leading
+      dimension is split over; default the mesh's `data` and `fsdp` axes.
     - `annotations`: name -> PartitionSpec for `eqxpar.annotate(x, name)`. Defaults:
       `"batch"` and `"activations"` both split the leading dimension over
       `batch_axes`; entries given here override them.
@@ -88,7 +89,9 @@ class Plan:
       devices in manual steps (default: the parameters' dtype). Automatic steps
       reduce wherever the compiler puts the reduction, in the dtype it has there.
 
-    Validated when built: every mesh axis named by a rule or annotation must exist.
+    Validated when built: every mesh axis named by a rule or annotation must exist,
+    and an option of the wrong kind (`rules=3`, `batch_axes=3`, an annotation that
+    is not a spec) raises an `EqxparError` naming it.
     Entering a plan (`with plan:`) makes it the one `eqxpar.annotate` resolves
     against; eqxpar's train steps enter it while tracing.
 
@@ -121,14 +124,16 @@ class Plan:
         self,
         mesh: Mesh,
         *,
-        rules: Rule | Sequence[Rule] | None = None,
-        batch_axes: Sequence[str] | None = None,
-        annotations: Mapping[str, PartitionSpec] | None = None,
+        # `Any` for the options validated below: a wrong kind of value raises an
+        # eqxpar error naming it and the fix (see the docstring for what each takes).
+        rules: Any = None,
+        batch_axes: Any = None,
+        annotations: Any = None,
         mode: str = "auto",
         sequence_parallel: bool = False,
         tp_overlap: bool = False,
         tensor_axis: str = "tensor",
-        manual_axes: Sequence[str] | None = None,
+        manual_axes: Any = None,
         remat: str = "none",
         schedule: str | None = None,
         microbatches: int = 1,
@@ -155,7 +160,7 @@ class Plan:
                     )
         if batch_axes is None:
             batch_axes = tuple(a for a in BATCH_AXES if a in names)
-        batch_axes = tuple(batch_axes)
+        batch_axes = _axis_names(batch_axes, "batch_axes")
         for axis in batch_axes:
             if axis not in names:
                 raise AxisNameError(
@@ -163,9 +168,18 @@ class Plan:
                     f"mesh has axes {names}. Use one of those names."
                 )
         table = {"batch": PartitionSpec(batch_axes), "activations": PartitionSpec(batch_axes)}
+        if annotations is not None and not isinstance(annotations, Mapping):
+            raise PlanError(
+                f"Plan(annotations={short(annotations)}): expected a dict of annotation name -> "
+                "PartitionSpec, e.g. annotations={'activations': P('data', None, 'tensor')}."
+            )
         for key, spec in dict(annotations or {}).items():
-            if not isinstance(spec, PartitionSpec):
-                spec = PartitionSpec(*spec)
+            if not isinstance(key, str):
+                raise PlanError(
+                    f"Plan(annotations=...): key {short(key)} is not a name; expected the str "
+                    "names passed to eqxpar.annotate(x, name), e.g. 'activations'."
+                )
+            spec = as_spec(spec, where=f"Plan(annotations=...) entry {key!r}")
             for entry in spec:
                 for axis in mesh_axis_names(entry):
                     if axis not in names:
@@ -191,8 +205,7 @@ class Plan:
                     f"Plan(manual_axes={manual_axes!r}) needs mode='manual'; in mode='auto' "
                     "every axis is automatic. Set mode='manual' or drop manual_axes."
                 )
-            if isinstance(manual_axes, str):
-                manual_axes = (manual_axes,)
+            manual_axes = _axis_names(manual_axes, "manual_axes")
             for axis in manual_axes:
                 if axis not in names:
                     raise AxisNameError(
@@ -272,6 +285,25 @@ class Plan:
 
     def __exit__(self, *exc: Any) -> None:
         _CURRENT.reset(_TOKENS.stack.pop())
+
+
+def _axis_names(value: Any, what: str) -> tuple[str, ...]:
+    """`Plan(<what>=value)` as a tuple of axis names: one name, or a sequence of
+    distinct names."""
+    if isinstance(value, str):
+        return (value,)
+    if not (isinstance(value, Sequence) and all(isinstance(a, str) for a in value)):
+        raise AxisNameError(
+            f"Plan({what}={short(value)}): expected a mesh axis name or a sequence of them, "
+            f"e.g. {what}=('data', 'fsdp')."
+        )
+    axes = tuple(value)
+    if len(set(axes)) != len(axes):
+        raise AxisNameError(
+            f"Plan({what}={axes!r}) names an axis twice; a dimension is split over each "
+            "axis at most once. Name each axis once."
+        )
+    return axes
 
 
 def _check_pipeline(

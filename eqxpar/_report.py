@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 
-from ._compiled import as_compiled
+from ._compiled import as_compiled, compiled_stage
 from ._errors import EqxparError, PlanError
 from ._hlo import KINDS, CollectiveStats, _ring_bytes, collective_stats
 from ._plan import Plan
@@ -271,12 +271,13 @@ def _as_minimum(minimum: Any) -> Minimum:
 def _as_stats(baseline: Any) -> CollectiveStats:
     if isinstance(baseline, CollectiveStats):
         return baseline
-    if isinstance(baseline, jax.stages.Compiled):
-        return collective_stats(baseline)
+    compiled = compiled_stage(baseline)
+    if compiled is not None:
+        return collective_stats(compiled)
     raise EqxparError(
         f"comm_report(..., baseline={short(baseline)}): expected a jax.stages.Compiled "
-        "(e.g. the plain jax.jit step's .lower(...).compile()) or a CollectiveStats. "
-        "Pass one of those, or None for no baseline."
+        "(e.g. the plain jax.jit step's .lower(...).compile(), or an eqx.filter_jit "
+        "one's), its Lowered, or a CollectiveStats. Pass one of those, or None for no baseline."
     )
 
 
@@ -289,13 +290,14 @@ def comm_report(step_or_compiled: Any, *args: Any, minimum: Any = None, baseline
     **Arguments:**
 
     - `step_or_compiled`: an eqxpar `Step` followed by its `(state, batch)` (it is
-      compiled for them; nothing runs), or a `jax.stages.Compiled` / `Lowered`
-      with no further arguments.
+      compiled for them; nothing runs), or a compiled or lowered computation with
+      no further arguments: `jax.jit(f).lower(...)` or `eqx.filter_jit(f).lower(...)`,
+      with or without `.compile()`.
     - `minimum`: the reference to compare with: a `Minimum`, or an int of result
       bytes. Default: `minimum_comm(plan, state.model)` for a step whose plan it
       covers (data parallel, FSDP), else "n/a".
     - `baseline`: another implementation to compare with (e.g. GSPMD on the same
-      workload): a `jax.stages.Compiled` or a `CollectiveStats`.
+      workload): a compiled or lowered computation (as above) or a `CollectiveStats`.
 
     **Returns:** a `CommReport`; `str(report)` is a table with ratios.
 

@@ -16,7 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from jax.sharding import Mesh, PartitionSpec
 
-from ._errors import AxisNameError, UnmatchedLeafError
+from ._errors import AxisNameError, PlanError, SpecError, UnmatchedLeafError
+from ._text import short
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -61,6 +62,52 @@ def _as_axes(value: Any, *, where: str) -> MeshAxes:
     )
 
 
+def _as_split_axes(value: Any, *, where: str) -> str | tuple[str, ...]:
+    """One mesh axis or a non-empty tuple of them (a list becomes a tuple, so the
+    rule stays hashable); `where` names the argument in the error."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise AxisNameError(
+        f"{where}: {short(value)} is not a mesh axis to split over; expected a mesh axis "
+        "name such as 'fsdp', or a non-empty tuple of names such as ('data', 'fsdp')."
+    )
+
+
+def _as_min_size(value: Any, *, where: str) -> int:
+    # bool is an int subclass: min_size=True is a slip, not a size.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise PlanError(
+        f"{where}: min_size={short(value)} is not an element count; expected a "
+        "non-negative int (arrays with fewer elements stay replicated), e.g. min_size=1024."
+    )
+
+
+def as_spec(value: Any, *, where: str) -> PartitionSpec:
+    """A `PartitionSpec`, or a tuple / list of spec entries (each a mesh axis name,
+    a tuple of names, or None) turned into one; anything else raises `SpecError`
+    (or `AxisNameError` for an entry that is not an axis name). `where` names the
+    value in the error."""
+    if isinstance(value, PartitionSpec):
+        return value
+    if isinstance(value, str):
+        # PartitionSpec(*"tensor") would split six dimensions over axes 't', 'e', ...
+        raise SpecError(
+            f"{where}: {value!r} is a bare string, not a PartitionSpec. Write "
+            f"P({value!r}) to split the first dimension over {value!r}, or "
+            f"P(None, {value!r}) for the second (P = jax.sharding.PartitionSpec)."
+        )
+    if isinstance(value, Sequence):
+        return PartitionSpec(*(_as_axes(entry, where=where) for entry in value))
+    raise SpecError(
+        f"{where}: {short(value)} is not a PartitionSpec; expected a "
+        "jax.sharding.PartitionSpec or a tuple of mesh axes per dimension. Use P() to "
+        "replicate, or e.g. P('tensor', None) to split the first dimension."
+    )
+
+
 def mesh_axis_names(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
@@ -88,8 +135,23 @@ class Logical:
 
     mapping: tuple[tuple[str, MeshAxes], ...]
 
-    def __init__(self, mapping: Mapping[str, MeshAxes]):
-        items = tuple((str(k), _as_axes(v, where=f"Logical rule {k!r}")) for k, v in dict(mapping).items())
+    # `Any`, not `Mapping[str, MeshAxes]`: the checks below name the bad entry and
+    # the fix, which a type checker's message would not.
+    def __init__(self, mapping: Any):
+        try:
+            table = dict(mapping)
+        except (TypeError, ValueError) as e:
+            raise PlanError(
+                f"rules.Logical({short(mapping)}): expected a mapping of logical axis names to "
+                "mesh axes, e.g. rules.Logical({'mlp': 'tensor', 'embed': 'fsdp'})."
+            ) from e
+        for name in table:
+            if not isinstance(name, str):
+                raise PlanError(
+                    f"rules.Logical: key {name!r} is not a logical axis name; expected the str "
+                    "names layers declare with eqxpar.param(axes=...), e.g. 'mlp'."
+                )
+        items = tuple((k, _as_axes(v, where=f"Logical rule {k!r}")) for k, v in table.items())
         object.__setattr__(self, "mapping", items)
 
     def mesh_axes(self) -> set[str]:
@@ -112,7 +174,7 @@ class Logical:
         return PartitionSpec(*entries)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class FSDP:
     """Shard every large-enough array over one mesh axis (works on any pytree).
 
@@ -132,8 +194,13 @@ class FSDP:
     ```
     """
 
-    axis: str | tuple[str, ...] = "fsdp"
-    min_size: int = 2**10
+    axis: str | tuple[str, ...]
+    min_size: int
+
+    # Checked here, not by the annotations: FSDP(axis=1) raises naming the value.
+    def __init__(self, axis: Any = "fsdp", min_size: Any = 2**10):
+        object.__setattr__(self, "axis", _as_split_axes(axis, where=f"rules.FSDP(axis={axis!r})"))
+        object.__setattr__(self, "min_size", _as_min_size(min_size, where="rules.FSDP"))
 
     def mesh_axes(self) -> set[str]:
         return set(mesh_axis_names(self.axis))
@@ -183,14 +250,19 @@ class ByPath:
     patterns: tuple[tuple[str, PartitionSpec], ...]
     strict: bool
 
-    def __init__(self, patterns: Sequence[tuple[str, Any]], *, strict: bool = True):
-        compiled = []
-        for pattern, spec in patterns:
-            re.compile(pattern)
-            if not isinstance(spec, PartitionSpec):
-                spec = PartitionSpec(*spec)
-            compiled.append((pattern, spec))
-        object.__setattr__(self, "patterns", tuple(compiled))
+    # `Any` annotations: each check below names the bad pattern and the fix.
+    def __init__(self, patterns: Any, *, strict: Any = True):
+        if isinstance(patterns, Mapping):
+            patterns = list(patterns.items())
+        if isinstance(patterns, str | PartitionSpec) or not isinstance(patterns, Sequence):
+            raise PlanError(
+                f"rules.ByPath({short(patterns)}): expected a list of (regex, spec) pairs, "
+                "e.g. rules.ByPath([(r'weight$', P(None, 'tensor'))])."
+            )
+        checked = tuple(_path_pattern(item, i) for i, item in enumerate(patterns))
+        if not isinstance(strict, bool):
+            raise PlanError(f"rules.ByPath(..., strict={short(strict)}): expected True or False.")
+        object.__setattr__(self, "patterns", checked)
         object.__setattr__(self, "strict", strict)
 
     def mesh_axes(self) -> set[str]:
@@ -210,7 +282,37 @@ class ByPath:
         return None
 
 
-@dataclasses.dataclass(frozen=True)
+def _path_pattern(item: Any, index: int) -> tuple[str, PartitionSpec]:
+    """Check one `(regex, spec)` entry of `ByPath`; `index` places it in the list."""
+    where = f"rules.ByPath pattern #{index}"
+    if isinstance(item, str) or not (isinstance(item, Sequence) and len(item) == 2):
+        raise PlanError(
+            f"{where} {short(item)} is not a (regex, spec) pair; expected a list of pairs "
+            "(a single pair still goes in a list: rules.ByPath([(r'weight$', P())]))."
+        )
+    pattern, spec = item
+    if not isinstance(pattern, str):
+        raise PlanError(
+            f"{where}: the regex {short(pattern)} is not a string; expected a regular "
+            "expression searched in the leaf path, e.g. r'layers\\[0\\]\\.weight$'."
+        )
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise PlanError(
+            f"{where}: {pattern!r} is not a valid regular expression ({e}). Escape the "
+            "characters meant literally (r'\\[', r'\\.', or re.escape(text))."
+        ) from e
+    if spec is None:
+        raise SpecError(
+            f"{where} ({pattern!r}, None): None is not a PartitionSpec. Use P() to "
+            "replicate the leaves it matches, or drop the pattern and pass strict=False "
+            "to leave them to the next rule."
+        )
+    return pattern, as_spec(spec, where=f"{where} ({pattern!r}, spec)")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
     """A rule from a function `fn(leaf: Leaf) -> PartitionSpec | None`.
 
@@ -225,14 +327,34 @@ class Policy:
 
     fn: Callable[[Leaf], PartitionSpec | None]
 
+    def __init__(self, fn: Any):
+        if not callable(fn) or isinstance(fn, type):
+            raise PlanError(
+                f"rules.Policy({short(fn)}): expected a function of one eqxpar.rules.Leaf "
+                "returning a PartitionSpec or None, e.g. rules.Policy(lambda leaf: P('fsdp') "
+                "if leaf.shape[0] >= 1024 else None)."
+            )
+        object.__setattr__(self, "fn", fn)
+
     def spec(self, leaf: Leaf) -> PartitionSpec | None:
-        return self.fn(leaf)
+        found = self.fn(leaf)
+        if found is None or isinstance(found, PartitionSpec):
+            return found
+        # The function runs once per leaf, so its mistakes surface here: name the leaf.
+        return as_spec(found, where=f"rules.Policy({short(self.fn)}) for leaf {leaf.path!r} returned")
 
 
 def as_rules(rules: Any) -> tuple[Rule, ...]:
     """Normalise a rule, a sequence of rules, or None into a tuple of rules."""
     if rules is None:
         return ()
+    if isinstance(rules, type):
+        # The class itself has a `spec` attribute, so it would pass as a Rule and
+        # fail later with a missing-argument TypeError.
+        raise PlanError(
+            f"rules={rules.__name__} is a rule class, not a rule; pass an instance, "
+            f"e.g. rules={rules.__name__}(...)."
+        )
     if isinstance(rules, Rule):
         return (rules,)
     if isinstance(rules, Sequence) and not isinstance(rules, str):
@@ -240,13 +362,13 @@ def as_rules(rules: Any) -> tuple[Rule, ...]:
         for r in rules:
             out.extend(as_rules(r))
         return tuple(out)
-    raise TypeError(
-        f"{rules!r} is not a rule; expected an eqxpar.rules rule (Logical, FSDP, "
-        "ByPath, Policy), a sequence of them, or None."
+    raise PlanError(
+        f"rules={short(rules)} is not a rule; expected an eqxpar.rules rule (Logical, FSDP, "
+        "ByPath, Policy, ZeroShard, or rules.MEGATRON), a list of them, or None."
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ZeroShard:
     """Another rule set's specs, with one more dimension split over `axis`: the
     layout of ZeRO-1 optimizer state (`Plan(zero1=True)` uses it).
@@ -267,9 +389,16 @@ class ZeroShard:
     ```
     """
 
-    base: Any
-    axis: str | tuple[str, ...] = ("data", "fsdp")
-    min_size: int = 2**10
+    base: tuple[Rule, ...]
+    axis: MeshAxes
+    min_size: int
+
+    def __init__(self, base: Any, axis: Any = ("data", "fsdp"), min_size: Any = 2**10):
+        # Normalised to a tuple of rules: a list base would make the rule unhashable.
+        object.__setattr__(self, "base", as_rules(base))
+        # May name no axis: a plan without batch axes gives its optimizer state the base specs.
+        object.__setattr__(self, "axis", _as_axes(axis, where=f"rules.ZeroShard(axis={axis!r})"))
+        object.__setattr__(self, "min_size", _as_min_size(min_size, where="rules.ZeroShard"))
 
     def mesh_axes(self) -> set[str]:
         out = set(mesh_axis_names(self.axis))

@@ -1,6 +1,7 @@
 """A GPT-style decoder built only from `eqxpar.nn` layers."""
 
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -56,18 +57,38 @@ class GPTConfig:
     use_bias: bool = False
 
     def __post_init__(self):
+        # Every field is checked here, when the config is built, so that a bad one
+        # names itself instead of surfacing as a ZeroDivisionError or a shape error
+        # deep inside a layer's constructor.
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_hidden", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise PlanError(f"GPTConfig({name}={value!r}): expected a positive integer.")
+            _check_positive_int(name, getattr(self, name))
+        if self.num_kv_heads is not None:
+            _check_positive_int("num_kv_heads", self.num_kv_heads)
+        for name in ("tied", "rotary", "use_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"GPTConfig({name}={getattr(self, name)!r}): expected True or False.")
         if self.activation not in ("swiglu", "gelu"):
             raise PlanError(f"GPTConfig(activation={self.activation!r}): expected 'swiglu' or 'gelu'.")
         if self.norm not in ("rms", "layer"):
             raise PlanError(f"GPTConfig(norm={self.norm!r}): expected 'rms' or 'layer'.")
+        base = self.rotary_base
+        numeric = isinstance(base, int | float) and not isinstance(base, bool)
+        if not (numeric and math.isfinite(base) and base > 0):
+            # The rotary frequencies are base ** (-2i / head_dim): NaN for a base <= 0.
+            raise PlanError(
+                f"GPTConfig(rotary_base={base!r}): expected a positive finite number (the rotary "
+                "wavelength base); the usual value is 10000.0."
+            )
         if self.d_model % self.num_heads:
             raise DivisibilityError(
                 f"GPTConfig(d_model={self.d_model}, num_heads={self.num_heads}): the heads split the "
                 f"model width, so num_heads must divide d_model. Use d_model a multiple of {self.num_heads}."
+            )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise DivisibilityError(
+                f"GPTConfig(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}): each "
+                "key/value head serves an equal group of query heads, so num_kv_heads must divide "
+                f"num_heads. Use one of {_divisors(self.num_heads)}, or None for num_heads."
             )
         if self.rotary and (self.d_model // self.num_heads) % 2:
             raise DivisibilityError(
@@ -80,6 +101,16 @@ class GPTConfig:
     def head_dim(self) -> int:
         """`d_model // num_heads`."""
         return self.d_model // self.num_heads
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    # bool is an int subclass, so num_layers=True would otherwise pass as 1.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"GPTConfig({name}={value!r}): expected a positive integer.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class GPT(eqx.Module):
