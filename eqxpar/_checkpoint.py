@@ -13,7 +13,7 @@ position.
 import json
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -84,7 +84,8 @@ class CheckpointManager:
 
     - `directory`: where the checkpoints live (created if missing; on a
       filesystem all processes share).
-    - `max_to_keep`: keep the newest this many checkpoints (None: keep all).
+    - `max_to_keep`: keep the newest this many complete checkpoints (None: keep
+      all). Incomplete step directories are not counted, nor deleted.
     - `async_save`: write in a background thread; `save` returns once the arrays
       are copied off the devices (so the next train step may overwrite them).
 
@@ -113,11 +114,18 @@ class CheckpointManager:
                 "Give a directory path for the checkpoints."
             )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            # orbax's own max_to_keep would count incomplete step directories too,
+            # and delete complete checkpoints to make room for them.
+            preservation_policy=None if max_to_keep is None else _KeepLatest(self._directory, max_to_keep),
             enable_async_checkpointing=bool(async_save),
             create=True,
             # Leftovers of saves that crashed midway are never loadable; drop them.
             cleanup_tmp_directories=True,
+            # A step's directory is made in `save` itself, so that a directory that
+            # cannot be written fails there. Made in the background, its failure
+            # leaves orbax's writer threads waiting minutes for the directory, and
+            # the process hangs at exit (threading's shutdown joins them).
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self._ocp = ocp
         self._manager = _guard(
@@ -134,10 +142,18 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints in the directory, oldest first.
 
+        A step directory counts once it holds both parts of an eqxpar checkpoint
+        (the arrays and the JSON record), each non-empty: an empty or half-copied
+        `<step>/` directory, or one another tool wrote, does not.
+
         ```python
         manager.all_steps()          # [10, 20, 30]
         ```
         """
+        return [s for s in self._step_dirs() if _is_complete(self._directory / str(s))]
+
+    def _step_dirs(self) -> list[int]:
+        # Every step directory orbax knows of, complete or not.
         return sorted(int(s) for s in self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -175,10 +191,12 @@ class CheckpointManager:
         if not isinstance(step, int | np.integer) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"CheckpointManager.save(step={step!r}): expected an integer >= 0.")
         step = int(step)
-        if step in self.all_steps():
+        if step in self._step_dirs():
+            complete = "" if step in self.all_steps() else " (as an incomplete checkpoint)"
             raise CheckpointError(
-                f"checkpoint step {step} already exists in {str(self._directory)!r}. Save each step "
-                "once: use a new step number, or delete that step's directory first."
+                f"checkpoint step {step} already exists in {str(self._directory)!r}{complete}. Save "
+                f"each step once: use a new step number, or delete {str(self._directory / str(step))!r} "
+                "first."
             )
         if data_state is not None and not isinstance(data_state, dict):
             raise CheckpointError(
@@ -219,7 +237,7 @@ class CheckpointManager:
         _guard(
             lambda: self._manager.save(step, args=args, force=True),
             f"saving checkpoint step {step} to {str(self._directory)!r}",
-            "check free disk space and write permission.",
+            _WRITE_FIX.format(directory=str(self._directory)),
         )
 
     def wait(self) -> None:
@@ -235,7 +253,7 @@ class CheckpointManager:
         _guard(
             self._manager.wait_until_finished,
             f"writing checkpoints to {str(self._directory)!r}",
-            "check free disk space and write permission.",
+            _WRITE_FIX.format(directory=str(self._directory)),
         )
 
     def restore(
@@ -250,7 +268,7 @@ class CheckpointManager:
 
         **Arguments:**
 
-        - `step`: the checkpoint to load; None for the latest.
+        - `step`: the checkpoint to load; None for the latest complete one.
         - `like`: a state of the same structure: the freshly initialised state, or
           its outline `eqx.filter_eval_shape(eqxpar.train.init, model, optim,
           plan, key=key)`. Its non-array parts are used as they are.
@@ -259,9 +277,9 @@ class CheckpointManager:
         **Returns:** `(state, data_state)`: the restored state (global arrays, in
         the plan's shardings) and the saved `data_state` (None if none was saved).
 
-        **Raises:** `CheckpointError` when there is no checkpoint, the step is
-        missing, the files are corrupt or truncated, the directory is not an
-        eqxpar checkpoint, or its arrays do not match `like`.
+        **Raises:** `CheckpointError` when there is no complete checkpoint, the
+        step is missing or incomplete, the files are corrupt or truncated, or its
+        arrays do not match `like`.
 
         ```python
         abstract = eqx.filter_eval_shape(eqxpar.train.init, model, optim, plan, key=key)
@@ -279,8 +297,9 @@ class CheckpointManager:
                 )
             step = steps[-1]
         if not isinstance(step, int | np.integer) or isinstance(step, bool) or step not in steps:
+            state = "is incomplete in" if step in self._step_dirs() else "is not in"
             raise CheckpointError(
-                f"checkpoint step {step!r} is not in {str(self._directory)!r} (complete steps: "
+                f"checkpoint step {step!r} {state} {str(self._directory)!r} (complete steps: "
                 f"{steps}). Restore one of those, or step=None for the latest."
             )
         step = int(step)
@@ -291,11 +310,6 @@ class CheckpointManager:
             f"(restore(step=...), steps {[s for s in steps if s != step]}), or point the manager at "
             "the right directory."
         )
-        if not (where / _META).is_dir() or not (where / _ARRAYS).is_dir():
-            raise CheckpointError(
-                f"{str(where)!r} is not an eqxpar checkpoint (no {_META!r} and {_ARRAYS!r} items). "
-                f"It was written by something else, or is incomplete: {fix}"
-            )
         meta = _guard(
             lambda: self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[
                 _META
@@ -361,6 +375,45 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self._directory)!r}, steps={self.all_steps()})"
+
+
+_WRITE_FIX = (
+    "make {directory!r} writable (permissions, a read-only mount, free disk space), or give "
+    "CheckpointManager a directory this process can write."
+)
+
+
+def _is_complete(step_dir: pathlib.Path) -> bool:
+    """Whether `step_dir` holds both non-empty parts of an eqxpar checkpoint.
+
+    orbax makes a step's directory visible only once it is written (by renaming a
+    temporary one), so this separates real checkpoints from directories made by
+    hand, copied halfway, or written by another tool, without reading any file.
+    """
+    parts = (step_dir / _ARRAYS, step_dir / _META)
+    return all(part.is_dir() and any(part.iterdir()) for part in parts)
+
+
+class _KeepLatest:
+    """orbax preservation policy: keep the newest `n` complete checkpoints.
+
+    Incomplete step directories are neither counted nor deleted (they may be a
+    copy still under way; deleting them is the user's call). orbax asks when a
+    save starts, so the step being saved, which has no directory yet, counts.
+    """
+
+    def __init__(self, directory: pathlib.Path, n: int):
+        self.directory = directory
+        self.n = n
+
+    def _counts(self, step: int) -> bool:
+        path = self.directory / str(step)
+        return not path.exists() or _is_complete(path)
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        counted = [self._counts(info.step) for info in checkpoints]
+        kept = sorted(info.step for info, ok in zip(checkpoints, counted, strict=True) if ok)[-self.n :]
+        return [not ok or info.step in kept for info, ok in zip(checkpoints, counted, strict=True)]
 
 
 def _guard(fn: Callable[[], Any], doing: str, fix: str) -> Any:

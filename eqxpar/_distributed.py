@@ -1,12 +1,14 @@
 """Starting a multi-process JAX run, and logging that says which process speaks."""
 
+import atexit
 import importlib.util
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import MutableMapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 
@@ -21,6 +23,8 @@ ENV_PROCESS_ID = "EQXPAR_PROCESS_ID"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 # Where initialize() started the run, to tell a repeated call apart from a conflicting one.
 _STARTED: dict[str, Any] = {}
+# The excepthook found when the exit hooks were installed (once per process).
+_EXIT_HOOKS: dict[str, Any] = {}
 
 
 class DistributedError(EqxparError):
@@ -81,6 +85,7 @@ def initialize(
     cluster_detection_method: str | None = None,
     initialization_timeout: int = 300,
     heartbeat_timeout_seconds: int = 100,
+    preemption_service: bool = False,
 ) -> bool:
     """Join this process to a multi-process JAX run (`jax.distributed.initialize`).
 
@@ -91,6 +96,17 @@ def initialize(
     of these says the run has several processes, nothing is started and the
     program runs as one process, so a script that calls `initialize()` also runs
     without a launcher. On CPU, cross-process collectives use gloo.
+
+    Once joined, a process that fails exits at once with its status: an uncaught
+    exception exits with 1 (after printing the traceback), `sys.exit(n)` with
+    `n`, skipping the remaining `atexit` handlers. Without this, JAX's own
+    `atexit` shutdown would wait for every other process to exit too, so a
+    failing process would hang, unseen by a launcher or scheduler, while its
+    peers wait on it. A clean exit (the end of the script, `sys.exit(0)`) still
+    shuts the run down together with the other processes. (`raise SystemExit(n)`
+    written out, rather than `sys.exit(n)`, is not seen and exits as before.)
+    SIGTERM ends the process, as it does any program, unless
+    `preemption_service=True`.
 
     Calling it again with the same (or no) arguments does nothing.
 
@@ -103,6 +119,10 @@ def initialize(
     - `cluster_detection_method`: passed to JAX (e.g. `"mpi4py"`, `"deactivate"`).
     - `initialization_timeout`: seconds to wait for all processes to connect.
     - `heartbeat_timeout_seconds`: seconds after which a silent peer counts as dead.
+    - `preemption_service`: start JAX's preemption service, which catches SIGTERM
+      so that `jax.experimental.multihost_utils.reached_preemption_sync_point`
+      can make every process save and stop at the same step. With it, SIGTERM
+      no longer stops the process by itself.
 
     **Returns:** True when this process is part of a multi-process run (now or
     from an earlier call), False when it runs alone.
@@ -155,6 +175,10 @@ def initialize(
             "with `python -m eqxpar.launch -n N script.py`."
         )
     _use_gloo_on_cpu()
+    # JAX's preemption service swallows SIGTERM (it only records a preemption
+    # notice), so a process told to stop by a launcher, a scheduler or `kill` would
+    # carry on; it is started only for programs that ask for it.
+    jax.config.update("jax_enable_preemption_service", bool(preemption_service))
     try:
         jax.distributed.initialize(
             coordinator_address,
@@ -182,7 +206,83 @@ def initialize(
     _STARTED.update(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
     )
+    _install_exit_hooks()
     return True
+
+
+def _install_exit_hooks() -> None:
+    """Make this process exit at once, with its status, when it fails.
+
+    JAX's `atexit` handler ends a multi-process run with a barrier that waits for
+    every process. A process that fails while its peers run on (and wait for it in
+    their next collective) would block there, neither exiting nor being seen as
+    dead. Two hooks catch a failure at the moment the interpreter ends the
+    program, and exit with `os._exit` instead:
+
+    - `sys.excepthook`, for an exception no code caught (status 1; a
+      KeyboardInterrupt ends the process by SIGINT, as Python does);
+    - `sys.exit`, whose `SystemExit` reports its status when it is discarded
+      with no Python code left running, i.e. when it ended the program rather
+      than being caught.
+
+    A clean exit (status 0) goes through the normal shutdown.
+    """
+    if _EXIT_HOOKS:
+        return
+    _EXIT_HOOKS["excepthook"] = sys.excepthook
+    sys.excepthook = _excepthook
+    sys.exit = _sys_exit
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    _EXIT_HOOKS["excepthook"](kind, value, tb)
+    # Also called by code that only reports an exception (a REPL, a notebook);
+    # there the program goes on.
+    if sys._getframe().f_back is not None:
+        return
+    _flush_output()
+    if issubclass(kind, KeyboardInterrupt):
+        # Python ends a program interrupted by Ctrl-C by SIGINT itself.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1)
+
+
+class _Exit(SystemExit):
+    """The `SystemExit` that `sys.exit` raises once `initialize()` has joined a run."""
+
+    def __del__(self) -> None:
+        # Discarded with no Python frame below: it ended the program (one that
+        # was caught is discarded by the code that caught it, which goes on).
+        if sys._getframe().f_back is not None:
+            return
+        code = self.code
+        if code is None or code == 0:
+            return
+        if isinstance(code, int):
+            _exit_now(code)
+        # A message (`sys.exit("bad input")`): Python prints it and exits with 1,
+        # after this; an atexit handler registered now runs first, before JAX's.
+        atexit.register(_exit_now, 1)
+
+
+def _sys_exit(status: object = None, /) -> NoReturn:
+    """`sys.exit`, raising `_Exit` so that a failing exit is noticed."""
+    raise _Exit(status)
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not keep the process alive
+            pass
+    logging.shutdown()
+
+
+def _exit_now(status: int) -> None:
+    _flush_output()
+    os._exit(status)
 
 
 def _cluster_detected() -> bool:

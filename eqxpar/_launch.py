@@ -49,14 +49,41 @@ def _xla_flags(existing: str, devices_per_process: int) -> str:
 def child_env(
     rank: int, processes: int, devices_per_process: int, coordinator: str, extra: Mapping[str, str] | None
 ) -> dict[str, str]:
-    """The environment of process `rank`: the launcher's own, plus the run's settings."""
+    """The environment of process `rank`: the launcher's own, plus the run's settings.
+
+    With no `JAX_PLATFORMS` set (or `JAX_PLATFORMS=cpu`), each process simulates
+    `devices_per_process` CPU devices. With another platform (e.g.
+    `JAX_PLATFORMS=cuda`), it is kept, and process `rank` gets local devices
+    `rank * devices_per_process` to `(rank + 1) * devices_per_process - 1`
+    (`JAX_LOCAL_DEVICE_IDS`, read by `jax.distributed.initialize`) unless
+    `JAX_LOCAL_DEVICE_IDS` is set already.
+
+    **Arguments:**
+
+    - `rank`, `processes`, `devices_per_process`: this process's place in the run.
+    - `coordinator`: `"host:port"` of process 0's coordinator.
+    - `extra`: environment variables to set on top of the launcher's own.
+
+    **Returns:** the environment, as a new dict.
+
+    ```python
+    env = child_env(1, 2, 4, "127.0.0.1:4321", None)   # rank 1 of 2, 4 CPU devices
+    ```
+    """
     env = dict(os.environ)
     env.update(extra or {})
     env[ENV_COORDINATOR] = coordinator
     env[ENV_NUM_PROCESSES] = str(processes)
     env[ENV_PROCESS_ID] = str(rank)
-    env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), devices_per_process)
-    env["JAX_PLATFORMS"] = "cpu"
+    platforms = env.get("JAX_PLATFORMS", "").strip()
+    if platforms in ("", "cpu"):
+        # Nothing chosen (or the CPU): simulate the devices on the CPU.
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), devices_per_process)
+    elif not env.get("JAX_LOCAL_DEVICE_IDS"):
+        # Real accelerators: each process drives its own share of this host's devices.
+        first = rank * devices_per_process
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(i) for i in range(first, first + devices_per_process))
     # Lines must reach the launcher as they are printed, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -109,10 +136,10 @@ class _Child:
 def _describe(code: int) -> str:
     if code < 0:
         try:
-            return f"was killed by {signal.Signals(-code).name}"
+            return f"was killed by signal {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    return f"exited with status {code}"
 
 
 def _exit_code(code: int) -> int:
@@ -134,19 +161,27 @@ def run(
 
     Each process gets `EQXPAR_COORDINATOR` (127.0.0.1 and a free port),
     `EQXPAR_NUM_PROCESSES` and `EQXPAR_PROCESS_ID`, read by
-    `eqxpar.distributed.initialize()`, plus `JAX_PLATFORMS=cpu` and
-    `XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`.
-    Their standard output and error are streamed line by line, each line prefixed
-    with `[rank k]`. When a process exits non-zero (or is killed), every other one
-    is killed with its whole process group, and the rank, its exit status and the
-    last lines of its output are written to standard error.
+    `eqxpar.distributed.initialize()`. With no `JAX_PLATFORMS` set it also gets
+    `JAX_PLATFORMS=cpu` and
+    `XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`
+    (simulated devices); a platform that is set (`JAX_PLATFORMS=cuda`) is kept,
+    and each process gets its own `devices_per_process` local devices (see
+    `child_env`). Their standard output and error are streamed line by line, each
+    line prefixed with `[rank k]`. Each process runs in a process group of its
+    own. When one exits non-zero (or is killed), every other one is stopped
+    (SIGTERM, then SIGKILL), and the rank, its exit status (`rank 1 (pid 4242)
+    exited with status 7`, or `was killed by signal SIGKILL`) and the last lines
+    of its output are written to standard error. Whatever the processes started
+    and left running (their process groups) is killed once they are done, after
+    a failure or a success.
 
     **Arguments:**
 
     - `script`: path of the Python script to run.
     - `args`: its command-line arguments.
     - `processes`: number of processes (>= 1).
-    - `devices_per_process`: simulated CPU devices in each process (>= 1).
+    - `devices_per_process`: devices of each process (>= 1): simulated CPU
+      devices, or its share of this host's GPUs when `JAX_PLATFORMS` names one.
     - `timeout`: seconds after which all processes are killed (None: no limit).
     - `env`: extra environment variables for every process.
     - `python`: the interpreter (default: the one running the launcher).
@@ -214,25 +249,35 @@ def _watch(children: list[_Child], lock: threading.Lock, *, start: float, timeou
         if code == 0:
             finished += 1
             if finished == len(children):
-                for child in children:
-                    child.finish_output(5.0)
+                # Whatever the processes left running (a server they started,
+                # say) goes with them.
+                _stop(children)
                 return 0
             continue
         # A crash often makes its peers fail a moment later (broken connections).
-        # Among failures that arrive together, a death by signal is the likelier
-        # cause, and the others its consequences.
         failures = [(rank, code)]
         time.sleep(_SETTLE_S)
         while not exits.empty():
             other = exits.get()
             if other[1] != 0:
                 failures.append(other)
-        rank, code = next((f for f in failures if f[1] < 0), failures[0])
+        rank, code = _cause(failures)
         child = children[rank]
-        _stop([c for c in children if c is not child])
-        child.finish_output(2.0)
+        _stop(children)
         _report(child, code, children, failures, lock)
         return _exit_code(code)
+
+
+def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failure, among `(rank, code)` that came together, that caused the others.
+
+    The first to arrive, unless another process was killed by a signal other than
+    SIGABRT: a kill from outside is a cause, while SIGABRT is how JAX ends a
+    process whose peer died ("Terminating process because the JAX distributed
+    service detected fatal errors"), and so a consequence.
+    """
+    killed = [f for f in failures if f[1] < 0 and -f[1] != signal.SIGABRT]
+    return killed[0] if killed else failures[0]
 
 
 def _stop(children: list[_Child]) -> None:
@@ -246,10 +291,11 @@ def _stop(children: list[_Child]) -> None:
         except subprocess.TimeoutExpired:
             pass
     for child in children:
-        # The group may hold grandchildren even after the child itself is gone.
+        # The group may hold grandchildren even after the child itself is gone
+        # (a child that already exited included).
         child.kill(signal.SIGKILL)
         child.proc.wait()
-        child.finish_output(2.0)
+        child.finish_output(5.0)
 
 
 def _report(
@@ -283,12 +329,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m eqxpar.launch",
-        description="Run a JAX script as N processes on this machine (simulated CPU devices), "
+        description="Run a JAX script as N processes on this machine (simulated CPU devices "
+        "unless JAX_PLATFORMS names another platform), "
         "streaming their output; if one fails, all are stopped.",
     )
     parser.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
     parser.add_argument(
-        "--devices-per-process", type=int, default=1, help="simulated CPU devices per process (default 1)"
+        "--devices-per-process",
+        type=int,
+        default=1,
+        help="devices per process: simulated CPU devices, or GPUs with JAX_PLATFORMS=cuda (default 1)",
     )
     parser.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
     parser.add_argument("script", help="the Python script to run")

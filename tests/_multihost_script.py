@@ -7,6 +7,15 @@ _multihost_script.py train [--die-after-step N --die-rank R] -- <examples/multih
 _multihost_script.py crash-mid-save DIR
     Saves step 1 and waits; starts saving step 2 (a large state) and SIGKILLs
     itself while that save is still being written.
+_multihost_script.py save-read-only DIR
+    Opens a checkpoint manager on DIR, makes DIR read-only (dropping first root's
+    right to write there anyway), saves step 1, prints the CheckpointError and
+    the time, and exits.
+_multihost_script.py fault KIND RANK DIR   (under eqxpar.launch)
+    Joins the run, starts a grandchild that sleeps, writes "pid grandchild-pid"
+    to DIR/pids<rank> and waits for every rank's file; then process RANK fails
+    by KIND (raise, exit7, SIGKILL, SIGTERM; clean: every process exits 0, the
+    others after catching a sys.exit(3)) while the others sleep.
 """
 
 import os
@@ -75,11 +84,98 @@ def crash_mid_save(directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _drop_root_write_override() -> None:
+    """Take from root its right to write where permissions forbid it (Linux capabilities)."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        return
+    drop = (1 << 1) | (1 << 2) | (1 << 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+    data[0].effective &= ~drop
+    data[0].permitted &= ~drop
+    libc.capset(ctypes.byref(header), data)
+
+
+def save_read_only(directory: str) -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    import jax.numpy as jnp
+
+    import eqxpar.checkpoint
+
+    path = pathlib.Path(directory)
+    manager = eqxpar.checkpoint.CheckpointManager(path)
+    if os.geteuid() == 0:
+        _drop_root_write_override()
+    path.chmod(0o555)
+    try:
+        (path / "probe").mkdir()
+    except PermissionError:
+        pass
+    else:
+        print("SKIP: this process can write into a read-only directory", flush=True)
+        return
+    try:
+        manager.save(1, {"w": jnp.arange(8.0)})
+        manager.wait()
+    except eqxpar.checkpoint.CheckpointError as e:
+        print(f"CheckpointError: {e}", flush=True)
+    print(f"raised at {time.time()}", flush=True)
+    # And now the process must exit.
+
+
+def fault(kind: str, rank: str, directory: str) -> None:
+    import subprocess
+
+    import eqxpar.distributed as dist
+
+    assert dist.initialize(), "run me under eqxpar.launch"
+    me, count = dist.process_index(), dist.process_count()
+    here = pathlib.Path(directory)
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (here / f"pids{me}.tmp").write_text(f"{os.getpid()} {grandchild.pid}")
+    (here / f"pids{me}.tmp").rename(here / f"pids{me}")
+    # The fault hits a run whose processes (and grandchildren) are all up.
+    while not all((here / f"pids{r}").exists() for r in range(count)):
+        time.sleep(0.02)
+    if kind == "clean":
+        if me != int(rank):
+            try:
+                sys.exit(3)  # caught: it must not become the exit status
+            except SystemExit:
+                pass
+        print("done", flush=True)
+        return
+    if me == int(rank):
+        print(f"failing by {kind}", flush=True)
+        if kind == "raise":
+            raise RuntimeError("rank broke: disk on fire")
+        if kind == "exit7":
+            sys.exit(7)
+        os.kill(os.getpid(), getattr(signal, kind))
+    time.sleep(600)
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "train":
         train(rest)
     elif mode == "crash-mid-save":
         crash_mid_save(*rest)
+    elif mode == "save-read-only":
+        save_read_only(*rest)
+    elif mode == "fault":
+        fault(*rest)
     else:
         raise SystemExit(f"unknown mode {mode!r}")

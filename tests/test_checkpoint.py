@@ -1,9 +1,12 @@
 """eqxpar.checkpoint: sharded async save, restore onto another mesh, damage and crashes."""
 
 import json
+import os
 import pathlib
+import stat
 import subprocess
 import sys
+import time
 
 import equinox as eqx
 import jax
@@ -158,17 +161,69 @@ def test_damaged_or_foreign_checkpoints_raise_eqxpar_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"does not match `like`.*layers\[0\]\.weight"):
         CheckpointManager(tmp_path / "other").restore(like=state, plan=plan)
 
-    # A directory some other tool wrote.
+    # A directory some other tool wrote is no checkpoint.
     foreign = tmp_path / "foreign" / "3"
     foreign.mkdir(parents=True)
     (foreign / "weights.bin").write_bytes(b"\x00" * 64)
     m = CheckpointManager(tmp_path / "foreign")
-    if m.latest_step() == 3:
-        with pytest.raises(CheckpointError, match="not an eqxpar checkpoint"):
-            m.restore(like=state, plan=plan)
-    else:
-        with pytest.raises(CheckpointError, match="no complete checkpoint"):
-            m.restore(like=state, plan=plan)
+    assert m.latest_step() is None
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        m.restore(like=state, plan=plan)
+
+
+def test_incomplete_step_directories_are_not_checkpoints(tmp_path):
+    like = {"w": jnp.zeros(8)}
+    with CheckpointManager(tmp_path, max_to_keep=None) as manager:
+        manager.save(1, {"w": jnp.arange(8.0)}, data_state={"step": 1, "seed": 0})
+    # An empty step directory, and one copied halfway (arrays but no record).
+    (tmp_path / "3").mkdir()
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "state").mkdir()
+    (tmp_path / "2" / "state" / "_METADATA").write_text("{}")
+    (tmp_path / "2" / "eqxpar").mkdir()
+
+    manager = CheckpointManager(tmp_path, max_to_keep=2)
+    assert manager.all_steps() == [1]
+    assert manager.latest_step() == 1
+    restored, data_state = manager.restore(like=like)  # the newest complete one
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(8.0))
+    assert data_state == {"step": 1, "seed": 0}
+    with pytest.raises(CheckpointError, match=r"step 3 is incomplete in .*complete steps: \[1\]"):
+        manager.restore(3, like=like)
+    with pytest.raises(CheckpointError, match=r"step 2 already exists .*incomplete.*delete '.*2'"):
+        manager.save(2, like)
+    # They do not count towards max_to_keep either: step 1 stays, and they are
+    # left alone.
+    manager.save(4, like)
+    manager.close()
+    assert CheckpointManager(tmp_path).all_steps() == [1, 4]
+    assert (tmp_path / "2").is_dir() and (tmp_path / "3").is_dir()
+
+
+def test_saving_into_a_read_only_directory_raises_and_exits(tmp_path):
+    # In a subprocess: the process must not hang at exit after the error (orbax's
+    # writer threads used to wait 20 minutes for a directory never made).
+    directory = tmp_path / "ckpt"
+    try:
+        result = subprocess.run(
+            [sys.executable, str(HERE / "_multihost_script.py"), "save-read-only", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        exited = time.time()
+    finally:
+        if directory.exists():
+            directory.chmod(stat.S_IRWXU)
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stderr[-3000:]
+    error = next(line for line in result.stdout.splitlines() if line.startswith("CheckpointError"))
+    assert str(directory) in error and "PermissionError" in error
+    assert f"Fix: make {str(directory)!r} writable" in error
+    raised_at = float(result.stdout.split("raised at ")[1].split()[0])
+    assert exited - raised_at < 10
+    assert not os.listdir(directory)
 
 
 def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path):

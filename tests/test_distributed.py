@@ -1,14 +1,22 @@
-"""eqxpar.distributed: argument checks, single-process behaviour, rank-aware output.
+"""eqxpar.distributed: argument checks, single-process behaviour, rank-aware output,
+how a failing process exits, and joining a run from a (faked) Slurm environment.
 
-Joining a real multi-process run is exercised in tests/test_launch.py, through
-the launcher (a process whose JAX backend already runs, like pytest's, cannot join).
+Runs through the launcher are exercised in tests/test_launch.py (a process whose
+JAX backend already runs, like pytest's, cannot join a run: they use subprocesses).
 """
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
 import eqxpar.distributed as dist
+import eqxpar.launch
 from eqxpar import EqxparError
 from eqxpar.distributed import DistributedError
 
@@ -100,3 +108,105 @@ def test_rank_aware_printing_and_logging(alone, capsys, caplog):
         "[rank 1/2] via a logger",
     ]
     assert caplog.records[1].levelno == logging.WARNING
+
+
+# A process with the exit hooks of a joined run. The atexit handler stands for
+# JAX's, whose shutdown barrier waits for every other process of the run: a
+# failing process must skip it, a clean one must run it.
+_HOOKED = """
+import atexit, sys
+from eqxpar._distributed import _install_exit_hooks
+atexit.register(print, "shut down with the others", flush=True)
+_install_exit_hooks()
+"""
+
+# name: (program, its exit status, what its standard error shows)
+_EXITS = {
+    "exit": ("def main():\n    sys.exit(7)\nmain()", 7, ""),
+    "message": ("sys.exit('bad input: --steps -1')", 1, "bad input: --steps -1"),
+    "interrupt": ("raise KeyboardInterrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    # Caught exits and reported exceptions are not the end of the program.
+    "caught": (
+        textwrap.dedent(
+            """
+            try:
+                sys.exit(3)
+            except SystemExit:
+                pass
+            try:
+                raise ValueError("only reported")
+            except ValueError:
+                sys.excepthook(*sys.exc_info())
+            print("carried on", flush=True)
+            """
+        ),
+        0,
+        "ValueError: only reported",
+    ),
+}
+
+
+def test_a_failing_process_exits_at_once_with_its_status():
+    # An uncaught exception is checked through the launcher (tests/test_launch.py).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EQXPAR_")}
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _HOOKED + body],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (body, _, _) in _EXITS.items()
+    }
+    outputs = {name: run.communicate(timeout=60) for name, run in runs.items()}
+    for name, (out, err) in outputs.items():
+        _, status, message = _EXITS[name]
+        assert runs[name].returncode == status, (name, err[-2000:])
+        assert message in err, (name, err[-2000:])
+        ran_atexit = "shut down with the others" in out
+        assert ran_atexit == (status == 0), (name, out)
+    assert "carried on" in outputs["caught"][0]
+
+
+def test_initialize_passes_a_slurm_environment_to_jax():
+    # Two processes started as srun would start them (no eqxpar.launch), on this
+    # host: initialize() with no arguments joins them through JAX's Slurm detection.
+    script = textwrap.dedent(
+        """
+        import eqxpar.distributed as dist
+        assert dist.initialize() is True
+        import jax
+        print(jax.process_index(), jax.process_count(), jax.device_count(), flush=True)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EQXPAR_", "SLURM_"))}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        SLURM_JOB_ID="4242",
+        SLURM_STEP_NODELIST="127.0.0.1",
+        SLURM_NTASKS="2",
+        # JAX derives the coordinator's port from the job id; a free one instead.
+        JAX_COORDINATOR_PORT=str(eqxpar.launch.free_port()),
+    )
+    start = time.monotonic()
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [run.communicate(timeout=90) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    for rank, (run, (out, err)) in enumerate(zip(runs, outputs, strict=True)):
+        assert run.returncode == 0, err[-3000:]
+        assert out.split() == [str(rank), "2", "4"]
+    assert time.monotonic() - start < 60

@@ -1,9 +1,11 @@
 """eqxpar.launch, and whole multi-process runs through it.
 
 The launcher's own behaviour is checked with tiny scripts that do not import JAX
-(fast). One test then runs examples/multihost.py as 1 process x 8 devices and as
-2 processes x 4 devices, kills one process of a third run with SIGKILL and
-resumes it from its checkpoint.
+(fast). Two-process JAX runs then check that a rank failing after
+eqxpar.distributed.initialize() (exception, sys.exit, SIGKILL, SIGTERM) stops the
+run at once, grandchildren included. One test runs examples/multihost.py as 1
+process x 8 devices and as 2 processes x 4 devices, kills one process of a third
+run with SIGKILL and resumes it from its checkpoint.
 """
 
 import json
@@ -74,26 +76,43 @@ def test_run_passes_rank_environment_and_prefixes_output(tmp_path, capsys):
     assert coordinator.startswith("127.0.0.1:") and int(coordinator.split(":")[1]) > 0
 
 
+def _assert_gone(tmp_path, ranks):
+    """The processes and grandchildren listed in tmp_path/pids<rank> are all dead."""
+    for rank in ranks:
+        pids = [int(p) for p in (tmp_path / f"pids{rank}").read_text().split()]
+        # Dead, but maybe not yet reaped by init: polled briefly, not slept on.
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), f"rank {rank} or its child survived"
+
+
+# Every rank starts a grandchild, records both pids, and waits for the others' records.
+_SPAWN = """
+import os, subprocess, sys, time
+rank = int(os.environ["EQXPAR_PROCESS_ID"])
+count = int(os.environ["EQXPAR_NUM_PROCESSES"])
+here = os.path.dirname(__file__)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.path.join(here, f"pids{rank}.tmp"), "w") as f:
+    f.write(f"{os.getpid()} {child.pid}")
+os.rename(os.path.join(here, f"pids{rank}.tmp"), os.path.join(here, f"pids{rank}"))
+while not all(os.path.exists(os.path.join(here, f"pids{r}")) for r in range(count)):
+    time.sleep(0.02)
+"""
+
+
 def test_a_failing_rank_stops_the_others_and_is_named(tmp_path, capsys):
     script = _script(
         tmp_path,
         "fail.py",
-        """
-        import os, subprocess, sys, time
-        rank = int(os.environ["EQXPAR_PROCESS_ID"])
-        here = os.path.dirname(__file__)
-        if rank == 1:
-            # Fail once the others (and their children) are surely up.
-            while not all(os.path.exists(os.path.join(here, f"pids{r}")) for r in (0, 2)):
-                time.sleep(0.02)
-            print("about to fail", flush=True)
-            raise SystemExit("rank one broke: disk on fire")
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        with open(os.path.join(here, f"pids{rank}.tmp"), "w") as f:
-            f.write(f"{os.getpid()} {child.pid}")
-        os.rename(os.path.join(here, f"pids{rank}.tmp"), os.path.join(here, f"pids{rank}"))
-        time.sleep(600)
-        """,
+        _SPAWN
+        + """
+if rank == 1:
+    print("about to fail", flush=True)
+    raise SystemExit("rank one broke: disk on fire")
+time.sleep(600)
+""",
     )
     start = time.monotonic()
     code = eqxpar.launch.run(script, [], processes=3, timeout=120)
@@ -101,15 +120,83 @@ def test_a_failing_rank_stops_the_others_and_is_named(tmp_path, capsys):
     _, err = capsys.readouterr()
     assert code == 1
     assert elapsed < 30
-    assert "eqxpar.launch: rank 1 (pid" in err and "exited with code 1" in err
+    assert "eqxpar.launch: rank 1 (pid" in err and "exited with status 1" in err
     assert "stopped the other 2 process(es)" in err
     assert "    rank one broke: disk on fire" in err  # the tail of its output
-    for rank in (0, 2):
-        pids = [int(p) for p in (tmp_path / f"pids{rank}").read_text().split()]
-        deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), f"rank {rank} or its child survived"
+    # The failed rank's own grandchild too.
+    _assert_gone(tmp_path, (0, 1, 2))
+
+
+def test_a_clean_run_leaves_no_process_behind(tmp_path, capsys):
+    script = _script(tmp_path, "ok.py", _SPAWN + "print('done', flush=True)\n")
+    start = time.monotonic()
+    assert eqxpar.launch.run(script, [], processes=2, timeout=60) == 0
+    # Not held up by the grandchildren, which keep the output pipes open.
+    assert time.monotonic() - start < 20
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[rank 0] done", "[rank 1] done"]
+    _assert_gone(tmp_path, (0, 1))
+
+
+@pytest.mark.parametrize(
+    "kind,rank,status",
+    [
+        ("raise", 0, "exited with status 1"),
+        ("exit7", 1, "exited with status 7"),
+        ("SIGKILL", 1, "was killed by signal SIGKILL"),
+        ("SIGTERM", 1, "was killed by signal SIGTERM"),
+    ],
+)
+def test_a_rank_failing_after_initialize_stops_the_run(tmp_path, kind, rank, status):
+    # Two JAX processes joined by eqxpar.distributed.initialize(). A failing one
+    # used to hang in JAX's exit barrier (exception, sys.exit) or ignore SIGTERM
+    # (JAX's preemption notifier), unseen by the launcher, until the timeout.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "eqxpar.launch", "-n", "2", "--devices-per-process", "2"]
+    command += ["--timeout", "90", str(SCRIPT), "fault", kind, str(rank), str(tmp_path)]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    report = [line for line in result.stderr.splitlines() if line.startswith("eqxpar.launch:")]
+    assert report and report[0].startswith(f"eqxpar.launch: rank {rank} (pid"), result.stderr[-3000:]
+    assert status in report[0]
+    want = {"raise": 1, "exit7": 7, "SIGKILL": 128 + 9, "SIGTERM": 128 + 15}[kind]
+    assert result.returncode == want
+    assert f"[rank {rank}] failing by {kind}" in result.stdout
+    if kind == "raise":
+        assert "RuntimeError: rank broke: disk on fire" in result.stderr  # its traceback
+    assert elapsed < 30
+    _assert_gone(tmp_path, (0, 1))
+
+
+def test_a_platform_set_by_the_user_is_kept(tmp_path, capsys, monkeypatch):
+    script = _script(
+        tmp_path,
+        "platform.py",
+        """
+        import os
+        keys = ["JAX_PLATFORMS", "JAX_LOCAL_DEVICE_IDS", "XLA_FLAGS"]
+        print(" ".join(f"{k}={os.environ.get(k)}" for k in keys))
+        """,
+    )
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/nowhere")
+    # Real GPUs: the platform stays, and each process drives its own devices.
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.delenv("JAX_LOCAL_DEVICE_IDS", raising=False)
+    assert eqxpar.launch.run(script, processes=2, devices_per_process=2) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == [
+        "[rank 0] JAX_PLATFORMS=cuda JAX_LOCAL_DEVICE_IDS=0,1 XLA_FLAGS=--xla_dump_to=/tmp/nowhere",
+        "[rank 1] JAX_PLATFORMS=cuda JAX_LOCAL_DEVICE_IDS=2,3 XLA_FLAGS=--xla_dump_to=/tmp/nowhere",
+    ]
+    # Given through `env=`, likewise.
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert eqxpar.launch.run(script, processes=1, env={"JAX_PLATFORMS": "rocm"}) == 0
+    assert capsys.readouterr().out.startswith("[rank 0] JAX_PLATFORMS=rocm JAX_LOCAL_DEVICE_IDS=0 ")
+    # Nothing set: simulated CPU devices.
+    assert eqxpar.launch.run(script, processes=1, devices_per_process=3) == 0
+    assert capsys.readouterr().out == (
+        "[rank 0] JAX_PLATFORMS=cpu JAX_LOCAL_DEVICE_IDS=None "
+        "XLA_FLAGS=--xla_dump_to=/tmp/nowhere --xla_force_host_platform_device_count=3\n"
+    )
 
 
 def test_timeout_and_bad_arguments(tmp_path, capsys):
@@ -239,7 +326,7 @@ def test_two_processes_match_one_and_a_killed_run_resumes_exactly(tmp_path):
     assert killed_code != 0, killed.output[-4000:]
     died_at = min(t for t, line in killed.lines if "[rank 1] [rank 1/2] killing myself with SIGKILL" in line)
     assert killed.end - died_at < 60
-    assert "eqxpar.launch: rank 1 (pid" in killed.output and "was killed by SIGKILL" in killed.output
+    assert "eqxpar.launch: rank 1 (pid" in killed.output and "was killed by signal SIGKILL" in killed.output
     assert "[rank 0] step 4: loss" in killed.output and "[rank 0] step 5: loss" not in killed.output
 
     # Resumed, it ends bit for bit where the uninterrupted 2 x 4 run ended.
