@@ -38,6 +38,9 @@ from ._errors import (
 from ._errors import (
     UnmatchedLeafError as UnmatchedLeafError,
 )
+from ._errors import (
+    UnusedAxisWarning as UnusedAxisWarning,
+)
 from ._mesh import AXES as AXES
 from ._mesh import BATCH_AXES as BATCH_AXES
 from ._mesh import make_mesh as make_mesh

@@ -37,3 +37,11 @@ class UnmatchedLeafError(EqxparError):
 
 class PlanError(EqxparError):
     """A plan option has a value eqxpar does not support."""
+
+
+class UnusedAxisWarning(UserWarning):
+    """A mesh axis larger than 1 splits nothing: neither the batch nor any weight.
+
+    Its devices then compute the same thing (plain replicas), usually because the
+    plan's rules claim no weight of a model that has no eqxpar logical axes.
+    """

@@ -74,6 +74,24 @@ def gathered_axes(spec: PartitionSpec | None, axes: Collection[str]) -> frozense
     return frozenset(a for entry in spec for a in mesh_axis_names(entry) if a in axes)
 
 
+def gather_whole(params: Any, specs: Any, axes: Collection[str]) -> Any:
+    """`params` (floating-point leaves, None elsewhere) with every shard over the
+    manual `axes` gathered whole, stacks included (their layer dimension too).
+
+    Gradient accumulation gathers once this way, before its micro-batch loop, so
+    that the gradients are reduce-scattered once, after it (the gather's
+    transpose), rather than once per micro-batch.
+    """
+    return jax.tree.map(
+        lambda x, spec: (
+            x if x is None else gather_weights(x, gathers_of(spec, axes, where=f"a weight of shape {x.shape}"))
+        ),
+        params,
+        specs,
+        is_leaf=lambda x: x is None,
+    )
+
+
 def prepare_model(model: Any, specs: Any, axes: Collection[str]) -> Any:
     """The per-device model with its FSDP shards made whole where used: leaves
     outside scanned stacks gathered now, stacks told how to gather each layer."""

@@ -120,6 +120,15 @@ def filter_shard_map(
                 f"was called with {len(args)} positional arguments; give one entry per "
                 "argument (None to use the plan's rules)."
             )
+        inside = sorted(jax.sharding.get_abstract_mesh().manual_axes)
+        if inside:
+            raise PlanError(
+                f"filter_shard_map called inside a region already manual over {inside} (e.g. the loss "
+                "of an eqxpar step with mode='manual', a pipeline, or another filter_shard_map): there "
+                "the function already runs per device, on the batch's shards. Call it directly, with "
+                "collectives over the step's axes (e.g. jax.lax.pmean(x, plan.batch_axes)), or build "
+                "the step with mode='auto' to keep your own filter_shard_map."
+            )
         dynamic, static = eqx.partition(args, eqx.is_array)
         specs = []
         for i, arg in enumerate(dynamic):

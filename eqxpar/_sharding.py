@@ -15,7 +15,7 @@ def _manual_axes() -> frozenset[str]:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str) -> Any:
+def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str, may_alias: bool = True) -> Any:
     if isinstance(x, jax.core.Tracer):
         manual = _manual_axes()
         if manual:
@@ -30,7 +30,7 @@ def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str) -> Any:
         check_spec(spec, tuple(x.shape), plan.mesh, where=where)
         return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
     check_spec(spec, tuple(x.shape), plan.mesh, where=where)
-    return jax.device_put(x, NamedSharding(plan.mesh, spec))
+    return jax.device_put(x, NamedSharding(plan.mesh, spec), may_alias=may_alias)
 
 
 def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
@@ -43,7 +43,7 @@ def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
     )
 
 
-def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None) -> PyTree:
+def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: bool = True) -> PyTree:
     """Place `tree` on the plan's mesh: `device_put` outside jit, a sharding
     constraint inside jit (and only on the automatic axes inside `shard_map`).
 
@@ -57,9 +57,12 @@ def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None) -> PyTree:
     - `specs`: optional PartitionSpecs instead of the rules: one `PartitionSpec` for
       every leaf, or a pytree of them matching `tree`'s array leaves.
 
-    **Returns:** a pytree of the same structure. Outside jit, an array that already
-    has its sharding may be returned as it is (no copy), so donating the result
-    also invalidates the input.
+    - `copy`: outside jit, always give new buffers (default), so that donating the
+      result (an eqxpar step donates its state) never deletes an array the caller
+      still holds. `copy=False` lets an array that already has its sharding come
+      back as it is (for inputs that are never donated, such as batches).
+
+    **Returns:** a pytree of the same structure.
 
     ```python
     model = eqxpar.shard(model, plan)        # weights placed per the plan's rules
@@ -79,7 +82,9 @@ def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None) -> PyTree:
         if spec is None or not is_array_like(leaf):
             out.append(leaf)
             continue
-        out.append(_place(leaf, spec, plan, where=f"shard: array of shape {tuple(leaf.shape)}"))
+        out.append(
+            _place(leaf, spec, plan, where=f"shard: array of shape {tuple(leaf.shape)}", may_alias=not copy)
+        )
     return jax.tree.unflatten(treedef, out)
 
 
@@ -105,6 +110,11 @@ def check_batch(batch: PyTree, plan: Plan, *, microbatches: int = 1) -> int:
     if not sizes:
         raise BatchError("the batch has no array leaves; pass arrays with a leading batch dimension.")
     (size,) = sizes
+    if size == 0:
+        raise BatchError(
+            "the batch is empty (leading dimension 0): a mean over no examples is NaN. Pass at least "
+            f"{plan.batch_size_multiple * max(microbatches, 1)} examples (a multiple of the data-parallel size)."
+        )
     if microbatches < 1:
         raise BatchError(f"accumulate={microbatches} is not a valid micro-batch count; expected >= 1.")
     if size % microbatches:
@@ -135,7 +145,7 @@ def shard_batch(batch: PyTree, plan: Plan) -> PyTree:
     ```
     """
     check_batch(batch, plan)
-    return shard(batch, plan, specs=plan.batch_spec)
+    return shard(batch, plan, specs=plan.batch_spec, copy=False)
 
 
 def annotate(x: ArrayLike, name: str) -> Array:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._errors import PlanError
-from ._fsdp import gathered_axes, gathers_of, prepare_model
+from ._fsdp import gather_whole, gathered_axes, gathers_of, prepare_model
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map, region_manual_axes
@@ -48,6 +48,37 @@ def _varies_along(tree: PyTree, axis: str) -> bool:
     return any(axis in jax.typeof(x).mat.varying for x in leaves)
 
 
+def _check_same_on_devices(loss: Array, aux: PyTree, *, allowed: tuple[str, ...]) -> None:
+    """Inside a manual region, raise if the per-device loss or aux differs along a
+    manual axis the step does not reduce over (`allowed`: the batch axes, which it
+    averages). JAX would only say that the region's out_specs "require replication"."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if not manual:
+        return
+    for what, tree in (("loss", loss), ("aux", aux)):
+        for x in jax.tree.leaves(tree):
+            if not isinstance(x, jax.Array):
+                continue
+            extra = sorted(set(jax.typeof(x).mat.varying) - set(allowed))
+            if what == "aux" and not jnp.issubdtype(x.dtype, jnp.inexact) and set(jax.typeof(x).mat.varying):
+                raise PlanError(
+                    f"the loss function's aux holds an integer array (shape {x.shape}, dtype {x.dtype}) that "
+                    f"differs between devices along {sorted(jax.typeof(x).mat.varying)}; a manual step averages aux "
+                    "over the data-parallel devices, which integers cannot be. Return it as a float."
+                )
+            if extra:
+                raise PlanError(
+                    f"the {what} computed on each device (shape {x.shape}) differs along manual mesh axes "
+                    f"{extra}, which the step does not average over (the manual batch axes it averages "
+                    f"over: {tuple(allowed) or 'none'}). Each device of those axes must end with the same {what}. "
+                    "Likely causes: weights the rules split over the tensor axis used by code other than "
+                    "eqxpar.nn layers (raw matmuls on shards issue no collectives: use eqxpar.nn layers, "
+                    "or mode='auto'); or, with sequence_parallel=True, a loss that does not reduce its "
+                    "per-token values with eqxpar.nn.sequence_mean, or takes labels for a replicated head "
+                    "without eqxpar.nn.split_sequence."
+                )
+
+
 def _split_microbatches(batch: PyTree, k: int) -> PyTree:
     # Micro-batch j takes rows j, k + j, 2k + j, ...: each device already holds its
     # share of every micro-batch, so splitting moves no data between devices.
@@ -72,6 +103,7 @@ class _Gradients:
         local_axes: tuple[str, ...] = (),
         vary_axes: tuple[str, ...] | None = None,
         prepare: Callable | None = None,
+        gather: Callable | None = None,
     ):
         # `local_axes`: inside shard_map, the manual axes the batch is split over.
         # The parameters are marked as varying along them before differentiating,
@@ -81,6 +113,10 @@ class _Gradients:
         # FSDP gathers weight shards there, so gradients flow back as reduce-scatters).
         # `vary_axes` (default `local_axes`): the axes the parameters are marked
         # varying along, a superset of `local_axes` (see `_gradient_fn`).
+        # `gather`: with k > 1 micro-batches, used instead of `prepare`: it maps the
+        # parameters to whole (gathered) ones once, before the micro-batch loop,
+        # so the gradients are reduce-scattered once, after it, by its transpose.
+        self.gather = gather
         self.local_axes = local_axes
         self.vary_axes = local_axes if vary_axes is None else vary_axes
         self.prepare = prepare
@@ -90,7 +126,7 @@ class _Gradients:
         self.plan = plan
         self.takes_key = "key" in inspect.signature(loss_fn).parameters
 
-    def _value_and_grad(self, params, static, batch, key):
+    def _value_and_grad(self, params, static, batch, key, prepare):
         compute = self.plan.compute_dtype
         if compute is not None:
             batch = cast_floating(batch, compute)
@@ -101,13 +137,14 @@ class _Gradients:
                 # so gradients come back in the parameters' (master) dtype.
                 params = cast_floating(params, compute)
             model = eqx.combine(params, static)
-            if self.prepare is not None:
-                model = self.prepare(model)
+            if prepare is not None:
+                model = prepare(model)
             out = self.loss_fn(model, batch, key=key) if self.takes_key else self.loss_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
             return loss.astype(jnp.float32) if compute is not None else loss, aux
 
         (loss, aux), grads = jax.value_and_grad(scalar_loss, has_aux=True)(params)
+        _check_same_on_devices(loss, aux, allowed=self.vary_axes)
         return loss, aux, grads
 
     def __call__(self, model, batch, key):
@@ -116,24 +153,38 @@ class _Gradients:
             params = jax.tree.map(lambda p: _vary(p, self.vary_axes), params)
         k = self.accumulate
         if k == 1:
-            return self._value_and_grad(params, static, batch, key)
+            return self._value_and_grad(params, static, batch, key, self.prepare)
         micro = _split_microbatches(batch, k)
+        # Sums are kept in the parameters' dtype whatever the compute dtype.
+        sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
+        prepare, pull = self.prepare, None
+        if self.gather is not None:
+            compute = self.plan.compute_dtype
+            # Cast before gathering, as the one-batch step does (its gathers move
+            # the compute dtype).
+            gather = self.gather if compute is None else (lambda p: self.gather(cast_floating(p, compute)))
+            params, pull = jax.vjp(gather, params)
+            prepare = None
 
         def accumulate(carry, xs):
             grads_sum, loss_sum = carry
             index, mb = xs
             mb = shard(mb, self.plan, specs=self.plan.batch_spec)
-            loss, aux, grads = self._value_and_grad(params, static, mb, jax.random.fold_in(key, index))
-            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+            loss, aux, grads = self._value_and_grad(
+                params, static, mb, jax.random.fold_in(key, index), prepare
+            )
+            grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_sum, grads)
             return (grads_sum, loss_sum + loss), aux
 
         loss_zero = jnp.zeros((), jnp.float32)
         if self.local_axes:
             # The carry's types must match the per-device loss, which varies.
             loss_zero = jax.lax.pcast(loss_zero, self.local_axes, to="varying")
-        init = (jax.tree.map(jnp.zeros_like, params), loss_zero)
-        (grads, loss), aux = jax.lax.scan(accumulate, init, (jnp.arange(k), micro))
+        zeros = jax.tree.map(lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, sum_dtypes)
+        (grads, loss), aux = jax.lax.scan(accumulate, (zeros, loss_zero), (jnp.arange(k), micro))
         grads = jax.tree.map(lambda g: g / k, grads)
+        if pull is not None:
+            (grads,) = pull(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
         return loss / k, aux, grads
 
 
@@ -231,7 +282,7 @@ class Step:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         jitted, static, dynamic = self._prepare(state, batch)
-        batch = shard(batch, self._plan, specs=self._plan.batch_spec)
+        batch = shard(batch, self._plan, specs=self._plan.batch_spec, copy=False)
         new_dynamic, metrics = jitted(dynamic, batch)
         return eqx.combine(new_dynamic, static), metrics
 
@@ -240,7 +291,7 @@ class Step:
         jitted, _, dynamic = self._prepare(state, batch)
         # Placed as `__call__` places it, so that `.compile()` is the executable
         # the step runs (jit caches by the inputs' shardings).
-        return jitted.lower(dynamic, shard(batch, self._plan, specs=self._plan.batch_spec))
+        return jitted.lower(dynamic, shard(batch, self._plan, specs=self._plan.batch_spec, copy=False))
 
     def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
         """The compiled executable for `state` and `batch` (for HLO, memory, cost)."""
@@ -251,19 +302,24 @@ class Step:
 CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def step_manual_axes(plan: Plan) -> frozenset[str]:
+def step_manual_axes(plan: Plan, accumulate: int = 1) -> frozenset[str]:
     """The mesh axes a step built for `plan` runs manually (inside `shard_map`):
-    every axis for a pipeline; none for an automatic plan; the batch axes for an
-    automatic ZeRO-1 plan (to reduce-scatter the gradients); else the plan's
-    `manual_axes`, as `region_manual_axes` keeps them."""
+    every axis for a pipeline; the plan's `manual_axes` for a manual plan; the
+    batch axes for an automatic ZeRO-1 plan (to reduce-scatter the gradients);
+    none for other automatic plans; and, when the step accumulates gradients
+    (`accumulate > 1`), the batch axes too, so that each device sums its
+    micro-batches' gradients before the one reduction of the step (left to the
+    compiler, the reduction would run once per micro-batch). Kept as
+    `region_manual_axes` keeps them."""
     if plan.schedule is not None:
         return frozenset(plan.mesh.axis_names)
-    if plan.mode == "auto" and not plan.zero1:
-        return frozenset()
-    return region_manual_axes(plan.mesh, plan.batch_axes if plan.mode == "auto" else plan.manual_axes)
+    axes = tuple(plan.manual_axes) if plan.mode == "manual" else ()
+    if plan.zero1 and plan.mode == "auto" or accumulate > 1:
+        axes += tuple(a for a in plan.batch_axes if a not in axes)
+    return region_manual_axes(plan.mesh, axes) if axes else frozenset()
 
 
-def _warn_cpu_collective_order(plan: Plan) -> None:
+def _warn_cpu_collective_order(plan: Plan, accumulate: int) -> None:
     """Warn when `plan` runs manual collectives over two or more axes on XLA:CPU
     without `CPU_COLLECTIVE_ORDER_FLAG`.
 
@@ -279,7 +335,7 @@ def _warn_cpu_collective_order(plan: Plan) -> None:
     """
     if plan.mesh.devices.flat[0].platform != "cpu":
         return
-    manual = sorted(step_manual_axes(plan), key=plan.mesh.axis_names.index)
+    manual = sorted(step_manual_axes(plan, accumulate), key=plan.mesh.axis_names.index)
     if sum(plan.mesh.shape[a] > 1 for a in manual) < 2:
         return
     if CPU_COLLECTIVE_ORDER_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
@@ -294,11 +350,49 @@ def _warn_cpu_collective_order(plan: Plan) -> None:
     )
 
 
+def _is_bfloat16(dtype: Any) -> bool:
+    return dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+
+
+def _check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> None:
+    """Reject bfloat16 all-reduces in a partial-manual region on XLA:CPU.
+
+    In a region manual over some axes only, JAX lowers an all-reduce's reduction
+    with a sharding annotation (a `copy` in HLO); XLA:CPU widens bfloat16
+    all-reduces to float32 and, cloning that reduction, aborts the process
+    ("Invalid binary instruction opcode copy"). float16 is not widened and
+    compiles. The bfloat16 all-reduces eqxpar would issue there: the
+    tensor-parallel layers' under `compute_dtype=bfloat16`, and the gradients'
+    under `reduce_dtype=bfloat16`.
+    """
+    if plan.mesh.devices.flat[0].platform != "cpu":
+        return
+    manual = step_manual_axes(plan, accumulate)
+    if not manual or manual == frozenset(plan.mesh.axis_names):
+        return
+    culprits = []
+    if _is_bfloat16(plan.compute_dtype) and plan.tensor_axis in manual:
+        culprits.append(f"compute_dtype={jnp.dtype(plan.compute_dtype).name} (the tensor-parallel all-reduces)")
+    if _is_bfloat16(plan.reduce_dtype) and any(a in manual for a in plan.batch_axes):
+        culprits.append(f"reduce_dtype={jnp.dtype(plan.reduce_dtype).name} (the gradient all-reduce)")
+    if culprits:
+        left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
+        raise PlanError(
+            f"{where}: this plan runs a partial-manual region (manual over "
+            f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
+            f"{' and '.join(culprits)}: XLA:CPU aborts the process compiling a bfloat16 all-reduce in "
+            "a partial-manual region. On CPU, drop Plan(manual_axes=...) so every axis is manual, use "
+            "mode='auto', or keep that dtype float32 (XLA:CPU moves bfloat16 collectives as float32 "
+            "anyway)."
+        )
+
+
 def _validate(plan: Plan, accumulate: int, where: str) -> None:
     if not isinstance(plan, Plan):
         raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
-    if not isinstance(accumulate, int) or accumulate < 1:
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
+    _check_cpu_partial_manual_dtypes(plan, accumulate, where)
 
 
 def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
@@ -329,7 +423,8 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
         from .pipeline._engine import pipeline_gradients
 
         return pipeline_gradients(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
-    if plan.mode == "auto" and not plan.zero1:
+    manual_axes = step_manual_axes(plan, accumulate)
+    if not manual_axes:
         grads_of = _Gradients(loss_fn, has_aux=has_aux, accumulate=accumulate, plan=plan)
 
         def automatic(model, batch, key):
@@ -341,7 +436,7 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
     # ZeRO-1 under an automatic plan: only the batch axes are manual, so that the
     # gradients can be reduce-scattered (XLA all-reduces and slices otherwise).
-    manual_axes = step_manual_axes(plan)
+    # Accumulating steps: the batch axes are manual too (see step_manual_axes).
     # The batch axes this step splits the batch over by hand; batch axes left
     # automatic (partial-manual plans) are the compiler's: it sees the whole batch
     # along them, and reduces the gradients over them itself, after the region.
@@ -363,8 +458,16 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
         and plan.mesh.shape.get(tensor, 1) > 1
     )
 
+    # Under sequence parallelism each device of the tensor axis holds its own
+    # sequence block, so it needs its own randomness (dropout masks) too.
+    fold_tensor = plan.sequence_parallel and tensor in manual_axes and plan.mesh.shape.get(tensor, 1) > 1
+
     def per_device(model, batch, key, specs, out_specs):
-        prepare = (lambda m: prepare_model(m, specs, axes)) if axes else None
+        prepare = gather = None
+        if axes and accumulate > 1:
+            gather = lambda params: gather_whole(params, specs, axes)  # noqa: E731
+        elif axes:
+            prepare = lambda m: prepare_model(m, specs, axes)  # noqa: E731
 
         def gradients(vary_axes):
             grads_of = _Gradients(
@@ -375,11 +478,12 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
                 local_axes=axes,
                 vary_axes=vary_axes,
                 prepare=prepare,
+                gather=gather,
             )
             return grads_of(model, batch, key)
 
         # Distinct examples per device need distinct randomness (e.g. dropout).
-        for axis in axes:
+        for axis in axes + ((tensor,) if fold_tensor else ()):
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         merged = merge_tensor
         loss, aux, grads = gradients(axes + ((tensor,) if merged else ()))
@@ -501,7 +605,7 @@ def make_step(
     ```
     """
     _validate(plan, accumulate, "make_step")
-    _warn_cpu_collective_order(plan)
+    _warn_cpu_collective_order(plan, accumulate)
     gradients = _gradient_fn(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
 
     def body(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:

@@ -1,5 +1,6 @@
 """The train state and its sharded initialisation."""
 
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -10,7 +11,9 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from ._errors import UnusedAxisWarning
 from ._plan import Plan
+from ._rules import mesh_axis_names
 from ._sharding import shard
 from ._specs import partition_specs
 
@@ -24,6 +27,32 @@ def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
         return x
 
     return jax.tree.map(cast, tree)
+
+
+def _warn_unused_axes(model: PyTree, plan: Plan) -> None:
+    """Warn when a mesh axis of size > 1 splits neither the batch, nor a weight,
+    nor an annotated activation: its devices would only repeat each other's work."""
+    used = set(plan.batch_axes)
+    specs = partition_specs(model, plan)
+    for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
+        if isinstance(spec, PartitionSpec):
+            used.update(a for entry in spec for a in mesh_axis_names(entry))
+    for _, spec in plan.annotations:
+        used.update(a for entry in spec for a in mesh_axis_names(entry))
+    if plan.sequence_parallel:
+        used.add(plan.tensor_axis)  # the activations' sequence is split over it
+    idle = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in used]
+    if idle:
+        sizes = ", ".join(f"{a}={plan.mesh.shape[a]}" for a in idle)
+        warnings.warn(
+            f"mesh axes {sizes} split nothing: the plan's rules give no weight of this model a spec "
+            f"over {idle!r}, and the batch is split over {plan.batch_axes} only, so those devices hold "
+            "and compute the same as each other. Rules such as rules.MEGATRON place only weights that "
+            "carry eqxpar logical axes (eqxpar.nn layers, eqxpar.param(axes=...)); for any other model "
+            "use rules.FSDP(axis=...), rules.ByPath([...]), or a mesh without those axes.",
+            UnusedAxisWarning,
+            stacklevel=3,
+        )
 
 
 class TrainState(eqx.Module):
@@ -80,6 +109,7 @@ def init(
             opt_specs = partition_specs(opt_state, plan.optimizer_rules, mesh=plan.mesh)
             return model, shard(opt_state, plan, specs=opt_specs)
 
+    _warn_unused_axes(model, plan)
     model, opt_state = place(model)
     replicated = plan.sharding(PartitionSpec())
     # Built from host values: a key made by jax.random.key lives on one local

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import nn
-from .._errors import DivisibilityError, PlanError, SpecError
+from .._errors import BatchError, DivisibilityError, PlanError, SpecError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +216,16 @@ class GPT(eqx.Module):
         return self.logits(self.blocks(self.embed_tokens(tokens)))
 
 
+def _check_tokens(tokens: Array, where: str) -> None:
+    # One token per sequence predicts nothing: the mean over no predictions is NaN.
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise BatchError(
+            f"{where}: tokens of shape {tuple(tokens.shape)}; expected (batch, seq + 1) with at least 2 "
+            "tokens per sequence (each token predicts the next one, so a sequence of n tokens gives "
+            "n - 1 predictions). Pass sequences of length 2 or more."
+        )
+
+
 def gpt_first(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, "batch seq d_model"]:
     """The first pipeline piece of `lm_loss`: the embedding of `tokens[:, :-1]`.
 
@@ -232,6 +242,7 @@ def gpt_first(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array
     h = eqxpar.models.gpt_first(model, tokens)
     ```
     """
+    _check_tokens(tokens, "gpt_first")
     return model.embed_tokens(tokens[:, :-1])
 
 
@@ -253,6 +264,7 @@ def gpt_last(
     loss = eqxpar.models.gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
     ```
     """
+    _check_tokens(tokens, "gpt_last")
     return jnp.mean(nn.cross_entropy(model.logits(h), tokens[:, 1:]))
 
 

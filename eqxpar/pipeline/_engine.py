@@ -51,6 +51,7 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._specs import partition_specs
+from .._train_state import cast_floating
 from ._loss import PipelineLoss
 from ._schedule import BACKWARD, BACKWARD_INPUT, FORWARD, IDLE, Schedule, schedule
 
@@ -66,6 +67,13 @@ def _cast(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     # carries of the scan and the outputs of the switch branches need one type.
     missing = tuple(sorted(axes - _varying(x)))
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _in_dtype(reduce: Callable, g: jax.Array, dtype: Any) -> jax.Array:
+    # `Plan(reduce_dtype=...)`: gradients cross the wire in that dtype.
+    if dtype is None or dtype == g.dtype:
+        return reduce(g)
+    return reduce(g.astype(dtype)).astype(g.dtype)
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -167,8 +175,17 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
             f"make_step(accumulate={accumulate}) with a pipeline plan: the pipeline already splits the "
             f"batch; set Plan(microbatches={plan.microbatches * accumulate}) instead of accumulate."
         )
+    if plan.tp_overlap and plan.mesh.shape[plan.tensor_axis] > 1:
+        raise PlanError(
+            f"Plan(schedule={plan.schedule!r}, tp_overlap=True): a pipeline stage runs its tensor-parallel "
+            "collectives inside the schedule's branches, where only the devices of one stage meet; the "
+            "ring collective matmuls of tp_overlap are collective-permutes over the whole mesh, which "
+            "would wait for devices running another stage's branch and hang. Set tp_overlap=False "
+            "(sequence_parallel=True still applies)."
+        )
     p = plan.mesh.shape[PIPE]
     v, m = plan.chunks, plan.microbatches
+    compute, reduce_dtype = plan.compute_dtype, plan.reduce_dtype
     sched = schedule(plan.schedule, stages=p, microbatches=m, chunks=v)
     prog_np, branch_keys = _program(sched)
     stages = p * v
@@ -223,14 +240,22 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:])
             return jnp.swapaxes(x, 0, 1)
 
-        micro_batches = jax.tree.map(micro, batch)
+        micro_batches = jax.tree.map(micro, batch if compute is None else cast_floating(batch, compute))
 
         def stage(rest_params, chunk_params, x, mb_batch, first: bool, last: bool):
+            if compute is not None:
+                # Mixed precision as in the other steps: the cast sits inside the
+                # differentiated function, so gradients come back in the
+                # parameters' dtype; activations travel in the compute dtype.
+                rest_params, chunk_params = cast_floating((rest_params, chunk_params), compute)
             model = assemble(rest_params, chunk_params)
             if first:
                 x = loss_fn.first(model, mb_batch)
             h = loss_fn.stack(model)(x)
-            return loss_fn.last(model, h, mb_batch) if last else h
+            if not last:
+                return h
+            loss = loss_fn.last(model, h, mb_batch)
+            return loss if compute is None else loss.astype(jnp.float32)
 
         # The types of an activation and of the loss, from abstract evaluation.
         mb0 = _index(micro_batches, jnp.asarray(0))
@@ -344,15 +369,13 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
         (_, _, g_rest, g_blocks, loss_sum), _ = lax.scan(tick, init, program)
         # Only the first and last stages computed the rest's gradients: sum over
         # pipe. The stack's gradients stay with the stage that owns the layers.
-        g_rest = jax.tree.map(lambda g: lax.psum(g, PIPE), g_rest)
+        g_rest = jax.tree.map(lambda g: _in_dtype(lambda g: lax.psum(g, PIPE), g, reduce_dtype), g_rest)
         loss = lax.psum(loss_sum, PIPE) / m
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         grads = eqx.tree_at(where, g_rest, g_blocks)
         if batch_axes:
 
-            def reduce(g: jax.Array | None, gather: Any) -> jax.Array | None:
-                if g is None:
-                    return None
+            def reduce(g: jax.Array, gather: Any) -> jax.Array:
                 # Reduce-scatter over the axes the weight was gathered over (the
                 # gather's transpose), then sum over the other batch axes.
                 for dim, axes in reversed(gather):
@@ -362,7 +385,12 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
                     g = lax.psum(g, rest_axes)
                 return g / dp
 
-            grads = jax.tree.map(reduce, grads, gathers, is_leaf=lambda x: x is None)
+            grads = jax.tree.map(
+                lambda g, gather: g if g is None else _in_dtype(lambda g: reduce(g, gather), g, reduce_dtype),
+                grads,
+                gathers,
+                is_leaf=lambda x: x is None,
+            )
             loss = lax.pmean(loss, batch_axes)
         return loss, grads
 

@@ -1,0 +1,221 @@
+"""Things that used to run and give a wrong or surprising result without a word,
+and combinations that used to abort the process: each now works or says so."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+from eqxpar import nn
+from eqxpar.pipeline import PipelineLoss, stage_rules
+
+from ._helpers import LogicalMLP, mse_loss
+
+# --- Mixed precision reaches pipeline plans -------------------------------------
+
+
+class Block(eqx.Module):
+    w: jax.Array
+
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (8, 8)) / np.sqrt(8)
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w)
+
+
+class Tiny(eqx.Module):
+    w_in: jax.Array
+    blocks: nn.Stacked
+    w_out: jax.Array
+
+    def __init__(self, *, key):
+        k = jax.random.split(key, 3)
+        self.w_in = jax.random.normal(k[0], (3, 8))
+        self.blocks = nn.Stacked(Block, depth=4, key=k[1])
+        self.w_out = jax.random.normal(k[2], (8, 2)) / np.sqrt(8)
+
+
+PIPELINE_LOSS = PipelineLoss(
+    first=lambda m, batch: batch[0] @ m.w_in,
+    stack=lambda m: m.blocks,
+    last=lambda m, h, batch: jnp.mean((h @ m.w_out - batch[1]) ** 2),
+)
+
+
+def _sequential_loss(model, batch):
+    loss = PIPELINE_LOSS
+    return loss.last(model, loss.stack(model)(loss.first(model, batch)), batch)
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
+
+
+def test_pipeline_plans_apply_compute_and_reduce_dtypes():
+    model = Tiny(key=jax.random.key(0))
+    batch = (jax.random.normal(jax.random.key(1), (16, 3)), jax.random.normal(jax.random.key(2), (16, 2)))
+
+    def plan(**kwargs):
+        mesh = eqxpar.make_mesh(pipe=2, data=2)
+        return eqxpar.Plan(mesh, rules=stage_rules(), schedule="1f1b", microbatches=2, **kwargs)
+
+    bf16_plan = plan(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
+    loss, grads = eqxpar.train.make_value_and_grad(PIPELINE_LOSS, bf16_plan)(model, batch)
+    f32_loss = _sequential_loss(model, batch)
+    ref_loss, ref_grads = jax.value_and_grad(
+        lambda m: _sequential_loss(_cast(m, jnp.bfloat16), _cast(batch, jnp.bfloat16)).astype(jnp.float32)
+    )(model)
+    # Computed in bfloat16 (it used to be the float32 loss, to float32 rounding),
+    # and within bfloat16 rounding (2^-8) of one device computing with the same casts.
+    assert abs(float(loss) - float(f32_loss)) > 1e-4 * abs(float(f32_loss))
+    assert abs(float(loss) - float(ref_loss)) <= 1e-2 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert g.dtype == jnp.float32
+        assert float(jnp.linalg.norm(g - r)) <= 3e-2 * float(jnp.linalg.norm(r))
+    # Activations travel between stages, and gradients are reduced, in bfloat16.
+    gradients = eqxpar.train.make_value_and_grad(PIPELINE_LOSS, bf16_plan)
+    lowered = jax.jit(lambda m, b: gradients(m, b)).lower(model, batch).as_text()
+    assert "stablehlo.collective_permute" in lowered
+    permutes = [line for line in lowered.splitlines() if "collective_permute" in line]
+    assert all("bf16" in line for line in permutes), permutes[:2]
+
+
+def test_pipeline_with_tp_overlap_is_rejected_before_compiling():
+    mesh = eqxpar.make_mesh(pipe=2, tensor=2, data=2)
+    plan = eqxpar.Plan(
+        mesh,
+        rules=stage_rules(eqxpar.rules.MEGATRON),
+        schedule="gpipe",
+        microbatches=2,
+        sequence_parallel=True,
+        tp_overlap=True,
+    )
+    with pytest.raises(eqxpar.PlanError, match="tp_overlap=False"):
+        eqxpar.train.make_step(PIPELINE_LOSS, optax.sgd(0.1), plan)
+
+
+def test_partial_manual_bfloat16_is_rejected_on_cpu():
+    mesh = eqxpar.make_mesh(data=2, tensor=4)
+    partial = dict(rules=eqxpar.rules.MEGATRON, mode="manual", manual_axes=("tensor",))
+    with pytest.raises(eqxpar.PlanError, match="partial-manual") as info:
+        eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.bfloat16, **partial))
+    assert "compute_dtype=bfloat16" in str(info.value) and "manual_axes" in str(info.value)
+    # An accumulating automatic step reduces its gradients by hand over `data`
+    # (a partial-manual region): a bfloat16 reduction there is rejected too.
+    auto = eqxpar.Plan(mesh, rules=eqxpar.rules.MEGATRON, reduce_dtype=jnp.bfloat16)
+    with pytest.raises(eqxpar.PlanError, match="reduce_dtype=bfloat16"):
+        eqxpar.train.make_step(mse_loss, optax.sgd(0.1), auto, accumulate=2)
+    # What does compile is left alone: the fully manual plan, float16, and the
+    # one-batch automatic step (whose reduction is the compiler's).
+    eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, mode="manual", compute_dtype=jnp.bfloat16))
+    eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.float16, **partial))
+    eqxpar.train.make_step(mse_loss, optax.sgd(0.1), auto)
+
+
+# --- Randomness under sequence parallelism --------------------------------------
+
+
+class Noisy(eqx.Module):
+    w: jax.Array  # (seq, d), replicated: each device uses its sequence block
+
+
+def _dropout_loss(model, x, *, key):
+    w = nn.split_sequence(model.w, seq_dim=0)
+    keep = jax.random.bernoulli(key, 0.5, w.shape)
+    return nn.sequence_mean(nn.split_sequence(x) * jnp.where(keep, w, 0.0)[None])
+
+
+def test_sequence_parallel_devices_draw_their_own_masks():
+    seq, d, tensor = 16, 8, 4
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=tensor), mode="manual", sequence_parallel=True)
+    model = Noisy(jnp.ones((seq, d)))
+    _, grads = eqxpar.train.make_value_and_grad(_dropout_loss, plan)(model, jnp.ones((4, seq, d)))
+    # The gradient of w is its dropout mask (averaged over the two data devices):
+    # one block per tensor device, which must not all be the same draw.
+    blocks = np.asarray(grads.w).reshape(tensor, seq // tensor, d)
+    assert not all(np.array_equal(blocks[0], b) for b in blocks[1:]), blocks
+
+
+# --- Rules that claim nothing ----------------------------------------------------
+
+
+def test_rules_that_split_nothing_over_a_model_axis_warn():
+    model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(0))  # no eqxpar logical axes
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON)
+    with pytest.warns(eqxpar.UnusedAxisWarning, match="tensor=4"):
+        eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
+    # The same rules on a model with logical axes split it: no warning.
+    logical = LogicalMLP(16, 32, 4, key=jax.random.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eqxpar.train.init(logical, optax.sgd(0.1), plan, key=jax.random.key(0))
+
+
+# --- Donation never deletes the caller's arrays --------------------------------
+
+
+def test_shard_returns_new_buffers_so_donation_spares_the_callers_arrays():
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    placed = eqxpar.shard(eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)), plan)
+    again = eqxpar.shard(placed, plan)  # already in its sharding
+    params = eqx.filter(again, eqx.is_array)
+    assert all(a is not b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eqx.filter(placed, eqx.is_array))))
+    jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(params)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(placed, eqx.is_array)))
+    # And through eqxpar's own donating step.
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(eqxpar.shard(placed, plan), optim, plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(lambda m, b: jnp.mean(jax.vmap(m)(b) ** 2), optim, plan)
+    step(state, jnp.ones((8, 4)))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(placed, eqx.is_array)))
+
+
+# --- Batches that give a NaN loss -----------------------------------------------
+
+
+def test_empty_batch_and_one_token_sequences_raise():
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(lambda m, b: jnp.mean(jax.vmap(m)(b) ** 2), optim, plan)
+    with pytest.raises(eqxpar.BatchError, match="empty"):
+        step(state, jnp.ones((0, 4)))
+    gpt = eqxpar.models.GPT(
+        eqxpar.models.GPTConfig(vocab_size=16, d_model=8, num_heads=2, num_layers=1, d_hidden=16, max_seq_len=8),
+        key=jax.random.key(0),
+    )
+    with pytest.raises(eqxpar.BatchError, match="at least 2 tokens"):
+        eqxpar.models.lm_loss(gpt, jnp.zeros((2, 1), jnp.int32))
+
+
+# --- Losses a manual step cannot average ---------------------------------------
+
+
+def test_a_loss_that_differs_along_tensor_names_the_cause():
+    # Raw matmuls on tensor shards issue no collectives: each device's loss differs.
+    model = LogicalMLP(16, 32, 16, key=jax.random.key(0))
+    batch = (jnp.ones((8, 16)), jnp.zeros((8, 16)))
+    for kwargs in ({}, {"accumulate": 2}):
+        plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual")
+        with pytest.raises(eqxpar.PlanError, match="differs along manual mesh axes \\['tensor'\\]"):
+            eqxpar.train.make_value_and_grad(mse_loss, plan, **kwargs)(model, batch)
+
+
+def test_filter_shard_map_inside_a_manual_step_says_so():
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8), mode="manual")
+
+    def loss_fn(model, batch):
+        local = lambda m, x: jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), plan.batch_axes)  # noqa: E731
+        return eqxpar.filter_shard_map(local, plan, in_specs=(None, plan.batch_spec), out_specs=P())(model, batch)
+
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    with pytest.raises(eqxpar.PlanError, match="already manual"):
+        eqxpar.train.make_value_and_grad(loss_fn, plan)(model, jnp.ones((8, 4)))
