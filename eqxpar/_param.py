@@ -6,6 +6,8 @@ from typing import Any
 
 import equinox as eqx
 
+from ._errors import SpecError
+
 # The metadata key under which a field's logical axis names live. Equinox keeps
 # field metadata on the class, so every pytree that reuses the model's module
 # classes (gradients, optax moments) carries the same names for free.
@@ -15,7 +17,7 @@ AXES_KEY = "eqxpar_axes"
 LEADING_KEY = "eqxpar_leading_axes"
 
 
-def param(*, axes: Sequence[str | None], **field_kwargs: Any) -> Any:
+def param(*, axes: Any, **field_kwargs: Any) -> Any:
     """Declare a module field as a weight with logical axis names.
 
     A thin wrapper over `eqx.field(metadata=...)`: the names say what each dimension
@@ -35,10 +37,16 @@ def param(*, axes: Sequence[str | None], **field_kwargs: Any) -> Any:
         weight: Float[Array, "d_in d_out"] = eqxpar.param(axes=("embed", "mlp"))
     ```
     """
+    # A bare string would be taken letter by letter.
+    if isinstance(axes, str) or not isinstance(axes, Sequence):
+        raise SpecError(
+            f"eqxpar.param(axes={axes!r}): expected a tuple with one logical axis name (str) or None "
+            f"per dimension of the weight, e.g. axes=({axes!r},) for a vector."
+        )
     axes = tuple(axes)
     for name in axes:
         if name is not None and not isinstance(name, str):
-            raise TypeError(
+            raise SpecError(
                 f"eqxpar.param(axes={axes!r}): every entry must be a logical axis name "
                 f"(str) or None, got {name!r}."
             )
@@ -56,7 +64,7 @@ def field_axes(module: eqx.Module, name: str) -> tuple[str | None, ...] | None:
     return field.metadata.get(AXES_KEY)
 
 
-def stacked(*, leading: Sequence[str]) -> Any:
+def stacked(*, leading: Any) -> Any:
     """Declare a module field that holds a *stack* of identical sub-modules.
 
     Every array below the field has `len(leading)` extra leading dimensions (one
@@ -75,9 +83,11 @@ def stacked(*, leading: Sequence[str]) -> Any:
         blocks: Block = eqxpar.stacked(leading=("stage",))
     ```
     """
+    if isinstance(leading, str) or not isinstance(leading, Sequence):
+        raise SpecError(f"eqxpar.stacked(leading={leading!r}): expected a tuple of logical axis names (str).")
     leading = tuple(leading)
     if not leading or not all(isinstance(name, str) for name in leading):
-        raise TypeError(
+        raise SpecError(
             f"eqxpar.stacked(leading={leading!r}): expected one or more logical axis names (str)."
         )
     return eqx.field(metadata={LEADING_KEY: leading})

@@ -160,6 +160,13 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
             for rule in rule_list:
                 found = rule.spec(info)
                 if found is not None:
+                    if not isinstance(found, PartitionSpec | tuple | list):
+                        # A bare string would become a spec of its letters.
+                        raise SpecError(
+                            f"{where}: rule {rule!r} returned {found!r}; a rule returns a PartitionSpec "
+                            "(or a tuple of its entries), or None to leave the leaf to the next rule, "
+                            f"e.g. PartitionSpec({found!r})."
+                        )
                     spec = found if isinstance(found, PartitionSpec) else PartitionSpec(*found)
                     break
         check_spec(spec, shape, mesh, where=where)

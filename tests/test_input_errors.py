@@ -223,3 +223,31 @@ def test_rules_built_from_lists_stay_hashable(mesh):
     assert plan.rules[0] == ByPath([(r"w1$", P("data"))], strict=False)
     assert plan.rules[1].axis == ("data",)
     assert hash(ZeroShard([MEGATRON], axis=["data"])) == hash(ZeroShard((MEGATRON,), axis=("data",)))
+
+
+def test_param_and_stacked_axes_must_be_tuples_of_names():
+    # A bare string would be read letter by letter as one name per dimension.
+    with pytest.raises(eqxpar.SpecError, match=r"axes=\('embed',\)"):
+        eqxpar.param(axes="embed")
+    with pytest.raises(eqxpar.SpecError, match="got 3"):
+        eqxpar.param(axes=("embed", 3))
+    with pytest.raises(eqxpar.SpecError, match="leading='stage'"):
+        eqxpar.stacked(leading="stage")
+
+
+def test_stage_rules_axis_must_be_a_name():
+    with pytest.raises(eqxpar.PlanError, match=r"stage_rules\(axis=1\)"):
+        eqxpar.pipeline.stage_rules(axis=1)
+
+
+class _StringRule:
+    """A user's own rule object whose spec() returns a bare axis name."""
+
+    def spec(self, leaf):
+        return "data"
+
+
+def test_a_custom_rule_returning_a_string_names_the_leaf(mesh):
+    model = LogicalMLP(8, 16, 8, key=jax.random.key(0))
+    with pytest.raises(eqxpar.SpecError, match=r"leaf \.w1: rule .* returned 'data'"):
+        eqxpar.partition_specs(model, eqxpar.Plan(mesh, rules=_StringRule()))

@@ -27,7 +27,12 @@ class StageRules:
     rules: tuple[Rule, ...]
     axis: str
 
-    def __init__(self, rules: Any = None, *, axis: str = "pipe"):
+    def __init__(self, rules: Any = None, *, axis: Any = "pipe"):
+        if not isinstance(axis, str):
+            raise PlanError(
+                f"stage_rules(axis={axis!r}): expected the name (str) of the mesh axis the stages are "
+                "split over, e.g. axis='pipe'."
+            )
         object.__setattr__(self, "rules", as_rules(rules))
         object.__setattr__(self, "axis", axis)
 
@@ -58,7 +63,7 @@ class StageRules:
         return PartitionSpec(*entries)
 
 
-def stage_rules(*rules: Any, axis: str = "pipe") -> StageRules:
+def stage_rules(*rules: Any, axis: Any = "pipe") -> StageRules:
     """Rules for a pipeline plan: `rules`, plus the layer axis of every
     `eqxpar.nn.Stacked` split over `axis`, so that device `s` of `pipe` stores a
     contiguous run of layers: stage `s`.
