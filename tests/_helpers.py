@@ -4,7 +4,8 @@ import os
 import pathlib
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -122,11 +123,15 @@ def run_steps(step, state, batches):
     return losses, state
 
 
-def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL):
+def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL, err_msg=""):
+    """Every array leaf of `a` equals `b`'s *elementwise* within `rtol` (`atol` near
+    zero). For what a strategy promises exactly: losses, gradients, plain-SGD
+    parameters. A gradient off by a factor, or with one device's share missing, moves
+    nearly every element far past rtol 1e-5."""
     la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
     assert len(la) == len(lb)
     for x, y in zip(la, lb, strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=err_msg)
 
 
 def param_bytes(model) -> int:
@@ -149,6 +154,142 @@ def assert_trees_close_to_scale(a, b, *, rtol=RTOL, atol=ATOL):
         assert x.shape == y.shape
         scale = float(np.max(np.abs(y)))
         assert float(np.max(np.abs(x - y))) <= rtol * scale + atol, (float(np.max(np.abs(x - y))), scale)
+
+
+def assert_params_close(a, b, *, rtol=RTOL, err_msg=""):
+    """Parameters after optimizer steps, `a` against a reference `b`, each leaf
+    relative to *that leaf's* scale: max|a - b| <= rtol * max|b| per leaf (a leaf
+    that is zero in the reference must be zero), as the benchmarks' parity
+    (`_measure.max_rel_err`) measures.
+
+    Why not elementwise: Adam's (and AdamW's) update is lr * m / (sqrt(v) + eps), at
+    the first step lr * g / (|g| + eps), whose slope lr * eps / (|g| + eps)^2 reaches
+    lr / eps (3e5 at lr 3e-3) for |g| near eps. A gradient element near zero is
+    mostly the rounding of a sum whose order the device split and the CPU's vector
+    width choose. In the data-parallel transformer test, built for SSE4.2 (as on a CPU
+    without AVX-512), one such element came out -1.147e-7 on one device and -1.158e-7
+    on eight (1e-9 apart: 5e-8 of its leaf's gradient scale, far inside rtol 1e-5),
+    and after five AdamW steps its parameter was 2e-6 off: 5e-5 of the element, and
+    still 2e-5 of the leaf's scale. Adam amplifies gradient rounding without a
+    useful bound, so a parity test after Adam steps:
+
+    - compares losses and gradients elementwise (`assert_trees_close`), where a
+      missing all-reduce, a wrong factor or a wrong shard shows;
+    - compares parameters with this helper against a one-device optimizer fed the
+      step's *own* gradients (`assert_steps_match_one_device`), so only the
+      optimizer's arithmetic separates them (measured: within 2e-7 of each leaf's
+      scale, often bit-exact), not two runs' differently rounded gradients.
+
+    Plain SGD (and momentum) does not amplify: its parameters may be compared
+    elementwise, or with this helper against a separate one-device run.
+    """
+    la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(la) == len(lb), (len(la), len(lb))
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert x.shape == y.shape, (i, x.shape, y.shape)
+        if not x.size:
+            continue
+        err, scale = float(np.max(np.abs(x - y))), float(np.max(np.abs(y)))
+        assert err <= rtol * scale, (
+            f"{err_msg}leaf {i} {x.shape}: max|a - b| = {err:.3g} > {rtol:g} x the leaf's scale {scale:.3g}"
+        )
+
+
+class RecordedGradients(NamedTuple):
+    """The gradients an optimizer built by `record_gradients` was last given."""
+
+    grads: Any
+
+
+def record_gradients(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer`, also keeping in its state the gradients of its last update, so a
+    test reads back the gradients a compiled step really used (not a second program's,
+    whose rounding may differ). The state is `(RecordedGradients(grads), inner)`."""
+
+    def init(params):
+        return RecordedGradients(jax.tree.map(jnp.zeros_like, params)), optimizer.init(params)
+
+    def update(grads, state, params=None):
+        updates, inner = optimizer.update(grads, state[1], params)
+        return updates, (RecordedGradients(grads), inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def recorded_gradients(opt_state) -> Any:
+    """The gradients kept in `opt_state` by the one `record_gradients` inside it."""
+    is_recorded = lambda x: isinstance(x, RecordedGradients)  # noqa: E731
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_recorded) if is_recorded(s)]
+    assert len(found) == 1, f"expected one RecordedGradients in the optimizer state, found {len(found)}"
+    return found[0].grads
+
+
+def assert_steps_match_one_device(
+    advance: Callable[[Any], tuple[Any, Any, Any]],
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    loss_fn: Callable,
+    batches: Iterable,
+) -> list[float]:
+    """Check a training run against one device, step by step; return its losses.
+
+    `advance(batch) -> (model, opt_state, loss)` runs one step of the run under test,
+    which starts from `model` with `record_gradients(optimizer)`, and returns its
+    state after the step. At every step:
+
+    - its loss and its gradients (the step's own, from its optimizer state) equal
+      `jax.value_and_grad(loss_fn)` on one device at the parameters the step
+      started from (the first: `model` itself), elementwise at rtol 1e-5;
+    - its parameters equal, per leaf (`assert_params_close`), those of `optimizer`
+      run on one device from `model` and fed the same gradients: the update was
+      applied, once, to the right parameters, with the optimizer state carried.
+
+    Gradients are compared at the run's own parameters rather than along a separate
+    one-device run, whose parameters Adam would drift apart (`assert_params_close`).
+    """
+    device = jax.devices()[0]
+
+    def on_device(tree):  # a host copy: the run under test may donate its buffers
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), device) if eqx.is_array(x) else x, tree)
+
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+
+    @eqx.filter_jit
+    def update(grads, opt_state, model):
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state
+
+    ref_model = start = on_device(model)
+    ref_state = optimizer.init(eqx.filter(ref_model, eqx.is_inexact_array))
+    losses = []
+    for i, batch in enumerate(batches):
+        want_loss, want_grads = value_and_grad(start, on_device(batch))
+        got_model, opt_state, loss = advance(batch)
+        grads = recorded_gradients(opt_state)
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL, err_msg=f"loss at step {i}")
+        assert_trees_close(grads, want_grads, err_msg=f"gradients at step {i}")
+        ref_model, ref_state = update(on_device(grads), ref_state, ref_model)
+        assert_params_close(got_model, ref_model, err_msg=f"parameters after step {i}: ")
+        start = on_device(got_model)
+        losses.append(float(loss))
+    return losses
+
+
+def train_checked(plan, model, optimizer, loss_fn, batches, **step_kwargs):
+    """`eqxpar.train` on `plan` over `batches`, every step checked against one device
+    by `assert_steps_match_one_device`; return (losses, final state)."""
+    recording = record_gradients(optimizer)
+    state = eqxpar.train.init(model, recording, plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(loss_fn, recording, plan, **step_kwargs)
+
+    def advance(batch):
+        nonlocal state
+        state, metrics = step(state, batch)
+        return state.model, state.opt_state, metrics["loss"]
+
+    losses = assert_steps_match_one_device(advance, model, optimizer, loss_fn, batches)
+    return losses, state
 
 
 ROOT = pathlib.Path(__file__).parent.parent
