@@ -1,0 +1,691 @@
+"""The process that runs the plan fuzz's examples (tests/test_fuzz.py).
+
+An example is a JSON object (a "spec"): mesh sizes, the plan's keyword arguments
+as Python expressions, a model, a loss form, a batch shape and `accumulate`. For
+each one this worker builds the mesh, plan, model and batch, runs
+`eqxpar.train.init`, `make_step`, compiles and runs ONE step, and compares the
+step's loss, gradients, gradient norm and updated parameters with a
+single-device `jax.value_and_grad` of the same loss at the same initial
+parameters. It reports one result per example:
+
+- `ok`: the step ran and matched one device;
+- `eqxpar_error`: an `eqxpar.EqxparError` was raised (bad input, rejected cleanly);
+- `other_error`: any other exception (a finding: the type, message and traceback);
+- `mismatch`: the step ran but did not match one device (a finding);
+- and, with any of them, the warnings the example raised (findings too, except
+  XLA:CPU's note that it declined some donated buffers, which pyproject.toml
+  ignores for the whole suite).
+
+Aborts (XLA check failures kill the process) and hangs (a collective whose peers
+never arrive) cannot be caught here: before each phase the worker prints which
+phase it enters, so the parent (tests/test_fuzz.py) can tell which example and
+phase died or stalled, kill this process and start a fresh one.
+
+Protocol: one spec per line on stdin; replies on stdout, each line starting with
+`@@FUZZ ` then JSON: `{"event": "ready"}` once, `{"event": "phase", ...}` per
+phase, `{"event": "result", ...}` per example. Anything else on stdout or stderr
+is ignored (the parent keeps stderr's tail to explain an abort).
+
+Run one example by hand (the harness prints this command for every finding):
+
+    .venv/bin/python tests/_fuzz_worker.py --spec '<json>'            # result as JSON
+    .venv/bin/python tests/_fuzz_worker.py --snippet '<json>'         # a Python reproducer
+
+Environment: `EQXPAR_FUZZ_JAXTYPING="eqxpar,beartype.beartype"` installs the
+jaxtyping import hook the test suite runs eqxpar under (the last name is the type
+checker); `EQXPAR_FUZZ_FULL_OPT=1` keeps XLA's default code generation (the fuzz
+turns LLVM's effort down and uses XLA:CPU's elemental emitter for fusions: the
+models are tiny, compilation is nearly all of the cost, and the HLO passes that
+partition the program and place and schedule the collectives run either way);
+`EQXPAR_FUZZ_CACHE_DIR` shares a JAX compilation cache between workers.
+"""
+
+import os
+import sys
+
+# --- XLA set-up: what tests/conftest.py sets, before jax is imported ---------------
+
+_OWN_FLAGS = (
+    "--xla_force_host_platform_device_count=",
+    "--xla_cpu_enable_concurrency_optimized_scheduler=",
+    "--xla_backend_optimization_level=",
+    "--xla_llvm_disable_expensive_passes=",
+    "--xla_cpu_use_fusion_emitters=",
+)
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_OWN_FLAGS)]
+_flags += [
+    "--xla_force_host_platform_device_count=8",
+    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+]
+if os.environ.get("EQXPAR_FUZZ_FULL_OPT", "0") != "1":
+    # Code generation only (LLVM effort, and XLA:CPU's older elemental emitter for
+    # fused elementwise ops instead of its MLIR fusion emitters): together they cut
+    # these tiny steps' compile time about 5x. The HLO passes that partition the
+    # program and place and schedule its collectives are the same either way.
+    _flags += [
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
+        "--xla_cpu_use_fusion_emitters=false",
+    ]
+os.environ["XLA_FLAGS"] = " ".join(_flags)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if __name__ == "__main__" or __package__ in (None, ""):
+    # Run as a script: make `import tests._fuzz_worker`-style imports and eqxpar
+    # (from the checkout) importable.
+    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+_hook = os.environ.get("EQXPAR_FUZZ_JAXTYPING", "").strip()
+if _hook and "eqxpar" not in sys.modules:
+    import jaxtyping
+
+    *_packages, _checker = _hook.split(",")
+    jaxtyping.install_import_hook(_packages, _checker)
+
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import eqxpar  # noqa: E402
+from eqxpar import nn, rules  # noqa: E402
+from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_pipeline_order  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
+
+if os.environ.get("EQXPAR_FUZZ_CACHE_DIR"):
+    # A compilation cache shared by the harness's workers (and their restarts after
+    # an abort): eager ops, model builds and single-device references compile once
+    # per fuzz run instead of once per worker process.
+    jax.config.update("jax_compilation_cache_dir", os.environ["EQXPAR_FUZZ_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+PREFIX = "@@FUZZ "
+
+#: Warnings eqxpar issues on purpose for plans the fuzz draws on purpose: an
+#: UnusedAxisWarning says a mesh axis splits nothing (e.g. tensor=4 for a model
+#: without logical axes). Counted, not findings. Every other warning is a finding.
+EXPECTED_WARNINGS = tuple(w for w in (getattr(eqxpar, "UnusedAxisWarning", None),) if isinstance(w, type))
+
+#: The step's optimizer: SGD with this learning rate, behind a transformation that
+#: keeps the gradient it was given in its state (so one step yields the gradient
+#: exactly as the step computed it, in the optimizer state's sharding).
+LR = 0.1
+
+# --- Tolerances ---------------------------------------------------------------------
+#
+# float32: sharded reductions sum in another order than one device, so results
+# differ in the last bits: rtol 1e-5 (the suite's contract, tests/_helpers.py).
+# The loss is compared elementwise; each gradient leaf relative to its own scale,
+# max|a - b| <= rtol * max|b| + atol: every entry is a sum over many paths whose
+# order the split changes, so its error scales with the terms (the leaf's scale),
+# not with the entry, which may sit near zero (assert_trees_close_to_scale).
+F32 = {"loss_rtol": 1e-5, "loss_atol": 1e-6, "grad_rtol": 1e-5, "grad_atol": 1e-6, "param_ulps": 4e-7}
+# bfloat16 anywhere (stored weights, compute or gradient reduction): 8 significant
+# bits, relative rounding 2^-9 = 0.2% per operation, compounded over a few layers
+# and summed in a different order than the float32 reference. README.md (mixed
+# precision) documents 1e-2 for the loss and a gradient direction within cosine
+# 0.99; the per-leaf bound is 0.1 of the leaf's scale (ten times the float32
+# loss tolerance's bfloat16 counterpart) and the whole gradient's cosine >= 0.99.
+BF16 = {"loss_rtol": 2e-2, "loss_atol": 1e-2, "grad_rtol": 1e-1, "grad_atol": 1e-3, "param_ulps": 8e-3}
+COSINE = 0.99
+
+# --- Models -------------------------------------------------------------------------
+
+
+class SeqBlock(eqx.Module):
+    """Pre-norm residual MLP block of eqxpar.nn layers on (batch, seq, d)."""
+
+    norm: nn.LayerNorm
+    mlp: nn.MLP
+
+    def __init__(self, d, hidden, activation, key):
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.MLP(d, hidden, activation=activation, key=key)
+
+    def __call__(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class SeqMLP(eqx.Module):
+    """A sequence regression model of eqxpar.nn layers with logical axes: a
+    replicated input projection, a scanned stack of MLP blocks, a final norm."""
+
+    w_in: jax.Array = eqxpar.param(axes=("embed", None))
+    blocks: nn.Stacked
+    norm: nn.RMSNorm
+
+    def __init__(self, d, hidden, depth, activation, *, key):
+        k1, k2 = jax.random.split(key)
+        self.w_in = jax.random.normal(k1, (d, d)) / np.sqrt(d)
+        self.blocks = nn.Stacked(lambda k: SeqBlock(d, hidden, activation, k), depth=depth, key=k2)
+        self.norm = nn.RMSNorm(d)
+
+
+def _seq_first(m, batch):
+    # The inputs are whole sequences; the layers expect this device's block
+    # under sequence parallelism.
+    return nn.split_sequence(batch[0]) @ m.w_in
+
+
+def _seq_last(m, h, batch):
+    per_token = jnp.mean((m.norm(h) - nn.split_sequence(batch[1])) ** 2, axis=-1)
+    return nn.sequence_mean(per_token)
+
+
+SEQ_PIPELINE_LOSS = PipelineLoss(_seq_first, lambda m: m.blocks, _seq_last)
+
+
+def seq_loss_sp(m, batch):
+    """The sequence model's loss written for sequence parallelism (split_sequence,
+    sequence_mean): a plain function."""
+    return _seq_last(m, m.blocks(_seq_first(m, batch)), batch)
+
+
+def seq_loss_naive(m, batch):
+    """The same loss without split_sequence / sequence_mean."""
+    x, y = batch
+    h = m.blocks(x @ m.w_in)
+    return jnp.mean((m.norm(h) - y) ** 2)
+
+
+class TinyLM(eqx.Module):
+    """Vocabulary-parallel embedding and head around a stack of MLP blocks."""
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+    norm: nn.LayerNorm
+    head: nn.Unembed
+
+    def __init__(self, vocab, d, hidden, depth, activation, *, key):
+        k = jax.random.split(key, 3)
+        self.embed = nn.Embedding(vocab, d, key=k[0])
+        self.blocks = nn.Stacked(lambda kk: SeqBlock(d, hidden, activation, kk), depth=depth, key=k[1])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Unembed(d, vocab, key=k[2])
+
+
+LM_PIPELINE_LOSS = PipelineLoss(
+    first=lambda m, tokens: m.embed(tokens[:, :-1]),
+    stack=lambda m: m.blocks,
+    last=lambda m, h, tokens: jnp.mean(nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:])),
+)
+
+
+def lm_loss(m, tokens):
+    return LM_PIPELINE_LOSS(m, tokens)
+
+
+GPT_PIPELINE_LOSS = PipelineLoss(eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last)
+
+
+def mse_loss(model, batch):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+#: (model kind, loss form) -> loss function. Module-level objects, so that the
+#: single-device reference (a filter_jit per loss) compiles once per shape.
+LOSSES = {
+    ("plain", "plain"): mse_loss,
+    ("classifier", "plain"): eqxpar.models.MLPClassifier.loss,
+    ("seq", "pipeline"): SEQ_PIPELINE_LOSS,
+    ("seq", "plain"): seq_loss_sp,
+    ("seq", "naive"): seq_loss_naive,
+    ("lm", "pipeline"): LM_PIPELINE_LOSS,
+    ("lm", "plain"): lm_loss,
+    ("gpt", "pipeline"): GPT_PIPELINE_LOSS,
+    ("gpt", "plain"): eqxpar.models.lm_loss,
+}
+
+#: The single-device reference's loss per model: the plain composition. Every
+#: loss form of a model is the same function on one device with no plan (a
+#: PipelineLoss called directly is its sequential composition; split_sequence is
+#: the identity and sequence_mean the mean there), so one reference serves them.
+REFERENCE_LOSS = {
+    "plain": mse_loss,
+    "classifier": eqxpar.models.MLPClassifier.loss,
+    "seq": seq_loss_naive,
+    "lm": lm_loss,
+    "gpt": eqxpar.models.lm_loss,
+}
+
+#: How a snippet writes each loss.
+LOSS_SOURCE = {
+    ("plain", "plain"): "W.mse_loss",
+    ("classifier", "plain"): "eqxpar.models.MLPClassifier.loss",
+    ("seq", "pipeline"): "W.SEQ_PIPELINE_LOSS",
+    ("seq", "plain"): "W.seq_loss_sp",
+    ("seq", "naive"): "W.seq_loss_naive",
+    ("lm", "pipeline"): "W.LM_PIPELINE_LOSS",
+    ("lm", "plain"): "W.lm_loss",
+    ("gpt", "pipeline"): "W.GPT_PIPELINE_LOSS",
+    ("gpt", "plain"): "eqxpar.models.lm_loss",
+}
+
+
+def model_source(m: dict) -> str:
+    """Python source that builds the spec's model (with `key` in scope)."""
+    kind = m["kind"]
+    if kind == "plain":
+        return f"eqx.nn.MLP({m['d_in']}, {m['d_out']}, {m['hidden']}, {m['depth']}, key=key)"
+    if kind == "classifier":
+        return (
+            f"eqxpar.models.MLPClassifier({m['d_in']}, {m['hidden']}, {m['classes']}, "
+            f"depth={m['depth']}, key=key)"
+        )
+    if kind == "seq":
+        return f"W.SeqMLP({m['d']}, {m['hidden']}, {m['depth']}, {m['activation']!r}, key=key)"
+    if kind == "lm":
+        return f"W.TinyLM({m['vocab']}, {m['d']}, {m['hidden']}, {m['depth']}, {m['activation']!r}, key=key)"
+    if kind == "gpt":
+        return (
+            f"eqxpar.models.GPT(eqxpar.models.GPTConfig(vocab_size={m['vocab']}, d_model={m['d']}, "
+            f"num_heads={m['heads']}, num_layers={m['depth']}, d_hidden={m['hidden']}, "
+            f"num_kv_heads={m['kv_heads']!r}, activation={m['activation']!r}, norm={m['norm']!r}, "
+            f"tied={m['tied']!r}, max_seq_len={m['max_seq_len']}), key=key)"
+        )
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def batch_source(spec: dict) -> str:
+    """Python source that builds the spec's batch (with `rng`, a numpy Generator, in
+    scope): host arrays, so building one compiles nothing."""
+    m, b = spec["model"], spec["batch"]
+    n, s = b["size"], b["seq"]
+    kind = m["kind"]
+    normal = "rng.standard_normal({}, dtype=np.float32)".format
+    if kind == "plain":
+        return f"({normal((n, m['d_in']))}, {normal((n, m['d_out']))})"
+    if kind == "classifier":
+        return f"({normal((n, m['d_in']))}, rng.integers(0, {m['classes']}, ({n},), dtype=np.int32))"
+    if kind == "seq":
+        return f"({normal((n, s, m['d']))}, {normal((n, s, m['d']))})"
+    return f"rng.integers(0, {m['vocab']}, ({n}, {s + 1}), dtype=np.int32)"
+
+
+NAMESPACE = {
+    "eqxpar": eqxpar,
+    "rules": rules,
+    "stage_rules": stage_rules,
+    "P": P,
+    "jnp": jnp,
+    "jax": jax,
+    "np": np,
+    "eqx": eqx,
+}
+
+
+def _eval(source: str):
+    return eval(source, dict(NAMESPACE))  # noqa: S307 (the harness writes these)
+
+
+# --- The step's optimizer -------------------------------------------------------------
+
+
+def keep_gradient() -> optax.GradientTransformation:
+    """Passes the updates through and keeps them (the raw gradient) in its state."""
+
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params)
+
+    def update(updates, state, params=None):
+        del state, params
+        return updates, updates
+
+    return optax.GradientTransformation(init, update)
+
+
+def optimizer() -> optax.GradientTransformation:
+    return optax.chain(keep_gradient(), optax.sgd(LR))
+
+
+# --- Reference ------------------------------------------------------------------------
+
+_REFERENCE: dict = {}
+_REFERENCE_RESULTS: dict = {}
+
+
+def reference(loss_fn, model, batch, cache_key=None):
+    """Loss and gradients on one device (plain jax.jit of `eqx.filter_value_and_grad`;
+    no plan active), as host float64 values; cached under `cache_key` (the model,
+    seed, batch, loss and param_dtype determine them).
+
+    Every loss here is an equal-weight mean over the batch's rows, so the batch's
+    loss and gradient are the means of each row's: the reference runs one row at
+    a time (summing in float64), which compiles once per model and sequence length
+    rather than once per batch size.
+    """
+    if cache_key is not None and cache_key in _REFERENCE_RESULTS:
+        return _REFERENCE_RESULTS[cache_key]
+    fn = _REFERENCE.get(id(loss_fn))
+    if fn is None:
+        fn = _REFERENCE[id(loss_fn)] = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+    device = jax.devices()[0]
+    model = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    loss_sum, grad_sum = 0.0, None
+    for i in range(rows):
+        row = jax.tree.map(lambda x, i=i: jax.device_put(x[i : i + 1], device), batch)
+        loss, grads = fn(model, row)
+        grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+        loss_sum += float(loss)
+        grad_sum = grads if grad_sum is None else jax.tree.map(np.add, grad_sum, grads)
+    out = loss_sum / rows, jax.tree.map(lambda g: g / rows, grad_sum)
+    if cache_key is not None:
+        _REFERENCE_RESULTS[cache_key] = out
+    return out
+
+
+# --- One example ------------------------------------------------------------------------
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Phases:
+    def __init__(self, announce: bool):
+        self.announce = announce
+        self.name = "start"
+        self.times: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[self.name] = round(self.times.get(self.name, 0.0) + now - self._t, 4)
+        self.name, self._t = name, now
+        if self.announce:
+            _emit({"event": "phase", "phase": name})
+
+    def close(self) -> dict[str, float]:
+        self("done")
+        self.times.pop("done", None)
+        self.times.pop("start", None)
+        return self.times
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def _self_test(what):
+    """tests/test_fuzz.py checks the harness with specs that abort or hang on purpose."""
+    if what == "abort":
+        os.abort()
+    if what == "hang":
+        time.sleep(3600)
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)) if eqx.is_array(x) else x, tree)
+
+
+def _to_f32(tree):
+    return jax.tree.map(
+        lambda x: (
+            np.asarray(x, np.float32) if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) else x
+        ),
+        tree,
+    )
+
+
+def _reorder(tree, plan, *, forward):
+    """Convert a model-shaped tree's stack to / from interleaved pipeline order."""
+    if plan.schedule is None or plan.chunks == 1 or not hasattr(tree, "blocks"):
+        return tree
+    convert = to_pipeline_order if forward else from_pipeline_order
+    stages = plan.mesh.shape["pipe"]
+    return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=plan.chunks))
+
+
+def _leaves_with_paths(tree):
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    return [(jax.tree_util.keystr(p), x) for p, x in flat if x is not None and eqx.is_array(x)]
+
+
+def compare(plan, metrics, new_model, captured, init_params, ref_loss, ref_grads) -> dict:
+    """Raise Mismatch naming the first quantity off one device; return the errors."""
+    bf16 = jnp.dtype(jnp.bfloat16)
+    low = any(
+        d is not None and jnp.dtype(d) == bf16
+        for d in (plan.param_dtype, plan.compute_dtype, plan.reduce_dtype)
+    )
+    tol = BF16 if low else F32
+    report: dict = {"tolerance": "bfloat16" if low else "float32"}
+
+    loss = float(metrics["loss"])
+    report["loss"] = [loss, ref_loss]
+    if not abs(loss - ref_loss) <= tol["loss_rtol"] * abs(ref_loss) + tol["loss_atol"]:
+        raise Mismatch(f"loss {loss!r} vs one device {ref_loss!r} ({report['tolerance']} tolerance)")
+
+    got = _leaves_with_paths(_host(captured))
+    want = _leaves_with_paths(_host(ref_grads))
+    if [p for p, _ in got] != [p for p, _ in want]:
+        raise Mismatch(f"gradient leaves differ: {[p for p, _ in got]} vs {[p for p, _ in want]}")
+    worst = 0.0
+    dot = na = nb = 0.0
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        if a.shape != b.shape:
+            raise Mismatch(f"gradient {path}: shape {a.shape} vs one device {b.shape}")
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not np.all(np.isfinite(a64)):
+            raise Mismatch(f"gradient {path}: non-finite values")
+        scale = float(np.max(np.abs(b64))) if b64.size else 0.0
+        err = float(np.max(np.abs(a64 - b64))) if b64.size else 0.0
+        bound = tol["grad_rtol"] * scale + tol["grad_atol"]
+        worst = max(worst, err / bound)
+        if err > bound:
+            raise Mismatch(
+                f"gradient {path}: max|diff| {err:.3g} > {bound:.3g} (scale {scale:.3g}, "
+                f"{report['tolerance']} tolerance)"
+            )
+        dot += float(np.sum(a64 * b64))
+        na += float(np.sum(a64 * a64))
+        nb += float(np.sum(b64 * b64))
+    report["grad_worst_vs_bound"] = worst
+    if low and na > 0 and nb > 0:
+        cosine = dot / math.sqrt(na * nb)
+        report["cosine"] = cosine
+        if cosine < COSINE:
+            raise Mismatch(f"gradient direction: cosine {cosine:.5f} < {COSINE}")
+
+    norm, ref_norm = float(metrics["grad_norm"]), math.sqrt(nb)
+    report["grad_norm"] = [norm, ref_norm]
+    if not abs(norm - ref_norm) <= tol["grad_rtol"] * ref_norm + tol["grad_atol"]:
+        raise Mismatch(f"grad_norm {norm!r} vs one device {ref_norm!r}")
+
+    # The SGD update, in the stored dtype: p - LR * g.
+    new = _leaves_with_paths(_host(eqx.filter(new_model, eqx.is_inexact_array)))
+    old = _leaves_with_paths(init_params)
+    for (path, a), (_, p), (_, g) in zip(new, old, want, strict=True):
+        expected = np.asarray(p, np.float64) - LR * np.asarray(g, np.float64)
+        err = float(np.max(np.abs(np.asarray(a, np.float64) - expected))) if expected.size else 0.0
+        gscale = float(np.max(np.abs(g))) if g.size else 0.0
+        pscale = float(np.max(np.abs(expected))) if expected.size else 0.0
+        bound = tol["param_ulps"] * pscale + LR * (tol["grad_rtol"] * gscale + tol["grad_atol"])
+        if err > bound:
+            raise Mismatch(f"updated parameter {path}: max|diff| {err:.3g} > {bound:.3g}")
+        if plan.param_dtype is not None and a.dtype != plan.param_dtype:
+            raise Mismatch(
+                f"parameter {path} has dtype {a.dtype} after the step, not param_dtype {plan.param_dtype}"
+            )
+    return report
+
+
+_DOT_BF16 = re.compile(r"dot_general.*bf16")
+
+
+_MODELS: dict = {}
+
+
+def build_model(model_spec: dict, seed: int):
+    """The spec's model, cached: examples share models (modules are immutable).
+    Built eagerly: its ops' compilations are cached by shape, so after the first
+    few models another one costs milliseconds (a jit would compile each anew)."""
+    key = json.dumps([model_spec, seed], sort_keys=True)
+    if key not in _MODELS:
+        namespace = {**NAMESPACE, "W": sys.modules[__name__], "key": jax.random.key(seed)}
+        _MODELS[key] = eval(model_source(model_spec), namespace)  # noqa: S307
+    return _MODELS[key]
+
+
+def build(spec: dict):
+    """Mesh, plan, model, loss, batch from a spec (each may raise)."""
+    mesh = eqxpar.make_mesh(**spec["mesh"])
+    plan = eqxpar.Plan(mesh, **{k: _eval(v) for k, v in spec["plan"].items()})
+    seed = spec.get("seed", 0)
+    model = build_model(spec["model"], seed)
+    loss_fn = LOSSES[(spec["model"]["kind"], spec["loss"])]
+    batch = eval(batch_source(spec), {**NAMESPACE, "rng": np.random.default_rng(1000 + seed)})  # noqa: S307
+    return plan, model, loss_fn, batch
+
+
+def run_example(spec: dict, *, announce: bool = False) -> dict:
+    phase = Phases(announce)
+    cpu = time.process_time()
+    result: dict = {"event": "result", "id": spec.get("id")}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            phase("build")
+            plan, model, loss_fn, batch = build(spec)
+            stored = _reorder(model, plan, forward=True)
+            optim = optimizer()
+            phase("init")
+            state = eqxpar.train.init(stored, optim, plan, key=jax.random.key(1))
+            # Initial parameters as init placed (and cast) them, to host before the
+            # step donates their buffers.
+            init_params = _host(eqx.filter(state.model, eqx.is_inexact_array))
+            step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate=spec.get("accumulate", 1))
+            phase("compile")
+            lowered = step.lower(state, batch)
+            low_compute = plan.compute_dtype is not None and plan.compute_dtype == jnp.dtype(jnp.bfloat16)
+            hlo = lowered.as_text() if low_compute else ""
+            lowered.compile()
+            phase("run")
+            _self_test(spec.get("self_test"))
+            new_state, metrics = step(state, batch)
+            jax.block_until_ready((new_state, metrics))
+            phase("reference")
+            static = eqx.filter(state.model, eqx.is_inexact_array, inverse=True)
+            ref_model = _reorder(eqx.combine(_to_f32(init_params), static), plan, forward=False)
+            cache_key = json.dumps(
+                [spec["model"], spec.get("seed", 0), spec["batch"], str(plan.param_dtype)], sort_keys=True
+            )
+            ref_loss, ref_grads = reference(
+                REFERENCE_LOSS[spec["model"]["kind"]], ref_model, batch, cache_key
+            )
+            phase("compare")
+            captured = _reorder(new_state.opt_state[0], plan, forward=False)
+            if spec.get("self_test") == "mismatch":  # the harness's own test: a wrong gradient
+                captured = jax.tree.map(lambda g: g * (1 + 1e-4), captured)
+            new_model = _reorder(new_state.model, plan, forward=False)
+            report = compare(
+                plan,
+                metrics,
+                new_model,
+                captured,
+                _reorder(init_params, plan, forward=False),
+                ref_loss,
+                ref_grads,
+            )
+            if low_compute:
+                if not _DOT_BF16.search(hlo):
+                    raise Mismatch("compute_dtype=bfloat16, but no dot_general of the step is in bfloat16")
+            result.update(outcome="ok", report=report)
+        except Mismatch as e:
+            result.update(outcome="mismatch", type="Mismatch", message=str(e), phase=phase.name)
+        except Exception as e:  # noqa: BLE001 (the point: classify every exception)
+            outcome = "eqxpar_error" if isinstance(e, eqxpar.EqxparError) else "other_error"
+            result.update(
+                outcome=outcome,
+                type=f"{type(e).__module__}.{type(e).__qualname__}",
+                message=str(e)[:3000],
+                phase=phase.name,
+            )
+            if outcome == "other_error":
+                result["traceback"] = "".join(traceback.format_exception(e))[-6000:]
+    result["warnings"], result["expected_warnings"] = [], []
+    for w in caught:
+        text = f"{w.category.__name__}: {w.message}"[:1000]
+        if issubclass(w.category, UserWarning) and "Some donated buffers were not usable" in str(w.message):
+            continue
+        expected = issubclass(w.category, EXPECTED_WARNINGS)
+        result["expected_warnings" if expected else "warnings"].append(text)
+    result["times"] = phase.close()
+    result["cpu"] = round(time.process_time() - cpu, 4)
+    return result
+
+
+# --- A standalone reproducer ---------------------------------------------------------------
+
+
+def snippet(spec: dict) -> str:
+    """Python source that builds and runs the spec's example outside the harness."""
+    plan_args = "".join(f", {k}={v}" for k, v in spec["plan"].items())
+    mesh_args = ", ".join(f"{k}={v!r}" for k, v in spec["mesh"].items())
+    seed = spec.get("seed", 0)
+    interleaved = (
+        "\n# interleaved: the stack is stored in pipeline order\nstored = W._reorder(model, plan, forward=True)"
+        if "interleaved" in spec["plan"].get("schedule", "")
+        else "\nstored = model"
+    )
+    return f"""\
+import sys; sys.path.insert(0, ".")     # run from the repository root
+import tests._fuzz_worker as W          # sets XLA_FLAGS (8 CPU devices) before jax; test models
+import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import eqxpar
+from eqxpar import rules
+from eqxpar.pipeline import stage_rules
+
+mesh = eqxpar.make_mesh({mesh_args})
+plan = eqxpar.Plan(mesh{plan_args})
+key, rng = jax.random.key({seed}), np.random.default_rng({1000 + seed})
+model = {model_source(spec["model"])}
+batch = {batch_source(spec)}
+loss_fn = {LOSS_SOURCE[(spec["model"]["kind"], spec["loss"])]}{interleaved}
+optim = W.optimizer()                   # keeps the gradient in opt_state[0], then SGD
+state = eqxpar.train.init(stored, optim, plan, key=jax.random.key(1))
+step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate={spec.get("accumulate", 1)})
+state, metrics = step(state, batch)
+print("loss", float(metrics["loss"]), "one device", float(eqx.filter_value_and_grad(loss_fn)(model, batch)[0]))
+"""
+
+
+def serve() -> None:
+    _emit({"event": "ready", "pid": os.getpid()})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        spec = json.loads(line)
+        _emit(run_example(spec, announce=True))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        serve()
+    elif argv[:1] == ["--spec"] and len(argv) == 2:
+        print(json.dumps(run_example(json.loads(argv[1])), indent=1))
+    elif argv[:1] == ["--snippet"] and len(argv) == 2:
+        print(snippet(json.loads(argv[1])))
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
