@@ -4,6 +4,8 @@ sequence parallelism, ring overlap, partial-manual, remat), tied and untied,
 SwiGLU and GELU, grouped-query attention; over three optimizer steps for two of
 them. Tied heads, the pipeline pieces, generation and the MLP classifier."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -257,3 +259,166 @@ def test_models_namespace():
     assert eqxpar.models is models
     for name in ("GPT", "GPTConfig", "MLPClassifier", "lm_loss", "generate", "gpt_first", "gpt_last"):
         assert getattr(models, name).__doc__
+
+
+# GPT-2 style: learned positions (no rotary), fused QKV, GELU, LayerNorm, biases,
+# untied head; the options the benchmark workload needs, on a small model.
+GPT2_STYLE = GPTConfig(
+    vocab_size=32,
+    d_model=32,
+    num_heads=4,
+    num_layers=2,
+    d_hidden=64,
+    activation="gelu",
+    norm="layer",
+    tied=False,
+    rotary=False,
+    learned_positions=True,
+    use_bias=True,
+    fused_qkv=True,
+    max_seq_len=16,
+)
+GPT2_PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+
+# (id, plan factory, loss): sequence parallelism splits the position table with the
+# sequence (manual) or leaves it to GSPMD (automatic); the pipeline adds it on stage 0.
+GPT2_PLANS = [
+    (
+        "tp-sync",
+        lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual"),
+        lm_loss,
+    ),
+    (
+        "tp-sp",
+        lambda: eqxpar.Plan(
+            mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+        ),
+        lm_loss,
+    ),
+    (
+        "fsdp-tp-auto-sp",
+        lambda: eqxpar.Plan(
+            mesh(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP, sequence_parallel=True
+        ),
+        lm_loss,
+    ),
+    (
+        "pipe-data-tensor-1f1b",
+        lambda: eqxpar.Plan(
+            mesh(pipe=2, data=2, tensor=2),
+            rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON),
+            schedule="1f1b",
+            microbatches=2,
+        ),
+        GPT2_PIPELINE_LOSS,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2_style():
+    """The GPT-2 style model and its single-device loss and gradients."""
+    model = eqx.filter_jit(GPT)(GPT2_STYLE, key=jax.random.key(0))
+    on_one = jax.device_put((model, tokens(1)), jax.devices()[0])
+    return model, eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(*on_one)
+
+
+@pytest.mark.parametrize("make_plan,loss_fn", [p[1:] for p in GPT2_PLANS], ids=[p[0] for p in GPT2_PLANS])
+def test_gpt2_style_config_matches_single_device(gpt2_style, make_plan, loss_fn):
+    model, (ref_loss, ref_grads) = gpt2_style
+    assert model.positions.shape == (16, 32) and model.blocks.blocks.attn.wqkv.shape == (2, 32, 3, 4, 8)
+    assert model.blocks.blocks.attn.wq is None
+    loss, grads = eqxpar.train.make_value_and_grad(loss_fn, make_plan())(model, tokens(1))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
+
+
+def test_gpt2_style_positions_tell_tokens_apart():
+    # Without rotary attention the position table is the only source of order: a
+    # model built without it gives the same logits to a token wherever it stands.
+    def last_logits(config):
+        model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
+        same = jnp.full((1, 6), 3, jnp.int32)
+        logits = eqx.filter_jit(lambda m, t: m(t))(model, same)[0]
+        return float(jnp.max(jnp.abs(logits - logits[:1])))
+
+    assert last_logits(GPT2_STYLE) > 1e-3
+    assert last_logits(dataclasses.replace(GPT2_STYLE, learned_positions=False)) < 1e-5
+
+
+#: The benchmark workload (benchmarks/_workload.py) as a GPTConfig.
+WORKLOAD = GPTConfig(
+    vocab_size=512,
+    d_model=256,
+    num_heads=4,
+    num_layers=4,
+    d_hidden=1024,
+    activation="gelu",
+    norm="layer",
+    tied=False,
+    rotary=False,
+    learned_positions=True,
+    use_bias=True,
+    fused_qkv=True,
+    max_seq_len=128,
+)
+
+
+def gpt_from_workload(w, config: GPTConfig) -> GPT:
+    """The workload model `w`'s weights in a `GPT` of `config`: eqx.nn.Linear stores
+    `(out, in)`, the eqxpar layers `(in, ..., out)`, and the stack one leading layer axis."""
+    d, h, hd = config.d_model, config.num_heads, config.head_dim
+
+    def stack(f):
+        return jnp.stack([f(b) for b in w.blocks])
+
+    qkv_bias = stack(lambda b: b.qkv.bias.reshape(3, h, hd))
+    values = (
+        *(w.embed.weight, w.positions.weight, stack(lambda b: b.ln1.weight), stack(lambda b: b.ln1.bias)),
+        stack(lambda b: b.qkv.weight.T.reshape(d, 3, h, hd)),
+        *(qkv_bias[:, 0], qkv_bias[:, 1], qkv_bias[:, 2]),
+        *(stack(lambda b: b.out.weight.T.reshape(h, hd, d)), stack(lambda b: b.out.bias)),
+        *(stack(lambda b: b.ln2.weight), stack(lambda b: b.ln2.bias)),
+        *(stack(lambda b: b.up.weight.T[:, None, :]), stack(lambda b: b.up.bias[None, :])),
+        *(stack(lambda b: b.down.weight.T), stack(lambda b: b.down.bias)),
+        *(w.ln_f.weight, w.ln_f.bias, w.head.weight.T),
+    )
+
+    def where(m):
+        b = m.blocks.blocks
+        return (
+            *(m.embed.weight, m.positions, b.norm1.weight, b.norm1.bias, b.attn.wqkv),
+            *(b.attn.bq, b.attn.bk, b.attn.bv, b.attn.wo, b.attn.bo, b.norm2.weight, b.norm2.bias),
+            *(b.mlp.w_in, b.mlp.b_in, b.mlp.w_out, b.mlp.b_out),
+            *(m.final_norm.weight, m.final_norm.bias, m.head.weight),
+        )
+
+    # Every array is replaced, so the template needs shapes only.
+    return eqx.tree_at(where, eqx.filter_eval_shape(GPT, config, key=jax.random.key(0)), values)
+
+
+def test_gpt_expresses_the_benchmark_workload():
+    from benchmarks import _workload
+
+    shapes = eqx.filter_eval_shape(GPT, WORKLOAD, key=jax.random.key(0))
+    count = sum(x.size for x in jax.tree.leaves(shapes) if jnp.issubdtype(x.dtype, jnp.inexact))
+    assert count == _workload.PARAM_COUNT == 3_454_464
+    # The same function: the workload's own model and its weights in a GPT give one loss.
+    reference = _workload.make_model()
+    batch = jax.random.randint(jax.random.key(7), (2, WORKLOAD.max_seq_len + 1), 0, WORKLOAD.vocab_size)
+
+    @eqx.filter_jit
+    def both(reference, batch):
+        gpt = gpt_from_workload(reference, WORKLOAD)
+        return _workload.loss_fn(reference, (batch[:, :-1], batch[:, 1:])), lm_loss(gpt, batch)
+
+    ref_loss, loss = both(reference, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+
+
+def test_gpt_config_rejects_a_fused_qkv_with_grouped_query_heads():
+    match = r"GPTConfig\(fused_qkv=True, num_kv_heads=2\).*Use fused_qkv=False"
+    with pytest.raises(eqxpar.PlanError, match=match):
+        GPTConfig(
+            vocab_size=8, d_model=8, num_heads=4, num_kv_heads=2, num_layers=1, d_hidden=8, fused_qkv=True
+        )

@@ -4,9 +4,10 @@ Each runs unchanged under every plan: one device, automatic data / FSDP / tensor
 parallelism, and manual tensor-parallel steps.
 
 - `MLPClassifier`: column/row-parallel MLP pairs over feature vectors.
-- `GPT` (`GPTConfig`): a pre-norm decoder with rotary positions, SwiGLU or GELU
-  MLPs, tied or untied embeddings and its blocks in one scanned `eqxpar.nn.Stacked`;
-  `lm_loss`, `generate`, and the pipeline pieces `gpt_first` / `gpt_last`.
+- `GPT` (`GPTConfig`): a pre-norm decoder with rotary or learned positions,
+  SwiGLU or GELU MLPs, RMSNorm or LayerNorm, optional biases and fused QKV, tied or
+  untied embeddings and its blocks in one scanned `eqxpar.nn.Stacked`; `lm_loss`,
+  `generate`, and the pipeline pieces `gpt_first` / `gpt_last`.
 """
 
 from ._gpt import GPT as GPT

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import nn
 from .._errors import BatchError, DivisibilityError, PlanError, SpecError
+from .._param import param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,17 +29,28 @@ class GPTConfig:
     - `activation`: `"swiglu"` (default) or `"gelu"`.
     - `norm`: `"rms"` (default) or `"layer"`.
     - `tied`: the output head reuses the embedding's weight (default True).
-    - `rotary`: rotary position embeddings in every attention (default True). The
-      model has no learned positions; with `rotary=False` it has none at all and
-      only the causal mask tells tokens apart.
+    - `rotary`: rotary position embeddings in every attention (default True).
     - `rotary_base`: the rotary wavelength base (default 10000.0).
+    - `learned_positions`: a learned position table `(max_seq_len, d_model)` added
+      to the token embeddings (default False). Independent of `rotary`: GPT-2-style
+      models use `rotary=False, learned_positions=True`; with neither, only the
+      causal mask tells tokens apart.
     - `max_seq_len`: the longest input the model takes (default 256); `generate`
       slides a window of this length.
-    - `use_bias`: biases in the linear layers and LayerNorms (default False).
+    - `use_bias`: biases in the attention and MLP projections and the LayerNorms
+      (default False). The output head never has one.
+    - `fused_qkv`: each attention stores Q, K and V as one weight
+      `(d_model, 3, heads, head_dim)` and projects with one matmul (default False:
+      three weights). Needs as many key/value heads as query heads.
 
     ```python
     config = eqxpar.models.GPTConfig(vocab_size=128, d_model=128, num_heads=4,
                                      num_layers=4, d_hidden=384)
+    # GPT-2 style: learned positions, GELU, LayerNorm, biases, untied head.
+    gpt2 = eqxpar.models.GPTConfig(vocab_size=512, d_model=256, num_heads=4, num_layers=4,
+                                   d_hidden=1024, activation="gelu", norm="layer",
+                                   tied=False, rotary=False, learned_positions=True,
+                                   use_bias=True, fused_qkv=True, max_seq_len=128)
     ```
     """
 
@@ -55,6 +67,8 @@ class GPTConfig:
     rotary_base: float = 10000.0
     max_seq_len: int = 256
     use_bias: bool = False
+    learned_positions: bool = False
+    fused_qkv: bool = False
 
     def __post_init__(self):
         # Every field is checked here, when the config is built, so that a bad one
@@ -64,7 +78,7 @@ class GPTConfig:
             _check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is not None:
             _check_positive_int("num_kv_heads", self.num_kv_heads)
-        for name in ("tied", "rotary", "use_bias"):
+        for name in ("tied", "rotary", "use_bias", "learned_positions", "fused_qkv"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"GPTConfig({name}={getattr(self, name)!r}): expected True or False.")
         if self.activation not in ("swiglu", "gelu"):
@@ -89,6 +103,12 @@ class GPTConfig:
                 f"GPTConfig(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}): each "
                 "key/value head serves an equal group of query heads, so num_kv_heads must divide "
                 f"num_heads. Use one of {_divisors(self.num_heads)}, or None for num_heads."
+            )
+        if self.fused_qkv and self.num_kv_heads not in (None, self.num_heads):
+            raise PlanError(
+                f"GPTConfig(fused_qkv=True, num_kv_heads={self.num_kv_heads}): a fused QKV weight "
+                f"holds as many key/value heads as query heads ({self.num_heads}). Use "
+                "fused_qkv=False for grouped-query attention, or num_kv_heads=None."
             )
         if self.rotary and (self.d_model // self.num_heads) % 2:
             raise DivisibilityError(
@@ -116,9 +136,10 @@ def _divisors(n: int) -> list[int]:
 class GPT(eqx.Module):
     """A pre-norm decoder-only transformer language model, tensor parallel throughout.
 
-    `embed` (vocabulary-parallel `eqxpar.nn.Embedding`) -> `blocks` (one
-    `eqxpar.nn.Stacked` of `eqxpar.nn.TransformerBlock`s, run by `lax.scan`, with
-    rotary positions and SwiGLU or GELU MLPs) -> `final_norm` -> `head` (an
+    `embed` (vocabulary-parallel `eqxpar.nn.Embedding`), plus `positions` (a
+    learned table, or None) -> `blocks` (one `eqxpar.nn.Stacked` of
+    `eqxpar.nn.TransformerBlock`s, run by `lax.scan`, with rotary or no positions
+    in the attention and SwiGLU or GELU MLPs) -> `final_norm` -> `head` (an
     `eqxpar.nn.Unembed`, or None when the embeddings are tied and
     `embed.attend` scores the output). The same instance runs under every plan:
     on one device, under automatic sharding (data, FSDP, tensor parallel) and in
@@ -140,6 +161,9 @@ class GPT(eqx.Module):
     """
 
     embed: nn.Embedding
+    # Replicated over the tensor axis; its model dimension is "embed", so FSDP
+    # rules split it like every other weight.
+    positions: Float[Array, "max_seq_len d_model"] | None = param(axes=(None, "embed"))
     blocks: nn.Stacked
     final_norm: nn.RMSNorm | nn.LayerNorm
     head: nn.Unembed | None
@@ -152,6 +176,12 @@ class GPT(eqx.Module):
         c = config
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.d_model, key=k_embed)
+        # A key of its own folded from `key`, so models without the table keep the
+        # weights they had before the option existed.
+        k_pos = jax.random.fold_in(key, 3)
+        self.positions = (
+            0.02 * jax.random.normal(k_pos, (c.max_seq_len, c.d_model)) if c.learned_positions else None
+        )
 
         def make_block(k):
             return nn.TransformerBlock(
@@ -162,6 +192,7 @@ class GPT(eqx.Module):
                 activation=c.activation,
                 norm=c.norm,
                 use_bias=c.use_bias,
+                fused_qkv=c.fused_qkv,
                 rotary=c.rotary,
                 rotary_base=c.rotary_base,
                 key=k,
@@ -174,9 +205,10 @@ class GPT(eqx.Module):
         self.head = None if c.tied else nn.Unembed(c.d_model, c.vocab_size, key=k_head)
 
     def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out d_model"]:
-        """The residual stream entering the blocks: token embeddings, no positions
-        (rotary attention adds those). Under sequence parallelism in manual mode,
-        this device's sequence block.
+        """The residual stream entering the blocks: token embeddings, plus the
+        learned position table's first `seq` rows if the config has one (rotary
+        attention adds its positions later). Under sequence parallelism in manual
+        mode, this device's sequence block.
 
         **Arguments:** `tokens`: `(batch, seq)` ids, `seq <= config.max_seq_len`.
 
@@ -192,7 +224,13 @@ class GPT(eqx.Module):
                 f"config.max_seq_len={self.config.max_seq_len}. Feed at most that many tokens, or "
                 "build the model with a larger max_seq_len."
             )
-        return self.embed(tokens)
+        h = self.embed(tokens)
+        if self.positions is None:
+            return h
+        # Under sequence parallelism in manual mode the embedding returns this
+        # device's sequence block, so take the same block of the table (a slice).
+        positions = nn.split_sequence(self.positions[: tokens.shape[1]], seq_dim=0)
+        return h + positions[None]
 
     def logits(self, h: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and output head: `(batch, seq', d_model) -> (batch, seq, vocab)`,
