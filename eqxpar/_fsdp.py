@@ -12,7 +12,9 @@ with any other remat policy they are gathered again there, so no layer stays who
 between the passes (one more gather of the stack's weights).
 """
 
-from collections.abc import Collection
+import contextlib
+import contextvars
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +24,7 @@ from jaxtyping import Array, Shaped
 
 from ._errors import PlanError
 from ._rules import mesh_axis_names
+from ._specs import leaves_with_layout
 
 #: `(dim, mesh axes)` pairs saying how one array is gathered.
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
@@ -92,29 +95,62 @@ def gather_whole(params: Any, specs: Any, axes: Collection[str]) -> Any:
     )
 
 
-def prepare_model(model: Any, specs: Any, axes: Collection[str]) -> Any:
-    """The per-device model with its FSDP shards made whole where used: leaves
-    outside scanned stacks gathered now, stacks told how to gather each layer."""
-    from .nn._stack import Stacked
+# The per-layer gathers of the stacks of the model being differentiated, by the
+# identity of each stack array (the traced value the stack will scan over). A
+# scoped context rather than a field on the user's module: the step sets it
+# around the loss, and `eqxpar.nn.Stacked` reads it in its scanned body.
+_LAYER_GATHERS: contextvars.ContextVar[dict[int, Gather] | None] = contextvars.ContextVar(
+    "eqxpar_layer_gathers", default=None
+)
 
-    def is_array_leaf(x: Any) -> bool:
-        return hasattr(x, "shape") and hasattr(x, "dtype")
 
-    def visit(node: Any, spec: Any) -> Any:
-        if isinstance(node, Stacked):
-            leaves = [x for x in jax.tree.leaves(node.blocks) if is_array_leaf(x)]
-            spec_leaves = jax.tree.leaves(spec.blocks, is_leaf=lambda s: isinstance(s, PartitionSpec))
-            if len(leaves) != len(spec_leaves):
-                raise PlanError(
-                    "a manual FSDP step could not match a Stacked module's arrays with their specs; "
-                    "keep only arrays and static settings in a stack's blocks."
-                )
-            gathers = tuple(
-                gathers_of(s, axes, skip=1, where="a Stacked block's weight") for s in spec_leaves
-            )
-            return node.with_layer_gathers(gathers if any(gathers) else None)
-        if is_array_leaf(node) and isinstance(spec, PartitionSpec):
-            return gather_weights(node, gathers_of(spec, axes, where=f"a weight of shape {node.shape}"))
-        return node
+@contextlib.contextmanager
+def layer_gathers(gathers: dict[int, Gather]) -> Iterator[None]:
+    """Within the block, stacks whose arrays are keys of `gathers` (by `id`)
+    all-gather each layer's slice of them as the value says."""
+    token = _LAYER_GATHERS.set(gathers)
+    try:
+        yield
+    finally:
+        _LAYER_GATHERS.reset(token)
 
-    return jax.tree.map(visit, model, specs, is_leaf=lambda x: isinstance(x, Stacked))
+
+def layer_gathers_for(arrays: Sequence[Any]) -> tuple[Gather, ...] | None:
+    """The per-layer gathers of a stack's `arrays` (leaf order), or None when no
+    step registered them (no manual FSDP step, or not this model's stack)."""
+    gathers = _LAYER_GATHERS.get()
+    if not gathers:
+        return None
+    found = [gathers.get(id(x)) for x in arrays]
+    if all(g is None for g in found):
+        return None
+    if any(g is None for g in found):
+        raise PlanError(
+            "a scanned stack (eqxpar.nn.Stacked) was called with some of its arrays replaced since the "
+            "step prepared the model (e.g. by eqx.tree_at or a cast inside the loss), so a manual FSDP "
+            "step cannot tell which layer shards to gather. Transform the weights inside the block, or "
+            "use Plan(compute_dtype=...) for casts."
+        )
+    return tuple(found) if any(found) else None
+
+
+def prepare_model(model: Any, specs: Any, axes: Collection[str]) -> tuple[Any, dict[int, Gather]]:
+    """The per-device model with its FSDP shards made whole where used, and the
+    per-layer gathers of its stacks (for `layer_gathers`).
+
+    Leaves outside stacked fields (`eqxpar.stacked`, e.g. `eqxpar.nn.Stacked`) are
+    gathered now; leaves inside are gathered a layer at a time by the stack's scan.
+    """
+    leaves, treedef = jax.tree.flatten(model)
+    spec_leaves = treedef.flatten_up_to(specs)
+    layout = [leading for _, _, _, leading in leaves_with_layout(model)]
+    out, per_layer = [], {}
+    for leaf, spec, leading in zip(leaves, spec_leaves, layout, strict=True):
+        if not (hasattr(leaf, "shape") and isinstance(spec, PartitionSpec)):
+            out.append(leaf)
+        elif leading:
+            per_layer[id(leaf)] = gathers_of(spec, axes, skip=1, where="a Stacked block's weight")
+            out.append(leaf)
+        else:
+            out.append(gather_weights(leaf, gathers_of(spec, axes, where=f"a weight of shape {leaf.shape}")))
+    return jax.tree.unflatten(treedef, out), per_layer

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._errors import PlanError
-from ._fsdp import gather_whole, gathered_axes, gathers_of, prepare_model
+from ._fsdp import gather_whole, gathered_axes, gathers_of, layer_gathers, prepare_model
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map, region_manual_axes
@@ -137,9 +137,11 @@ class _Gradients:
                 # so gradients come back in the parameters' (master) dtype.
                 params = cast_floating(params, compute)
             model = eqx.combine(params, static)
+            per_layer = {}
             if prepare is not None:
-                model = prepare(model)
-            out = self.loss_fn(model, batch, key=key) if self.takes_key else self.loss_fn(model, batch)
+                model, per_layer = prepare(model)
+            with layer_gathers(per_layer):
+                out = self.loss_fn(model, batch, key=key) if self.takes_key else self.loss_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
             return loss.astype(jnp.float32) if compute is not None else loss, aux
 

@@ -23,6 +23,8 @@ import pytest
 import eqxpar.launch
 from eqxpar.distributed import DistributedError
 
+from ._helpers import assert_params_close
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "_multihost_script.py"
 
@@ -315,8 +317,11 @@ def test_two_processes_match_one_and_a_killed_run_resumes_exactly(tmp_path):
     np.testing.assert_allclose(list(two.values()), list(one.values()), rtol=1e-5)
     a, b = np.load(tmp_path / "single.npz"), np.load(tmp_path / "multi.npz")
     assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6)
+    # The parameters after AdamW steps, relative to each leaf's scale: the two runs
+    # reduce the gradients in different orders (gloo across processes), and AdamW
+    # amplifies last-bit differences of near-zero gradients elementwise (see
+    # tests/_helpers.py::assert_params_close).
+    assert_params_close({k: b[k] for k in b}, {k: a[k] for k in a})
     # Each process fed half of every global batch; only process 0 printed losses.
     assert "[rank 0] [rank 0/2] feeds rows slice(0, 32, None)" in multi.output
     assert "[rank 1] [rank 1/2] feeds rows slice(32, 64, None)" in multi.output

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._errors import PlanError
-from .._fsdp import Gather, gather_weights
+from .._fsdp import gather_weights, layer_gathers_for
 from .._param import stacked
 from .._plan import current_plan
 
@@ -62,10 +62,6 @@ class Stacked(eqx.Module):
 
     blocks: PyTree = stacked(leading=("layers",))
     depth: int = eqx.field(static=True)
-    # Set by a manual FSDP step on its per-device copy of the model: how each array
-    # of a layer is all-gathered inside the scanned body (so one layer's weights
-    # are whole at a time; the gather's transpose reduce-scatters the gradient).
-    layer_gathers: tuple[Gather, ...] | None = eqx.field(static=True, default=None)
 
     def __init__(self, make_block: Callable[[PRNGKeyArray], Any], *, depth: int, key: PRNGKeyArray):
         if not isinstance(depth, int) or depth < 1:
@@ -92,17 +88,6 @@ class Stacked(eqx.Module):
         obj = object.__new__(cls)
         object.__setattr__(obj, "blocks", eqx.combine(stacked_arrays, static))
         object.__setattr__(obj, "depth", len(blocks))
-        object.__setattr__(obj, "layer_gathers", None)
-        return obj
-
-    def with_layer_gathers(self, gathers: tuple[Gather, ...] | None) -> "Stacked":
-        """A copy whose scanned body all-gathers each layer's arrays as `gathers`
-        says (one entry per array of `blocks`, in leaf order); used by manual FSDP
-        steps, not by users."""
-        obj = object.__new__(type(self))
-        for name in ("blocks", "depth"):
-            object.__setattr__(obj, name, getattr(self, name))
-        object.__setattr__(obj, "layer_gathers", gathers)
         return obj
 
     def __getitem__(self, index: int) -> Any:
@@ -113,8 +98,11 @@ class Stacked(eqx.Module):
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
         plan = current_plan()
         policy = plan.remat if plan is not None else "none"
-        gathers = self.layer_gathers
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        # Under a manual FSDP step: how each array of a layer is all-gathered in
+        # the scanned body (one layer's weights whole at a time; the gather's
+        # transpose reduce-scatters the gradient). Set by the step around the loss.
+        gathers = layer_gathers_for(jax.tree.leaves(arrays))
 
         def layer(h, params):
             if gathers is not None:
