@@ -14,8 +14,8 @@ against the ordinary model on one device:
 
 The engine (`eqxpar/pipeline/_engine.py`) sends one activation forward and one
 cotangent back along `pipe` every tick, zeros when a device has nothing to send;
-`designed_bytes` counts that, `minimum_bytes` what the schedule's boundaries must
-carry.
+`designed_bytes` counts that. What the schedule's boundaries must carry at least is
+the library's minimum (`eqxpar.inspect.minimum_comm`).
 """
 
 import dataclasses
@@ -138,7 +138,7 @@ def convert_tp(
     )
 
 
-# --- Communication: what the engine is designed to send, and the minimum -------------
+# --- Communication: what the engine is designed to send ------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +158,7 @@ class Traffic:
 
 
 def _traffic(s: "Shapes", permute: int, tensor_all_reduces: int, result: int, wire: int) -> Traffic:
-    # The parts of a step's traffic that designed and minimum bytes share.
+    # The designed traffic by part.
     return Traffic(
         permute=permute,
         stage_grads=s.stage_param_bytes if s.dp > 1 else 0,
@@ -213,15 +213,14 @@ def shapes(model: Any, plan: eqxpar.Plan, cfg: _workload.Config, loss: Any) -> S
     )
 
 
-def _tensor_all_reduces(s: Shapes, *, designed: bool) -> int:
+def _tensor_all_reduces(s: Shapes) -> int:
     # Megatron layers sum the attention and the MLP outputs over `tensor` in the
     # forward pass, and their input cotangents in the backward pass: 2 + 2
     # activation all-reduces per layer and micro-batch. The engine's backward also
     # recomputes the stage forward (it keeps only stage inputs): 2 more.
     if s.tensor == 1:
         return 0
-    per_layer = 6 if designed else 4
-    return per_layer * s.layers_per_device * s.chunks * s.microbatches
+    return 6 * s.layers_per_device * s.chunks * s.microbatches
 
 
 def designed_bytes(s: Shapes, ticks: int) -> Traffic:
@@ -232,7 +231,7 @@ def designed_bytes(s: Shapes, ticks: int) -> Traffic:
     device's busiest column runs (forward, recomputed forward, backward)."""
     permute = ticks * 2 * s.activation_bytes if s.stages > 1 else 0
     grads = s.stage_param_bytes + s.rest_param_bytes
-    tensor = _tensor_all_reduces(s, designed=True)
+    tensor = _tensor_all_reduces(s)
     result = (
         permute
         + (grads if s.dp > 1 else 0)
@@ -243,40 +242,6 @@ def designed_bytes(s: Shapes, ticks: int) -> Traffic:
         permute
         + _ring_all_reduce(grads, s.dp)
         + _ring_all_reduce(s.rest_param_bytes, s.stages)
-        + tensor * _ring_all_reduce(s.activation_bytes, s.tensor)
-    )
-    return _traffic(s, permute, tensor, result, wire)
-
-
-def minimum_bytes(s: Shapes) -> Traffic:
-    """The least a pipeline step must move per device (the busiest device).
-
-    - Boundaries: virtual stage `k` (device `k % p`) sends each of the `m`
-      micro-batches' activations on unless it is the last, and their cotangents
-      back unless it is the first: device `d` sends `m (2 v - [d = p-1] - [d = 0])`
-      activations, the most `2 m v` when `p > 2`.
-    - The data-axis all-reduce of the device's stack gradients.
-    - The non-stack gradients (embedding on the first stage, head on the last),
-      summed over data and made equal on every stage: one all-reduce over the
-      `p x dp` devices.
-    - With `tensor`: 4 activation all-reduces per layer and micro-batch (2 forward,
-      2 backward; no recomputation).
-    """
-    p, v, m = s.stages, s.chunks, s.microbatches
-    sends = max((m * (2 * v - (d == p - 1) - (d == 0)) for d in range(p)), default=0) if p > 1 else 0
-    permute = sends * s.activation_bytes
-    tensor = _tensor_all_reduces(s, designed=False)
-    n = p * s.dp
-    result = (
-        permute
-        + (s.stage_param_bytes if s.dp > 1 else 0)
-        + (s.rest_param_bytes if n > 1 else 0)
-        + tensor * s.activation_bytes
-    )
-    wire = (
-        permute
-        + _ring_all_reduce(s.stage_param_bytes, s.dp)
-        + _ring_all_reduce(s.rest_param_bytes, n)
         + tensor * _ring_all_reduce(s.activation_bytes, s.tensor)
     )
     return _traffic(s, permute, tensor, result, wire)

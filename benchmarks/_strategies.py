@@ -1,9 +1,10 @@
-"""The registry of benchmarked strategies and their theoretical communication minimum.
+"""The registry of benchmarked strategies.
 
 A strategy is a builder `(model, optim) -> Setup`: the eqxpar plan and step, the
 hand-written `jax.jit` step with the same shardings (or None where none exists), and
-the inputs of `min_comm_bytes`. Adding FSDP, TP or a pipeline means adding a builder
-to `STRATEGIES` and, for a new kind of parallelism, a case to `min_comm_bytes`.
+the loss the eqxpar side runs. Its theoretical communication minimum is the
+library's, `eqxpar.inspect.minimum_comm` (`minimum(setup, ...)`), so adding a
+strategy means adding a builder to `STRATEGIES` only.
 """
 
 import concurrent.futures
@@ -53,9 +54,9 @@ class Setup:
     plan: eqxpar.Plan
     step: eqxpar.train.Step
     baseline: JitStep | EqxBaseline | None
-    # What the minimum is the minimum *of*: a kind `min_comm_bytes` knows, or
-    # "custom" with `minimum` given.
-    min_kind: str
+    #: Unused (every minimum is `eqxpar.inspect.minimum_comm`'s); kept so that
+    #: `benchmarks.scaling`, which still names a kind, builds its setups unchanged.
+    min_kind: str = "plan"
     # The eqxpar side may run the workload written with eqxpar.nn layers: `convert`
     # maps the workload model (and, being a pure re-layout, its gradients and
     # parameters) to that model, whose loss is `loss_fn`.
@@ -66,8 +67,6 @@ class Setup:
     reference_loss_fn: Callable = _workload.loss_fn
     #: What `baseline_step_time_s` and the baseline bytes are, in words.
     baseline_name: str = "hand-written jax.jit step with the same shardings"
-    #: `minimum(eqx_model) -> Minimum` where `min_kind == "custom"`.
-    minimum: Callable[[Any], "Minimum"] | None = None
     #: `extra(compiled, eqx_model, runner) -> dict`: more fields for the record.
     extra: Callable[..., dict] | None = None
     #: What the record is held to (`tests/test_benchmarks_harness.py` reads it).
@@ -79,7 +78,7 @@ class Setup:
 
 @dataclasses.dataclass(frozen=True)
 class Minimum:
-    """The theoretical communication minimum per device per step, counted two ways."""
+    """The theoretical communication minimum per device per step, as a record stores it."""
 
     #: Collective result bytes, as `eqxpar.inspect.collective_stats(...).bytes` counts.
     result_bytes: int
@@ -87,120 +86,62 @@ class Minimum:
     #: the measure that treats an all-reduce and the all-gather + reduce-scatter (or
     #: ring of permutes) replacing it alike.
     wire_bytes: int
+    #: What was counted: description -> (result bytes, wire bytes).
+    parts: dict = dataclasses.field(default_factory=dict)
 
 
-def _ring(kind: str, nbytes: int, n: int) -> int:
-    # Wire bytes of one collective of `nbytes` result bytes over n devices.
-    if n <= 1:
-        return 0
-    return {"all-reduce": 2 * (n - 1) * nbytes // n, "all-gather": (n - 1) * nbytes // n}[kind]
+def batch_outline(cfg: _workload.Config = _workload.CONFIG) -> _workload.Batch:
+    """The shapes of one workload batch (inputs, targets), for tracing the loss."""
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32)
+    return tokens, tokens
+
+
+def minimum(
+    setup: Setup, eqx_model: Any, cfg: _workload.Config = _workload.CONFIG, **options: Any
+) -> Minimum:
+    """The library's theoretical minimum (`eqxpar.inspect.minimum_comm`) of `setup`'s
+    plan on `eqx_model` (the model its step runs), its loss on a batch of `cfg`;
+    `options` (e.g. `moved_dtype=`) are passed on."""
+    low = eqxpar.inspect.minimum_comm(
+        setup.plan, eqx_model, loss=setup.loss_fn, batch=batch_outline(cfg), **options
+    )
+    return Minimum(low.total_bytes, low.total_wire_bytes or 0, dict(low.parts))
+
+
+def sharded_minimum(model: Any, plan: eqxpar.Plan, cfg: _workload.Config = _workload.CONFIG) -> Minimum:
+    """`minimum` of `plan` on `model` (a plain workload or `_tp_model` model).
+
+    Kept for `benchmarks.scaling`, which names its minima by kind; it should call
+    `minimum(setup, eqx_model, cfg)`."""
+    loss = _tp_model.loss_fn if isinstance(model, _tp_model.TPTransformer) else _workload.loss_fn
+    return minimum(Setup(plan=plan, step=None, baseline=None, loss_fn=loss), model, cfg)
 
 
 def min_comm_bytes(
-    kind: str,
-    *,
-    param_bytes: int,
-    mesh_shape: dict[str, int],
-    local_param_bytes: int | None = None,
-    cfg: _workload.Config = _workload.CONFIG,
+    kind: str, *, mesh_shape: dict[str, int], cfg: _workload.Config = _workload.CONFIG, **_: Any
 ) -> Minimum:
-    """Theoretical minimum collective bytes per device per step for `kind`.
+    """`minimum` of the plan a `benchmarks.scaling` kind names on `mesh_shape` (on the
+    first devices) at width `cfg`: `"dp"` every weight replicated, `"tp"` the
+    Megatron layout of `_tp_model`. Other arguments (the old formula's inputs) are
+    ignored.
 
-    - `"dp"` (every weight replicated, batch split over `data` x `fsdp`): the gradients
-      must be summed over the data-parallel devices once per step, and nothing else
-      must move: one all-reduce of the whole gradient, whose result is
-      `param_bytes` (4 x 3,454,464 = 13,817,856 B for this workload; 24.2 MB on the
-      wire with a ring over 8). The 4-byte reduction of the scalar loss is not
-      counted. With a single data-parallel device nothing moves: 0.
-    - `"tp"` (Megatron layout over `tensor`, batch over `data`; ANCHORS.md): per layer
-      and direction, the attention and MLP outputs are summed over `tensor`: 4
-      all-reduces of the local activation `(batch / data, seq, d_model)` per layer
-      (2.10 MB each here, 16 in all = 33.55 MB), plus one all-reduce over `data` of
-      the gradients of this device's parameters, `local_param_bytes` (4.36 MB):
-      37.91 MB of results. Sequence parallelism replaces each activation all-reduce
-      by an all-gather and a reduce-scatter of the same wire bytes, so its minimum
-      is the same on the wire.
-    """
-    dp = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    Kept for `benchmarks.scaling`; it should call `minimum(setup, eqx_model, cfg)`."""
+    if kind not in ("dp", "tp"):
+        raise ValueError(f"min_comm_bytes: unknown strategy kind {kind!r}; known: 'dp', 'tp'")
+    devices = jax.devices()[: math.prod(mesh_shape.values())]
+    mesh = eqxpar.make_mesh(**mesh_shape, devices=devices)
+    model = eqx.filter_eval_shape(_workload.make_model, cfg)
     if kind == "dp":
-        result = param_bytes if dp > 1 else 0
-        return Minimum(result, _ring("all-reduce", result, dp))
-    if kind == "tp":
-        if local_param_bytes is None:
-            raise ValueError("min_comm_bytes('tp', ...) needs local_param_bytes")
-        tp = mesh_shape.get("tensor", 1)
-        activation = (cfg.batch // dp) * cfg.seq_len * cfg.d_model * 4
-        count = 4 * cfg.layers if tp > 1 else 0
-        grads = local_param_bytes if dp > 1 else 0
-        return Minimum(
-            count * activation + grads,
-            count * _ring("all-reduce", activation, tp) + _ring("all-reduce", grads, dp),
-        )
-    raise ValueError(f"min_comm_bytes: no formula for strategy kind {kind!r}; known: 'dp', 'tp', 'sharded'")
-
-
-def sharded_minimum(
-    model: Any,
-    plan: eqxpar.Plan,
-    cfg: _workload.Config = _workload.CONFIG,
-    *,
-    moved_itemsize: int | None = None,
-) -> Minimum:
-    """The minimum of a plan whose weights may be split over the batch axes (FSDP,
-    HSDP, ZeRO-1) and over `tensor`, counted leaf by leaf from `model`'s specs.
-
-    Per floating-point weight, with `L` its bytes on one tensor shard and `g` the
-    number of batch-axis devices its spec (or, under ZeRO-1, its optimizer state's
-    spec) splits it over, of the plan's `dp` batch devices:
-
-    - `g > 1`: one all-gather of `L` (the weight made whole once per step and kept
-      for the backward pass: remat "none"; under ZeRO-1 after the update), one
-      reduce-scatter of its gradient (result `L / g`), and an all-reduce of that
-      shard over the other `dp / g` batch devices (HSDP);
-    - `g == 1`: one all-reduce of its gradient `L` over the `dp` batch devices;
-
-    plus, with `tensor > 1`, the activation traffic of the `"tp"` minimum (4
-    all-reduces of the local activation per layer, or the same wire bytes as
-    sequence-parallel gather/scatter pairs). With `Plan(compute_dtype=...)` the
-    gathers, their reduce-scatters and the activations are in that dtype, unless
-    `moved_itemsize` says what the backend's collectives really move per element
-    (XLA:CPU moves bf16 collectives as float32: 4).
-    """
-    specs = eqxpar.partition_specs(model, plan.optimizer_rules, mesh=plan.mesh)
-    mesh = plan.mesh.shape
-    dp = math.prod(mesh[a] for a in plan.batch_axes)
-    compute = 4 if plan.compute_dtype is None else jnp.dtype(plan.compute_dtype).itemsize
-    compute = compute if moved_itemsize is None else moved_itemsize
-    result = wire = 0
-    for leaf, spec in zip(
-        jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)),
-        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)),
-        strict=True,
-    ):
-        axes = [a for entry in spec for a in mesh_axis_names(entry)]
-        tp = math.prod(mesh[a] for a in axes if a not in plan.batch_axes)
-        g = math.prod(mesh[a] for a in axes if a in plan.batch_axes)
-        local = leaf.nbytes // tp
-        if g > 1:
-            gathered = local * compute // leaf.dtype.itemsize
-            result += gathered + gathered // g + (gathered // g if dp > g else 0)
-            wire += _ring("all-gather", gathered, g) + (g - 1) * (gathered // g)
-            wire += _ring("all-reduce", gathered // g, dp // g)
-        elif dp > 1:
-            result += local
-            wire += _ring("all-reduce", local, dp)
-    tp = mesh.get("tensor", 1)
-    if tp > 1:
-        activation = (cfg.batch // dp) * cfg.seq_len * cfg.d_model * compute
-        result += 4 * cfg.layers * activation
-        wire += 4 * cfg.layers * _ring("all-reduce", activation, tp)
-    return Minimum(result, wire)
+        return sharded_minimum(model, eqxpar.Plan(mesh), cfg)
+    tp_model = eqx.filter_eval_shape(_tp_model.convert, model, cfg)
+    return sharded_minimum(tp_model, eqxpar.Plan(mesh, rules=eqxpar.rules.MEGATRON), cfg)
 
 
 def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
-    """Bytes of one device's share of `model`'s floating-point parameters (arrays) under `plan`."""
+    """Bytes of one device's share of `model`'s floating-point parameters (arrays, or
+    the `jax.ShapeDtypeStruct`s of an `eqx.filter_eval_shape` outline) under `plan`."""
     specs = eqxpar.partition_specs(model, plan)
-    params = eqx.filter(model, eqx.is_inexact_array)
+    params = eqx.filter(model, lambda x: hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
     total = 0
     for leaf, spec in zip(
         jax.tree.leaves(params),
@@ -211,7 +152,7 @@ def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
         for entry in spec:
             for axis in mesh_axis_names(entry):
                 split *= plan.mesh.shape[axis]
-        total += leaf.nbytes // split
+        total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
     return total
 
 
@@ -233,7 +174,7 @@ def _dp(mode: str) -> Builder:
             param_specs=PartitionSpec(),
             batch_spec=PartitionSpec("data"),
         )
-        return Setup(plan=plan, step=step, baseline=baseline, min_kind="dp")
+        return Setup(plan=plan, step=step, baseline=baseline)
 
     return build
 
@@ -319,7 +260,6 @@ def _tp(**plan_options: Any) -> Builder:
             plan=plan,
             step=step,
             baseline=baseline,
-            min_kind="tp",
             loss_fn=_tp_model.loss_fn,
             convert=_tp_model.convert,
             contract=contract,
@@ -384,7 +324,7 @@ def _fsdp(mesh: dict[str, int], **plan_options: Any) -> Builder:
                 "note": "automatic mode is the GSPMD step; the <= 1.05 x minimum FSDP contract is "
                 "fsdp_manual's",
             }
-        return Setup(plan=plan, step=step, baseline=baseline, min_kind="sharded", contract=contract)
+        return Setup(plan=plan, step=step, baseline=baseline, contract=contract)
 
     return build
 
@@ -396,7 +336,7 @@ def _zero1(model: Any, optim: optax.GradientTransformation) -> Setup:
     params = eqx.filter(model, eqx.is_inexact_array)
     opt_specs = eqxpar.partition_specs(params, plan.optimizer_rules, mesh=plan.mesh)
     baseline = _gspmd_baseline(model, optim, plan, jax.tree.map(lambda _: PartitionSpec(), params), opt_specs)
-    return Setup(plan=plan, step=step, baseline=baseline, min_kind="sharded")
+    return Setup(plan=plan, step=step, baseline=baseline)
 
 
 def _fsdp_tp(mesh: dict[str, int], **plan_options: Any) -> Builder:
@@ -418,7 +358,6 @@ def _fsdp_tp(mesh: dict[str, int], **plan_options: Any) -> Builder:
             plan=plan,
             step=step,
             baseline=baseline,
-            min_kind="sharded",
             loss_fn=_tp_model.loss_fn,
             convert=_tp_model.convert,
         )
@@ -428,7 +367,7 @@ def _fsdp_tp(mesh: dict[str, int], **plan_options: Any) -> Builder:
             setup,
             reference_loss_fn=mixed_precision(_workload.loss_fn, plan.compute_dtype),
             baseline_name="hand-written jax.jit step with the same shardings, float32 (no casts)",
-            extra=_moved_dtype_minimum(plan),
+            extra=_moved_dtype_minimum(setup),
             contract={
                 "wire_over_moved_min_max": 1.05,
                 "wire_le_baseline": True,
@@ -472,9 +411,10 @@ def mixed_precision(loss_fn: Callable, dtype: Any) -> Callable:
     return loss
 
 
-def _moved_dtype_minimum(plan: eqxpar.Plan) -> Callable[..., dict]:
+def _moved_dtype_minimum(setup: Setup) -> Callable[..., dict]:
     def extra(compiled: Any, model: Any, runner: Any) -> dict:
-        moved = sharded_minimum(model, plan, moved_itemsize=4)
+        # XLA:CPU moves the bf16 collectives as float32: the minimum in that dtype.
+        moved = minimum(setup, model, moved_dtype=jnp.float32)
         return {
             "comm_wire_bytes_min_moved_dtype": moved.wire_bytes,
             "comm_bytes_min_moved_dtype": moved.result_bytes,
@@ -566,10 +506,6 @@ class _Pipeline:
         )
         sched = eqxpar.pipeline.schedule(self.schedule, stages=p, microbatches=m, chunks=v)
 
-        def minimum(eqx_model: Any) -> Minimum:
-            least = _pipeline.minimum_bytes(_pipeline.shapes(eqx_model, plan, cfg, loss))
-            return Minimum(least.result, least.wire)
-
         def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
             shapes = _pipeline.shapes(eqx_model, plan, cfg, loss)
             designed = _pipeline.designed_bytes(shapes, sched.ticks)
@@ -602,7 +538,6 @@ class _Pipeline:
                 "comm_wire_bytes_formula": designed.wire,
                 "comm_permute_bytes_formula": designed.permute,
                 "comm_formula_parts": designed.as_dict(),
-                "comm_min_parts": _pipeline.minimum_bytes(shapes).as_dict(),
                 "comm_wire_bytes_formula_text": _pipeline.formula_text(shapes, sched.ticks),
                 "memory_sweep": sweep,
             }
@@ -612,12 +547,10 @@ class _Pipeline:
             plan=plan,
             step=step,
             baseline=baseline,
-            min_kind="custom",
             loss_fn=loss,
             convert=functools.partial(to_model, stages=p, chunks=v),
             baseline_name=f"eqxpar {what} of the same model on the same mesh ({m} micro-batches), "
             "timed interleaved in the same process",
-            minimum=minimum,
             extra=extra,
             contract={"parity_max_rel_err": 1e-5, "permute_bytes_eq_formula": True, **self.contract},
         )

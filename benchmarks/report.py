@@ -44,10 +44,11 @@ EXPLANATION = """\
   collective-permute: the moved tensor), loop bodies weighted by their trip count; kinds and
   counts in parentheses (AR all-reduce, AG all-gather, RS reduce-scatter, CP collective-permute,
   A2A all-to-all). 1 MB = 10^6 bytes.
-- **min MB**: the theoretical minimum of the same count for the strategy (data parallel: one
-  all-reduce of the gradients = the parameter bytes; tensor parallel: 16 activation
-  all-reduces plus the data-axis all-reduce of the local gradients; the scalar loss reduction
-  is not counted).
+- **min MB**: the theoretical minimum of the same count for the strategy, from
+  `eqxpar.inspect.minimum_comm` (data parallel: one all-reduce of the gradients = the parameter
+  bytes; tensor parallel: 16 activation all-reduces plus the data-axis all-reduce of the local
+  gradients; the scalar loss reduction is not counted; each record's `comm_min_parts` names
+  the parts).
 - **wire MB**: the bytes each device sends, with bandwidth-optimal rings over each
   collective's group of n devices: all-reduce 2(n-1)/n x result, all-gather and all-to-all
   (n-1)/n x result, reduce-scatter (n-1) x result, collective-permute its result. This is
@@ -182,7 +183,7 @@ NOTES = {
         "**fsdp_manual / zero1 / hsdp** run the plain workload (no eqxpar layer) with "
         "`rules.FSDP` (every large weight split over `fsdp` on its largest divisible dimension, "
         "ANCHORS.md's `jax.jit` FSDP layout) or ZeRO-1's `rules.ZeroShard`. The minimum "
-        "(`benchmarks/_strategies.py::sharded_minimum`) gathers each split weight once and keeps "
+        "(`eqxpar.inspect.minimum_comm`, as for every record) gathers each split weight once and keeps "
         "it for the backward pass (remat none), reduce-scatters its gradient and all-reduces the "
         "replicated leaves. The baseline, `jax.jit` with the same shardings, all-reduces the whole "
         "gradient on CPU and slices it (36.24 MB on the wire, 1.50x the minimum); eqxpar's manual "

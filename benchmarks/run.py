@@ -5,10 +5,10 @@
 For each strategy: the eqxpar step's median step time beside a baseline step
 (interleaved in this process: a hand-written `jax.jit` step with the same shardings;
 for pipelines, eqxpar's GPipe step of the same model and mesh), collective bytes
-against the theoretical minimum and the baseline, per-device memory, parity of the
-loss and gradients of the step's first call with one device, the parameter
-trajectory against a single-device run over the same steps, and the contract the
-record is held to.
+against the theoretical minimum (`eqxpar.inspect.minimum_comm`) and the baseline,
+per-device memory, parity of the loss and gradients of the step's first call with
+one device, the parameter trajectory against a single-device run over the same
+steps, and the contract the record is held to.
 Pipeline records add their schedule, the bytes the engine is designed to send and a
 memory sweep over the micro-batch count (compiled, not run).
 """
@@ -37,13 +37,7 @@ import jax  # noqa: E402
 
 from . import _measure, _workload, report  # noqa: E402
 from ._baseline import reference_run  # noqa: E402
-from ._strategies import (  # noqa: E402
-    STRATEGIES,
-    EqxBaseline,
-    local_param_bytes,
-    min_comm_bytes,
-    sharded_minimum,
-)
+from ._strategies import STRATEGIES, EqxBaseline, minimum  # noqa: E402
 
 DEVICES = 8
 # (warm-up steps, timed steps) per side; one step takes 1-7 s on 2 cores. The first
@@ -151,19 +145,8 @@ def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, t
             vs_baseline = _measure.max_rel_err(
                 eqx_runner.params(), eqx.filter(setup.convert(base_runner.params()), eqx.is_inexact_array)
             )
-    mesh_shape = {k: int(v) for k, v in setup.plan.mesh.shape.items()}
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    if setup.min_kind == "custom":
-        minimum = setup.minimum(eqx_model)
-    elif setup.min_kind == "sharded":
-        minimum = sharded_minimum(eqx_model, setup.plan)
-    else:
-        minimum = min_comm_bytes(
-            setup.min_kind,
-            param_bytes=param_bytes,
-            mesh_shape=mesh_shape,
-            local_param_bytes=local_param_bytes(eqx_model, setup.plan),
-        )
+    # The library's theoretical minimum of the plan (eqxpar.inspect.minimum_comm).
+    least = minimum(setup, eqx_model, cfg)
     record = {
         "strategy": name,
         "mesh": _mesh_dict(setup.plan.mesh),
@@ -175,11 +158,12 @@ def measure(name: str, workloads: _Workloads, batches: Sequence, *, warm: int, t
         "comm_bytes": comm_bytes,
         "comm_counts": comm_counts,
         "comm_bytes_total": sum(comm_bytes.values()),
-        "comm_bytes_min": minimum.result_bytes,
+        "comm_bytes_min": least.result_bytes,
         "comm_bytes_baseline": comm_baseline,
         "comm_wire_bytes": comm_wire,
         "comm_wire_bytes_total": sum(comm_wire.values()),
-        "comm_wire_bytes_min": minimum.wire_bytes,
+        "comm_wire_bytes_min": least.wire_bytes,
+        "comm_min_parts": {part: {"bytes": b, "wire_bytes": w} for part, (b, w) in least.parts.items()},
         "comm_wire_bytes_baseline": wire_baseline,
         "mem_argument_bytes": arg_bytes,
         "mem_temp_bytes": temp_bytes,

@@ -9,10 +9,10 @@ from ._layout import layout as layout
 from ._layout import save_layout_png as save_layout_png
 from ._memory import MemoryReport as MemoryReport
 from ._memory import memory_report as memory_report
+from ._minimum import Minimum as Minimum
+from ._minimum import minimum_comm as minimum_comm
 from ._report import CommReport as CommReport
-from ._report import Minimum as Minimum
 from ._report import comm_report as comm_report
-from ._report import minimum_comm as minimum_comm
 from ._table import Row as Row
 from ._table import ShardingTable as ShardingTable
 from ._table import sharding_table as sharding_table

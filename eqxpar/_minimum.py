@@ -1,0 +1,651 @@
+"""The theoretical minimum communication of a plan: what any implementation of
+its layout must move per device per step, derived from the plan, the parameter
+shapes and (for tensor and pipeline parallelism) the loss function's own
+computation, never from compiled code.
+
+Counted as `eqxpar.inspect.collective_stats` counts a compiled step: result bytes
+and wire bytes (bandwidth-optimal rings over each group of n devices: all-gather
+`(n-1)/n` of the gathered tensor, reduce-scatter `(n-1)` shards, all-reduce
+`2 (n-1)/n` of the tensor, a collective-permute its bytes).
+"""
+
+import dataclasses
+import inspect
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.tree_util import keystr
+
+from ._errors import EqxparError, PlanError
+from ._hlo import _ring_bytes
+from ._plan import Plan
+from ._rules import mesh_axis_names
+from ._specs import is_array_like, partition_specs
+from ._text import short
+
+#: The mesh axis pipeline plans split a stack's layers over.
+PIPE = "pipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class Minimum:
+    """Collective bytes per device per step that a plan cannot do without.
+
+    Counted as `eqxpar.inspect.collective_stats` counts them: `bytes` (result
+    bytes) and `wire_bytes` (what one device sends with bandwidth-optimal rings),
+    by collective kind. `parts` names what was counted: description ->
+    `(result bytes, wire bytes)`. `by_kind=False` when only totals are known (a
+    number the user gave); `note` says what was counted.
+
+    ```python
+    m = eqxpar.inspect.Minimum.total(1_000_000, wire_bytes=1_750_000, note="my count")
+    m.total_bytes   # 1_000_000
+    ```
+    """
+
+    bytes: dict[str, int]
+    wire_bytes: dict[str, int] | None
+    note: str
+    by_kind: bool = True
+    parts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def total(cls, result_bytes: int, *, wire_bytes: int | None = None, note: str = "given") -> "Minimum":
+        """A minimum known only as totals (result bytes, optionally wire bytes)."""
+        wire = None if wire_bytes is None else {"total": int(wire_bytes)}
+        return cls(bytes={"total": int(result_bytes)}, wire_bytes=wire, note=note, by_kind=False)
+
+    @property
+    def total_bytes(self) -> int:
+        """Result bytes of all kinds."""
+        return sum(self.bytes.values())
+
+    @property
+    def total_wire_bytes(self) -> int | None:
+        """Wire bytes of all kinds, or None when unknown."""
+        return None if self.wire_bytes is None else sum(self.wire_bytes.values())
+
+
+# --- Tallying collectives --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """`repeat` collectives of one kind over `n` devices, each of `size` result bytes."""
+
+    part: str
+    kind: str
+    n: int
+    size: int
+    repeat: int = 1
+
+    @property
+    def result(self) -> int:
+        return self.size * self.repeat if self.n > 1 or self.kind == "collective-permute" else 0
+
+    @property
+    def wire(self) -> int:
+        if self.kind == "collective-permute":
+            return self.size * self.repeat
+        return self.repeat * _ring_bytes(self.kind, self.size, self.n)
+
+
+def _minimum(items: list[_Item], note: str) -> Minimum:
+    """A `Minimum` of tallied collectives (kinds and parts that move nothing left out)."""
+    result: dict[str, int] = defaultdict(int)
+    wire: dict[str, int] = defaultdict(int)
+    parts: dict[str, list[int]] = {}
+    for item in items:
+        if not item.result:
+            continue
+        result[item.kind] += item.result
+        wire[item.kind] += item.wire
+        part = parts.setdefault(item.part, [0, 0])
+        part[0] += item.result
+        part[1] += item.wire
+    return Minimum(
+        bytes=dict(result), wire_bytes=dict(wire), note=note, parts={k: (a, b) for k, (a, b) in parts.items()}
+    )
+
+
+def _axes_text(axes: list[str], sizes: dict[str, int]) -> str:
+    return " x ".join(f"{a}={sizes[a]}" for a in axes)
+
+
+# --- Parameter traffic: gradient reduction, FSDP gathers --------------------------------
+
+
+def _is_inexact(x: Any) -> bool:
+    # Floating-point arrays and their eval_shape outlines: the leaves with gradients.
+    return is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _in_stack(params: Any) -> list[bool]:
+    """Per leaf of `params` (in `jax.tree.leaves` order): whether it lies in an
+    `eqxpar.nn.Stacked`, whose scan re-gathers FSDP weights under `Plan(remat=...)`."""
+    from .nn._stack import Stacked
+
+    def mark(node: Any) -> Any:
+        return jax.tree.map(lambda _: isinstance(node, Stacked), node)
+
+    marked = jax.tree.map(mark, params, is_leaf=lambda n: isinstance(n, Stacked))
+    return jax.tree.leaves(marked)
+
+
+def _gathers(plan: Plan, in_stack: bool, gathers: int | None) -> int:
+    # How often a weight split over batch axes is all-gathered per step: once when
+    # the gathered weight is kept for the backward pass; a scanned stack under
+    # remat "dots"/"inputs" gathers again for the backward, "full" once more for
+    # the recomputed forward.
+    if gathers is not None:
+        return gathers
+    if not in_stack or plan.remat == "none":
+        return 1
+    return 3 if plan.remat == "full" else 2
+
+
+def _first(dtype: Any, default: Any) -> Any:
+    # A plan's optional dtype, else the leaf's own.
+    return default if dtype is None else dtype
+
+
+def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) -> list[_Item]:
+    """The gradient reductions and FSDP gathers of every floating-point leaf.
+
+    Per leaf, with `L` its bytes on one device of the non-batch axes (tensor,
+    pipe) and `g` the batch-axis devices its spec (under ZeRO-1: its optimizer
+    state's spec) splits it over: `g > 1` all-gathers `L` (in the compute dtype)
+    `_gathers` times over `g`, reduce-scatters its gradient and all-reduces the
+    shard over the remaining replicas; `g == 1` all-reduces `L` (in `reduce_dtype`,
+    else its own dtype) over its replicas: the batch axes, and `pipe` for a leaf
+    outside the pipelined stack (every stage holds a copy). Leaves of one group
+    are summed into one collective, as XLA combines them.
+    """
+    sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    batch = [a for a in plan.batch_axes if sizes[a] > 1]
+    allowed = set(batch) | {plan.tensor_axis} | ({PIPE} if plan.schedule is not None else set())
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    # Under ZeRO-1 the optimizer state's layout says which weights are split and gathered.
+    specs = partition_specs(params, plan.optimizer_rules, mesh=plan.mesh)
+    specs = jax.tree.structure(params).flatten_up_to(specs)
+    groups: dict[tuple[str, str, int, int], int] = defaultdict(int)
+    for (path, leaf), spec, stacked in zip(flat, specs, _in_stack(params), strict=True):
+        if not _is_inexact(leaf):
+            continue
+        axes = [a for entry in spec for a in mesh_axis_names(entry) if sizes[a] > 1]
+        for axis in axes:
+            if axis not in allowed:
+                raise PlanError(
+                    f"minimum_comm: parameter {keystr(path)} has spec {spec}, split over mesh axis "
+                    f"{axis!r}, which is neither a batch axis {plan.batch_axes}, the tensor axis "
+                    f"{plan.tensor_axis!r} nor (pipeline plans) 'pipe'; eqxpar knows no minimum for "
+                    "that layout. Pass your own count as comm_report(..., minimum=Minimum.total(...))."
+                )
+        itemsize = jnp.dtype(leaf.dtype).itemsize
+        local = math.prod(leaf.shape) * itemsize // math.prod(sizes[a] for a in axes if a not in batch)
+        split = [a for a in axes if a in batch]
+        rest = [a for a in batch if a not in split]
+        if plan.schedule is not None and PIPE not in axes and sizes.get(PIPE, 1) > 1:
+            rest.append(PIPE)
+        g, r = math.prod(sizes[a] for a in split), math.prod(sizes[a] for a in rest)
+        reduced = f"gradient all-reduce over {_axes_text(rest, sizes)}"
+        if g > 1:
+            dtype = moved if moved is not None else _first(plan.compute_dtype, leaf.dtype)
+            whole = local * jnp.dtype(dtype).itemsize // itemsize
+            k = _gathers(plan, stacked, gathers)
+            over = _axes_text(split, sizes)
+            groups[(f"FSDP all-gather over {over} ({k} per step)", "all-gather", g, k)] += whole
+            groups[(f"FSDP gradient reduce-scatter over {over}", "reduce-scatter", g, 1)] += whole // g
+            groups[(reduced, "all-reduce", r, 1)] += whole // g
+        else:
+            dtype = _first(plan.reduce_dtype, leaf.dtype)
+            groups[(reduced, "all-reduce", r, 1)] += local * jnp.dtype(dtype).itemsize // itemsize
+    return [_Item(part, kind, n, size, repeat) for (part, kind, n, repeat), size in groups.items()]
+
+
+# --- Tensor-parallel activation sums, read from the loss function's jaxpr -----------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sum:
+    """`count` sums over the tensor axis of an activation of `nbytes` (global shape)."""
+
+    where: str  # "forward" (a row-parallel output) or "backward" (a column-parallel input)
+    count: int
+    nbytes: int
+
+
+def _aval_bytes(aval: Any, moved: Any) -> int:
+    dtype = moved if moved is not None and jnp.issubdtype(aval.dtype, jnp.floating) else aval.dtype
+    return math.prod(aval.shape) * jnp.dtype(dtype).itemsize
+
+
+def _reshape_dims(old: tuple[int, ...], new: tuple[int, ...], dims: frozenset[int]) -> frozenset[int]:
+    # The dimension of the reshaped array that holds each split dimension: the one
+    # whose run of outer indices contains the split dimension's start.
+    out = set()
+    for d in dims:
+        outer, acc = math.prod(old[:d]), 1
+        for j, size in enumerate(new):
+            if acc <= outer < acc * size:
+                out.add(j)
+                break
+            acc *= size
+    return frozenset(out)
+
+
+#: Primitives whose output keeps its input's dimensions (and so its split).
+_SAME_DIMS = frozenset(
+    {
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+        "slice",
+        "dynamic_slice",
+        "sharding_constraint",
+    }
+)
+
+
+def _follow(eqn: Any, dims: frozenset[int]) -> frozenset[int] | None:
+    """The split dimensions of a weight after a layout primitive, or None when
+    `eqn` is not one (its output is no longer "the weight")."""
+    name, params = eqn.primitive.name, eqn.params
+    if name in _SAME_DIMS:
+        return dims
+    if name == "transpose":
+        return frozenset(i for i, d in enumerate(params["permutation"]) if d in dims)
+    if name == "broadcast_in_dim":
+        return frozenset(params["broadcast_dimensions"][d] for d in dims)
+    if name == "squeeze":
+        kept = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in set(params["dimensions"])]
+        return frozenset(kept.index(d) for d in dims if d in kept)
+    if name == "reshape":
+        return _reshape_dims(tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]), dims)
+    return None
+
+
+def _inner(eqn: Any) -> Any:
+    """The jaxpr a call-like primitive (jit, checkpoint, custom_jvp/vjp) runs on its
+    operands one to one, or None."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if isinstance(sub, jcore.ClosedJaxpr):
+            sub = sub.jaxpr
+        if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(eqn.invars):
+            return sub
+    return None
+
+
+@dataclasses.dataclass
+class _Walk:
+    """State of one pass over a loss function's jaxpr (see `_tensor_sums`)."""
+
+    moved: Any
+    sums: list[_Sum] = dataclasses.field(default_factory=list)
+    # Column-parallel inputs already counted (their cotangents are summed once
+    # however many weights multiply them: Q, K and V share one).
+    seen: set = dataclasses.field(default_factory=set)
+
+    def dot(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        if (lhs is None) == (rhs is None) or not (lhs or rhs):
+            return
+        dims, contract, act = (rhs, rc, eqn.invars[0]) if rhs is not None else (lhs, lc, eqn.invars[1])
+        if dims & set(contract):
+            # Row-parallel: each device holds a partial product, summed forward.
+            self.sums.append(_Sum("forward", count, _aval_bytes(eqn.outvars[0].aval, self.moved)))
+            return
+        # Column-parallel: the input's cotangent is a partial sum, summed backward.
+        key = alias.get(act, act)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.sums.append(_Sum("backward", count, _aval_bytes(act.aval, self.moved)))
+
+    def gather(self, eqn: Any, ins: list, count: int) -> None:
+        # A lookup in rows split over the tensor axis (a vocabulary-parallel
+        # embedding): each device finds its own rows, summed forward.
+        dims = ins[0]
+        if dims and dims & set(eqn.params["dimension_numbers"].start_index_map):
+            self.sums.append(_Sum("forward", count, _aval_bytes(eqn.outvars[0].aval, self.moved)))
+
+    def scan(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
+        params = eqn.params
+        body = params["jaxpr"].jaxpr
+        consts, carry = params["num_consts"], params["num_carry"]
+        env, inner_alias = {}, {}
+        for i, (inner, outer, dims) in enumerate(zip(body.invars, eqn.invars, ins, strict=True)):
+            if i < consts and isinstance(outer, jcore.Var):
+                inner_alias[inner] = alias.get(outer, outer)
+            if dims is not None:
+                # Scanned-over operands lose their leading (layer) dimension.
+                env[inner] = dims if i < consts + carry else frozenset(d - 1 for d in dims if d > 0)
+        self.run(body, env, inner_alias, count * params["length"])
+
+    def run(self, jaxpr: Any, env: dict, alias: dict, count: int) -> dict:
+        """Walk `jaxpr`, `env` mapping the variables that hold a tensor-split weight to
+        its split dimensions; `count` times per step. Returns `env` extended."""
+        for eqn in jaxpr.eqns:
+            ins = [env.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+            if all(d is None for d in ins):
+                continue
+            name, sub = eqn.primitive.name, _inner(eqn)
+            if name == "dot_general":
+                self.dot(eqn, ins, alias, count)
+            elif name == "gather":
+                self.gather(eqn, ins, count)
+            elif name == "scan":
+                self.scan(eqn, ins, alias, count)
+            elif sub is not None:
+                inner_env = {v: d for v, d in zip(sub.invars, ins, strict=True) if d is not None}
+                pairs = zip(sub.invars, eqn.invars, strict=True)
+                inner_alias = {v: alias.get(o, o) for v, o in pairs if isinstance(o, jcore.Var)}
+                found = self.run(sub, inner_env, inner_alias, count)
+                for inner, outer in zip(sub.outvars, eqn.outvars, strict=True):
+                    if isinstance(inner, jcore.Var) and inner in found:
+                        env[outer] = found[inner]
+            elif ins[0] is not None and len(eqn.outvars) == 1:
+                dims = _follow(eqn, ins[0])
+                if dims is not None:
+                    env[eqn.outvars[0]] = dims
+        return env
+
+
+def _outline(plan: Plan, tree: Any) -> Any:
+    """`tree` with every array leaf a `ShapeDtypeStruct`, floating ones in the
+    plan's compute dtype (what the step's loss sees)."""
+
+    def outline(x: Any) -> Any:
+        if not is_array_like(x):
+            return x
+        dtype = x.dtype
+        if plan.compute_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            dtype = plan.compute_dtype
+        return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
+
+    return jax.tree.map(outline, tree)
+
+
+def _trace(fn: Callable, args: tuple, what: str) -> tuple[Any, Any, list[Any]]:
+    """`(closed jaxpr, output outline, dynamic leaves)` of `fn(*args)` traced on
+    outlines, on one device (no plan): the computation every layout divides up."""
+    leaves, treedef = jax.tree.flatten(args)
+    where = [i for i, x in enumerate(leaves) if is_array_like(x)]
+
+    def flat(*dynamic: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(where, dynamic, strict=True):
+            full[i] = x
+        return fn(*jax.tree.unflatten(treedef, full))
+
+    try:
+        closed, out = jax.make_jaxpr(flat, return_shape=True)(*[leaves[i] for i in where])
+    except EqxparError:
+        raise
+    except Exception as e:
+        raise PlanError(
+            f"minimum_comm: tracing {what} on the model and batch outlines failed ({type(e).__name__}: "
+            f"{short(str(e))}). Pass loss= the function the step differentiates and batch= a global "
+            "batch it accepts."
+        ) from e
+    return closed, out, [leaves[i] for i in where]
+
+
+def _tensor_sums(
+    plan: Plan, fn: Callable, args: tuple, split: dict[int, frozenset[int]], what: str, moved: Any
+) -> list[_Sum]:
+    """The activation sums over the tensor axis that `fn(*args)` needs, read from
+    its jaxpr on one device; `split` maps the index of a model leaf (among
+    `args[0]`'s array leaves, which come first) to its tensor-split dimensions.
+
+    A weight split on a dimension its matmul contracts (row-parallel) leaves each
+    device a partial product: one forward sum of the output. Split on an output
+    dimension (column-parallel), the input's cotangent is partial: one backward sum
+    of the input, once per input however many weights multiply it. A lookup in
+    rows split over the axis (vocabulary-parallel embedding) sums its output
+    forward. Each counts once per execution (scans multiply).
+    """
+    closed, _, _ = _trace(fn, args, what)
+    env = {closed.jaxpr.invars[i]: dims for i, dims in split.items() if dims}
+    walk = _Walk(moved=moved)
+    walk.run(closed.jaxpr, env, {}, 1)
+    return walk.sums
+
+
+def _split_dims(plan: Plan, params: Any) -> dict[int, frozenset[int]]:
+    """Array-leaf index -> the dimensions split over the tensor axis (leaves with any)."""
+    if plan.mesh.shape.get(plan.tensor_axis, 1) == 1:
+        return {}
+    specs = jax.tree.structure(params).flatten_up_to(partition_specs(params, plan))
+    out, index = {}, 0
+    for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True):
+        if not is_array_like(leaf):
+            continue
+        dims = frozenset(d for d, entry in enumerate(spec) if plan.tensor_axis in mesh_axis_names(entry))
+        if dims:
+            out[index] = dims
+        index += 1
+    return out
+
+
+# --- Plans: the parts put together ------------------------------------------------------
+
+
+def _need(plan: Plan, loss: Any, batch: Any, why: str) -> None:
+    if loss is None or batch is None:
+        raise PlanError(
+            f"minimum_comm(plan, model): this plan {why}, whose traffic depends on the model's "
+            "computation. Pass loss= (the function the step differentiates) and batch= (the global "
+            "batch, arrays or jax.ShapeDtypeStructs); comm_report(step, state, batch) passes both."
+        )
+
+
+def _sum_items(sums: list[_Sum], t: int, *, per_device: int, repeat: tuple[int, int] = (1, 1)) -> list[_Item]:
+    """Activation all-reduces over `t` tensor devices: each sum's global bytes split
+    `per_device` ways, repeated `count * repeat[0] // repeat[1]` times."""
+    num, den = repeat
+    part = "tensor-parallel activation sums ({})"
+    return [
+        _Item(part.format(s.where), "all-reduce", t, s.nbytes // per_device, s.count * num // den)
+        for s in sums
+    ]
+
+
+def _with_key(loss: Callable) -> Callable:
+    # A loss taking `key=` gets one, as make_step gives it (its value moves nothing).
+    try:
+        takes_key = "key" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        takes_key = False
+    if not takes_key:
+        return loss
+    return lambda model, batch: loss(model, batch, key=jax.random.key(0))
+
+
+def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+    """The activation sums of a non-pipeline plan whose weights are split over the
+    tensor axis: the whole batch's sums, each split over the batch devices."""
+    split = _split_dims(plan, params)
+    if not split:
+        return []
+    _need(plan, loss, batch, f"splits weights over the tensor axis {plan.tensor_axis!r}")
+    args = (_outline(plan, params), _outline(plan, batch))
+    sums = _tensor_sums(plan, _with_key(loss), args, split, "loss(model, batch)", moved)
+    _check_found(sums, plan)
+    t = plan.mesh.shape[plan.tensor_axis]
+    return _sum_items(sums, t, per_device=plan.batch_size_multiple)
+
+
+def _check_found(sums: list[_Sum], plan: Plan) -> None:
+    if not sums:
+        raise PlanError(
+            f"minimum_comm: weights are split over the tensor axis {plan.tensor_axis!r}, but no matmul "
+            "or lookup of the loss uses a split dimension (eqxpar follows eqxpar.nn layers and plain "
+            "jnp matmuls of the weights), so their activation traffic is unknown. Pass your own count "
+            "as comm_report(..., minimum=Minimum.total(...))."
+        )
+
+
+def _boundary_sends(p: int, v: int, m: int) -> list[int]:
+    # Virtual stage k (device k % p) sends each micro-batch's activation on unless
+    # it is the last virtual stage, and its cotangent back unless it is the first.
+    if p == 1:
+        return [0]
+    return [m * (2 * v - (d == p - 1) - (d == 0)) for d in range(p)]
+
+
+def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+    """The busiest pipeline device's activation traffic: stage-boundary
+    collective-permutes and, with the tensor axis, its stage's activation sums
+    (and the embedding's on the first stage, the head's on the last)."""
+    from .pipeline._loss import PipelineLoss
+
+    _need(plan, loss, batch, f"pipelines a stack (schedule={plan.schedule!r})")
+    if not isinstance(loss, PipelineLoss):
+        raise PlanError(
+            f"minimum_comm(plan, model, loss={short(loss)}): a pipeline plan needs the "
+            "eqxpar.pipeline.PipelineLoss the step runs, to find the stack and its input."
+        )
+    p, v, m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
+    share = plan.batch_size_multiple * m  # one micro-batch on one device of the batch axes
+    model, data = _outline(plan, params), _outline(plan, batch)
+    _, h, _ = _trace(loss.first, (model, data), "loss.first(model, batch)")
+    boundary = sum(_aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
+    split = _split_dims(plan, params)
+    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    first = last = stack = []
+    if split:
+        run_stack = lambda mod, x: loss.stack_of(mod)(x)  # noqa: E731
+        stack = _tensor_sums(plan, run_stack, (model, h), split, "the stack", moved)
+        first = _tensor_sums(plan, loss.first, (model, data), split, "loss.first", moved)
+        last = _tensor_sums(plan, loss.last, (model, h, data), split, "loss.last", moved)
+        _check_found(stack + first + last, plan)
+    busiest: list[_Item] = []
+    for d, sends in enumerate(_boundary_sends(p, v, m)):
+        items = [_Item("pipeline stage boundaries", "collective-permute", p, boundary, sends)]
+        # The stack's layers are shared out over the stages; every micro-batch runs through them.
+        items += _sum_items(stack, t, per_device=share, repeat=(m, p))
+        items += _sum_items(first if d == 0 else [], t, per_device=share, repeat=(m, 1))
+        items += _sum_items(last if d == p - 1 else [], t, per_device=share, repeat=(m, 1))
+        if not busiest or sum(i.wire for i in items) > sum(i.wire for i in busiest):
+            busiest = items
+    return busiest
+
+
+def _note(plan: Plan, items: list[_Item]) -> str:
+    sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    batch = [a for a in plan.batch_axes if sizes[a] > 1]
+    kinds = {i.kind for i in items if i.result}
+    what = []
+    if "all-gather" in kinds:
+        what.append("FSDP: weights all-gathered, gradients reduce-scattered")
+    if any(i.part.startswith("tensor") and i.result for i in items):
+        what.append(f"tensor parallel over {plan.tensor_axis}={sizes[plan.tensor_axis]}: activation sums")
+    if plan.schedule is not None:
+        what.append(f"pipeline over pipe={sizes.get(PIPE, 1)}: the busiest stage's boundaries")
+    devices = _axes_text(batch, sizes) or "1 device"
+    if not what:
+        return f"minimum: data parallel over {devices}, one gradient all-reduce"
+    return f"minimum: {'; '.join(what)}; batch over {devices}"
+
+
+def _checked(plan: Any, params: Any, gathers: Any, moved_dtype: Any) -> Any:
+    """`moved_dtype` as a dtype (or None), after checking `minimum_comm`'s arguments."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"minimum_comm(plan={short(plan)}, ...): expected an eqxpar.Plan.")
+    if not any(_is_inexact(x) for x in jax.tree.leaves(params)):
+        raise EqxparError(
+            f"minimum_comm(plan, params={type(params).__name__}): params has no floating-point "
+            "arrays, so nothing gets a gradient. Pass the model (or its eqx.filter_eval_shape outline)."
+        )
+    if gathers is not None and (not isinstance(gathers, int) or isinstance(gathers, bool) or gathers < 1):
+        raise PlanError(f"minimum_comm(gathers={short(gathers)}): expected a positive int, or None.")
+    try:
+        return None if moved_dtype is None else jnp.dtype(moved_dtype)
+    except TypeError as e:
+        raise PlanError(
+            f"minimum_comm(moved_dtype={short(moved_dtype)}): not a dtype; use e.g. jnp.float32."
+        ) from e
+
+
+def minimum_comm(
+    plan: Any,
+    params: Any,
+    *,
+    loss: Callable | None = None,
+    batch: Any = None,
+    gathers: int | None = None,
+    moved_dtype: Any = None,
+) -> Minimum:
+    """The collective traffic a step under `plan` cannot do without, per device.
+
+    Derived from the plan, the parameter shapes and, where activations move, the
+    loss's computation on one device (its jaxpr on shape outlines; no compiled
+    code). Ring wire bytes over n devices: all-reduce `2 (n-1)/n` of the tensor,
+    all-gather `(n-1)/n`, reduce-scatter `n-1` shards, collective-permute 1x.
+
+    - **Gradients**: a parameter replicated over `r` data-parallel devices (the
+      batch axes; `pipe` too for a pipeline's non-stack leaves) is all-reduced
+      once, one combined collective per group.
+    - **FSDP, HSDP, ZeRO-1** (a parameter, or its ZeRO-1 optimizer state, split over
+      `g` batch devices): one all-gather of the weight (compute dtype) when the
+      gathered copy is kept for the backward pass, the least that layout allows:
+      `remat="none"`, and every weight outside an `eqxpar.nn.Stacked`. A stack
+      under `remat="dots"|"inputs"` gathers again for the backward (2 per step),
+      under `"full"` once more for the recomputed forward (3). Then one
+      reduce-scatter of its gradient, and (HSDP) an all-reduce of the shard over
+      the other batch devices.
+    - **Tensor parallelism** (`t` devices of `plan.tensor_axis`): one activation
+      all-reduce per row-parallel matmul output (forward), per column-parallel
+      matmul input (backward; once for Q, K, V sharing it) and per lookup in
+      vocabulary-split rows (forward): 4 per transformer layer, on this device's
+      rows. Sequence parallelism and ring overlap move the same wire bytes.
+    - **Pipelines** (`p` stages, `v` chunks, `m` micro-batches): the busiest
+      device's boundary collective-permutes, `m (2v - 1)` (end stages) or `2 m v`
+      micro-batch activations, plus its stage's tensor sums (`1/p` of the layers,
+      every micro-batch) and the embedding's or head's on the end stages.
+
+    Not counted: scalar reductions (loss, gradient-norm partial sums), a
+    vocabulary-parallel cross-entropy's per-token statistics, and under sequence
+    parallelism the sum over `t` of replicated weights' gradients.
+
+    **Arguments:**
+
+    - `plan`: the `eqxpar.Plan`.
+    - `params`: the model (or its `eqx.filter_eval_shape` outline).
+    - `loss`, `batch`: the function the step differentiates, `loss(model, batch)`
+      (an `eqxpar.pipeline.PipelineLoss` for a pipeline), and a global batch
+      (arrays or `jax.ShapeDtypeStruct`s); needed for tensor and pipeline plans.
+    - `gathers`: all-gathers per step of an FSDP-split weight, instead of the count
+      `remat` gives.
+    - `moved_dtype`: count compute-dtype traffic in this dtype (XLA:CPU moves
+      bfloat16 collectives as float32).
+
+    **Returns:** a `Minimum` by kind, its `parts` named.
+
+    **Raises:** `PlanError` for what it cannot describe: a weight split over an axis
+    that is neither a batch axis, the tensor axis nor `pipe`; a tensor or pipeline
+    plan without `loss` and `batch`, or whose loss uses no split weight dimension in
+    a matmul or lookup. `EqxparError` when `params` has no floating-point array.
+
+    ```python
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    eqxpar.inspect.minimum_comm(plan, model).bytes["all-reduce"]   # the gradient bytes
+    tp = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON)
+    eqxpar.inspect.minimum_comm(tp, model, loss=loss_fn, batch=(x, y)).parts
+    ```
+    """
+    moved = _checked(plan, params, gathers, moved_dtype)
+    items = _param_items(plan, params, gathers=gathers, moved=moved)
+    if plan.schedule is not None:
+        items += _pipeline_items(plan, params, loss, batch, moved)
+    else:
+        items += _tensor_items(plan, params, loss, batch, moved)
+    return _minimum(items, _note(plan, items))
