@@ -186,28 +186,6 @@ def comm_report(step_or_compiled: Any, *args: Any, minimum: Any = None, baseline
 
 
 def _loss_of(step: Any) -> Callable | None:
-    """The loss function `step` differentiates: `step.loss_fn` where the Step keeps
-    it, else the `loss_fn` its body closes over (`make_step` builds the body from
-    closures), or None when neither is found."""
-    found = getattr(step, "loss_fn", None)
-    if found is not None:
-        return found
-    todo, seen = [getattr(step, "_body", None)], set()
-    while todo:
-        fn = todo.pop()
-        if id(fn) in seen or not hasattr(fn, "__code__"):
-            continue
-        seen.add(id(fn))
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # a cell not yet filled
-                continue
-            if name == "loss_fn":
-                return value
-            # Gradient helpers keep it as an attribute, or in closures of their own.
-            if hasattr(value, "__code__"):
-                todo.append(value)
-            elif getattr(value, "loss_fn", None) is not None:
-                return value.loss_fn
-    return None
+    """The loss function `step` differentiates (`Step.loss_fn`), or None for a
+    compiled program that is not an eqxpar step."""
+    return getattr(step, "loss_fn", None)

@@ -220,7 +220,9 @@ class Step:
     executable.
     """
 
-    def __init__(self, body: Callable, plan: Plan, *, donate: bool, accumulate: int):
+    def __init__(self, body: Callable, plan: Plan, *, loss_fn: Callable, donate: bool, accumulate: int):
+        #: The loss function the step differentiates (read by `eqxpar.inspect`).
+        self.loss_fn = loss_fn
         self._body = body
         self._plan = plan
         self._donate = donate
@@ -615,7 +617,7 @@ def make_step(
         loss, aux, grads = gradients(state.model, batch, key)
         return _apply(optimizer, plan, state, grads, loss, aux, has_aux)
 
-    return Step(body, plan, donate=donate, accumulate=accumulate)
+    return Step(body, plan, loss_fn=loss_fn, donate=donate, accumulate=accumulate)
 
 
 def make_value_and_grad(
