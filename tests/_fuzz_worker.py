@@ -187,6 +187,18 @@ def _seq_last(m, h, batch):
 SEQ_PIPELINE_LOSS = PipelineLoss(_seq_first, lambda m: m.blocks, _seq_last)
 
 
+def _seq_first_raw(m, batch):
+    return nn.split_sequence(batch[0])  # no weights before the stack
+
+
+SEQ_PIPELINE_RAW_LOSS = PipelineLoss(_seq_first_raw, lambda m: m.blocks, _seq_last)
+
+
+def seq_loss_raw_reference(m, batch):
+    x, y = batch
+    return jnp.mean((m.norm(m.blocks(x)) - y) ** 2)
+
+
 def seq_loss_sp(m, batch):
     """The sequence model's loss written for sequence parallelism (split_sequence,
     sequence_mean): a plain function."""
@@ -243,22 +255,25 @@ LOSSES = {
     ("seq", "pipeline"): SEQ_PIPELINE_LOSS,
     ("seq", "plain"): seq_loss_sp,
     ("seq", "naive"): seq_loss_naive,
+    ("seq", "pipeline_raw"): SEQ_PIPELINE_RAW_LOSS,
     ("lm", "pipeline"): LM_PIPELINE_LOSS,
     ("lm", "plain"): lm_loss,
     ("gpt", "pipeline"): GPT_PIPELINE_LOSS,
     ("gpt", "plain"): eqxpar.models.lm_loss,
 }
 
-#: The single-device reference's loss per model: the plain composition. Every
-#: loss form of a model is the same function on one device with no plan (a
-#: PipelineLoss called directly is its sequential composition; split_sequence is
-#: the identity and sequence_mean the mean there), so one reference serves them.
+#: The single-device reference's loss per model (or per (model, loss form) where
+#: the form computes something else): the plain composition. The loss forms of a
+#: model are the same function on one device with no plan (a PipelineLoss called
+#: directly is its sequential composition; split_sequence is the identity and
+#: sequence_mean the mean there), so one reference serves them.
 REFERENCE_LOSS = {
     "plain": mse_loss,
     "classifier": eqxpar.models.MLPClassifier.loss,
     "seq": seq_loss_naive,
     "lm": lm_loss,
     "gpt": eqxpar.models.lm_loss,
+    ("seq", "pipeline_raw"): seq_loss_raw_reference,
 }
 
 #: How a snippet writes each loss.
@@ -268,6 +283,7 @@ LOSS_SOURCE = {
     ("seq", "pipeline"): "W.SEQ_PIPELINE_LOSS",
     ("seq", "plain"): "W.seq_loss_sp",
     ("seq", "naive"): "W.seq_loss_naive",
+    ("seq", "pipeline_raw"): "W.SEQ_PIPELINE_RAW_LOSS",
     ("lm", "pipeline"): "W.LM_PIPELINE_LOSS",
     ("lm", "plain"): "W.lm_loss",
     ("gpt", "pipeline"): "W.GPT_PIPELINE_LOSS",
@@ -582,12 +598,19 @@ def run_example(spec: dict, *, announce: bool = False) -> dict:
             phase("reference")
             static = eqx.filter(state.model, eqx.is_inexact_array, inverse=True)
             ref_model = _reorder(eqx.combine(_to_f32(init_params), static), plan, forward=False)
+            kind = spec["model"]["kind"]
+            ref_loss_fn = REFERENCE_LOSS.get((kind, spec["loss"]), REFERENCE_LOSS[kind])
             cache_key = json.dumps(
-                [spec["model"], spec.get("seed", 0), spec["batch"], str(plan.param_dtype)], sort_keys=True
+                [
+                    spec["model"],
+                    spec.get("seed", 0),
+                    spec["batch"],
+                    str(plan.param_dtype),
+                    ref_loss_fn.__name__,
+                ],
+                sort_keys=True,
             )
-            ref_loss, ref_grads = reference(
-                REFERENCE_LOSS[spec["model"]["kind"]], ref_model, batch, cache_key
-            )
+            ref_loss, ref_grads = reference(ref_loss_fn, ref_model, batch, cache_key)
             phase("compare")
             captured = _reorder(new_state.opt_state[0], plan, forward=False)
             if spec.get("self_test") == "mismatch":  # the harness's own test: a wrong gradient
