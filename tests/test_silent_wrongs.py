@@ -15,7 +15,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, stage_rules
 
-from ._helpers import LogicalMLP, mse_loss
+from ._helpers import LogicalMLP, assert_trees_close, mse_loss
 
 # --- Mixed precision reaches pipeline plans -------------------------------------
 
@@ -219,3 +219,24 @@ def test_filter_shard_map_inside_a_manual_step_says_so():
     model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
     with pytest.raises(eqxpar.PlanError, match="already manual"):
         eqxpar.train.make_value_and_grad(loss_fn, plan)(model, jnp.ones((8, 4)))
+
+
+def test_pipeline_whose_first_part_uses_no_weight():
+    # `first` passes the input straight on: its output does not vary along `pipe`
+    # as the stage's weights do, which once broke the stack's scan carry types.
+    model = Tiny(key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.w_in, model, jnp.eye(3, 8))
+    loss = PipelineLoss(
+        first=lambda m, batch: jnp.pad(batch[0], ((0, 0), (0, 5))),
+        stack=PIPELINE_LOSS.stack,
+        last=PIPELINE_LOSS.last,
+    )
+    batch = (jax.random.normal(jax.random.key(1), (16, 3)), jax.random.normal(jax.random.key(2), (16, 2)))
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=2), rules=stage_rules(), schedule="1f1b", microbatches=2
+    )
+    got_loss, got = eqxpar.train.make_value_and_grad(loss, plan)(model, batch)
+    ref_loss, ref = eqx.filter_value_and_grad(
+        lambda m: loss.last(m, loss.stack(m)(loss.first(m, batch)), batch)
+    )(model)
+    assert_trees_close((got_loss, got), (ref_loss, ref))

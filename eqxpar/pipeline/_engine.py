@@ -250,7 +250,9 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
                 rest_params, chunk_params = cast_floating((rest_params, chunk_params), compute)
             model = assemble(rest_params, chunk_params)
             if first:
-                x = loss_fn.first(model, mb_batch)
+                # As varying as the stage's weights (it is, unless `first` uses no
+                # weight), so the stack's scan carry keeps one type.
+                x = _cast(loss_fn.first(model, mb_batch), local)
             h = loss_fn.stack(model)(x)
             if not last:
                 return h
