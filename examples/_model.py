@@ -1,11 +1,13 @@
-"""The character-level transformer that `fsdp.py` and `hybrid.py` train, and the
-run they share: build the model, print where its parameters and optimizer state
-live, train with `_loop.train`, and report the final evaluation loss.
+"""The character-level GPT that `tensor_parallel.py`, `fsdp.py`, `hybrid.py` and
+`pipeline_parallel.py` train, and the run they share: build the model, print where
+its parameters and optimizer state live, train with `_loop.train`, and report the
+final evaluation loss and what one step communicates.
 
-The model is written once in `eqxpar.nn` layers; the examples change only the mesh
-and the plan. Its blocks are an `nn.Stacked` (one scanned block, compiled once
-whatever the depth), so `Plan(remat=...)` decides what the backward pass keeps and a
-manual FSDP step gathers one layer's weights at a time.
+The model is `eqxpar.models.GPT` with learned positions, biases and an untied head;
+the examples change only the plan (from `_plans.PLANS`). Its blocks are an
+`nn.Stacked` (one scanned block, compiled once whatever the depth), so
+`Plan(remat=...)` decides what the backward pass keeps, a manual FSDP step gathers
+one layer's weights at a time, and a pipeline plan splits the layers into stages.
 """
 
 import argparse
@@ -19,58 +21,24 @@ from _loop import adamw_warmup_cosine, print_collectives, train
 from _text import CharData
 
 import eqxpar
-from eqxpar import nn
+from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
+
+#: `lm_loss` cut into the pieces a pipeline runs: the embedding on the first stage,
+#: the stacked blocks over the stages, the head and the loss on the last.
+PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
 
 
-class CharLM(eqx.Module):
-    """Token + learned position embeddings, a scanned stack of pre-norm transformer
-    blocks (SwiGLU MLP, RMSNorm), a final norm and the output head."""
-
-    embed: nn.Embedding
-    positions: jax.Array  # a plain array: no logical axes, so no rule splits it (replicated)
-    blocks: nn.Stacked
-    norm: nn.RMSNorm
-    head: nn.Unembed
-
-    def __init__(self, vocab, max_len, *, d_model, num_heads, d_hidden, num_layers, key):
-        k_embed, k_pos, k_blocks, k_head = jax.random.split(key, 4)
-        self.embed = nn.Embedding(vocab, d_model, key=k_embed)
-        self.positions = 0.02 * jax.random.normal(k_pos, (max_len, d_model))
-        self.blocks = nn.Stacked(
-            lambda k: nn.TransformerBlock(
-                d_model, num_heads, d_hidden, activation="swiglu", norm="rms", key=k
-            ),
-            depth=num_layers,
-            key=k_blocks,
-        )
-        self.norm = nn.RMSNorm(d_model)
-        self.head = nn.Unembed(d_model, vocab, key=k_head)
-
-    def __call__(self, ids):
-        # Under sequence parallelism inside shard_map the embedding returns this
-        # device's block of the sequence, so it takes that block of the positions.
-        positions = nn.split_sequence(self.positions[: ids.shape[1]], seq_dim=0)
-        h = self.embed(ids) + positions  # (batch, seq or seq block, d_model)
-        h = self.blocks(h)
-        # Logits (vocabulary split over `tensor` where a plan says so); cross_entropy
-        # reduces them without gathering the vocabulary.
-        return self.head(self.norm(h))
-
-
-def loss_fn(model, windows):
-    logits = model(windows[:, :-1])
-    return jnp.mean(nn.cross_entropy(logits, windows[:, 1:]))
-
-
-def add_model_args(parser: argparse.ArgumentParser, *, steps: int) -> None:
-    """The flags every example shares: training length, model size, remat, bf16."""
+def add_model_args(parser: argparse.ArgumentParser, *, steps: int, layers: int = 2) -> None:
+    """The flags every GPT example shares: training length, model size, remat, bf16."""
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=32, help="a multiple of the data-parallel size")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--seq-len", type=int, default=64, help="a multiple of the tensor size under sequence parallelism"
+    )
     parser.add_argument("--d-model", type=int, default=64, help="a multiple of the fsdp size")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4, help="a multiple of the tensor size")
+    parser.add_argument("--layers", type=int, default=layers, help="a multiple of the pipeline stages")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
         "--remat",
@@ -81,9 +49,27 @@ def add_model_args(parser: argparse.ArgumentParser, *, steps: int) -> None:
     parser.add_argument("--bf16", action="store_true", help="compute in bfloat16 (float32 master weights)")
 
 
-def plan_dtypes(args) -> dict:
-    """The Plan keywords of `--bf16`."""
-    return dict(compute_dtype=jnp.bfloat16) if args.bf16 else {}
+def plan_options(args: argparse.Namespace) -> dict:
+    """The Plan keywords of `--remat` and `--bf16`."""
+    return dict(remat=args.remat, **(dict(compute_dtype=jnp.bfloat16) if args.bf16 else {}))
+
+
+def char_config(args: argparse.Namespace, vocab: int, **style) -> GPTConfig:
+    """The examples' GPT: learned positions, biases, an untied head; SwiGLU and
+    RMSNorm unless `style` says otherwise (`activation=`, `norm=`)."""
+    return GPTConfig(
+        vocab_size=vocab,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        d_hidden=4 * args.d_model,
+        max_seq_len=args.seq_len,
+        rotary=False,
+        learned_positions=True,
+        tied=False,
+        use_bias=True,
+        **{"activation": "swiglu", "norm": "rms", **style},
+    )
 
 
 def _mb(n: int) -> str:
@@ -108,36 +94,58 @@ def memory_summary(state, plan) -> str:
     return "\n".join(lines)
 
 
-def run(plan, args, *, vocab_multiple: int = 1, show_table: bool = False) -> float:
-    """Train `CharLM` under `plan` with the shared flags; returns the final eval loss."""
+def _layer_order(plan: eqxpar.Plan):
+    """`(to_pipeline, to_layers)`: a pipeline stores interleaved stacks in pipeline
+    order (device d's chunks one after the other); elsewhere both are the identity."""
+    if plan.schedule is None:
+        return (lambda model: model), (lambda model: model)
+    stages, chunks = plan.mesh.shape["pipe"], plan.chunks
+
+    def reorder(convert):
+        def apply(model):
+            blocks = convert(model.blocks, stages=stages, chunks=chunks)
+            return eqx.tree_at(lambda m: m.blocks, model, blocks)
+
+        return apply
+
+    pipeline = eqxpar.pipeline
+    return reorder(pipeline.to_pipeline_order), reorder(pipeline.from_pipeline_order)
+
+
+def run(
+    plan: eqxpar.Plan,
+    args: argparse.Namespace,
+    *,
+    style: dict | None = None,
+    memory: bool = True,
+    collectives: bool = True,
+    show_table: bool = False,
+) -> float:
+    """Train the examples' GPT (`char_config(args, vocab, **style)`) under `plan` with
+    the shared flags; returns the final eval loss. A pipeline plan trains
+    `PIPELINE_LOSS`, any other `lm_loss`."""
     start = time.perf_counter()
     data = CharData()
-    # The vocabulary may be split over `tensor`: pad it to a multiple (the extra ids never occur).
-    vocab = data.padded_vocab_size(vocab_multiple)
+    # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).
+    vocab = data.padded_vocab_size(plan.mesh.shape.get("tensor", 1))
     mesh_text = " x ".join(f"{k}={v}" for k, v in plan.mesh.shape.items() if v > 1)
-    print(f"mesh {mesh_text}, vocab {vocab}, {len(data.ids):,} characters")
+    print(f"mesh {mesh_text}, {args.layers} layers, vocab {vocab}, {len(data.ids):,} characters")
 
+    to_pipeline, to_layers = _layer_order(plan)
     # Built under jit: one compilation for the whole initialisation.
-    model = eqx.filter_jit(CharLM)(
-        vocab,
-        args.seq_len,
-        d_model=args.d_model,
-        num_heads=args.heads,
-        d_hidden=4 * args.d_model,
-        num_layers=args.layers,
-        key=jax.random.key(0),
-    )
+    model = to_pipeline(eqx.filter_jit(GPT)(char_config(args, vocab, **(style or {})), key=jax.random.key(0)))
     optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     if show_table:
         print(eqxpar.inspect.sharding_table(state, plan))
-    print("bytes held (parameters and AdamW moments, float32):")
-    print(memory_summary(state, plan))
+    if memory:
+        print("bytes held (parameters and AdamW moments, float32):")
+        print(memory_summary(state, plan))
 
-    step = eqxpar.train.make_step(loss_fn, optimizer, plan)
+    step = eqxpar.train.make_step(PIPELINE_LOSS if plan.schedule else lm_loss, optimizer, plan)
     # The trained model holds ordinary (sharded) global arrays, so it evaluates
-    # under plain jit (in float32) whatever the plan it was trained with.
-    evaluate = eqx.filter_jit(loss_fn)
+    # under plain jit (in float32, layers in order) whatever the plan it trained under.
+    evaluate = eqx.filter_jit(lambda model, batch: lm_loss(to_layers(model), batch))
     rng = np.random.default_rng(0)
     eval_batch = eqxpar.shard_batch(
         data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
@@ -155,6 +163,6 @@ def run(plan, args, *, vocab_multiple: int = 1, show_table: bool = False) -> flo
         f"final eval loss {final:.3f} nats/char (unigram entropy {data.unigram_entropy():.3f}); "
         f"{time.perf_counter() - start:.1f} s"
     )
-
-    print_collectives(step, state, data.windows(rng, args.batch_size, args.seq_len + 1))
+    if collectives:
+        print_collectives(step, state, data.windows(rng, args.batch_size, args.seq_len + 1))
     return final

@@ -3,7 +3,7 @@
 Trains a small character-level language model (context of 16 characters ->
 next character) on Python's own documentation text, printing progress, and
 compares the final evaluation loss with the unigram entropy of the text (what a
-model that ignores context would reach).
+model that ignores context would reach). The plans are `data/*` in `_plans.py`.
 
     python examples/data_parallel.py                 # automatic (GSPMD)
     python examples/data_parallel.py --mode manual   # shard_map, explicit all-reduce
@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _loop import adamw_warmup_cosine, train  # noqa: E402
+from _plans import PLANS, variants  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
@@ -48,21 +49,29 @@ def loss_fn(model, windows):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, -1]))
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=["auto", "manual"], default="auto")
+    parser.add_argument("--mode", choices=variants("data"), default="auto")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--context", type=int, default=16)
     parser.add_argument("--accumulate", type=int, default=1)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def make_plan(args) -> eqxpar.Plan:
+    return PLANS[f"data/{args.mode}"].plan()  # every device on `data`, automatic or manual
+
+
+def main(argv=None):
+    args = parse_args(argv)
     data = CharData()
-    mesh = eqxpar.make_mesh(data=-1)
-    plan = eqxpar.Plan(mesh, mode=args.mode)
-    print(f"mesh {dict(mesh.shape)}, mode {args.mode}, vocab {data.vocab_size}, {len(data.ids):,} characters")
+    plan = make_plan(args)
+    print(
+        f"mesh {dict(plan.mesh.shape)}, mode {args.mode}, vocab {data.vocab_size}, {len(data.ids):,} characters"
+    )
 
     model = CharMLP(data.vocab_size, args.context, key=jax.random.key(0))
     optimizer = adamw_warmup_cosine(3e-3, args.steps)

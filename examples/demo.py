@@ -39,10 +39,11 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _loop import adamw_warmup_cosine, train  # noqa: E402
+from _model import PIPELINE_LOSS  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
-from eqxpar.models import GPT, GPTConfig, generate, gpt_first, gpt_last, lm_loss  # noqa: E402
+from eqxpar.models import GPT, GPTConfig, generate, lm_loss  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,8 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_plan(args: argparse.Namespace) -> tuple[eqxpar.Plan, object]:
-    """The plan the flags describe, and the loss function it trains."""
+def make_plan(args: argparse.Namespace) -> eqxpar.Plan:
+    """The plan the flags describe (the defaults: `demo/3d` in `_plans.py`)."""
     mesh = eqxpar.make_mesh(data=args.data, pipe=args.pipe, fsdp=args.fsdp, tensor=args.tensor)
     options = dict(
         rules=eqxpar.rules.MEGATRON_FSDP,
@@ -103,14 +104,10 @@ def build_plan(args: argparse.Namespace) -> tuple[eqxpar.Plan, object]:
     if args.mode == "manual" and args.manual_axes != "all":
         options["manual_axes"] = tuple(a.strip() for a in args.manual_axes.split(","))
     if args.pipe == 1:
-        return eqxpar.Plan(mesh, **options), lm_loss
-    pipeline = eqxpar.pipeline
-    options["rules"] = pipeline.stage_rules(eqxpar.rules.MEGATRON_FSDP)
+        return eqxpar.Plan(mesh, **options)
+    options["rules"] = eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON_FSDP)
     options.pop("manual_axes", None)  # a pipeline step is manual over every axis
-    plan = eqxpar.Plan(mesh, schedule=args.schedule, microbatches=args.microbatches, **options)
-    # The pipeline runs the stack stage by stage; the embedding and the head run on
-    # the first and last stage. Sequentially composed, this is exactly lm_loss.
-    return plan, pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+    return eqxpar.Plan(mesh, schedule=args.schedule, microbatches=args.microbatches, **options)
 
 
 def decode(data: CharData, ids) -> str:
@@ -148,7 +145,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
     data = CharData()
-    plan, loss_fn = build_plan(args)
+    plan = make_plan(args)
+    # A pipeline runs the stack stage by stage, the embedding and the head on the
+    # first and last stage: sequentially composed, exactly lm_loss.
+    loss_fn = PIPELINE_LOSS if plan.schedule else lm_loss
     entropy = data.unigram_entropy()
     config = GPTConfig(
         # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).

@@ -1,7 +1,7 @@
 """Fully sharded data parallelism (FSDP), ZeRO-1 and HSDP on 8 simulated CPU devices.
 
-Trains the small character-level transformer of `_model.py` (eqxpar.nn layers,
-its blocks a scanned `nn.Stacked`) on Python's own documentation text. By default
+Trains the small character-level GPT of `_model.py` (`eqxpar.models.GPT`, its
+blocks a scanned `nn.Stacked`) on Python's own documentation text. By default
 the mesh is fsdp=8: the batch is split eight ways, and so is the model dimension
 ("embed") of every weight, and with it the gradients and AdamW's moments; each
 device holds about 1/8 of the parameters and optimizer state, and the step gathers
@@ -18,7 +18,7 @@ reach), and the collectives one compiled step issues.
     python examples/fsdp.py --bf16             # compute in bfloat16, float32 master weights and moments
 
 Every variant trains the same model on the same batches; they differ in what each
-device stores and what the step communicates.
+device stores and what the step communicates. The plans are `fsdp/*` in `_plans.py`.
 """
 
 import os
@@ -32,26 +32,15 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse  # noqa: E402
 
-from _model import add_model_args, plan_dtypes, run  # noqa: E402
+from _model import add_model_args, plan_options, run  # noqa: E402
+from _plans import PLANS  # noqa: E402
 
 import eqxpar  # noqa: E402
 
-#: FSDP: the model dimension ("embed") of every eqxpar.nn weight over `fsdp`; then,
-#: for arrays without logical axes (the position table), the largest dimension that
-#: `fsdp` divides, if the array has at least 1024 elements. Small ones (norm scales)
-#: stay whole on every device.
-FSDP_RULES = [eqxpar.rules.Logical({"embed": "fsdp"}), eqxpar.rules.FSDP(min_size=1024)]
-
 
 def make_plan(args) -> eqxpar.Plan:
-    common = dict(mode=args.mode, remat=args.remat, **plan_dtypes(args))
-    if args.zero1:
-        # Plain data parallelism for the parameters (no rules: replicated), the
-        # optimizer state split over `data`: reduce-scatter the gradients, update a
-        # shard, all-gather the new parameters.
-        return eqxpar.Plan(eqxpar.make_mesh(data=8), zero1=True, **common)
-    mesh = eqxpar.make_mesh(data=2, fsdp=4) if args.hsdp else eqxpar.make_mesh(fsdp=8)
-    return eqxpar.Plan(mesh, rules=FSDP_RULES, **common)
+    variant = "zero1" if args.zero1 else "hsdp" if args.hsdp else "fsdp"
+    return PLANS[f"fsdp/{variant}"].plan(mode=args.mode, **plan_options(args))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

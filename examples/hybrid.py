@@ -1,7 +1,8 @@
 """Data x FSDP x tensor parallelism (2 x 2 x 2) on 8 simulated CPU devices.
 
-The character-level transformer of `fsdp.py` (defined in `_model.py`), unchanged,
-on a mesh data=2 x fsdp=2 x tensor=2 with `eqxpar.rules.MEGATRON_FSDP`: attention
+The character-level GPT of `fsdp.py` (defined in `_model.py`), unchanged, on a
+mesh data=2 x fsdp=2 x tensor=2 with `eqxpar.rules.MEGATRON_FSDP` (`hybrid/*` in
+`_plans.py`): attention
 heads, MLP features and the vocabulary split over `tensor` (Megatron), the model
 dimension of every weight over `fsdp`, the batch over `data` and `fsdp`. Each device
 holds a quarter of the parameters and optimizer state. Prints the bytes each device
@@ -27,40 +28,25 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse  # noqa: E402
 
-from _model import add_model_args, plan_dtypes, run  # noqa: E402
+from _model import add_model_args, plan_options, run  # noqa: E402
+from _plans import PLANS, variants  # noqa: E402
 
 import eqxpar  # noqa: E402
 
-TENSOR = 2
-
-#: --mode -> the Plan's keyword arguments.
-MODES = {
-    "auto": dict(mode="auto"),
-    "manual": dict(mode="manual"),
-    "partial": dict(mode="manual", manual_axes=("tensor",)),
-}
-
 
 def make_plan(args) -> eqxpar.Plan:
-    return eqxpar.Plan(
-        eqxpar.make_mesh(data=2, fsdp=2, tensor=TENSOR),
-        rules=eqxpar.rules.MEGATRON_FSDP,
-        sequence_parallel=args.sequence_parallel,
-        remat=args.remat,
-        **MODES[args.mode],
-        **plan_dtypes(args),
-    )
+    return PLANS[f"hybrid/{args.mode}"].plan(sequence_parallel=args.sequence_parallel, **plan_options(args))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=list(MODES), default="auto")
+    parser.add_argument("--mode", choices=variants("hybrid"), default="auto")
     parser.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help=f"split activations along the sequence over tensor (--seq-len a multiple of {TENSOR})",
+        help="split activations along the sequence over tensor (--seq-len a multiple of 2)",
     )
     parser.add_argument("--table", action="store_true", help="print the full sharding table")
     add_model_args(parser, steps=300)
@@ -74,7 +60,7 @@ def main(argv=None):
         f"data x FSDP x tensor, mode {args.mode}, sequence parallel {args.sequence_parallel}, "
         f"remat {args.remat}, compute {'bfloat16' if args.bf16 else 'float32'}"
     )
-    return run(plan, args, vocab_multiple=TENSOR, show_table=args.table)
+    return run(plan, args, show_table=args.table)
 
 
 if __name__ == "__main__":
