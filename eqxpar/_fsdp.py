@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Shaped
@@ -30,14 +31,32 @@ from ._specs import leaves_with_layout
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
 
 
+def wire_dtype(dtype: Any) -> Any:
+    """The dtype to run a collective of `dtype` values in, here.
+
+    XLA:CPU aborts compiling a bfloat16 all-reduce (or a reduce-scatter it lowers
+    to one) in a partial-manual region: JAX puts a sharding annotation (a `copy`)
+    in the reduction, which XLA:CPU's widening of bfloat16 reductions cannot
+    clone. XLA:CPU moves bfloat16 collectives as float32 anyway, so there they are
+    run in float32: same bytes, same rounding.
+    """
+    if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return dtype
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    return jnp.float32 if manual and manual != set(mesh.axis_names) else dtype
+
+
 def gather_weights(x: Shaped[Array, "..."], gather: Gather) -> Shaped[Array, "..."]:
     """All-gather the shard `x` along each `(dim, axes)` of `gather` (tiled), so that
     its gradient is reduce-scattered over those axes; `x` itself when `gather` is empty."""
     if not gather:
         return x
+    dtype = x.dtype
+    x = x.astype(wire_dtype(dtype))
     for dim, axes in gather:
         x = lax.all_gather(x, axes, axis=dim, tiled=True)
-    return x
+    return x.astype(dtype)
 
 
 def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int = 0, where: str) -> Gather:

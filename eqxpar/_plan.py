@@ -194,6 +194,7 @@ class Plan:
             raise AxisNameError(
                 f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}. Use one of those names."
             )
+        _check_tensor_not_batch(rules, batch_axes, tensor_axis, mesh, sequence_parallel or tp_overlap)
         if tp_overlap and not sequence_parallel:
             raise PlanError(
                 "Plan(tp_overlap=True) needs sequence_parallel=True: the ring collective "
@@ -304,6 +305,27 @@ def _axis_names(value: Any, what: str) -> tuple[str, ...]:
             "axis at most once. Name each axis once."
         )
     return axes
+
+
+def _check_tensor_not_batch(
+    rules: tuple[Rule, ...], batch_axes: tuple[str, ...], tensor_axis: str, mesh: Mesh, sequence: bool
+) -> None:
+    # Tensor-parallel activations are (batch, seq, features) with the batch over
+    # `batch_axes` and the features (or, sequence parallel, the sequence) over the
+    # tensor axis: one mesh axis cannot split two dimensions of one array.
+    if tensor_axis not in batch_axes or mesh.shape[tensor_axis] == 1:
+        return
+    declared = set()
+    for rule in rules:
+        found = getattr(rule, "mesh_axes", None)
+        declared |= set(found() if found else ())
+    if sequence or tensor_axis in declared:
+        raise PlanError(
+            f"Plan(batch_axes={batch_axes!r}) splits the batch over the tensor axis {tensor_axis!r} "
+            f"(size {mesh.shape[tensor_axis]}), which tensor-parallel activations are also split over "
+            f"(the plan's {'sequence parallelism' if sequence else 'rules'} use it). Drop {tensor_axis!r} from batch_axes, or give the tensor-parallel "
+            "layers another axis (Plan(tensor_axis=...))."
+        )
 
 
 def _check_pipeline(

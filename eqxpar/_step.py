@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._errors import PlanError
-from ._fsdp import gather_whole, gathered_axes, gathers_of, layer_gathers, prepare_model
+from ._fsdp import gather_whole, gathered_axes, gathers_of, layer_gathers, prepare_model, wire_dtype
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map, region_manual_axes
@@ -365,30 +365,26 @@ def _check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) ->
     with a sharding annotation (a `copy` in HLO); XLA:CPU widens bfloat16
     all-reduces to float32 and, cloning that reduction, aborts the process
     ("Invalid binary instruction opcode copy"). float16 is not widened and
-    compiles. The bfloat16 all-reduces eqxpar would issue there: the
-    tensor-parallel layers' under `compute_dtype=bfloat16`, and the gradients'
-    under `reduce_dtype=bfloat16`.
+    compiles. The step's own gradient reductions and FSDP gathers there run in
+    float32 instead (`_fsdp.wire_dtype`); what remains are the
+    tensor-parallel layers' all-reduces under `compute_dtype=bfloat16`.
     """
     if plan.mesh.devices.flat[0].platform != "cpu":
         return
     manual = step_manual_axes(plan, accumulate)
     if not manual or manual == frozenset(plan.mesh.axis_names):
         return
-    culprits = []
-    if _is_bfloat16(plan.compute_dtype) and plan.tensor_axis in manual:
-        culprits.append(f"compute_dtype={jnp.dtype(plan.compute_dtype).name} (the tensor-parallel all-reduces)")
-    if _is_bfloat16(plan.reduce_dtype) and any(a in manual for a in plan.batch_axes):
-        culprits.append(f"reduce_dtype={jnp.dtype(plan.reduce_dtype).name} (the gradient all-reduce)")
-    if culprits:
-        left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
-        raise PlanError(
-            f"{where}: this plan runs a partial-manual region (manual over "
-            f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
-            f"{' and '.join(culprits)}: XLA:CPU aborts the process compiling a bfloat16 all-reduce in "
-            "a partial-manual region. On CPU, drop Plan(manual_axes=...) so every axis is manual, use "
-            "mode='auto', or keep that dtype float32 (XLA:CPU moves bfloat16 collectives as float32 "
-            "anyway)."
-        )
+    if not (_is_bfloat16(plan.compute_dtype) and plan.tensor_axis in manual):
+        return
+    left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
+    raise PlanError(
+        f"{where}: this plan runs a partial-manual region (manual over "
+        f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
+        "compute_dtype=bfloat16, so the tensor-parallel layers issue bfloat16 all-reduces there, "
+        "which XLA:CPU aborts the process compiling. On CPU, drop Plan(manual_axes=...) so every "
+        "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
+        "collectives as float32 anyway)."
+    )
 
 
 def _validate(plan: Plan, accumulate: int, where: str) -> None:
@@ -524,8 +520,7 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
             if merged and tensor not in gathered_axes(spec, (tensor,)):
                 rest = rest + (tensor,)
             dtype = g.dtype
-            if plan.reduce_dtype is not None:
-                g = g.astype(plan.reduce_dtype)
+            g = g.astype(wire_dtype(plan.reduce_dtype or dtype))
             for dim, over in scatter:
                 g = jax.lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
             if rest:

@@ -251,3 +251,14 @@ def test_a_custom_rule_returning_a_string_names_the_leaf(mesh):
     model = LogicalMLP(8, 16, 8, key=jax.random.key(0))
     with pytest.raises(eqxpar.SpecError, match=r"leaf \.w1: rule .* returned 'data'"):
         eqxpar.partition_specs(model, eqxpar.Plan(mesh, rules=_StringRule()))
+
+
+def test_the_tensor_axis_cannot_also_split_the_batch():
+    # One mesh axis cannot split both the batch and the features (or sequence) of
+    # the tensor-parallel activations (was a DuplicateSpecError when compiling).
+    mesh = eqxpar.make_mesh(data=2, tensor=2)
+    for kwargs in (dict(rules=MEGATRON), dict(sequence_parallel=True)):
+        with pytest.raises(eqxpar.PlanError, match=r"batch over the tensor axis 'tensor' \(size 2\)"):
+            eqxpar.Plan(mesh, batch_axes=("data", "tensor"), **kwargs)
+    # Without tensor parallelism the axis may carry the batch.
+    assert eqxpar.Plan(mesh, batch_axes=("data", "tensor")).batch_size_multiple == 4

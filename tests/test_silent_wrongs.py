@@ -107,16 +107,39 @@ def test_partial_manual_bfloat16_is_rejected_on_cpu():
     with pytest.raises(eqxpar.PlanError, match="partial-manual") as info:
         eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.bfloat16, **partial))
     assert "compute_dtype=bfloat16" in str(info.value) and "manual_axes" in str(info.value)
-    # An accumulating automatic step reduces its gradients by hand over `data`
-    # (a partial-manual region): a bfloat16 reduction there is rejected too.
-    auto = eqxpar.Plan(mesh, rules=eqxpar.rules.MEGATRON, reduce_dtype=jnp.bfloat16)
-    with pytest.raises(eqxpar.PlanError, match="reduce_dtype=bfloat16"):
-        eqxpar.train.make_step(mse_loss, optax.sgd(0.1), auto, accumulate=2)
     # What does compile is left alone: the fully manual plan, float16, and the
-    # one-batch automatic step (whose reduction is the compiler's).
+    # automatic step.
     eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, mode="manual", compute_dtype=jnp.bfloat16))
     eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.float16, **partial))
-    eqxpar.train.make_step(mse_loss, optax.sgd(0.1), auto)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(zero1=True, param_dtype=jnp.bfloat16),  # reduce-scatter in the parameters' bfloat16
+        dict(fsdp=True, param_dtype=jnp.bfloat16),
+        dict(reduce_dtype=jnp.bfloat16),
+    ],
+    ids=["zero1-bf16-params", "fsdp-bf16-params", "bf16-reduce"],
+)
+def test_bfloat16_gradient_reductions_in_a_partial_manual_region_compile(kwargs):
+    # Automatic plans reduce by hand over the batch axes when they accumulate or
+    # use ZeRO-1: a region manual over `data` only (tensor is left automatic).
+    # Its bfloat16 gradient reductions (XLA:CPU aborted compiling them) are done
+    # in float32 on CPU, and the step trains like one device in that dtype.
+    fsdp = kwargs.pop("fsdp", False)
+    mesh = eqxpar.make_mesh(fsdp=4, tensor=2) if fsdp else eqxpar.make_mesh(data=4, tensor=2)
+    rules = eqxpar.rules.MEGATRON_FSDP if fsdp else eqxpar.rules.MEGATRON
+    plan = eqxpar.Plan(mesh, rules=rules, **kwargs)
+    model = LogicalMLP(8, 16, 8, key=jax.random.key(0))
+    batch = (jax.random.normal(jax.random.key(1), (16, 8)), jax.random.normal(jax.random.key(2), (16, 8)))
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(mse_loss, optim, plan, accumulate=2)
+    _, metrics = step(state, batch)
+    params = model if "param_dtype" not in kwargs else _cast(model, jnp.bfloat16)
+    ref = float(mse_loss(params, batch if "param_dtype" not in kwargs else _cast(batch, jnp.float32)))
+    assert abs(float(metrics["loss"]) - ref) <= 1e-2 * abs(ref)
 
 
 # --- Randomness under sequence parallelism --------------------------------------
