@@ -26,7 +26,8 @@ Protocol: one spec per line on stdin; replies on stdout, each line starting with
 phase, `{"event": "result", ...}` per example. Anything else on stdout or stderr
 is ignored (the parent keeps stderr's tail to explain an abort).
 
-Run one example by hand (the harness prints this command for every finding):
+Run one example by hand (the harness prints this command for every finding,
+with `EQXPAR_FUZZ_JAXTYPING=...` in front when the suite type-checks eqxpar):
 
     .venv/bin/python tests/_fuzz_worker.py --spec '<json>'            # result as JSON
     .venv/bin/python tests/_fuzz_worker.py --snippet '<json>'         # a Python reproducer

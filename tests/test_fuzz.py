@@ -632,8 +632,12 @@ def finding_classes(result):
     return classes
 
 
-def _command(spec, flag="--spec"):
-    return f".venv/bin/python tests/_fuzz_worker.py {flag} {shlex.quote(json.dumps(spec, separators=(',', ':')))}"
+def _command(spec, flag="--spec", env=None):
+    # Under the suite's jaxtyping hook the rerun needs it too (type-check errors).
+    hook = (env or {}).get("EQXPAR_FUZZ_JAXTYPING")
+    prefix = f"EQXPAR_FUZZ_JAXTYPING={hook} " if hook else ""
+    spec_json = shlex.quote(json.dumps(spec, separators=(",", ":")))
+    return f"{prefix}.venv/bin/python tests/_fuzz_worker.py {flag} {spec_json}"
 
 
 def summarise(spec_list, results, wall):
@@ -671,7 +675,7 @@ def summarise(spec_list, results, wall):
     return "\n".join(lines), ran
 
 
-def report_findings(spec_list, results):
+def report_findings(spec_list, results, env=None):
     classes = collections.OrderedDict()
     for spec, result in zip(spec_list, results, strict=True):
         for cls in finding_classes(result):
@@ -687,7 +691,7 @@ def report_findings(spec_list, results):
         if result.get("outcome") in ("abort", "hang") and result.get("stderr"):
             tail = "\n".join(result["stderr"].strip().splitlines()[-4:])
             lines.append("    stderr: " + tail.replace("\n", "\n            "))
-        lines.append(f"    rerun: {_command(spec)}")
+        lines.append(f"    rerun: {_command(spec, env=env)}")
     return classes, "\n".join(lines)
 
 
@@ -737,7 +741,7 @@ def test_plan_fuzz(request, tmp_path):
     results = pool.run_all(spec_list)
     wall = time.perf_counter() - start
     summary, ran = summarise(spec_list, results, wall)
-    classes, details = report_findings(spec_list, results)
+    classes, details = report_findings(spec_list, results, env)
     if REPORT:
         pathlib.Path(REPORT).write_text(
             json.dumps({"summary": summary, "specs": spec_list, "results": results}, indent=1)
@@ -798,7 +802,7 @@ def _shrink(env):
         spec = dict(spec, id=0)
         result = worker().run(spec)
         classes = finding_classes(result)
-        assert not classes, f"{classes}\n{_command(spec)}\n{json.dumps(result)[:3000]}"
+        assert not classes, f"{classes}\n{_command(spec, env=env)}\n{json.dumps(result)[:3000]}"
 
     try:
         check()
