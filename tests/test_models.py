@@ -346,21 +346,10 @@ def test_gpt2_style_positions_tell_tokens_apart():
     assert last_logits(dataclasses.replace(GPT2_STYLE, learned_positions=False)) < 1e-5
 
 
-#: The benchmark workload (benchmarks/_workload.py) as a GPTConfig.
-WORKLOAD = GPTConfig(
-    vocab_size=512,
-    d_model=256,
-    num_heads=4,
-    num_layers=4,
-    d_hidden=1024,
-    activation="gelu",
-    norm="layer",
-    tied=False,
-    rotary=False,
-    learned_positions=True,
-    use_bias=True,
-    fused_qkv=True,
-    max_seq_len=128,
+#: The benchmark workload (benchmarks/_workload.py) as a GPTConfig: the GPT-2
+#: style options at the workload's sizes.
+WORKLOAD = dataclasses.replace(
+    GPT2_STYLE, vocab_size=512, d_model=256, num_heads=4, num_layers=4, d_hidden=1024, max_seq_len=128
 )
 
 
