@@ -359,7 +359,8 @@ def _is_bfloat16(dtype: Any) -> bool:
 
 
 def _check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> None:
-    """Reject bfloat16 all-reduces in a partial-manual region on XLA:CPU.
+    """Refuse the bfloat16 all-reduces eqxpar cannot widen in a partial-manual
+    region on XLA:CPU.
 
     In a region manual over some axes only, JAX lowers an all-reduce's reduction
     with a sharding annotation (a `copy` in HLO); XLA:CPU widens bfloat16
@@ -585,6 +586,10 @@ def make_step(
     - `plan`: the plan.
     - `accumulate`: number of micro-batches the batch is split into; their
       gradients are averaged with a `lax.scan`, equal to the full-batch gradient.
+      Each device sums its micro-batches' gradients and the step reduces them
+      once, after the loop, under every plan (the batch axes run manual while
+      accumulating; manual FSDP gathers its weights once, before the loop), so
+      `accumulate=k` moves the bytes of `accumulate=1`.
     - `donate`: donate the input state's buffers to the output state.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
 
