@@ -2,6 +2,7 @@
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -22,10 +23,12 @@ BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 def make_mesh(
     *,
-    data: int = 1,
-    pipe: int = 1,
-    fsdp: int = 1,
-    tensor: int = 1,
+    # Any: the sizes are checked below, with an eqxpar error (a type checker's
+    # error would not name the fix).
+    data: Any = 1,
+    pipe: Any = 1,
+    fsdp: Any = 1,
+    tensor: Any = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "tensor")`.

@@ -313,7 +313,8 @@ def _check_tensor_not_batch(
     # Tensor-parallel activations are (batch, seq, features) with the batch over
     # `batch_axes` and the features (or, sequence parallel, the sequence) over the
     # tensor axis: one mesh axis cannot split two dimensions of one array.
-    if tensor_axis not in batch_axes or mesh.shape[tensor_axis] == 1:
+    # (Even at size 1: a spec may not name one axis twice.)
+    if tensor_axis not in batch_axes:
         return
     declared = set()
     for rule in rules:

@@ -375,13 +375,15 @@ def _check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) ->
     manual = step_manual_axes(plan, accumulate)
     if not manual or manual == frozenset(plan.mesh.axis_names):
         return
-    if not (_is_bfloat16(plan.compute_dtype) and plan.tensor_axis in manual):
+    # The layers compute in the compute dtype, else in the parameters'.
+    if not (_is_bfloat16(plan.compute_dtype or plan.param_dtype) and plan.tensor_axis in manual):
         return
     left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
     raise PlanError(
         f"{where}: this plan runs a partial-manual region (manual over "
         f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
-        "compute_dtype=bfloat16, so the tensor-parallel layers issue bfloat16 all-reduces there, "
+        "bfloat16 compute (compute_dtype, or param_dtype without one), so the tensor-parallel "
+        "layers issue bfloat16 all-reduces there, "
         "which XLA:CPU aborts the process compiling. On CPU, drop Plan(manual_axes=...) so every "
         "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
         "collectives as float32 anyway)."
@@ -530,11 +532,12 @@ def _gradient_fn(loss_fn: Callable, plan: Plan, *, accumulate: int, has_aux: boo
 
         is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
         grads = jax.tree.map(reduce, specs, out_specs, grads, is_leaf=is_spec)
-        loss = jax.lax.pmean(loss, axes)
+        def mean(x):  # in a dtype XLA:CPU compiles here (see _fsdp.wire_dtype)
+            return jax.lax.pmean(x.astype(wire_dtype(x.dtype)), axes).astype(x.dtype)
+
+        loss = mean(loss)
         if has_aux:
-            aux = jax.tree.map(
-                lambda a: jax.lax.pmean(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux
-            )
+            aux = jax.tree.map(lambda a: mean(a) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
         return loss, aux, grads
 
     def manual(model, batch, key):

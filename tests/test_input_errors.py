@@ -260,5 +260,14 @@ def test_the_tensor_axis_cannot_also_split_the_batch():
     for kwargs in (dict(rules=MEGATRON), dict(sequence_parallel=True)):
         with pytest.raises(eqxpar.PlanError, match=r"batch over the tensor axis 'tensor' \(size 2\)"):
             eqxpar.Plan(mesh, batch_axes=("data", "tensor"), **kwargs)
+    # Even at size 1 (a spec may not name one axis twice: was a DuplicateSpecError).
+    with pytest.raises(eqxpar.PlanError, match=r"batch over the tensor axis 'tensor' \(size 1\)"):
+        eqxpar.Plan(eqxpar.make_mesh(data=8), batch_axes=("data", "tensor"), rules=MEGATRON)
     # Without tensor parallelism the axis may carry the batch.
     assert eqxpar.Plan(mesh, batch_axes=("data", "tensor")).batch_size_multiple == 4
+
+
+def test_mesh_sizes_of_the_wrong_type_raise_mesh_error():
+    # Under the suite's type-checking hook too (it used to raise its own TypeCheckError).
+    with pytest.raises(eqxpar.MeshError, match="4.0"):
+        eqxpar.make_mesh(data=4.0)
