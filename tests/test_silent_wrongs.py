@@ -293,3 +293,41 @@ def test_bfloat16_parameters_with_a_vocabulary_parallel_model_under_zero1():
                           param_dtype=jnp.bfloat16, rules=eqxpar.rules.MEGATRON)
     with pytest.raises(eqxpar.PlanError, match="param_dtype"):
         eqxpar.train.make_step(loss, optim, partial)
+
+
+def test_pipeline_rules_splitting_a_weight_over_a_non_batch_axis_raise():
+    # fsdp (size 1 here) is not a batch axis of this plan, yet the rules split
+    # w_in over it (was JAX's out_specs error; found by the plan fuzz).
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=2),
+        rules=stage_rules(eqxpar.rules.FSDP(min_size=1)),
+        batch_axes=("data",),
+        schedule="gpipe",
+        microbatches=2,
+    )
+    batch = (jnp.ones((8, 3)), jnp.zeros((8, 2)))
+    with pytest.raises(eqxpar.PlanError, match="Drop 'fsdp' from the rules"):
+        eqxpar.train.make_value_and_grad(PIPELINE_LOSS, plan)(Tiny(key=jax.random.key(0)), batch)
+
+
+class _SPBlock(eqx.Module):
+    norm: nn.LayerNorm
+    mlp: nn.MLP
+
+    def __init__(self, key):
+        self.norm, self.mlp = nn.LayerNorm(16), nn.MLP(16, 16, key=key)
+
+    def __call__(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def test_sequence_parallel_stack_fed_the_whole_sequence_names_the_fix():
+    # The loss forgets split_sequence: the stack's input is the whole sequence,
+    # its blocks return sequence blocks (was a scan-carry TypeError).
+    stack = nn.Stacked(_SPBlock, depth=2, key=jax.random.key(0))
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    )
+    batch = (jnp.ones((8, 8, 16)), jnp.zeros((8, 8, 16)))
+    with pytest.raises(eqxpar.PlanError, match="split_sequence"):
+        eqxpar.train.make_value_and_grad(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), plan)(stack, batch)

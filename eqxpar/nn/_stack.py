@@ -114,7 +114,19 @@ class Stacked(eqx.Module):
         layer = _checkpoint(layer, "inputs" if policy == "full" else policy)
 
         def run(h, arrays):
-            h, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), h, arrays)
+            try:
+                h, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), h, arrays)
+            except TypeError as e:
+                if "carry" not in str(e):
+                    raise
+                raise PlanError(
+                    "a block of this eqxpar.nn.Stacked returns an activation that differs between "
+                    "devices along a manual mesh axis along which its input does not (JAX: the scan's "
+                    f"carry types differ: {str(e).splitlines()[0][:200]}). Under "
+                    "Plan(sequence_parallel=True) in a manual step the stack's input must be this "
+                    "device's sequence block: pass the input through eqxpar.nn.split_sequence (or an "
+                    "eqxpar.nn.Embedding), and reduce per-token losses with eqxpar.nn.sequence_mean."
+                ) from e
             return h
 
         if policy == "full":

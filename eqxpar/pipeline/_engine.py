@@ -132,7 +132,7 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
         in_stack = id(spec) in stack_ids
         for dim, entry in enumerate(spec):
             for axis in mesh_axis_names(entry):
-                if plan.mesh.shape[axis] == 1 or axis == plan.tensor_axis:
+                if axis == plan.tensor_axis:
                     continue
                 if axis == PIPE and in_stack and dim == 0:
                     continue
