@@ -362,6 +362,9 @@ class CheckpointManager:
             manager.save(0, state)
         ```
         """
+        if getattr(self, "_closed", False):  # closing twice is harmless
+            return
+        self._closed = True
         try:
             self.wait()
         finally:

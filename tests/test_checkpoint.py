@@ -1,5 +1,6 @@
 """eqxpar.checkpoint: sharded async save, restore onto another mesh, damage and crashes."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -32,6 +33,26 @@ def regression_batches(n):
         (rng.normal(size=(32, 16)).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32))
         for _ in range(n)
     ]
+
+
+@pytest.fixture(autouse=True)
+def _close_managers(monkeypatch):
+    """Close every manager a test opened, when the test ends. Left to the garbage
+    collector, orbax's threads may post to an asyncio event loop that is closed by
+    then, and pytest reports that ("Event loop is closed") in whichever test runs next."""
+    opened = []
+    init = CheckpointManager.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(CheckpointManager, "__init__", tracking_init)
+    yield
+    for manager in opened:
+        # A save the test made fail on purpose has raised already.
+        with contextlib.suppress(CheckpointError):
+            manager.close()
 
 
 def _fsdp_plan(**sizes):
@@ -159,16 +180,20 @@ def test_damaged_or_foreign_checkpoints_raise_eqxpar_errors(tmp_path):
     with CheckpointManager(tmp_path / "other") as m:
         m.save(0, other)
     with pytest.raises(CheckpointError, match=r"does not match `like`.*layers\[0\]\.weight"):
-        CheckpointManager(tmp_path / "other").restore(like=state, plan=plan)
+        with CheckpointManager(tmp_path / "other") as m:
+            m.restore(like=state, plan=plan)
 
     # A directory some other tool wrote is no checkpoint.
     foreign = tmp_path / "foreign" / "3"
     foreign.mkdir(parents=True)
     (foreign / "weights.bin").write_bytes(b"\x00" * 64)
-    m = CheckpointManager(tmp_path / "foreign")
-    assert m.latest_step() is None
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        m.restore(like=state, plan=plan)
+    with CheckpointManager(tmp_path / "foreign") as m:
+        assert m.latest_step() is None
+        with pytest.raises(CheckpointError, match="no complete checkpoint"):
+            m.restore(like=state, plan=plan)
+    # Closed, not left to the garbage collector: orbax's threads would post to an
+    # event loop closed by then, which pytest reports in a later test.
+    manager.close()
 
 
 def test_incomplete_step_directories_are_not_checkpoints(tmp_path):
