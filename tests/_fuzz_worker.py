@@ -14,7 +14,8 @@ parameters. It reports one result per example:
 - `mismatch`: the step ran but did not match one device (a finding);
 - and, with any of them, the warnings the example raised (findings too, except
   XLA:CPU's note that it declined some donated buffers, which pyproject.toml
-  ignores for the whole suite).
+  ignores for the whole suite, and JAX's note that it could not read an entry
+  of the workers' shared compilation cache another worker was still writing).
 
 Aborts (XLA check failures kill the process) and hangs (a collective whose peers
 never arrive) cannot be caught here: before each phase the worker prints which
@@ -646,6 +647,11 @@ def run_example(spec: dict, *, announce: bool = False) -> dict:
     for w in caught:
         text = f"{w.category.__name__}: {w.message}"[:1000]
         if issubclass(w.category, UserWarning) and "Some donated buffers were not usable" in str(w.message):
+            continue
+        # The workers share one compilation cache (the harness's own speed-up):
+        # one may read an entry another is still writing; JAX then compiles
+        # afresh and says so. A property of the harness, not of eqxpar.
+        if issubclass(w.category, UserWarning) and "Error reading persistent compilation cache" in str(w.message):
             continue
         expected = issubclass(w.category, EXPECTED_WARNINGS)
         result["expected_warnings" if expected else "warnings"].append(text)
