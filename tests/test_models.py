@@ -263,21 +263,7 @@ def test_models_namespace():
 
 # GPT-2 style: learned positions (no rotary), fused QKV, GELU, LayerNorm, biases,
 # untied head; the options the benchmark workload needs, on a small model.
-GPT2_STYLE = GPTConfig(
-    vocab_size=32,
-    d_model=32,
-    num_heads=4,
-    num_layers=2,
-    d_hidden=64,
-    activation="gelu",
-    norm="layer",
-    tied=False,
-    rotary=False,
-    learned_positions=True,
-    use_bias=True,
-    fused_qkv=True,
-    max_seq_len=16,
-)
+GPT2_STYLE = dataclasses.replace(CONFIGS["gelu-untied"], rotary=False, learned_positions=True, fused_qkv=True)
 GPT2_PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
 
 # (id, plan factory, loss): sequence parallelism splits the position table with the
