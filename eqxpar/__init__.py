@@ -13,6 +13,7 @@ from . import models as models
 from . import nn as nn
 from . import pipeline as pipeline
 from . import rules as rules
+from . import runtime as runtime
 from . import train as train
 from ._errors import (
     AxisNameError as AxisNameError,

@@ -10,5 +10,5 @@ orbax-checkpoint is imported only when a manager is built, so `import eqxpar`
 works without it.
 """
 
-from ._checkpoint import CheckpointError as CheckpointError
-from ._checkpoint import CheckpointManager as CheckpointManager
+from .runtime._checkpoint import CheckpointError as CheckpointError
+from .runtime._checkpoint import CheckpointManager as CheckpointManager

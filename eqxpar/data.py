@@ -7,6 +7,6 @@ state, metrics = step(state, batch)
 ```
 """
 
-from ._data import ShardedIterator as ShardedIterator
-from ._data import global_batch as global_batch
-from ._data import process_slice as process_slice
+from .runtime._data import ShardedIterator as ShardedIterator
+from .runtime._data import global_batch as global_batch
+from .runtime._data import process_slice as process_slice

@@ -8,13 +8,13 @@ dist.log("every process logs this, as [rank k/n] ...")
 ```
 """
 
-from ._distributed import DistributedError as DistributedError
-from ._distributed import RankLoggerAdapter as RankLoggerAdapter
-from ._distributed import get_logger as get_logger
-from ._distributed import initialize as initialize
-from ._distributed import is_main_process as is_main_process
-from ._distributed import log as log
-from ._distributed import print_once as print_once
-from ._distributed import process_count as process_count
-from ._distributed import process_index as process_index
-from ._distributed import rank_prefix as rank_prefix
+from .runtime._distributed import DistributedError as DistributedError
+from .runtime._distributed import RankLoggerAdapter as RankLoggerAdapter
+from .runtime._distributed import get_logger as get_logger
+from .runtime._distributed import initialize as initialize
+from .runtime._distributed import is_main_process as is_main_process
+from .runtime._distributed import log as log
+from .runtime._distributed import print_once as print_once
+from .runtime._distributed import process_count as process_count
+from .runtime._distributed import process_index as process_index
+from .runtime._distributed import rank_prefix as rank_prefix

@@ -11,9 +11,9 @@ others are killed and the launcher exits non-zero, naming the failing rank.
 
 import sys
 
-from ._launch import free_port as free_port
-from ._launch import main as main
-from ._launch import run as run
+from .runtime._launch import free_port as free_port
+from .runtime._launch import main as main
+from .runtime._launch import run as run
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -115,7 +115,7 @@ def test_rank_aware_printing_and_logging(alone, capsys, caplog):
 # failing process must skip it, a clean one must run it.
 _HOOKED = """
 import atexit, sys
-from eqxpar._distributed import _install_exit_hooks
+from eqxpar.runtime._distributed import _install_exit_hooks
 atexit.register(print, "shut down with the others", flush=True)
 _install_exit_hooks()
 """

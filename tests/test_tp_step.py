@@ -158,7 +158,7 @@ def _all_reduces(compiled):
     """(replica groups text, result bytes, op_name) of each all-reduce of a compiled step."""
     import re
 
-    from eqxpar._hlo import shape_bytes
+    from eqxpar.inspect import shape_bytes
 
     out = []
     for line in compiled.as_text().splitlines():

@@ -8,11 +8,11 @@ import jax
 from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 
-from ._errors import EqxparError, PlanError
-from ._plan import Plan
-from ._rules import mesh_axis_names
-from ._specs import check_spec, is_array_like, leaves_with_axes, partition_specs
-from ._text import fmt_int, render, short
+from .._errors import EqxparError, PlanError
+from .._plan import Plan
+from .._rules import mesh_axis_names
+from .._specs import check_spec, is_array_like, leaves_with_axes, partition_specs
+from .._text import fmt_int, render, short
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,47 +172,54 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
             "array leaves, so there is nothing to tabulate. Pass a model, a TrainState, a "
             "batch, or their jax.eval_shape outlines."
         )
-    treedef = jax.tree.structure(tree)
-    if specs is None:
-        spec_leaves = treedef.flatten_up_to(partition_specs(tree, plan))
-    elif isinstance(specs, PartitionSpec):
-        spec_leaves = [specs] * treedef.num_leaves
-    else:
-        try:
-            spec_leaves = treedef.flatten_up_to(specs)
-        except (ValueError, TypeError) as e:
-            raise EqxparError(
-                f"sharding_table(..., specs={short(specs)}): expected one PartitionSpec, "
-                "or a pytree of PartitionSpecs with the structure of `tree` (as "
-                "eqxpar.partition_specs returns). Pass one of those, or None for the plan's rules."
-            ) from e
-    rows = []
-    for (path, leaf, axes), spec in zip(leaves, spec_leaves, strict=True):
-        if not is_array_like(leaf):
-            continue
-        where = f"leaf {keystr(path) or '<root>'}"
-        if not isinstance(spec, PartitionSpec):
-            raise EqxparError(
-                f"sharding_table: {where} got spec {spec!r}; every array leaf needs a "
-                "PartitionSpec (PartitionSpec() for replicated)."
-            )
-        shape = tuple(int(d) for d in leaf.shape)
-        check_spec(spec, shape, plan.mesh, where=where)
-        split = math.prod(plan.mesh.shape[a] for e in spec for a in mesh_axis_names(e))
-        # dtype.itemsize also covers typed PRNG keys (key<fry>: 8 bytes, two uint32).
-        nbytes = math.prod(shape) * leaf.dtype.itemsize
-        rows.append(
-            Row(
-                path=keystr(path) or "<root>",
-                shape=shape,
-                dtype=str(leaf.dtype),
-                axes=axes,
-                spec=spec,
-                split=split,
-                bytes=nbytes,
-                bytes_per_device=nbytes // split,
-            )
-        )
+    spec_leaves = _spec_leaves(tree, plan, specs)
+    rows = [
+        _row(path, leaf, axes, spec, plan)
+        for (path, leaf, axes), spec in zip(leaves, spec_leaves, strict=True)
+        if is_array_like(leaf)
+    ]
     return ShardingTable(
         rows=tuple(rows), mesh_shape=tuple((str(k), int(v)) for k, v in plan.mesh.shape.items())
+    )
+
+
+def _spec_leaves(tree: Any, plan: Plan, specs: Any) -> list[Any]:
+    """One spec per leaf of `tree`: from the plan's rules, the one `specs`, or the `specs` tree."""
+    treedef = jax.tree.structure(tree)
+    if specs is None:
+        return treedef.flatten_up_to(partition_specs(tree, plan))
+    if isinstance(specs, PartitionSpec):
+        return [specs] * treedef.num_leaves
+    try:
+        return treedef.flatten_up_to(specs)
+    except (ValueError, TypeError) as e:
+        raise EqxparError(
+            f"sharding_table(..., specs={short(specs)}): expected one PartitionSpec, "
+            "or a pytree of PartitionSpecs with the structure of `tree` (as "
+            "eqxpar.partition_specs returns). Pass one of those, or None for the plan's rules."
+        ) from e
+
+
+def _row(path: Any, leaf: Any, axes: Any, spec: Any, plan: Plan) -> Row:
+    """The table row of one array leaf laid out by `spec`."""
+    where = f"leaf {keystr(path) or '<root>'}"
+    if not isinstance(spec, PartitionSpec):
+        raise EqxparError(
+            f"sharding_table: {where} got spec {spec!r}; every array leaf needs a "
+            "PartitionSpec (PartitionSpec() for replicated)."
+        )
+    shape = tuple(int(d) for d in leaf.shape)
+    check_spec(spec, shape, plan.mesh, where=where)
+    split = math.prod(plan.mesh.shape[a] for e in spec for a in mesh_axis_names(e))
+    # dtype.itemsize also covers typed PRNG keys (key<fry>: 8 bytes, two uint32).
+    nbytes = math.prod(shape) * leaf.dtype.itemsize
+    return Row(
+        path=keystr(path) or "<root>",
+        shape=shape,
+        dtype=str(leaf.dtype),
+        axes=axes,
+        spec=spec,
+        split=split,
+        bytes=nbytes,
+        bytes_per_device=nbytes // split,
     )

@@ -24,9 +24,9 @@ import numpy as np
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
-from ._errors import EqxparError
-from ._plan import Plan
-from ._sharding import named_shardings
+from .._errors import EqxparError
+from .._plan import Plan
+from .._sharding import named_shardings
 
 _FORMAT = "eqxpar.checkpoint"
 _VERSION = 1
@@ -289,6 +289,30 @@ class CheckpointManager:
         """
         self.wait()  # a save still being written would otherwise be invisible
         steps = self.all_steps()
+        step = self._complete_step(step, steps)
+        where = self._directory / str(step)
+        fix = (
+            f"delete {str(where)!r} and restore an earlier step "
+            f"(restore(step=...), steps {[s for s in steps if s != step]}), or point the manager at "
+            "the right directory."
+        )
+        meta = self._read_meta(step, where, fix)
+        leaves = _array_leaves(like)
+        records = meta["leaves"]
+        _check_matches(records, leaves, where)
+        target = _restore_target(records, _target_shardings(like, plan, leaves))
+        ocp = self._ocp
+        arrays = _guard(
+            lambda: self._manager.restore(
+                step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(target)})
+            )[_ARRAYS],
+            f"reading the arrays of checkpoint {str(where)!r}",
+            fix,
+        )
+        return _rebuild(like, records, arrays), meta.get("data_state")
+
+    def _complete_step(self, step: int | None, steps: list[int]) -> int:
+        """`step`, checked to be a complete checkpoint; None gives the latest."""
         if step is None:
             if not steps:
                 raise CheckpointError(
@@ -302,14 +326,11 @@ class CheckpointManager:
                 f"checkpoint step {step!r} {state} {str(self._directory)!r} (complete steps: "
                 f"{steps}). Restore one of those, or step=None for the latest."
             )
-        step = int(step)
-        where = self._directory / str(step)
+        return int(step)
+
+    def _read_meta(self, step: int, where: pathlib.Path, fix: str) -> dict[str, Any]:
+        """The metadata checkpoint `step` was saved with, checked to be this format and version."""
         ocp = self._ocp
-        fix = (
-            f"delete {str(where)!r} and restore an earlier step "
-            f"(restore(step=...), steps {[s for s in steps if s != step]}), or point the manager at "
-            "the right directory."
-        )
         meta = _guard(
             lambda: self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[
                 _META
@@ -328,31 +349,7 @@ class CheckpointManager:
                 f"{str(where)!r} has eqxpar checkpoint version {meta.get('version')!r}; this eqxpar "
                 f"reads version {_VERSION}. Restore it with the eqxpar version that wrote it."
             )
-        leaves = _array_leaves(like)
-        records = meta["leaves"]
-        _check_matches(records, leaves, where)
-        shardings = _target_shardings(like, plan, leaves)
-        target = {}
-        for i, (record, sharding) in enumerate(zip(records, shardings, strict=True)):
-            dtype = jnp.uint32 if "key_impl" in record else jnp.dtype(record["dtype"])
-            target[_name(i)] = jax.ShapeDtypeStruct(tuple(record["data_shape"]), dtype, sharding=sharding)
-        arrays = _guard(
-            lambda: self._manager.restore(
-                step, args=ocp.args.Composite(**{_ARRAYS: ocp.args.StandardRestore(target)})
-            )[_ARRAYS],
-            f"reading the arrays of checkpoint {str(where)!r}",
-            fix,
-        )
-        restored = []
-        for i, record in enumerate(records):
-            value = arrays[_name(i)]
-            if "key_impl" in record:
-                value = jax.random.wrap_key_data(value, impl=record["key_impl"])
-            restored.append(value)
-        flat, treedef = jax.tree.flatten(like)
-        it = iter(restored)
-        state = jax.tree.unflatten(treedef, [next(it) if _is_array(leaf) else leaf for leaf in flat])
-        return state, meta.get("data_state")
+        return meta
 
     def close(self) -> None:
         """Wait for pending saves, then release the manager's threads (also on `with` exit).
@@ -452,6 +449,29 @@ def _check_matches(records: list[dict[str, Any]], leaves: list[tuple[str, Any]],
                 f"and dtype {saved[2]}, but `like` has {wanted[0]} with shape {wanted[1]} and dtype "
                 f"{wanted[2]}. {fix}"
             )
+
+
+def _restore_target(records: list[dict[str, Any]], shardings: list[Sharding]) -> dict[str, Any]:
+    """What orbax reads each saved array into: its shape and dtype, in its target sharding
+    (a PRNG key is read as its raw uint32 data)."""
+    target = {}
+    for i, (record, sharding) in enumerate(zip(records, shardings, strict=True)):
+        dtype = jnp.uint32 if "key_impl" in record else jnp.dtype(record["dtype"])
+        target[_name(i)] = jax.ShapeDtypeStruct(tuple(record["data_shape"]), dtype, sharding=sharding)
+    return target
+
+
+def _rebuild(like: PyTree, records: list[dict[str, Any]], arrays: dict[str, Any]) -> PyTree:
+    """`like` with its arrays replaced by the restored ones (PRNG keys re-wrapped)."""
+    restored = []
+    for i, record in enumerate(records):
+        value = arrays[_name(i)]
+        if "key_impl" in record:
+            value = jax.random.wrap_key_data(value, impl=record["key_impl"])
+        restored.append(value)
+    flat, treedef = jax.tree.flatten(like)
+    it = iter(restored)
+    return jax.tree.unflatten(treedef, [next(it) if _is_array(leaf) else leaf for leaf in flat])
 
 
 def _target_shardings(like: PyTree, plan: Plan | None, leaves: list[tuple[str, Any]]) -> list[Sharding]:

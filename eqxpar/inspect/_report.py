@@ -5,11 +5,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import EqxparError, PlanError
+from .._text import fmt_int, fmt_ratio, ratio, render, short
 from ._compiled import as_compiled, compiled_stage
-from ._errors import EqxparError, PlanError
 from ._hlo import KINDS, CollectiveStats, collective_stats
 from ._minimum import Minimum, minimum_comm
-from ._text import fmt_int, fmt_ratio, ratio, render, short
 
 __all__ = ["CommReport", "Minimum", "comm_report", "minimum_comm"]
 

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.tree_util import keystr
 
-from ._errors import EqxparError, PlanError
+from .._errors import EqxparError, PlanError
+from .._plan import Plan
+from .._rules import mesh_axis_names
+from .._specs import is_array_like, partition_specs
+from .._text import short
 from ._hlo import _ring_bytes
-from ._plan import Plan
-from ._rules import mesh_axis_names
-from ._specs import is_array_like, partition_specs
-from ._text import short
 
 #: The mesh axis pipeline plans split a stack's layers over.
 PIPE = "pipe"
@@ -128,7 +128,7 @@ def _is_inexact(x: Any) -> bool:
 def _in_stack(params: Any) -> list[bool]:
     """Per leaf of `params` (in `jax.tree.leaves` order): whether it lies in an
     `eqxpar.nn.Stacked`, whose scan re-gathers FSDP weights under `Plan(remat=...)`."""
-    from .nn._stack import Stacked
+    from ..nn._stack import Stacked
 
     def mark(node: Any) -> Any:
         return jax.tree.map(lambda _: isinstance(node, Stacked), node)
@@ -505,7 +505,7 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
     """The busiest pipeline device's activation traffic: stage-boundary
     collective-permutes and, with the tensor axis, its stage's activation sums
     (and the embedding's on the first stage, the head's on the last)."""
-    from .pipeline._loss import PipelineLoss
+    from ..pipeline._loss import PipelineLoss
 
     _need(plan, loss, batch, f"pipelines a stack (schedule={plan.schedule!r})")
     if not isinstance(loss, PipelineLoss):

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import jax
 
-from ._errors import EqxparError
+from .._errors import EqxparError
 
 #: Environment variables `eqxpar.launch` sets for each process it starts, read by
 #: `initialize()` when it is called without arguments.
@@ -137,6 +137,30 @@ def initialize(
     dist.print_once(f"{jax.device_count()} devices in {jax.process_count()} processes")
     ```
     """
+    asked = _asked(coordinator_address, num_processes, process_id)
+    if jax.distributed.is_initialized():
+        _check_same_run(asked)
+        return True
+    if not _needs_a_run(asked, cluster_detection_method):
+        return False
+    _start_jax(
+        asked,
+        preemption_service,
+        local_device_ids=local_device_ids,
+        cluster_detection_method=cluster_detection_method,
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+    )
+    _STARTED.update(asked)
+    _install_exit_hooks()
+    return True
+
+
+def _asked(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None
+) -> dict[str, Any]:
+    """The run `initialize` was asked for: its arguments, with the gaps filled from
+    the environment `eqxpar.launch` sets, each checked."""
     _validate(coordinator_address, num_processes, process_id)
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     if num_processes is None:
@@ -144,29 +168,36 @@ def initialize(
     if process_id is None:
         process_id = _int_from_env(ENV_PROCESS_ID)
     _validate(coordinator_address, num_processes, process_id)
-    asked = {
+    return {
         "coordinator_address": coordinator_address,
         "num_processes": num_processes,
         "process_id": process_id,
     }
 
-    if jax.distributed.is_initialized():
-        for name, value in asked.items():
-            previous = _STARTED.get(name)
-            if value is not None and previous is not None and value != previous:
-                raise DistributedError(
-                    f"initialize({name}={value!r}): this process already joined a run with "
-                    f"{name}={previous!r}. A process can join one run only; call initialize() "
-                    "once, at the start of the program."
-                )
-        return True
 
+def _check_same_run(asked: dict[str, Any]) -> None:
+    """Raise when a repeated `initialize` call asks for another run than the first."""
+    for name, value in asked.items():
+        previous = _STARTED.get(name)
+        if value is not None and previous is not None and value != previous:
+            raise DistributedError(
+                f"initialize({name}={value!r}): this process already joined a run with "
+                f"{name}={previous!r}. A process can join one run only; call initialize() "
+                "once, at the start of the program."
+            )
+
+
+def _needs_a_run(asked: dict[str, Any], cluster_detection_method: str | None) -> bool:
+    """Whether this process should join a multi-process run (False: it runs alone).
+
+    Raises when some of the run's settings were given and nothing supplies the rest."""
     explicit = any(v is not None for v in asked.values())
-    if num_processes == 1 and coordinator_address is None:
+    if asked["num_processes"] == 1 and asked["coordinator_address"] is None:
         return False  # a run of one process needs no coordinator
-    if not explicit and cluster_detection_method is None and not _cluster_detected():
+    detected = cluster_detection_method is not None or _cluster_detected()
+    if not explicit and not detected:
         return False
-    if explicit and None in asked.values() and cluster_detection_method is None and not _cluster_detected():
+    if explicit and None in asked.values() and not detected:
         missing = [name for name, value in asked.items() if value is None]
         raise DistributedError(
             f"initialize(): {', '.join(missing)} not given, and no cluster environment "
@@ -174,6 +205,11 @@ def initialize(
             "coordinator_address, num_processes and process_id, or start the program "
             "with `python -m eqxpar.launch -n N script.py`."
         )
+    return True
+
+
+def _start_jax(asked: dict[str, Any], preemption_service: bool, **options: Any) -> None:
+    """`jax.distributed.initialize`, its failures turned into `DistributedError`s."""
     _use_gloo_on_cpu()
     # JAX's preemption service swallows SIGTERM (it only records a preemption
     # notice), so a process told to stop by a launcher, a scheduler or `kill` would
@@ -181,13 +217,7 @@ def initialize(
     jax.config.update("jax_enable_preemption_service", bool(preemption_service))
     try:
         jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
-            local_device_ids=local_device_ids,
-            cluster_detection_method=cluster_detection_method,
-            initialization_timeout=initialization_timeout,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            asked["coordinator_address"], asked["num_processes"], asked["process_id"], **options
         )
     except RuntimeError as e:
         if "before any JAX calls" in str(e) or "backend" in str(e).lower():
@@ -203,11 +233,6 @@ def initialize(
             f"jax.distributed.initialize rejected the run's settings ({e}). Pass "
             "coordinator_address, num_processes and process_id explicitly."
         ) from e
-    _STARTED.update(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
-    )
-    _install_exit_hooks()
-    return True
 
 
 def _install_exit_hooks() -> None:

@@ -3,9 +3,9 @@
 import dataclasses
 from typing import Any
 
+from .._errors import EqxparError
+from .._text import fmt_int, render
 from ._compiled import as_compiled
-from ._errors import EqxparError
-from ._text import fmt_int, render
 
 
 @dataclasses.dataclass(frozen=True)

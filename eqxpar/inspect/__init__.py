@@ -1,6 +1,13 @@
 """Reading what a plan and a compiled step do: where every array lives, the
 collective traffic beside its theoretical minimum, memory per device, and
-pictures of array layouts."""
+pictures of array layouts.
+
+Inside: `_table` (`sharding_table`), `_compiled` (a Step, Lowered or Compiled
+turned into one executable), `_hlo` (collective counts and bytes read from
+compiled HLO), `_minimum` (the theoretical minimum of communication of a plan),
+`_report` (`comm_report`: the two side by side), `_memory` (`memory_report`) and
+`_layout` (text and PNG pictures of an array's layout over the devices).
+"""
 
 from ._hlo import CollectiveStats as CollectiveStats
 from ._hlo import collective_stats as collective_stats

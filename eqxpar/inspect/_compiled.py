@@ -5,9 +5,9 @@ from typing import Any
 
 import jax
 
-from ._errors import EqxparError
-from ._step import Step
-from ._text import short
+from .._errors import EqxparError
+from .._step import Step
+from .._text import short
 
 _ACCEPTED = (
     "an eqxpar Step (from eqxpar.train.make_step) followed by (state, batch), or a "

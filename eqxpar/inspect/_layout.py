@@ -8,8 +8,8 @@ import jax
 from jax.sharding import NamedSharding, Sharding
 from jaxtyping import Array, Shaped
 
-from ._errors import EqxparError
-from ._text import short
+from .._errors import EqxparError
+from .._text import short
 
 Target = Shaped[Array, "..."] | jax.ShapeDtypeStruct | Sharding
 

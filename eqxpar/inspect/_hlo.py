@@ -32,11 +32,11 @@ device in one group.
 import dataclasses
 import re
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
+from .._errors import EqxparError
+from .._text import short
 from ._compiled import compiled_stage
-from ._errors import EqxparError
-from ._text import short
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -191,54 +191,61 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     """
     text = _hlo_text(compiled_or_text)
     computations, entry = _parse(text)
-    count: Counter = Counter()
-    nbytes: Counter = Counter()
-    wire: Counter = Counter()
-
     if num_devices is None:
-        header = re.search(r"^HloModule\b.*$", text, re.MULTILINE)
-        sizes = dict(_MODULE_SIZE.findall(header.group(0))) if header else {}
-        if sizes:
-            num_devices = int(sizes.get("num_partitions", 1)) * int(sizes.get("replica_count", 1))
+        num_devices = _module_devices(text)
+    acc = _Tally(Counter(), Counter(), Counter(), Counter())
+    _Walk(computations, num_devices).visit(entry, 1, 0, False, acc)
+    return CollectiveStats(count=acc.count, bytes=acc.bytes, wire_bytes=acc.wire, in_loops=acc.in_loops)
 
-    def all_devices() -> int:
+
+def _module_devices(text: str) -> int | None:
+    """The device count the `HloModule` line states (`num_partitions` x `replica_count`),
+    or None when it states neither."""
+    header = re.search(r"^HloModule\b.*$", text, re.MULTILINE)
+    sizes = dict(_MODULE_SIZE.findall(header.group(0))) if header else {}
+    if not sizes:
+        return None
+    return int(sizes.get("num_partitions", 1)) * int(sizes.get("replica_count", 1))
+
+
+class _Tally(NamedTuple):
+    """Per-kind collective counts, result bytes, wire bytes, and counts inside loops."""
+
+    count: Counter
+    bytes: Counter
+    wire: Counter
+    in_loops: Counter
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """A walk of the HLO call graph from the entry computation, weighting each
+    collective by how many times its computation runs."""
+
+    computations: dict[str, list[str]]
+    num_devices: int | None
+
+    def all_devices(self) -> int:
         # Raised lazily: text whose collectives all name their groups needs no count.
-        if num_devices is None:
+        if self.num_devices is None:
             raise EqxparError(
                 "collective_stats: a collective has empty replica_groups (all devices) but "
                 "the HLO text has no num_partitions=/replica_count= on its HloModule line; "
                 "pass collective_stats(..., num_devices=N)."
             )
-        return num_devices
+        return self.num_devices
 
-    in_loops: Counter = Counter()
-
-    def visit(name: str, weight: int, depth: int, looped: bool, acc: tuple[Counter, ...]) -> None:
+    def visit(self, name: str, weight: int, depth: int, looped: bool, acc: _Tally) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (recursive computations?)")
-        count, nbytes, wire, in_loops = acc
-        for line in computations.get(name, ()):
+        for line in self.computations.get(name, ()):
             m = _INSTRUCTION.match(line)
             if not m:
                 continue
             result_type, opcode = m.group(2), m.group(3)
             base = opcode.removesuffix("-start")
             if base in KINDS and not opcode.endswith("-done"):
-                count[base] += weight
-                if looped:
-                    in_loops[base] += weight
-                # An async start's result is a tuple (operands, results[, scratch]);
-                # the moved data is its result element.
-                size = (
-                    _async_result_bytes(result_type)
-                    if opcode.endswith("-start")
-                    else shape_bytes(result_type)
-                )
-                nbytes[base] += weight * size
-                if base == "collective-permute":
-                    wire[base] += weight * size
-                else:
-                    wire[base] += weight * _ring_bytes(base, size, _group_size(line) or all_devices())
+                self._add(acc, line, base, opcode, result_type, weight, looped)
             inner = weight
             if opcode == "while":
                 trip = _TRIP.search(line)
@@ -247,24 +254,41 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
                 # Fusions hold no collectives; reducers of collectives are scalars.
                 continue
             for callee in _CALLS.findall(line):
-                visit(callee, inner, depth + 1, looped or opcode == "while", acc)
-            branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
-            branches += _CONDITIONAL.findall(line)
-            if branches:
-                # A device runs one branch per execution of a conditional: count the
-                # branch that moves the most (e.g. a pipeline tick's costliest
-                # action), not their sum.
-                taken = []
-                for callee in branches:
-                    sub: tuple[Counter, ...] = (Counter(), Counter(), Counter(), Counter())
-                    visit(callee, inner, depth + 1, looped, sub)
-                    taken.append(sub)
-                heaviest = max(taken, key=lambda sub: (sum(sub[2].values()), sum(sub[1].values())))
-                for total, part in zip(acc, heaviest, strict=True):
-                    total.update(part)
+                self.visit(callee, inner, depth + 1, looped or opcode == "while", acc)
+            self._visit_branches(line, inner, depth, looped, acc)
 
-    visit(entry, 1, 0, False, (count, nbytes, wire, in_loops))
-    return CollectiveStats(count=count, bytes=nbytes, wire_bytes=wire, in_loops=in_loops)
+    def _add(
+        self, acc: _Tally, line: str, base: str, opcode: str, result_type: str, weight: int, looped: bool
+    ) -> None:
+        """Count one collective instruction, run `weight` times."""
+        acc.count[base] += weight
+        if looped:
+            acc.in_loops[base] += weight
+        # An async start's result is a tuple (operands, results[, scratch]);
+        # the moved data is its result element.
+        size = _async_result_bytes(result_type) if opcode.endswith("-start") else shape_bytes(result_type)
+        acc.bytes[base] += weight * size
+        if base == "collective-permute":
+            acc.wire[base] += weight * size
+        else:
+            acc.wire[base] += weight * _ring_bytes(base, size, _group_size(line) or self.all_devices())
+
+    def _visit_branches(self, line: str, weight: int, depth: int, looped: bool, acc: _Tally) -> None:
+        branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
+        branches += _CONDITIONAL.findall(line)
+        if not branches:
+            return
+        # A device runs one branch per execution of a conditional: count the
+        # branch that moves the most (e.g. a pipeline tick's costliest
+        # action), not their sum.
+        taken = []
+        for callee in branches:
+            sub = _Tally(Counter(), Counter(), Counter(), Counter())
+            self.visit(callee, weight, depth + 1, looped, sub)
+            taken.append(sub)
+        heaviest = max(taken, key=lambda sub: (sum(sub.wire.values()), sum(sub.bytes.values())))
+        for total, part in zip(acc, heaviest, strict=True):
+            total.update(part)
 
 
 def _group_size(line: str) -> int | None:

@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
-from ._errors import BatchError, PlanError
-from ._plan import Plan
-from ._specs import is_array_like
+from .._errors import BatchError, PlanError
+from .._plan import Plan
+from .._specs import is_array_like
 
 
 def _check_plan(plan: Any, where: str) -> None:
