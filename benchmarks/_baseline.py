@@ -1,9 +1,6 @@
-"""Hand-written training steps that eqxpar is measured against.
-
-Written directly with `jax.jit`, `jax.value_and_grad` and optax, without eqxpar, so
-that they show what a user gets with no library: `JitStep` with explicit in/out
-shardings on a mesh (the bar for speed and bytes), and `reference_run` on one device
-with no mesh at all (the bar for numbers).
+"""Hand-written training steps eqxpar is measured against, written with `jax.jit`,
+`jax.value_and_grad` and optax only: `JitStep` with explicit shardings on a mesh
+(the bar for speed and bytes) and `reference_run` on one device (the bar for numbers).
 """
 
 from collections.abc import Callable, Sequence
@@ -26,10 +23,13 @@ def _train_step(loss_fn: Callable, optim: optax.GradientTransformation, static: 
     return step
 
 
+def is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
 class OwnStateStep:
-    """A compiled `(params, opt_state, batch) -> (params, opt_state, loss)` step that
-    holds its own (donated) state: subclasses set `jitted`, `params`, `opt_state`
-    and `batch_sharding`."""
+    """A compiled `(params, opt_state, batch) -> (params, opt_state, loss)` step holding
+    its own (donated) state; subclasses set `jitted`, `params`, `opt_state`, `batch_sharding`."""
 
     jitted: Any
     params: PyTree
@@ -49,17 +49,10 @@ class OwnStateStep:
 
 
 class JitStep(OwnStateStep):
-    """A `jax.jit` train step with the given shardings; holds its own (donated) state.
-
-    **Arguments:**
-
-    - `loss_fn`, `optim`, `model`: the workload; the model's arrays are copied, never donated.
-    - `mesh`: the mesh the shardings live on.
-    - `param_specs`: PartitionSpecs of the parameters: one for all, or a pytree of them.
-    - `opt_state_specs`: PartitionSpecs of the optimizer state; defaults to `param_specs`
-      when that is a single spec (e.g. everything replicated), else required.
-    - `batch_spec`: the PartitionSpec of every batch leaf.
-    """
+    """A `jax.jit` train step of `loss_fn` on `model` (copied, never donated) with
+    parameters laid out by `param_specs` (one spec, or a pytree of them), the
+    optimizer state by `opt_state_specs` (default: `param_specs`, if one spec) and
+    every batch leaf by `batch_spec`, on `mesh`."""
 
     def __init__(
         self,
@@ -73,17 +66,13 @@ class JitStep(OwnStateStep):
         opt_state_specs: Any = None,
     ):
         if opt_state_specs is None:
-            if not isinstance(param_specs, PartitionSpec):
+            if not is_spec(param_specs):
                 raise ValueError("JitStep: give opt_state_specs when the parameters have per-leaf specs")
             opt_state_specs = param_specs
         params, static = eqx.partition(model, eqx.is_inexact_array)
-        to_shardings = lambda specs: jax.tree.map(  # noqa: E731
-            lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec)
-        )
-        param_shardings = to_shardings(param_specs)
-        opt_shardings = to_shardings(opt_state_specs)
+        to_shardings = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)  # noqa: E731
+        param_shardings, opt_shardings = to_shardings(param_specs), to_shardings(opt_state_specs)
         self.batch_sharding = NamedSharding(mesh, batch_spec)
-        replicated = NamedSharding(mesh, PartitionSpec())
 
         # Copy inside jit: fresh buffers owned by this step, created in their sharding.
         @jax.jit
@@ -95,18 +84,31 @@ class JitStep(OwnStateStep):
         self.jitted = jax.jit(
             _train_step(loss_fn, optim, static),
             in_shardings=(param_shardings, opt_shardings, self.batch_sharding),
-            out_shardings=(param_shardings, opt_shardings, replicated),
+            out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, PartitionSpec())),
             donate_argnums=(0, 1),
         )
+
+
+def opt_specs(optim: optax.GradientTransformation, model: Any, param_specs: Any) -> Any:
+    """Optimizer-state specs mirroring `param_specs` (moments shaped like the parameters)."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    params_def = jax.tree.structure(params)
+    spec_leaves = jax.tree.leaves(param_specs, is_leaf=is_spec)
+
+    def for_node(node: Any) -> Any:
+        if jax.tree.structure(node) == params_def:
+            return jax.tree.unflatten(params_def, spec_leaves)
+        return jax.tree.map(lambda _: PartitionSpec(), node)
+
+    state = jax.eval_shape(optim.init, params)
+    return jax.tree.map(for_node, state, is_leaf=lambda n: jax.tree.structure(n) == params_def)
 
 
 def reference_run(
     loss_fn: Callable, optim: optax.GradientTransformation, model: PyTree, batches: Sequence[PyTree]
 ) -> tuple[PyTree, jax.Array]:
-    """Train on one device, no mesh, one step per batch; return (parameters, last loss).
-
-    The numbers every strategy must reproduce: same float32 math, same init, same batches.
-    """
+    """(parameters, last loss) after one step per batch on one device, no mesh: the
+    numbers every strategy must reproduce (same float32 math, init and batches)."""
     device = jax.devices()[0]
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.device_put(jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params), device)

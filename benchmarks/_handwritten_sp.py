@@ -1,20 +1,13 @@
-"""A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar.
+"""A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar:
+the bar `tp_sp` and `tp_overlap` are timed against in the same process.
 
-ANCHORS.md compares `jax.jit` TP with "a hand-written `shard_map` TP + sequence
-parallel, sync all_gather / psum_scatter" of the same step. This is that step,
-written the way a JAX user would write it with no library, so that the `tp_sp` and
-`tp_overlap` records can time eqxpar against it in the same process (ANCHORS' own
-figure was taken in another process, against a `jax.jit` TP step that is not ours).
-
-Mesh data x tensor, manual over both. Per device: the batch rows of its `data`
+Mesh data x tensor, manual over both: each device holds the rows of its `data`
 index and the sequence block of its `tensor` index. Per block: LayerNorm on the
-block, all-gather of the sequence over `tensor`, QKV / MLP-up on this device's
-heads / hidden features, attention, the output / MLP-down products
-reduce-scattered back to sequence blocks. Weights are the workload's, split the
-Megatron way (QKV by heads, MLP-up by hidden features, output and MLP-down by
-input features); the rest replicated. Gradients come from `jax.value_and_grad`
-inside the `shard_map` (`check_vma=True` places their reductions), AdamW updates
-each device's shards.
+block, all-gather of the sequence over `tensor`, QKV / MLP-up on this device's heads
+/ hidden features, attention, the output / MLP-down products reduce-scattered back
+to sequence blocks. Weights split the Megatron way, the rest replicated; gradients
+from `jax.value_and_grad` inside the `shard_map` (`check_vma=True` places their
+reductions), AdamW on each device's shards.
 """
 
 import math
@@ -28,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PyTree
 
 from . import _workload
-from ._baseline import OwnStateStep
+from ._baseline import OwnStateStep, is_spec
 
 _BLOCK_SPECS = {
     "ln1_w": PartitionSpec(),
@@ -46,9 +39,11 @@ _BLOCK_SPECS = {
 }
 
 
-def params_of(model: _workload.Transformer, cfg: _workload.Config = _workload.CONFIG) -> dict:
-    """The workload's weights as a dict of arrays, `(in, ..., out)` oriented."""
-    d, h, hd = cfg.d_model, cfg.heads, cfg.head_dim
+def params_of(model: _workload.Transformer) -> dict:
+    """The workload's weights (or gradients) as a dict of arrays, `(in, ..., out)` oriented."""
+    d = model.embed.weight.shape[1]
+    h = model.blocks[0].heads
+    hd = d // h
     blocks = [
         {
             "ln1_w": b.ln1.weight,
@@ -127,16 +122,12 @@ def _broadcasting_loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]
 
 
 class HandwrittenSP(OwnStateStep):
-    """The step above with its own (donated) state, run like a `JitStep`.
-
-    **Arguments:** `model` (the workload; copied, never donated), `optim`, `mesh`
-    with axes `data` and `tensor`.
-    """
+    """The step above with its own (donated) state, run like a `JitStep`, on `mesh`
+    (axes `data` and `tensor`); `model` is copied, never donated."""
 
     def __init__(self, model: _workload.Transformer, optim: optax.GradientTransformation, mesh: Mesh):
         params = params_of(model)
         specs = param_specs(params)
-        is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
         opt_specs = optax.tree_map_params(
             optim,
             lambda _, spec: spec,
@@ -172,7 +163,7 @@ class HandwrittenSP(OwnStateStep):
 
 
 def loss_and_grads(model: _workload.Transformer, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
-    """The hand-written step's loss and gradients (as `params_of`'s dict) at `model`, for tests."""
+    """The hand-written step's loss and gradients (as `params_of`'s dict), for tests."""
     params = params_of(model)
     specs = param_specs(params)
     f = jax.shard_map(

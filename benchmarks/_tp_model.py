@@ -1,13 +1,15 @@
-"""The ANCHORS.md workload rewritten with eqxpar.nn layers, for the tensor-parallel
-strategies, and the map from the plain-Equinox workload's weights to it.
+"""The workload written with eqxpar.nn layers, for the tensor-parallel and 3D records.
 
-Same function, same weights: `convert(workload_model)` gives a model whose loss
-equals the workload's (up to float32 rounding), and `convert` of the workload's
-gradients gives this model's gradients, so parity is checked against the
-single-device run of the ordinary model. The Megatron layout of ANCHORS.md's
-minimum: attention heads and MLP hidden features split over `tensor`; the
-embedding, positions, final norm and head replicated (a vocabulary split would add
-activation all-reduces this small vocabulary does not repay).
+`convert(workload_model)` is the same function at the same weights (tested), and,
+being a pure re-layout, also maps the workload's gradients, so parity is checked
+against the plain model on one device. Megatron layout: heads and MLP features
+split over `tensor`; the embedding, positions, final norm and head replicated.
+
+Why not `eqxpar.models.GPT`: its vocabulary-parallel embedding, head and
+cross-entropy add tensor collectives (an embedding all-reduce or reduce-scatter, a
+sequence gather before the head, per-token reductions) that this layout, the
+records' since they were first measured, does not have; with the vocabulary split
+instead, the layout and its bytes differ. The records keep their bytes.
 """
 
 import equinox as eqx
@@ -23,13 +25,13 @@ from . import _workload
 
 
 class TPTransformer(eqx.Module):
-    """`_workload.Transformer` with `eqxpar.nn.TransformerBlock`s (fused QKV, GELU,
-    LayerNorm, biases) on batch-first activations; returns this device's logits
-    `(batch, seq', vocab)` (the local sequence block under sequence parallelism)."""
+    """Batch-first `_workload.Transformer` with `eqxpar.nn.TransformerBlock`s (fused QKV);
+    returns this device's logits (the local sequence block under sequence parallelism).
+    `blocks` is a list, or an `eqxpar.nn.Stacked` for pipelines."""
 
     embed: Float[Array, "vocab d_model"] = eqxpar.param(axes=(None, "embed"))
     positions: Float[Array, "seq d_model"] = eqxpar.param(axes=(None, "embed"))
-    blocks: list[nn.TransformerBlock]
+    blocks: list[nn.TransformerBlock] | nn.Stacked
     ln_f: nn.LayerNorm
     head: Float[Array, "d_model vocab"] = eqxpar.param(axes=("embed", None))
 
@@ -47,61 +49,41 @@ class TPTransformer(eqx.Module):
 def loss_fn(model: TPTransformer, batch: _workload.Batch) -> Float[Array, ""]:
     """The workload's loss: next-token cross-entropy averaged over every token."""
     inputs, targets = batch
-    logits = model(inputs)
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, nn.split_sequence(targets))
+    per_token = optax.softmax_cross_entropy_with_integer_labels(model(inputs), nn.split_sequence(targets))
     return nn.sequence_mean(per_token)
 
 
+def _block(b: _workload.Block) -> nn.TransformerBlock:
+    d, h, mlp = b.qkv.weight.shape[1], b.heads, b.up.weight.shape[0]
+    block = nn.TransformerBlock(d, h, mlp, fused_qkv=True, key=jax.random.key(0))
+    # eqx.nn.Linear stores (out, in); the eqxpar layers store (in, ..., out).
+    return eqx.tree_at(
+        lambda t: (
+            *(t.norm1.weight, t.norm1.bias, t.attn.wqkv, t.attn.bq, t.attn.bk, t.attn.bv, t.attn.wo),
+            *(t.attn.bo, t.norm2.weight, t.norm2.bias, t.mlp.w_in, t.mlp.b_in, t.mlp.w_out, t.mlp.b_out),
+        ),
+        block,
+        (
+            *(b.ln1.weight, b.ln1.bias, b.qkv.weight.T.reshape(d, 3, h, d // h)),
+            *b.qkv.bias.reshape(3, h, d // h),
+            *(b.out.weight.T.reshape(h, d // h, d), b.out.bias, b.ln2.weight, b.ln2.bias),
+            *(b.up.weight.T[:, None, :], b.up.bias[None, :], b.down.weight.T, b.down.bias),
+        ),
+    )
+
+
 # Jitted: eagerly, building each block and moving each weight is an op (and a
-# compile) apiece, and the benchmark converts models and gradients several times.
+# compile) apiece, and the harness converts models and gradients several times.
 @eqx.filter_jit
-def convert(model: _workload.Transformer, cfg: _workload.Config = _workload.CONFIG) -> TPTransformer:
-    """The same weights in `TPTransformer`'s layout. Works on any pytree shaped like
+def convert(model: _workload.Transformer) -> TPTransformer:
+    """The same weights in `TPTransformer`'s layout; works on any pytree shaped like
     the workload model (its gradients, say): it only moves and reshapes arrays."""
-    d, h, hd = cfg.d_model, cfg.heads, cfg.head_dim
-    blocks = []
-    for b in model.blocks:
-        block = nn.TransformerBlock(d, h, cfg.mlp, fused_qkv=True, key=jax.random.key(0))
-        # eqx.nn.Linear stores (out, in); the eqxpar layers store (in, ..., out).
-        block = eqx.tree_at(
-            lambda t: (
-                t.norm1.weight,
-                t.norm1.bias,
-                t.attn.wqkv,
-                t.attn.bq,
-                t.attn.bk,
-                t.attn.bv,
-                t.attn.wo,
-                t.attn.bo,
-                t.norm2.weight,
-                t.norm2.bias,
-                t.mlp.w_in,
-                t.mlp.b_in,
-                t.mlp.w_out,
-                t.mlp.b_out,
-            ),
-            block,
-            (
-                b.ln1.weight,
-                b.ln1.bias,
-                b.qkv.weight.T.reshape(d, 3, h, hd),
-                *b.qkv.bias.reshape(3, h, hd),
-                b.out.weight.T.reshape(h, hd, d),
-                b.out.bias,
-                b.ln2.weight,
-                b.ln2.bias,
-                b.up.weight.T[:, None, :],
-                b.up.bias[None, :],
-                b.down.weight.T,
-                b.down.bias,
-            ),
-        )
-        blocks.append(block)
+    d = model.embed.weight.shape[1]
     ln_f = eqx.tree_at(lambda n: (n.weight, n.bias), nn.LayerNorm(d), (model.ln_f.weight, model.ln_f.bias))
     return TPTransformer(
         embed=model.embed.weight,
         positions=model.positions.weight,
-        blocks=blocks,
+        blocks=[_block(b) for b in model.blocks],
         ln_f=ln_f,
         head=model.head.weight.T,
     )

@@ -1,11 +1,7 @@
-"""The fixed benchmark workload of /work/shared/ANCHORS.md, in plain Equinox.
-
-Decoder-only transformer (vocab 512, d_model 256, 4 layers, 4 heads of 64, MLP 1024
-with GELU, sequence 128, pre-LayerNorm, learned positions, untied head without bias,
-causal mask), 3,454,464 float32 parameters; global batch 32; AdamW(1e-3, wd 0.01).
-It uses no eqxpar layer on purpose: every strategy must handle an ordinary model,
-and the numbers must sit next to those ANCHORS.md measured on the same model.
-"""
+"""The benchmark workload (benchmarks/README.md) in plain Equinox: the single-device
+reference every record is checked against, and the model of the records that need
+no eqxpar layer. It uses no eqxpar code on purpose: every strategy must handle an
+ordinary model."""
 
 import dataclasses
 import math
@@ -22,7 +18,7 @@ PARAM_COUNT = 3_454_464
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Sizes and optimizer settings of the workload (one fixed instance: `CONFIG`)."""
+    """Sizes and optimizer settings; `CONFIG` is the workload, others are its variants."""
 
     vocab: int = 512
     d_model: int = 256
@@ -33,7 +29,6 @@ class Config:
     batch: int = 32
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
-    dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
@@ -106,19 +101,17 @@ class Transformer(eqx.Module):
 
 
 def param_count(model: eqx.Module) -> int:
-    """Number of scalar parameters (floating array elements) in `model`, or in its `jax.eval_shape`."""
+    """Number of floating-point parameters of `model` (arrays or `jax.eval_shape` outlines)."""
     leaves = jax.tree.leaves(model)
     return sum(x.size for x in leaves if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def make_model(cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> Transformer:
-    """The workload's model from a fixed key; checks the parameter count of ANCHORS.md."""
+    """The workload's model from a fixed key."""
     model = Transformer(cfg, key=jax.random.key(0) if key is None else key)
-    if cfg == CONFIG:
-        count = param_count(model)
-        # The anchors' numbers are only comparable on exactly this model.
-        if count != PARAM_COUNT:
-            raise AssertionError(f"workload has {count} parameters, ANCHORS.md says {PARAM_COUNT}")
+    # The published comparison figures (README) are only comparable on exactly this model.
+    if cfg == CONFIG and param_count(model) != PARAM_COUNT:
+        raise AssertionError(f"workload has {param_count(model)} parameters, not {PARAM_COUNT}")
     return model
 
 
@@ -132,41 +125,25 @@ def loss_fn(model: Transformer, batch: Batch) -> Float[Array, ""]:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def make_batches(n: int, cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> list[Batch]:
-    """`n` deterministic synthetic batches (inputs, next-token targets), on the host's default device."""
-    key = jax.random.key(1) if key is None else key
+def make_batches(n: int, cfg: Config = CONFIG) -> list[Batch]:
+    """`n` deterministic synthetic batches (inputs, next-token targets)."""
     batches = []
     for i in range(n):
-        tokens = jax.random.randint(jax.random.fold_in(key, i), (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab)
+        key = jax.random.fold_in(jax.random.key(1), i)
+        tokens = jax.random.randint(key, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     return batches
 
 
-#: AdamW's first-moment decay (optax's default, named: the harness reads the first
-#: step's gradients back from the first moment, `_measure.adam_gradients`).
+#: AdamW's first-moment decay, named: the harness reads the first step's gradients
+#: back from the first moment (`_measure.adam_gradients`).
 ADAM_B1 = 0.9
 
 
 def make_optimizer(cfg: Config = CONFIG) -> optax.GradientTransformation:
-    """AdamW as ANCHORS.md specifies."""
     return optax.adamw(cfg.learning_rate, b1=ADAM_B1, weight_decay=cfg.weight_decay)
 
 
 def describe(cfg: Config = CONFIG) -> dict:
-    """The workload as a JSON-ready dict (recorded beside every result)."""
-    return {
-        "model": "decoder-only transformer, pre-LayerNorm, learned positions, untied head (no bias), causal",
-        "vocab": cfg.vocab,
-        "d_model": cfg.d_model,
-        "layers": cfg.layers,
-        "heads": cfg.heads,
-        "head_dim": cfg.head_dim,
-        "mlp": cfg.mlp,
-        "activation": "gelu (tanh approximation, jax.nn.gelu default)",
-        "seq_len": cfg.seq_len,
-        "global_batch": cfg.batch,
-        "optimizer": f"adamw(lr={cfg.learning_rate}, weight_decay={cfg.weight_decay})",
-        "dtype": cfg.dtype,
-        "param_count": PARAM_COUNT,
-        "param_bytes": PARAM_COUNT * jnp.dtype(cfg.dtype).itemsize,
-    }
+    """The workload's sizes, recorded beside every result."""
+    return {**dataclasses.asdict(cfg), "param_count": param_count(eqx.filter_eval_shape(make_model, cfg))}

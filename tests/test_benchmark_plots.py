@@ -1,14 +1,14 @@
-"""The benchmark plots (`benchmarks.plots`) and the scaling sweep's record, plot and
-Markdown functions (`benchmarks.scaling`), on small fixtures: nothing is measured."""
+"""The benchmark plots (`benchmarks.plots`) and the scaling sweep's tables
+(`benchmarks.scaling`), on small fixtures: nothing is measured."""
 
 import json
+import math
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks import _workload, plots, scaling  # noqa: E402
-from benchmarks._strategies import Minimum  # noqa: E402
+from benchmarks import _workload, plots, report, scaling  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -102,40 +102,28 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
         plots.figure()
 
 
-def _point(sweep: str, strategy: str, mesh: dict, d_model: int = 256, **kwargs) -> dict:
-    # A scaling record with made-up numbers that scale the way the real ones should.
-    n = scaling.mesh_devices(mesh)
+def _point(sweep: str, strategy: str, mesh: dict, d_model: int = 256, **fields) -> dict:
+    # A scaling record (the fields the plots and tables read) with made-up numbers
+    # that scale the way the real ones should.
+    n = math.prod(mesh.values())
     params = 3_454_464 * (d_model // 256) ** 2
     wire = 2 * (n - 1) * params * 4 // n
-    return scaling.make_record(
-        sweep=sweep,
-        strategy=strategy,
-        mesh=mesh,
-        cfg=scaling.config(d_model),
-        params=params,
-        minimum=Minimum(params * 4 if n > 1 else 0, wire),
-        comm_bytes={"all-reduce": params * 4} if n > 1 else {},
-        comm_counts={"all-reduce": 1} if n > 1 else {},
-        comm_wire={"all-reduce": wire} if n > 1 else {},
-        mem_argument_bytes=3 * params * 4 // (n if strategy == "fsdp_manual" else 1),
-        mem_temp_bytes=500 * 2**20 // n,
-        step_times_s=[1.2, 1.0, 1.1],
-        reference=scaling.SINGLE_REFERENCE if sweep == "devices" else scaling.SAME_SHARDINGS_REFERENCE,
-        reference_step_times_s=[1.0, 0.9, 1.0],
-        **kwargs,
-    )
-
-
-def test_make_record_derives_ratios():
-    one = _point("devices", "dp", {"data": 1, "pipe": 1, "fsdp": 1, "tensor": 1})
-    assert one["mesh"] == {} and one["devices"] == 1
-    assert one["wire_over_min"] == 1.0  # nothing to move, nothing moved
-    eight = _point("devices", "dp", {"data": 8})
-    assert eight["comm_wire_bytes_total"] == eight["comm_wire_bytes_min"] == 2 * 7 * 4 * 3_454_464 // 8
-    assert eight["step_time_s"] == 1.1 and eight["reference_step_time_s"] == 1.0
-    assert eight["step_time_ratio"] == pytest.approx(1.1)
-    assert eight["param_bytes"] == 4 * 3_454_464
-    json.dumps(eight)  # JSON-ready
+    return {
+        "sweep": sweep,
+        "strategy": strategy,
+        "mesh": {k: v for k, v in mesh.items() if v > 1},
+        "devices": n,
+        "d_model": d_model,
+        "params": params,
+        "comm_wire_bytes_total": wire,
+        "comm_wire_bytes_min": wire,
+        "wire_over_min": 1.0,
+        "mem_argument_bytes": 3 * params * 4 // (n if strategy == "fsdp_manual" else 1),
+        "mem_temp_bytes": 500 * 2**20 // n,
+        "step_time_ratio": 1.1,
+        "reference": scaling.SINGLE_REFERENCE if sweep == "devices" else scaling.SAME_SHARDINGS_REFERENCE,
+        **fields,
+    }
 
 
 def test_config_scales_mlp_with_width():
@@ -144,39 +132,36 @@ def test_config_scales_mlp_with_width():
     assert scaling.config(256) == _workload.CONFIG
 
 
-def test_scaling_plots_and_markdown(tmp_path):
+def test_scaling_plots_and_tables(tmp_path):
     devices = [
         _point("devices", s, {axis: n})
         for s, axis in (("dp", "data"), ("fsdp_manual", "fsdp"))
         for n in (1, 2, 4, 8)
     ]
     width = [
-        _point("width", s, {axis: 8}, d, comm_wire_baseline=36_000_000, vs_baseline_rel_err=1e-7)
+        _point("width", s, {axis: 8}, d, comm_wire_bytes_baseline=36_000_000)
         for s, axis in (("dp", "data"), ("fsdp_manual", "fsdp"))
         for d in (128, 256, 512)
     ]
     data = {
         "command": "python -m benchmarks.scaling --quick",
         "jax": "0.10.2",
-        "devices": 8,
-        "platform": "cpu",
-        "timing": {"warm_steps": 2, "timed_steps": 3},
         "devices_sweep": devices,
         "width_sweep": width,
         "single_device": {"d_model": 256, "mem_argument_bytes": 40 * 2**20, "mem_temp_bytes": 555 * 2**20},
     }
     path = tmp_path / "scaling.json"
     path.write_text(json.dumps(data))
-    out = scaling.main(
-        ["--json", str(path), "--replot", "--png-dir", str(tmp_path), "--markdown", str(tmp_path / "S.md")]
-    )
+    page = tmp_path / "S.md"
+    page.write_text("# Hand-written\n")
+    out = scaling.main(["--json", str(path), "--replot", "--png-dir", str(tmp_path), "--markdown", str(page)])
     assert out == data
     assert _is_png(tmp_path / "scaling_devices.png") and _is_png(tmp_path / "scaling_width.png")
-    page = (tmp_path / "S.md").read_text()
-    assert page.count("| fsdp_manual |") == 7
-    # FSDP arguments in the fixture are exactly 1/n: the finding says 1.00 at each n.
-    assert "over the one-device figure: 1.000, 1.000, 1.000" in page
-    assert "n = 8: 24.18 MB (1.0000 × that)" in page
+    text = page.read_text()
+    assert text.startswith("# Hand-written\n") and report.BEGIN in text
+    assert text.count("| fsdp_manual |") == 7
+    assert "| dp | data 8 | 256 | 3.45 | 24.18 | 24.18 | 1.0000 |" in text
+    assert "| 40.0 | 555.0 |" in text  # the single-device reference's memory
     # Empty sweeps draw nothing and do not crash.
-    assert not scaling.plot_devices([], tmp_path / "none.png")
-    assert "| strategy |" in scaling.render({})
+    assert not plots.plot_sweep([], tmp_path / "none.png", x="devices", xlabel="", title="")
+    assert "| strategy |" in scaling.table([])
