@@ -212,7 +212,7 @@ def _zero1(model: Any, optim: Any, mesh: dict, cfg: _workload.Config) -> Setup:
     """ZeRO-1: weights replicated, optimizer state split over `data`."""
     plan = _plan(mesh, zero1=True)
     params = eqx.filter(model, eqx.is_inexact_array)
-    state = eqxpar.partition_specs(params, plan.optimizer_rules, mesh=plan.mesh)
+    state = eqxpar.train.StepLayout.resolve(plan, params).updates
     baseline = _gspmd(model, optim, plan, jax.tree.map(lambda _: P(), params), state)
     return Setup(plan=plan, step=eqxpar.train.make_step(_workload.loss_fn, optim, plan), baseline=baseline)
 

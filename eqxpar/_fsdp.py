@@ -106,7 +106,9 @@ def gather_whole(params: Any, specs: Any, axes: Collection[str]) -> Any:
     """
     return jax.tree.map(
         lambda x, spec: (
-            x if x is None else gather_weights(x, gathers_of(spec, axes, where=f"a weight of shape {x.shape}"))
+            x
+            if x is None
+            else gather_weights(x, gathers_of(spec, axes, where=f"a weight of shape {x.shape}"))
         ),
         params,
         specs,

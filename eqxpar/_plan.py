@@ -46,19 +46,20 @@ class Plan:
     - `annotations`: name -> PartitionSpec for `eqxpar.annotate(x, name)`. Defaults:
       `"batch"` and `"activations"` both split the leading dimension over
       `batch_axes`; entries given here override them.
-    - `mode`: `"auto"` compiles the step with `jax.jit` and lets the compiler (GSPMD)
-      insert collectives; `"manual"` runs the per-device step inside
-      `jax.shard_map`, with eqxpar issuing the collectives itself.
+    - `mode`: `"auto"` (the default) compiles the step with `jax.jit` and lets the
+      compiler (GSPMD) insert collectives; `"manual"` runs the per-device step
+      inside `jax.shard_map`, with eqxpar issuing the collectives itself. Pipeline
+      plans (`schedule=`) take no mode: they always run manual.
     - `sequence_parallel`: tensor-parallel layers keep the activations between
       blocks split along the sequence over `tensor_axis` (all-gather before a
       column-parallel layer, reduce-scatter after a row-parallel one, norms on
       sequence shards) instead of replicated.
-    - `tp_overlap`: in manual mode, tensor-parallel layers overlap their
+    - `tp_overlap`: in manual mode (required), tensor-parallel layers overlap their
       all-gather / reduce-scatter with the matmul as ring `ppermute` collective
       matmuls. Needs `sequence_parallel=True` (the ring splits the sequence).
     - `tensor_axis`: the mesh axis tensor-parallel layers split over.
     - `manual_axes`: with `mode="manual"`, the mesh axes the per-device step is
-      manual over (default: all of them). Naming a subset, e.g. `("tensor",)`,
+      manual over (default None: all of them). Naming a subset, e.g. `("tensor",)`,
       gives a partial-manual step: eqxpar issues the tensor-parallel collectives
       inside `shard_map` while the other axes stay automatic, so the compiler
       splits the batch over `data` and reduces its gradients there.
@@ -87,11 +88,17 @@ class Plan:
       gradients come back in the parameters' dtype. None: no cast.
     - `reduce_dtype`: the dtype gradients are reduced in over the data-parallel
       devices in manual steps (default: the parameters' dtype). Automatic steps
-      reduce wherever the compiler puts the reduction, in the dtype it has there.
+      reduce wherever the compiler puts the reduction, in the dtype it has there,
+      so a step that reduces nothing by hand (see `StepLayout.reduced_axes`)
+      refuses the option rather than ignore it.
 
     Validated when built: every mesh axis named by a rule or annotation must exist,
-    and an option of the wrong kind (`rules=3`, `batch_axes=3`, an annotation that
-    is not a spec) raises an `EqxparError` naming it.
+    an option of the wrong kind (`rules=3`, `batch_axes=3`, an annotation that
+    is not a spec) raises an `EqxparError` naming it, and so does an option the
+    plan would ignore (`mode` with `schedule`, `tp_overlap` without
+    `mode="manual"`). The fields hold what was asked (`mode=None`,
+    `manual_axes=None` for the defaults; `annotations` only the given ones), so
+    `dataclasses.replace(plan, ...)` builds the plan those arguments describe.
     Entering a plan (`with plan:`) makes it the one `eqxpar.annotate` resolves
     against; eqxpar's train steps enter it while tracing.
 
@@ -106,11 +113,11 @@ class Plan:
     rules: tuple[Rule, ...]
     batch_axes: tuple[str, ...]
     annotations: tuple[tuple[str, PartitionSpec], ...]
-    mode: Mode
+    mode: Mode | None
     sequence_parallel: bool
     tp_overlap: bool
     tensor_axis: str
-    manual_axes: tuple[str, ...]
+    manual_axes: tuple[str, ...] | None
     remat: str
     schedule: str | None
     microbatches: int
@@ -129,7 +136,7 @@ class Plan:
         rules: Any = None,
         batch_axes: Any = None,
         annotations: Any = None,
-        mode: str = "auto",
+        mode: str | None = None,
         sequence_parallel: bool = False,
         tp_overlap: bool = False,
         tensor_axis: str = "tensor",
@@ -149,107 +156,44 @@ class Plan:
                 "eqxpar.make_mesh(data=..., fsdp=..., tensor=..., pipe=...)."
             )
         names = tuple(mesh.axis_names)
-        rules = as_rules(rules)
-        for rule in rules:
-            declared = getattr(rule, "mesh_axes", None)
-            for axis in sorted(declared() if declared else ()):
-                if axis not in names:
-                    raise AxisNameError(
-                        f"rule {rule!r} names mesh axis {axis!r}, but the mesh has axes "
-                        f"{names}. Use one of those names."
-                    )
-        if batch_axes is None:
-            batch_axes = tuple(a for a in BATCH_AXES if a in names)
-        batch_axes = _axis_names(batch_axes, "batch_axes")
-        for axis in batch_axes:
-            if axis not in names:
-                raise AxisNameError(
-                    f"Plan(batch_axes={batch_axes!r}) names mesh axis {axis!r}, but the "
-                    f"mesh has axes {names}. Use one of those names."
-                )
-        table = {"batch": PartitionSpec(batch_axes), "activations": PartitionSpec(batch_axes)}
-        if annotations is not None and not isinstance(annotations, Mapping):
-            raise PlanError(
-                f"Plan(annotations={short(annotations)}): expected a dict of annotation name -> "
-                "PartitionSpec, e.g. annotations={'activations': P('data', None, 'tensor')}."
-            )
-        for key, spec in dict(annotations or {}).items():
-            if not isinstance(key, str):
-                raise PlanError(
-                    f"Plan(annotations=...): key {short(key)} is not a name; expected the str "
-                    "names passed to eqxpar.annotate(x, name), e.g. 'activations'."
-                )
-            spec = as_spec(spec, where=f"Plan(annotations=...) entry {key!r}")
-            for entry in spec:
-                for axis in mesh_axis_names(entry):
-                    if axis not in names:
-                        raise AxisNameError(
-                            f"annotation {key!r} -> {spec} names mesh axis {axis!r}, but "
-                            f"the mesh has axes {names}. Use one of those names."
-                        )
-            table[key] = spec
-        if mode not in ("auto", "manual"):
-            raise PlanError(f"Plan(mode={mode!r}): expected 'auto' or 'manual'.")
+        rules = _checked_rules(rules, names)
+        batch_axes = _checked_axes(
+            tuple(a for a in BATCH_AXES if a in names) if batch_axes is None else batch_axes,
+            "batch_axes",
+            names,
+        )
         if tensor_axis not in names:
             raise AxisNameError(
                 f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}. Use one of those names."
             )
         _check_tensor_not_batch(rules, batch_axes, tensor_axis, mesh, sequence_parallel or tp_overlap)
-        if tp_overlap and not sequence_parallel:
-            raise PlanError(
-                "Plan(tp_overlap=True) needs sequence_parallel=True: the ring collective "
-                "matmuls pass sequence blocks around the tensor axis. Set sequence_parallel=True."
-            )
         if manual_axes is not None:
-            if mode != "manual":
-                raise PlanError(
-                    f"Plan(manual_axes={manual_axes!r}) needs mode='manual'; in mode='auto' "
-                    "every axis is automatic. Set mode='manual' or drop manual_axes."
-                )
-            manual_axes = _axis_names(manual_axes, "manual_axes")
-            for axis in manual_axes:
-                if axis not in names:
-                    raise AxisNameError(
-                        f"Plan(manual_axes={tuple(manual_axes)!r}) names mesh axis {axis!r}, but "
-                        f"the mesh has axes {names}. Use some of those names."
-                    )
-            if not manual_axes:
-                raise PlanError("Plan(manual_axes=()): name at least one axis, or use mode='auto'.")
-            manual_axes = tuple(a for a in names if a in set(manual_axes))
-        else:
-            manual_axes = names if mode == "manual" else ()
+            manual_axes = _checked_manual_axes(manual_axes, mode, schedule, names)
+        mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
-        _check_pipeline(schedule, microbatches, chunks, manual_axes, names)
-        object.__setattr__(self, "mesh", mesh)
-        object.__setattr__(self, "rules", rules)
-        object.__setattr__(self, "batch_axes", batch_axes)
-        object.__setattr__(self, "annotations", tuple(sorted(table.items())))
-        object.__setattr__(self, "mode", mode)
-        object.__setattr__(self, "sequence_parallel", bool(sequence_parallel))
-        object.__setattr__(self, "tp_overlap", bool(tp_overlap))
-        object.__setattr__(self, "tensor_axis", tensor_axis)
-        object.__setattr__(self, "manual_axes", manual_axes)
-        object.__setattr__(self, "remat", remat)
-        object.__setattr__(self, "schedule", schedule)
-        object.__setattr__(self, "microbatches", microbatches)
-        object.__setattr__(self, "chunks", chunks)
-        object.__setattr__(self, "zero1", bool(zero1))
-        for what, dtype in (
-            ("param_dtype", param_dtype),
-            ("compute_dtype", compute_dtype),
-            ("reduce_dtype", reduce_dtype),
-        ):
-            if dtype is not None:
-                try:
-                    dtype = jnp.dtype(dtype)
-                except TypeError as e:
-                    raise PlanError(f"Plan({what}={dtype!r}): not a dtype; use e.g. jnp.bfloat16.") from e
-                if not jnp.issubdtype(dtype, jnp.floating):
-                    raise PlanError(
-                        f"Plan({what}={dtype}): expected a floating-point dtype (float32, bfloat16, ...)."
-                    )
-            object.__setattr__(self, what, dtype)
+        _check_pipeline(schedule, microbatches, chunks, names)
+        values = dict(
+            mesh=mesh,
+            rules=rules,
+            batch_axes=batch_axes,
+            annotations=_checked_annotations(annotations, names),
+            mode=mode,
+            sequence_parallel=bool(sequence_parallel),
+            tp_overlap=bool(tp_overlap),
+            tensor_axis=tensor_axis,
+            manual_axes=manual_axes,
+            remat=remat,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            zero1=bool(zero1),
+            param_dtype=_checked_dtype(param_dtype, "param_dtype"),
+            compute_dtype=_checked_dtype(compute_dtype, "compute_dtype"),
+            reduce_dtype=_checked_dtype(reduce_dtype, "reduce_dtype"),
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def batch_size_multiple(self) -> int:
@@ -271,9 +215,16 @@ class Plan:
 
         return (ZeroShard(self.rules, axis=self.batch_axes),)
 
+    @property
+    def annotation_specs(self) -> dict[str, PartitionSpec]:
+        """Every annotation name -> spec: the defaults (`"batch"` and
+        `"activations"` over `batch_axes`) overridden by `annotations`."""
+        batch = PartitionSpec(self.batch_axes)
+        return {"batch": batch, "activations": batch, **dict(self.annotations)}
+
     def annotation(self, name: str) -> PartitionSpec | None:
         """The spec registered for annotation `name`, or None."""
-        return dict(self.annotations).get(name)
+        return self.annotation_specs.get(name)
 
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """A `NamedSharding` of `spec` on this plan's mesh."""
@@ -307,6 +258,123 @@ def _axis_names(value: Any, what: str) -> tuple[str, ...]:
     return axes
 
 
+def _checked_rules(rules: Any, names: tuple[str, ...]) -> tuple[Rule, ...]:
+    rules = as_rules(rules)
+    for rule in rules:
+        declared = getattr(rule, "mesh_axes", None)
+        for axis in sorted(declared() if declared else ()):
+            if axis not in names:
+                raise AxisNameError(
+                    f"rule {rule!r} names mesh axis {axis!r}, but the mesh has axes "
+                    f"{names}. Use one of those names."
+                )
+    return rules
+
+
+def _checked_axes(value: Any, what: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    axes = _axis_names(value, what)
+    for axis in axes:
+        if axis not in names:
+            raise AxisNameError(
+                f"Plan({what}={axes!r}) names mesh axis {axis!r}, but the mesh has axes "
+                f"{names}. Use some of those names."
+            )
+    return axes
+
+
+def _checked_annotations(annotations: Any, names: tuple[str, ...]) -> tuple[tuple[str, PartitionSpec], ...]:
+    # Only what the user gave is stored (the defaults follow batch_axes, see
+    # `Plan.annotation_specs`), as sorted pairs, which `Plan(annotations=...)`
+    # takes back: `dataclasses.replace(plan, ...)` rebuilds the same plan.
+    pairs = annotations
+    if isinstance(annotations, Mapping):
+        pairs = tuple(annotations.items())
+    elif annotations is None:
+        pairs = ()
+    elif not (
+        isinstance(annotations, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in annotations)
+    ):
+        raise PlanError(
+            f"Plan(annotations={short(annotations)}): expected a dict of annotation name -> "
+            "PartitionSpec, e.g. annotations={'activations': P('data', None, 'tensor')}."
+        )
+    table = {}
+    for key, spec in pairs:
+        if not isinstance(key, str):
+            raise PlanError(
+                f"Plan(annotations=...): key {short(key)} is not a name; expected the str "
+                "names passed to eqxpar.annotate(x, name), e.g. 'activations'."
+            )
+        spec = as_spec(spec, where=f"Plan(annotations=...) entry {key!r}")
+        for entry in spec:
+            for axis in mesh_axis_names(entry):
+                if axis not in names:
+                    raise AxisNameError(
+                        f"annotation {key!r} -> {spec} names mesh axis {axis!r}, but "
+                        f"the mesh has axes {names}. Use one of those names."
+                    )
+        table[key] = spec
+    return tuple(sorted(table.items()))
+
+
+def _checked_mode(mode: Any, schedule: Any, tp_overlap: Any, sequence_parallel: Any) -> Mode | None:
+    # None: not chosen. A pipeline runs its own engine, manual over every axis,
+    # so it takes no mode; any other plan defaults to "auto".
+    if tp_overlap and not sequence_parallel:
+        raise PlanError(
+            "Plan(tp_overlap=True) needs sequence_parallel=True: the ring collective "
+            "matmuls pass sequence blocks around the tensor axis. Set sequence_parallel=True."
+        )
+    if schedule is not None:
+        if mode is not None:
+            raise PlanError(
+                f"Plan(mode={mode!r}, schedule={schedule!r}): a pipeline step always runs manual over "
+                "every mesh axis, so mode would be ignored. Drop mode (mode=None)."
+            )
+        return None
+    mode = "auto" if mode is None else mode
+    if mode not in ("auto", "manual"):
+        raise PlanError(f"Plan(mode={mode!r}): expected 'auto' or 'manual'.")
+    if tp_overlap and mode != "manual":
+        raise PlanError(
+            "Plan(tp_overlap=True) needs mode='manual': the ring collective matmuls are eqxpar's own "
+            "ppermutes, issued where the tensor axis is manual; under mode='auto' the compiler places "
+            "the collectives and the flag would be ignored. Set mode='manual', or drop tp_overlap."
+        )
+    return mode
+
+
+def _checked_manual_axes(
+    manual_axes: Any, mode: Any, schedule: Any, names: tuple[str, ...]
+) -> tuple[str, ...]:
+    if schedule is not None:
+        raise PlanError(
+            f"Plan(schedule={schedule!r}, manual_axes={manual_axes!r}): a pipeline step runs manual "
+            "over every mesh axis. Drop manual_axes."
+        )
+    if mode != "manual":
+        raise PlanError(
+            f"Plan(manual_axes={manual_axes!r}) needs mode='manual'; in mode='auto' "
+            "every axis is automatic. Set mode='manual' or drop manual_axes."
+        )
+    axes = _checked_axes(manual_axes, "manual_axes", names)
+    if not axes:
+        raise PlanError("Plan(manual_axes=()): name at least one axis, or use mode='auto'.")
+    return tuple(a for a in names if a in set(axes))
+
+
+def _checked_dtype(dtype: Any, what: str) -> Any:
+    if dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as e:
+        raise PlanError(f"Plan({what}={dtype!r}): not a dtype; use e.g. jnp.bfloat16.") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise PlanError(f"Plan({what}={dtype}): expected a floating-point dtype (float32, bfloat16, ...).")
+    return dtype
+
+
 def _check_tensor_not_batch(
     rules: tuple[Rule, ...], batch_axes: tuple[str, ...], tensor_axis: str, mesh: Mesh, sequence: bool
 ) -> None:
@@ -329,9 +397,7 @@ def _check_tensor_not_batch(
         )
 
 
-def _check_pipeline(
-    schedule: str | None, microbatches: int, chunks: int, manual_axes: tuple[str, ...], names: tuple[str, ...]
-) -> None:
+def _check_pipeline(schedule: str | None, microbatches: int, chunks: int, names: tuple[str, ...]) -> None:
     for what, value in (("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"Plan({what}={value!r}): expected a positive integer.")
@@ -356,11 +422,6 @@ def _check_pipeline(
         raise PlanError(
             f"Plan(schedule={schedule!r}, chunks={chunks}): only schedule='interleaved' runs several "
             "chunks (virtual stages) per device. Use schedule='interleaved', or chunks=1."
-        )
-    if manual_axes and set(manual_axes) != set(names):
-        raise PlanError(
-            f"Plan(schedule={schedule!r}, manual_axes={manual_axes!r}): a pipeline step runs manual "
-            "over every mesh axis. Drop manual_axes."
         )
 
 

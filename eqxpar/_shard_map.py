@@ -92,25 +92,7 @@ def filter_shard_map(
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"filter_shard_map(..., plan={plan!r}): expected an eqxpar.Plan.")
-    manual = frozenset(plan.mesh.axis_names if axis_names is None else axis_names)
-    for axis in manual:
-        if axis not in plan.mesh.axis_names:
-            raise AxisNameError(
-                f"filter_shard_map(axis_names=...) names mesh axis {axis!r}, but the mesh "
-                f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
-            )
-
-    manual = region_manual_axes(plan.mesh, manual)
-    # Empty for a fully manual region; else the axes left automatic.
-    dropped = frozenset(plan.mesh.axis_names) - manual
-
-    def keep_manual(specs: Any) -> Any:
-        # Spec entries naming an axis left automatic would not be manual specs.
-        return jax.tree.map(
-            lambda s: drop_axes(s, dropped) if isinstance(s, PartitionSpec) else s,
-            specs,
-            is_leaf=lambda s: isinstance(s, PartitionSpec),
-        )
+    manual = _manual_axes(plan, axis_names)
 
     @functools.wraps(fn)
     def wrapped(*args: Any) -> Any:
@@ -120,40 +102,83 @@ def filter_shard_map(
                 f"was called with {len(args)} positional arguments; give one entry per "
                 "argument (None to use the plan's rules)."
             )
-        inside = sorted(jax.sharding.get_abstract_mesh().manual_axes)
-        if inside:
-            raise PlanError(
-                f"filter_shard_map called inside a region already manual over {inside} (e.g. the loss "
-                "of an eqxpar step with mode='manual', a pipeline, or another filter_shard_map): there "
-                "the function already runs per device, on the batch's shards. Call it directly, with "
-                "collectives over the step's axes (e.g. jax.lax.pmean(x, plan.batch_axes)), or build "
-                "the step with mode='auto' to keep your own filter_shard_map."
-            )
+        _check_not_nested()
         dynamic, static = eqx.partition(args, eqx.is_array)
-        specs = []
-        for i, arg in enumerate(dynamic):
-            given = None if in_specs is None else in_specs[i]
-            spec = partition_specs(arg, plan) if given is None else given
-            _check_specs(arg, spec, plan, where=f"filter_shard_map argument {i}")
-            specs.append(keep_manual(spec))
+        specs = _input_specs(dynamic, in_specs, plan, manual)
         if not manual:
             return fn(*args)
-        out_static: list[Any] = []
-
-        def per_device(dynamic):
-            out = fn(*eqx.combine(dynamic, static))
-            out_dynamic, static_part = eqx.partition(out, eqx.is_array)
-            out_static.append(static_part)
-            return out_dynamic
-
-        out_dynamic = jax.shard_map(
-            per_device,
-            mesh=plan.mesh,
-            in_specs=(tuple(specs),),
-            out_specs=keep_manual(out_specs),
-            axis_names=set(manual),
-            check_vma=check_vma,
-        )(tuple(dynamic))
-        return eqx.combine(out_dynamic, out_static[-1])
+        return _run_region(fn, plan, dynamic, static, specs, out_specs, manual, check_vma)
 
     return wrapped
+
+
+def _manual_axes(plan: Plan, axis_names: Collection[str] | None) -> frozenset[str]:
+    manual = frozenset(plan.mesh.axis_names if axis_names is None else axis_names)
+    for axis in manual:
+        if axis not in plan.mesh.axis_names:
+            raise AxisNameError(
+                f"filter_shard_map(axis_names=...) names mesh axis {axis!r}, but the mesh "
+                f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
+            )
+    return region_manual_axes(plan.mesh, manual)
+
+
+def _keep_manual(specs: Any, plan: Plan, manual: frozenset[str]) -> Any:
+    # Spec entries naming an axis left automatic would not be manual specs.
+    dropped = frozenset(plan.mesh.axis_names) - manual
+    return jax.tree.map(
+        lambda s: drop_axes(s, dropped) if isinstance(s, PartitionSpec) else s,
+        specs,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
+
+
+def _check_not_nested() -> None:
+    inside = sorted(jax.sharding.get_abstract_mesh().manual_axes)
+    if inside:
+        raise PlanError(
+            f"filter_shard_map called inside a region already manual over {inside} (e.g. the loss "
+            "of an eqxpar step with mode='manual', a pipeline, or another filter_shard_map): there "
+            "the function already runs per device, on the batch's shards. Call it directly, with "
+            "collectives over the step's axes (e.g. jax.lax.pmean(x, plan.batch_axes)), or build "
+            "the step with mode='auto' to keep your own filter_shard_map."
+        )
+
+
+def _input_specs(dynamic: tuple, in_specs: Sequence[Any] | None, plan: Plan, manual: frozenset[str]) -> list:
+    specs = []
+    for i, arg in enumerate(dynamic):
+        given = None if in_specs is None else in_specs[i]
+        spec = partition_specs(arg, plan) if given is None else given
+        _check_specs(arg, spec, plan, where=f"filter_shard_map argument {i}")
+        specs.append(_keep_manual(spec, plan, manual))
+    return specs
+
+
+def _run_region(
+    fn: Callable,
+    plan: Plan,
+    dynamic: tuple,
+    static: tuple,
+    specs: list,
+    out_specs: Any,
+    manual: frozenset[str],
+    check_vma: bool,
+) -> Any:
+    out_static: list[Any] = []
+
+    def per_device(dynamic):
+        out = fn(*eqx.combine(dynamic, static))
+        out_dynamic, static_part = eqx.partition(out, eqx.is_array)
+        out_static.append(static_part)
+        return out_dynamic
+
+    out_dynamic = jax.shard_map(
+        per_device,
+        mesh=plan.mesh,
+        in_specs=(tuple(specs),),
+        out_specs=_keep_manual(out_specs, plan, manual),
+        axis_names=set(manual),
+        check_vma=check_vma,
+    )(tuple(dynamic))
+    return eqx.combine(out_dynamic, out_static[-1])

@@ -110,8 +110,9 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
     **Arguments:**
 
     - `tree`: any pytree.
-    - `rules`: an `eqxpar.Plan` (its rules and mesh; a `TrainState`'s optimizer
-      state gets the plan's `optimizer_rules`), a rule, or a sequence of rules.
+    - `rules`: an `eqxpar.Plan` (its rules and mesh), a rule, or a sequence of
+      rules. (Where a train step puts a whole `TrainState`, the optimizer state
+      under ZeRO-1 included, is its `eqxpar.train.StepLayout`.)
     - `mesh`: the mesh to check the specs against, when `rules` is not a plan.
 
     **Returns:** a pytree of the same structure with a `PartitionSpec` at every array
@@ -122,21 +123,13 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
 
     ```python
     specs = eqxpar.partition_specs(model, plan)
-    opt_specs = eqxpar.partition_specs(optim.init(eqx.filter(model, eqx.is_array)), plan)
+    grad_specs = eqxpar.partition_specs(eqx.filter(model, eqx.is_inexact_array), plan)
     ```
     """
     from ._plan import Plan
-    from ._train_state import TrainState
 
     if isinstance(rules, Plan):
-        plan = rules
-        if isinstance(tree, TrainState) and plan.optimizer_rules != plan.rules:
-            # ZeRO-1: the optimizer state has its own layout.
-            opt_specs = partition_specs(tree.opt_state, plan.optimizer_rules, mesh=plan.mesh)
-            specs = partition_specs(tree, plan.rules, mesh=plan.mesh)
-            return eqx.tree_at(lambda s: s.opt_state, specs, opt_specs, is_leaf=lambda x: x is None)
-        mesh = plan.mesh
-        rules = plan.rules
+        mesh, rules = rules.mesh, rules.rules
     rule_list: tuple[Rule, ...] = as_rules(rules)
     _, treedef = jax.tree.flatten(tree)
     specs = []

@@ -16,6 +16,7 @@ from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._sharding import shard
 from ._specs import partition_specs
+from ._step_layout import StepLayout
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
@@ -37,7 +38,7 @@ def _warn_unused_axes(model: PyTree, plan: Plan) -> None:
     for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
         if isinstance(spec, PartitionSpec):
             used.update(a for entry in spec for a in mesh_axis_names(entry))
-    for _, spec in plan.annotations:
+    for spec in plan.annotation_specs.values():
         used.update(a for entry in spec for a in mesh_axis_names(entry))
     if plan.sequence_parallel:
         used.add(plan.tensor_axis)  # the activations' sequence is split over it
@@ -104,10 +105,11 @@ def init(
         with plan:
             if plan.param_dtype is not None:
                 model = cast_floating(model, plan.param_dtype)
-            model = shard(model, plan)
+            opt_state = jax.eval_shape(optimizer.init, eqx.filter(model, eqx.is_array))
+            layout = StepLayout.resolve(plan, model, opt_state)
+            model = shard(model, plan, specs=layout.params)
             opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-            opt_specs = partition_specs(opt_state, plan.optimizer_rules, mesh=plan.mesh)
-            return model, shard(opt_state, plan, specs=opt_specs)
+            return model, shard(opt_state, plan, specs=layout.opt_state)
 
     _warn_unused_axes(model, plan)
     model, opt_state = place(model)
@@ -119,3 +121,13 @@ def init(
         key_data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
         key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
     return TrainState(model=model, opt_state=opt_state, step=step, key=key)
+
+
+def specs_of(tree: PyTree, plan: Plan) -> PyTree:
+    """The PartitionSpec of every array leaf of `tree` where a train step keeps it:
+    a `TrainState` (or its outline) per its `StepLayout` (under ZeRO-1 the
+    optimizer state is split over the batch axes), anything else per the plan's
+    rules (`eqxpar.partition_specs`)."""
+    if isinstance(tree, TrainState):
+        return StepLayout.of_state(tree, plan).state_specs(tree)
+    return partition_specs(tree, plan)

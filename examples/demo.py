@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mesh.add_argument("--fsdp", type=int, default=1, help="FSDP devices (weights and batch split)")
     mesh.add_argument("--tensor", type=int, default=2, help="tensor-parallel devices")
     mesh.add_argument("--pipe", type=int, default=2, help="pipeline stages (1: no pipeline)")
-    mesh.add_argument("--mode", choices=["auto", "manual"], default="auto")
+    mesh.add_argument(
+        "--mode", choices=["auto", "manual"], default=None, help="default auto; a pipeline (--pipe > 1) takes none"
+    )
     mesh.add_argument(
         "--manual-axes",
         default="tensor",
@@ -165,8 +167,8 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     mesh_text = " x ".join(f"{a} {n}" for a, n in plan.mesh.shape.items() if n > 1) or "one device"
     # A pipeline step is one shard_map over every axis: the layers issue their own collectives.
-    mode = "manual (pipeline)" if args.pipe > 1 else args.mode
-    if args.pipe == 1 and plan.mode == "manual" and set(plan.manual_axes) != set(plan.mesh.axis_names):
+    mode = "manual (pipeline)" if plan.schedule is not None else plan.mode
+    if plan.manual_axes is not None and set(plan.manual_axes) != set(plan.mesh.axis_names):
         mode += " over " + ", ".join(plan.manual_axes)
     mode += ", sequence parallel" if args.sequence_parallel else ""
     mode += ", ring overlap" if args.tp_overlap else ""
@@ -233,7 +235,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sample.txt").write_text(sample + "\n")
     title = f"GPT on pydoc topics: {mesh_text}" + (
-        f", {args.schedule}" if args.pipe > 1 else f", {args.mode}"
+        f", {args.schedule}" if args.pipe > 1 else f", {args.mode or 'auto'}"
     )
     if save_curve(out / "loss.png", train_losses, evals, entropy, title):
         print(f"loss curve: {out / 'loss.png'}")

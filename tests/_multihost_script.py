@@ -11,6 +11,11 @@ _multihost_script.py save-read-only DIR
     Opens a checkpoint manager on DIR, makes DIR read-only (dropping first root's
     right to write there anyway), saves step 1, prints the CheckpointError and
     the time, and exits.
+_multihost_script.py restore-truncated DIR
+    Saves steps 1 and 2 of a small sharded state, truncates step 2's largest
+    file, prints the CheckpointError its restore raises, then restores step 1 and
+    prints whether it equals what was saved. (A subprocess: the reads orbax
+    abandons report errors from tensorstore's threads for a while afterwards.)
 _multihost_script.py fault KIND RANK DIR   (under eqxpar.launch)
     Joins the run, starts a grandchild that sleeps, writes "pid grandchild-pid"
     to DIR/pids<rank> and waits for every rank's file; then process RANK fails
@@ -135,6 +140,32 @@ def save_read_only(directory: str) -> None:
     # And now the process must exit.
 
 
+def restore_truncated(directory: str) -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    import jax.numpy as jnp
+    import numpy as np
+
+    import eqxpar
+    from eqxpar.checkpoint import CheckpointError, CheckpointManager
+
+    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=2), rules=eqxpar.rules.FSDP(min_size=1))
+    state = eqxpar.shard({"w": jnp.arange(4096.0).reshape(64, 64), "b": jnp.ones(64)}, plan)
+    path = pathlib.Path(directory)
+    with CheckpointManager(path, max_to_keep=None) as manager:
+        manager.save(1, state, data_state={"step": 1})
+        manager.save(2, state, data_state={"step": 2})
+    victim = max((p for p in (path / "2").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with CheckpointManager(path) as manager:
+        try:
+            manager.restore(like=state, plan=plan)
+        except CheckpointError as e:
+            print(f"CheckpointError: {e}", flush=True)
+        restored, data_state = manager.restore(1, like=state, plan=plan)
+    same = all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+    print(f"step 1 restored equal: {same}, data_state {data_state}", flush=True)
+
+
 def fault(kind: str, rank: str, directory: str) -> None:
     import subprocess
 
@@ -175,6 +206,8 @@ if __name__ == "__main__":
         crash_mid_save(*rest)
     elif mode == "save-read-only":
         save_read_only(*rest)
+    elif mode == "restore-truncated":
+        restore_truncated(*rest)
     elif mode == "fault":
         fault(*rest)
     else:

@@ -146,8 +146,22 @@ def test_restore_onto_another_mesh(tmp_path):
     assert mu.sharding.spec == P("tensor", "fsdp")
 
 
-def _largest_file(root: pathlib.Path) -> pathlib.Path:
-    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+def test_truncated_array_file_raises_an_eqxpar_error_and_the_other_step_loads(tmp_path):
+    # In a subprocess: when one shard fails to read, orbax closes its event loop
+    # while tensorstore still finishes the other shards' reads on its own threads,
+    # which then report "Event loop is closed" for a while, at whatever the process
+    # is doing (pytest would fail a later test).
+    result = subprocess.run(
+        [sys.executable, str(HERE / "_multihost_script.py"), "restore-truncated", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    error = next(line for line in result.stdout.splitlines() if line.startswith("CheckpointError"))
+    # An eqxpar error naming the checkpoint and the fix, and the steps that do load.
+    assert f"{tmp_path / 'run' / '2'}" in error and "restore an earlier step" in error and "[1]" in error
+    assert "step 1 restored equal: True, data_state {'step': 1}" in result.stdout
 
 
 def test_damaged_or_foreign_checkpoints_raise_eqxpar_errors(tmp_path):
@@ -155,19 +169,7 @@ def test_damaged_or_foreign_checkpoints_raise_eqxpar_errors(tmp_path):
     state, _ = _state(plan)
     with CheckpointManager(tmp_path / "run", max_to_keep=None) as manager:
         manager.save(1, state, data_state={"step": 1, "seed": 0})
-        manager.save(2, state, data_state={"step": 2, "seed": 0})
     manager = CheckpointManager(tmp_path / "run")
-
-    # A truncated array file: an eqxpar error naming the checkpoint and the fix.
-    victim = _largest_file(tmp_path / "run" / "2" / "state")
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=r"run/2.*restore an earlier step") as info:
-        manager.restore(like=state, plan=plan)
-    assert "[1]" in str(info.value)
-    # The other checkpoint still loads.
-    restored, data_state = manager.restore(1, like=state, plan=plan)
-    assert data_state == {"step": 1, "seed": 0}
-    _assert_bitwise_equal(_host(restored), _host(state))
 
     # Garbage metadata.
     meta = next(p for p in (tmp_path / "run" / "1" / "eqxpar").rglob("*") if p.is_file())

@@ -174,8 +174,8 @@ def test_fsdp_plans_split_what_they_say(flags, mesh, params_split, split):
 @pytest.mark.parametrize(
     "flags,expected",
     [
-        ([], dict(mode="auto", manual_axes=())),
-        (["--mode", "manual"], dict(mode="manual", manual_axes=("data", "pipe", "fsdp", "tensor"))),
+        ([], dict(mode="auto", manual_axes=None)),
+        (["--mode", "manual"], dict(mode="manual", manual_axes=None)),  # None: every axis
         (["--mode", "partial", "--sequence-parallel"], dict(manual_axes=("tensor",), sequence_parallel=True)),
         (["--bf16", "--remat", "dots"], dict(compute_dtype=jnp.dtype(jnp.bfloat16), remat="dots")),
     ],

@@ -142,7 +142,8 @@ def test_fsdp_parameter_and_optimizer_bytes_per_device(mode):
     per_device = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
     # What cannot be split: leaves the rules leave replicated (norm scales, biases
     # without an "embed" axis), the step counter and the key.
-    specs = jax.tree.leaves(eqxpar.partition_specs(state, plan), is_leaf=lambda s: isinstance(s, jax.P))
+    layout = eqxpar.train.StepLayout.of_state(state, plan)
+    specs = jax.tree.leaves(layout.state_specs(state), is_leaf=lambda s: isinstance(s, jax.P))
     arrays = jax.tree.leaves(eqx.filter(state, eqx.is_array))
     replicated = sum(
         x.size * x.dtype.itemsize for x, s in zip(arrays, specs, strict=True) if all(e is None for e in s)
@@ -215,9 +216,8 @@ def test_zero1_reduce_scatters_gradients_and_gathers_parameters():
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8), zero1=True)
     state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0))
     stats = collective_stats(eqxpar.train.make_step(loss_fn, OPTIM, plan).compile(state, batches(1)[0]))
-    opt_specs = jax.tree.leaves(
-        eqxpar.partition_specs(state, plan).opt_state, is_leaf=lambda s: isinstance(s, jax.P)
-    )
+    layout = eqxpar.train.StepLayout.of_state(state, plan)
+    opt_specs = jax.tree.leaves(layout.opt_state, is_leaf=lambda s: isinstance(s, jax.P))
     assert any(any(e is not None for e in s) for s in opt_specs)
     assert all(
         all(e is None for e in s)
@@ -229,10 +229,7 @@ def test_zero1_reduce_scatters_gradients_and_gathers_parameters():
         x.size * 4
         for x, s in zip(
             jax.tree.leaves(eqx.filter(model, eqx.is_array)),
-            jax.tree.leaves(
-                eqxpar.partition_specs(model, plan.optimizer_rules, mesh=plan.mesh),
-                is_leaf=lambda s: isinstance(s, jax.P),
-            ),
+            jax.tree.leaves(layout.updates, is_leaf=lambda s: isinstance(s, jax.P)),
             strict=True,
         )
         if any(e is not None for e in s)

@@ -234,6 +234,9 @@ def test_plan_validation():
         eqxpar.Plan(mesh, schedule="gpipe", microbatches=0)
     with pytest.raises(eqxpar.PlanError, match="Drop manual_axes"):
         eqxpar.Plan(mesh, schedule="gpipe", mode="manual", manual_axes=("tensor",))
+    # A pipeline always runs manual over every axis: a mode would be ignored.
+    with pytest.raises(eqxpar.PlanError, match="Drop mode"):
+        eqxpar.Plan(mesh, schedule="gpipe", mode="manual")
 
 
 def test_bad_input_errors():

@@ -189,7 +189,7 @@ def test_shard_returns_new_buffers_so_donation_spares_the_callers_arrays():
     placed = eqxpar.shard(eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)), plan)
     again = eqxpar.shard(placed, plan)  # already in its sharding
     params = eqx.filter(again, eqx.is_array)
-    assert all(a is not b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eqx.filter(placed, eqx.is_array))))
+    assert all(a is not b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eqx.filter(placed, eqx.is_array)), strict=True))
     jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(params)
     assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(placed, eqx.is_array)))
     # And through eqxpar's own donating step.

@@ -150,8 +150,16 @@ def test_manual_axes_validation():
         eqxpar.Plan(mesh, mode="manual", manual_axes=("model",))
     with pytest.raises(eqxpar.PlanError, match="at least one axis"):
         eqxpar.Plan(mesh, mode="manual", manual_axes=())
-    assert eqxpar.Plan(mesh, mode="manual", manual_axes="tensor").manual_axes == ("tensor",)
-    assert eqxpar.Plan(mesh, mode="manual").manual_axes == tuple(mesh.axis_names)
+    partial = eqxpar.Plan(mesh, mode="manual", manual_axes="tensor")
+    assert partial.manual_axes == ("tensor",)
+    # The plan keeps what was asked (None: the default, every axis); the step's
+    # layout says which axes it runs by hand.
+    manual = eqxpar.Plan(mesh, mode="manual")
+    assert manual.manual_axes is None
+    outline = {"w": jnp.zeros(8)}
+    assert eqxpar.train.StepLayout.resolve(manual, outline).manual_axes == set(mesh.axis_names)
+    assert eqxpar.train.StepLayout.resolve(partial, outline).manual_axes == {"tensor"}
+    assert eqxpar.train.StepLayout.resolve(eqxpar.Plan(mesh), outline).kind == "automatic"
 
 
 def _all_reduces(compiled):

@@ -25,6 +25,7 @@ from .._errors import EqxparError, PlanError
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like, partition_specs
+from .._step_layout import StepLayout
 from .._text import short
 from ._hlo import _ring_bytes
 
@@ -171,8 +172,7 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
     allowed = set(batch) | {plan.tensor_axis} | ({PIPE} if plan.schedule is not None else set())
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     # Under ZeRO-1 the optimizer state's layout says which weights are split and gathered.
-    specs = partition_specs(params, plan.optimizer_rules, mesh=plan.mesh)
-    specs = jax.tree.structure(params).flatten_up_to(specs)
+    specs = jax.tree.structure(params).flatten_up_to(StepLayout.resolve(plan, params).updates)
     groups: dict[tuple[str, str, int, int], int] = defaultdict(int)
     for (path, leaf), spec, stacked in zip(flat, specs, _in_stack(params), strict=True):
         if not _is_inexact(leaf):

@@ -11,8 +11,9 @@ from jax.tree_util import keystr
 from .._errors import EqxparError, PlanError
 from .._plan import Plan
 from .._rules import mesh_axis_names
-from .._specs import check_spec, is_array_like, leaves_with_axes, partition_specs
+from .._specs import check_spec, is_array_like, leaves_with_axes
 from .._text import fmt_int, render, short
+from .._train_state import specs_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +188,7 @@ def _spec_leaves(tree: Any, plan: Plan, specs: Any) -> list[Any]:
     """One spec per leaf of `tree`: from the plan's rules, the one `specs`, or the `specs` tree."""
     treedef = jax.tree.structure(tree)
     if specs is None:
-        return treedef.flatten_up_to(partition_specs(tree, plan))
+        return treedef.flatten_up_to(specs_of(tree, plan))
     if isinstance(specs, PartitionSpec):
         return [specs] * treedef.num_leaves
     try:

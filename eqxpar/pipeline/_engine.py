@@ -33,9 +33,8 @@ holds its own stage's whole weights (1 / pipe of the model) during the step,
 while parameters and optimizer state stay split between steps.
 """
 
+import dataclasses
 import functools
-import math
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -45,35 +44,21 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from .._errors import BatchError, DivisibilityError, PlanError
+from .._errors import DivisibilityError, PlanError
 from .._fsdp import gather_weights, gathers_of
+from .._grad_common import LossFunction, mark_varying, reduce_gradient, split_microbatches
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
-from .._specs import partition_specs
-from .._train_state import cast_floating
+from .._step_layout import StepLayout
 from ._loss import PipelineLoss
 from ._schedule import BACKWARD, BACKWARD_INPUT, FORWARD, IDLE, Schedule, schedule
 
 PIPE = "pipe"
 
 
-def _varying(x: jax.Array) -> frozenset[str]:
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def _cast(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    # Mark x as varying over `axes` (it may differ between those devices); the
-    # carries of the scan and the outputs of the switch branches need one type.
-    missing = tuple(sorted(axes - _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _in_dtype(reduce: Callable, g: jax.Array, dtype: Any) -> jax.Array:
-    # `Plan(reduce_dtype=...)`: gradients cross the wire in that dtype.
-    if dtype is None or dtype == g.dtype:
-        return reduce(g)
-    return reduce(g.astype(dtype)).astype(g.dtype)
+def _varying(x: Any) -> frozenset[str]:
+    return frozenset(x.manual_axis_type.varying)
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -132,9 +117,7 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
         in_stack = id(spec) in stack_ids
         for dim, entry in enumerate(spec):
             for axis in mesh_axis_names(entry):
-                if axis == plan.tensor_axis:
-                    continue
-                if axis == PIPE and in_stack and dim == 0:
+                if axis == plan.tensor_axis or (axis == PIPE and in_stack and dim == 0):
                     continue
                 if axis in plan.batch_axes:
                     # FSDP: gathered before the scan (gathers_of checks the layout).
@@ -160,8 +143,8 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
                 )
 
 
-def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bool) -> Callable:
-    """`(model, batch, key) -> (loss, None, grads)` of a pipeline plan, for `make_step`."""
+def check_pipeline_step(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bool) -> None:
+    """Refuse, when the step is built, what a pipeline step cannot run."""
     if not isinstance(loss_fn, PipelineLoss):
         raise PlanError(
             f"Plan(schedule={plan.schedule!r}) runs the model's stack itself, so the loss must be an "
@@ -183,27 +166,56 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
             "would wait for devices running another stage's branch and hang. Set tp_overlap=False "
             "(sequence_parallel=True still applies)."
         )
-    p = plan.mesh.shape[PIPE]
-    v, m = plan.chunks, plan.microbatches
-    compute, reduce_dtype = plan.compute_dtype, plan.reduce_dtype
-    sched = schedule(plan.schedule, stages=p, microbatches=m, chunks=v)
-    prog_np, branch_keys = _program(sched)
-    stages = p * v
-    batch_axes = tuple(a for a in plan.batch_axes)
-    dp = math.prod(plan.mesh.shape[a] for a in batch_axes)
-    all_axes = frozenset(plan.mesh.axis_names)
-    # Size-1 axes split nothing: no gather for them.
-    split_axes = tuple(a for a in batch_axes if plan.mesh.shape[a] > 1)
-    n_inputs = max(1, sched.buffers.inputs)
-    n_cots = max(1, sched.buffers.cotangents)
 
-    def where(tree: Any) -> Any:
-        return loss_fn.stack(tree).blocks
 
-    def per_device(model: Any, batch: Any, specs: Any) -> tuple[jax.Array, Any]:
-        d = lax.axis_index(PIPE)
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """What every device's program shares: the schedule's program, the loss, and
+    the axes the gradients are reduced over."""
+
+    loss: LossFunction
+    layout: StepLayout
+
+    @property
+    def parts(self) -> PipelineLoss:
+        return self.loss.fn
+
+    @functools.cached_property
+    def sched(self) -> Schedule:
+        plan = self.layout.plan
+        p = plan.mesh.shape[PIPE]
+        return schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
+
+    @functools.cached_property
+    def program(self) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
+        return _program(self.sched)
+
+    @property
+    def local(self) -> frozenset[str]:
+        # Parameters are marked varying over pipe and the batch axes, so that each
+        # device's gradients stay its own (no implicit all-reduce inside the
+        # branches); they are reduced once, after the scan.
+        return frozenset(self.layout.reduced_axes) | {PIPE}
+
+    def blocks_of(self, tree: Any) -> Any:
+        return self.parts.stack(tree).blocks
+
+    def check_depth(self, model: Any) -> None:
+        plan = self.layout.plan
+        p, v = plan.mesh.shape[PIPE], plan.chunks
+        depth = self.parts.stack_of(model).depth
+        if depth % (p * v):
+            raise DivisibilityError(
+                f"the pipelined stack has depth {depth}, which does not split into {p} stages x "
+                f"{v} chunks = {p * v} equal virtual stages. Use a depth that is a multiple of "
+                f"{p * v}, or other pipe / chunks sizes."
+            )
+
+    def per_device(self, model: Any, batch: Any) -> tuple[jax.Array, Any]:
         params, static = eqx.partition(model, eqx.is_inexact_array)
         # FSDP shards made whole once for the step; `gathers` mirrors `params`.
+        mesh = self.layout.plan.mesh
+        split_axes = tuple(a for a in self.layout.reduced_axes if mesh.shape[a] > 1)
         gathers = jax.tree.map(
             lambda x, spec: (
                 None
@@ -211,7 +223,7 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
                 else gathers_of(spec, split_axes, where=f"a weight of shape {x.shape} under a pipeline")
             ),
             params,
-            specs,
+            self.layout.params,
             is_leaf=lambda x: x is None,
         )
         params = jax.tree.map(
@@ -220,132 +232,173 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
             gathers,
             is_leaf=lambda x: x is None,
         )
-        # Parameters are marked varying over pipe and the batch axes, so that each
-        # device's gradients stay its own (no implicit all-reduce inside the
-        # branches); they are reduced once, after the scan.
-        local = frozenset(batch_axes) | {PIPE}
-        params = jax.tree.map(lambda x: _cast(x, local), params)
-        blocks = where(params)
-        rest = eqx.tree_at(where, params, jax.tree.map(lambda _: None, blocks))
+        params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
+        loss_sum, g_rest, g_blocks = _Device(self, params, static, batch).run()
+        return self.reduce(loss_sum, g_rest, g_blocks, gathers)
+
+    def reduce(self, loss_sum: jax.Array, g_rest: Any, g_blocks: Any, gathers: Any) -> tuple[jax.Array, Any]:
+        """The step's loss and gradients from the per-device sums: the rest's
+        gradients (computed on the first or last stage only) summed over pipe, the
+        stack's kept by the stage that owns the layers, all reduced over the
+        batch axes (reduce-scattered where they were gathered)."""
+        plan, axes = self.layout.plan, self.layout.reduced_axes
+        g_rest = jax.tree.map(
+            lambda g: reduce_gradient(g, scatter=(), psum_axes=(PIPE,), divide=1, dtype=plan.reduce_dtype),
+            g_rest,
+        )
+        loss = lax.psum(loss_sum, PIPE) / plan.microbatches
+        g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
+        grads = eqx.tree_at(self.blocks_of, g_rest, g_blocks)
+        if not axes:
+            return loss, grads
+
+        def reduce(g: jax.Array, gather: Any) -> jax.Array:
+            # Reduce-scatter over the axes the weight was gathered over (the
+            # gather's transpose), then sum over the other batch axes.
+            rest = tuple(a for a in axes if all(a not in over for _, over in gather))
+            return reduce_gradient(
+                g,
+                scatter=tuple(reversed(gather)),
+                psum_axes=rest,
+                divide=self.layout.data_parallel_size,
+                dtype=plan.reduce_dtype,
+            )
+
+        grads = jax.tree.map(
+            lambda g, gather: g if g is None else reduce(g, gather),
+            grads,
+            gathers,
+            is_leaf=lambda x: x is None,
+        )
+        return lax.pmean(loss, axes), grads
+
+
+class _Device:
+    """One device's step: its parameters split into the rest and its chunks, its
+    micro-batches, the types of what crosses stages, and the scan over ticks."""
+
+    def __init__(self, engine: _Engine, params: Any, static: Any, batch: Any):
+        plan = engine.layout.plan
+        self.engine, self.static = engine, static
+        self.p, self.v, self.m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
+        blocks = engine.blocks_of(params)
+        self.rest = eqx.tree_at(engine.blocks_of, params, jax.tree.map(lambda _: None, blocks))
         # (v * n, ...) -> (v, n, ...): chunk c of this device is row c.
-        blocks = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), blocks)
-        static_blocks = where(static)
+        self.blocks = jax.tree.map(lambda x: x.reshape(self.v, x.shape[0] // self.v, *x.shape[1:]), blocks)
+        self.static_blocks = engine.blocks_of(static)
+        self.micro_batches = split_microbatches(engine.loss.compute(batch), self.m)
+        self._resolve_types()
 
-        def assemble(rest_params: Any, chunk_params: Any) -> Any:
-            full = eqx.combine(rest_params, static)
-            return eqx.tree_at(where, full, eqx.combine(chunk_params, static_blocks))
+    def assemble(self, rest: Any, chunk: Any) -> Any:
+        full = eqx.combine(rest, self.static)
+        return eqx.tree_at(self.engine.blocks_of, full, eqx.combine(chunk, self.static_blocks))
 
-        def micro(x: jax.Array) -> jax.Array:
-            # Micro-batch j takes rows j, m + j, 2m + j, ...
-            x = x.reshape(x.shape[0] // m, m, *x.shape[1:])
-            return jnp.swapaxes(x, 0, 1)
+    def stage(self, rest: Any, chunk: Any, x: Any, mb_batch: Any, first: bool, last: bool) -> jax.Array:
+        """Virtual stage `chunk` on one micro-batch: `first` (on the first stage),
+        the chunk's layers, then `last` (on the last stage: the loss)."""
+        loss, parts = self.engine.loss, self.engine.parts
+        # Mixed precision as in the other steps: the cast sits inside the
+        # differentiated function, so gradients come back in the parameters'
+        # dtype; activations travel in the compute dtype.
+        model = self.assemble(*loss.compute((rest, chunk)))
+        if first:
+            # As varying as the stage's weights (it is, unless `first` uses no
+            # weight), so the stack's scan carry keeps one type.
+            x = mark_varying(parts.first(model, mb_batch), self.engine.local)
+        h = parts.stack(model)(x)
+        return loss.loss_dtype(parts.last(model, h, mb_batch)) if last else h
 
-        micro_batches = jax.tree.map(micro, batch if compute is None else cast_floating(batch, compute))
-
-        def stage(rest_params, chunk_params, x, mb_batch, first: bool, last: bool):
-            if compute is not None:
-                # Mixed precision as in the other steps: the cast sits inside the
-                # differentiated function, so gradients come back in the
-                # parameters' dtype; activations travel in the compute dtype.
-                rest_params, chunk_params = cast_floating((rest_params, chunk_params), compute)
-            model = assemble(rest_params, chunk_params)
-            if first:
-                # As varying as the stage's weights (it is, unless `first` uses no
-                # weight), so the stack's scan carry keeps one type.
-                x = _cast(loss_fn.first(model, mb_batch), local)
-            h = loss_fn.stack(model)(x)
-            if not last:
-                return h
-            loss = loss_fn.last(model, h, mb_batch)
-            return loss if compute is None else loss.astype(jnp.float32)
-
+    def _resolve_types(self) -> None:
         # The types of an activation and of the loss, from abstract evaluation.
-        mb0 = _index(micro_batches, jnp.asarray(0))
-        chunk0 = _index(blocks, jnp.asarray(0))
-        act = jax.eval_shape(lambda r, c, b: stage(r, c, None, b, True, False), rest, chunk0, mb0)
-        first_out = jax.eval_shape(lambda r, b: loss_fn.first(assemble(r, chunk0), b), rest, mb0)
+        local, parts = self.engine.local, self.engine.parts
+        mb0, chunk0 = _index(self.micro_batches, jnp.asarray(0)), _index(self.blocks, jnp.asarray(0))
+        act = jax.eval_shape(lambda r, c, b: self.stage(r, c, None, b, True, False), self.rest, chunk0, mb0)
+        first_out = jax.eval_shape(lambda r, b: parts.first(self.assemble(r, chunk0), b), self.rest, mb0)
         if not isinstance(first_out, jax.ShapeDtypeStruct) or first_out.shape != act.shape:
             raise PlanError(
                 "PipelineLoss.first must return one array, the activations the stack maps to the same "
                 f"shape; got {first_out} from first and {act} from the stack."
             )
-        act_axes = (
-            frozenset(act.manual_axis_type.varying) | frozenset(first_out.manual_axis_type.varying) | local
-        )
-
-        def zeros_act() -> jax.Array:
-            return _cast(jnp.zeros(act.shape, act.dtype), act_axes)
-
+        self.act, self.act_axes = act, _varying(act) | _varying(first_out) | local
         loss_type = jax.eval_shape(
-            lambda r, c, b: stage(r, c, zeros_act(), b, False, True), rest, chunk0, mb0
+            lambda r, c, b: self.stage(r, c, self.zeros_act(), b, False, True), self.rest, chunk0, mb0
         )
         if loss_type.shape != ():
             raise PlanError(
                 f"PipelineLoss.last must return a scalar loss (the mean over the micro-batch), got shape "
                 f"{loss_type.shape}."
             )
-        loss_axes = frozenset(loss_type.manual_axis_type.varying) | local
+        self.loss_type, self.loss_axes = loss_type, _varying(loss_type) | local
 
-        def branch(action: int, first: bool, last: bool) -> Callable:
-            def run(operands):
-                carry, row = operands
-                inputs, cots, g_rest, g_blocks, loss_sum = carry
-                _, mb, chunk, in_slot, cot_slot, _, _ = row
-                send_f, send_b = zeros_act(), zeros_act()
-                if action == IDLE or (action == FORWARD and last):
-                    # The last stage's forward is folded into its backward.
-                    return send_f, send_b, g_rest, g_blocks, loss_sum
-                mb_batch = _index(micro_batches, mb)
-                chunk_params = _index(blocks, chunk)
-                x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
-                if action == FORWARD:
-                    send_f = _cast(stage(rest, chunk_params, x, mb_batch, first, last), act_axes)
-                    return send_f, send_b, g_rest, g_blocks, loss_sum
-                if last:
-                    seed = _cast(jnp.full((), 1.0 / m, loss_type.dtype), loss_axes)
-                else:
-                    seed = _cast(lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False), act_axes)
-                grads = None
-                if action == BACKWARD:
-                    if first:
-                        out, pull = jax.vjp(
-                            lambda r, c: stage(r, c, None, mb_batch, True, last), rest, chunk_params
-                        )
-                        grads = pull(seed)
-                    else:
-                        out, pull = jax.vjp(
-                            lambda r, c, x: stage(r, c, x, mb_batch, False, last), rest, chunk_params, x
-                        )
-                        *grads, dx = pull(seed)
-                        send_b = _cast(dx, act_axes)
-                elif action == BACKWARD_INPUT:
-                    if first:
-                        out = stage(rest, chunk_params, None, mb_batch, True, last) if last else None
-                    else:
-                        out, pull = jax.vjp(lambda x: stage(rest, chunk_params, x, mb_batch, False, last), x)
-                        (dx,) = pull(seed)
-                        send_b = _cast(dx, act_axes)
-                else:  # BACKWARD_WEIGHT
-                    out = None
-                    _, pull = jax.vjp(lambda r, c: stage(r, c, x, mb_batch, first, last), rest, chunk_params)
-                    grads = pull(seed)
-                if last and action in (BACKWARD, BACKWARD_INPUT):
-                    loss_sum = loss_sum + _cast(out, loss_axes)
-                if grads is not None:
-                    g_r, g_c = grads
-                    g_rest = jax.tree.map(jnp.add, g_rest, g_r)
-                    g_blocks = jax.tree.map(
-                        lambda acc, g: lax.dynamic_update_index_in_dim(
-                            acc, lax.dynamic_index_in_dim(acc, chunk, 0, keepdims=False) + g, chunk, 0
-                        ),
-                        g_blocks,
-                        g_c,
-                    )
-                return send_f, send_b, g_rest, g_blocks, loss_sum
+    def zeros_act(self) -> jax.Array:
+        return mark_varying(jnp.zeros(self.act.shape, self.act.dtype), self.act_axes)
 
-            return run
+    def _pull_back(
+        self, action: int, first: bool, last: bool, chunk: Any, x: Any, mb: Any, seed: Any
+    ) -> tuple:
+        """`(stage output, parameter gradients or None, input cotangent or None)` of
+        a backward action: `B` both, `I` the input's only, `W` the parameters' only."""
+        rest, stage = self.rest, self.stage
+        if action == BACKWARD and first:
+            out, pull = jax.vjp(lambda r, c: stage(r, c, None, mb, True, last), rest, chunk)
+            return out, pull(seed), None
+        if action == BACKWARD:
+            out, pull = jax.vjp(lambda r, c, x: stage(r, c, x, mb, False, last), rest, chunk, x)
+            *grads, dx = pull(seed)
+            return out, grads, dx
+        if action == BACKWARD_INPUT and first:
+            return (stage(rest, chunk, None, mb, True, last) if last else None), None, None
+        if action == BACKWARD_INPUT:
+            out, pull = jax.vjp(lambda x: stage(rest, chunk, x, mb, False, last), x)
+            return out, None, pull(seed)[0]
+        # BACKWARD_WEIGHT
+        _, pull = jax.vjp(lambda r, c: stage(r, c, x, mb, first, last), rest, chunk)
+        return None, pull(seed), None
 
-        branches = [branch(*key) for key in branch_keys]
+    def _run(self, action: int, first: bool, last: bool, operands: tuple) -> tuple:
+        """One branch of the tick's `lax.switch`: `(activation to send on,
+        cotangent to send back, rest's gradient sum, stack's gradient sums, loss sum)`."""
+        carry, row = operands
+        inputs, cots, g_rest, g_blocks, loss_sum = carry
+        _, mb, chunk, in_slot, cot_slot, _, _ = row
+        send_f, send_b = self.zeros_act(), self.zeros_act()
+        if action == IDLE or (action == FORWARD and last):
+            # The last stage's forward is folded into its backward.
+            return send_f, send_b, g_rest, g_blocks, loss_sum
+        mb_batch, chunk_params = _index(self.micro_batches, mb), _index(self.blocks, chunk)
+        x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
+        if action == FORWARD:
+            send_f = mark_varying(
+                self.stage(self.rest, chunk_params, x, mb_batch, first, last), self.act_axes
+            )
+            return send_f, send_b, g_rest, g_blocks, loss_sum
+        if last:
+            seed = mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
+        else:
+            seed = mark_varying(lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False), self.act_axes)
+        out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
+        if dx is not None:
+            send_b = mark_varying(dx, self.act_axes)
+        if last and action in (BACKWARD, BACKWARD_INPUT):
+            loss_sum = loss_sum + mark_varying(out, self.loss_axes)
+        if grads is not None:
+            g_r, g_c = grads
+            g_rest = jax.tree.map(jnp.add, g_rest, g_r)
+            g_blocks = jax.tree.map(
+                lambda acc, g: lax.dynamic_update_index_in_dim(
+                    acc, lax.dynamic_index_in_dim(acc, chunk, 0, keepdims=False) + g, chunk, 0
+                ),
+                g_blocks,
+                g_c,
+            )
+        return send_f, send_b, g_rest, g_blocks, loss_sum
+
+    def run(self) -> tuple[jax.Array, Any, Any]:
+        """The scan over the schedule's ticks: `(loss sum, rest's gradients, stack's
+        gradients per chunk)` on this device."""
+        program, branch_keys = self.engine.program
+        branches = [functools.partial(self._run, *key) for key in branch_keys]
+        p = self.p
         forward_perm = [(i, (i + 1) % p) for i in range(p)]
         backward_perm = [(i, (i - 1) % p) for i in range(p)]
 
@@ -360,69 +413,37 @@ def pipeline_gradients(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bo
             cots = _write(carry[1], row[6], send_b)
             return (inputs, cots, g_rest, g_blocks, loss_sum), None
 
-        program = lax.dynamic_index_in_dim(jnp.asarray(prog_np), d, 1, keepdims=False)
+        rows = lax.dynamic_index_in_dim(jnp.asarray(program), lax.axis_index(PIPE), 1, keepdims=False)
+        buffers = self.engine.sched.buffers
+        n_inputs, n_cots = max(1, buffers.inputs), max(1, buffers.cotangents)
+        act = self.act
         init = (
-            _cast(jnp.zeros((n_inputs, *act.shape), act.dtype), act_axes),
-            _cast(jnp.zeros((n_cots, *act.shape), act.dtype), act_axes),
-            jax.tree.map(jnp.zeros_like, rest),
-            jax.tree.map(jnp.zeros_like, blocks),
-            _cast(jnp.zeros((), loss_type.dtype), loss_axes),
+            mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
+            mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
+            jax.tree.map(jnp.zeros_like, self.rest),
+            jax.tree.map(jnp.zeros_like, self.blocks),
+            mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
         )
-        (_, _, g_rest, g_blocks, loss_sum), _ = lax.scan(tick, init, program)
-        # Only the first and last stages computed the rest's gradients: sum over
-        # pipe. The stack's gradients stay with the stage that owns the layers.
-        g_rest = jax.tree.map(lambda g: _in_dtype(lambda g: lax.psum(g, PIPE), g, reduce_dtype), g_rest)
-        loss = lax.psum(loss_sum, PIPE) / m
-        g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
-        grads = eqx.tree_at(where, g_rest, g_blocks)
-        if batch_axes:
+        (_, _, g_rest, g_blocks, loss_sum), _ = lax.scan(tick, init, rows)
+        return loss_sum, g_rest, g_blocks
 
-            def reduce(g: jax.Array, gather: Any) -> jax.Array:
-                # Reduce-scatter over the axes the weight was gathered over (the
-                # gather's transpose), then sum over the other batch axes.
-                for dim, axes in reversed(gather):
-                    g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-                rest_axes = tuple(a for a in batch_axes if all(a not in axes for _, axes in gather))
-                if rest_axes:
-                    g = lax.psum(g, rest_axes)
-                return g / dp
 
-            grads = jax.tree.map(
-                lambda g, gather: g if g is None else _in_dtype(lambda g: reduce(g, gather), g, reduce_dtype),
-                grads,
-                gathers,
-                is_leaf=lambda x: x is None,
-            )
-            loss = lax.pmean(loss, batch_axes)
-        return loss, grads
-
-    def gradients(model: Any, batch: Any, key: Any) -> tuple[jax.Array, None, Any]:
-        del key  # the three parts take no key
-        stack = loss_fn.stack_of(model)
-        depth = stack.depth
-        if depth % stages:
-            raise DivisibilityError(
-                f"the pipelined stack has depth {depth}, which does not split into {p} stages x "
-                f"{v} chunks = {stages} equal virtual stages. Use a depth that is a multiple of "
-                f"{stages}, or other pipe / chunks sizes."
-            )
-        rows = {x.shape[0] for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim}
-        for size in rows:
-            if size % dp or (size // dp) % m:
-                raise BatchError(
-                    f"batch size {size} does not split into {dp} data-parallel shards of {m} equal "
-                    f"micro-batches (Plan(microbatches={m})). Use a batch size that is a multiple of "
-                    f"{dp * m}, or a micro-batch count that divides {size // max(dp, 1)}."
-                )
-        specs = partition_specs(model, plan)
-        _check_specs(specs, loss_fn, plan)
-        loss, grads = filter_shard_map(
-            functools.partial(per_device, specs=specs),
-            plan,
-            in_specs=(specs, plan.batch_spec),
-            out_specs=(PartitionSpec(), specs),
-            axis_names=all_axes,
-        )(model, batch)
-        return loss, None, grads
-
-    return gradients
+def pipeline_gradients(
+    loss: LossFunction, layout: StepLayout, model: Any, batch: Any, key: Any
+) -> tuple[jax.Array, None, Any]:
+    """Loss and gradients of a pipeline plan over the global batch (the three
+    parts of a `PipelineLoss` take no key, and return no aux). The gradients
+    come out in the parameters' specs."""
+    del key
+    engine = _Engine(loss, layout)
+    engine.check_depth(model)
+    plan = layout.plan
+    _check_specs(layout.params, loss.fn, plan)
+    value, grads = filter_shard_map(
+        engine.per_device,
+        plan,
+        in_specs=(layout.params, layout.batch),
+        out_specs=(PartitionSpec(), layout.params),
+        axis_names=frozenset(plan.mesh.axis_names),
+    )(model, batch)
+    return value, None, grads

@@ -26,7 +26,7 @@ from jaxtyping import PyTree
 
 from .._errors import EqxparError
 from .._plan import Plan
-from .._sharding import named_shardings
+from .._train_state import specs_of
 
 _FORMAT = "eqxpar.checkpoint"
 _VERSION = 1
@@ -261,8 +261,8 @@ class CheckpointManager:
     ) -> tuple[PyTree, dict[str, Any] | None]:
         """Load checkpoint `step` (default: the latest) into the shape of `like`.
 
-        Each array is read directly into the sharding `plan` gives it
-        (`eqxpar.named_shardings(like, plan)`), reading only this process's
+        Each array is read directly into the sharding `plan` gives it (for a
+        `TrainState`, its `eqxpar.train.StepLayout`), reading only this process's
         shards, so a state saved under one mesh and plan loads under any other
         (e.g. saved under `fsdp=8`, restored under `fsdp=4, tensor=2`).
 
@@ -481,7 +481,8 @@ def _target_shardings(like: PyTree, plan: Plan | None, leaves: list[tuple[str, A
                 f"CheckpointManager.restore(plan={plan!r}): expected an eqxpar.Plan or None."
             )
         _, treedef = jax.tree.flatten(like)
-        shardings = [s for s in treedef.flatten_up_to(named_shardings(like, plan)) if s is not None]
+        specs = treedef.flatten_up_to(specs_of(like, plan))
+        shardings = [plan.sharding(s) for s in specs if s is not None]
         if len(shardings) != len(leaves):
             raise CheckpointError(
                 "CheckpointManager.restore: the plan's rules did not give every array leaf of `like` "

@@ -1,0 +1,29 @@
+"""Gradients under an automatic plan: one `jax.jit` program whose collectives the
+compiler (GSPMD) places from the parameters' and the batch's shardings."""
+
+from typing import Any
+
+import equinox as eqx
+from jaxtyping import Array, PyTree
+
+from ._grad_common import LossFunction, accumulated_value_and_grad, specs_for, value_and_grad
+from ._sharding import shard
+from ._step_layout import StepLayout
+
+
+def automatic_gradients(
+    loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any
+) -> tuple[Array, PyTree, PyTree]:
+    """Loss, aux and gradients over the global batch; the gradients take the
+    layout's `updates` specs (FSDP: the compiler reduces them to shards)."""
+    plan = layout.plan
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    batch = loss.compute(batch)
+    if layout.accumulate == 1:
+        value, aux, grads = value_and_grad(loss, params, static, batch, key)
+    else:
+        place = lambda mb: shard(mb, plan, specs=layout.batch)  # noqa: E731
+        value, aux, grads = accumulated_value_and_grad(
+            loss, params, static, batch, key, k=layout.accumulate, place=place
+        )
+    return value, aux, shard(grads, plan, specs=specs_for(grads, layout.updates))

@@ -1,0 +1,217 @@
+"""What the three gradient implementations (automatic, manual, pipeline) share:
+the loss call with its mixed-precision casts, marking values varying, the
+micro-batch split, the gradient reduction and the checks on per-device results.
+
+Every implementation has one signature,
+`gradients(loss, layout, model, batch, key) -> (loss, aux, grads)`, over the
+global batch, with the gradients in the layout's `updates` specs.
+"""
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Collection
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, PyTree
+
+from ._errors import PlanError
+from ._fsdp import Gather, layer_gathers, wire_dtype
+from ._train_state import cast_floating
+
+
+@dataclasses.dataclass(frozen=True)
+class LossFunction:
+    """The user's loss with what a step needs to call it: whether it returns aux,
+    whether it takes `key=`, and the compute dtype of mixed precision."""
+
+    fn: Callable
+    has_aux: bool
+    compute_dtype: Any
+    takes_key: bool
+
+    @classmethod
+    def wrap(cls, fn: Callable, *, has_aux: bool, compute_dtype: Any) -> "LossFunction":
+        try:
+            takes_key = "key" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a callable without a signature takes no key
+            takes_key = False
+        return cls(fn, has_aux, compute_dtype, takes_key)
+
+    def compute(self, tree: PyTree) -> PyTree:
+        """`tree`'s floating-point arrays in the compute dtype (no-op without one).
+        Applied to parameters inside the differentiated function, so gradients come
+        back in the parameters' (master) dtype."""
+        return tree if self.compute_dtype is None else cast_floating(tree, self.compute_dtype)
+
+    def loss_dtype(self, loss: Array) -> Array:
+        # Losses are reported (and summed over micro-batches) in float32.
+        return loss if self.compute_dtype is None else loss.astype(jnp.float32)
+
+    def __call__(self, model: PyTree, batch: PyTree, key: Any) -> tuple[Array, PyTree]:
+        out = self.fn(model, batch, key=key) if self.takes_key else self.fn(model, batch)
+        loss, aux = out if self.has_aux else (out, None)
+        return self.loss_dtype(loss), aux
+
+
+def mark_varying(x: Array, axes: Collection[str]) -> Array:
+    """`x` typed as varying along the manual `axes` (it may differ between those
+    devices). Parameters marked so get per-device gradients (no implicit psum), and
+    scan carries and switch branches get one type. Axes `x` already varies along
+    are skipped (`pcast` rejects them)."""
+    missing = tuple(sorted(set(axes) - set(jax.typeof(x).mat.varying)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def varies_along(tree: PyTree, axis: str) -> bool:
+    """Whether any floating-point array in `tree` varies along manual mesh `axis`."""
+    leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
+    return any(axis in jax.typeof(x).mat.varying for x in leaves)
+
+
+def split_microbatches(batch: PyTree, k: int) -> PyTree:
+    """Every leaf `(n, ...)` as `(k, n / k, ...)`: micro-batch j takes rows j, k + j,
+    2k + j, ..., so each device already holds its share of every micro-batch and
+    splitting moves no data between devices."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def reduce_gradient(
+    g: Array, *, scatter: Gather, psum_axes: tuple[str, ...], divide: int, dtype: Any
+) -> Array:
+    """Sum a per-device gradient over the data-parallel devices and divide:
+    reduce-scatter along each `(dim, axes)` of `scatter` (in that order), all-reduce
+    over `psum_axes`, in `dtype` on the wire (`Plan(reduce_dtype=...)`, else the
+    gradient's); the result keeps the gradient's dtype."""
+    out_dtype = g.dtype
+    g = g.astype(wire_dtype(dtype or out_dtype))
+    for dim, axes in scatter:
+        g = lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    if psum_axes:
+        g = lax.psum(g, psum_axes)
+    return (g / divide).astype(out_dtype)
+
+
+def mean_over(x: Array, axes: tuple[str, ...]) -> Array:
+    """`pmean` of `x` over `axes`, in a dtype XLA:CPU compiles there (see
+    `_fsdp.wire_dtype`)."""
+    return lax.pmean(x.astype(wire_dtype(x.dtype)), axes).astype(x.dtype)
+
+
+def mean_aux(aux: PyTree, axes: tuple[str, ...]) -> PyTree:
+    """Floating-point aux averaged over `axes`; other leaves as they are."""
+    return jax.tree.map(lambda a: mean_over(a, axes) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+
+
+def check_same_on_devices(loss: Array, aux: PyTree, *, allowed: tuple[str, ...]) -> None:
+    """Inside a manual region, raise if the per-device loss or aux differs along a
+    manual axis the step does not reduce over (`allowed`: the batch axes, which it
+    averages). JAX would only say that the region's out_specs "require replication"."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if not manual:
+        return
+    for what, tree in (("loss", loss), ("aux", aux)):
+        for x in jax.tree.leaves(tree):
+            if not isinstance(x, jax.Array):
+                continue
+            varying = set(jax.typeof(x).mat.varying)
+            if what == "aux" and not jnp.issubdtype(x.dtype, jnp.inexact) and varying:
+                raise PlanError(
+                    f"the loss function's aux holds an integer array (shape {x.shape}, dtype {x.dtype}) that "
+                    f"differs between devices along {sorted(varying)}; a manual step averages aux "
+                    "over the data-parallel devices, which integers cannot be. Return it as a float."
+                )
+            extra = sorted(varying - set(allowed))
+            if extra:
+                raise PlanError(
+                    f"the {what} computed on each device (shape {x.shape}) differs along manual mesh axes "
+                    f"{extra}, which the step does not average over (the manual batch axes it averages "
+                    f"over: {tuple(allowed) or 'none'}). Each device of those axes must end with the same {what}. "
+                    "Likely causes: weights the rules split over the tensor axis used by code other than "
+                    "eqxpar.nn layers (raw matmuls on shards issue no collectives: use eqxpar.nn layers, "
+                    "or mode='auto'); or, with sequence_parallel=True, a loss that does not reduce its "
+                    "per-token values with eqxpar.nn.sequence_mean, or takes labels for a replicated head "
+                    "without eqxpar.nn.split_sequence."
+                )
+
+
+def value_and_grad(
+    loss: LossFunction,
+    params: PyTree,
+    static: PyTree,
+    batch: PyTree,
+    key: Any,
+    *,
+    prepare: Callable | None = None,
+    allowed: tuple[str, ...] = (),
+) -> tuple[Array, PyTree, PyTree]:
+    """Loss, aux and gradients w.r.t. `params` of one batch (already in the compute
+    dtype). `prepare` maps the model inside the differentiated function to
+    `(model, per-layer gathers)` (manual FSDP: gradients flow back through its
+    gathers as reduce-scatters). `allowed`: manual axes the loss may vary along."""
+
+    def scalar_loss(params):
+        model = eqx.combine(loss.compute(params), static)
+        per_layer = {}
+        if prepare is not None:
+            model, per_layer = prepare(model)
+        with layer_gathers(per_layer):
+            return loss(model, batch, key)
+
+    (value, aux), grads = jax.value_and_grad(scalar_loss, has_aux=True)(params)
+    check_same_on_devices(value, aux, allowed=allowed)
+    return value, aux, grads
+
+
+def accumulated_value_and_grad(
+    loss: LossFunction,
+    params: PyTree,
+    static: PyTree,
+    batch: PyTree,
+    key: Any,
+    *,
+    k: int,
+    place: Callable,
+    prepare: Callable | None = None,
+    varying: tuple[str, ...] = (),
+    allowed: tuple[str, ...] = (),
+    sum_dtypes: PyTree | None = None,
+) -> tuple[Array, PyTree, PyTree]:
+    """As `value_and_grad`, averaged over `k` micro-batches with `lax.scan`: the
+    gradients are summed on each device (in `sum_dtypes`, default the
+    parameters' dtypes) and divided once. `place` constrains each micro-batch's
+    layout; `varying`: the manual axes the per-device loss varies along (the
+    carry's type)."""
+    micro = split_microbatches(batch, k)
+
+    def step(carry, xs):
+        grads_sum, loss_sum = carry
+        index, mb = xs
+        value, aux, grads = value_and_grad(
+            loss, params, static, place(mb), jax.random.fold_in(key, index), prepare=prepare, allowed=allowed
+        )
+        grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_sum, grads)
+        return (grads_sum, loss_sum + value), aux
+
+    loss_zero = jnp.zeros((), jnp.float32)
+    if varying:
+        loss_zero = lax.pcast(loss_zero, varying, to="varying")
+    if sum_dtypes is None:
+        sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
+    zeros = jax.tree.map(lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, sum_dtypes)
+    (grads, total), aux = lax.scan(step, (zeros, loss_zero), (jnp.arange(k), micro))
+    return total / k, aux, jax.tree.map(lambda g: g / k, grads)
+
+
+def specs_for(tree: PyTree, specs: PyTree) -> PyTree:
+    """`specs` (resolved over a whole model) cut to `tree`, a filtered copy of it
+    (gradients: None where the model holds no floating-point array)."""
+    return jax.tree.map(lambda x, s: None if x is None else s, tree, specs, is_leaf=lambda x: x is None)

@@ -1,0 +1,188 @@
+"""Gradients under a manual plan: the loss runs per device inside `shard_map`,
+and eqxpar issues the gradient reduction itself, once per step.
+
+Under a partial-manual plan (or an automatic plan that reduces by hand: ZeRO-1,
+accumulation) only some mesh axes are manual; the compiler handles the others,
+as in an automatic step.
+"""
+
+import functools
+from collections.abc import Collection
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, PyTree
+
+from ._errors import PlanError
+from ._fsdp import gather_whole, gathered_axes, gathers_of, prepare_model
+from ._grad_common import (
+    LossFunction,
+    accumulated_value_and_grad,
+    mark_varying,
+    mean_aux,
+    mean_over,
+    reduce_gradient,
+    specs_for,
+    value_and_grad,
+    varies_along,
+)
+from ._plan import Plan
+from ._rules import mesh_axis_names
+from ._shard_map import filter_shard_map
+from ._sharding import shard
+from ._step_layout import StepLayout
+
+
+def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
+    # Inside the manual region a weight split over a manual axis arrives as a shard.
+    # eqxpar.nn layers know what to do with shards of the tensor axis, and the step
+    # gathers shards of the batch axes (FSDP); nothing would gather a weight split
+    # over another manual axis, so such a model would silently compute on fragments.
+    allowed = {plan.tensor_axis, *plan.batch_axes}
+    for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
+        if not isinstance(spec, PartitionSpec):
+            continue
+        for entry in spec:
+            for axis in mesh_axis_names(entry):
+                if axis in manual_axes and axis not in allowed and plan.mesh.shape[axis] > 1:
+                    raise PlanError(
+                        f"mode='manual' splits weights over the tensor axis {plan.tensor_axis!r} and "
+                        f"the batch axes {plan.batch_axes} (FSDP) only, but the plan's rules give a "
+                        f"weight the spec {spec}, over manual axis {axis!r}. Use mode='auto' for "
+                        f"such weights, or Plan(manual_axes=...) without {axis!r}."
+                    )
+
+
+def _sequence_split(layout: StepLayout) -> bool:
+    # Under sequence parallelism each device of the tensor axis holds its own
+    # sequence block.
+    plan = layout.plan
+    tensor = plan.tensor_axis
+    return plan.sequence_parallel and tensor in layout.manual_axes and plan.mesh.shape.get(tensor, 1) > 1
+
+
+def _local_gradients(
+    loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any, *, vary: tuple[str, ...]
+) -> tuple[Array, PyTree, PyTree]:
+    """This device's loss, aux and (accumulated) gradients, before any reduction
+    over the batch axes.
+
+    The parameters are marked varying along `vary` (the reduced batch axes, and
+    maybe `tensor`) before differentiating, so each device's gradient stays
+    local (no implicit psum per micro-batch) and the caller reduces once. Manual
+    FSDP gathers weight shards inside the differentiated function (gradients flow
+    back as reduce-scatters); when accumulating, it gathers once before the
+    micro-batch loop instead, so the gradients are reduce-scattered once, after it.
+    """
+    axes = layout.reduced_axes
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    if vary:
+        params = jax.tree.map(lambda p: mark_varying(p, vary), params)
+    batch = loss.compute(batch)
+    if layout.accumulate == 1:
+        prepare = (lambda m: prepare_model(m, layout.params, axes)) if axes else None
+        return value_and_grad(loss, params, static, batch, key, prepare=prepare, allowed=vary)
+    sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
+    pull = None
+    if axes:
+        # Cast before gathering, as the one-batch step does (its gathers move the
+        # compute dtype).
+        params, pull = jax.vjp(lambda p: gather_whole(loss.compute(p), layout.params, axes), params)
+    place = lambda mb: shard(mb, layout.plan, specs=layout.batch)  # noqa: E731
+    value, aux, grads = accumulated_value_and_grad(
+        loss,
+        params,
+        static,
+        batch,
+        key,
+        k=layout.accumulate,
+        place=place,
+        varying=axes,
+        allowed=vary,
+        sum_dtypes=sum_dtypes,
+    )
+    if pull is not None:
+        (grads,) = pull(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
+    return value, aux, grads
+
+
+def _reduce(layout: StepLayout, merged: bool, spec: Any, out_spec: Any, g: Array | None) -> Array | None:
+    """One gradient summed over the reduced batch axes (and `tensor` when merged).
+
+    A weight split over batch axes (FSDP) was gathered in the loss, so its
+    gradient arrives reduce-scattered over those axes and is summed over the
+    remaining ones only. Under ZeRO-1 a gradient whose out spec adds batch axes is
+    reduce-scattered along that dimension instead: each device keeps the slice it
+    updates.
+    """
+    if g is None:
+        return None
+    axes, tensor = layout.reduced_axes, layout.plan.tensor_axis
+    gathered = gathered_axes(spec, axes)
+    scatter = tuple((d, a) for d, a in gathers_of(out_spec, axes, where="gradient") if set(a) - gathered)
+    rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
+    if merged and tensor not in gathered_axes(spec, (tensor,)):
+        rest = rest + (tensor,)
+    return reduce_gradient(
+        g, scatter=scatter, psum_axes=rest, divide=layout.data_parallel_size, dtype=layout.plan.reduce_dtype
+    )
+
+
+def _per_device(
+    loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any
+) -> tuple[Array, PyTree, PyTree]:
+    axes, tensor = layout.reduced_axes, layout.plan.tensor_axis
+    split_sequence = _sequence_split(layout)
+    # Distinct examples (and sequence blocks) per device need distinct randomness.
+    for axis in axes + ((tensor,) if split_sequence else ()):
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    # Under sequence parallelism every use of a weight replicated over `tensor`
+    # sits on a sequence block, so its gradient is a sum of per-device partials.
+    # Left to autodiff, that sum is an all-reduce over `tensor` followed by the
+    # step's own over the batch axes; marking those weights varying along
+    # `tensor` too keeps the partials local, and one all-reduce over both axes
+    # sums them (fewer bytes, one collective).
+    merged = bool(axes) and split_sequence and tensor not in axes
+    value, aux, grads = _local_gradients(
+        loss, layout, model, batch, key, vary=axes + ((tensor,) if merged else ())
+    )
+    if merged and varies_along((value, aux), tensor):
+        # A replicated weight reaches the loss off the sequence blocks (say, a
+        # scale applied after `sequence_mean`), where its uses are not per-device
+        # partials: trace again and let autodiff sum over `tensor` (the unused
+        # first trace is dead code, removed before compiling).
+        merged = False
+        value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
+    if not axes:
+        return value, aux, grads
+    # Along the tensor axis check_vma does the right thing unaided: a weight split
+    # over it gets its own shard's gradient, and a replicated weight used on
+    # sequence shards gets its partial gradients summed (unless merged above).
+    is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
+    grads = jax.tree.map(
+        functools.partial(_reduce, layout, merged), layout.params, layout.updates, grads, is_leaf=is_spec
+    )
+    return mean_over(value, axes), (mean_aux(aux, axes) if loss.has_aux else aux), grads
+
+
+def manual_gradients(
+    loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any
+) -> tuple[Array, PyTree, PyTree]:
+    """Loss, aux and gradients over the global batch, computed per device inside
+    `shard_map` over the layout's manual axes; the gradients take the layout's
+    `updates` specs (one reduction of the gradient bytes per step)."""
+    plan = layout.plan
+    _check_manual_specs(layout.params, plan, layout.manual_axes)
+    value, aux, grads = filter_shard_map(
+        functools.partial(_per_device, loss, layout),
+        plan,
+        in_specs=(layout.params, layout.batch, PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec(), layout.updates),
+        axis_names=layout.manual_axes,
+    )(model, batch, key)
+    if layout.partial:
+        # Automatic axes: gradients take their sharding there, as in auto mode.
+        grads = shard(grads, plan, specs=specs_for(grads, layout.updates))
+    return value, aux, grads

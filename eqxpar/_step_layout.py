@@ -1,0 +1,155 @@
+"""The step layout: where every array of a training step lives, resolved once.
+
+A plan says what the user wants (a mesh, rules, a mode, flags); a `StepLayout`
+says what a step built for it does: the specs of the parameters, the gradients,
+the optimizer state and the batch, the mesh axes it runs by hand (inside
+`shard_map`), the batch axes whose gradients it reduces by hand. `train.init`,
+the step, its gradient implementations, the update, checkpoint restore and
+`eqxpar.inspect` all read one; none decides these from the plan's flags again.
+"""
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._errors import PlanError
+from ._plan import Plan
+from ._shard_map import region_manual_axes
+from ._specs import partition_specs
+
+Kind = Literal["automatic", "manual", "pipeline"]
+
+
+def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
+    """The mesh axes a step built for `plan` runs by hand (inside `shard_map`).
+
+    Every axis for a pipeline; the plan's manual axes for a manual plan; the batch
+    axes for an automatic ZeRO-1 plan (to reduce-scatter the gradients); none for
+    other automatic plans; and, when the step accumulates gradients
+    (`accumulate > 1`), the batch axes too, so that each device sums its
+    micro-batches' gradients before the one reduction of the step (left to the
+    compiler, the reduction would run once per micro-batch). Size-1 axes of a
+    partial-manual region are left out, as `shard_map` regions leave them.
+    """
+    if plan.schedule is not None:
+        return frozenset(plan.mesh.axis_names)
+    axes: tuple[str, ...] = ()
+    if plan.mode == "manual":
+        axes = plan.manual_axes or tuple(plan.mesh.axis_names)
+    if (plan.zero1 and plan.mode != "manual") or accumulate > 1:
+        axes += tuple(a for a in plan.batch_axes if a not in axes)
+    return region_manual_axes(plan.mesh, axes) if axes else frozenset()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepLayout:
+    """Where a training step's arrays live and which collectives it runs by hand.
+
+    Build one with `StepLayout.resolve(plan, model, opt_state)` (arrays or
+    `jax.eval_shape` outlines) or `StepLayout.of_state(state, plan)`.
+
+    **Fields:**
+
+    - `plan`, `accumulate`: what it was resolved for.
+    - `manual_axes`: the mesh axes the step runs inside `shard_map`.
+    - `params`: a PartitionSpec per array leaf of the model (None elsewhere).
+    - `updates`: the specs the gradients and optimizer updates come out in: the
+      parameters', or under ZeRO-1 the optimizer state's split over the batch axes.
+    - `opt_state`: a PartitionSpec per array leaf of the optimizer state, or None
+      when resolved without one.
+
+    ```python
+    layout = eqxpar.train.StepLayout.of_state(state, plan)
+    layout.kind, layout.reduced_axes, layout.state_specs().opt_state
+    ```
+    """
+
+    plan: Plan
+    accumulate: int
+    manual_axes: frozenset[str]
+    params: PyTree
+    updates: PyTree
+    opt_state: PyTree | None
+
+    @classmethod
+    def resolve(
+        cls, plan: Plan, model: PyTree, opt_state: PyTree | None = None, *, accumulate: int = 1
+    ) -> "StepLayout":
+        """Resolve the layout of a step over `model` (and `opt_state`) under `plan`."""
+        if not isinstance(plan, Plan):
+            raise PlanError(f"StepLayout.resolve(plan={plan!r}): expected an eqxpar.Plan.")
+        rules, mesh = plan.optimizer_rules, plan.mesh
+        params = partition_specs(model, plan.rules, mesh=mesh)
+        updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
+        opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
+        return cls(plan, accumulate, manual_axes_of(plan, accumulate), params, updates, opt)
+
+    @classmethod
+    def of_state(cls, state: Any, plan: Plan, *, accumulate: int = 1) -> "StepLayout":
+        """The layout of a `TrainState` (or its outline) under `plan`."""
+        return cls.resolve(plan, state.model, state.opt_state, accumulate=accumulate)
+
+    @property
+    def kind(self) -> Kind:
+        """Which gradient implementation runs: compiler-placed collectives
+        (`"automatic"`), a `shard_map` region (`"manual"`), or the pipeline engine."""
+        if self.plan.schedule is not None:
+            return "pipeline"
+        return "manual" if self.manual_axes else "automatic"
+
+    @property
+    def batch(self) -> PartitionSpec:
+        """The spec of a batch leaf: leading dimension over the plan's batch axes."""
+        return PartitionSpec(self.plan.batch_axes)
+
+    @property
+    def reduced_axes(self) -> tuple[str, ...]:
+        """The batch axes the step splits the batch over by hand, and so reduces the
+        gradients over itself (batch axes left automatic are the compiler's)."""
+        return tuple(a for a in self.plan.batch_axes if a in self.manual_axes)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices the batch is split over by hand (the divisor of the reduction)."""
+        return math.prod(self.plan.mesh.shape[a] for a in self.reduced_axes)
+
+    @property
+    def partial(self) -> bool:
+        """Whether the step's region is manual over some mesh axes only."""
+        return bool(self.manual_axes) and self.manual_axes != frozenset(self.plan.mesh.axis_names)
+
+    @property
+    def sliced_update(self) -> bool:
+        """Whether each device updates a slice of the parameters (ZeRO-1): the
+        updates' specs differ from the parameters'."""
+        return self.updates is not self.params
+
+    def state_specs(self, state: Any) -> Any:
+        """`state` (a `TrainState` or its outline) with a PartitionSpec at every
+        array leaf: the model's and optimizer's from this layout, step and key
+        replicated."""
+        if self.opt_state is None:
+            raise PlanError(
+                "this StepLayout was resolved without an optimizer state; build it with "
+                "StepLayout.of_state(state, plan)."
+            )
+        return eqx.tree_at(
+            lambda s: (s.model, s.opt_state, s.step, s.key),
+            state,
+            (self.params, self.opt_state, PartitionSpec(), PartitionSpec()),
+            is_leaf=lambda x: x is None,
+        )
+
+    def shardings(self, specs: PyTree) -> PyTree:
+        """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
+        mesh = self.plan.mesh
+        return jax.tree.map(
+            lambda s: None if s is None else NamedSharding(mesh, s),
+            specs,
+            is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
+        )
