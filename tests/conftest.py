@@ -6,11 +6,24 @@ top of the first module pytest imports.
 
 import os
 
-# 8 simulated devices; and XLA:CPU running each device's collectives in program
-# order (plans manual over several axes need it: see eqxpar.train.make_step).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false"
+# 8 simulated devices; XLA:CPU running each device's collectives in program order
+# (plans manual over several axes need it: see eqxpar.train.make_step); and cheap
+# code generation (no LLVM optimisation, XLA:CPU's elemental emitter for fused
+# elementwise ops), as the plan fuzz's workers use. The suite compiles hundreds of
+# small programs and runs each a few times, so compiling is most of its time and
+# generating machine code most of compiling. The HLO passes that partition the
+# program and place its collectives, hence every collective and byte count the
+# tests read, are the same; results are compared with one device compiled alike.
+# Examples and scripts the tests run as subprocesses inherit the flags.
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=8",
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+        "--xla_backend_optimization_level=0",
+        "--xla_llvm_disable_expensive_passes=true",
+        "--xla_cpu_use_fusion_emitters=false",
+    ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
