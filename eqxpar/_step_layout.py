@@ -65,7 +65,7 @@ class StepLayout:
 
     ```python
     layout = eqxpar.train.StepLayout.of_state(state, plan)
-    layout.kind, layout.reduced_axes, layout.state_specs().opt_state
+    layout.kind, layout.reduced_axes, layout.state_specs(state).opt_state
     ```
     """
 
