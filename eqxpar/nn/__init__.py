@@ -10,6 +10,7 @@ own collectives: synchronous, or ring collective matmuls with the plan's
 
 from ._attention import Attention as Attention
 from ._block import TransformerBlock as TransformerBlock
+from ._blockwise import blockwise_attention as blockwise_attention
 from ._context import TensorContext as TensorContext
 from ._context import tensor_context as tensor_context
 from ._linear import MLP as MLP

@@ -7,6 +7,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .._errors import DivisibilityError, PlanError
 from .._param import param
+from ._blockwise import blockwise_attention
 from ._context import tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul, lift, row_matmul
@@ -37,6 +38,13 @@ class Attention(eqx.Module):
       the whole sequence (under sequence parallelism they gather it first).
       `head_dim` must be even.
     - `rotary_base`: the rotary wavelength base (default 10000.0).
+    - `attention`: how the local heads attend. `"auto"` (default): cuDNN's fused
+      attention (`jax.nn.dot_product_attention`) on GPU where it applies (bfloat16
+      or float16, head_dim a multiple of 8 up to 128, no `mask`), else
+      `eqxpar.nn.blockwise_attention` (online softmax over key blocks, temp memory
+      linear in the sequence) when the sequence is longer than one block, else
+      dense. `"blockwise"` or `"dense"` (the `(seq, seq)` score matrix) force one.
+    - `attention_block`: keys per block of the blockwise path (default 512).
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
@@ -65,6 +73,8 @@ class Attention(eqx.Module):
     axis: str = eqx.field(static=True)
     rotary: bool = eqx.field(static=True)
     rotary_base: float = eqx.field(static=True)
+    attention: str = eqx.field(static=True, default="auto")
+    attention_block: int = eqx.field(static=True, default=512)
 
     def __init__(
         self,
@@ -77,6 +87,8 @@ class Attention(eqx.Module):
         causal: bool = True,
         rotary: bool = False,
         rotary_base: float = 10000.0,
+        attention: str = "auto",
+        attention_block: int = 512,
         use_bias: bool = True,
         axis: str = "tensor",
         dtype=jnp.float32,
@@ -93,6 +105,10 @@ class Attention(eqx.Module):
                 f"Attention(fused_qkv=True, num_kv_heads={kv}): a fused QKV weight needs as many "
                 f"key/value heads as query heads ({num_heads}); use fused_qkv=False for grouped-query."
             )
+        if attention not in ("auto", "blockwise", "dense"):
+            raise PlanError(f"Attention(attention={attention!r}): expected 'auto', 'blockwise' or 'dense'.")
+        if attention_block < 1:
+            raise PlanError(f"Attention(attention_block={attention_block}): must be positive.")
         hd = d_model // num_heads if head_dim is None else head_dim
         if rotary and hd % 2:
             raise DivisibilityError(
@@ -115,6 +131,7 @@ class Attention(eqx.Module):
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, kv, hd
         self.causal, self.axis = causal, axis
         self.rotary, self.rotary_base = bool(rotary), float(rotary_base)
+        self.attention, self.attention_block = attention, int(attention_block)
 
     def __call__(
         self,
@@ -139,9 +156,37 @@ class Attention(eqx.Module):
             # it under sequence parallelism), so arange(seq) are the global positions.
             q = apply_rotary(q, base=self.rotary_base)
             k = apply_rotary(k, base=self.rotary_base)
-        heads = ctx.constrain(_attend(q, k, v, causal=self.causal, mask=mask), None, ctx.axis, None)
+        heads = ctx.constrain(self._core(q, k, v, mask), None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
         return y if self.bo is None else y + lift(self.bo, y.ndim)
+
+    def _core(self, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+        # Attention on the local heads; no collectives on any path.
+        if self.attention == "dense":
+            return _attend(q, k, v, causal=self.causal, mask=mask)
+        if self.attention == "auto":
+            if _cudnn_applies(q, mask):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation="cudnn")
+            if q.shape[1] <= self.attention_block:
+                # One block: the dense scores are one (seq, block) tile, the same temp
+                # memory as the blockwise path without its scan and custom VJP, and
+                # short-sequence programs (and the HLO the tests count) stay as they were.
+                return _attend(q, k, v, causal=self.causal, mask=mask)
+        return blockwise_attention(q, k, v, causal=self.causal, mask=mask, block_size=self.attention_block)
+
+
+def _cudnn_applies(q: Array, mask: Array | None) -> bool:
+    # cuDNN's fused attention: GPU, half precision, head_dim a multiple of 8 up to 128.
+    # A given mask goes to the blockwise path (a fully masked row averages all keys
+    # there, as the dense softmax does; cuDNN's result for such rows differs).
+    d = q.shape[-1]
+    return (
+        jax.default_backend() == "gpu"
+        and mask is None
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and d % 8 == 0
+        and d <= 128
+    )
 
 
 def _attend(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None) -> Array:

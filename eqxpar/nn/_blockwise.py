@@ -1,0 +1,157 @@
+"""Blockwise (online-softmax) attention: temp memory linear in the sequence.
+
+`blockwise_attention` computes `softmax(q k^T / sqrt(d)) v` with a `lax.scan` over
+blocks of keys and values, keeping a running maximum and sum per query (float32),
+so no `(seq, seq)` score matrix is ever formed: each step holds one
+`(seq, block)` tile. Its backward pass is a `jax.custom_vjp` that saves only `q`,
+`k`, `v`, the output and the per-query maximum and sum (all `O(seq)`), and
+recomputes each tile's probabilities in a second scan over the same blocks
+(FlashAttention's backward), so the backward is `O(seq x block)` as well.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float
+
+_F32 = jnp.float32
+
+
+def blockwise_attention(
+    q: Float[Array, "batch q_seq heads head_dim"],
+    k: Float[Array, "batch kv_seq kv_heads head_dim"],
+    v: Float[Array, "batch kv_seq kv_heads head_dim"],
+    *,
+    causal: bool,
+    mask: Bool[Array, "q_seq kv_seq"] | None = None,
+    block_size: int = 512,
+) -> Float[Array, "batch q_seq heads head_dim"]:
+    """`softmax(q k^T / sqrt(head_dim)) v` over blocks of `block_size` keys.
+
+    Same layout and result as dense attention: batch-first, query head `i` reads
+    key/value head `i // (heads / kv_heads)` (grouped-query), `causal` keeps key
+    `j <= i` for query `i`, `mask[i, j]` (optional) keeps key `j` for query `i`;
+    masked scores are `finfo(float32).min` (a fully masked row averages all keys,
+    as the dense softmax does). A key length that is not a multiple of
+    `block_size` is padded with keys that take no weight. Accumulation is float32;
+    the output has `q`'s dtype. Temp memory, forward and backward, is
+    `O(batch x heads x q_seq x block_size)`.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if k.shape != (b, sk, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"blockwise_attention: q {q.shape}, k {k.shape}, v {v.shape} do not match.")
+    if hq % hkv:
+        raise ValueError(
+            f"blockwise_attention: {hq} query heads are not a multiple of {hkv} key/value heads."
+        )
+    if mask is not None and mask.shape != (sq, sk):
+        raise ValueError(f"blockwise_attention: mask {mask.shape}, expected {(sq, sk)}.")
+    if block_size < 1:
+        raise ValueError(f"blockwise_attention: block_size={block_size} must be positive.")
+    return _flash(q, k, v, mask, bool(causal), int(min(block_size, sk)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, mask, causal, block):
+    return _forward(q, k, v, mask, causal, block)[0]
+
+
+def _setup(q, k, v, mask, causal, block):
+    """Grouped float32 queries, keys and values stacked in blocks `(n, b, block, hkv, d)`
+    (padded to whole blocks), the mask padded likewise, and a per-block mask maker."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    nb = -(-sk // block)
+    pad = nb * block - sk
+    qg = q.astype(_F32).reshape(b, sq, hkv, hq // hkv, d)
+
+    def blocks(x):
+        x = jnp.pad(x.astype(_F32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+        return x.reshape(b, nb, block, hkv, d).swapaxes(0, 1)
+
+    mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, pad)))
+
+    def masks(j):
+        # real: keys inside the sequence (padding takes no weight at all);
+        # allowed: real keys the causal / given mask keeps (others score finfo.min).
+        kpos = j * block + jnp.arange(block)
+        real = (kpos < sk)[None, :]
+        allowed = real
+        if causal:
+            allowed = allowed & (kpos[None, :] <= jnp.arange(sq)[:, None])
+        if mask is not None:
+            allowed = allowed & lax.dynamic_slice_in_dim(mask, j * block, block, axis=1)
+        return real, allowed
+
+    return qg, blocks(k), blocks(v), masks, jnp.arange(nb)
+
+
+def _scores(qg, kj, allowed, d):
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj) / jnp.sqrt(jnp.asarray(d, _F32))
+    return jnp.where(allowed, s, jnp.finfo(_F32).min)
+
+
+def _forward(q, k, v, mask, causal, block):
+    b, sq, hq, d = q.shape
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, causal, block)
+
+    def step(carry, xs):
+        acc, m, total = carry
+        j, kj, vj = xs
+        real, allowed = masks(j)
+        s = _scores(qg, kj, allowed, d)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(real, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        total = total * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vj)
+        return (acc, m_new, total), None
+
+    # Initial carries built from q (zeros_like/full_like), so inside shard_map they
+    # vary over the same mesh axes as the values the scan computes.
+    acc0 = jnp.zeros_like(qg).transpose(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
+    init = (acc0, jnp.full_like(acc0[..., 0], -jnp.inf), jnp.zeros_like(acc0[..., 0]))
+    (acc, m, total), _ = lax.scan(step, init, (idx, kb, vb))
+    o = acc / total[..., None]  # (b, hkv, g, sq, d)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
+    return out, (q, k, v, mask, o, m, total)
+
+
+def _flash_fwd(q, k, v, mask, causal, block):
+    return _forward(q, k, v, mask, causal, block)
+
+
+def _flash_bwd(causal, block, res, dout):
+    q, k, v, mask, o, m, total = res
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, causal, block)
+    do = dout.astype(_F32).reshape(b, sq, hkv, g, d)
+    delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O)
+    inv_l = 1.0 / total
+
+    def step(dq, xs):
+        j, kj, vj = xs
+        real, allowed = masks(j)
+        s = _scores(qg, kj, allowed, d)
+        p = jnp.where(real, jnp.exp(s - m[..., None]), 0.0) * inv_l[..., None]
+        dv = jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vj)
+        ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) / jnp.sqrt(jnp.asarray(d, _F32))
+        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
+        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), (idx, kb, vb))
+
+    def unblock(x, like):
+        return x.swapaxes(0, 1).reshape(b, -1, hkv, d)[:, :sk].astype(like.dtype)
+
+    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
