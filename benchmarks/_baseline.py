@@ -1,7 +1,6 @@
-"""Hand-written training steps eqxpar is measured against, written with `jax.jit`,
+"""Hand-written training steps eqxpar is measured against, with `jax.jit`,
 `jax.value_and_grad` and optax only: `JitStep` with explicit shardings on a mesh
-(the bar for speed and bytes) and `reference_run` on one device (the bar for numbers).
-"""
+(the bar for speed and bytes) and `reference_run` on one device (the bar for numbers)."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,14 +26,24 @@ def is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-class OwnStateStep:
-    """A compiled `(params, opt_state, batch) -> (params, opt_state, loss)` step holding
-    its own (donated) state; subclasses set `jitted`, `params`, `opt_state`, `batch_sharding`."""
+def shardings(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
-    jitted: Any
-    params: PyTree
-    opt_state: PyTree
-    batch_sharding: NamedSharding
+
+class OwnStateStep:
+    """`step: (params, opt_state, batch) -> (params, opt_state, loss)` jitted on `mesh`,
+    holding its own (donated) copy of `params` and their optimizer state."""
+
+    def __init__(self, step, optim, params, mesh: Mesh, specs, opt_specs, batch_spec, **jit_options):
+        # Copy inside jit: fresh buffers owned by this step, created in their sharding.
+        @jax.jit
+        def place(params):
+            params = jax.lax.with_sharding_constraint(jax.tree.map(jnp.copy, params), shardings(mesh, specs))
+            return params, jax.lax.with_sharding_constraint(optim.init(params), shardings(mesh, opt_specs))
+
+        self.params, self.opt_state = place(params)
+        self.batch_sharding = NamedSharding(mesh, batch_spec)
+        self.jitted = jax.jit(step, donate_argnums=(0, 1), **jit_options)
 
     def put_batch(self, batch: PyTree) -> PyTree:
         return jax.device_put(batch, self.batch_sharding)
@@ -49,43 +58,19 @@ class OwnStateStep:
 
 
 class JitStep(OwnStateStep):
-    """A `jax.jit` train step of `loss_fn` on `model` (copied, never donated) with
-    parameters laid out by `param_specs` (one spec, or a pytree of them), the
-    optimizer state by `opt_state_specs` (default: `param_specs`, if one spec) and
-    every batch leaf by `batch_spec`, on `mesh`."""
+    """A `jax.jit` train step of `loss_fn` on `model` (copied, never donated), parameters
+    laid out by `param_specs` (one spec, or a pytree), the optimizer state by
+    `opt_state_specs` (default: `param_specs`) and every batch leaf by `batch_spec`."""
 
-    def __init__(
-        self,
-        loss_fn: Callable,
-        optim: optax.GradientTransformation,
-        model: PyTree,
-        mesh: Mesh,
-        *,
-        param_specs: Any,
-        batch_spec: PartitionSpec,
-        opt_state_specs: Any = None,
-    ):
-        if opt_state_specs is None:
-            if not is_spec(param_specs):
-                raise ValueError("JitStep: give opt_state_specs when the parameters have per-leaf specs")
-            opt_state_specs = param_specs
+    def __init__(self, loss_fn, optim, model, mesh, *, param_specs, batch_spec, opt_state_specs=None):
         params, static = eqx.partition(model, eqx.is_inexact_array)
-        to_shardings = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)  # noqa: E731
-        param_shardings, opt_shardings = to_shardings(param_specs), to_shardings(opt_state_specs)
-        self.batch_sharding = NamedSharding(mesh, batch_spec)
-
-        # Copy inside jit: fresh buffers owned by this step, created in their sharding.
-        @jax.jit
-        def place(params):
-            params = jax.lax.with_sharding_constraint(jax.tree.map(jnp.copy, params), param_shardings)
-            return params, jax.lax.with_sharding_constraint(optim.init(params), opt_shardings)
-
-        self.params, self.opt_state = place(params)
-        self.jitted = jax.jit(
+        opt_state_specs = param_specs if opt_state_specs is None else opt_state_specs
+        state = (shardings(mesh, param_specs), shardings(mesh, opt_state_specs))
+        super().__init__(
             _train_step(loss_fn, optim, static),
-            in_shardings=(param_shardings, opt_shardings, self.batch_sharding),
-            out_shardings=(param_shardings, opt_shardings, NamedSharding(mesh, PartitionSpec())),
-            donate_argnums=(0, 1),
+            *(optim, params, mesh, param_specs, opt_state_specs, batch_spec),
+            in_shardings=(*state, NamedSharding(mesh, batch_spec)),
+            out_shardings=(*state, NamedSharding(mesh, PartitionSpec())),
         )
 
 
@@ -105,7 +90,7 @@ def opt_specs(optim: optax.GradientTransformation, model: Any, param_specs: Any)
 
 
 def reference_run(
-    loss_fn: Callable, optim: optax.GradientTransformation, model: PyTree, batches: Sequence[PyTree]
+    loss_fn: Callable, optim: Any, model: PyTree, batches: Sequence
 ) -> tuple[PyTree, jax.Array]:
     """(parameters, last loss) after one step per batch on one device, no mesh: the
     numbers every strategy must reproduce (same float32 math, init and batches)."""
@@ -114,7 +99,6 @@ def reference_run(
     params = jax.device_put(jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params), device)
     opt_state = optim.init(params)
     step = jax.jit(_train_step(loss_fn, optim, static), donate_argnums=(0, 1))
-    loss = None
     for batch in batches:
         params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
     return params, loss

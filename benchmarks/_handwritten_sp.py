@@ -1,13 +1,10 @@
 """A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar:
 the bar `tp_sp` and `tp_overlap` are timed against in the same process.
 
-Mesh data x tensor, manual over both: each device holds the rows of its `data`
-index and the sequence block of its `tensor` index. Per block: LayerNorm on the
-block, all-gather of the sequence over `tensor`, QKV / MLP-up on this device's heads
-/ hidden features, attention, the output / MLP-down products reduce-scattered back
-to sequence blocks. Weights split the Megatron way, the rest replicated; gradients
-from `jax.value_and_grad` inside the `shard_map` (`check_vma=True` places their
-reductions), AdamW on each device's shards.
+Each device holds the rows of its `data` index and the sequence block of its `tensor`
+index; per block, the normed sequence is all-gathered over `tensor` and the output and
+MLP-down products reduce-scattered back. Gradients from `jax.value_and_grad` inside the
+`shard_map` (`check_vma=True` places their reductions).
 """
 
 import math
@@ -17,25 +14,19 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PyTree
 
 from . import _workload
-from ._baseline import OwnStateStep, is_spec
+from ._baseline import OwnStateStep, opt_specs
 
 _BLOCK_SPECS = {
-    "ln1_w": PartitionSpec(),
-    "ln1_b": PartitionSpec(),
-    "w_qkv": PartitionSpec(None, None, "tensor", None),  # (d, 3, heads, head_dim)
-    "b_qkv": PartitionSpec(None, "tensor", None),
-    "w_out": PartitionSpec("tensor", None, None),  # (heads, head_dim, d)
-    "b_out": PartitionSpec(),
-    "ln2_w": PartitionSpec(),
-    "ln2_b": PartitionSpec(),
-    "w_up": PartitionSpec(None, "tensor"),
-    "b_up": PartitionSpec("tensor"),
-    "w_down": PartitionSpec("tensor", None),
-    "b_down": PartitionSpec(),
+    **dict.fromkeys(("ln1_w", "ln1_b", "b_out", "ln2_w", "ln2_b", "b_down"), P()),
+    "w_qkv": P(None, None, "tensor", None),  # (d, 3, heads, head_dim)
+    "b_qkv": P(None, "tensor", None),
+    "w_out": P("tensor", None, None),  # (heads, head_dim, d)
+    **{"w_up": P(None, "tensor"), "b_up": P("tensor"), "w_down": P("tensor", None)},
 }
 
 
@@ -73,7 +64,7 @@ def params_of(model: _workload.Transformer) -> dict:
 
 def param_specs(params: dict) -> dict:
     """PartitionSpecs of `params_of`'s dict: Megatron over `tensor`, else replicated."""
-    rest = {k: PartitionSpec() for k in ("embed", "positions", "lnf_w", "lnf_b", "head")}
+    rest = {k: P() for k in ("embed", "positions", "lnf_w", "lnf_b", "head")}
     return {**rest, "blocks": [dict(_BLOCK_SPECS) for _ in params["blocks"]]}
 
 
@@ -100,24 +91,17 @@ def _block(p: dict, x: Float[Array, "b s_local d"]) -> Float[Array, "b s_local d
 
 
 def _loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]:
-    # Written with numpy broadcasting, as users write it (the tests run under
-    # rank_promotion="raise").
-    with jax.numpy_rank_promotion("allow"):
-        return _broadcasting_loss(params, batch)
-
-
-def _broadcasting_loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]:
-    inputs, targets = batch  # this device's rows, the whole sequence
-    n, i = lax.axis_size("tensor"), lax.axis_index("tensor")
-    block = inputs.shape[1] // n
-    ids = lax.dynamic_slice_in_dim(inputs, i * block, block, axis=1)
-    labels = lax.dynamic_slice_in_dim(targets, i * block, block, axis=1)
+    # This device's rows, the whole sequence: its sequence block of the ids and labels.
+    i, block = lax.axis_index("tensor"), batch[0].shape[1] // lax.axis_size("tensor")
+    ids, labels = (lax.dynamic_slice_in_dim(t, i * block, block, axis=1) for t in batch)
     positions = lax.dynamic_slice_in_dim(params["positions"], i * block, block, axis=0)
-    x = params["embed"][ids] + positions[None]
-    for p in params["blocks"]:
-        x = _block(p, x)
-    logits = _layer_norm(x, params["lnf_w"], params["lnf_b"]) @ params["head"]
-    local = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    # Numpy broadcasting, as users write it (the tests run under rank_promotion="raise").
+    with jax.numpy_rank_promotion("allow"):
+        x = params["embed"][ids] + positions[None]
+        for p in params["blocks"]:
+            x = _block(p, x)
+        logits = _layer_norm(x, params["lnf_w"], params["lnf_b"]) @ params["head"]
+        local = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     return lax.pmean(local, ("data", "tensor"))
 
 
@@ -128,38 +112,16 @@ class HandwrittenSP(OwnStateStep):
     def __init__(self, model: _workload.Transformer, optim: optax.GradientTransformation, mesh: Mesh):
         params = params_of(model)
         specs = param_specs(params)
-        opt_specs = optax.tree_map_params(
-            optim,
-            lambda _, spec: spec,
-            optim.init(params),
-            specs,
-            transform_non_params=lambda _: PartitionSpec(),
-            is_leaf=is_spec,
-        )
+        state_specs = opt_specs(optim, params, specs)
 
         def body(params: dict, opt_state: PyTree, batch: _workload.Batch) -> tuple:
             loss, grads = jax.value_and_grad(_loss)(params, batch)
             updates, opt_state = optim.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
-        step = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(specs, opt_specs, PartitionSpec("data")),
-            out_specs=(specs, opt_specs, PartitionSpec()),
-            check_vma=True,
-        )
-        to_shardings = lambda t: jax.tree.map(lambda s: NamedSharding(mesh, s), t, is_leaf=is_spec)  # noqa: E731
-
-        # Fresh buffers in their shardings, owned (and donated) by this step.
-        @jax.jit
-        def place(params: dict) -> tuple:
-            params = jax.lax.with_sharding_constraint(jax.tree.map(jnp.copy, params), to_shardings(specs))
-            return params, jax.lax.with_sharding_constraint(optim.init(params), to_shardings(opt_specs))
-
-        self.params, self.opt_state = place(params)
-        self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-        self.jitted = jax.jit(step, donate_argnums=(0, 1))
+        in_specs, out_specs = (specs, state_specs, P("data")), (specs, state_specs, P())
+        step = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+        super().__init__(step, optim, params, mesh, specs, state_specs, P("data"))
 
 
 def loss_and_grads(model: _workload.Transformer, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
@@ -169,8 +131,8 @@ def loss_and_grads(model: _workload.Transformer, mesh: Mesh, batch: _workload.Ba
     f = jax.shard_map(
         jax.value_and_grad(_loss),
         mesh=mesh,
-        in_specs=(specs, PartitionSpec("data")),
-        out_specs=(PartitionSpec(), specs),
+        in_specs=(specs, P("data")),
+        out_specs=(P(), specs),
         check_vma=True,
     )
     return jax.jit(f)(params, batch)

@@ -1,11 +1,5 @@
-"""The workload as pipeline models, and what the pipeline engine is designed to send.
-
-`convert` stacks the workload's own blocks into an `eqxpar.nn.Stacked` (records
-`pp_*`); `convert_tp` stacks the `eqxpar.nn` blocks of `_tp_model` (record `3d`,
-Megatron inside each stage). Both are the same function as the workload at the
-same weights (tested). Interleaving 4 stages x 2 chunks needs a depth divisible by
-8, so the `pp_*` records on pipe 4 run the workload with 8 layers.
-"""
+"""The workload as pipeline models (`convert`: its own blocks stacked, records `pp_*`;
+`convert_tp`: `_tp_model`'s, record `3d`), and what the pipeline engine is designed to send."""
 
 import math
 from typing import Any
@@ -79,31 +73,32 @@ def local_param_bytes(model: Any, plan: eqxpar.Plan) -> int:
     params = jax.tree.leaves(
         eqx.filter(model, lambda x: jnp.issubdtype(getattr(x, "dtype", int), jnp.inexact))
     )
-    total = 0
-    for leaf, spec in zip(params, specs, strict=True):
+
+    def split(spec: PartitionSpec) -> int:
         axes = [
             a
             for entry in spec
             if entry is not None
             for a in (entry if isinstance(entry, tuple) else (entry,))
         ]
-        split = math.prod(plan.mesh.shape[a] for a in axes)
-        total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // split
-    return total
+        return math.prod(plan.mesh.shape[a] for a in axes)
+
+    pairs = zip(params, specs, strict=True)
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // split(s) for x, s in pairs)
 
 
 def _ring_all_reduce(nbytes: int, n: int) -> int:
     return 2 * (n - 1) * nbytes // n
 
 
-def designed_bytes(model: Any, plan: eqxpar.Plan, cfg: _workload.Config, ticks: int) -> dict[str, int]:
-    """What the engine is designed to send per device per step, by part.
+def designed_bytes(model: Any, plan: eqxpar.Plan, cfg: _workload.Config, ticks: int) -> tuple[int, int]:
+    """(permute result bytes, wire bytes) the engine is designed to send per device per step.
 
     Every tick it sends one activation forward and one cotangent back along `pipe`
     (zeros when a device has nothing to send); then the data-axis all-reduce of all
     its gradients and the all-reduce over `pipe` of the non-stack gradients; with
-    `tensor`, the stage body's activation all-reduces. `result` counts result bytes,
-    `wire` ring bytes (a permute's wire bytes are its result bytes).
+    `tensor`, the stage body's activation all-reduces (a permute's wire bytes are its
+    result bytes).
     """
     mesh = plan.mesh.shape
     p, t = mesh["pipe"], mesh.get("tensor", 1)
@@ -118,14 +113,5 @@ def designed_bytes(model: Any, plan: eqxpar.Plan, cfg: _workload.Config, ticks: 
     layers = LOSS.stack(model).depth // p
     tensor = 6 * layers * plan.chunks * plan.microbatches if t > 1 else 0
     permute = ticks * 2 * activation if p > 1 else 0
-    return {
-        "permute": permute,
-        "stage_grads": total - rest if dp > 1 else 0,
-        "rest_grads": rest,
-        "tensor": tensor * activation,
-        "result": permute + (total if dp > 1 else 0) + (rest if p > 1 else 0) + tensor * activation,
-        "wire": permute
-        + _ring_all_reduce(total, dp)
-        + _ring_all_reduce(rest, p)
-        + tensor * _ring_all_reduce(activation, t),
-    }
+    grads = _ring_all_reduce(total, dp) + _ring_all_reduce(rest, p)
+    return permute, permute + grads + tensor * _ring_all_reduce(activation, t)

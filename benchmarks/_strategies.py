@@ -1,10 +1,5 @@
-"""The one registry of benchmarked strategies, used by `benchmarks.run` and `benchmarks.scaling`.
-
-A `Strategy` builds a `Setup` for a workload model, config and mesh: the eqxpar
-plan and step, a factory of the step it is measured against (a hand-written
-`jax.jit` step with the same shardings, or eqxpar's GPipe step for pipelines),
-and the contract `benchmarks.run` holds the record to (`benchmarks/contracts.py`).
-"""
+"""The one registry of benchmarked strategies, used by `benchmarks.run` and `benchmarks.scaling`:
+a `Strategy` builds a `Setup` (plan, step, baseline, contract) for a model, config and mesh."""
 
 import concurrent.futures
 import dataclasses
@@ -32,20 +27,12 @@ STANDARD = {"wire_over_min_max": 1.05, "wire_le_baseline": True, "parity_max_rel
 #: (unit roundoff 2^-8 = 3.9e-3) and the two sides round different intermediates, so
 #: they agree to a few roundings (2.5 and 5 roundoffs here, on the loss and on the
 #: gradient as one vector); a wrong cast or a missing reduction is off by O(1).
-BF16_CONTRACT = {
-    "wire_over_moved_min_max": 1.05,
-    "wire_le_baseline": True,
-    "parity_loss_max_rel_err": 1e-2,
-    "parity_grads_norm_max_rel_err": 2e-2,
-}
+BF16_CONTRACT = {"wire_over_moved_min_max": 1.05, "wire_le_baseline": True}
+BF16_CONTRACT.update(parity_loss_max_rel_err=1e-2, parity_grads_norm_max_rel_err=2e-2)
 #: Compiler options for a program compiled only to read its `memory_analysis()`:
 #: buffer assignment runs before LLVM, so skipping LLVM's optimisations gives the
 #: same bytes (tested) in less time.
 MEMORY_ONLY = {"xla_backend_optimization_level": 0}
-
-
-def _same(model: Any) -> Any:
-    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +46,6 @@ class EqxBaseline:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """Everything the harness needs to measure one strategy on one model."""
-
     plan: eqxpar.Plan
     step: Any
     #: `() -> JitStep | EqxBaseline`, built only where it is measured (it copies the weights).
@@ -68,7 +53,7 @@ class Setup:
     # The eqxpar side may run the workload in another layout: `convert` maps the
     # workload model (and, a pure re-layout, its gradients) to it; its loss is `loss_fn`.
     loss_fn: Callable = _workload.loss_fn
-    convert: Callable[[Any], Any] = _same
+    convert: Callable[[Any], Any] = lambda model: model
     #: The single-device reference's loss on the plain workload (parity, trajectory).
     reference_loss_fn: Callable = _workload.loss_fn
     baseline_name: str = SAME_SHARDINGS
@@ -111,15 +96,8 @@ def _plan(mesh: dict[str, int], **options: Any) -> eqxpar.Plan:
 def _gspmd(model: Any, optim: Any, plan: eqxpar.Plan, specs: Any, state_specs: Any = None) -> Callable:
     """The plain workload under `jax.jit` with these parameter (and optimizer-state) specs."""
     state = opt_specs(optim, model, specs if state_specs is None else state_specs)
-    return lambda: JitStep(
-        _workload.loss_fn,
-        optim,
-        model,
-        plan.mesh,
-        param_specs=specs,
-        opt_state_specs=state,
-        batch_spec=plan.batch_spec,
-    )
+    kwargs = {"param_specs": specs, "opt_state_specs": state, "batch_spec": plan.batch_spec}
+    return functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **kwargs)
 
 
 def _megatron_specs(model: _workload.Transformer) -> Any:
@@ -161,11 +139,9 @@ def single_device(model: Any, optim: Any) -> JitStep:
 def _dp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, mode: str = "auto") -> Setup:
     """Data parallelism: weights replicated, batch split over `data`."""
     plan = _plan(mesh, mode=mode)
-    step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
-    baseline = functools.partial(
-        JitStep, _workload.loss_fn, optim, model, plan.mesh, param_specs=P(), batch_spec=P("data")
-    )
-    return Setup(plan=plan, step=step, baseline=baseline)
+    kwargs = {"param_specs": P(), "batch_spec": P("data")}
+    baseline = functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **kwargs)
+    return Setup(plan=plan, step=eqxpar.train.make_step(_workload.loss_fn, optim, plan), baseline=baseline)
 
 
 def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_options: Any) -> Setup:
@@ -217,19 +193,15 @@ def _zero1(model: Any, optim: Any, mesh: dict, cfg: _workload.Config) -> Setup:
     return Setup(plan=plan, step=eqxpar.train.make_step(_workload.loss_fn, optim, plan), baseline=baseline)
 
 
-def cast_floating(tree: Any, dtype: Any) -> Any:
-    """`tree` with every floating-point array cast to `dtype`, as `Plan(compute_dtype=)` does."""
+def mixed_precision(loss_fn: Callable, dtype: Any) -> Callable:
+    """`loss_fn` with `Plan(compute_dtype=)`'s casts: floating weights cast inside the
+    differentiated function, the loss back to float32."""
 
     def cast(x: Any) -> Any:
         floating = eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
         return x.astype(dtype) if floating and x.dtype != dtype else x
 
-    return jax.tree.map(cast, tree)
-
-
-def mixed_precision(loss_fn: Callable, dtype: Any) -> Callable:
-    """`loss_fn` with the plan's casts: weights cast inside the differentiated function."""
-    return lambda model, batch: loss_fn(cast_floating(model, dtype), batch).astype(jnp.float32)
+    return lambda model, batch: loss_fn(jax.tree.map(cast, model), batch).astype(jnp.float32)
 
 
 def collective_dtypes(hlo: str) -> dict[str, list[str]]:
@@ -288,9 +260,7 @@ def _gpipe(mesh: tuple, microbatches: int, tensor: bool, optim: Any) -> tuple[eq
     return plan, eqxpar.train.make_step(_pipeline.LOSS, optim, plan)
 
 
-def _memory_sweep(
-    plan_at: Callable, optim: Any, runner: Any, cfg: _workload.Config, m: int, counts: tuple
-) -> list:
+def _memory_sweep(plan_at: Callable, optim: Any, runner: Any, cfg: _workload.Config, m: int, counts) -> list:
     """Temp and argument bytes of the step compiled (never run) at `counts` micro-batches
     of the same size (the global batch grows with them)."""
     lowered = []
@@ -301,22 +271,13 @@ def _memory_sweep(
         lowered.append(step.lower(runner.state, eqxpar.shard_batch(batch, plan)))
     # The compiles share the cores: XLA compiles without the GIL.
     with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:
-        compiled = list(pool.map(lambda low: low.compile(compiler_options=MEMORY_ONLY), lowered))
-    return [{"microbatches": k, **memory(c)} for k, c in zip(counts, compiled, strict=True)]
+        compiled = pool.map(lambda low: low.compile(compiler_options=MEMORY_ONLY), lowered)
+        return [{"microbatches": k, **memory(c)} for k, c in zip(counts, compiled, strict=True)]
 
 
 def _pipelined(
-    model: Any,
-    optim: Any,
-    mesh: dict,
-    cfg: _workload.Config,
-    *,
-    schedule: str,
-    chunks: int = 1,
-    tensor: bool = False,
-    contract: dict | None = None,
-    sweep: bool = True,
-) -> Setup:
+    model, optim, mesh: dict, cfg, *, schedule: str, chunks=1, tensor=False, contract=None, sweep=True
+):
     """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against
     the GPipe step of the same model on the same mesh."""
     p, v = mesh["pipe"], chunks
@@ -331,21 +292,14 @@ def _pipelined(
     sched = eqxpar.pipeline.schedule(schedule, stages=p, microbatches=m, chunks=v)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
-        designed = _pipeline.designed_bytes(eqx_model, plan, cfg, sched.ticks)
+        permute, wire = _pipeline.designed_bytes(eqx_model, plan, cfg, sched.ticks)
         counts = (8 * p, 16 * p) if sweep else ()
         return {
-            "workload_layers": cfg.layers,
-            "schedule": schedule,
-            "microbatches": m,
-            "microbatch_rows": cfg.batch // m,
-            "chunks": v,
-            "ticks": sched.ticks,
+            **{"schedule": schedule, "microbatches": m, "chunks": v, "ticks": sched.ticks},
             "bubble_fraction": sched.bubble_fraction,
             "lockstep_bubble_fraction": sched.lockstep_bubble_fraction,
-            "comm_bytes_formula": designed["result"],
-            "comm_wire_bytes_formula": designed["wire"],
-            "comm_permute_bytes_formula": designed["permute"],
-            "comm_formula_parts": designed,
+            "comm_wire_bytes_formula": wire,
+            "comm_permute_bytes_formula": permute,
             "memory_sweep": [{"microbatches": m, **memory(compiled)}]
             + _memory_sweep(plan_at, optim, runner, cfg, m, counts),
         }

@@ -1,15 +1,9 @@
-"""The workload written with eqxpar.nn layers, for the tensor-parallel and 3D records.
+"""The workload written with eqxpar.nn layers (Megatron: heads and MLP features split over
+`tensor`, the rest replicated), for the tensor-parallel and 3D records; `convert` is a
+pure re-layout of the workload's weights (or gradients).
 
-`convert(workload_model)` is the same function at the same weights (tested), and,
-being a pure re-layout, also maps the workload's gradients, so parity is checked
-against the plain model on one device. Megatron layout: heads and MLP features
-split over `tensor`; the embedding, positions, final norm and head replicated.
-
-Why not `eqxpar.models.GPT`: its vocabulary-parallel embedding, head and
-cross-entropy add tensor collectives (an embedding all-reduce or reduce-scatter, a
-sequence gather before the head, per-token reductions) that this layout, the
-records' since they were first measured, does not have; with the vocabulary split
-instead, the layout and its bytes differ. The records keep their bytes.
+Not `eqxpar.models.GPT`: its vocabulary-parallel embedding, head and cross-entropy add
+tensor collectives this layout, the records' since they were first measured, lacks.
 """
 
 import equinox as eqx

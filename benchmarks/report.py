@@ -8,7 +8,7 @@ benchmarks/SCALING.md) and leaves its prose alone. Imports no jax.
 import argparse
 import json
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import contracts
@@ -16,23 +16,20 @@ from . import contracts
 MB, MiB = 1e6, 2**20
 BEGIN = "<!-- generated tables (python -m benchmarks.report): edit the prose outside them -->"
 END = "<!-- end of generated tables -->"
-_SHORT = {
-    "all-reduce": "AR",
-    "all-gather": "AG",
-    "reduce-scatter": "RS",
-    "collective-permute": "CP",
-    "all-to-all": "A2A",
-}
+_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "collective-permute": "CP"}
 
 
 def fmt(x: Any, spec: str, unit: float = 1.0) -> str:
     """`x / unit` formatted with `spec`, or a dash for a missing value."""
-    number = isinstance(x, int | float) and not isinstance(x, bool)
-    return format(x / unit, spec) if number else "—"
+    return "—" if x is None else format(x / unit, spec)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
+
+
+def mesh(axes: dict[str, int]) -> str:
+    return " × ".join(f"{k} {v}" for k, v in axes.items()) or "1 device"
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -49,75 +46,64 @@ COLUMNS = (
 def row(r: dict[str, Any]) -> list[str]:
     """The main table's cells of one record."""
     kinds = ", ".join(f"{_SHORT.get(k, k)} {n}" for k, n in r["comm_counts"].items())
-    wire = r["comm_wire_bytes_total"]
+    wire, least = r["comm_wire_bytes_total"], r["comm_wire_bytes_min"]
     return [
-        r["strategy"],
-        " × ".join(f"{k} {v}" for k, v in r["mesh"].items()) or "1 device",
-        fmt(r["step_time_s"], ".3f"),
+        *(r["strategy"], mesh(r["mesh"]), fmt(r["step_time_s"], ".3f")),
         fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
         fmt(r["comm_bytes_total"], ".2f", MB) + (f" ({kinds})" if kinds else ""),
-        fmt(r["comm_bytes_min"], ".2f", MB),
-        fmt(wire, ".2f", MB),
-        fmt(r["comm_wire_bytes_min"], ".2f", MB),
-        fmt(r["comm_wire_bytes_baseline"], ".2f", MB),
-        fmt(ratio(wire, r["comm_wire_bytes_min"]), ".4f"),
-        fmt(r["mem_argument_bytes"], ".1f", MiB),
-        fmt(r["mem_temp_bytes"], ".1f", MiB),
+        *(fmt(x, ".2f", MB) for x in (r["comm_bytes_min"], wire, least, r["comm_wire_bytes_baseline"])),
+        fmt(ratio(wire, least), ".4f"),
+        *(fmt(r["mem_argument_bytes"], ".1f", MiB), fmt(r["mem_temp_bytes"], ".1f", MiB)),
         fmt(r["parity_max_rel_err"], ".2e"),
     ]
 
 
-def _parity_row(r: dict) -> list[str]:
-    keys = ("parity_loss_rel_err", "parity_grads_rel_err", "parity_grads_norm_rel_err")
-    keys += ("trajectory_params_rel_err", "trajectory_loss_rel_err", "trajectory_vs_baseline_rel_err")
-    return [r["strategy"], *(fmt(r.get(k), ".2e") for k in keys)]
+_PARITY = ("parity_loss_rel_err", "parity_grads_rel_err", "parity_grads_norm_rel_err")
+_PARITY += ("trajectory_params_rel_err", "trajectory_loss_rel_err", "trajectory_vs_baseline_rel_err")
 
 
 def _reference_rows(r: dict) -> list[list[str]]:
-    rows = [
-        [
-            r["strategy"],
-            "eqxpar",
-            fmt(r["step_time_s"], ".3f"),
-            fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
-            "1",
-        ]
-    ]
-    for ref in r.get("references", {}).values():
-        cells = (ref["step_time_s"], ref["ratio_to_baseline"], ref["eqxpar_over_reference"])
-        rows.append([r["strategy"], ref["what"], *(fmt(x, ".3f") for x in cells)])
+    ratio_ = fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f")
+    rows = [[r["strategy"], "eqxpar", fmt(r["step_time_s"], ".3f"), ratio_, "1"]]
+    for x in r["references"].values():
+        cells = (x["step_time_s"], x["ratio_to_baseline"], x["eqxpar_over_reference"])
+        rows.append([r["strategy"], x["what"], *(fmt(c, ".3f") for c in cells)])
     return rows
 
 
 def _pipeline_row(r: dict) -> list[str]:
-    wire = r["comm_wire_bytes_total"]
+    wire, least = r["comm_wire_bytes_total"], r["comm_wire_bytes_min"]
     permute = r["comm_bytes"].get("collective-permute", 0)
     return [
         *(r["strategy"], r["schedule"], f"{r['microbatches']} × {r['chunks']}", str(r["ticks"])),
         f"{r['bubble_fraction']:.3f} ({r['lockstep_bubble_fraction']:.3f})",
         f"{fmt(permute, '.2f', MB)} / {fmt(r['comm_permute_bytes_formula'], '.2f', MB)}",
-        " / ".join(fmt(x, ".2f", MB) for x in (wire, r["comm_wire_bytes_formula"], r["comm_wire_bytes_min"])),
-        fmt(ratio(wire, r["comm_wire_bytes_min"]), ".3f"),
-        " / ".join(fmt(s["mem_temp_bytes"], ".1f", MiB) for s in r.get("memory_sweep", [])),
+        " / ".join(fmt(x, ".2f", MB) for x in (wire, r["comm_wire_bytes_formula"], least)),
+        fmt(ratio(wire, least), ".3f"),
+        " / ".join(fmt(s["mem_temp_bytes"], ".1f", MiB) for s in r["memory_sweep"]),
         fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
     ]
 
 
-#: (heading, columns, which records, their rows), in the order they are rendered.
-SECTIONS: tuple[tuple[str, Sequence[str], Callable[[dict], bool], Callable[[dict], list]], ...] = (
-    ("Records", COLUMNS, lambda r: True, lambda r: [row(r)]),
+#: (heading, columns, the rows of one record), in the order they are rendered.
+SECTIONS = (
+    ("Records", COLUMNS, lambda r: [row(r)]),
     (
         "Parity",
-        ("strategy", "loss rel err", "gradients max rel err", "gradients 2-norm rel err")
-        + ("trajectory: params", "trajectory: last loss", "trajectory: eqxpar vs baseline"),
-        lambda r: True,
-        lambda r: [_parity_row(r)],
+        (
+            "strategy",
+            "loss rel err",
+            "gradients max rel err",
+            "gradients 2-norm rel err",
+            "trajectory: params",
+        )
+        + ("trajectory: last loss", "trajectory: eqxpar vs baseline"),
+        lambda r: [[r["strategy"], *(fmt(r.get(k), ".2e") for k in _PARITY)]],
     ),
     (
         "Sequence parallelism against a hand-written step",
         ("strategy", "step", "step time (s)", "ratio to baseline", "eqxpar step / this step"),
-        lambda r: bool(r.get("references")),
-        _reference_rows,
+        lambda r: _reference_rows(r) if "references" in r else [],
     ),
     (
         "Pipelines",
@@ -129,38 +115,26 @@ SECTIONS: tuple[tuple[str, Sequence[str], Callable[[dict], bool], Callable[[dict
             "bubble (lockstep)",
             "CP MB: HLO / formula",
         )
-        + (
-            "wire MB: HLO / formula / min",
-            "wire/min",
-            "temp MiB at 4p / 8p / 16p micro-batches",
-            "step ratio to GPipe",
-        ),
-        lambda r: r.get("schedule") is not None,
-        lambda r: [_pipeline_row(r)],
+        + ("wire MB: HLO / formula / min", "wire/min", "temp MiB at 4p / 8p / 16p micro-batches")
+        + ("step ratio to GPipe",),
+        lambda r: [_pipeline_row(r)] if "schedule" in r else [],
     ),
-    (
-        "Contracts",
-        ("strategy", "held to"),
-        lambda r: bool(r.get("contract")),
-        lambda r: [[r["strategy"], contracts.describe(r["contract"])]],
-    ),
+    ("Contracts", ("strategy", "held to"), lambda r: [[r["strategy"], contracts.describe(r["contract"])]]),
 )
 
 
 def render(data: dict[str, Any]) -> str:
     """Every table of one benchmark JSON, as Markdown."""
-    timing = data.get("timing", {})
     run = ("command", "jax", "devices", "platform", "wall time (s)", "warm steps", "timed steps")
+    timing = data.get("timing", {})
     cells = [f"`{data['command']}`", data["jax"], str(data["devices"]), data.get("platform", "—")]
     cells += [
         fmt(data.get("wall_time_s"), ".0f"),
-        str(timing.get("warm_steps", "—")),
-        str(timing.get("timed_steps", "—")),
+        *(str(timing.get(k, "—")) for k in ("warm_steps", "timed_steps")),
     ]
     parts = ["### Run", "", markdown_table(run, [cells])]
-    for heading, columns, which, rows in SECTIONS:
-        chosen = [cells for r in data["records"] if which(r) for cells in rows(r)]
-        if chosen:
+    for heading, columns, rows in SECTIONS:
+        if chosen := [cells for r in data["records"] for cells in rows(r)]:
             parts += ["", f"### {heading}", "", markdown_table(columns, chosen)]
     return "\n".join(parts)
 

@@ -1,16 +1,14 @@
 """Measure every registered strategy on the workload, write JSON (and Markdown tables),
-and check every record's contract: exits non-zero when one fails.
+and check every record's contract: exits non-zero when one fails (benchmarks/README.md).
 
     python -m benchmarks.run [--quick] [--only dp,dp_manual] --json PATH [--markdown PATH]
-
-What a record holds is described in benchmarks/README.md.
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -31,42 +29,24 @@ FULL = (5, 30)
 
 
 class References:
-    """Single-device runs of the plain workload, shared by the records of a process."""
+    """Single-device runs of the plain workload, shared by the records of a process:
+    `model(cfg)`, `run(cfg, loss_fn, steps)` (parameters and last loss after `steps`
+    steps) and `gradients(cfg, loss_fn)` (loss and gradients on the first batch)."""
 
     def __init__(self, optim: Any, batches: Sequence):
-        self.optim, self.batches, self.cache = optim, batches, {}
+        self.optim, self.batches, device = optim, batches, jax.devices()[0]
+        self.model = functools.cache(_workload.make_model)
 
-    def _cached(self, key: tuple, make: Any) -> Any:
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
+        @functools.cache
+        def run(cfg: _workload.Config, loss_fn: Any, steps: int) -> tuple[Any, jax.Array]:
+            return reference_run(loss_fn, optim, self.model(cfg), batches[:steps])
 
-    def model(self, cfg: _workload.Config) -> _workload.Transformer:
-        return self._cached(("model", cfg), lambda: _workload.make_model(cfg))
+        @functools.cache
+        def gradients(cfg: _workload.Config, loss_fn: Any) -> tuple[jax.Array, Any]:
+            model, batch = jax.device_put((self.model(cfg), batches[0]), device)
+            return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, batch)
 
-    def run(self, cfg: _workload.Config, loss_fn: Any, steps: int) -> tuple[Any, jax.Array]:
-        """(parameters, last loss) after `steps` single-device steps."""
-        make = lambda: reference_run(loss_fn, self.optim, self.model(cfg), self.batches[:steps])  # noqa: E731
-        return self._cached(("run", cfg, loss_fn, steps), make)
-
-    def gradients(self, cfg: _workload.Config, loss_fn: Any) -> tuple[jax.Array, Any]:
-        """Loss and gradients at the initial model on the first batch."""
-        make = lambda: _measure.reference_gradients(loss_fn, self.model(cfg), self.batches[0])  # noqa: E731
-        return self._cached(("grads", cfg, loss_fn), make)
-
-
-def _comm_fields(setup: Any, compiled: Any, base: Any, eqx_model: Any, cfg: Any) -> dict:
-    """Collective bytes of the compiled step, of its baseline, and the library's minimum."""
-    record = {**_measure.comm(compiled), **_measure.memory(compiled)}
-    record["comm_bytes_total"] = sum(record["comm_bytes"].values())
-    record["comm_wire_bytes_total"] = sum(record["comm_wire_bytes"].values())
-    least = setup.minimum(eqx_model, cfg)
-    record["comm_bytes_min"], record["comm_wire_bytes_min"] = least.total_bytes, least.total_wire_bytes or 0
-    record["comm_min_parts"] = {part: {"bytes": b, "wire_bytes": w} for part, (b, w) in least.parts.items()}
-    base_comm = _measure.comm(base.compile()) if base is not None else None
-    record["comm_bytes_baseline"] = base_comm and sum(base_comm["comm_bytes"].values())
-    record["comm_wire_bytes_baseline"] = base_comm and sum(base_comm["comm_wire_bytes"].values())
-    return record
+        self.run, self.gradients = run, gradients
 
 
 def _parity_fields(setup: Any, runner: Any, base_step: Any, base: Any, refs: References, cfg: Any) -> dict:
@@ -80,20 +60,26 @@ def _parity_fields(setup: Any, runner: Any, base_step: Any, base: Any, refs: Ref
     ref_params = eqx.filter(setup.convert(ref_params), eqx.is_inexact_array)
     record["trajectory_params_rel_err"] = _measure.max_rel_err(runner.params(), ref_params)
     record["trajectory_loss_rel_err"] = _measure.max_rel_err(runner.loss, ref_loss)
-    vs = None
+    got, want = runner.params(), None
     if isinstance(base_step, EqxBaseline):
         # Both sides back in the workload's layout (their stacks' orders differ).
         model = refs.model(cfg)
         got = _measure.invert(setup.convert, runner.state.model, model)
         want = _measure.invert(base_step.convert, base.state.model, model)
-        vs = _measure.max_rel_err(
+    elif base is not None:
+        want = setup.convert(base.params())
+    if want is not None:
+        want = _measure.max_rel_err(
             eqx.filter(got, eqx.is_inexact_array), eqx.filter(want, eqx.is_inexact_array)
         )
-    elif base is not None:
-        want = eqx.filter(setup.convert(base.params()), eqx.is_inexact_array)
-        vs = _measure.max_rel_err(runner.params(), want)
-    record["trajectory_vs_baseline_rel_err"] = vs
+    record["trajectory_vs_baseline_rel_err"] = want
     return record
+
+
+def _baseline_runner(base_step: Any, model: Any, optim: Any, batches: Sequence) -> Any:
+    if isinstance(base_step, EqxBaseline):
+        return _measure.EqxparRunner(base_step.step, base_step.plan, base_step.convert(model), optim, batches)
+    return None if base_step is None else _measure.BaselineRunner(base_step, batches)
 
 
 def measure(name: str, refs: References, batches: Sequence, *, warm: int, timed: int, cfg=None) -> dict:
@@ -104,48 +90,39 @@ def measure(name: str, refs: References, batches: Sequence, *, warm: int, timed:
     model, optim = refs.model(cfg), refs.optim
     setup = strategy(model, optim, cfg)
     eqx_model = setup.convert(model)
-    runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches, keep_first=True)
-    base_step = setup.baseline() if setup.baseline is not None else None
-    if isinstance(base_step, EqxBaseline):
-        base = _measure.EqxparRunner(base_step.step, base_step.plan, base_step.convert(model), optim, batches)
-    else:
-        base = None if base_step is None else _measure.BaselineRunner(base_step, batches)
+    runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
+    base_step = setup.baseline and setup.baseline()
+    base = _baseline_runner(base_step, model, optim, batches)
     others = {
         k: _measure.BaselineRunner(make(model, optim), batches) for k, (_, make) in setup.references.items()
     }
-    names = ["eqxpar", *(["baseline"] if base else []), *others]
-    sides = [runner, *([base] if base else []), *others.values()]
-    times = dict(zip(names, _measure.time_interleaved(sides, warm=warm, timed=timed), strict=True))
-    median = {k: statistics.median(t) for k, t in times.items()}
+    sides = {"eqxpar": runner, **({"baseline": base} if base else {}), **others}
+    median = _measure.median_times(sides, warm=warm, timed=timed)
     compiled = runner.compile()
+    least = setup.minimum(eqx_model, cfg)
     record: dict[str, Any] = {
         "strategy": name,
         "mesh": {k: int(v) for k, v in setup.plan.mesh.shape.items() if v > 1},
         "baseline": setup.baseline_name if base else None,
         "step_time_s": median["eqxpar"],
         "baseline_step_time_s": median.get("baseline"),
-        "step_times_s": times["eqxpar"],
-        "baseline_step_times_s": times.get("baseline"),
-        **_comm_fields(setup, compiled, base, eqx_model, cfg),
+        **_measure.step_fields(compiled, least),
+        "comm_min_parts": {part: {"bytes": b, "wire_bytes": w} for part, (b, w) in least.parts.items()},
+        "comm_wire_bytes_baseline": base and _measure.wire_bytes(base.compile()),
         **_parity_fields(setup, runner, base_step, base, refs, cfg),
-        "bubble_fraction": None,
     }
     if others:
         record["references"] = {
             k: {
-                "what": setup.references[k][0],
+                "what": what,
                 "step_time_s": median[k],
-                "step_times_s": times[k],
                 "ratio_to_baseline": median[k] / median["baseline"],
                 "eqxpar_over_reference": median["eqxpar"] / median[k],
             }
-            for k in others
+            for k, (what, _) in setup.references.items()
         }
-    if setup.extra is not None:
-        record.update(setup.extra(compiled, eqx_model, runner))
-    record["contract"] = setup.contract
-    record["wall_time_s"] = time.perf_counter() - started
-    return record
+    record.update(setup.extra(compiled, eqx_model, runner) if setup.extra else {})
+    return {**record, "contract": setup.contract, "wall_time_s": time.perf_counter() - started}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -157,14 +134,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
     parser.add_argument("--markdown", type=pathlib.Path, help="also write the tables into this Markdown file")
     args = parser.parse_args(argv)
-    args.names = (
-        list(STRATEGIES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
-    )
-    unknown = [n for n in args.names if n not in STRATEGIES]
-    if unknown or not args.names:
-        parser.error(
-            f"--only {args.only!r}: unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}"
-        )
+    args.names = list(STRATEGIES) if args.only is None else args.only.split(",")
+    if unknown := set(args.names) - set(STRATEGIES):
+        parser.error(f"--only: unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
     return args
 
 
@@ -181,8 +153,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     refs = References(_workload.make_optimizer(), batches)
     command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {**_measure.header(command, warm=warm, timed=timed), "records": []}
-    print(f"{command}\njax {jax.__version__}, {jax.device_count()} devices", flush=True)
-    print(" | ".join(report.COLUMNS))
+    print(f"{command}\njax {jax.__version__}, {jax.device_count()} devices\n" + " | ".join(report.COLUMNS))
     for name in args.names:
         data["records"].append(measure(name, refs, batches, warm=warm, timed=timed))
         print(" | ".join(report.row(data["records"][-1])), flush=True)

@@ -3,9 +3,9 @@
     python -m benchmarks.scaling --json benchmarks/results/scaling.json \
         [--png-dir benchmarks/results] [--markdown benchmarks/SCALING.md] [--quick] [--replot]
 
-The strategies are the registry's (`benchmarks._strategies`) on the sweep's mesh and
-width. Simulated devices share the host's cores, so more devices is no speed-up:
-each step time is a ratio to a reference timed in the same process, step by step.
+The strategies are the registry's on the sweep's mesh and width. Simulated devices
+share the host's cores, so more devices is no speed-up: each step time is a ratio to
+a reference timed in the same process, step by step.
 """
 
 import argparse
@@ -15,7 +15,6 @@ import math
 import os
 import pathlib
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -53,18 +52,8 @@ def config(d_model: int) -> _workload.Config:
 
 
 def measure_point(
-    sweep: str,
-    strategy: str,
-    mesh: dict,
-    cfg: Any,
-    model: Any,
-    optim: Any,
-    batches: Sequence,
-    *,
-    warm: int,
-    timed: int,
-    single: Any = None,
-) -> dict[str, Any]:
+    sweep: str, strategy: str, mesh: dict, cfg, model, optim, batches, *, warm, timed, single=None
+):
     """Compile, time and inspect one point. Timed against `single` (a single-device
     reference) if given, else against the hand-written `jax.jit` step with the same
     shardings, whose wire bytes and parameters after the same steps are recorded too."""
@@ -73,69 +62,52 @@ def measure_point(
     eqx_model = setup.convert(model)
     runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
     other = single if single is not None else _measure.BaselineRunner(setup.baseline(), batches)
-    times = _measure.time_interleaved([runner, other], warm=warm, timed=timed)
+    median = _measure.median_times({"eqxpar": runner, "reference": other}, warm=warm, timed=timed)
     # After the timed steps: the executable they ran (jit's cache), not a second compile.
-    compiled = runner.compile()
     least = setup.minimum(eqx_model, cfg)
-    params = _workload.param_count(model)
-    record: dict[str, Any] = {
-        "sweep": sweep,
-        "strategy": strategy,
-        "mesh": {k: v for k, v in mesh.items() if v > 1},
-        "devices": math.prod(mesh.values()),
+    record = {
+        **{"sweep": sweep, "strategy": strategy, "mesh": {k: v for k, v in mesh.items() if v > 1}},
         **{
+            "devices": math.prod(mesh.values()),
             "d_model": cfg.d_model,
-            "heads": cfg.heads,
-            "mlp": cfg.mlp,
-            "params": params,
-            "param_bytes": 4 * params,
+            "params": _workload.param_count(model),
         },
-        **_measure.comm(compiled),
-        **_measure.memory(compiled),
-        "comm_bytes_min": least.total_bytes,
-        "comm_wire_bytes_min": least.total_wire_bytes or 0,
+        **_measure.step_fields(runner.compile(), least),
         "comm_wire_bytes_baseline": None,
         "vs_baseline_params_rel_err": None,
     }
-    record["comm_bytes_total"] = sum(record["comm_bytes"].values())
-    wire = record["comm_wire_bytes_total"] = sum(record["comm_wire_bytes"].values())
+    wire = record["comm_wire_bytes_total"]
     # 0 / 0 (one device, nothing to move) is "at the minimum".
     record["wire_over_min"] = (
         wire / least.total_wire_bytes if least.total_wire_bytes else (1.0 if wire == 0 else None)
     )
     if single is None:
-        record["comm_wire_bytes_baseline"] = sum(_measure.comm(other.compile())["comm_wire_bytes"].values())
+        record["comm_wire_bytes_baseline"] = _measure.wire_bytes(other.compile())
         # Same init, batches and steps: what eqxpar adds to the strategy shows here.
         want = eqx.filter(setup.convert(other.params()), eqx.is_inexact_array)
         record["vs_baseline_params_rel_err"] = _measure.max_rel_err(runner.params(), want)
-    step, ref = statistics.median(times[0]), statistics.median(times[1])
-    record.update(
-        step_time_s=step,
-        step_times_s=times[0],
-        reference=SINGLE_REFERENCE if single is not None else SAME_SHARDINGS_REFERENCE,
-        reference_step_time_s=ref,
-        reference_step_times_s=times[1],
-        step_time_ratio=step / ref if ref else None,
-        wall_s=time.perf_counter() - started,
-    )
-    return record
+    return {
+        **record,
+        "step_time_s": median["eqxpar"],
+        "reference": SINGLE_REFERENCE if single is not None else SAME_SHARDINGS_REFERENCE,
+        "reference_step_time_s": median["reference"],
+        "step_time_ratio": median["eqxpar"] / median["reference"],
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 COLUMNS = ("strategy", "mesh", "d_model", "params (M)", "wire MB", "min MB", "wire/min", "jax.jit wire MB")
 COLUMNS += ("argument MiB", "temp MiB", "step time / reference")
+#: (field, format, unit) of the columns after strategy and mesh.
+_CELLS = (("d_model", ".0f", 1), ("params", ".2f", 1e6), ("comm_wire_bytes_total", ".2f", report.MB))
+_CELLS += (("comm_wire_bytes_min", ".2f", report.MB), ("wire_over_min", ".4f", 1))
+_CELLS += (("comm_wire_bytes_baseline", ".2f", report.MB), ("mem_argument_bytes", ".1f", report.MiB))
+_CELLS += (("mem_temp_bytes", ".1f", report.MiB), ("step_time_ratio", ".2f", 1))
 
 
 def row(r: dict[str, Any]) -> list[str]:
     """The table cells of one sweep record (a dash for what is missing)."""
-    f, MB, MiB = report.fmt, report.MB, report.MiB
-    mesh = " × ".join(f"{k} {v}" for k, v in (r.get("mesh") or {}).items()) or "1 device"
-    return [
-        *(str(r.get("strategy", "?")), mesh, str(r.get("d_model", "—")), f(r.get("params"), ".2f", 1e6)),
-        *(f(r.get("comm_wire_bytes_total"), ".2f", MB), f(r.get("comm_wire_bytes_min"), ".2f", MB)),
-        *(f(r.get("wire_over_min"), ".4f"), f(r.get("comm_wire_bytes_baseline"), ".2f", MB)),
-        *(f(r.get("mem_argument_bytes"), ".1f", MiB), f(r.get("mem_temp_bytes"), ".1f", MiB)),
-        f(r.get("step_time_ratio"), ".2f"),
-    ]
+    return [r["strategy"], report.mesh(r["mesh"]), *(report.fmt(r.get(k), f, u) for k, f, u in _CELLS)]
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
@@ -145,83 +117,59 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     return report.markdown_table([COLUMNS[i] for i in keep], [[cells[i] for i in keep] for cells in rows])
 
 
+#: sweep -> (PNG, x field, x label, title).
+_PLOTS = {
+    "devices": ("scaling_devices.png", "devices", "devices", "Scaling with devices (d_model 256)"),
+    "width": (
+        "scaling_width.png",
+        "d_model",
+        "d_model (4 heads, MLP 4 x d_model)",
+        "Scaling with width (8 devices)",
+    ),
+}
+
+
 def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: pathlib.Path | None) -> list:
     """The sweeps' PNGs into `png_dir` and their tables into `markdown` (each if given)."""
     written = []
-    for name, records, x, xlabel, title in (
-        (
-            "scaling_devices.png",
-            data.get("devices_sweep", []),
-            "devices",
-            "devices",
-            "Scaling with devices (d_model 256)",
-        ),
-        (
-            "scaling_width.png",
-            data.get("width_sweep", []),
-            "d_model",
-            "d_model (4 heads, MLP 4 x d_model)",
-            "Scaling with width (8 devices)",
-        ),
-    ):
+    for sweep, (name, x, xlabel, title) in _PLOTS.items():
+        records = data.get(f"{sweep}_sweep", [])
         if png_dir is not None and plots.plot_sweep(records, png_dir / name, x=x, xlabel=xlabel, title=title):
             written.append(png_dir / name)
     if markdown is not None:
-        run = [f"`{data.get('command', '?')}`", str(data.get("jax", "?")), str(data.get("cpu_count", "—"))]
-        run.append(report.fmt(data.get("wall_time_s"), ".0f"))
-        memory = data.get("single_device", {})
-        single = [
-            report.fmt(memory.get(k), ".1f", report.MiB) for k in ("mem_argument_bytes", "mem_temp_bytes")
+        run = [
+            f"`{data['command']}`",
+            data["jax"],
+            str(data["cpu_count"]),
+            report.fmt(data["wall_time_s"], ".0f"),
         ]
+        memory = data["single_device"]
+        single = [report.fmt(memory[k], ".1f", report.MiB) for k in ("mem_argument_bytes", "mem_temp_bytes")]
         parts = [
             "### Run",
             "",
             report.markdown_table(("command", "jax", "host cores", "wall time (s)"), [run]),
         ]
-        parts += ["", "### Devices", "", table(data.get("devices_sweep", []))]
-        parts += [
-            "",
-            "Single-device reference:",
-            "",
-            report.markdown_table(("argument MiB", "temp MiB"), [single]),
-        ]
-        parts += ["", "### Width", "", table(data.get("width_sweep", []))]
+        parts += ["", "### Devices", "", table(data["devices_sweep"]), "", "Single-device reference:", ""]
+        parts += [report.markdown_table(("argument MiB", "temp MiB"), [single])]
+        parts += ["", "### Width", "", table(data["width_sweep"])]
         report.splice(markdown, "\n".join(parts))
         written.append(markdown)
     return written
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
-    parser.add_argument(
-        "--png-dir", type=pathlib.Path, help="also write scaling_devices.png and scaling_width.png here"
-    )
-    parser.add_argument("--markdown", type=pathlib.Path, help="also write the tables into this Markdown page")
-    parser.add_argument(
-        "--quick", action="store_true", help=f"{QUICK[0]} warm + {QUICK[1]} timed steps per side"
-    )
-    parser.add_argument("--replot", action="store_true", help="measure nothing: redraw from --json")
-    parser.add_argument("--sweeps", default="devices,width", help="comma-separated: devices, width")
-    args = parser.parse_args(argv)
-    args.sweeps = [s.strip() for s in args.sweeps.split(",") if s.strip()]
-    if not args.sweeps or set(args.sweeps) - {"devices", "width"}:
-        parser.error(f"--sweeps {','.join(args.sweeps)!r}: choose from devices, width")
-    return args
-
-
 def _sweep(
-    data: dict, args: argparse.Namespace, optim: Any, batches: Sequence, warm: int, timed: int
+    data: dict, sweeps: Sequence[str], quick: bool, optim: Any, batches: Sequence, **timing: int
 ) -> None:
     def add(key: str, record: dict) -> None:
         data[key].append(record)
         print(" | ".join(row(record)) + f"  ({record['wall_s']:.0f} s)", flush=True)
 
-    if "devices" in args.sweeps:
+    if "devices" in sweeps:
         model = _workload.make_model()
         # One compiled single-device step serves every point, so it keeps training
         # across points: its step time is the reference, its numbers are not.
-        single = _measure.BaselineRunner(single_device(model, optim), batches, cycle=True)
+        single = _measure.BaselineRunner(single_device(model, optim), batches)
         for strategy, meshes in DEVICE_SWEEP.items():
             for mesh in meshes:
                 point = measure_point(
@@ -232,24 +180,39 @@ def _sweep(
                     model,
                     optim,
                     batches,
-                    warm=warm,
-                    timed=timed,
                     single=single,
+                    **timing,
                 )
                 add("devices_sweep", point)
         data["single_device"] = {"d_model": _workload.CONFIG.d_model, **_measure.memory(single.compile())}
-    if "width" in args.sweeps:
-        for d_model in WIDTHS:
-            cfg = config(d_model)
-            model = _workload.make_model(cfg)
-            for strategy, mesh in WIDTH_MESH.items():
-                if not args.quick or strategy in WIDTH_QUICK:
-                    add(
-                        "width_sweep",
-                        measure_point(
-                            "width", strategy, mesh, cfg, model, optim, batches, warm=warm, timed=timed
-                        ),
-                    )
+    for d_model in WIDTHS if "width" in sweeps else ():
+        cfg = config(d_model)
+        model = _workload.make_model(cfg)
+        for strategy, mesh in WIDTH_MESH.items():
+            if not quick or strategy in WIDTH_QUICK:
+                add(
+                    "width_sweep",
+                    measure_point("width", strategy, mesh, cfg, model, optim, batches, **timing),
+                )
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
+    parser.add_argument(
+        "--png-dir", type=pathlib.Path, help="also write scaling_devices.png and scaling_width.png"
+    )
+    parser.add_argument("--markdown", type=pathlib.Path, help="also write the tables into this Markdown page")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK[0]} warm + {QUICK[1]} timed steps per side"
+    )
+    parser.add_argument("--replot", action="store_true", help="measure nothing: redraw from --json")
+    parser.add_argument("--sweeps", default="devices,width", help="comma-separated: devices, width")
+    args = parser.parse_args(argv)
+    args.sweeps = args.sweeps.split(",")
+    if set(args.sweeps) - {"devices", "width"}:
+        parser.error(f"--sweeps {','.join(args.sweeps)!r}: choose from devices, width")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -271,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {**_measure.header(command, warm=warm, timed=timed), "cpu_count": os.cpu_count()}
     # How busy the host was: step-time ratios from a loaded machine are noisier.
     data.update(load_average_1min={"start": os.getloadavg()[0]}, devices_sweep=[], width_sweep=[])
-    _sweep(data, args, _workload.make_optimizer(), _workload.make_batches(warm + timed), warm, timed)
+    optim, batches = _workload.make_optimizer(), _workload.make_batches(warm + timed)
+    _sweep(data, args.sweeps, args.quick, optim, batches, warm=warm, timed=timed)
     data["wall_time_s"] = time.perf_counter() - started
     data["load_average_1min"]["end"] = os.getloadavg()[0]
     args.json.parent.mkdir(parents=True, exist_ok=True)
