@@ -1,9 +1,4 @@
-"""Measurements: interleaved step timing, collective bytes, memory, parity.
-
-Timing interleaves the sides step by step (eqxpar, baseline, eqxpar, ...) so that
-the noise of shared CPU cores hits both alike; only ratios taken in one process
-mean anything.
-"""
+"""Measurements: interleaved step timing, collective bytes, memory, parity."""
 
 import math
 import statistics
@@ -70,8 +65,9 @@ class BaselineRunner:
 
 
 def median_times(sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int) -> dict[str, float]:
-    """Median wall seconds of `timed` steps per side, after `warm` untimed steps per side;
-    the sides take turns one step at a time, each waited for to completion."""
+    """Median wall seconds of `timed` steps per side, after `warm` untimed steps per side.
+    The sides take turns one step at a time, so that the noise of shared CPU cores hits
+    them alike: only ratios taken in one process mean anything."""
     for _ in range(warm):
         for side in sides.values():
             jax.block_until_ready(side())
@@ -87,11 +83,9 @@ def median_times(sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: in
 def comm(compiled: jax.stages.Compiled) -> dict[str, dict[str, int]]:
     """Collective result bytes, counts and wire bytes by kind, per device (kinds that occur only)."""
     stats = eqxpar.inspect.collective_stats(compiled)
-    kinds = [k for k in stats.count if stats.count[k]]
+    fields = {"comm_bytes": stats.bytes, "comm_counts": stats.count, "comm_wire_bytes": stats.wire_bytes}
     return {
-        "comm_bytes": {k: int(stats.bytes[k]) for k in kinds},
-        "comm_counts": {k: int(stats.count[k]) for k in kinds},
-        "comm_wire_bytes": {k: int(stats.wire_bytes[k]) for k in kinds},
+        name: {k: int(by_kind[k]) for k in stats.count if stats.count[k]} for name, by_kind in fields.items()
     }
 
 
@@ -101,11 +95,8 @@ def wire_bytes(compiled: jax.stages.Compiled) -> int:
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     """Per-device argument and temporary bytes of a compiled step."""
-    analysis = compiled.memory_analysis()
-    return {
-        "mem_argument_bytes": int(analysis.argument_size_in_bytes),
-        "mem_temp_bytes": int(analysis.temp_size_in_bytes),
-    }
+    m = compiled.memory_analysis()
+    return {"mem_argument_bytes": int(m.argument_size_in_bytes), "mem_temp_bytes": int(m.temp_size_in_bytes)}
 
 
 def step_fields(compiled: jax.stages.Compiled, least: eqxpar.inspect.Minimum) -> dict[str, Any]:

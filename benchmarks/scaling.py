@@ -65,13 +65,9 @@ def measure_point(
     median = _measure.median_times({"eqxpar": runner, "reference": other}, warm=warm, timed=timed)
     # After the timed steps: the executable they ran (jit's cache), not a second compile.
     least = setup.minimum(eqx_model, cfg)
-    record = {
-        **{"sweep": sweep, "strategy": strategy, "mesh": {k: v for k, v in mesh.items() if v > 1}},
-        **{
-            "devices": math.prod(mesh.values()),
-            "d_model": cfg.d_model,
-            "params": _workload.param_count(model),
-        },
+    record = {"sweep": sweep, "strategy": strategy, "mesh": {k: v for k, v in mesh.items() if v > 1}}
+    record.update(devices=math.prod(mesh.values()), d_model=cfg.d_model, params=_workload.param_count(model))
+    record |= {
         **_measure.step_fields(runner.compile(), least),
         "comm_wire_bytes_baseline": None,
         "vs_baseline_params_rel_err": None,
@@ -123,7 +119,7 @@ _PLOTS = {
     "width": (
         "scaling_width.png",
         "d_model",
-        "d_model (4 heads, MLP 4 x d_model)",
+        "d_model (4 heads, MLP 4 x d)",
         "Scaling with width (8 devices)",
     ),
 }
@@ -137,14 +133,10 @@ def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: 
         if png_dir is not None and plots.plot_sweep(records, png_dir / name, x=x, xlabel=xlabel, title=title):
             written.append(png_dir / name)
     if markdown is not None:
-        run = [
-            f"`{data['command']}`",
-            data["jax"],
-            str(data["cpu_count"]),
-            report.fmt(data["wall_time_s"], ".0f"),
+        run = [f"`{data['command']}`", data["jax"], str(data["cpu_count"]), f"{data['wall_time_s']:.0f}"]
+        single = [
+            f"{data['single_device'][k] / report.MiB:.1f}" for k in ("mem_argument_bytes", "mem_temp_bytes")
         ]
-        memory = data["single_device"]
-        single = [report.fmt(memory[k], ".1f", report.MiB) for k in ("mem_argument_bytes", "mem_temp_bytes")]
         parts = [
             "### Run",
             "",
@@ -152,15 +144,12 @@ def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: 
         ]
         parts += ["", "### Devices", "", table(data["devices_sweep"]), "", "Single-device reference:", ""]
         parts += [report.markdown_table(("argument MiB", "temp MiB"), [single])]
-        parts += ["", "### Width", "", table(data["width_sweep"])]
-        report.splice(markdown, "\n".join(parts))
+        report.splice(markdown, "\n".join([*parts, "", "### Width", "", table(data["width_sweep"])]))
         written.append(markdown)
     return written
 
 
-def _sweep(
-    data: dict, sweeps: Sequence[str], quick: bool, optim: Any, batches: Sequence, **timing: int
-) -> None:
+def _sweep(data: dict, sweeps: Sequence[str], quick: bool, optim: Any, batches: Sequence, **timing) -> None:
     def add(key: str, record: dict) -> None:
         data[key].append(record)
         print(" | ".join(row(record)) + f"  ({record['wall_s']:.0f} s)", flush=True)
