@@ -37,6 +37,8 @@ def _learning_rate(opt_state: PyTree) -> Array | None:
 def _gradients(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
     """The gradient implementation the layout calls for; one signature for all three."""
     if layout.kind == "pipeline":
+        # Imported here: the pipeline package imports eqxpar.nn (a PipelineLoss
+        # names an nn.Stacked), which the core does not.
         from .pipeline._engine import pipeline_gradients
 
         return pipeline_gradients(loss, layout, model, batch, key)
