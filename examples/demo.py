@@ -56,7 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     mesh.add_argument("--tensor", type=int, default=2, help="tensor-parallel devices")
     mesh.add_argument("--pipe", type=int, default=2, help="pipeline stages (1: no pipeline)")
     mesh.add_argument(
-        "--mode", choices=["auto", "manual"], default=None, help="default auto; a pipeline (--pipe > 1) takes none"
+        "--mode",
+        choices=["auto", "manual"],
+        default=None,
+        help="default auto; a pipeline (--pipe > 1) takes none",
     )
     mesh.add_argument(
         "--manual-axes",

@@ -651,7 +651,9 @@ def run_example(spec: dict, *, announce: bool = False) -> dict:
         # The workers share one compilation cache (the harness's own speed-up):
         # one may read an entry another is still writing; JAX then compiles
         # afresh and says so. A property of the harness, not of eqxpar.
-        if issubclass(w.category, UserWarning) and "Error reading persistent compilation cache" in str(w.message):
+        if issubclass(w.category, UserWarning) and "Error reading persistent compilation cache" in str(
+            w.message
+        ):
             continue
         expected = issubclass(w.category, EXPECTED_WARNINGS)
         result["expected_warnings" if expected else "warnings"].append(text)

@@ -19,15 +19,22 @@ ROWS = 48  # divides every data-parallel size below times K
 
 
 def _mlp():
-    return LogicalMLP(32, 32, 32, key=jax.random.key(0)), mse_loss, (
-        jax.random.normal(jax.random.key(1), (ROWS, 32)),
-        jax.random.normal(jax.random.key(2), (ROWS, 32)),
+    return (
+        LogicalMLP(32, 32, 32, key=jax.random.key(0)),
+        mse_loss,
+        (
+            jax.random.normal(jax.random.key(1), (ROWS, 32)),
+            jax.random.normal(jax.random.key(2), (ROWS, 32)),
+        ),
     )
 
 
 def _classifier():
     model = eqxpar.models.MLPClassifier(32, 64, 8, depth=1, key=jax.random.key(0))
-    batch = (jax.random.normal(jax.random.key(1), (ROWS, 32)), jax.random.randint(jax.random.key(2), (ROWS,), 0, 8))
+    batch = (
+        jax.random.normal(jax.random.key(1), (ROWS, 32)),
+        jax.random.randint(jax.random.key(2), (ROWS,), 0, 8),
+    )
     return model, eqxpar.models.MLPClassifier.loss, batch
 
 
@@ -44,7 +51,9 @@ def _plan(name):
         "tp_partial": lambda: eqxpar.Plan(
             mesh(data=2, tensor=4), rules=rules.MEGATRON, mode="manual", manual_axes=("tensor",)
         ),
-        "fsdp_tp": lambda: eqxpar.Plan(mesh(data=2, fsdp=2, tensor=2), rules=rules.MEGATRON_FSDP, mode="manual"),
+        "fsdp_tp": lambda: eqxpar.Plan(
+            mesh(data=2, fsdp=2, tensor=2), rules=rules.MEGATRON_FSDP, mode="manual"
+        ),
     }[name]()
 
 
@@ -107,7 +116,9 @@ def test_accumulated_fsdp_gathers_once_in_the_compute_dtype():
     step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate=K)
     # Read from the lowered program: XLA:CPU itself moves bfloat16 collectives as
     # float32 after optimisation, in both steps alike.
-    gathers = re.findall(r'"stablehlo.all_gather".*?-> tensor<[0-9x]*x(\w+)>', step.lower(state, batch).as_text())
+    gathers = re.findall(
+        r'"stablehlo.all_gather".*?-> tensor<[0-9x]*x(\w+)>', step.lower(state, batch).as_text()
+    )
     assert gathers == ["bf16", "bf16"], gathers
     new_state, metrics = step(state, batch)
     assert new_state.model.w1.dtype == jnp.float32

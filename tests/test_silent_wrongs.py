@@ -105,11 +105,15 @@ def test_partial_manual_bfloat16_is_rejected_on_cpu():
     mesh = eqxpar.make_mesh(data=2, tensor=4)
     partial = dict(rules=eqxpar.rules.MEGATRON, mode="manual", manual_axes=("tensor",))
     with pytest.raises(eqxpar.PlanError, match="partial-manual") as info:
-        eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.bfloat16, **partial))
+        eqxpar.train.make_step(
+            mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.bfloat16, **partial)
+        )
     assert "compute_dtype" in str(info.value) and "manual_axes" in str(info.value)
     # What does compile is left alone: the fully manual plan, float16, and the
     # automatic step.
-    eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, mode="manual", compute_dtype=jnp.bfloat16))
+    eqxpar.train.make_step(
+        mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, mode="manual", compute_dtype=jnp.bfloat16)
+    )
     eqxpar.train.make_step(mse_loss, optax.sgd(0.1), eqxpar.Plan(mesh, compute_dtype=jnp.float16, **partial))
 
 
@@ -189,7 +193,12 @@ def test_shard_returns_new_buffers_so_donation_spares_the_callers_arrays():
     placed = eqxpar.shard(eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)), plan)
     again = eqxpar.shard(placed, plan)  # already in its sharding
     params = eqx.filter(again, eqx.is_array)
-    assert all(a is not b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eqx.filter(placed, eqx.is_array)), strict=True))
+    assert all(
+        a is not b
+        for a, b in zip(
+            jax.tree.leaves(params), jax.tree.leaves(eqx.filter(placed, eqx.is_array)), strict=True
+        )
+    )
     jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(params)
     assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(placed, eqx.is_array)))
     # And through eqxpar's own donating step.
@@ -212,7 +221,9 @@ def test_empty_batch_and_one_token_sequences_raise():
     with pytest.raises(eqxpar.BatchError, match="empty"):
         step(state, jnp.ones((0, 4)))
     gpt = eqxpar.models.GPT(
-        eqxpar.models.GPTConfig(vocab_size=16, d_model=8, num_heads=2, num_layers=1, d_hidden=16, max_seq_len=8),
+        eqxpar.models.GPTConfig(
+            vocab_size=16, d_model=8, num_heads=2, num_layers=1, d_hidden=16, max_seq_len=8
+        ),
         key=jax.random.key(0),
     )
     with pytest.raises(eqxpar.BatchError, match="at least 2 tokens"):
@@ -237,7 +248,9 @@ def test_filter_shard_map_inside_a_manual_step_says_so():
 
     def loss_fn(model, batch):
         local = lambda m, x: jax.lax.pmean(jnp.mean(jax.vmap(m)(x) ** 2), plan.batch_axes)  # noqa: E731
-        return eqxpar.filter_shard_map(local, plan, in_specs=(None, plan.batch_spec), out_specs=P())(model, batch)
+        return eqxpar.filter_shard_map(local, plan, in_specs=(None, plan.batch_spec), out_specs=P())(
+            model, batch
+        )
 
     model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
     with pytest.raises(eqxpar.PlanError, match="already manual"):
@@ -255,9 +268,7 @@ def test_pipeline_whose_first_part_uses_no_weight():
         last=PIPELINE_LOSS.last,
     )
     batch = (jax.random.normal(jax.random.key(1), (16, 3)), jax.random.normal(jax.random.key(2), (16, 2)))
-    plan = eqxpar.Plan(
-        eqxpar.make_mesh(pipe=2, data=2), rules=stage_rules(), schedule="1f1b", microbatches=2
-    )
+    plan = eqxpar.Plan(eqxpar.make_mesh(pipe=2, data=2), rules=stage_rules(), schedule="1f1b", microbatches=2)
     got_loss, got = eqxpar.train.make_value_and_grad(loss, plan)(model, batch)
     ref_loss, ref = eqx.filter_value_and_grad(
         lambda m: loss.last(m, loss.stack(m)(loss.first(m, batch)), batch)
@@ -279,18 +290,27 @@ def test_bfloat16_parameters_with_a_vocabulary_parallel_model_under_zero1():
     def loss(m, tokens):
         return jnp.mean(nn.cross_entropy(m.head(m.embed(tokens[:, :-1])), tokens[:, 1:]))
 
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), zero1=True, param_dtype=jnp.bfloat16,
-                       rules=eqxpar.rules.MEGATRON)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4), zero1=True, param_dtype=jnp.bfloat16, rules=eqxpar.rules.MEGATRON
+    )
     optim = optax.sgd(0.1)
     state = eqxpar.train.init(Model(jax.random.key(0)), optim, plan, key=jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (4, 9), 0, 16)
     _, metrics = eqxpar.train.make_step(loss, optim, plan)(state, tokens)
     assert metrics["loss"].dtype == jnp.bfloat16
-    assert abs(float(metrics["loss"]) - float(loss(_cast(Model(jax.random.key(0)), jnp.bfloat16), tokens))) < 5e-2
+    assert (
+        abs(float(metrics["loss"]) - float(loss(_cast(Model(jax.random.key(0)), jnp.bfloat16), tokens)))
+        < 5e-2
+    )
     # A manual tensor axis in such a region would run the layers' all-reduces in
     # bfloat16: refused before compiling.
-    partial = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), mode="manual", manual_axes=("tensor",),
-                          param_dtype=jnp.bfloat16, rules=eqxpar.rules.MEGATRON)
+    partial = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4),
+        mode="manual",
+        manual_axes=("tensor",),
+        param_dtype=jnp.bfloat16,
+        rules=eqxpar.rules.MEGATRON,
+    )
     with pytest.raises(eqxpar.PlanError, match="param_dtype"):
         eqxpar.train.make_step(loss, optim, partial)
 
