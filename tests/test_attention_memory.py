@@ -7,6 +7,7 @@ of one attention layer at seq 1k / 4k / 16k, grows linearly and at 16k is under
 
 `python -m tests.test_attention_memory` prints the temp-bytes table."""
 
+import dataclasses
 import time
 
 import equinox as eqx
@@ -132,6 +133,34 @@ def test_auto_keeps_dense_for_one_block():
         return eqx.filter_jit(lambda m, x: m(x)).lower(m, x).as_text()
 
     assert lower(auto) == lower(dense)
+
+
+def test_gpt_and_transformer_block_pass_the_attention_choice_on():
+    # A GPT whose sequence spans several blocks: the blockwise model equals the dense
+    # one (same weights: the choice is a static field), and every layer got it.
+    config = eqxpar.models.GPTConfig(
+        vocab_size=32, d_model=32, num_heads=4, num_layers=2, d_hidden=64, max_seq_len=24, attention_block=8
+    )
+    blockwise = eqxpar.models.GPT(config, key=jax.random.key(0))
+    dense = eqxpar.models.GPT(dataclasses.replace(config, attention="dense"), key=jax.random.key(0))
+    assert (
+        blockwise.blocks.blocks.attn.attention == "auto" and blockwise.blocks.blocks.attn.attention_block == 8
+    )
+    assert dense.blocks.blocks.attn.attention == "dense"
+    tokens = jax.random.randint(jax.random.key(1), (2, 21), 0, 32)
+
+    def value_and_grad(m):
+        return eqx.filter_jit(eqx.filter_value_and_grad(eqxpar.models.lm_loss))(m, tokens)
+
+    (loss, grads), (ref_loss, ref_grads) = value_and_grad(blockwise), value_and_grad(dense)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
+    block = nn.TransformerBlock(32, 4, 64, attention="blockwise", attention_block=4, key=jax.random.key(2))
+    assert (block.attn.attention, block.attn.attention_block) == ("blockwise", 4)
+    with pytest.raises(PlanError, match="attention='flash'"):
+        dataclasses.replace(config, attention="flash")
+    with pytest.raises(PlanError, match="attention_block"):
+        dataclasses.replace(config, attention_block=0)
 
 
 @pytest.mark.parametrize("mode", ["auto", "sync", "sp"])

@@ -42,6 +42,9 @@ class GPTConfig:
     - `fused_qkv`: each attention stores Q, K and V as one weight
       `(d_model, 3, heads, head_dim)` and projects with one matmul (default False:
       three weights). Needs as many key/value heads as query heads.
+    - `attention`, `attention_block`: how every attention attends (default "auto"
+      and 512: blockwise, memory linear in the sequence, past one block; see
+      `eqxpar.nn.Attention`).
 
     ```python
     config = eqxpar.models.GPTConfig(vocab_size=128, d_model=128, num_heads=4,
@@ -69,12 +72,22 @@ class GPTConfig:
     use_bias: bool = False
     learned_positions: bool = False
     fused_qkv: bool = False
+    attention: str = "auto"
+    attention_block: int = 512
 
     def __post_init__(self):
         # Every field is checked here, when the config is built, so that a bad one
         # names itself instead of surfacing as a ZeroDivisionError or a shape error
         # deep inside a layer's constructor.
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_hidden", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "num_layers",
+            "d_hidden",
+            "max_seq_len",
+            "attention_block",
+        ):
             _check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is not None:
             _check_positive_int("num_kv_heads", self.num_kv_heads)
@@ -85,6 +98,10 @@ class GPTConfig:
             raise PlanError(f"GPTConfig(activation={self.activation!r}): expected 'swiglu' or 'gelu'.")
         if self.norm not in ("rms", "layer"):
             raise PlanError(f"GPTConfig(norm={self.norm!r}): expected 'rms' or 'layer'.")
+        if self.attention not in ("auto", "blockwise", "dense"):
+            raise PlanError(
+                f"GPTConfig(attention={self.attention!r}): expected 'auto', 'blockwise' or 'dense'."
+            )
         base = self.rotary_base
         numeric = isinstance(base, int | float) and not isinstance(base, bool)
         if not (numeric and math.isfinite(base) and base > 0):
@@ -195,6 +212,8 @@ class GPT(eqx.Module):
                 fused_qkv=c.fused_qkv,
                 rotary=c.rotary,
                 rotary_base=c.rotary_base,
+                attention=c.attention,
+                attention_block=c.attention_block,
                 key=k,
             )
 

@@ -22,7 +22,9 @@ class TransformerBlock(eqx.Module):
     **Arguments:** `d_model`, `num_heads`, `d_hidden`; keyword-only
     `num_kv_heads=None`, `activation="gelu"|"swiglu"`, `norm="layer"|"rms"`,
     `use_bias=True`, `fused_qkv=False`, `rotary=False` (rotary position embeddings
-    in the attention), `rotary_base=10000.0`, `axis="tensor"`, `dtype`, `key`.
+    in the attention), `rotary_base=10000.0`, `attention="auto"` and
+    `attention_block=512` (how the attention attends: see `Attention`),
+    `axis="tensor"`, `dtype`, `key`.
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
@@ -52,6 +54,8 @@ class TransformerBlock(eqx.Module):
         fused_qkv: bool = False,
         rotary: bool = False,
         rotary_base: float = 10000.0,
+        attention: str = "auto",
+        attention_block: int = 512,
         axis: str = "tensor",
         dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -75,6 +79,8 @@ class TransformerBlock(eqx.Module):
             fused_qkv=fused_qkv,
             rotary=rotary,
             rotary_base=rotary_base,
+            attention=attention,
+            attention_block=attention_block,
             use_bias=use_bias,
             axis=axis,
             dtype=dtype,
