@@ -13,11 +13,14 @@ from ._block import TransformerBlock as TransformerBlock
 from ._blockwise import blockwise_attention as blockwise_attention
 from ._context import TensorContext as TensorContext
 from ._context import tensor_context as tensor_context
+from ._dropout import Dropout as Dropout
 from ._linear import MLP as MLP
 from ._linear import ColumnLinear as ColumnLinear
 from ._linear import RowLinear as RowLinear
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
+from ._pool import first_token as first_token
+from ._pool import mean_pool as mean_pool
 from ._rotary import apply_rotary as apply_rotary
 from ._sequence import sequence_mean as sequence_mean
 from ._sequence import split_sequence as split_sequence

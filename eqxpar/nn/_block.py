@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._errors import PlanError
 from ._attention import Attention
+from ._dropout import Dropout
 from ._linear import MLP
 from ._norm import LayerNorm, RMSNorm
 
@@ -24,7 +25,9 @@ class TransformerBlock(eqx.Module):
     `use_bias=True`, `fused_qkv=False`, `rotary=False` (rotary position embeddings
     in the attention), `rotary_base=10000.0`, `attention="auto"` and
     `attention_block=512` (how the attention attends: see `Attention`),
-    `axis="tensor"`, `dtype`, `key`.
+    `axis="tensor"`, `dtype`, `key`; `causal=True` (False: an encoder block,
+    every position attends to every other) and `dropout=0.0` (residual dropout
+    after the attention and after the MLP, applied when the call gets a `key`).
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
@@ -33,6 +36,8 @@ class TransformerBlock(eqx.Module):
     block = eqxpar.nn.TransformerBlock(256, 8, 1024, activation="swiglu", norm="rms",
                                        rotary=True, key=key)
     y = block(x)                            # x: (batch, seq, 256)
+    encoder = eqxpar.nn.TransformerBlock(256, 8, 1024, causal=False, dropout=0.1, key=key)
+    y = encoder(x, key=dropout_key)         # without key: no dropout
     ```
     """
 
@@ -40,6 +45,7 @@ class TransformerBlock(eqx.Module):
     attn: Attention
     norm2: LayerNorm | RMSNorm
     mlp: MLP
+    dropout: Dropout
 
     def __init__(
         self,
@@ -58,6 +64,8 @@ class TransformerBlock(eqx.Module):
         attention_block: int = 512,
         axis: str = "tensor",
         dtype=jnp.float32,
+        causal: bool = True,
+        dropout: float = 0.0,
         key: PRNGKeyArray,
     ):
         if norm not in ("layer", "rms"):
@@ -76,6 +84,7 @@ class TransformerBlock(eqx.Module):
             d_model,
             num_heads,
             num_kv_heads=num_kv_heads,
+            causal=causal,
             fused_qkv=fused_qkv,
             rotary=rotary,
             rotary_base=rotary_base,
@@ -90,7 +99,13 @@ class TransformerBlock(eqx.Module):
         self.mlp = MLP(
             d_model, d_hidden, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=k2
         )
+        self.dropout = Dropout(dropout)
 
-    def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "batch seq d_model"]:
+        k1 = k2 = None
+        if key is not None and self.dropout.rate > 0:
+            k1, k2 = jax.random.split(key)
+        x = x + self.dropout(self.attn(self.norm1(x)), key=k1)
+        return x + self.dropout(self.mlp(self.norm2(x)), key=k2)

@@ -1,5 +1,6 @@
 """A stack of identical blocks stored once and run with `lax.scan`."""
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +52,9 @@ class Stacked(eqx.Module):
     - `key`: PRNG key (keyword-only).
 
     Calling the stack applies block 0, then 1, ...: `stack(x, *args, **kwargs)`
-    passes the extra arguments to every block unchanged.
+    passes the extra arguments to every block unchanged, except `key=`: that is
+    split into one key per layer (`jax.random.split(key, depth)`, scanned with the
+    layers) and block `i` gets `key=keys[i]` if its `__call__` takes `key`.
 
     ```python
     stack = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 4, 256, key=k),
@@ -96,6 +99,7 @@ class Stacked(eqx.Module):
         return eqx.combine(jax.tree.map(lambda x: x[index], arrays), static)
 
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+        key = kwargs.pop("key", None)
         plan = current_plan()
         policy = plan.remat if plan is not None else "none"
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
@@ -104,12 +108,20 @@ class Stacked(eqx.Module):
         # transpose reduce-scatters the gradient). Set by the step around the loss.
         gathers = layer_gathers_for(jax.tree.leaves(arrays))
 
+        if key is not None and not _accepts_key(self.blocks):
+            key = None
+
         def layer(h, params):
+            if key is not None:
+                params, layer_key = params
             if gathers is not None:
                 leaves, treedef = jax.tree.flatten(params)
                 leaves = [gather_weights(x, g) for x, g in zip(leaves, gathers, strict=True)]
                 params = jax.tree.unflatten(treedef, leaves)
-            return eqx.combine(params, static)(h, *args, **kwargs)
+            block = eqx.combine(params, static)
+            if key is not None:
+                return block(h, *args, key=layer_key, **kwargs)
+            return block(h, *args, **kwargs)
 
         layer = _checkpoint(layer, "inputs" if policy == "full" else policy)
 
@@ -131,4 +143,19 @@ class Stacked(eqx.Module):
 
         if policy == "full":
             run = _checkpoint(run, "inputs")
+        if key is not None:
+            return run(x, (arrays, jax.random.split(key, self.depth)))
         return run(x, arrays)
+
+
+def _accepts_key(block: Any) -> bool:
+    """Whether calling `block` takes a `key=` argument."""
+    try:
+        params = inspect.signature(block).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "key" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in params
+    )

@@ -1,0 +1,211 @@
+"""Layers for any model: dropout, encoder (non-causal) blocks with residual
+dropout, per-layer keys in a `Stacked`, and sequence pooling in every mode."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqxpar
+from eqxpar import nn
+
+from ._helpers import RTOL, assert_trees_close_to_scale
+
+D, HEADS, HIDDEN, BATCH, SEQ, VOCAB = 16, 4, 32, 4, 8, 32
+
+
+def test_dropout_statistics():
+    x = jnp.ones((400, 400))
+    y = nn.Dropout(0.3)(x, key=jax.random.key(0))
+    kept = np.asarray(y != 0)
+    assert abs(kept.mean() - 0.7) < 0.01
+    np.testing.assert_allclose(np.asarray(y)[kept], 1 / 0.7, rtol=1e-6)
+    assert abs(float(y.mean()) - 1.0) < 0.02
+    other = nn.Dropout(0.3)(x, key=jax.random.key(1))
+    assert not bool(jnp.all((other != 0) == (y != 0)))
+
+
+def test_dropout_identity_cases():
+    x = jax.random.normal(jax.random.key(0), (8, 8))
+    key = jax.random.key(1)
+    assert nn.Dropout(0.0)(x, key=key) is x
+    assert nn.Dropout(0.5)(x) is x
+    assert nn.Dropout(0.5, inference=True)(x, key=key) is x
+    assert nn.Dropout(0.5)(x, key=key, inference=True) is x
+    assert not bool(jnp.all(nn.Dropout(0.5, inference=True)(x, key=key, inference=False) == x))
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])
+def test_dropout_bad_rate(rate):
+    with pytest.raises(eqxpar.PlanError, match=str(rate)):
+        nn.Dropout(rate)
+
+
+def _reference_block(block, x):
+    """The block's computation written out with non-causal dense attention."""
+    a = block.attn
+    h = block.norm1(x)
+    q = jnp.einsum("bsd,dhk->bshk", h, a.wq) + a.bq[None, None]
+    k = jnp.einsum("bsd,dhk->bshk", h, a.wk) + a.bk[None, None]
+    v = jnp.einsum("bsd,dhk->bshk", h, a.wv) + a.bv[None, None]
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / jnp.sqrt(a.head_dim)
+    heads = jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores, axis=-1), v)
+    x = x + jnp.einsum("bshk,hkd->bsd", heads, a.wo) + a.bo[None, None]
+    return x + block.mlp(block.norm2(x))
+
+
+def test_encoder_block_is_not_causal():
+    key = jax.random.key(0)
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D))
+    causal = nn.TransformerBlock(D, HEADS, HIDDEN, key=key)
+    encoder = nn.TransformerBlock(D, HEADS, HIDDEN, causal=False, key=key)
+    assert encoder.attn.causal is False and causal.attn.causal is True
+    y = encoder(x)
+    assert not np.allclose(y, causal(x), rtol=1e-3)
+    np.testing.assert_allclose(y, _reference_block(encoder, x), rtol=RTOL, atol=1e-5)
+
+
+def test_block_residual_dropout():
+    key = jax.random.key(0)
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D))
+    plain = nn.TransformerBlock(D, HEADS, HIDDEN, key=key)
+    dropped = nn.TransformerBlock(D, HEADS, HIDDEN, dropout=0.5, key=key)
+    # Without a key: no dropout, the same program as dropout=0.
+    np.testing.assert_array_equal(dropped(x), plain(x))
+    assert jax.jit(lambda b, x: b(x)).lower(dropped, x).as_text() == (
+        jax.jit(lambda b, x: b(x)).lower(plain, x).as_text()
+    )
+    # A key with dropout=0 changes nothing either.
+    np.testing.assert_array_equal(plain(x, key=jax.random.key(2)), plain(x))
+    y = dropped(x, key=jax.random.key(2))
+    assert not np.allclose(y, plain(x))
+    assert not np.allclose(y, dropped(x, key=jax.random.key(3)))
+
+
+class DropoutOnly(eqx.Module):
+    """A block that only applies dropout (and carries one weight to stack)."""
+
+    scale: jax.Array
+    drop: nn.Dropout
+
+    def __init__(self, key):
+        self.scale = jnp.ones(())
+        self.drop = nn.Dropout(0.5)
+
+    def __call__(self, x, *, key=None):
+        return self.drop(x * self.scale, key=key)
+
+
+class Recorder(eqx.Module):
+    """Records its layer's mask by writing it into a fresh slot of the output."""
+
+    scale: jax.Array
+    drop: nn.Dropout
+
+    def __init__(self, key):
+        self.scale = jnp.ones(())
+        self.drop = nn.Dropout(0.5)
+
+    def __call__(self, x, *, key=None):
+        mask = self.drop(self.scale * jnp.ones(x.shape[1:]), key=key)
+        return jnp.concatenate([x[1:], mask[None]])
+
+
+def test_stacked_gives_each_layer_its_own_key():
+    depth = 4
+    stack = nn.Stacked(Recorder, depth=depth, key=jax.random.key(0))
+    masks = stack(jnp.zeros((depth, 64)), key=jax.random.key(1))
+    # Row i holds layer i's mask; every layer dropped something, and no two agree.
+    assert bool(jnp.all(jnp.any(masks == 0, axis=1)))
+    for i in range(depth):
+        for j in range(i):
+            assert not bool(jnp.all(masks[i] == masks[j]))
+    # The keys are split from the call's key: another key, other masks.
+    assert not bool(jnp.all(masks == stack(jnp.zeros((depth, 64)), key=jax.random.key(2))))
+    # Without a key the blocks get none: no dropout.
+    np.testing.assert_array_equal(stack(jnp.zeros((depth, 64))), jnp.ones((depth, 64)))
+
+    ones = nn.Stacked(DropoutOnly, depth=depth, key=jax.random.key(0))
+    y = ones(jnp.ones((64,)), key=jax.random.key(1))
+    kept = np.asarray(y != 0)
+    assert 0 < kept.sum() < 64 and np.allclose(np.asarray(y)[kept], 2.0**depth)
+    assert kept.sum() < 64 * 0.5**2  # independent masks: about 64 / 2**depth kept
+
+
+class NoKey(eqx.Module):
+    block: nn.TransformerBlock
+
+    def __init__(self, key):
+        self.block = nn.TransformerBlock(D, HEADS, HIDDEN, key=key)
+
+    def __call__(self, x):
+        return self.block(x)
+
+
+def test_stacked_without_key_lowers_as_before():
+    x = jnp.ones((BATCH, SEQ, D))
+    with_key = nn.Stacked(
+        lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, key=k), depth=3, key=jax.random.key(0)
+    )
+    no_key = nn.Stacked(NoKey, depth=3, key=jax.random.key(0))
+
+    def text(stack):
+        return jax.jit(lambda s, x: s(x)).lower(stack, x).as_text()
+
+    assert text(with_key) == text(no_key)
+    # A block that takes no key just runs without one.
+    np.testing.assert_array_equal(no_key(x, key=jax.random.key(1)), no_key(x))
+
+
+def test_pooling_on_one_device():
+    h = jax.random.normal(jax.random.key(0), (BATCH, SEQ, D))
+    np.testing.assert_allclose(nn.mean_pool(h), jnp.mean(h, axis=1), rtol=RTOL)
+    np.testing.assert_array_equal(nn.first_token(h), h[:, 0])
+
+
+class Encoder(eqx.Module):
+    """Token embedding, two encoder blocks, both poolings and a small head."""
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+    norm: nn.LayerNorm
+    head: jax.Array
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.embed = nn.Embedding(VOCAB, D, key=k[0])
+        self.blocks = nn.Stacked(
+            lambda kk: nn.TransformerBlock(D, HEADS, HIDDEN, causal=False, key=kk), depth=2, key=k[1]
+        )
+        self.norm = nn.LayerNorm(D)
+        self.head = jax.random.normal(k[2], (2 * D, 3)) / np.sqrt(D)
+
+    def __call__(self, ids):
+        h = self.norm(self.blocks(self.embed(ids)))
+        pooled = jnp.concatenate([nn.mean_pool(h), nn.first_token(h)], axis=-1)
+        return pooled @ self.head
+
+
+def encoder_loss(model, batch):
+    ids, targets = batch
+    return jnp.mean(jnp.square(model(ids) - targets))
+
+
+def test_pooling_under_sequence_parallelism_matches_one_device():
+    model = Encoder(jax.random.key(0))
+    k1, k2 = jax.random.split(jax.random.key(1))
+    batch = (
+        jax.random.randint(k1, (BATCH, SEQ), 0, VOCAB),
+        jax.random.normal(k2, (BATCH, 3)),
+    )
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(encoder_loss))(model, batch)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4),
+        rules=eqxpar.rules.MEGATRON,
+        mode="manual",
+        sequence_parallel=True,
+    )
+    loss, grads = eqxpar.train.make_value_and_grad(encoder_loss, plan)(model, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
