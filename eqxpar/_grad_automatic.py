@@ -22,8 +22,5 @@ def automatic_gradients(
     if layout.accumulate == 1:
         value, aux, grads = value_and_grad(loss, params, static, batch, key)
     else:
-        place = lambda mb: shard(mb, plan, specs=layout.batch)  # noqa: E731
-        value, aux, grads = accumulated_value_and_grad(
-            loss, params, static, batch, key, k=layout.accumulate, place=place
-        )
+        value, aux, grads = accumulated_value_and_grad(loss, params, static, batch, key, layout=layout)
     return value, aux, shard(grads, plan, specs=specs_for(grads, layout.updates))

@@ -20,6 +20,8 @@ from jaxtyping import Array, PyTree
 
 from ._errors import PlanError
 from ._fsdp import Gather, layer_gathers, wire_dtype
+from ._sharding import shard
+from ._step_layout import StepLayout
 from ._train_state import cast_floating
 
 
@@ -178,25 +180,31 @@ def accumulated_value_and_grad(
     batch: PyTree,
     key: Any,
     *,
-    k: int,
-    place: Callable,
+    layout: StepLayout,
     prepare: Callable | None = None,
     varying: tuple[str, ...] = (),
     allowed: tuple[str, ...] = (),
     sum_dtypes: PyTree | None = None,
 ) -> tuple[Array, PyTree, PyTree]:
-    """As `value_and_grad`, averaged over `k` micro-batches with `lax.scan`: the
-    gradients are summed on each device (in `sum_dtypes`, default the
-    parameters' dtypes) and divided once. `place` constrains each micro-batch's
-    layout; `varying`: the manual axes the per-device loss varies along (the
-    carry's type)."""
+    """As `value_and_grad`, averaged over the layout's `accumulate` micro-batches
+    with `lax.scan`, each constrained to the layout's batch spec: the gradients
+    are summed on each device (in `sum_dtypes`, default the parameters' dtypes)
+    and divided once. `varying`: the manual axes the per-device loss varies
+    along (the carry's type)."""
+    k = layout.accumulate
     micro = split_microbatches(batch, k)
 
     def step(carry, xs):
         grads_sum, loss_sum = carry
         index, mb = xs
         value, aux, grads = value_and_grad(
-            loss, params, static, place(mb), jax.random.fold_in(key, index), prepare=prepare, allowed=allowed
+            loss,
+            params,
+            static,
+            shard(mb, layout.plan, specs=layout.batch),
+            jax.random.fold_in(key, index),
+            prepare=prepare,
+            allowed=allowed,
         )
         grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_sum, grads)
         return (grads_sum, loss_sum + value), aux

@@ -90,15 +90,13 @@ def _local_gradients(
         # Cast before gathering, as the one-batch step does (its gathers move the
         # compute dtype).
         params, pull = jax.vjp(lambda p: gather_whole(loss.compute(p), layout.params, axes), params)
-    place = lambda mb: shard(mb, layout.plan, specs=layout.batch)  # noqa: E731
     value, aux, grads = accumulated_value_and_grad(
         loss,
         params,
         static,
         batch,
         key,
-        k=layout.accumulate,
-        place=place,
+        layout=layout,
         varying=axes,
         allowed=vary,
         sum_dtypes=sum_dtypes,

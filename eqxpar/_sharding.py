@@ -35,7 +35,11 @@ def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str, may_alias: bo
 
 def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
     """The `NamedSharding` of every array leaf of `tree` under `plan` (None elsewhere)."""
-    specs = partition_specs(tree, plan)
+    return shardings_of(partition_specs(tree, plan), plan)
+
+
+def shardings_of(specs: PyTree, plan: Plan) -> PyTree:
+    """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
     return jax.tree.map(
         lambda s: None if s is None else plan.sharding(s),
         specs,

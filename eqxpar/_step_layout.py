@@ -13,13 +13,13 @@ import math
 from typing import Any, Literal
 
 import equinox as eqx
-import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
 from ._errors import PlanError
 from ._plan import Plan
 from ._shard_map import region_manual_axes
+from ._sharding import shardings_of
 from ._specs import partition_specs
 
 Kind = Literal["automatic", "manual", "pipeline"]
@@ -147,9 +147,4 @@ class StepLayout:
 
     def shardings(self, specs: PyTree) -> PyTree:
         """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
-        mesh = self.plan.mesh
-        return jax.tree.map(
-            lambda s: None if s is None else NamedSharding(mesh, s),
-            specs,
-            is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
-        )
+        return shardings_of(specs, self.plan)
