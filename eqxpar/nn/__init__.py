@@ -13,6 +13,10 @@ from ._block import TransformerBlock as TransformerBlock
 from ._blockwise import blockwise_attention as blockwise_attention
 from ._context import TensorContext as TensorContext
 from ._context import tensor_context as tensor_context
+from ._context_attention import context_attention as context_attention
+from ._context_attention import context_layout as context_layout
+from ._context_attention import context_positions as context_positions
+from ._context_attention import context_unlayout as context_unlayout
 from ._dropout import Dropout as Dropout
 from ._linear import MLP as MLP
 from ._linear import ColumnLinear as ColumnLinear

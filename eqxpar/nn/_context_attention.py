@@ -1,0 +1,581 @@
+"""Context-parallel attention: the sequence split over a mesh axis, keys and values
+moving between the devices (ring attention) or gathered once.
+
+Inside a manual region (`jax.shard_map`) over `axis` (default `"context"`), every
+device holds one chunk of the sequence: its queries, keys and values.
+`context_attention` returns what dense attention over the whole, globally ordered
+sequence gives for this device's queries.
+
+Layouts. With `load_balanced=True` the global sequence is cut into `2n` chunks and
+device `i` holds chunks `i` and `2n-1-i`, concatenated: under a causal mask the
+early chunks see few keys and the late ones many, so pairing them gives every
+device the same unmasked work. With `load_balanced=False` device `i` holds the
+contiguous block `i`. `context_layout` / `context_unlayout` permute a global array
+into / out of the order whose contiguous `n` blocks are the devices' chunks, and
+`context_positions` gives this device's global token positions (for rotary
+embeddings and masks).
+
+Implementations:
+
+- `"ring"`: keys and values travel around the ring with `ppermute` (`i -> i+1`,
+  `n-1` transfers), each device folding every visiting block into a float32
+  online softmax per query. The transfer of the next block is issued before the
+  current one is used, so it can overlap the compute. The backward pass (a custom
+  VJP) recomputes each tile's probabilities from the saved local `q`, `k`, `v`,
+  output and log-sum-exp, and sends the keys and values around again with float32
+  dK/dV accumulators travelling alongside, which arrive at their owner at the end.
+- `"allgather"`: gather all keys and values once (tiled `all_gather`), then attend
+  locally with the right global positions; the backward pass reduce-scatters dK/dV
+  (the transpose of the gather).
+
+Causally masked work is skipped: every pair of (query segment, key segment) whose
+keys all come after its queries is a `lax.cond` that does nothing. Segments are the
+layout's chunks (two per device when load-balanced), so with `load_balanced=True`
+each ring step after the first does half of a full tile on every device.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int, Shaped
+
+from .._collectives import _to_varying, _varying, all_gather
+from .._errors import DivisibilityError, PlanError, SpecError
+
+_F32 = jnp.float32
+_IMPLS = ("ring", "allgather")
+
+# ---------------------------------------------------------------------------
+# Layout
+# ---------------------------------------------------------------------------
+
+
+def _chunk_order(n: int, load_balanced: bool) -> list[int]:
+    # The global chunks in device order: device i's chunks are entries [2i, 2i+1]
+    # when load-balanced (chunks i and 2n-1-i), entry i otherwise.
+    if not load_balanced:
+        return list(range(n))
+    return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
+
+
+def _permute_chunks(x: Array, n: int, load_balanced: bool, seq_dim: int, inverse: bool, fn: str) -> Array:
+    if n < 1:
+        raise SpecError(f"{fn}: n={n} devices; expected a positive number of devices.")
+    if not -x.ndim <= seq_dim < x.ndim:
+        raise SpecError(
+            f"{fn}: seq_dim={seq_dim} is out of range for an array of shape {x.shape}; "
+            f"expected -{x.ndim} <= seq_dim < {x.ndim}."
+        )
+    seq_dim %= x.ndim
+    order = _chunk_order(n, load_balanced)
+    chunks = len(order)
+    length = x.shape[seq_dim]
+    if length % chunks:
+        raise DivisibilityError(
+            f"{fn}: the sequence (dimension {seq_dim} of shape {x.shape}) has length {length}, "
+            f"which does not split into {chunks} equal chunks ({n} devices"
+            f"{', two chunks each (load_balanced=True)' if load_balanced else ''}). "
+            f"Use a sequence length that is a multiple of {chunks}."
+        )
+    if inverse:
+        order = sorted(range(chunks), key=order.__getitem__)
+    size = length // chunks
+    shape = (*x.shape[:seq_dim], chunks, size, *x.shape[seq_dim + 1 :])
+    y = jnp.take(x.reshape(shape), jnp.asarray(order), axis=seq_dim)
+    return y.reshape(x.shape)
+
+
+def context_layout(
+    x: Shaped[Array, "..."], n: int, *, load_balanced: bool, seq_dim: int = 1
+) -> Shaped[Array, "..."]:
+    """A global array's sequence reordered so that its contiguous `n` blocks are
+    the `n` devices' chunks (the order `context_attention` expects).
+
+    With `load_balanced=True` the sequence is cut into `2n` chunks and block `i`
+    of the result is chunk `i` followed by chunk `2n-1-i`; with `False` the
+    sequence is unchanged (device `i` holds the contiguous block `i`).
+
+    **Arguments:** `x`: any global array; `n`: the size of the context axis;
+    keyword-only `load_balanced` and `seq_dim` (the sequence dimension).
+
+    **Returns:** `x`'s shape, its sequence permuted.
+
+    **Raises:** `DivisibilityError` if the sequence does not split into `2n` (or
+    `n`) equal chunks; `SpecError` if `seq_dim` is out of range.
+
+    ```python
+    q = context_layout(q, 4, load_balanced=True)   # then split over "context"
+    out = jax.shard_map(f, mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))(q)
+    out = context_unlayout(out, 4, load_balanced=True)
+    ```
+    """
+    return _permute_chunks(x, n, load_balanced, seq_dim, False, "context_layout")
+
+
+def context_unlayout(
+    x: Shaped[Array, "..."], n: int, *, load_balanced: bool, seq_dim: int = 1
+) -> Shaped[Array, "..."]:
+    """The inverse of `context_layout`: devices' chunks, concatenated in device
+    order, back to the global sequence order.
+
+    **Arguments / Returns / Raises:** as `context_layout`.
+
+    ```python
+    y = context_unlayout(context_layout(x, 4, load_balanced=True), 4, load_balanced=True)  # == x
+    ```
+    """
+    return _permute_chunks(x, n, load_balanced, seq_dim, True, "context_unlayout")
+
+
+class _Seg(NamedTuple):
+    """A run of a local array that is contiguous in the global sequence: its
+    offset and length in the local array, and its first global position."""
+
+    offset: int
+    length: int
+    start: Array | int
+
+
+def _segments(device: Array | int, length: int, n: int, load_balanced: bool, offset: int = 0) -> list[_Seg]:
+    if not load_balanced:
+        return [_Seg(offset, length, device * length)]
+    half = length // 2
+    return [_Seg(offset, half, device * half), _Seg(offset + half, half, (2 * n - 1 - device) * half)]
+
+
+def context_positions(
+    local_len: int, *, axis: str = "context", load_balanced: bool
+) -> Int[Array, " local_len"]:
+    """This device's global token positions under the context layout.
+
+    Call it inside `jax.shard_map` over `axis`. With `load_balanced=True`, device
+    `i` of `n` holds chunks `i` and `2n-1-i` of length `local_len / 2`; with
+    `False`, positions `i * local_len` to `(i+1) * local_len - 1`.
+
+    **Arguments:** `local_len`: this device's sequence length; keyword-only `axis`
+    and `load_balanced`.
+
+    **Returns:** int32 positions, shape `(local_len,)`.
+
+    **Raises:** `PlanError` outside a manual region over `axis`;
+    `DivisibilityError` if `load_balanced` and `local_len` is odd.
+
+    ```python
+    pos = context_positions(x.shape[1], load_balanced=True)
+    q = apply_rotary(q, pos)   # rotary angles at the global positions
+    ```
+    """
+    n = _context_size(axis, "context_positions")
+    if load_balanced:
+        _check_even(local_len, "context_positions")
+    me = lax.axis_index(axis)
+    parts = [s.start + jnp.arange(s.length, dtype=jnp.int32) for s in _segments(me, local_len, n, load_balanced)]
+    return jnp.concatenate(parts).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _context_size(axis: str, fn: str) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = () if mesh.empty else tuple(mesh.manual_axes)
+    if axis not in manual:
+        raise PlanError(
+            f"{fn}: axis={axis!r} is not a manual mesh axis here (manual axes: {manual}). "
+            f"Call {fn} inside jax.shard_map over a mesh with an axis {axis!r} that splits "
+            f"the sequence (or pass axis= the name of that axis)."
+        )
+    return lax.axis_size(axis)
+
+
+def _check_even(local_len: int, fn: str) -> None:
+    if local_len % 2:
+        raise DivisibilityError(
+            f"{fn}: load_balanced=True needs an even local sequence length (two chunks per "
+            f"device), got {local_len}. Use a global length that is a multiple of 2n, or "
+            f"load_balanced=False."
+        )
+
+
+def _check(q: Array, k: Array, v: Array, impl: str, block_size: int) -> None:
+    fn = "context_attention"
+    if impl not in _IMPLS:
+        raise PlanError(f"{fn}: impl={impl!r}; expected one of {_IMPLS}.")
+    if block_size < 1:
+        raise PlanError(f"{fn}: block_size={block_size}; expected a positive number of keys per block.")
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    if k.shape != (b, sq, hkv, d) or v.shape != k.shape:
+        raise SpecError(
+            f"{fn}: q {q.shape}, k {k.shape}, v {v.shape} do not match; expected k and v of "
+            f"shape (batch, seq, kv_heads, head_dim) = ({b}, {sq}, kv_heads, {d}): the same "
+            f"local chunk of the sequence as q."
+        )
+    if hq % hkv:
+        raise SpecError(
+            f"{fn}: {hq} query heads are not a multiple of {hkv} key/value heads; use a "
+            f"number of key/value heads that divides {hq}."
+        )
+
+
+# ---------------------------------------------------------------------------
+# Tile kernels (no communication)
+# ---------------------------------------------------------------------------
+
+
+def _kv_blocks(x: Array, block: int) -> tuple[Array, int]:
+    # (b, L, h, d) -> float32 (nb, b, block, h, d), padded to whole blocks.
+    b, length, h, d = x.shape
+    nb = -(-length // block)
+    x = jnp.pad(x.astype(_F32), ((0, 0), (0, nb * block - length), (0, 0), (0, 0)))
+    return x.reshape(b, nb, block, h, d).swapaxes(0, 1), nb
+
+
+def _allowed(qpos: Array, kpos: Array, length: int, causal: bool) -> Array:
+    # Keys past the segment's end are padding; causal keeps keys at or before the query.
+    real = (kpos < length)[None, :]
+    return real & (kpos[None, :] <= qpos[:, None]) if causal else real
+
+
+def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool):
+    """Per sub-block of the key segment: its local key offsets and the `(q, block)`
+    mask maker, from the global positions of both segments."""
+    qpos = qs.start + jnp.arange(qs.length)
+
+    def allowed(j):
+        local = j * block + jnp.arange(block)
+        return _allowed(qpos - ks.start, local, ks.length, causal)
+
+    return allowed
+
+
+def _fwd_tiles(state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int):
+    """Fold the keys `k`, `v` of segment `ks` into the online softmax `state` =
+    (acc, max, sum) of the (pre-scaled, grouped) queries `qg` of segment `qs`."""
+    block = min(block, ks.length)
+    kb, nb = _kv_blocks(k, block)
+    vb, _ = _kv_blocks(v, block)
+    allowed_at = _tiles(qs, ks, block, causal)
+
+    def step(carry, xs):
+        acc, m, total = carry
+        j, kj, vj = xs
+        allowed = allowed_at(j)
+        s = jnp.where(allowed, jnp.einsum("bqkgd,bskd->bkgqs", qg, kj), jnp.finfo(_F32).min)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        total = total * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vj)
+        return (acc, m_new, total), None
+
+    state, _ = lax.scan(step, state, (jnp.arange(nb), kb, vb))
+    return state
+
+
+def _bwd_tiles(grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int):
+    """Add the gradients of the tiles of (`qs`, `ks`) to `grads` = (dq, dk, dv):
+    dq for the queries of `qs` (pre-scaled), dk and dv for the keys of `ks`."""
+    dq, dk, dv = grads
+    length = ks.length
+    block = min(block, length)
+    kb, nb = _kv_blocks(k, block)
+    vb, _ = _kv_blocks(v, block)
+    allowed_at = _tiles(qs, ks, block, causal)
+
+    def step(dq, xs):
+        j, kj, vj = xs
+        allowed = allowed_at(j)
+        s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj)
+        p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
+        dvj = jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vj)
+        ds = p * (dp - delta[..., None])
+        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
+        dkj = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
+        return dq, (dkj, dvj)
+
+    dq, (dkb, dvb) = lax.scan(step, dq, (jnp.arange(nb), kb, vb))
+
+    def unblock(x):
+        b, h, d = x.shape[1], x.shape[3], x.shape[4]
+        return x.swapaxes(0, 1).reshape(b, nb * block, h, d)[:, :length]
+
+    return dq, dk + unblock(dkb), dv + unblock(dvb)
+
+
+def _when(needed, f, x):
+    # Skip a fully masked pair: a Python bool decides at trace time, a traced one
+    # (positions depend on axis_index) with a cond. No collective is ever inside.
+    if isinstance(needed, bool):
+        return f(x) if needed else x
+    return lax.cond(needed, f, lambda x: x, x)
+
+
+def _needed(qs: _Seg, ks: _Seg, causal: bool):
+    if not causal:
+        return True
+    needed = ks.start <= qs.start + (qs.length - 1)
+    return needed if isinstance(needed, bool) else jnp.asarray(needed)
+
+
+def _sl(x: Array, seg: _Seg, axis: int = 1) -> Array:
+    return lax.slice_in_dim(x, seg.offset, seg.offset + seg.length, axis=axis)
+
+
+# ---------------------------------------------------------------------------
+# Forward / backward over segments
+# ---------------------------------------------------------------------------
+
+
+def _grouped(q: Array, hkv: int) -> Array:
+    # (b, s, hq, d) -> float32 (b, s, hkv, g, d), scaled by 1/sqrt(d) once.
+    b, s, hq, d = q.shape
+    return q.astype(_F32).reshape(b, s, hkv, hq // hkv, d) / jnp.sqrt(jnp.asarray(d, _F32))
+
+
+def _init_state(qg: Array, qsegs: list[_Seg]) -> list[tuple]:
+    # Built from qg (zeros_like) so that inside shard_map it varies like qg.
+    states = []
+    for qs in qsegs:
+        acc = jnp.zeros_like(_sl(qg, qs)).transpose(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
+        states.append((acc, jnp.full_like(acc[..., 0], -jnp.inf), jnp.zeros_like(acc[..., 0])))
+    return states
+
+
+def _fold(states, qg, qsegs, k, v, ksegs, causal, block):
+    """Fold keys/values (segments `ksegs` of `k`, `v`) into every query segment's state."""
+    states = list(states)
+    for i, qs in enumerate(qsegs):
+        qgi = _sl(qg, qs)
+        for ks in ksegs:
+            f = functools.partial(
+                _fwd_tiles, qg=qgi, k=_sl(k, ks), v=_sl(v, ks), qs=qs, ks=ks, causal=causal, block=block
+            )
+            states[i] = _when(_needed(qs, ks, causal), f, states[i])
+    return states
+
+
+def _finish(states, q: Array):
+    """The output in q's layout and dtype, and per-query float32 `o` and log-sum-exp
+    `(b, hkv, g, sq)` (segments concatenated) for the backward pass."""
+    b, sq, hq, d = q.shape
+    o = jnp.concatenate([acc / total[..., None] for acc, _, total in states], axis=3)
+    lse = jnp.concatenate([m + jnp.log(total) for _, m, total in states], axis=3)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
+    return out, o, lse
+
+
+def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block):
+    """(dq contribution over all of q, dk, dv of `k`, `v`) for one key/value block,
+    all float32; dq is with respect to the pre-scaled queries."""
+    dqs = [jnp.zeros_like(_sl(qg, qs)) for qs in qsegs]
+    dks = [jnp.zeros_like(_sl(k, ks), dtype=_F32) for ks in ksegs]
+    dvs = [jnp.zeros_like(_sl(v, ks), dtype=_F32) for ks in ksegs]
+    for i, qs in enumerate(qsegs):
+        qgi, doi = _sl(qg, qs), _sl(do, qs)
+        lsei, deltai = _sl(lse, qs, 3), _sl(delta, qs, 3)
+        for j, ks in enumerate(ksegs):
+            f = functools.partial(
+                _bwd_tiles, qg=qgi, do=doi, lse=lsei, delta=deltai, k=_sl(k, ks), v=_sl(v, ks),
+                qs=qs, ks=ks, causal=causal, block=block,
+            )  # fmt: skip
+            dqs[i], dks[j], dvs[j] = _when(_needed(qs, ks, causal), f, (dqs[i], dks[j], dvs[j]))
+    return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
+
+
+def _bwd_setup(q, o, dout, hkv):
+    b, sq, hq, d = q.shape
+    do = dout.astype(_F32).reshape(b, sq, hkv, hq // hkv, d)
+    delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O)
+    return _grouped(q, hkv), do, delta
+
+
+def _dq_out(dq: Array, q: Array) -> Array:
+    # dq is w.r.t. the queries scaled by 1/sqrt(d): chain rule back to q.
+    b, sq, hq, d = q.shape
+    return (dq / jnp.sqrt(jnp.asarray(d, _F32))).reshape(b, sq, hq, d).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Ring
+# ---------------------------------------------------------------------------
+
+
+def _ring_setup(q, axis, causal, load_balanced):
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    length = q.shape[1]
+    # Positions only matter for the causal mask; without it one segment each.
+    lb = load_balanced and causal
+
+    def segs(device):
+        return _segments(device, length, n, lb)
+
+    return n, me, segs, [(j, (j + 1) % n) for j in range(n)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring(q, k, v, axis, causal, load_balanced, block):
+    return _ring_fwd(q, k, v, axis, causal, load_balanced, block)[0]
+
+
+def _ring_fwd(q, k, v, axis, causal, load_balanced, block):
+    n, me, segs, right = _ring_setup(q, axis, causal, load_balanced)
+    qg = _grouped(q, k.shape[2])
+    qsegs = segs(me)
+    states = _init_state(qg, qsegs)
+    kv = (k, v)
+    for t in range(n):
+        # Issue the next block's transfer first: nothing below waits for it.
+        nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
+        states = _fold(states, qg, qsegs, *kv, segs((me - t) % n), causal, block)
+        kv = nxt
+    out, o, lse = _finish(states, q)
+    return out, (q, k, v, o, lse)
+
+
+def _ring_bwd(axis, causal, load_balanced, block, res, dout):
+    q, k, v, o, lse = res
+    n, me, segs, right = _ring_setup(q, axis, causal, load_balanced)
+    qg, do, delta = _bwd_setup(q, o, dout, k.shape[2])
+    qsegs = segs(me)
+    dq = jnp.zeros_like(qg)
+    kv, own, carried = (k, v), None, None
+    for t in range(n):
+        nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
+        dq_t, dk_t, dv_t = _grads(qg, do, lse, delta, qsegs, *kv, segs((me - t) % n), causal, block)
+        dq = dq + dq_t
+        if t == 0:
+            own = (dk_t, dv_t)  # this device's block: its owner's share never travels
+        else:
+            # The accumulator of the block held at step t starts at device owner+1
+            # (step 1) and follows the block; after step n-1 it reaches the owner.
+            acc = (dk_t, dv_t) if carried is None else (carried[0] + dk_t, carried[1] + dv_t)
+            carried = lax.ppermute(acc, axis, right)
+        kv = nxt
+    dk, dv = own if carried is None else (own[0] + carried[0], own[1] + carried[1])
+    return _dq_out(dq, q), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+# ---------------------------------------------------------------------------
+# All-gather
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gathered(q, k_all, v_all, axis, causal, load_balanced, block):
+    return _gathered_fwd(q, k_all, v_all, axis, causal, load_balanced, block)[0]
+
+
+def _gathered_segs(q, axis, causal, load_balanced):
+    n, me, segs, _ = _ring_setup(q, axis, causal, load_balanced)
+    length = q.shape[1]
+    lb = load_balanced and causal
+    ksegs = [s for j in range(n) for s in _segments(j, length, n, lb, offset=j * length)]
+    return segs(me), ksegs
+
+
+def _gathered_fwd(q, k_all, v_all, axis, causal, load_balanced, block):
+    qsegs, ksegs = _gathered_segs(q, axis, causal, load_balanced)
+    qg = _grouped(q, k_all.shape[2])
+    states = _fold(_init_state(qg, qsegs), qg, qsegs, k_all, v_all, ksegs, causal, block)
+    out, o, lse = _finish(states, q)
+    return out, (q, k_all, v_all, o, lse)
+
+
+def _gathered_bwd(axis, causal, load_balanced, block, res, dout):
+    q, k_all, v_all, o, lse = res
+    qsegs, ksegs = _gathered_segs(q, axis, causal, load_balanced)
+    qg, do, delta = _bwd_setup(q, o, dout, k_all.shape[2])
+    dq, dk, dv = _grads(qg, do, lse, delta, qsegs, k_all, v_all, ksegs, causal, block)
+    return _dq_out(dq, q), dk.astype(k_all.dtype), dv.astype(v_all.dtype)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+# ---------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------
+
+
+def context_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    *,
+    causal: bool,
+    axis: str = "context",
+    impl: str = "ring",
+    load_balanced: bool = True,
+    block_size: int = 512,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """Attention over a sequence split across the devices of mesh axis `axis`.
+
+    Call inside `jax.shard_map` over `axis`; `q`, `k`, `v` are this device's chunk of
+    the sequence in the context layout (see `context_layout`). Returns dense
+    `softmax(q k^T / sqrt(head_dim)) v` over the whole, globally ordered sequence,
+    for this device's queries. Query head `i` reads key/value head
+    `i // (heads / kv_heads)` (grouped-query); `causal` keeps keys at global
+    positions `<=` the query's. Accumulation is float32; the output has `q`'s dtype.
+    Temp memory is `O(batch x heads x seq x block_size)` per key segment tile.
+
+    Communication per device, with `B` the bytes of the local `k` plus `v`:
+
+    - `impl="ring"`: forward sends `(n-1) B` (`n-1` ring steps of one K/V block);
+      backward sends `(n-1) B` of keys/values plus `(n-1) B'` of float32 dK/dV
+      accumulators (`B' = B` for float32 inputs, `2B` for bfloat16): `2 (n-1) B` in
+      float32. The program has `n` unrolled steps.
+    - `impl="allgather"`: forward one all-gather of K and V (`(n-1) B` on a ring);
+      backward one reduce-scatter each of dK, dV (`(n-1) B`), with `n B` of gathered
+      K/V kept for the backward pass.
+
+    **Arguments:**
+
+    - `q`: `(batch, seq, heads, head_dim)`, this device's queries.
+    - `k`, `v`: `(batch, seq, kv_heads, head_dim)`, this device's keys/values.
+    - `causal`: mask keys after the query (by global position).
+    - `axis`: the manual mesh axis that splits the sequence.
+    - `impl`: `"ring"` or `"allgather"`.
+    - `load_balanced`: the layout (only matters for `causal`): device `i` holds chunks
+      `i` and `2n-1-i` of `2n` (True) or contiguous block `i` (False).
+    - `block_size`: keys per tile of the local online softmax.
+
+    **Returns:** `(batch, seq, heads, head_dim)`, this device's rows of the output.
+
+    **Raises:** `PlanError` outside a manual region over `axis`, for an unknown
+    `impl` or a non-positive `block_size`; `SpecError` for mismatched shapes or
+    heads; `DivisibilityError` for an odd local length with `load_balanced` and
+    `causal`.
+
+    ```python
+    mesh = jax.make_mesh((4,), ("context",))
+    def f(q, k, v):
+        return context_attention(q, k, v, causal=True)
+    spec = P(None, "context")
+    out = jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(
+        *(context_layout(x, 4, load_balanced=True) for x in (q, k, v)))
+    out = context_unlayout(out, 4, load_balanced=True)   # == dense causal attention
+    ```
+    """
+    _context_size(axis, "context_attention")
+    _check(q, k, v, impl, block_size)
+    causal, load_balanced = bool(causal), bool(load_balanced)
+    if causal and load_balanced:
+        _check_even(q.shape[1], "context_attention")
+    # Everything the ring touches varies over `axis`; cast once, outside the loop
+    # (a cast inside would put its transpose, a psum, in every backward step).
+    vma = _varying(q) | _varying(k) | _varying(v) | {axis}
+    q, k, v = (_to_varying(x, vma) for x in (q, k, v))
+    if impl == "ring":
+        return _ring(q, k, v, axis, causal, load_balanced, int(block_size))
+    k_all = all_gather(k, axis_name=axis, axis=1)
+    v_all = all_gather(v, axis_name=axis, axis=1)
+    return _gathered(q, k_all, v_all, axis, causal, load_balanced, int(block_size))
