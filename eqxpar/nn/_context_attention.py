@@ -172,7 +172,9 @@ def context_positions(
     if load_balanced:
         _check_even(local_len, "context_positions")
     me = lax.axis_index(axis)
-    parts = [s.start + jnp.arange(s.length, dtype=jnp.int32) for s in _segments(me, local_len, n, load_balanced)]
+    parts = [
+        s.start + jnp.arange(s.length, dtype=jnp.int32) for s in _segments(me, local_len, n, load_balanced)
+    ]
     return jnp.concatenate(parts).astype(jnp.int32)
 
 
@@ -446,21 +448,24 @@ def _ring_bwd(axis, causal, load_balanced, block, res, dout):
     qg, do, delta = _bwd_setup(q, o, dout, k.shape[2])
     qsegs = segs(me)
     dq = jnp.zeros_like(qg)
-    kv, own, carried = (k, v), None, None
+    # K and V travel stacked here (separately in the forward): otherwise XLA merges
+    # these transfers with the forward's identical ones and keeps every visiting
+    # block alive until the backward, n x the local K/V, which a ring must not hold.
+    kv, own, carried = jnp.stack((k, v)), None, None
     for t in range(n):
         nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
-        dq_t, dk_t, dv_t = _grads(qg, do, lse, delta, qsegs, *kv, segs((me - t) % n), causal, block)
+        dq_t, dk_t, dv_t = _grads(qg, do, lse, delta, qsegs, kv[0], kv[1], segs((me - t) % n), causal, block)
         dq = dq + dq_t
         if t == 0:
-            own = (dk_t, dv_t)  # this device's block: its owner's share never travels
+            own = jnp.stack((dk_t, dv_t))  # this device's block: its owner's share never travels
         else:
             # The accumulator of the block held at step t starts at device owner+1
             # (step 1) and follows the block; after step n-1 it reaches the owner.
-            acc = (dk_t, dv_t) if carried is None else (carried[0] + dk_t, carried[1] + dv_t)
+            acc = jnp.stack((dk_t, dv_t)) if carried is None else carried + jnp.stack((dk_t, dv_t))
             carried = lax.ppermute(acc, axis, right)
         kv = nxt
-    dk, dv = own if carried is None else (own[0] + carried[0], own[1] + carried[1])
-    return _dq_out(dq, q), dk.astype(k.dtype), dv.astype(v.dtype)
+    dkv = own if carried is None else own + carried
+    return _dq_out(dq, q), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -508,8 +513,9 @@ _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 def context_attention(
     q: Float[Array, "batch seq heads head_dim"],
-    k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
+    # Unchecked names (_): a mismatch is context_attention's SpecError, which says more.
+    k: Float[Array, "_batch _seq _kv_heads _head_dim"],
+    v: Float[Array, "_batch _seq _kv_heads _head_dim"],
     *,
     causal: bool,
     axis: str = "context",
