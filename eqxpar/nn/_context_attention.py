@@ -23,7 +23,9 @@ Implementations:
   current one is used, so it can overlap the compute. The backward pass (a custom
   VJP) recomputes each tile's probabilities from the saved local `q`, `k`, `v`,
   output and log-sum-exp, and sends the keys and values around again with float32
-  dK/dV accumulators travelling alongside, which arrive at their owner at the end.
+  dK/dV accumulators travelling alongside: the accumulator of device `j`'s block
+  starts at `j+1` and reaches `j` after `n-1` hops, `j` adding its own share
+  locally, so dK/dV cost `n-1` transfers as K/V do.
 - `"allgather"`: gather all keys and values once (tiled `all_gather`), then attend
   locally with the right global positions; the backward pass reduce-scatters dK/dV
   (the transpose of the gather).
@@ -245,8 +247,8 @@ def _allowed(qpos: Array, kpos: Array, length: int, causal: bool) -> Array:
 
 
 def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool):
-    """Per sub-block of the key segment: its local key offsets and the `(q, block)`
-    mask maker, from the global positions of both segments."""
+    """The mask maker of the pair: sub-block `j` of the key segment -> its
+    `(q, block)` keep-mask, from the global positions of both segments."""
     qpos = qs.start + jnp.arange(qs.length)
 
     def allowed(j):
@@ -531,14 +533,16 @@ def context_attention(
     for this device's queries. Query head `i` reads key/value head
     `i // (heads / kv_heads)` (grouped-query); `causal` keeps keys at global
     positions `<=` the query's. Accumulation is float32; the output has `q`'s dtype.
-    Temp memory is `O(batch x heads x seq x block_size)` per key segment tile.
+    Temp memory, forward and backward, is one tile, `O(batch x heads x seq x
+    block_size)`, plus one visiting K/V block (ring) or all `n` blocks (allgather).
 
     Communication per device, with `B` the bytes of the local `k` plus `v`:
 
     - `impl="ring"`: forward sends `(n-1) B` (`n-1` ring steps of one K/V block);
-      backward sends `(n-1) B` of keys/values plus `(n-1) B'` of float32 dK/dV
-      accumulators (`B' = B` for float32 inputs, `2B` for bfloat16): `2 (n-1) B` in
-      float32. The program has `n` unrolled steps.
+      backward sends `(n-1) B` of keys/values again plus `(n-1) B32` of dK/dV
+      accumulators, `B32` being `k` plus `v` in float32 (`B` for float32 inputs,
+      `2B` for bfloat16): `2 (n-1) B` for float32. The program has `n` unrolled
+      steps (n is static), each issuing its transfer before its compute.
     - `impl="allgather"`: forward one all-gather of K and V (`(n-1) B` on a ring);
       backward one reduce-scatter each of dK, dV (`(n-1) B`), with `n B` of gathered
       K/V kept for the backward pass.
@@ -562,7 +566,7 @@ def context_attention(
     `causal`.
 
     ```python
-    mesh = jax.make_mesh((4,), ("context",))
+    mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     def f(q, k, v):
         return context_attention(q, k, v, causal=True)
     spec = P(None, "context")
