@@ -1,4 +1,5 @@
-"""A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar:
+"""A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar
+(only its weights are read from the `eqxpar.models.GPT`):
 the bar `tp_sp` and `tp_overlap` are timed against in the same process.
 
 Each device holds the rows of its `data` index and the sequence block of its `tensor`
@@ -18,6 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, PyTree
 
+from eqxpar.models import GPT
+
 from . import _workload
 from ._baseline import OwnStateStep, opt_specs
 
@@ -30,35 +33,22 @@ _BLOCK_SPECS = {
 }
 
 
-def params_of(model: _workload.Transformer) -> dict:
-    """The workload's weights (or gradients) as a dict of arrays, `(in, ..., out)` oriented."""
-    d = model.embed.weight.shape[1]
-    h = model.blocks[0].heads
-    hd = d // h
-    blocks = [
-        {
-            "ln1_w": b.ln1.weight,
-            "ln1_b": b.ln1.bias,
-            "w_qkv": b.qkv.weight.T.reshape(d, 3, h, hd),
-            "b_qkv": b.qkv.bias.reshape(3, h, hd),
-            "w_out": b.out.weight.T.reshape(h, hd, d),
-            "b_out": b.out.bias,
-            "ln2_w": b.ln2.weight,
-            "ln2_b": b.ln2.bias,
-            "w_up": b.up.weight.T,
-            "b_up": b.up.bias,
-            "w_down": b.down.weight.T,
-            "b_down": b.down.bias,
+def params_of(model: GPT) -> dict:
+    """The workload's weights (or gradients) as a dict of arrays, one dict per block."""
+
+    def block(b: Any) -> dict:
+        attn, mlp = b.attn, b.mlp
+        return {
+            **{"ln1_w": b.norm1.weight, "ln1_b": b.norm1.bias, "w_qkv": attn.wqkv},
+            **{"b_qkv": jnp.stack([attn.bq, attn.bk, attn.bv]), "w_out": attn.wo, "b_out": attn.bo},
+            **{"ln2_w": b.norm2.weight, "ln2_b": b.norm2.bias, "w_up": mlp.w_in[:, 0], "b_up": mlp.b_in[0]},
+            **{"w_down": mlp.w_out, "b_down": mlp.b_out},
         }
-        for b in model.blocks
-    ]
+
     return {
-        "embed": model.embed.weight,
-        "positions": model.positions.weight,
-        "blocks": blocks,
-        "lnf_w": model.ln_f.weight,
-        "lnf_b": model.ln_f.bias,
-        "head": model.head.weight.T,
+        **{"embed": model.embed.weight, "positions": model.positions, "head": model.head.weight},
+        "blocks": [block(model.blocks[i]) for i in range(model.config.num_layers)],
+        **{"lnf_w": model.final_norm.weight, "lnf_b": model.final_norm.bias},
     }
 
 
@@ -90,10 +80,12 @@ def _block(p: dict, x: Float[Array, "b s_local d"]) -> Float[Array, "b s_local d
     return x + lax.psum_scatter(up @ p["w_down"], "tensor", scatter_dimension=1, tiled=True) + p["b_down"]
 
 
-def _loss(params: dict, batch: _workload.Batch) -> Float[Array, ""]:
+def _loss(params: dict, tokens: _workload.Batch) -> Float[Array, ""]:
     # This device's rows, the whole sequence: its sequence block of the ids and labels.
-    i, block = lax.axis_index("tensor"), batch[0].shape[1] // lax.axis_size("tensor")
-    ids, labels = (lax.dynamic_slice_in_dim(t, i * block, block, axis=1) for t in batch)
+    i, block = lax.axis_index("tensor"), (tokens.shape[1] - 1) // lax.axis_size("tensor")
+    ids, labels = (
+        lax.dynamic_slice_in_dim(t, i * block, block, axis=1) for t in (tokens[:, :-1], tokens[:, 1:])
+    )
     positions = lax.dynamic_slice_in_dim(params["positions"], i * block, block, axis=0)
     # Numpy broadcasting, as users write it (the tests run under rank_promotion="raise").
     with jax.numpy_rank_promotion("allow"):
@@ -109,7 +101,7 @@ class HandwrittenSP(OwnStateStep):
     """The step above with its own (donated) state, run like a `JitStep`, on `mesh`
     (axes `data` and `tensor`); `model` is copied, never donated."""
 
-    def __init__(self, model: _workload.Transformer, optim: optax.GradientTransformation, mesh: Mesh):
+    def __init__(self, model: GPT, optim: optax.GradientTransformation, mesh: Mesh):
         params = params_of(model)
         specs = param_specs(params)
         state_specs = opt_specs(optim, params, specs)
@@ -124,7 +116,7 @@ class HandwrittenSP(OwnStateStep):
         super().__init__(step, optim, params, mesh, specs, state_specs, P("data"))
 
 
-def loss_and_grads(model: _workload.Transformer, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
+def loss_and_grads(model: GPT, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
     """The hand-written step's loss and gradients (as `params_of`'s dict), for tests."""
     params = params_of(model)
     specs = param_specs(params)

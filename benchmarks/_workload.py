@@ -1,14 +1,17 @@
-"""The benchmark workload (benchmarks/README.md) in plain Equinox, on purpose without
-eqxpar code: every strategy must handle an ordinary model."""
+"""The benchmark workload (benchmarks/README.md): `eqxpar.models.GPT` configured as a
+GPT-2-style decoder. It is the one model every record runs; a pipeline record only
+reorders its stacked blocks (`pipeline_model`)."""
 
 import dataclasses
-import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Int, PRNGKeyArray
+
+import eqxpar
+from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
 
 #: embed 131072 + positions 32768 + 4 x 789760 + final LayerNorm 512 + head 131072.
 PARAM_COUNT = 3_454_464
@@ -32,66 +35,31 @@ class Config:
 CONFIG = Config()
 
 
-class Block(eqx.Module):
-    """Pre-LayerNorm decoder block: x + attn(ln1(x)); x + mlp(ln2(x))."""
-
-    ln1: eqx.nn.LayerNorm
-    qkv: eqx.nn.Linear
-    out: eqx.nn.Linear
-    ln2: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-    heads: int = eqx.field(static=True)
-
-    def __init__(self, cfg: Config, *, key: PRNGKeyArray):
-        k_qkv, k_out, k_up, k_down = jax.random.split(key, 4)
-        self.ln1 = eqx.nn.LayerNorm(cfg.d_model)
-        self.qkv = eqx.nn.Linear(cfg.d_model, 3 * cfg.d_model, key=k_qkv)
-        self.out = eqx.nn.Linear(cfg.d_model, cfg.d_model, key=k_out)
-        self.ln2 = eqx.nn.LayerNorm(cfg.d_model)
-        self.up = eqx.nn.Linear(cfg.d_model, cfg.mlp, key=k_up)
-        self.down = eqx.nn.Linear(cfg.mlp, cfg.d_model, key=k_down)
-        self.heads = cfg.heads
-
-    def attention(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
-        seq, d = x.shape
-        q, k, v = jnp.split(jax.vmap(self.qkv)(x), 3, axis=-1)
-        q, k, v = (t.reshape(seq, self.heads, d // self.heads) for t in (q, k, v))
-        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(d // self.heads)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal[None, :, :], scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores, axis=-1)
-        mixed = jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, d)
-        return jax.vmap(self.out)(mixed)
-
-    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
-        x = x + self.attention(jax.vmap(self.ln1)(x))
-        h = jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.ln2)(x)))
-        return x + jax.vmap(self.down)(h)
+def gpt_config(cfg: Config = CONFIG) -> GPTConfig:
+    """GPT-2 style: learned positions, fused QKV with biases, LayerNorm, GELU, an
+    untied head, dense causal attention."""
+    return GPTConfig(
+        vocab_size=cfg.vocab,
+        d_model=cfg.d_model,
+        num_heads=cfg.heads,
+        num_layers=cfg.layers,
+        d_hidden=cfg.mlp,
+        max_seq_len=cfg.seq_len,
+        activation="gelu",
+        norm="layer",
+        tied=False,
+        rotary=False,
+        learned_positions=True,
+        use_bias=True,
+        fused_qkv=True,
+        attention="dense",
+    )
 
 
-class Transformer(eqx.Module):
-    """Decoder-only language model over one sequence: tokens (seq,) -> logits (seq, vocab)."""
-
-    embed: eqx.nn.Embedding
-    positions: eqx.nn.Embedding
-    blocks: list[Block]
-    ln_f: eqx.nn.LayerNorm
-    head: eqx.nn.Linear
-
-    def __init__(self, cfg: Config, *, key: PRNGKeyArray):
-        k_embed, k_pos, k_head, *k_blocks = jax.random.split(key, 3 + cfg.layers)
-        self.embed = eqx.nn.Embedding(cfg.vocab, cfg.d_model, key=k_embed)
-        self.positions = eqx.nn.Embedding(cfg.seq_len, cfg.d_model, key=k_pos)
-        self.blocks = [Block(cfg, key=k) for k in k_blocks]
-        self.ln_f = eqx.nn.LayerNorm(cfg.d_model)
-        self.head = eqx.nn.Linear(cfg.d_model, cfg.vocab, use_bias=False, key=k_head)
-
-    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        x = self.embed.weight[tokens] + self.positions.weight[: tokens.shape[0]]
-        for block in self.blocks:
-            x = block(x)
-        return jax.vmap(self.head)(jax.vmap(self.ln_f)(x))
+def make_model(cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> GPT:
+    """The workload's model from a fixed key."""
+    # Jitted: one compiled program rather than an eager op (and compile) per weight.
+    return eqx.filter_jit(GPT)(gpt_config(cfg), key=jax.random.key(0) if key is None else key)
 
 
 def param_count(model: eqx.Module) -> int:
@@ -100,26 +68,34 @@ def param_count(model: eqx.Module) -> int:
     return sum(x.size for x in leaves if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact))
 
 
-def make_model(cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> Transformer:
-    """The workload's model from a fixed key."""
-    return Transformer(cfg, key=jax.random.key(0) if key is None else key)
+#: One batch: `(batch, seq_len + 1)` token ids; each predicts the next.
+Batch = Int[Array, "batch seq_plus_1"]
+#: Next-token cross-entropy averaged over every predicted token.
+loss_fn = lm_loss
+#: The same loss in the three parts a pipeline runs.
+PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+
+#: Megatron tensor parallelism with the vocabulary whole: with 512 ids, splitting
+#: the embedding and head would cost more activation traffic than it saves.
+TENSOR_RULES = eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"})
+#: `TENSOR_RULES` plus the model dimension of every weight split over `fsdp`.
+TENSOR_FSDP_RULES = eqxpar.rules.Logical(
+    {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "embed": "fsdp"}
+)
 
 
-Batch = tuple[Int[Array, "batch seq"], Int[Array, "batch seq"]]
-
-
-def loss_fn(model: Transformer, batch: Batch) -> Float[Array, ""]:
-    """Next-token cross-entropy, averaged over sequences and positions."""
-    inputs, targets = batch
-    logits = jax.vmap(model)(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+@eqx.filter_jit
+def pipeline_model(model: GPT, *, stages: int = 1, chunks: int = 1) -> GPT:
+    """`model` with its blocks in the pipeline order of `stages` x `chunks`. Only moves
+    arrays, so it also maps the model's gradients."""
+    order = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=stages, chunks=chunks)
+    return eqx.tree_at(lambda m: m.blocks, model, order)
 
 
 def make_batches(n: int, cfg: Config = CONFIG) -> list[Batch]:
-    """`n` deterministic synthetic batches (inputs, next-token targets)."""
+    """`n` deterministic synthetic batches."""
     keys = (jax.random.fold_in(jax.random.key(1), i) for i in range(n))
-    tokens = [jax.random.randint(k, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab) for k in keys]
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return [jax.random.randint(k, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab) for k in keys]
 
 
 #: AdamW's first-moment decay, named: the harness reads the first step's gradients

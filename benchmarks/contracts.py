@@ -43,10 +43,6 @@ CLAUSES: dict[str, tuple[str, Check]] = {
         "step ≤ {} × the hand-written sequence-parallel step",
         lambda r, c, _: r["references"]["handwritten_sp"]["eqxpar_over_reference"] <= c,
     ),
-    "permute_bytes_eq_formula": (
-        "CP bytes = formula",
-        lambda r, c, _: r["comm_bytes"].get("collective-permute", 0) == r["comm_permute_bytes_formula"],
-    ),
     "temp_growth_max": ("temp growth 4p→16p < {:.0%}", lambda r, c, _: _temp_growth(r) < c),
     "temp_growth_min": ("temp growth 4p→16p ≥ {:.0%}", lambda r, c, _: _temp_growth(r) >= c),
     "bubble_below": (

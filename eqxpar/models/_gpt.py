@@ -20,7 +20,8 @@ class GPTConfig:
     **Fields:**
 
     - `vocab_size`: number of token ids (a multiple of the tensor axis size, which
-      splits the vocabulary: pad it, the extra ids never occur).
+      splits the vocabulary: pad it, the extra ids never occur; or keep the
+      vocabulary whole with rules that leave `"vocab"` unsplit).
     - `d_model`: width of the residual stream.
     - `num_heads`: query heads per block (a multiple of the tensor axis size).
     - `num_layers`: number of transformer blocks (one scanned `eqxpar.nn.Stacked`).
@@ -258,7 +259,8 @@ class GPT(eqx.Module):
 
         **Arguments:** `h`: the blocks' output.
 
-        **Returns:** logits with the whole sequence.
+        **Returns:** logits with the whole sequence; where the plan's rules keep the
+        vocabulary whole, every column for the `seq'` tokens of `h` instead.
 
         ```python
         logits = model.logits(model.blocks(model.embed_tokens(tokens)))
@@ -309,9 +311,11 @@ def gpt_last(
     """The last pipeline piece of `lm_loss`: final norm, head and the mean
     next-token cross-entropy of the blocks' output `h` against `tokens[:, 1:]`.
 
-    The head returns the whole sequence in every mode (under sequence parallelism it
-    gathers it), so the labels are the whole `tokens[:, 1:]`; the logits stay split
-    over the vocabulary and `eqxpar.nn.cross_entropy` reduces them without gathering.
+    A vocabulary-split head returns the whole sequence in every mode (under sequence
+    parallelism it gathers it), so the labels are the whole `tokens[:, 1:]`; the
+    logits stay split over the vocabulary and `eqxpar.nn.cross_entropy` reduces them
+    without gathering. Where the plan's rules keep `"vocab"` whole, each device scores
+    its own sequence block against the whole vocabulary, with no collective.
 
     **Arguments:** `model`; `h` `(batch, seq', d_model)`; `tokens` `(batch, seq + 1)`.
 
@@ -322,7 +326,11 @@ def gpt_last(
     ```
     """
     _check_tokens(tokens, "gpt_last")
-    return jnp.mean(nn.cross_entropy(model.logits(h), tokens[:, 1:]))
+    split = (model.embed if model.head is None else model.head).vocab_split()
+    per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], vocab_split=split)
+    # A whole-vocabulary head under sequence parallelism scores only this device's
+    # sequence block: average the blocks' means over the axis.
+    return jnp.mean(per_token) if split else nn.sequence_mean(per_token)
 
 
 def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:

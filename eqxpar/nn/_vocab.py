@@ -11,9 +11,12 @@ from .._collectives import psum_scatter
 from .._errors import SpecError
 from .._param import param
 from .._plan import current_plan
+from .._rules import mesh_axis_names
+from .._specs import partition_specs
 from ._context import TensorContext, tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul
+from ._sequence import split_sequence
 
 
 class Embedding(eqx.Module):
@@ -22,6 +25,11 @@ class Embedding(eqx.Module):
     In manual mode each device looks up the ids in its own rows (zeros elsewhere)
     and the partial embeddings are summed over the axis: an all-reduce, or under
     sequence parallelism a reduce-scatter that leaves each device its sequence block.
+
+    Where the plan's rules leave the logical `"vocab"` axis unsplit (a small
+    vocabulary: a rule set without `"vocab"`), the table is whole on every device and
+    the lookup needs no collective: under sequence parallelism each device looks up
+    only its sequence block of the ids (`vocab_split()` says which case holds).
 
     **Arguments:** `vocab_size`, `d_model`; keyword-only `axis="tensor"`, `dtype`, `key`.
 
@@ -47,9 +55,14 @@ class Embedding(eqx.Module):
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
-        check_split(self.weight.shape[0], self.vocab_size, ctx, what="Embedding.weight (vocab_size)")
+        split = self.vocab_split()
         if not ctx.manual:
-            return ctx.constrain(jnp.take(_whole_rows(self.weight, ctx), ids, axis=0), ctx.seq(), None)
+            table = _whole_rows(self.weight, ctx.axis if split else None)
+            return ctx.constrain(jnp.take(table, ids, axis=0), ctx.seq(), None)
+        if not split:
+            # Splitting the ids, not the looked-up rows: the backward pass then sums
+            # table-sized gradients over the axis rather than (batch, seq, d_model).
+            return jnp.take(self.weight, split_sequence(ids, axis=self.axis), axis=0)
         rows = self.weight.shape[0]
         local = ids - jax.lax.axis_index(ctx.axis) * rows
         inside = (local >= 0) & (local < rows)
@@ -81,13 +94,40 @@ class Embedding(eqx.Module):
         loss = eqxpar.nn.cross_entropy(logits, labels).mean()
         ```
         """
-        ctx = tensor_context(self.axis)
-        check_split(self.weight.shape[0], self.vocab_size, ctx, what="Embedding.weight (vocab_size)")
-        (logits,) = column_matmul(x, [self.weight.T], ctx)
+        return _unembed(x, self.weight.T, self.vocab_split(), tensor_context(self.axis))
+
+    def vocab_split(self) -> bool:
+        """Whether the vocabulary is split over the tensor axis where this is traced:
+        in manual mode, whether the weight is this device's shard of the rows; in
+        automatic mode, whether the active plan's rules split its `"vocab"` axis."""
+        return _vocab_split(self, 0, self.weight.shape[0], "Embedding.weight (vocab_size)")
+
+
+def _vocab_split(layer: eqx.Module, dim: int, rows: int, what: str) -> bool:
+    ctx = tensor_context(layer.axis)
+    whole = rows == layer.vocab_size
+    if not (ctx.manual and whole):
+        # A whole table inside the manual region is the rules' choice, not a mistake.
+        check_split(rows, layer.vocab_size, ctx, what=what)
+    if ctx.manual:
+        return not whole
+    plan = current_plan()
+    if plan is None:
+        return False
+    spec = partition_specs(layer, plan).weight
+    return dim < len(spec) and ctx.axis in mesh_axis_names(spec[dim])
+
+
+def _unembed(x: Array, weight: Array, split: bool, ctx: TensorContext) -> Array:
+    if split:
+        (logits,) = column_matmul(x, [weight], ctx)
         return logits
+    # The whole vocabulary on every device: no gather, even of a sequence block
+    # (the logits stay this device's block; `cross_entropy` splits the labels).
+    return ctx.constrain(jnp.tensordot(x, weight, axes=1), ctx.seq(), None)
 
 
-def _whole_rows(weight: Array, ctx: TensorContext) -> Array:
+def _whole_rows(weight: Array, axis: str | None) -> Array:
     # Automatic mode: a lookup reads whole rows, so give GSPMD the table split over
     # the vocabulary only. Under FSDP rules its model dimension is split too, and
     # GSPMD would otherwise have to move the looked-up rows from a feature split to
@@ -100,13 +140,15 @@ def _whole_rows(weight: Array, ctx: TensorContext) -> Array:
         or jax.sharding.get_abstract_mesh().manual_axes
     ):
         return weight
-    return jax.lax.with_sharding_constraint(weight, NamedSharding(plan.mesh, PartitionSpec(ctx.axis, None)))
+    return jax.lax.with_sharding_constraint(weight, NamedSharding(plan.mesh, PartitionSpec(axis, None)))
 
 
 class Unembed(eqx.Module):
     """The output head: `(batch, seq', d_model) -> (batch, seq, vocab)` logits with the
     vocabulary split over the tensor axis (never gathered; feed them to
-    `eqxpar.nn.cross_entropy`).
+    `eqxpar.nn.cross_entropy`). Where the plan's rules keep `"vocab"` whole, each
+    device computes all the logits of its own tokens: no collective, and under
+    sequence parallelism the logits are this device's sequence block.
 
     **Arguments:** `d_model`, `vocab_size`; keyword-only `axis="tensor"`, `dtype`, `key`.
     For an output head that shares the input embedding's weight, use
@@ -129,14 +171,19 @@ class Unembed(eqx.Module):
         self.vocab_size, self.axis = vocab_size, axis
 
     def __call__(self, x: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq vocab"]:
-        ctx = tensor_context(self.axis)
-        check_split(self.weight.shape[1], self.vocab_size, ctx, what="Unembed.weight (vocab_size)")
-        (logits,) = column_matmul(x, [self.weight], ctx)
-        return logits
+        return _unembed(x, self.weight, self.vocab_split(), tensor_context(self.axis))
+
+    def vocab_split(self) -> bool:
+        """As `Embedding.vocab_split`: whether the logits' vocabulary is split here."""
+        return _vocab_split(self, 1, self.weight.shape[1], "Unembed.weight (vocab_size)")
 
 
 def cross_entropy(
-    logits: Float[Array, "batch seq vocab"], labels: Int[Array, "_batch _seq"], *, axis: str = "tensor"
+    logits: Float[Array, "batch seq vocab"],
+    labels: Int[Array, "_batch _seq"],
+    *,
+    axis: str = "tensor",
+    vocab_split: bool = True,
 ) -> Float[Array, "batch seq"]:
     """Per-token softmax cross-entropy of vocabulary-split logits, without gathering them.
 
@@ -145,22 +192,34 @@ def cross_entropy(
     one number per token, so the traffic is O(batch x seq), not O(batch x seq x
     vocab). In automatic mode it is optax's cross-entropy on constrained logits.
 
-    **Arguments:** `logits` `(batch, seq, vocab or vocab / n)`, integer `labels`
-    `(batch, seq)`, keyword-only `axis`.
+    With `vocab_split=False` (the head's `vocab_split()` is False: the plan's rules
+    keep the vocabulary whole) the logits hold every column and no collective is
+    issued; under sequence parallelism in manual mode they are this device's sequence
+    block, and the labels are split to match (reduce the result with
+    `eqxpar.nn.sequence_mean`).
 
-    **Returns:** the loss of every token, `(batch, seq)`.
+    **Arguments:** `logits` `(batch, seq, vocab or vocab / n)` (or `(batch, seq / n,
+    vocab)`, see above), integer `labels` `(batch, seq)`, keyword-only `axis` and
+    `vocab_split`.
+
+    **Returns:** the loss of every token, `(batch, seq)` (`(batch, seq / n)` for a
+    sequence block).
 
     ```python
     loss = eqxpar.nn.cross_entropy(head(h), targets).mean()
     ```
     """
+    ctx = tensor_context(axis)
+    if not vocab_split and ctx.manual and logits.shape[1] != labels.shape[1]:
+        labels = split_sequence(labels, axis=axis)
     if logits.shape[:-1] != labels.shape:
         raise SpecError(
             f"cross_entropy: logits of shape {logits.shape} do not match labels of shape {labels.shape} "
             "in (batch, seq). Under sequence parallelism the output head gathers the sequence: pass "
             "the head's logits, not a sequence-split activation, and the whole label sequence."
         )
-    ctx = tensor_context(axis)
+    if not vocab_split:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     if not ctx.manual:
         return optax.softmax_cross_entropy_with_integer_labels(ctx.constrain(logits, None, ctx.axis), labels)
     columns = logits.shape[-1]
