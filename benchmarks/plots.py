@@ -38,18 +38,15 @@ def plot_comm(records: Sequence[dict[str, Any]], path: pathlib.Path) -> bool:
     if not records:
         return False
     fig, (ax,) = figure(size=(max(8.0, 0.9 * len(records) + 2), 4.5))
-    series = (
-        ("comm_wire_bytes_total", "eqxpar", "tab:blue"),
-        ("comm_wire_bytes_min", "theoretical minimum", "tab:green"),
-        ("comm_wire_bytes_baseline", "baseline: jax.jit (GSPMD); eqxpar GPipe for pipelines", "tab:gray"),
-    )
-    for i, (field, name, colour) in enumerate(series):
+    series = {"comm_wire_bytes_total": "eqxpar", "comm_wire_bytes_min": "theoretical minimum"}
+    series["comm_wire_bytes_baseline"] = "baseline: jax.jit (GSPMD); eqxpar GPipe for pipelines"
+    for i, (field, name) in enumerate(series.items()):
         # A missing value (no baseline, say) leaves a gap in its group, not a zero bar.
         points = [
             (j + (i - 1) * 0.8 / 3, r[field] / MB) for j, r in enumerate(records) if r.get(field) is not None
         ]
         if points:
-            ax.bar(*zip(*points, strict=True), 0.8 / 3, label=name, color=colour)
+            ax.bar(*zip(*points, strict=True), 0.8 / 3, label=name, color=f"C{i}")
     _bars(ax, records, "MB sent per device per step (ring)", "Collective wire bytes per step")
     ax.legend()
     fig.savefig(path, dpi=110)
@@ -58,15 +55,12 @@ def plot_comm(records: Sequence[dict[str, Any]], path: pathlib.Path) -> bool:
 
 def plot_step_ratio(records: Sequence[dict[str, Any]], path: pathlib.Path) -> bool:
     """Bars of step time over the baseline's, coloured by what the baseline is (legend)."""
-    rows = [(r, ratio(r["step_time_s"], r["baseline_step_time_s"])) for r in records]
-    rows = [(r, x) for r, x in rows if x is not None]
+    rows = [(r, x) for r in records if (x := ratio(r["step_time_s"], r["baseline_step_time_s"])) is not None]
     if not rows:
         return False
     fig, (ax,) = figure(size=(max(8.0, 0.8 * len(rows) + 2), 5.5))
-    groups: dict[str, list[int]] = {}
-    for i, (r, _) in enumerate(rows):
-        groups.setdefault(r["baseline"], []).append(i)
-    for colour, (name, indices) in enumerate(groups.items()):
+    for colour, name in enumerate(dict.fromkeys(r["baseline"] for r, _ in rows)):
+        indices = [i for i, (r, _) in enumerate(rows) if r["baseline"] == name]
         label = "vs " + textwrap.shorten(name, 110, placeholder=" ...")
         bars = ax.bar(indices, [rows[i][1] for i in indices], 0.6, color=f"C{colour}", label=label)
         ax.bar_label(bars, [f"{rows[i][1]:.2f}" for i in indices], fontsize=8, padding=2)
@@ -91,15 +85,13 @@ def plot_pipeline_memory(records: Sequence[dict[str, Any]], path: pathlib.Path) 
         return False
     fig, (ax,) = figure()
     for name, points in sweeps:
-        xs, ys = zip(*points, strict=True)
-        ax.plot(xs, [y / MiB for y in ys], marker="o", label=name)
+        ax.plot([m for m, _ in points], [t / MiB for _, t in points], marker="o", label=name)
     ticks = sorted({m for _, points in sweeps for m, _ in points})
     ax.set_xscale("log", base=2)  # micro-batches: powers of two
     ax.minorticks_off()
     ax.set_xticks(ticks, [f"{m:g}" for m in ticks])
-    ax.set(xlabel="micro-batches per step", ylabel="temp MiB per device")
+    ax.set(xlabel="micro-batches per step", ylabel="temp MiB per device", ylim=(0, None))
     ax.set_title("Pipeline activation memory against micro-batches")
-    ax.set_ylim(bottom=0)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110)
@@ -112,32 +104,17 @@ PLOTS = {
     "step_ratio.png": plot_step_ratio,
     "pipeline_memory.png": plot_pipeline_memory,
 }
-_COLOURS = {"dp": "tab:blue", "fsdp_manual": "tab:orange", "tp": "tab:green"}
 # DP's and FSDP's wire bytes coincide: the larger marker under the smaller keeps both visible.
-_MARKERS = {"dp": ("o", 9), "fsdp_manual": ("s", 5), "tp": ("^", 6)}
-
-
-def _series(rows: Sequence[dict], x: str, field: str, unit: float) -> tuple[list, list]:
-    points = [(r[x], r[field] / unit) for r in rows if r.get(field) is not None]
-    return [a for a, _ in points], [b for _, b in points]
-
-
-def _sweep_lines(axes: tuple, strategy: str, rows: Sequence[dict], x: str) -> None:
-    mem_ax, wire_ax, time_ax = axes
-    colour = _COLOURS.get(strategy)
-    marker, size = _MARKERS.get(strategy, ("D", 5))
-    style = {"color": colour, "marker": marker, "markersize": size}
-    for field, line, ax, unit, label in (
-        ("mem_argument_bytes", "-", mem_ax, MiB, f"{strategy}: arguments"),
-        ("mem_temp_bytes", "--", mem_ax, MiB, f"{strategy}: temp"),
-        ("comm_wire_bytes_total", "-", wire_ax, MB, f"{strategy}: eqxpar"),
-        ("step_time_ratio", "-", time_ax, 1.0, strategy),
-    ):
-        ax.plot(*_series(rows, x, field, unit), line, **style, label=label)
-    xs, ys = _series(rows, x, "comm_wire_bytes_min", MB)
-    wire_ax.plot(xs, ys, ":", color=colour, linewidth=3, alpha=0.5, label=f"{strategy}: minimum")
-    if (baseline := _series(rows, x, "comm_wire_bytes_baseline", MB))[0]:
-        wire_ax.plot(*baseline, "x", color=colour, markersize=9, label=f"{strategy}: jax.jit")
+_STYLES = {"dp": ("tab:blue", "o", 9), "fsdp_manual": ("tab:orange", "s", 5), "tp": ("tab:green", "^", 6)}
+#: (field, axis index, line, unit, label suffix) of the sweep plot's lines.
+_LINES = (
+    ("mem_argument_bytes", 0, "-", MiB, ": arguments"),
+    ("mem_temp_bytes", 0, "--", MiB, ": temp"),
+    ("comm_wire_bytes_total", 1, "-", MB, ": eqxpar"),
+    ("comm_wire_bytes_min", 1, ":", MB, ": minimum"),
+    ("comm_wire_bytes_baseline", 1, "x", MB, ": jax.jit"),
+    ("step_time_ratio", 2, "-", 1.0, ""),
+)
 
 
 def plot_sweep(
@@ -148,10 +125,17 @@ def plot_sweep(
     if not records:
         return False
     fig, axes = figure(ncols=3, size=(15.0, 4.6))
-    mem_ax, wire_ax, time_ax = axes
     for strategy in dict.fromkeys(r["strategy"] for r in records):
         rows = sorted((r for r in records if r["strategy"] == strategy), key=lambda r: r[x])
-        _sweep_lines(axes, strategy, rows, x)
+        colour, marker, size = _STYLES.get(strategy, (None, "D", 5))
+        for field, i, line, unit, suffix in _LINES:
+            points = [(r[x], r[field] / unit) for r in rows if r.get(field) is not None]
+            style = {"markersize": 9} if line == "x" else {"marker": marker, "markersize": size}
+            if line == ":":
+                style = {"linewidth": 3, "alpha": 0.5}
+            if points:
+                xs, ys = zip(*points, strict=True)
+                axes[i].plot(xs, ys, line, color=colour, label=strategy + suffix, **style)
     xs = sorted({r[x] for r in records})
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -160,15 +144,15 @@ def plot_sweep(
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    mem_ax.set_yscale("log")
+    axes[0].set_yscale("log")
     if min(r["comm_wire_bytes_total"] for r in records) > 0:  # a one-device point moves 0 bytes: no log
-        wire_ax.set_yscale("log")
-    mem_ax.set(ylabel="MiB per device (memory_analysis)", title="Per-device memory")
-    wire_ax.set(ylabel="MB sent per device per step (ring)", title="Collective wire bytes (dotted: minimum)")
-    time_ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-    time_ax.set(ylim=(0, None), ylabel="step time / reference step time")
+        axes[1].set_yscale("log")
+    axes[0].set(ylabel="MiB per device (memory_analysis)", title="Per-device memory")
+    axes[1].set(ylabel="MB sent per device per step (ring)", title="Collective wire bytes (dotted: minimum)")
+    axes[2].axhline(1.0, color="black", linewidth=1, linestyle="--")
+    axes[2].set(ylim=(0, None), ylabel="step time / reference step time")
     references = " / ".join(sorted({r["reference"] for r in records}))
-    time_ax.set_title(f"Step time vs {references}\n(shared cores: not a speed-up)", fontsize=10)
+    axes[2].set_title(f"Step time vs {references}\n(shared cores: not a speed-up)", fontsize=10)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     return True

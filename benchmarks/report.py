@@ -84,40 +84,22 @@ def _pipeline_row(r: dict) -> list[str]:
     ]
 
 
+_PARITY_COLUMNS = ("strategy", "loss rel err", "gradients max rel err", "gradients 2-norm rel err")
+_PARITY_COLUMNS += ("trajectory: params", "trajectory: last loss", "trajectory: eqxpar vs baseline")
+_REFERENCE_COLUMNS = ("strategy", "step", "step time (s)", "ratio to baseline", "eqxpar step / this step")
+_PIPELINE_COLUMNS = ("strategy", "schedule", "micro-batches × chunks", "ticks", "bubble (lockstep)", "CP MB")
+_PIPELINE_COLUMNS += ("wire MB", "min MB", "wire/min", "temp MiB at 4p / 8p / 16p micro-batches")
+_PIPELINE_COLUMNS += ("step ratio to GPipe",)
 #: (heading, columns, the rows of one record), in the order they are rendered.
 SECTIONS = (
     ("Records", COLUMNS, lambda r: [row(r)]),
-    (
-        "Parity",
-        (
-            "strategy",
-            "loss rel err",
-            "gradients max rel err",
-            "gradients 2-norm rel err",
-            "trajectory: params",
-        )
-        + ("trajectory: last loss", "trajectory: eqxpar vs baseline"),
-        lambda r: [[r["strategy"], *(fmt(r.get(k), ".2e") for k in _PARITY)]],
-    ),
+    ("Parity", _PARITY_COLUMNS, lambda r: [[r["strategy"], *(fmt(r.get(k), ".2e") for k in _PARITY)]]),
     (
         "Sequence parallelism against a hand-written step",
-        ("strategy", "step", "step time (s)", "ratio to baseline", "eqxpar step / this step"),
+        _REFERENCE_COLUMNS,
         lambda r: _reference_rows(r) if "references" in r else [],
     ),
-    (
-        "Pipelines",
-        (
-            "strategy",
-            "schedule",
-            "micro-batches × chunks",
-            "ticks",
-            "bubble (lockstep)",
-            "CP MB",
-        )
-        + ("wire MB", "min MB", "wire/min", "temp MiB at 4p / 8p / 16p micro-batches")
-        + ("step ratio to GPipe",),
-        lambda r: [_pipeline_row(r)] if "schedule" in r else [],
-    ),
+    ("Pipelines", _PIPELINE_COLUMNS, lambda r: [_pipeline_row(r)] if "schedule" in r else []),
     ("Contracts", ("strategy", "held to"), lambda r: [[r["strategy"], contracts.describe(r["contract"])]]),
 )
 

@@ -10,6 +10,7 @@ a reference timed in the same process, step by step.
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -67,15 +68,11 @@ def measure_point(
     least = setup.minimum(eqx_model, cfg)
     record = {"sweep": sweep, "strategy": strategy, "mesh": {k: v for k, v in mesh.items() if v > 1}}
     record.update(devices=math.prod(mesh.values()), d_model=cfg.d_model, params=_workload.param_count(model))
-    record |= {
-        **_measure.step_fields(runner.compile(), least),
-        "comm_wire_bytes_baseline": None,
-        "vs_baseline_params_rel_err": None,
-    }
-    wire = record["comm_wire_bytes_total"]
+    record |= {**_measure.step_fields(runner.compile(), least), "comm_wire_bytes_baseline": None}
+    wire, record["vs_baseline_params_rel_err"] = record["comm_wire_bytes_total"], None
     # 0 / 0 (one device, nothing to move) is "at the minimum".
     record["wire_over_min"] = (
-        wire / least.total_wire_bytes if least.total_wire_bytes else (1.0 if wire == 0 else None)
+        wire / least.total_wire_bytes if least.total_wire_bytes else float(wire == 0) or None
     )
     if single is None:
         record["comm_wire_bytes_baseline"] = _measure.wire_bytes(other.compile())
@@ -114,15 +111,13 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 #: sweep -> (PNG, x field, x label, title).
-_PLOTS = {
-    "devices": ("scaling_devices.png", "devices", "devices", "Scaling with devices (d_model 256)"),
-    "width": (
-        "scaling_width.png",
-        "d_model",
-        "d_model (4 heads, MLP 4 x d)",
-        "Scaling with width (8 devices)",
-    ),
-}
+_PLOTS = {"devices": ("scaling_devices.png", "devices", "devices", "Scaling with devices (d_model 256)")}
+_PLOTS["width"] = (
+    "scaling_width.png",
+    "d_model",
+    "d_model (4 heads, MLP 4 x d)",
+    "Scaling with width (8 devices)",
+)
 
 
 def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: pathlib.Path | None) -> list:
@@ -135,7 +130,8 @@ def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: 
     if markdown is not None:
         run = [f"`{data['command']}`", data["jax"], str(data["cpu_count"]), f"{data['wall_time_s']:.0f}"]
         single = [
-            f"{data['single_device'][k] / report.MiB:.1f}" for k in ("mem_argument_bytes", "mem_temp_bytes")
+            report.fmt(data["single_device"][k], ".1f", report.MiB)
+            for k in ("mem_argument_bytes", "mem_temp_bytes")
         ]
         parts = [
             "### Run",
@@ -149,51 +145,39 @@ def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: 
     return written
 
 
-def _sweep(data: dict, sweeps: Sequence[str], quick: bool, optim: Any, batches: Sequence, **timing) -> None:
-    def add(key: str, record: dict) -> None:
-        data[key].append(record)
-        print(" | ".join(row(record)) + f"  ({record['wall_s']:.0f} s)", flush=True)
-
-    if "devices" in sweeps:
-        model = _workload.make_model()
-        # One compiled single-device step serves every point, so it keeps training
-        # across points: its step time is the reference, its numbers are not.
-        single = _measure.BaselineRunner(single_device(model, optim), batches)
-        for strategy, meshes in DEVICE_SWEEP.items():
-            for mesh in meshes:
-                point = measure_point(
-                    "devices",
-                    strategy,
-                    mesh,
-                    _workload.CONFIG,
-                    model,
-                    optim,
-                    batches,
-                    single=single,
-                    **timing,
-                )
-                add("devices_sweep", point)
-        data["single_device"] = {"d_model": _workload.CONFIG.d_model, **_measure.memory(single.compile())}
+def _points(sweeps: Sequence[str], quick: bool):
+    """`(sweep, strategy, mesh, cfg)` of every point, in the order they are measured."""
+    for strategy, meshes in DEVICE_SWEEP.items() if "devices" in sweeps else ():
+        yield from (("devices", strategy, mesh, _workload.CONFIG) for mesh in meshes)
     for d_model in WIDTHS if "width" in sweeps else ():
-        cfg = config(d_model)
-        model = _workload.make_model(cfg)
         for strategy, mesh in WIDTH_MESH.items():
             if not quick or strategy in WIDTH_QUICK:
-                add(
-                    "width_sweep",
-                    measure_point("width", strategy, mesh, cfg, model, optim, batches, **timing),
-                )
+                yield "width", strategy, mesh, config(d_model)
+
+
+def _sweep(data: dict, sweeps: Sequence[str], quick: bool, optim: Any, batches: Sequence, **timing) -> None:
+    model, single = functools.cache(_workload.make_model), None
+    if "devices" in sweeps:
+        # One compiled single-device step serves every devices point, so it keeps
+        # training across points: its step time is the reference, its numbers are not.
+        single = _measure.BaselineRunner(single_device(model(_workload.CONFIG), optim), batches)
+        data["single_device"] = {"d_model": _workload.CONFIG.d_model, **_measure.memory(single.compile())}
+    for sweep, strategy, mesh, cfg in _points(sweeps, quick):
+        reference = single if sweep == "devices" else None
+        point = measure_point(
+            sweep, strategy, mesh, cfg, model(cfg), optim, batches, single=reference, **timing
+        )
+        data[f"{sweep}_sweep"].append(point)
+        print(" | ".join(row(point)) + f"  ({point['wall_s']:.0f} s)", flush=True)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
-    parser.add_argument(
-        "--png-dir", type=pathlib.Path, help="also write scaling_devices.png and scaling_width.png"
-    )
+    parser.add_argument("--png-dir", type=pathlib.Path, help="also write scaling_{devices,width}.png")
     parser.add_argument("--markdown", type=pathlib.Path, help="also write the tables into this Markdown page")
     parser.add_argument(
-        "--quick", action="store_true", help=f"{QUICK[0]} warm + {QUICK[1]} timed steps per side"
+        "--quick", action="store_true", help=f"{QUICK[0]} warm + {QUICK[1]} timed steps a side"
     )
     parser.add_argument("--replot", action="store_true", help="measure nothing: redraw from --json")
     parser.add_argument("--sweeps", default="devices,width", help="comma-separated: devices, width")
@@ -212,9 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"wrote {', '.join(map(str, written)) or 'nothing (give --png-dir or --markdown)'}")
         return data
     if jax.device_count() != DEVICES:
-        sys.exit(
-            f"the sweeps need {DEVICES} devices, jax sees {jax.device_count()} (was jax imported before?)"
-        )
+        sys.exit(f"the sweeps need {DEVICES} devices, jax sees {jax.device_count()} (jax imported before?)")
     if args.png_dir is not None:
         plots.figure()  # fail now, not after the sweeps, without matplotlib
     started = time.perf_counter()

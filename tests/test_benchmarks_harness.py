@@ -41,7 +41,9 @@ def test_pipeline_loss_is_the_workloads():
     assert_trees_close_to_scale(got_grads, grads)
     reordered = _workload.pipeline_model(model, stages=2, chunks=1)
     back = _measure.invert(lambda m: _workload.pipeline_model(m, stages=2, chunks=1), reordered, model)
-    assert_trees_close_to_scale(eqx.filter(back, eqx.is_inexact_array), eqx.filter(model, eqx.is_inexact_array))
+    assert_trees_close_to_scale(
+        eqx.filter(back, eqx.is_inexact_array), eqx.filter(model, eqx.is_inexact_array)
+    )
 
 
 def test_handwritten_sp_step_is_the_workload():

@@ -322,3 +322,40 @@ def test_manual_fsdp_rejects_a_dimension_split_over_fsdp_and_tensor():
     plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4), rules=rules, mode="manual")
     with pytest.raises(eqxpar.PlanError, match="mixing data-parallel axes"):
         eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batches(1)[0])
+
+
+_CONCURRENT_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import benchmarks, dataclasses, jax, eqxpar
+from benchmarks import _workload
+cfg = _workload.CONFIG
+optim = _workload.make_optimizer(cfg)
+rules = _workload.TENSOR_FSDP_RULES
+plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4), rules=rules, mode="manual", sequence_parallel=True)
+step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
+state = eqxpar.train.init(_workload.make_model(cfg), optim, plan, key=jax.random.key(0))
+batch = eqxpar.shard_batch(_workload.make_batches(1, cfg)[0], plan)
+for _ in range(2):
+    state, metrics = step(state, batch)
+    print(float(metrics["loss"]), flush=True)
+"""
+
+
+def test_manual_fsdp_tensor_stack_at_full_size_runs_its_collectives_in_one_order():
+    # At this size XLA:CPU runs independent parts of a loop body concurrently: a
+    # layer's FSDP gathers (over fsdp) and its sequence-parallel gathers (over
+    # tensor) started in different orders on different devices and the process
+    # aborted after 40 s. The scan body now makes the block wait for its gathers.
+    # A subprocess: a deadlock must fail this test, not abort the suite.
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", _CONCURRENT_SCRIPT, str(root)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(line) for line in result.stdout.split()]
+    assert len(losses) == 2 and losses[1] < losses[0]

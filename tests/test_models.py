@@ -1,5 +1,6 @@
 """eqxpar.models: one GPT definition gives the single-device loss and gradients
-under every plan (data parallel, FSDP, tensor parallel automatic and manual, with
+under every plan (data parallel, FSDP, tensor parallel automatic and manual, the vocabulary
+split or whole, with
 sequence parallelism, ring overlap, partial-manual, remat), tied and untied,
 SwiGLU and GELU, grouped-query attention; over three optimizer steps for two of
 them. Tied heads, the pipeline pieces, generation and the MLP classifier."""
@@ -74,6 +75,23 @@ PLANS = [
             remat="full",
         ),
     ),
+]
+
+# Megatron with the vocabulary whole on every device (a small vocabulary).
+WHOLE_VOCAB = eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"})
+PLANS += [
+    (
+        f"whole-vocab-{name}",
+        config,
+        lambda options=options: eqxpar.Plan(mesh(data=2, tensor=4), rules=WHOLE_VOCAB, **options),
+    )
+    for name, config, options in [
+        ("auto", "gelu-untied", {}),
+        ("sync", "swiglu-tied-gqa", {"mode": "manual"}),
+        ("sp", "gelu-untied", {"mode": "manual", "sequence_parallel": True}),
+        ("sp-tied", "swiglu-tied-gqa", {"mode": "manual", "sequence_parallel": True}),
+        ("auto-sp", "swiglu-tied-gqa", {"sequence_parallel": True}),
+    ]
 ]
 
 # Trained for three SGD steps against single-device training.
@@ -332,63 +350,16 @@ def test_gpt2_style_positions_tell_tokens_apart():
     assert last_logits(dataclasses.replace(GPT2_STYLE, learned_positions=False)) < 1e-5
 
 
-#: The benchmark workload (benchmarks/_workload.py) as a GPTConfig: the GPT-2
-#: style options at the workload's sizes.
-WORKLOAD = dataclasses.replace(
-    GPT2_STYLE, vocab_size=512, d_model=256, num_heads=4, num_layers=4, d_hidden=1024, max_seq_len=128
-)
-
-
-def gpt_from_workload(w, config: GPTConfig) -> GPT:
-    """The workload model `w`'s weights in a `GPT` of `config`: eqx.nn.Linear stores
-    `(out, in)`, the eqxpar layers `(in, ..., out)`, and the stack one leading layer axis."""
-    d, h, hd = config.d_model, config.num_heads, config.head_dim
-
-    def stack(f):
-        return jnp.stack([f(b) for b in w.blocks])
-
-    qkv_bias = stack(lambda b: b.qkv.bias.reshape(3, h, hd))
-    values = (
-        *(w.embed.weight, w.positions.weight, stack(lambda b: b.ln1.weight), stack(lambda b: b.ln1.bias)),
-        stack(lambda b: b.qkv.weight.T.reshape(d, 3, h, hd)),
-        *(qkv_bias[:, 0], qkv_bias[:, 1], qkv_bias[:, 2]),
-        *(stack(lambda b: b.out.weight.T.reshape(h, hd, d)), stack(lambda b: b.out.bias)),
-        *(stack(lambda b: b.ln2.weight), stack(lambda b: b.ln2.bias)),
-        *(stack(lambda b: b.up.weight.T[:, None, :]), stack(lambda b: b.up.bias[None, :])),
-        *(stack(lambda b: b.down.weight.T), stack(lambda b: b.down.bias)),
-        *(w.ln_f.weight, w.ln_f.bias, w.head.weight.T),
-    )
-
-    def where(m):
-        b = m.blocks.blocks
-        return (
-            *(m.embed.weight, m.positions, b.norm1.weight, b.norm1.bias, b.attn.wqkv),
-            *(b.attn.bq, b.attn.bk, b.attn.bv, b.attn.wo, b.attn.bo, b.norm2.weight, b.norm2.bias),
-            *(b.mlp.w_in, b.mlp.b_in, b.mlp.w_out, b.mlp.b_out),
-            *(m.final_norm.weight, m.final_norm.bias, m.head.weight),
-        )
-
-    # Every array is replaced, so the template needs shapes only.
-    return eqx.tree_at(where, eqx.filter_eval_shape(GPT, config, key=jax.random.key(0)), values)
-
-
-def test_gpt_expresses_the_benchmark_workload():
+def test_the_benchmark_workload_is_the_gpt2_style_config():
+    # The benchmarks run this GPT: the GPT-2 style options at the workload's sizes.
     from benchmarks import _workload
 
-    shapes = eqx.filter_eval_shape(GPT, WORKLOAD, key=jax.random.key(0))
-    count = sum(x.size for x in jax.tree.leaves(shapes) if jnp.issubdtype(x.dtype, jnp.inexact))
-    assert count == _workload.PARAM_COUNT == 3_454_464
-    # The same function: the workload's own model and its weights in a GPT give one loss.
-    reference = _workload.make_model()
-    batch = jax.random.randint(jax.random.key(7), (2, WORKLOAD.max_seq_len + 1), 0, WORKLOAD.vocab_size)
-
-    @eqx.filter_jit
-    def both(reference, batch):
-        gpt = gpt_from_workload(reference, WORKLOAD)
-        return _workload.loss_fn(reference, (batch[:, :-1], batch[:, 1:])), lm_loss(gpt, batch)
-
-    ref_loss, loss = both(reference, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    workload = dataclasses.replace(
+        GPT2_STYLE, vocab_size=512, d_model=256, num_heads=4, num_layers=4, d_hidden=1024, max_seq_len=128
+    )
+    assert dataclasses.replace(_workload.gpt_config(), attention="auto") == workload
+    shapes = eqx.filter_eval_shape(_workload.make_model)
+    assert isinstance(shapes, GPT) and _workload.param_count(shapes) == _workload.PARAM_COUNT == 3_454_464
 
 
 def test_gpt_config_rejects_a_fused_qkv_with_grouped_query_heads():
@@ -397,3 +368,30 @@ def test_gpt_config_rejects_a_fused_qkv_with_grouped_query_heads():
         GPTConfig(
             vocab_size=8, d_model=8, num_heads=4, num_kv_heads=2, num_layers=1, d_hidden=8, fused_qkv=True
         )
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_whole_vocab_embedding_and_head_move_no_activations(gpts, sequence_parallel):
+    # With "vocab" unsplit the lookup, the head and the loss run on each device's own
+    # tokens: no embedding all-reduce (or reduce-scatter), no cross-entropy
+    # reductions, no gather of the sequence before the head. What stays over tensor
+    # is the blocks' traffic (per block: the attention and MLP outputs forward and
+    # their inputs' cotangents backward) plus the gradient reductions.
+    model = gpts["gelu-untied"]
+
+    def counts(rules):
+        plan = eqxpar.Plan(
+            mesh(data=2, tensor=4), rules=rules, mode="manual", sequence_parallel=sequence_parallel
+        )
+        step = eqxpar.train.make_step(lm_loss, optax.sgd(0.1), plan)
+        state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
+        return eqxpar.inspect.collective_stats(step.compile(state, eqxpar.shard_batch(tokens(1), plan))).count
+
+    whole, split = counts(WHOLE_VOCAB), counts(eqxpar.rules.MEGATRON)
+    layers = CONFIGS["gelu-untied"].num_layers
+    if sequence_parallel:
+        assert whole["all-gather"] == whole["reduce-scatter"] == 4 * layers
+        assert split["all-gather"] == split["reduce-scatter"] == 4 * layers + 2
+    else:
+        # 4 activation all-reduces a block, then the gradients' (fused by XLA).
+        assert 4 * layers < whole["all-reduce"] <= 4 * layers + 2 < split["all-reduce"]

@@ -1,5 +1,6 @@
 """A stack of identical blocks stored once and run with `lax.scan`."""
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,12 +112,20 @@ class Stacked(eqx.Module):
         if key is not None and not _accepts_key(self.blocks):
             key = None
 
+        # XLA:CPU runs independent collectives of a loop body concurrently: fence a
+        # layer's FSDP gathers (and, transposed, its reduce-scatters) off from the
+        # block's own collectives over other axes, or the simulated devices can
+        # start them in different orders and wait on each other for ever.
+        fence = gathers is not None and plan is not None and plan.mesh.devices.flat[0].platform == "cpu"
+
         def layer(h, params):
             if key is not None:
                 params, layer_key = params
             if gathers is not None:
                 leaves, treedef = jax.tree.flatten(params)
                 leaves = [gather_weights(x, g) for x, g in zip(leaves, gathers, strict=True)]
+                if fence:
+                    h = _wait_for(h, leaves)
                 params = jax.tree.unflatten(treedef, leaves)
             block = eqx.combine(params, static)
             if key is not None:
@@ -159,3 +168,47 @@ def _accepts_key(block: Any) -> bool:
         or (p.name == "key" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
         for p in params
     )
+
+
+def _varying(x: Any) -> frozenset:
+    # The manual mesh axes along which `x` differs between devices.
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def _zero_of(leaves: Sequence[jax.Array]) -> jax.Array:
+    # A float32 zero that depends on the leaves: XLA keeps `x * 0` for floats
+    # (0 * inf is NaN), so whatever adds it waits for them.
+    return sum((x.reshape(-1)[0] * 0).astype(jnp.float32) for x in leaves) + jnp.zeros((), jnp.float32)
+
+
+def _wait_for(a: jax.Array, b: Sequence[jax.Array]) -> jax.Array:
+    """`a`, made to wait for the arrays `b` (a data dependency, which XLA:CPU's
+    executor respects, unlike an optimization barrier); backward, their cotangents
+    wait for `a`'s. Only the arrays that vary over the same mesh axes as `a` are
+    tied: adding a zero must change no type."""
+    varying = tuple(tuple(sorted(_varying(x))) for x in b)
+    tied = tuple(v == tuple(sorted(_varying(a))) for v in varying)
+    return _after(a, list(b), tied, varying) if any(tied) else a
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _after(a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple) -> jax.Array:
+    return a + _zero_of([x for x, t in zip(b, tied, strict=True) if t]).astype(a.dtype)
+
+
+def _after_fwd(a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple) -> tuple[jax.Array, Any]:
+    return _after(a, b, tied, varying), [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in b]
+
+
+def _after_bwd(
+    tied: tuple[bool, ...], varying: tuple, outline: list, ct: jax.Array
+) -> tuple[jax.Array, list]:
+    zero = _zero_of([ct])
+    cts = []
+    for o, t, axes in zip(outline, tied, varying, strict=True):
+        z = jnp.zeros(o.shape, o.dtype)
+        cts.append(z + zero.astype(o.dtype) if t else jax.lax.pcast(z, axes, to="varying") if axes else z)
+    return ct, cts
+
+
+_after.defvjp(_after_fwd, _after_bwd)
