@@ -119,8 +119,14 @@ def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_option
     """Tensor parallelism, Megatron layout with the vocabulary whole; automatic TP is held
     to `jax.jit` TP's speed, sequence parallelism to a hand-written shard_map step's."""
     setup = _sharded(model, optim, mesh, cfg, rules=_workload.TENSOR_RULES, **plan_options)
+    # Held to GSPMD's bytes give or take the scalars eqxpar's step adds (loss,
+    # gradient norm). Sequence parallelism moves 1.65 % more than Megatron without it
+    # (the replicated weights' gradients, computed on sequence blocks, are summed over
+    # `tensor` too), which is GSPMD's layout here: held to the minimum instead.
+    wire = {"wire_over_min_max": 1.05, "parity_max_rel_err": 1e-5}
     if setup.plan.mode == "auto":
-        return dataclasses.replace(setup, contract={**STANDARD, "step_ratio_max": 1.05})
+        contract = {**wire, "wire_le_baseline_plus_bytes": 1024, "step_ratio_max": 1.05}
+        return dataclasses.replace(setup, contract=contract)
     references = {
         "handwritten_sp": (
             "hand-written shard_map TP + sequence parallel (benchmarks/_handwritten_sp.py)",
@@ -129,7 +135,7 @@ def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_option
     }
     if not plan_options.get("tp_overlap"):
         references["single_device"] = ("jax.jit step of the whole batch on one device", single_device)
-    contract = {**STANDARD, "step_ratio_max": 0.9, "step_ratio_vs_handwritten_sp_max": 1.25}
+    contract = {**wire, "step_ratio_max": 0.9, "step_ratio_vs_handwritten_sp_max": 1.25}
     return dataclasses.replace(setup, contract=contract, references=references)
 
 

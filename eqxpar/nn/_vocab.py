@@ -110,7 +110,9 @@ def _vocab_split(layer: eqx.Module, dim: int, rows: int, what: str) -> bool:
         # A whole table inside the manual region is the rules' choice, not a mistake.
         check_split(rows, layer.vocab_size, ctx, what=what)
     if ctx.manual:
-        return not whole
+        # Over one device "split" and "whole" are the same table: keep the split
+        # path, whose reductions mark the result the same on every device.
+        return not whole or ctx.size == 1
     plan = current_plan()
     if plan is None:
         return False
