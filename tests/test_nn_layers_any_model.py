@@ -209,3 +209,23 @@ def test_pooling_under_sequence_parallelism_matches_one_device():
     loss, grads = eqxpar.train.make_value_and_grad(encoder_loss, plan)(model, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     assert_trees_close_to_scale(grads, ref_grads)
+
+
+@pytest.mark.parametrize("vocab_rules", ["split", "whole"])
+def test_sequence_that_does_not_split_names_the_padding(vocab_rules):
+    # 10 tokens over tensor 4: the error says to pad by 2 to 12, whichever layer
+    # meets the sequence first (the vocabulary-parallel embedding, or split_sequence
+    # in front of a replicated one).
+    from eqxpar.models import GPT, GPTConfig, lm_loss
+
+    config = GPTConfig(vocab_size=32, d_model=32, num_heads=4, num_layers=1, d_hidden=64, max_seq_len=16)
+    model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
+    rules = {
+        "split": eqxpar.rules.MEGATRON,
+        "whole": eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"}),
+    }[vocab_rules]
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=rules, mode="manual", sequence_parallel=True)
+    tokens = jnp.zeros((8, 11), jnp.int32)
+    match = r"sequence \(10 tokens\).*4 devices of mesh axis 'tensor'.*Pad every sequence by 2 to 12 tokens"
+    with pytest.raises(eqxpar.DivisibilityError, match=match):
+        eqxpar.train.make_value_and_grad(lm_loss, plan)(model, tokens)

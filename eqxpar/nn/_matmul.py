@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from .._collectives import all_gather, all_gather_matmul, matmul_reduce_scatter, psum_scatter
 from .._errors import DivisibilityError, PlanError
 from ._context import TensorContext
+from ._sequence import check_sequence_splits
 
 
 def lift(b: jax.Array, ndim: int) -> jax.Array:
@@ -117,12 +118,7 @@ def row_matmul(x: jax.Array, w: jax.Array, ctx: TensorContext, *, in_dims: int =
         return ctx.constrain(y, ctx.seq(), None)
     if not ctx.sequence_parallel:
         return jax.lax.psum(jnp.tensordot(x, w, axes=in_dims), ctx.axis)
-    if x.shape[1] % ctx.size:
-        raise DivisibilityError(
-            f"sequence parallelism splits the sequence ({x.shape[1]}) over the {ctx.size} devices of "
-            f"mesh axis {ctx.axis!r}, which do not divide it. Use a sequence length that is a "
-            f"multiple of {ctx.size}."
-        )
+    check_sequence_splits(x.shape[1], ctx, "row-parallel layer output")
     if ctx.overlap:
         k = math.prod(w.shape[:in_dims])
         return matmul_reduce_scatter(

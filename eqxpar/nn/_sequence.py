@@ -6,7 +6,20 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
 from .._errors import DivisibilityError
-from ._context import tensor_context
+from ._context import TensorContext, tensor_context
+
+
+def check_sequence_splits(length: int, ctx: TensorContext, where: str) -> None:
+    """Raise, naming the padding to use, when sequence parallelism cannot split a
+    sequence of `length` tokens evenly over `ctx`'s devices."""
+    if length % ctx.size:
+        pad = -length % ctx.size
+        raise DivisibilityError(
+            f"{where}: Plan(sequence_parallel=True) splits the sequence ({length} tokens) over the "
+            f"{ctx.size} devices of mesh axis {ctx.axis!r}, which do not divide it. Pad every sequence "
+            f"by {pad} to {length + pad} tokens (and leave the padded positions out of the loss), or "
+            f"use a length that is a multiple of {ctx.size}."
+        )
 
 
 def split_sequence(
@@ -44,12 +57,7 @@ def split_sequence(
             return x
         return ctx.constrain(x, ctx.seq(), *([None] * (x.ndim - 2)))
     length = x.shape[seq_dim]
-    if length % ctx.size:
-        raise DivisibilityError(
-            f"split_sequence: the sequence ({length}, dimension {seq_dim} of shape {x.shape}) does not "
-            f"split over the {ctx.size} devices of mesh axis {axis!r}. Use a sequence length that is "
-            f"a multiple of {ctx.size}."
-        )
+    check_sequence_splits(length, ctx, f"split_sequence (dimension {seq_dim} of shape {x.shape})")
     block = length // ctx.size
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * block, block, axis=seq_dim)
 

@@ -16,7 +16,7 @@ from .._specs import partition_specs
 from ._context import TensorContext, tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul
-from ._sequence import split_sequence
+from ._sequence import check_sequence_splits, split_sequence
 
 
 class Embedding(eqx.Module):
@@ -69,6 +69,7 @@ class Embedding(eqx.Module):
         found = jnp.take(self.weight, jnp.clip(local, 0, rows - 1), axis=0)
         partial = jnp.where(inside[..., None], found, jnp.zeros((), found.dtype))
         if ctx.sequence_parallel:
+            check_sequence_splits(ids.shape[1], ctx, "Embedding")
             return psum_scatter(partial, axis_name=ctx.axis, axis=1)
         return jax.lax.psum(partial, ctx.axis)
 
