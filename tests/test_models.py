@@ -1,9 +1,8 @@
 """eqxpar.models: one GPT definition gives the single-device loss and gradients
-under every plan (data parallel, FSDP, tensor parallel automatic and manual, the vocabulary
-split or whole, with
-sequence parallelism, ring overlap, partial-manual, remat), tied and untied,
-SwiGLU and GELU, grouped-query attention; over three optimizer steps for two of
-them. Tied heads, the pipeline pieces, generation and the MLP classifier."""
+under every plan (data parallel, FSDP, tensor parallel automatic and manual with the
+vocabulary split or whole, sequence parallelism, ring overlap, partial-manual, remat),
+tied and untied, SwiGLU and GELU, grouped-query attention; over three optimizer steps
+for two of them. Tied heads, the pipeline pieces, generation and the MLP classifier."""
 
 import dataclasses
 
