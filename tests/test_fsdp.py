@@ -3,6 +3,10 @@ parallelism, on a scanned stack of eqxpar.nn blocks and on a plain Equinox model
 parity with single-device training over 5 steps, per-device memory, the bytes the
 compiled step moves, mixed precision, and misuse."""
 
+import pathlib
+import subprocess
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -348,10 +352,6 @@ def test_manual_fsdp_tensor_stack_at_full_size_runs_its_collectives_in_one_order
     # tensor) started in different orders on different devices and the process
     # aborted after 40 s. The scan body now makes the block wait for its gathers.
     # A subprocess: a deadlock must fail this test, not abort the suite.
-    import pathlib
-    import subprocess
-    import sys
-
     root = pathlib.Path(__file__).resolve().parent.parent
     result = subprocess.run(
         [sys.executable, "-c", _CONCURRENT_SCRIPT, str(root)], capture_output=True, text=True, timeout=300

@@ -94,21 +94,28 @@ def _scores(qg, kj, allowed, d):
     return jnp.where(allowed, s, jnp.finfo(_F32).min)
 
 
+def fold_tile(state: tuple, s: Array, keep: Array, vj: Array) -> tuple:
+    """One online-softmax step: fold a tile of scores `s` `(b, hkv, g, q, s)` (masked
+    entries at `finfo(float32).min`) and its values `vj` `(b, s, hkv, d)` into
+    `state` = (acc, running max, running sum); keys where `keep` is False take no
+    weight. Shared by `blockwise_attention` and `context_attention`."""
+    acc, m, total = state
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    total = total * corr + p.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vj)
+    return acc, m_new, total
+
+
 def _forward(q, k, v, mask, causal, block):
     b, sq, hq, d = q.shape
     qg, kb, vb, masks, idx = _setup(q, k, v, mask, causal, block)
 
-    def step(carry, xs):
-        acc, m, total = carry
+    def step(state, xs):
         j, kj, vj = xs
         real, allowed = masks(j)
-        s = _scores(qg, kj, allowed, d)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(real, jnp.exp(s - m_new[..., None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        total = total * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vj)
-        return (acc, m_new, total), None
+        return fold_tile(state, _scores(qg, kj, allowed, d), real, vj), None
 
     # Initial carries built from q (zeros_like/full_like), so inside shard_map they
     # vary over the same mesh axes as the values the scan computes.

@@ -46,6 +46,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from .._collectives import _to_varying, _varying, all_gather
 from .._errors import DivisibilityError, PlanError, SpecError
+from ._blockwise import fold_tile
 
 _F32 = jnp.float32
 _IMPLS = ("ring", "allgather")
@@ -266,17 +267,11 @@ def _fwd_tiles(state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal:
     vb, _ = _kv_blocks(v, block)
     allowed_at = _tiles(qs, ks, block, causal)
 
-    def step(carry, xs):
-        acc, m, total = carry
+    def step(state, xs):
         j, kj, vj = xs
         allowed = allowed_at(j)
         s = jnp.where(allowed, jnp.einsum("bqkgd,bskd->bkgqs", qg, kj), jnp.finfo(_F32).min)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        total = total * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vj)
-        return (acc, m_new, total), None
+        return fold_tile(state, s, allowed, vj), None
 
     state, _ = lax.scan(step, state, (jnp.arange(nb), kb, vb))
     return state

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._collectives import _to_varying, _varying
 from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
 from .._param import stacked
@@ -170,15 +171,10 @@ def _accepts_key(block: Any) -> bool:
     )
 
 
-def _varying(x: Any) -> frozenset:
-    # The manual mesh axes along which `x` differs between devices.
-    return frozenset(jax.typeof(x).mat.varying)
-
-
 def _zero_of(leaves: Sequence[jax.Array]) -> jax.Array:
     # A float32 zero that depends on the leaves: XLA keeps `x * 0` for floats
     # (0 * inf is NaN), so whatever adds it waits for them.
-    return sum((x.reshape(-1)[0] * 0).astype(jnp.float32) for x in leaves) + jnp.zeros((), jnp.float32)
+    return sum((x.reshape(-1)[0] * 0).astype(jnp.float32) for x in leaves)
 
 
 def _wait_for(a: jax.Array, b: Sequence[jax.Array]) -> jax.Array:
@@ -186,8 +182,8 @@ def _wait_for(a: jax.Array, b: Sequence[jax.Array]) -> jax.Array:
     executor respects, unlike an optimization barrier); backward, their cotangents
     wait for `a`'s. Only the arrays that vary over the same mesh axes as `a` are
     tied: adding a zero must change no type."""
-    varying = tuple(tuple(sorted(_varying(x))) for x in b)
-    tied = tuple(v == tuple(sorted(_varying(a))) for v in varying)
+    varying = tuple(_varying(x) for x in b)
+    tied = tuple(v == _varying(a) for v in varying)
     return _after(a, list(b), tied, varying) if any(tied) else a
 
 
@@ -203,11 +199,13 @@ def _after_fwd(a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple) ->
 def _after_bwd(
     tied: tuple[bool, ...], varying: tuple, outline: list, ct: jax.Array
 ) -> tuple[jax.Array, list]:
+    # Each cotangent has its array's type: zero, plus `ct`'s data-dependent zero
+    # where tied, cast to the array's varying axes where not.
     zero = _zero_of([ct])
     cts = []
     for o, t, axes in zip(outline, tied, varying, strict=True):
         z = jnp.zeros(o.shape, o.dtype)
-        cts.append(z + zero.astype(o.dtype) if t else jax.lax.pcast(z, axes, to="varying") if axes else z)
+        cts.append(z + zero.astype(o.dtype) if t else _to_varying(z, axes))
     return ct, cts
 
 
