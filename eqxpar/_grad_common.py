@@ -182,20 +182,17 @@ def accumulated_value_and_grad(
     *,
     layout: StepLayout,
     prepare: Callable | None = None,
-    varying: tuple[str, ...] = (),
     allowed: tuple[str, ...] = (),
     sum_dtypes: PyTree | None = None,
 ) -> tuple[Array, PyTree, PyTree]:
     """As `value_and_grad`, averaged over the layout's `accumulate` micro-batches
     with `lax.scan`, each constrained to the layout's batch spec: the gradients
     are summed on each device (in `sum_dtypes`, default the parameters' dtypes)
-    and divided once. `varying`: the manual axes the per-device loss varies
-    along (the carry's type)."""
+    and divided once."""
     k = layout.accumulate
     micro = split_microbatches(batch, k)
 
-    def step(carry, xs):
-        grads_sum, loss_sum = carry
+    def step(grads_sum, xs):
         index, mb = xs
         value, aux, grads = value_and_grad(
             loss,
@@ -207,15 +204,15 @@ def accumulated_value_and_grad(
             allowed=allowed,
         )
         grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_sum, grads)
-        return (grads_sum, loss_sum + value), aux
+        # The losses leave as outputs, not a carry: they keep the type (varying
+        # along which axes) the loss gives them, which the reduction reads.
+        return grads_sum, (aux, value)
 
-    loss_zero = jnp.zeros((), jnp.float32)
-    if varying:
-        loss_zero = lax.pcast(loss_zero, varying, to="varying")
     if sum_dtypes is None:
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
     zeros = jax.tree.map(lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, sum_dtypes)
-    (grads, total), aux = lax.scan(step, (zeros, loss_zero), (jnp.arange(k), micro))
+    grads, (aux, values) = lax.scan(step, zeros, (jnp.arange(k), micro))
+    total = jnp.sum(values.astype(jnp.float32))
     return total / k, aux, jax.tree.map(lambda g: g / k, grads)
 
 

@@ -6,7 +6,9 @@ accumulation) only some mesh axes are manual; the compiler handles the others,
 as in an automatic step.
 """
 
+import contextlib
 import functools
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -15,6 +17,7 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
+from ._context_split import expect_split
 from ._errors import PlanError
 from ._fsdp import gather_whole, gathered_axes, gathers_of, prepare_model
 from ._grad_common import (
@@ -97,7 +100,6 @@ def _local_gradients(
         batch,
         key,
         layout=layout,
-        varying=axes,
         allowed=vary,
         sum_dtypes=sum_dtypes,
     )
@@ -106,7 +108,9 @@ def _local_gradients(
     return value, aux, grads
 
 
-def _reduce(layout: StepLayout, merged: bool, spec: Any, out_spec: Any, g: Array | None) -> Array | None:
+def _reduce(
+    layout: StepLayout, merged: bool, divide: int, spec: Any, out_spec: Any, g: Array | None
+) -> Array | None:
     """One gradient summed over the reduced batch axes (and `tensor` when merged).
 
     A weight split over batch axes (FSDP) was gathered in the loss, so its
@@ -123,9 +127,7 @@ def _reduce(layout: StepLayout, merged: bool, spec: Any, out_spec: Any, g: Array
     rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
     if merged and tensor not in gathered_axes(spec, (tensor,)):
         rest = rest + (tensor,)
-    return reduce_gradient(
-        g, scatter=scatter, psum_axes=rest, divide=layout.data_parallel_size, dtype=layout.plan.reduce_dtype
-    )
+    return reduce_gradient(g, scatter=scatter, psum_axes=rest, divide=divide, dtype=layout.plan.reduce_dtype)
 
 
 def _per_device(
@@ -143,24 +145,38 @@ def _per_device(
     # `tensor` too keeps the partials local, and one all-reduce over both axes
     # sums them (fewer bytes, one collective).
     merged = bool(axes) and split_sequence and tensor not in axes
-    value, aux, grads = _local_gradients(
-        loss, layout, model, batch, key, vary=axes + ((tensor,) if merged else ())
-    )
+    # Attention must see this device's part of a sequence split over `context`.
+    guard = expect_split() if layout.context_axes else contextlib.nullcontext()
+    with guard:
+        value, aux, grads = _local_gradients(
+            loss, layout, model, batch, key, vary=axes + ((tensor,) if merged else ())
+        )
     if merged and varies_along((value, aux), tensor):
         # A replicated weight reaches the loss off the sequence blocks (say, a
         # scale applied after `sequence_mean`), where its uses are not per-device
         # partials: trace again and let autodiff sum over `tensor` (the unused
         # first trace is dead code, removed before compiling).
         merged = False
-        value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
+        with guard:
+            value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
     if not axes:
         return value, aux, grads
+    # With the weights marked varying, the gradients differentiate the sum of the
+    # devices' losses along an axis where the loss differs between them (the step
+    # averages it: divide by the axis' size), and the one loss where it is the same
+    # on all of them (a loss averaged over `context` inside, say): no divide.
+    mesh = layout.plan.mesh
+    divide = math.prod(mesh.shape[a] for a in axes if varies_along(value, a))
     # Along the tensor axis check_vma does the right thing unaided: a weight split
     # over it gets its own shard's gradient, and a replicated weight used on
     # sequence shards gets its partial gradients summed (unless merged above).
     is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
     grads = jax.tree.map(
-        functools.partial(_reduce, layout, merged), layout.params, layout.updates, grads, is_leaf=is_spec
+        functools.partial(_reduce, layout, merged, divide),
+        layout.params,
+        layout.updates,
+        grads,
+        is_leaf=is_spec,
     )
     return mean_over(value, axes), (mean_aux(aux, axes) if loss.has_aux else aux), grads
 

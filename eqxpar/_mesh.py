@@ -9,12 +9,16 @@ from jax.sharding import AxisType, Mesh
 
 from ._errors import MeshError
 
-#: Mesh axis names, outermost first. Every eqxpar mesh has all four, size 1 where
+#: Mesh axis names, outermost first. Every eqxpar mesh has all five, size 1 where
 #: unused, so one set of rules (e.g. "embed" -> "fsdp") serves every mesh. The order
 #: follows communication intensity: `data` (one gradient reduction per step) is
-#: outermost, so it lands across hosts, and `tensor` (collectives inside every layer)
-#: is innermost, so its devices are neighbours.
-AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "tensor")
+#: outermost, so it lands across hosts; `context` (keys and values passed around in
+#: every attention layer) and `tensor` (collectives inside every layer) are
+#: innermost, so their devices are neighbours.
+AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "context", "tensor")
+
+#: The mesh axis that splits the sequence of every activation (context parallelism).
+CONTEXT_AXIS = "context"
 
 #: Axes a batch's leading dimension is split over: FSDP is data parallel in its
 #: activations, so both carry distinct examples.
@@ -28,14 +32,16 @@ def make_mesh(
     data: Any = 1,
     pipe: Any = 1,
     fsdp: Any = 1,
+    context: Any = 1,
     tensor: Any = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "tensor")`.
+    """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "context", "tensor")`.
 
     **Arguments:**
 
-    - `data`, `pipe`, `fsdp`, `tensor`: axis sizes. Size 1 is allowed (the axis is
+    - `data`, `pipe`, `fsdp`, `context`, `tensor`: axis sizes (`context` splits
+      the sequence: context parallelism, see `eqxpar.Plan`). Size 1 is allowed (the axis is
       still present, so rules may name it). At most one size may be `-1`, meaning
       "whatever the device count leaves".
     - `devices`: devices to lay out, in order; defaults to `jax.devices()`. When the
@@ -52,7 +58,7 @@ def make_mesh(
     mesh = eqxpar.make_mesh(data=-1)            # all devices on `data`
     ```
     """
-    sizes = {"data": data, "pipe": pipe, "fsdp": fsdp, "tensor": tensor}
+    sizes = {"data": data, "pipe": pipe, "fsdp": fsdp, "context": context, "tensor": tensor}
     devices = list(jax.devices() if devices is None else devices)
     n_devices = len(devices)
     for name, size in sizes.items():

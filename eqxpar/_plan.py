@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._errors import AxisNameError, PlanError
-from ._mesh import BATCH_AXES
+from ._mesh import BATCH_AXES, CONTEXT_AXIS
 from ._rules import Rule, as_rules, as_spec, mesh_axis_names
 from ._text import short
 
@@ -26,6 +26,10 @@ Mode = Literal["auto", "manual"]
 #: only; keep only the stack's input (the whole stack is recomputed once in the
 #: backward pass, and each block once more inside that).
 REMAT_POLICIES = ("none", "dots", "inputs", "full")
+
+#: How attention moves keys and values under context parallelism
+#: (`Plan(context_attention=...)`, `eqxpar.nn.context_attention`).
+CONTEXT_ATTENTION = ("ring", "allgather")
 
 #: Pipeline schedules (`eqxpar.pipeline.schedule`, `Plan(schedule=...)`).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -58,6 +62,20 @@ class Plan:
       all-gather / reduce-scatter with the matmul as ring `ppermute` collective
       matmuls. Needs `sequence_parallel=True` (the ring splits the sequence).
     - `tensor_axis`: the mesh axis tensor-parallel layers split over.
+    - `context_attention`: how attention moves keys and values when the mesh's
+      `context` axis is larger than 1 (context parallelism): `"ring"` (the
+      default: `ppermute` around the ring, each transfer overlapping a block's
+      compute; not in pipelines) or `"allgather"` (one gather of K/V per layer;
+      the default in pipelines, whose stages run in branches where a ring's
+      permutes, which rendezvous across every device on XLA:CPU, would hang). Context
+      parallelism itself needs no flag: a `context` axis of size `n > 1` splits
+      the sequence of every activation into `n` load-balanced parts (device `i`
+      holds chunks `i` and `2n-1-i` of `2n`). The step runs manual over
+      `context` in every mode (in `mode="auto"` a partial-manual region over it),
+      the batch is replicated over it, eqxpar's layers take this device's part
+      of the ids, positions and labels themselves (`eqxpar.nn.split_sequence`),
+      attention runs `eqxpar.nn.context_attention`, and the loss (a mean over
+      this device's tokens) is averaged over `context` as over the batch axes.
     - `manual_axes`: with `mode="manual"`, the mesh axes the per-device step is
       manual over (default None: all of them). Naming a subset, e.g. `("tensor",)`,
       gives a partial-manual step: eqxpar issues the tensor-parallel collectives
@@ -117,6 +135,7 @@ class Plan:
     sequence_parallel: bool
     tp_overlap: bool
     tensor_axis: str
+    context_attention: str | None
     manual_axes: tuple[str, ...] | None
     remat: str
     schedule: str | None
@@ -140,6 +159,7 @@ class Plan:
         sequence_parallel: bool = False,
         tp_overlap: bool = False,
         tensor_axis: str = "tensor",
+        context_attention: str | None = None,
         manual_axes: Any = None,
         remat: str = "none",
         schedule: str | None = None,
@@ -169,6 +189,7 @@ class Plan:
         _check_tensor_not_batch(rules, batch_axes, tensor_axis, mesh, sequence_parallel or tp_overlap)
         if manual_axes is not None:
             manual_axes = _checked_manual_axes(manual_axes, mode, schedule, names)
+        _check_context(mesh, batch_axes, manual_axes, context_attention, schedule)
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
@@ -182,6 +203,7 @@ class Plan:
             sequence_parallel=bool(sequence_parallel),
             tp_overlap=bool(tp_overlap),
             tensor_axis=tensor_axis,
+            context_attention=context_attention,
             manual_axes=manual_axes,
             remat=remat,
             schedule=schedule,
@@ -199,6 +221,11 @@ class Plan:
     def batch_size_multiple(self) -> int:
         """Number of devices the batch is split over (the data-parallel size)."""
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def context_size(self) -> int:
+        """Number of devices the sequence is split over (the mesh's `context` axis; 1 if none)."""
+        return int(self.mesh.shape.get(CONTEXT_AXIS, 1))
 
     @property
     def batch_spec(self) -> PartitionSpec:
@@ -394,6 +421,40 @@ def _check_tensor_not_batch(
             f"(size {mesh.shape[tensor_axis]}), which tensor-parallel activations are also split over "
             f"(the plan's {'sequence parallelism' if sequence else 'rules'} use it). Drop {tensor_axis!r} from batch_axes, or give the tensor-parallel "
             "layers another axis (Plan(tensor_axis=...))."
+        )
+
+
+def _check_context(
+    mesh: Mesh, batch_axes: tuple[str, ...], manual_axes: tuple[str, ...] | None, impl: Any, schedule: Any
+) -> None:
+    n = int(mesh.shape.get(CONTEXT_AXIS, 1))
+    if impl is not None and impl not in CONTEXT_ATTENTION:
+        raise PlanError(f"Plan(context_attention={impl!r}): expected one of {CONTEXT_ATTENTION}.")
+    if impl is not None and n == 1:
+        raise PlanError(
+            f"Plan(context_attention={impl!r}) chooses how attention passes keys and values between "
+            f"the devices of mesh axis {CONTEXT_AXIS!r}, but the mesh has no such axis larger than 1, "
+            "so it would be ignored. Build the mesh with eqxpar.make_mesh(context=n), or drop the option."
+        )
+    if n == 1:
+        return
+    if impl == "ring" and schedule is not None:
+        raise PlanError(
+            f"Plan(context_attention='ring', schedule={schedule!r}): a pipeline runs each stage in a "
+            "branch that only its devices take, and the ring's permutes would wait there for devices "
+            "of other stages (a hang, then an abort). Use context_attention='allgather' (the default "
+            "in pipelines)."
+        )
+    if CONTEXT_AXIS in batch_axes:
+        raise PlanError(
+            f"Plan(batch_axes={batch_axes!r}) splits the batch over {CONTEXT_AXIS!r} (size {n}), the axis "
+            "that splits the sequence (context parallelism). Drop it from batch_axes."
+        )
+    if manual_axes is not None and CONTEXT_AXIS not in manual_axes:
+        raise PlanError(
+            f"Plan(manual_axes={manual_axes!r}) leaves out {CONTEXT_AXIS!r} (size {n}): context "
+            "parallelism passes keys and values between its devices by hand, so the step is always "
+            f"manual over it. Add {CONTEXT_AXIS!r} to manual_axes."
         )
 
 

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
 from ._errors import PlanError
+from ._mesh import CONTEXT_AXIS
 from ._plan import Plan
 from ._shard_map import region_manual_axes
 from ._sharding import shardings_of
@@ -35,6 +36,8 @@ def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
     micro-batches' gradients before the one reduction of the step (left to the
     compiler, the reduction would run once per micro-batch). Size-1 axes of a
     partial-manual region are left out, as `shard_map` regions leave them.
+    A `context` axis larger than 1 is manual in every mode: attention passes keys
+    and values between its devices by hand.
     """
     if plan.schedule is not None:
         return frozenset(plan.mesh.axis_names)
@@ -43,6 +46,8 @@ def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
         axes = plan.manual_axes or tuple(plan.mesh.axis_names)
     if (plan.zero1 and plan.mode != "manual") or accumulate > 1:
         axes += tuple(a for a in plan.batch_axes if a not in axes)
+    if plan.context_size > 1 and CONTEXT_AXIS not in axes:
+        axes += (CONTEXT_AXIS,)
     return region_manual_axes(plan.mesh, axes) if axes else frozenset()
 
 
@@ -109,13 +114,23 @@ class StepLayout:
 
     @property
     def reduced_axes(self) -> tuple[str, ...]:
-        """The batch axes the step splits the batch over by hand, and so reduces the
-        gradients over itself (batch axes left automatic are the compiler's)."""
-        return tuple(a for a in self.plan.batch_axes if a in self.manual_axes)
+        """The axes whose devices each compute a share of the loss that the step
+        averages, and whose gradients it so reduces itself: the batch axes it splits
+        the batch over by hand (batch axes left automatic are the compiler's), then
+        `context` when it splits the sequence (each device's loss is the mean over
+        its own part of the sequence)."""
+        axes = tuple(a for a in self.plan.batch_axes if a in self.manual_axes)
+        return axes + self.context_axes
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """`("context",)` when the step splits the sequence over it (size > 1), else `()`."""
+        return (CONTEXT_AXIS,) if self.plan.context_size > 1 else ()
 
     @property
     def data_parallel_size(self) -> int:
-        """Devices the batch is split over by hand (the divisor of the reduction)."""
+        """Devices the loss is averaged over by hand: those of `reduced_axes` (the
+        divisor of the gradient reduction)."""
         return math.prod(self.plan.mesh.shape[a] for a in self.reduced_axes)
 
     @property

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._errors import UnusedAxisWarning
+from ._mesh import CONTEXT_AXIS
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._sharding import shard
@@ -42,6 +43,7 @@ def _warn_unused_axes(model: PyTree, plan: Plan) -> None:
         used.update(a for entry in spec for a in mesh_axis_names(entry))
     if plan.sequence_parallel:
         used.add(plan.tensor_axis)  # the activations' sequence is split over it
+    used.add(CONTEXT_AXIS)  # it always splits the sequence
     idle = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in used]
     if idle:
         sizes = ", ".join(f"{a}={plan.mesh.shape[a]}" for a in idle)

@@ -5,10 +5,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from .._context_split import check_context_split, context_attention_impl, context_size
 from .._errors import DivisibilityError, PlanError
+from .._mesh import CONTEXT_AXIS
 from .._param import param
 from ._blockwise import blockwise_attention
 from ._context import tensor_context
+from ._context_attention import context_attention, context_positions
 from ._linear import _normal
 from ._matmul import check_split, column_matmul, lift, row_matmul
 from ._rotary import apply_rotary
@@ -45,6 +48,12 @@ class Attention(eqx.Module):
       linear in the sequence) when the sequence is longer than one block, else
       dense. `"blockwise"` or `"dense"` (the `(seq, seq)` score matrix) force one.
     - `attention_block`: keys per block of the blockwise path (default 512).
+
+    Under context parallelism (a `context` mesh axis larger than 1) each device
+    holds its load-balanced part of the sequence: attention runs
+    `eqxpar.nn.context_attention` over `context` (the plan's `context_attention`:
+    ring or all-gather of keys and values), rotary angles at the tokens' global
+    positions, and `mask` is not supported.
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
@@ -151,14 +160,29 @@ class Attention(eqx.Module):
             q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx, split_dim=1)
         if self.bq is not None:
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
+        split = context_size() > 1
         if self.rotary:
-            # q and k hold the whole sequence here in every mode (column_matmul gathers
-            # it under sequence parallelism), so arange(seq) are the global positions.
-            q = apply_rotary(q, base=self.rotary_base)
-            k = apply_rotary(k, base=self.rotary_base)
-        heads = ctx.constrain(self._core(q, k, v, mask), None, ctx.axis, None)
+            # q and k hold the whole sequence here (column_matmul gathers it under
+            # sequence parallelism), or under context parallelism this device's part.
+            positions = context_positions(q.shape[1], load_balanced=True) if split else None
+            q = apply_rotary(q, base=self.rotary_base, positions=positions)
+            k = apply_rotary(k, base=self.rotary_base, positions=positions)
+        core = self._context_core(q, k, v, mask) if split else self._core(q, k, v, mask)
+        heads = ctx.constrain(core, None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
         return y if self.bo is None else y + lift(self.bo, y.ndim)
+
+    def _context_core(self, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+        check_context_split("Attention")
+        if mask is not None:
+            raise PlanError(
+                f"Attention(mask=...) under context parallelism: the mesh's {CONTEXT_AXIS!r} axis splits "
+                "the sequence, and a (seq, seq) mask would need every device's part of it. Use the causal "
+                "flag (causal=True / False), or a mesh without a context axis for masked attention."
+            )
+        return context_attention(
+            q, k, v, causal=self.causal, impl=context_attention_impl(), block_size=self.attention_block
+        )
 
     def _core(self, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
         # Attention on the local heads; no collectives on any path.

@@ -1,11 +1,14 @@
-"""Helpers for code around the tensor-parallel layers that must follow the
-sequence split: replicated embeddings, replicated output heads, losses."""
+"""Helpers for code around the layers that must follow the sequence split
+(context parallelism over `context`, sequence parallelism over the tensor axis):
+replicated embeddings, replicated output heads, losses."""
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
-from .._errors import DivisibilityError
+from .._context_split import context_size, note_split
+from .._errors import DivisibilityError, SpecError
+from .._mesh import CONTEXT_AXIS
 from ._context import TensorContext, tensor_context
 
 
@@ -22,15 +25,49 @@ def check_sequence_splits(length: int, ctx: TensorContext, where: str) -> None:
         )
 
 
+def split_context(x: Shaped[Array, "..."], *, seq_dim: int = 1) -> Shaped[Array, "..."]:
+    """This device's part of a whole sequence under context parallelism: with the
+    `context` axis of size `n` manual here, chunks `i` and `2n-1-i` of `2n`
+    (concatenated; `eqxpar.nn.context_layout`'s order) on device `i`, two slices
+    and no communication; elsewhere `x` unchanged. `split_sequence` calls it first.
+
+    **Raises:** `DivisibilityError` naming the padding when `2n` does not divide
+    the sequence.
+    """
+    n = context_size()
+    if n == 1:
+        return x
+    if not -x.ndim <= seq_dim < x.ndim:
+        raise SpecError(f"split_sequence: seq_dim={seq_dim} is out of range for shape {x.shape}.")
+    length = x.shape[seq_dim]
+    if length % (2 * n):
+        pad = -length % (2 * n)
+        raise DivisibilityError(
+            f"context parallelism cuts the sequence ({length} tokens, shape {x.shape}) into 2 x {n} "
+            f"equal chunks, two per device of mesh axis {CONTEXT_AXIS!r} (load balancing for causal "
+            f"attention), and {2 * n} does not divide it. Pad every sequence by {pad} to "
+            f"{length + pad} tokens (and leave the padded positions out of the loss), or use a length "
+            f"that is a multiple of {2 * n}."
+        )
+    note_split()
+    chunk, me = length // (2 * n), jax.lax.axis_index(CONTEXT_AXIS)
+    first = jax.lax.dynamic_slice_in_dim(x, me * chunk, chunk, axis=seq_dim)
+    mirror = jax.lax.dynamic_slice_in_dim(x, (2 * n - 1 - me) * chunk, chunk, axis=seq_dim)
+    return jnp.concatenate([first, mirror], axis=seq_dim)
+
+
 def split_sequence(
     x: Shaped[Array, "..."], *, axis: str = "tensor", seq_dim: int = 1
 ) -> Shaped[Array, "..."]:
     """This device's block of the sequence where the layers expect one.
 
-    Under sequence parallelism in a manual region over `axis`, returns block `i`
-    (of `n`) of dimension `seq_dim` on device `i`: a slice, no communication. In
-    automatic mode it constrains a batch-first `x` to be split that way (GSPMD
-    does the rest); without sequence parallelism it returns `x` unchanged.
+    Under context parallelism (a `context` axis of size `n > 1`, manual inside
+    eqxpar's steps) it first takes this device's part of the whole sequence:
+    chunks `i` and `2n-1-i` of `2n` (load-balanced; `split_context`). Then, under
+    sequence parallelism in a manual region over `axis`, block `j` (of `t`) of
+    that on device `j` of `axis`: slices, no communication. In automatic mode it
+    constrains a batch-first `x` to be split over `axis` (GSPMD does the rest);
+    without either it returns `x` unchanged.
 
     Use it to feed the residual stream from a replicated embedding (split the
     token ids, and the position table with `seq_dim=0`, *before* the lookup: the
@@ -40,8 +77,8 @@ def split_sequence(
     **Arguments:** `x` (any dtype); keyword-only `axis` (the tensor axis) and
     `seq_dim` (the sequence dimension: 1 for `(batch, seq, ...)`, 0 for a table).
 
-    **Returns:** `x` with dimension `seq_dim` divided by `n` (manual, sequence
-    parallel), else `x`'s shape.
+    **Returns:** `x` with dimension `seq_dim` divided by the context size, and by
+    the tensor axis' size `t` (manual, sequence parallel).
 
     ```python
     ids = eqxpar.nn.split_sequence(ids)                       # (batch, seq')
@@ -49,6 +86,12 @@ def split_sequence(
     h = embed[ids] + pos
     ```
     """
+    return split_tensor_sequence(split_context(x, seq_dim=seq_dim), axis=axis, seq_dim=seq_dim)
+
+
+def split_tensor_sequence(x: Shaped[Array, "..."], *, axis: str, seq_dim: int = 1) -> Shaped[Array, "..."]:
+    """`split_sequence`'s second half: the block of the tensor axis' device under
+    sequence parallelism (`x` already this device's part of the context split)."""
     ctx = tensor_context(axis)
     if not ctx.sequence_parallel:
         return x
@@ -63,11 +106,13 @@ def split_sequence(
 
 
 def sequence_mean(x: Float[Array, "batch seq *rest"], *, axis: str = "tensor") -> Float[Array, ""]:
-    """The mean of per-token values over the whole sequence (and the local batch).
+    """The mean of per-token values over this device's sequence (and local batch).
 
     Under sequence parallelism in a manual region each device holds one sequence
     block (`split_sequence`); the blocks are equal, so the mean is the average of
     the local means over `axis` (a scalar all-reduce). Elsewhere it is `jnp.mean`.
+    Under context parallelism it is the mean over this device's part of the
+    sequence: a loss, which the step averages over `context` as over the batch.
 
     **Arguments:** `x`: `(batch, seq', ...)` per-token values; keyword-only `axis`.
 

@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._collectives import psum_scatter
+from .._context_split import context_size
 from .._errors import SpecError
 from .._param import param
 from .._plan import current_plan
@@ -16,7 +17,7 @@ from .._specs import partition_specs
 from ._context import TensorContext, tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul
-from ._sequence import check_sequence_splits, split_sequence
+from ._sequence import check_sequence_splits, split_context, split_sequence, split_tensor_sequence
 
 
 class Embedding(eqx.Module):
@@ -32,6 +33,10 @@ class Embedding(eqx.Module):
     only its sequence block of the ids (`vocab_split()` says which case holds).
 
     **Arguments:** `vocab_size`, `d_model`; keyword-only `axis="tensor"`, `dtype`, `key`.
+
+    Under context parallelism (a `context` mesh axis larger than 1) it looks up
+    this device's part of the sequence (`eqxpar.nn.split_sequence`), so the model
+    takes the whole sequence of ids.
 
     Input ids `(batch, seq)`; output `(batch, seq', d_model)`. `attend(h)` reuses the
     same weight as the output head (tied embeddings).
@@ -56,13 +61,14 @@ class Embedding(eqx.Module):
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
         split = self.vocab_split()
+        ids = split_context(ids)
         if not ctx.manual:
             table = _whole_rows(self.weight, ctx.axis if split else None)
             return ctx.constrain(jnp.take(table, ids, axis=0), ctx.seq(), None)
         if not split:
             # Splitting the ids, not the looked-up rows: the backward pass then sums
             # table-sized gradients over the axis rather than (batch, seq, d_model).
-            return jnp.take(self.weight, split_sequence(ids, axis=self.axis), axis=0)
+            return jnp.take(self.weight, split_tensor_sequence(ids, axis=self.axis), axis=0)
         rows = self.weight.shape[0]
         local = ids - jax.lax.axis_index(ctx.axis) * rows
         inside = (local >= 0) & (local < rows)
@@ -201,6 +207,10 @@ def cross_entropy(
     block, and the labels are split to match (reduce the result with
     `eqxpar.nn.sequence_mean`).
 
+    Under context parallelism the logits hold this device's part of the sequence;
+    `labels` may be the whole sequence, which is split to match
+    (`eqxpar.nn.split_sequence`), or already split.
+
     **Arguments:** `logits` `(batch, seq, vocab or vocab / n)` (or `(batch, seq / n,
     vocab)`, see above), integer `labels` `(batch, seq)`, keyword-only `axis` and
     `vocab_split`.
@@ -213,8 +223,11 @@ def cross_entropy(
     ```
     """
     ctx = tensor_context(axis)
-    if not vocab_split and ctx.manual and logits.shape[1] != labels.shape[1]:
-        labels = split_sequence(labels, axis=axis)
+    # Whole label sequences are split as the logits' sequence was: over `context`,
+    # then (a whole-vocabulary head under sequence parallelism) over the tensor axis.
+    blocks = ctx.size if not vocab_split and ctx.manual and ctx.sequence_parallel else 1
+    if context_size() * blocks > 1 and labels.shape[1:] == (logits.shape[1] * context_size() * blocks,):
+        labels = split_sequence(labels, axis=axis) if blocks > 1 else split_context(labels)
     if logits.shape[:-1] != labels.shape:
         raise SpecError(
             f"cross_entropy: logits of shape {logits.shape} do not match labels of shape {labels.shape} "

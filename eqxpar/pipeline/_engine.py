@@ -35,6 +35,7 @@ while parameters and optimizer state stay split between steps.
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import equinox as eqx
@@ -233,14 +234,21 @@ class _Engine:
             is_leaf=lambda x: x is None,
         )
         params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
-        loss_sum, g_rest, g_blocks = _Device(self, params, static, batch).run()
-        return self.reduce(loss_sum, g_rest, g_blocks, gathers)
+        device = _Device(self, params, static, batch)
+        loss_sum, g_rest, g_blocks = device.run()
+        # The gradients are those of the sum of the devices' losses along an axis
+        # where the micro-batch loss differs between devices (the step averages
+        # it), and of the one loss where it is the same on all (averaged inside).
+        divide = math.prod(mesh.shape[a] for a in self.layout.reduced_axes if a in device.loss_varies)
+        return self.reduce(loss_sum, g_rest, g_blocks, gathers, divide)
 
-    def reduce(self, loss_sum: jax.Array, g_rest: Any, g_blocks: Any, gathers: Any) -> tuple[jax.Array, Any]:
+    def reduce(
+        self, loss_sum: jax.Array, g_rest: Any, g_blocks: Any, gathers: Any, divide: int
+    ) -> tuple[jax.Array, Any]:
         """The step's loss and gradients from the per-device sums: the rest's
         gradients (computed on the first or last stage only) summed over pipe, the
         stack's kept by the stage that owns the layers, all reduced over the
-        batch axes (reduce-scattered where they were gathered)."""
+        batch axes (reduce-scattered where they were gathered), divided by `divide`."""
         plan, axes = self.layout.plan, self.layout.reduced_axes
         g_rest = jax.tree.map(
             lambda g: reduce_gradient(g, scatter=(), psum_axes=(PIPE,), divide=1, dtype=plan.reduce_dtype),
@@ -260,7 +268,7 @@ class _Engine:
                 g,
                 scatter=tuple(reversed(gather)),
                 psum_axes=rest,
-                divide=self.layout.data_parallel_size,
+                divide=divide,
                 dtype=plan.reduce_dtype,
             )
 
@@ -329,6 +337,7 @@ class _Device:
                 f"{loss_type.shape}."
             )
         self.loss_type, self.loss_axes = loss_type, _varying(loss_type) | local
+        self.loss_varies = _varying(loss_type)
 
     def zeros_act(self) -> jax.Array:
         return mark_varying(jnp.zeros(self.act.shape, self.act.dtype), self.act_axes)
