@@ -20,6 +20,10 @@ from ._errors import PlanError
 from ._mesh import CONTEXT_AXIS
 from ._plan import current_plan
 
+# The keys attention met while `eqxpar.inspect.minimum_comm` traces a loss.
+_KEYS: contextvars.ContextVar[list[jax.ShapeDtypeStruct] | None] = contextvars.ContextVar(
+    "eqxpar_attention_keys", default=None
+)
 # [split seen?] for the step being traced, None outside one.
 _SEEN: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
     "eqxpar_context_split", default=None
@@ -73,3 +77,21 @@ def check_context_split(where: str) -> None:
             "this device's part before the blocks: eqxpar.nn.Embedding does it for token ids, and "
             "eqxpar.nn.split_sequence(x) does it for any other input (patches, positions, labels)."
         )
+
+
+@contextlib.contextmanager
+def record_keys() -> Iterator[list[jax.ShapeDtypeStruct]]:
+    """Collect the shape of the keys every attention call traced inside sees."""
+    seen: list[jax.ShapeDtypeStruct] = []
+    token = _KEYS.set(seen)
+    try:
+        yield seen
+    finally:
+        _KEYS.reset(token)
+
+
+def note_keys(k: jax.Array) -> None:
+    """Attention's keys, `(batch, seq, kv_heads, head_dim)`, for `record_keys`."""
+    seen = _KEYS.get()
+    if seen is not None:
+        seen.append(jax.ShapeDtypeStruct(k.shape, k.dtype))

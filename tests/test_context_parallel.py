@@ -171,6 +171,34 @@ def test_attention_moves_the_stated_bytes(gpts, impl):
         assert wire["all-gather"] == wire["reduce-scatter"] == config.num_layers * per_layer
 
 
+@pytest.mark.parametrize(
+    "impl, sizes, options",
+    [
+        ("allgather", {"context": 8}, {}),
+        ("allgather", {"data": 2, "context": 2, "tensor": 2}, {"sequence_parallel": True}),
+        ("ring", {"data": 2, "context": 4}, {}),
+    ],
+)
+def test_wire_bytes_against_the_library_minimum(gpts, impl, sizes, options):
+    # The all-gather variant moves the minimum (give or take the scalar reductions
+    # of the loss); the ring moves it plus one more pass of keys and values
+    # around the ring per layer (backward), (n-1) B. Sequence parallelism also sums
+    # the replicated weights' gradients over `tensor`, which the minimum leaves out
+    # (as for the tp_sp record: within 5 %).
+    model, batch, config = gpts["learned-positions"], tokens(1), CONFIGS["learned-positions"]
+    rules = eqxpar.rules.MEGATRON if "tensor" in sizes else None
+    plan = eqxpar.Plan(mesh(**sizes), rules=rules, mode="manual", context_attention=impl, **options)
+    wire = sum(_attention_bytes(plan, model, batch).values())
+    least = eqxpar.inspect.minimum_comm(plan, model, loss=lm_loss, batch=batch)
+    assert any("attention keys and values over context" in part for part in least.parts)
+    n, t = sizes["context"], sizes.get("tensor", 1)
+    local_tokens = BATCH // sizes.get("data", 1) * SEQ // n
+    kv_bytes = 2 * local_tokens * config.num_heads // t * config.head_dim * 4
+    extra = config.num_layers * (n - 1) * kv_bytes if impl == "ring" else 0
+    slack = 0.05 * least.total_wire_bytes if options else 64  # else: the loss' scalar reductions
+    assert 0 <= wire - least.total_wire_bytes - extra <= slack
+
+
 def test_context_axis_of_size_one_changes_nothing(gpts):
     # The fifth mesh axis at size 1: the same collectives as a plan that never had it.
     model, batch = gpts["rotary-gqa"], tokens(1)

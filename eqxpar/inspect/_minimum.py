@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.tree_util import keystr
 
+from .._context_split import record_keys
 from .._errors import EqxparError, PlanError
+from .._mesh import CONTEXT_AXIS
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like, partition_specs
@@ -168,8 +170,9 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
     are summed into one collective, as XLA combines them.
     """
     sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    batch = [a for a in plan.batch_axes if sizes[a] > 1]
-    allowed = set(batch) | {plan.tensor_axis} | ({PIPE} if plan.schedule is not None else set())
+    # The context axis' devices each hold a share of the loss too (its sequence part).
+    batch = [a for a in (*plan.batch_axes, CONTEXT_AXIS) if sizes.get(a, 1) > 1]
+    allowed = set(plan.batch_axes) | {plan.tensor_axis} | ({PIPE} if plan.schedule is not None else set())
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     # Under ZeRO-1 the optimizer state's layout says which weights are split and gathered.
     specs = jax.tree.structure(params).flatten_up_to(StepLayout.resolve(plan, params).updates)
@@ -480,7 +483,7 @@ def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     sums = _tensor_sums(plan, _with_key(loss), args, split, "loss(model, batch)", moved)
     _check_found(sums, plan)
     t = plan.mesh.shape[plan.tensor_axis]
-    return _sum_items(sums, t, per_device=plan.batch_size_multiple)
+    return _sum_items(sums, t, per_device=plan.batch_size_multiple * plan.context_size)
 
 
 def _check_found(sums: list[_Sum], plan: Plan) -> None:
@@ -514,7 +517,8 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
             "eqxpar.pipeline.PipelineLoss the step runs, to find the stack and its input."
         )
     p, v, m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
-    share = plan.batch_size_multiple * m  # one micro-batch on one device of the batch axes
+    # One micro-batch on one device of the batch axes, its part of the sequence.
+    share = plan.batch_size_multiple * m * plan.context_size
     model, data = _outline(plan, params), _outline(plan, batch)
     _, h, _ = _trace(loss.first, (model, data), "loss.first(model, batch)")
     boundary = sum(_aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
@@ -550,6 +554,8 @@ def _note(plan: Plan, items: list[_Item]) -> str:
         what.append(f"tensor parallel over {plan.tensor_axis}={sizes[plan.tensor_axis]}: activation sums")
     if plan.schedule is not None:
         what.append(f"pipeline over pipe={sizes.get(PIPE, 1)}: the busiest stage's boundaries")
+    if plan.context_size > 1:
+        what.append(f"context parallel over {CONTEXT_AXIS}={plan.context_size}: attention keys and values")
     devices = _axes_text(batch, sizes) or "1 device"
     if not what:
         return f"minimum: data parallel over {devices}, one gradient all-reduce"
@@ -607,6 +613,11 @@ def minimum_comm(
       matmul input (backward; once for Q, K, V sharing it) and per lookup in
       vocabulary-split rows (forward): 4 per transformer layer, on this device's
       rows. Sequence parallelism and ring overlap move the same wire bytes.
+    - **Context parallelism** (`n` devices of the `context` axis): the gradient
+      all-reduce also runs over `context`; every attention layer's keys and
+      values reach the other `n-1` devices (an all-gather's wire bytes, compute
+      dtype) and their gradients come back (a reduce-scatter's); activations
+      and tensor sums are `1/n` per device.
     - **Pipelines** (`p` stages, `v` chunks, `m` micro-batches): the busiest
       device's boundary collective-permutes, `m (2v - 1)` (end stages) or `2 m v`
       micro-batch activations, plus its stage's tensor sums (`1/p` of the layers,
@@ -648,4 +659,55 @@ def minimum_comm(
         items += _pipeline_items(plan, params, loss, batch, moved)
     else:
         items += _tensor_items(plan, params, loss, batch, moved)
+    items += _context_items(plan, params, loss, batch, moved)
     return _minimum(items, _note(plan, items))
+
+
+def _attention_layers(params: Any) -> int:
+    # Attention layers the model runs: one per `nn.Attention`, times its stack depth
+    # (a stacked layer's output weight has a leading depth dimension).
+    from ..nn._attention import Attention
+
+    found = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Attention))]
+    return sum(x.wo.shape[0] if x.wo.ndim == 4 else 1 for x in found if isinstance(x, Attention))
+
+
+def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+    """Context parallelism over `n` devices: every attention layer's keys and values
+    reach every device of the context axis ((n-1)/n of them, an all-gather's wire
+    bytes, in the compute dtype) and their gradients go back (a reduce-scatter);
+    in a pipeline, the busiest stage's `1/p` of the layers."""
+    n = plan.context_size
+    if n == 1:
+        return []
+    _need(plan, loss, batch, f"splits the sequence over {CONTEXT_AXIS!r} ({CONTEXT_AXIS}={n})")
+    from ..pipeline._loss import PipelineLoss
+
+    if isinstance(loss, PipelineLoss):
+        piped = loss
+        loss = lambda m, b: piped.last(m, piped.stack_of(m)(piped.first(m, b)), b)  # noqa: E731
+    with record_keys() as keys:
+        _trace(_with_key(loss), (_outline(plan, params), _outline(plan, batch)), "loss(model, batch)")
+    layers = _attention_layers(params) // plan.mesh.shape.get(PIPE, 1)
+    if not keys or not layers:
+        return []
+    k = keys[0]
+    kv_split = plan.mesh.shape.get(plan.tensor_axis, 1) if _kv_split(plan, params) else 1
+    whole = 2 * _aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
+    part = f"attention keys and values over {CONTEXT_AXIS}={n}"
+    return [
+        _Item(f"{part}: all-gather", "all-gather", n, whole, layers),
+        _Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers),
+    ]
+
+
+def _kv_split(plan: Plan, params: Any) -> bool:
+    # Whether the rules split the key/value heads over the tensor axis.
+    from ..nn._attention import Attention
+
+    specs = partition_specs(params, plan)
+    found = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, Attention))
+    for spec in (s.wk if s.wqkv is None else s.wqkv for s in found if isinstance(s, Attention)):
+        if spec is not None and any(plan.tensor_axis in mesh_axis_names(e) for e in spec):
+            return True
+    return False

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .._context_split import check_context_split, context_attention_impl, context_size
+from .._context_split import check_context_split, context_attention_impl, context_size, note_keys
 from .._errors import DivisibilityError, PlanError
 from .._mesh import CONTEXT_AXIS
 from .._param import param
@@ -160,6 +160,7 @@ class Attention(eqx.Module):
             q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx, split_dim=1)
         if self.bq is not None:
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
+        note_keys(k)
         split = context_size() > 1
         if self.rotary:
             # q and k hold the whole sequence here (column_matmul gathers it under
