@@ -1,8 +1,8 @@
 """Hand-written training steps eqxpar is measured against, with `jax.jit`,
-`jax.value_and_grad` and optax only: `JitStep` with explicit shardings on a mesh
-(the bar for speed and bytes) and `reference_run` on one device (the bar for numbers)."""
+`jax.value_and_grad` and optax only: `JitStep` with explicit shardings on a mesh (the
+bar for speed and bytes; on a one-device mesh, the bar for numbers)."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -13,9 +13,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 
-def _train_step(loss_fn: Callable, optim: optax.GradientTransformation, static: PyTree) -> Callable:
+def train_step(loss_fn: Callable, optim: optax.GradientTransformation) -> Callable:
+    """`(params, opt_state, batch) -> (params, opt_state, loss)`: one optax step on
+    `loss_fn(params, batch)`."""
+
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), batch))(params)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = optim.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -31,19 +34,19 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 
 class OwnStateStep:
-    """`step: (params, opt_state, batch) -> (params, opt_state, loss)` jitted on `mesh`,
-    holding its own (donated) copy of `params` and their optimizer state."""
+    """`step: (params, opt_state, batch) -> (params, opt_state, loss)` jitted on `mesh` with
+    the shardings of `specs`, `opt_specs` and `batch_spec`, holding its own (donated) copy
+    of `params` and their optimizer state."""
 
-    def __init__(self, step, optim, params, mesh: Mesh, specs, opt_specs, batch_spec, **jit_options):
-        # Copy inside jit: fresh buffers owned by this step, created in their sharding.
-        @jax.jit
-        def place(params):
-            params = jax.lax.with_sharding_constraint(jax.tree.map(jnp.copy, params), shardings(mesh, specs))
-            return params, jax.lax.with_sharding_constraint(optim.init(params), shardings(mesh, opt_specs))
-
-        self.params, self.opt_state = place(params)
+    def __init__(self, step, optim, params, mesh: Mesh, specs, opt_specs, batch_spec):
+        state = (shardings(mesh, specs), shardings(mesh, opt_specs))
         self.batch_sharding = NamedSharding(mesh, batch_spec)
-        self.jitted = jax.jit(step, donate_argnums=(0, 1), **jit_options)
+        # Copy inside jit: fresh buffers owned by this step, created in their sharding.
+        place = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), optim.init(p)), out_shardings=state)
+        self.params, self.opt_state = place(params)
+        loss = NamedSharding(mesh, PartitionSpec())
+        in_out = {"in_shardings": (*state, self.batch_sharding), "out_shardings": (*state, loss)}
+        self.jitted = jax.jit(step, donate_argnums=(0, 1), **in_out)
 
     def put_batch(self, batch: PyTree) -> PyTree:
         return jax.device_put(batch, self.batch_sharding)
@@ -64,41 +67,16 @@ class JitStep(OwnStateStep):
 
     def __init__(self, loss_fn, optim, model, mesh, *, param_specs, batch_spec, opt_state_specs=None):
         params, static = eqx.partition(model, eqx.is_inexact_array)
+        step = train_step(lambda p, batch: loss_fn(eqx.combine(p, static), batch), optim)
         opt_state_specs = param_specs if opt_state_specs is None else opt_state_specs
-        state = (shardings(mesh, param_specs), shardings(mesh, opt_state_specs))
-        super().__init__(
-            _train_step(loss_fn, optim, static),
-            *(optim, params, mesh, param_specs, opt_state_specs, batch_spec),
-            in_shardings=(*state, NamedSharding(mesh, batch_spec)),
-            out_shardings=(*state, NamedSharding(mesh, PartitionSpec())),
-        )
+        super().__init__(step, optim, params, mesh, param_specs, opt_state_specs, batch_spec)
 
 
 def opt_specs(optim: optax.GradientTransformation, model: Any, param_specs: Any) -> Any:
     """Optimizer-state specs mirroring `param_specs` (moments shaped like the parameters)."""
     params = eqx.filter(model, eqx.is_inexact_array)
     params_def = jax.tree.structure(params)
-    spec_leaves = jax.tree.leaves(param_specs, is_leaf=is_spec)
-
-    def for_node(node: Any) -> Any:
-        if jax.tree.structure(node) == params_def:
-            return jax.tree.unflatten(params_def, spec_leaves)
-        return jax.tree.map(lambda _: PartitionSpec(), node)
-
-    state = jax.eval_shape(optim.init, params)
-    return jax.tree.map(for_node, state, is_leaf=lambda n: jax.tree.structure(n) == params_def)
-
-
-def reference_run(
-    loss_fn: Callable, optim: Any, model: PyTree, batches: Sequence
-) -> tuple[PyTree, jax.Array]:
-    """(parameters, last loss) after one step per batch on one device, no mesh: the
-    numbers every strategy must reproduce (same float32 math, init and batches)."""
-    device = jax.devices()[0]
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.device_put(jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params), device)
-    opt_state = optim.init(params)
-    step = jax.jit(_train_step(loss_fn, optim, static), donate_argnums=(0, 1))
-    for batch in batches:
-        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
-    return params, loss
+    specs = jax.tree.unflatten(params_def, jax.tree.leaves(param_specs, is_leaf=is_spec))
+    is_params = lambda node: jax.tree.structure(node) == params_def  # noqa: E731
+    for_node = lambda node: specs if is_params(node) else PartitionSpec()  # noqa: E731
+    return jax.tree.map(for_node, jax.eval_shape(optim.init, params), is_leaf=is_params)

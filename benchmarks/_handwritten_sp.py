@@ -17,12 +17,12 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float
 
 from eqxpar.models import GPT
 
 from . import _workload
-from ._baseline import OwnStateStep, opt_specs
+from ._baseline import OwnStateStep, opt_specs, train_step
 
 _BLOCK_SPECS = {
     **dict.fromkeys(("ln1_w", "ln1_b", "b_out", "ln2_w", "ln2_b", "b_down"), P()),
@@ -50,12 +50,6 @@ def params_of(model: GPT) -> dict:
         "blocks": [block(model.blocks[i]) for i in range(model.config.num_layers)],
         **{"lnf_w": model.final_norm.weight, "lnf_b": model.final_norm.bias},
     }
-
-
-def param_specs(params: dict) -> dict:
-    """PartitionSpecs of `params_of`'s dict: Megatron over `tensor`, else replicated."""
-    rest = {k: P() for k in ("embed", "positions", "lnf_w", "lnf_b", "head")}
-    return {**rest, "blocks": [dict(_BLOCK_SPECS) for _ in params["blocks"]]}
 
 
 def _layer_norm(x: Array, w: Array, b: Array) -> Array:
@@ -103,28 +97,12 @@ class HandwrittenSP(OwnStateStep):
 
     def __init__(self, model: GPT, optim: optax.GradientTransformation, mesh: Mesh):
         params = params_of(model)
-        specs = param_specs(params)
+        # Megatron over `tensor`, else replicated.
+        rest = {k: P() for k in ("embed", "positions", "lnf_w", "lnf_b", "head")}
+        specs = {**rest, "blocks": [dict(_BLOCK_SPECS) for _ in params["blocks"]]}
         state_specs = opt_specs(optim, params, specs)
-
-        def body(params: dict, opt_state: PyTree, batch: _workload.Batch) -> tuple:
-            loss, grads = jax.value_and_grad(_loss)(params, batch)
-            updates, opt_state = optim.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
         in_specs, out_specs = (specs, state_specs, P("data")), (specs, state_specs, P())
-        step = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+        step = jax.shard_map(
+            train_step(_loss, optim), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
+        )
         super().__init__(step, optim, params, mesh, specs, state_specs, P("data"))
-
-
-def loss_and_grads(model: GPT, mesh: Mesh, batch: _workload.Batch) -> tuple[Any, dict]:
-    """The hand-written step's loss and gradients (as `params_of`'s dict), for tests."""
-    params = params_of(model)
-    specs = param_specs(params)
-    f = jax.shard_map(
-        jax.value_and_grad(_loss),
-        mesh=mesh,
-        in_specs=(specs, P("data")),
-        out_specs=(P(), specs),
-        check_vma=True,
-    )
-    return jax.jit(f)(params, batch)

@@ -1,7 +1,12 @@
 """Measurements: interleaved step timing, collective bytes, memory, parity."""
 
+import argparse
+import json
 import math
+import pathlib
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,37 +65,19 @@ class BaselineRunner:
     def compile(self) -> jax.stages.Compiled:
         return self.step.compile(self.batches[0])
 
-    def params(self) -> PyTree:
-        return self.step.params
-
 
 def median_times(sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int) -> dict[str, float]:
     """Median wall seconds of `timed` steps per side, after `warm` untimed steps per side.
     The sides take turns one step at a time, so that the noise of shared CPU cores hits
     them alike: only ratios taken in one process mean anything."""
-    for _ in range(warm):
-        for side in sides.values():
-            jax.block_until_ready(side())
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(timed):
+    for i in range(warm + timed):
         for name, side in sides.items():
             start = time.perf_counter()
             jax.block_until_ready(side())
-            times[name].append(time.perf_counter() - start)
+            if i >= warm:
+                times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def comm(compiled: jax.stages.Compiled) -> dict[str, dict[str, int]]:
-    """Collective result bytes, counts and wire bytes by kind, per device (kinds that occur only)."""
-    stats = eqxpar.inspect.collective_stats(compiled)
-    fields = {"comm_bytes": stats.bytes, "comm_counts": stats.count, "comm_wire_bytes": stats.wire_bytes}
-    return {
-        name: {k: int(by_kind[k]) for k in stats.count if stats.count[k]} for name, by_kind in fields.items()
-    }
-
-
-def wire_bytes(compiled: jax.stages.Compiled) -> int:
-    return sum(comm(compiled)["comm_wire_bytes"].values())
 
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -100,12 +87,19 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 
 def step_fields(compiled: jax.stages.Compiled, least: eqxpar.inspect.Minimum) -> dict[str, Any]:
-    """A compiled step's collectives and memory beside the library's minimum `least`."""
-    record = {**comm(compiled), **memory(compiled)}
-    record["comm_bytes_total"] = sum(record["comm_bytes"].values())
-    record["comm_wire_bytes_total"] = sum(record["comm_wire_bytes"].values())
-    record["comm_bytes_min"], record["comm_wire_bytes_min"] = least.total_bytes, least.total_wire_bytes or 0
-    return record
+    """A compiled step's collectives (result bytes, counts and wire bytes by kind that
+    occurs, and in all, per device) and memory beside the library's minimum `least`."""
+    stats = eqxpar.inspect.collective_stats(compiled)
+    kinds = [k for k in stats.count if stats.count[k]]
+    by_kind = {"comm_bytes": stats.bytes, "comm_counts": stats.count, "comm_wire_bytes": stats.wire_bytes}
+    return {
+        **{field: {k: counter[k] for k in kinds} for field, counter in by_kind.items()},
+        **memory(compiled),
+        "comm_bytes_total": stats.total_bytes,
+        "comm_wire_bytes_total": stats.total_wire_bytes,
+        "comm_bytes_min": least.total_bytes,
+        "comm_wire_bytes_min": least.total_wire_bytes or 0,
+    }
 
 
 def _pairs(got: PyTree, want: PyTree) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -148,31 +142,23 @@ def adam_gradients(opt_state: PyTree, *, b1: float = ADAM_B1) -> PyTree:
     return jax.tree.map(lambda m: np.asarray(m, np.float64) / scale, found[0].mu)
 
 
-def step_parity(runner: EqxparRunner, reference: tuple[jax.Array, PyTree], convert: Callable) -> dict:
-    """The loss and gradients of `runner`'s first step against `reference` (the plain
-    workload's on one device, same weights and batch), mapped by `convert`."""
-    ref_loss, ref_grads = reference
-    ref_grads = eqx.filter(convert(ref_grads), eqx.is_inexact_array)
-    loss, grads = max_rel_err(runner.first_loss, ref_loss), max_rel_err(runner.first_grads, ref_grads)
-    return {
-        "parity_max_rel_err": max(loss, grads),
-        "parity_grads_rel_err": grads,
-        "parity_loss_rel_err": loss,
-        "parity_grads_norm_rel_err": norm_rel_err(runner.first_grads, ref_grads),
-    }
+def parser(prog: str, doc: str, quick: tuple[int, int]) -> argparse.ArgumentParser:
+    """The options every measuring benchmark takes: `--json` and `--quick`."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{quick[0]} warm + {quick[1]} timed steps a side"
+    )
+    return parser
 
 
-def invert(convert: Callable, model: Any, template: Any) -> Any:
-    """The workload model `w` shaped like `template` with `convert(w) == model`."""
-    # `convert` only moves and reshapes weights: a permutation, whose inverse is its
-    # transpose, i.e. its VJP.
-    weights, rest = eqx.partition(template, eqx.is_inexact_array)
-    _, pullback = jax.vjp(convert, weights)
-    return eqx.combine(pullback(eqx.filter(model, eqx.is_inexact_array))[0], rest)
-
-
-def header(command: str, *, warm: int, timed: int) -> dict[str, Any]:
-    """What every benchmark JSON starts with: versions, devices, workload, timing, command."""
+def header(prog: str, argv: Sequence[str] | None, *, warm: int, timed: int) -> dict[str, Any]:
+    """What every benchmark JSON starts with: versions, devices, workload, timing, command
+    (printed); exits unless jax sees the 8 simulated devices."""
+    if jax.device_count() != 8:
+        sys.exit(f"benchmarks need 8 devices, jax sees {jax.device_count()} (jax imported before?)")
+    command = f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    print(f"{command}\njax {jax.__version__}, {jax.device_count()} devices", flush=True)
     return {
         "jax": jax.__version__,
         "devices": jax.device_count(),
@@ -181,3 +167,9 @@ def header(command: str, *, warm: int, timed: int) -> dict[str, Any]:
         "timing": {"warm_steps": warm, "timed_steps": timed, "statistic": "median"},
         "command": command,
     }
+
+
+def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")

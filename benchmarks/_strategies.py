@@ -4,8 +4,7 @@ a `Strategy` builds a `Setup` (plan, step, baseline, contract) for a model, conf
 import concurrent.futures
 import dataclasses
 import functools
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -17,7 +16,7 @@ import eqxpar
 
 from . import _handwritten_sp, _workload
 from ._baseline import JitStep, opt_specs
-from ._measure import memory
+from ._measure import BaselineRunner, EqxparRunner, memory
 
 SAME_SHARDINGS = "hand-written jax.jit step with the same shardings"
 #: Most records: wire bytes within 5 % of the minimum and no more than the
@@ -36,20 +35,12 @@ MEMORY_ONLY = {"xla_backend_optimization_level": 0}
 
 
 @dataclasses.dataclass(frozen=True)
-class EqxBaseline:
-    """A baseline that is itself an eqxpar step, run on `convert(workload model)`."""
-
-    plan: eqxpar.Plan
-    step: Any
-    convert: Callable[[Any], Any]
-
-
-@dataclasses.dataclass(frozen=True)
 class Setup:
     plan: eqxpar.Plan
     step: Any
-    #: `() -> JitStep | EqxBaseline`, built only where it is measured (it copies the weights).
-    baseline: Callable[[], Any] | None
+    #: `(batches) -> runner` of the baseline (`_measure`), built only where it is
+    #: measured (it copies the weights).
+    baseline: Callable[[Any], Any] | None
     # A pipeline runs the workload with its blocks reordered: `convert` maps the
     # workload model (and, a pure re-layout, its gradients) to it; its loss is `loss_fn`.
     loss_fn: Callable = _workload.loss_fn
@@ -81,36 +72,30 @@ class Strategy:
         """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide it)."""
         return dataclasses.replace(cfg, layers=8) if self.mesh.get("pipe") == 4 else cfg
 
-    def __call__(
-        self, model: Any, optim: Any, cfg: _workload.Config = _workload.CONFIG, mesh: dict | None = None
-    ) -> Setup:
+    def __call__(self, model: Any, optim: Any, cfg=_workload.CONFIG, mesh: dict | None = None) -> Setup:
         return self.kind(model, optim, mesh or self.mesh, cfg, **self.options)
 
 
-def _plan(mesh: dict[str, int], **options: Any) -> eqxpar.Plan:
-    return eqxpar.Plan(eqxpar.make_mesh(**mesh), **options)
-
-
 def _gspmd(model: Any, optim: Any, plan: eqxpar.Plan) -> Callable:
-    """The workload under `jax.jit` with the shardings of the plan's step: parameters
-    as the layout places them, the optimizer state as its updates (ZeRO-1's split)."""
+    """`(batches) -> runner` of the workload under `jax.jit` with the shardings of the
+    plan's step: parameters as the layout places them, the optimizer state as its
+    updates (ZeRO-1's split)."""
     layout = eqxpar.train.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
     state = opt_specs(optim, model, layout.updates)
     kwargs = {"param_specs": layout.params, "opt_state_specs": state, "batch_spec": plan.batch_spec}
-    return functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **kwargs)
+    step = functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **kwargs)
+    return lambda batches: BaselineRunner(step(), batches)
 
 
-def single_device(model: Any, optim: Any) -> JitStep:
+def single_device(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
     """The workload's `jax.jit` step of the whole batch on one device."""
     mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
-    return JitStep(_workload.loss_fn, optim, model, mesh, param_specs=P(), batch_spec=P())
+    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=P())
 
 
-def _sharded(
-    model: Any, optim: Any, mesh: dict, cfg: _workload.Config, contract=STANDARD, **options
-) -> Setup:
+def _sharded(model: Any, optim: Any, mesh: dict, cfg, contract=STANDARD, **options: Any) -> Setup:
     """A plan of `options` on `mesh` against `jax.jit` with the same shardings."""
-    plan = _plan(mesh, **options)
+    plan = eqxpar.Plan(eqxpar.make_mesh(**mesh), **options)
     step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
     return Setup(plan=plan, step=step, baseline=_gspmd(model, optim, plan), contract=dict(contract))
 
@@ -127,12 +112,9 @@ def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_option
     if setup.plan.mode == "auto":
         contract = {**wire, "wire_le_baseline_plus_bytes": 1024, "step_ratio_max": 1.05}
         return dataclasses.replace(setup, contract=contract)
-    references = {
-        "handwritten_sp": (
-            "hand-written shard_map TP + sequence parallel (benchmarks/_handwritten_sp.py)",
-            lambda model, optim: _handwritten_sp.HandwrittenSP(model, optim, setup.plan.mesh),
-        )
-    }
+    what = "hand-written shard_map TP + sequence parallel (benchmarks/_handwritten_sp.py)"
+    handwritten = functools.partial(_handwritten_sp.HandwrittenSP, mesh=setup.plan.mesh)
+    references = {"handwritten_sp": (what, handwritten)}
     if not plan_options.get("tp_overlap"):
         references["single_device"] = ("jax.jit step of the whole batch on one device", single_device)
     contract = {**wire, "step_ratio_max": 0.9, "step_ratio_vs_handwritten_sp_max": 1.25}
@@ -150,16 +132,6 @@ def mixed_precision(loss_fn: Callable, dtype: Any) -> Callable:
     return lambda model, batch: loss_fn(jax.tree.map(cast, model), batch).astype(jnp.float32)
 
 
-def collective_dtypes(hlo: str) -> dict[str, list[str]]:
-    """The element types of each collective kind's results in compiled HLO text."""
-    found: dict[str, set[str]] = {}
-    kinds = r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\("
-    for match in re.finditer(r"=\s*(.*?)\s+" + kinds, hlo):
-        types = set(re.findall(r"\b(bf16|f16|f32|f64|s32|u32|pred)\[", match.group(1)))
-        found.setdefault(match.group(2), set()).update(types)
-    return {k: sorted(v) for k, v in sorted(found.items())}
-
-
 def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: Any) -> Setup:
     """A plan computing in bfloat16, against the same casts on one device and the float32
     `jax.jit` step; its wire bytes against the minimum in the dtype XLA:CPU moves."""
@@ -171,7 +143,7 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
         return {
             "comm_wire_bytes_min_moved_dtype": moved.total_wire_bytes,
             "comm_bytes_min_moved_dtype": moved.total_bytes,
-            "collective_dtypes": collective_dtypes(compiled.as_text()),
+            "collective_dtypes": eqxpar.inspect.collective_stats(compiled).dtypes,
         }
 
     reference = mixed_precision(_workload.loss_fn, jnp.bfloat16)
@@ -179,26 +151,23 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
     return dataclasses.replace(setup, reference_loss_fn=reference, baseline_name=name, extra=extra)
 
 
-def _pipeline_plan(mesh: dict, schedule: str, microbatches: int, chunks: int, tensor: bool) -> eqxpar.Plan:
-    rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_RULES if tensor else None)
-    return _plan(mesh, rules=rules, schedule=schedule, microbatches=microbatches, chunks=chunks)
-
-
 @functools.cache
-def _gpipe(mesh: tuple, microbatches: int, tensor: bool, optim: Any) -> tuple[eqxpar.Plan, Any]:
-    # One GPipe step per mesh and model: the records of a mesh share (and compile) it once.
-    plan = _pipeline_plan(dict(mesh), "gpipe", microbatches, 1, tensor)
+def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim: Any) -> tuple:
+    """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: the records of a
+    mesh share (and compile) one GPipe step."""
+    rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_RULES if tensor else None)
+    options = {"rules": rules, "schedule": schedule, "microbatches": microbatches, "chunks": chunks}
+    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options)
     return plan, eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
 
 
-def _memory_sweep(plan_at: Callable, optim: Any, runner: Any, cfg: _workload.Config, m: int, counts) -> list:
-    """Temp and argument bytes of the step compiled (never run) at `counts` micro-batches
-    of the same size (the global batch grows with them)."""
+def _memory_sweep(at: Callable, runner: Any, cfg: _workload.Config, m: int, counts: Sequence[int]) -> list:
+    """Temp and argument bytes of the step `at(k) -> (plan, step)` compiled (never run)
+    at `counts` micro-batches of the same size (the global batch grows with them)."""
     lowered = []
     for k in counts:
-        plan = plan_at(k)
+        plan, step = at(k)
         batch = _workload.make_batches(1, dataclasses.replace(cfg, batch=cfg.batch * k // m))[0]
-        step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
         lowered.append(step.lower(runner.state, eqxpar.shard_batch(batch, plan)))
     # The compiles share the cores: XLA compiles without the GIL.
     with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:
@@ -211,15 +180,13 @@ def _pipelined(
 ):
     """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against
     the GPipe step of the same model on the same mesh."""
-    p, v = mesh["pipe"], chunks
-    m = 4 * p
+    p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
+    at = lambda k: _pipeline(key, schedule, k, v, tensor, optim)  # noqa: E731
+    (plan, step), (g_plan, g_step) = at(m), _pipeline(key, "gpipe", m, 1, tensor, optim)
     to_model = _workload.pipeline_model
-    plan_at = lambda k: _pipeline_plan(mesh, schedule, k, v, tensor)  # noqa: E731
-    plan = plan_at(m)
-    g_plan, g_step = _gpipe(tuple(sorted(mesh.items())), m, tensor, optim)
     baseline = None
     if schedule != "gpipe" or tensor:  # pp_gpipe is the baseline itself
-        baseline = lambda: EqxBaseline(g_plan, g_step, functools.partial(to_model, stages=p, chunks=1))  # noqa: E731
+        baseline = lambda batches: EqxparRunner(g_step, g_plan, to_model(model, stages=p), optim, batches)  # noqa: E731
     sched = eqxpar.pipeline.schedule(schedule, stages=p, microbatches=m, chunks=v)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
@@ -229,13 +196,13 @@ def _pipelined(
             "bubble_fraction": sched.bubble_fraction,
             "lockstep_bubble_fraction": sched.lockstep_bubble_fraction,
             "memory_sweep": [{"microbatches": m, **memory(compiled)}]
-            + _memory_sweep(plan_at, optim, runner, cfg, m, counts),
+            + _memory_sweep(at, runner, cfg, m, counts),
         }
 
     what = "the 3D step with the GPipe schedule" if tensor else "the GPipe step"
     return Setup(
         plan=plan,
-        step=eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan),
+        step=step,
         baseline=baseline,
         loss_fn=_workload.PIPELINE_LOSS,
         convert=functools.partial(to_model, stages=p, chunks=v),
@@ -251,13 +218,10 @@ _TP = {"data": 2, "tensor": 4}
 _DFT = {"data": 2, "fsdp": 2, "tensor": 2}
 
 
-def _wire(bound: float) -> dict:
-    # The engine sends on every tick, zeros when idle (and 3D's tensor all-reduces
-    # are counted at a tick's heaviest branch): held to today's ratio until it does not.
-    return {"wire_over_min_max": bound}
-
-
-def _pp(schedule: str, mesh: dict = _PP, **options: Any) -> Strategy:
+def _pp(schedule: str, wire: float, mesh: dict = _PP, **options: Any) -> Strategy:
+    # The engine sends on every tick, zeros when idle (and 3D's tensor all-reduces are
+    # counted at a tick's heaviest branch): held to today's `wire` / minimum until it does not.
+    options["contract"] = {"wire_over_min_max": wire, **options.get("contract", {})}
     return Strategy(_pipelined, mesh, {"schedule": schedule, **options})
 
 
@@ -281,9 +245,9 @@ STRATEGIES: dict[str, Strategy] = {
     "fsdp_tp": Strategy(_sharded, {"fsdp": 2, "tensor": 4}, _FSDP_TP),
     "dp_fsdp_tp": Strategy(_sharded, _DFT, _FSDP_TP),
     "dp_fsdp_tp_bf16": Strategy(_bf16, _DFT, _FSDP_TP),
-    "pp_gpipe": _pp("gpipe", contract={**_wire(1.55), "temp_growth_min": 0.10}),
-    "pp_1f1b": _pp("1f1b", contract={**_wire(1.55), **_FLAT}),
-    "pp_interleaved": _pp("interleaved", chunks=2, contract={**_wire(1.7), **_FLAT}),
-    "pp_zero_bubble": _pp("zero_bubble", contract={**_wire(1.85), **_FLAT, "bubble_below": "pp_1f1b"}),
-    "3d": _pp("1f1b", {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False, contract=_wire(2.25)),
+    "pp_gpipe": _pp("gpipe", 1.55, contract={"temp_growth_min": 0.10}),
+    "pp_1f1b": _pp("1f1b", 1.55, contract=_FLAT),
+    "pp_interleaved": _pp("interleaved", 1.7, chunks=2, contract=_FLAT),
+    "pp_zero_bubble": _pp("zero_bubble", 1.85, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "3d": _pp("1f1b", 2.25, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -79,9 +79,7 @@ PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_
 #: the embedding and head would cost more activation traffic than it saves.
 TENSOR_RULES = eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"})
 #: `TENSOR_RULES` plus the model dimension of every weight split over `fsdp`.
-TENSOR_FSDP_RULES = eqxpar.rules.Logical(
-    {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "embed": "fsdp"}
-)
+TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed": "fsdp"})
 
 
 @eqx.filter_jit

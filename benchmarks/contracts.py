@@ -15,10 +15,8 @@ def _temp_growth(r: dict) -> float:
     return sweep[-1]["mem_temp_bytes"] / sweep[0]["mem_temp_bytes"] - 1
 
 
-Check = Callable[[dict, Any, dict], bool]
-
 #: clause -> (what it says, `holds(record, bound, records by name)`).
-CLAUSES: dict[str, tuple[str, Check]] = {
+CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
     "wire_over_min_max": ("wire ≤ {} × minimum", lambda r, c, _: _wire(r) <= c * r["comm_wire_bytes_min"]),
     "wire_over_moved_min_max": (
         "wire ≤ {} × minimum in the dtype the collectives move",

@@ -40,13 +40,12 @@ def plot_comm(records: Sequence[dict[str, Any]], path: pathlib.Path) -> bool:
     fig, (ax,) = figure(size=(max(8.0, 0.9 * len(records) + 2), 4.5))
     series = {"comm_wire_bytes_total": "eqxpar", "comm_wire_bytes_min": "theoretical minimum"}
     series["comm_wire_bytes_baseline"] = "baseline: jax.jit (GSPMD); eqxpar GPipe for pipelines"
+    width = 0.8 / len(series)
     for i, (field, name) in enumerate(series.items()):
         # A missing value (no baseline, say) leaves a gap in its group, not a zero bar.
-        points = [
-            (j + (i - 1) * 0.8 / 3, r[field] / MB) for j, r in enumerate(records) if r.get(field) is not None
-        ]
-        if points:
-            ax.bar(*zip(*points, strict=True), 0.8 / 3, label=name, color=f"C{i}")
+        if points := [(j, r[field] / MB) for j, r in enumerate(records) if r.get(field) is not None]:
+            xs, ys = zip(*points, strict=True)
+            ax.bar([x + (i - 1) * width for x in xs], ys, width, label=name, color=f"C{i}")
     _bars(ax, records, "MB sent per device per step (ring)", "Collective wire bytes per step")
     ax.legend()
     fig.savefig(path, dpi=110)
@@ -115,6 +114,8 @@ _LINES = (
     ("comm_wire_bytes_baseline", 1, "x", MB, ": jax.jit"),
     ("step_time_ratio", 2, "-", 1.0, ""),
 )
+#: Line style -> its keywords (else the strategy's marker): jax.jit's points, the minimum.
+_LINE_STYLES = {"x": {"markersize": 9}, ":": {"linewidth": 3, "alpha": 0.5}}
 
 
 def plot_sweep(
@@ -130,9 +131,7 @@ def plot_sweep(
         colour, marker, size = _STYLES.get(strategy, (None, "D", 5))
         for field, i, line, unit, suffix in _LINES:
             points = [(r[x], r[field] / unit) for r in rows if r.get(field) is not None]
-            style = {"markersize": 9} if line == "x" else {"marker": marker, "markersize": size}
-            if line == ":":
-                style = {"linewidth": 3, "alpha": 0.5}
+            style = _LINE_STYLES.get(line, {"marker": marker, "markersize": size})
             if points:
                 xs, ys = zip(*points, strict=True)
                 axes[i].plot(xs, ys, line, color=colour, label=strategy + suffix, **style)
@@ -171,11 +170,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, bool]:
     args = parser.parse_args(argv)
     written = write_all(json.loads(args.json.read_text()), args.out)
     for name, done in written.items():
-        print(
-            f"wrote {args.out / name}"
-            if done
-            else f"skipped {name}: no record in {args.json} has what it plots"
-        )
+        skipped = f"skipped {name}: no record in {args.json} has what it plots"
+        print(f"wrote {args.out / name}" if done else skipped)
     return written
 
 

@@ -1,33 +1,29 @@
 """Scaling sweeps on the workload: devices and model width (benchmarks/SCALING.md).
 
     python -m benchmarks.scaling --json benchmarks/results/scaling.json \
-        [--png-dir benchmarks/results] [--markdown benchmarks/SCALING.md] [--quick] [--replot]
+        [--png-dir benchmarks/results] [--markdown benchmarks/SCALING.md] [--quick]
 
 The strategies are the registry's on the sweep's mesh and width. Simulated devices
 share the host's cores, so more devices is no speed-up: each step time is a ratio to
 a reference timed in the same process, step by step.
 """
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
 import pathlib
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
-import jax
+
+import eqxpar
 
 from . import _measure, _workload, plots, report
 from ._strategies import STRATEGIES, single_device
 
-DEVICES = 8
 # (warm-up steps, timed steps) per side; the first warm-up step compiles.
 QUICK = (2, 3)
 FULL = (3, 10)
@@ -52,9 +48,7 @@ def config(d_model: int) -> _workload.Config:
     return dataclasses.replace(_workload.CONFIG, d_model=d_model, mlp=4 * d_model)
 
 
-def measure_point(
-    sweep: str, strategy: str, mesh: dict, cfg, model, optim, batches, *, warm, timed, single=None
-):
+def measure_point(sweep, strategy, mesh: dict, cfg, model, optim, batches, *, warm, timed, single=None):
     """Compile, time and inspect one point. Timed against `single` (a single-device
     reference) if given, else against the hand-written `jax.jit` step with the same
     shardings, whose wire bytes and parameters after the same steps are recorded too."""
@@ -62,22 +56,21 @@ def measure_point(
     setup = STRATEGIES[strategy](model, optim, cfg, mesh)
     eqx_model = setup.convert(model)
     runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
-    other = single if single is not None else _measure.BaselineRunner(setup.baseline(), batches)
+    other = single if single is not None else setup.baseline(batches)
     median = _measure.median_times({"eqxpar": runner, "reference": other}, warm=warm, timed=timed)
-    # After the timed steps: the executable they ran (jit's cache), not a second compile.
     least = setup.minimum(eqx_model, cfg)
     record = {"sweep": sweep, "strategy": strategy, "mesh": {k: v for k, v in mesh.items() if v > 1}}
     record.update(devices=math.prod(mesh.values()), d_model=cfg.d_model, params=_workload.param_count(model))
-    record |= {**_measure.step_fields(runner.compile(), least), "comm_wire_bytes_baseline": None}
-    wire, record["vs_baseline_params_rel_err"] = record["comm_wire_bytes_total"], None
+    # After the timed steps: the executable they ran (jit's cache), not a second compile.
+    record |= _measure.step_fields(runner.compile(), least)
+    wire, min_wire = record["comm_wire_bytes_total"], least.total_wire_bytes
     # 0 / 0 (one device, nothing to move) is "at the minimum".
-    record["wire_over_min"] = (
-        wire / least.total_wire_bytes if least.total_wire_bytes else float(wire == 0) or None
-    )
+    record["wire_over_min"] = wire / min_wire if min_wire else float(wire == 0) or None
+    record["comm_wire_bytes_baseline"] = record["vs_baseline_params_rel_err"] = None
     if single is None:
-        record["comm_wire_bytes_baseline"] = _measure.wire_bytes(other.compile())
+        record["comm_wire_bytes_baseline"] = eqxpar.inspect.collective_stats(other.compile()).total_wire_bytes
         # Same init, batches and steps: what eqxpar adds to the strategy shows here.
-        want = eqx.filter(setup.convert(other.params()), eqx.is_inexact_array)
+        want = eqx.filter(setup.convert(other.step.params), eqx.is_inexact_array)
         record["vs_baseline_params_rel_err"] = _measure.max_rel_err(runner.params(), want)
     return {
         **record,
@@ -110,109 +103,76 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     return report.markdown_table([COLUMNS[i] for i in keep], [[cells[i] for i in keep] for cells in rows])
 
 
-#: sweep -> (PNG, x field, x label, title).
-_PLOTS = {"devices": ("scaling_devices.png", "devices", "devices", "Scaling with devices (d_model 256)")}
-_PLOTS["width"] = (
-    "scaling_width.png",
-    "d_model",
-    "d_model (4 heads, MLP 4 x d)",
-    "Scaling with width (8 devices)",
-)
+#: sweep -> (x field, x label, title) of its PNG, `scaling_{sweep}.png`.
+_PLOTS = {
+    "devices": ("devices", "devices", "Scaling with devices (d_model 256)"),
+    "width": ("d_model", "d_model (4 heads, MLP 4 x d)", "Scaling with width (8 devices)"),
+}
 
 
 def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: pathlib.Path | None) -> list:
     """The sweeps' PNGs into `png_dir` and their tables into `markdown` (each if given)."""
     written = []
-    for sweep, (name, x, xlabel, title) in _PLOTS.items():
-        records = data.get(f"{sweep}_sweep", [])
-        if png_dir is not None and plots.plot_sweep(records, png_dir / name, x=x, xlabel=xlabel, title=title):
-            written.append(png_dir / name)
+    for sweep, (x, xlabel, title) in _PLOTS.items() if png_dir is not None else ():
+        path = png_dir / f"scaling_{sweep}.png"
+        if plots.plot_sweep(data.get(f"{sweep}_sweep", []), path, x=x, xlabel=xlabel, title=title):
+            written.append(path)
     if markdown is not None:
         run = [f"`{data['command']}`", data["jax"], str(data["cpu_count"]), f"{data['wall_time_s']:.0f}"]
-        single = [
-            report.fmt(data["single_device"][k], ".1f", report.MiB)
-            for k in ("mem_argument_bytes", "mem_temp_bytes")
+        memory = [
+            report.fmt(v, ".1f", report.MiB) for k, v in data["single_device"].items() if k.startswith("mem_")
         ]
-        parts = [
-            "### Run",
-            "",
-            report.markdown_table(("command", "jax", "host cores", "wall time (s)"), [run]),
-        ]
-        parts += ["", "### Devices", "", table(data["devices_sweep"]), "", "Single-device reference:", ""]
-        parts += [report.markdown_table(("argument MiB", "temp MiB"), [single])]
-        report.splice(markdown, "\n".join([*parts, "", "### Width", "", table(data["width_sweep"])]))
+        single = report.markdown_table(("argument MiB", "temp MiB"), [memory])  # one device's arguments, temp
+        tables = {
+            "Run": report.markdown_table(("command", "jax", "host cores", "wall time (s)"), [run]),
+            "Devices": f"{table(data['devices_sweep'])}\n\nSingle-device reference:\n\n{single}",
+            "Width": table(data["width_sweep"]),
+        }
+        report.splice(markdown, "\n\n".join(f"### {heading}\n\n{text}" for heading, text in tables.items()))
         written.append(markdown)
     return written
 
 
-def _points(sweeps: Sequence[str], quick: bool):
-    """`(sweep, strategy, mesh, cfg)` of every point, in the order they are measured."""
-    for strategy, meshes in DEVICE_SWEEP.items() if "devices" in sweeps else ():
-        yield from (("devices", strategy, mesh, _workload.CONFIG) for mesh in meshes)
-    for d_model in WIDTHS if "width" in sweeps else ():
-        for strategy, mesh in WIDTH_MESH.items():
-            if not quick or strategy in WIDTH_QUICK:
-                yield "width", strategy, mesh, config(d_model)
-
-
-def _sweep(data: dict, sweeps: Sequence[str], quick: bool, optim: Any, batches: Sequence, **timing) -> None:
+def _sweep(data: dict, sweeps: Sequence[str], quick: bool, *, warm: int, timed: int) -> None:
     model, single = functools.cache(_workload.make_model), None
+    optim, batches = _workload.make_optimizer(), _workload.make_batches(warm + timed)
     if "devices" in sweeps:
         # One compiled single-device step serves every devices point, so it keeps
         # training across points: its step time is the reference, its numbers are not.
         single = _measure.BaselineRunner(single_device(model(_workload.CONFIG), optim), batches)
         data["single_device"] = {"d_model": _workload.CONFIG.d_model, **_measure.memory(single.compile())}
-    for sweep, strategy, mesh, cfg in _points(sweeps, quick):
+    # Every point, in the order they are measured.
+    points = [("devices", s, mesh, _workload.CONFIG) for s, meshes in DEVICE_SWEEP.items() for mesh in meshes]
+    widths = [(s, mesh, config(d_model)) for d_model in WIDTHS for s, mesh in WIDTH_MESH.items()]
+    points += [("width", s, mesh, cfg) for s, mesh, cfg in widths if not quick or s in WIDTH_QUICK]
+    for sweep, strategy, mesh, cfg in (point for point in points if point[0] in sweeps):
         reference = single if sweep == "devices" else None
         point = measure_point(
-            sweep, strategy, mesh, cfg, model(cfg), optim, batches, single=reference, **timing
+            sweep, strategy, mesh, cfg, model(cfg), optim, batches, single=reference, warm=warm, timed=timed
         )
         data[f"{sweep}_sweep"].append(point)
         print(" | ".join(row(point)) + f"  ({point['wall_s']:.0f} s)", flush=True)
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True, type=pathlib.Path, help="where to write the results")
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = _measure.parser("python -m benchmarks.scaling", __doc__, QUICK)
     parser.add_argument("--png-dir", type=pathlib.Path, help="also write scaling_{devices,width}.png")
     parser.add_argument("--markdown", type=pathlib.Path, help="also write the tables into this Markdown page")
-    parser.add_argument(
-        "--quick", action="store_true", help=f"{QUICK[0]} warm + {QUICK[1]} timed steps a side"
-    )
-    parser.add_argument("--replot", action="store_true", help="measure nothing: redraw from --json")
     parser.add_argument("--sweeps", default="devices,width", help="comma-separated: devices, width")
     args = parser.parse_args(argv)
-    args.sweeps = args.sweeps.split(",")
-    if set(args.sweeps) - {"devices", "width"}:
-        parser.error(f"--sweeps {','.join(args.sweeps)!r}: choose from devices, width")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _parse(argv)
-    if args.replot:
-        data = json.loads(args.json.read_text())
-        written = write_outputs(data, args.png_dir, args.markdown)
-        print(f"wrote {', '.join(map(str, written)) or 'nothing (give --png-dir or --markdown)'}")
-        return data
-    if jax.device_count() != DEVICES:
-        sys.exit(f"the sweeps need {DEVICES} devices, jax sees {jax.device_count()} (jax imported before?)")
+    if set(sweeps := args.sweeps.split(",")) - {"devices", "width"}:
+        parser.error(f"--sweeps {args.sweeps!r}: choose from devices, width")
     if args.png_dir is not None:
         plots.figure()  # fail now, not after the sweeps, without matplotlib
     started = time.perf_counter()
     warm, timed = QUICK if args.quick else FULL
-    command = "python -m benchmarks.scaling " + shlex.join(sys.argv[1:] if argv is None else argv)
-    data: dict[str, Any] = {**_measure.header(command, warm=warm, timed=timed), "cpu_count": os.cpu_count()}
-    # How busy the host was: step-time ratios from a loaded machine are noisier.
-    data.update(load_average_1min={"start": os.getloadavg()[0]}, devices_sweep=[], width_sweep=[])
-    optim, batches = _workload.make_optimizer(), _workload.make_batches(warm + timed)
-    _sweep(data, args.sweeps, args.quick, optim, batches, warm=warm, timed=timed)
+    data = {**_measure.header(parser.prog, argv, warm=warm, timed=timed), "cpu_count": os.cpu_count()}
+    data.update(devices_sweep=[], width_sweep=[])
+    _sweep(data, sweeps, args.quick, warm=warm, timed=timed)
     data["wall_time_s"] = time.perf_counter() - started
-    data["load_average_1min"]["end"] = os.getloadavg()[0]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(data, indent=2) + "\n")
-    written = [args.json, *write_outputs(data, args.png_dir, args.markdown)]
-    print(f"wrote {', '.join(map(str, written))} in {data['wall_time_s']:.0f} s")
+    _measure.write_json(args.json, data)
+    for path in write_outputs(data, args.png_dir, args.markdown):
+        print(f"wrote {path}")
     return data
 
 

@@ -154,13 +154,11 @@ def test_scaling_plots_and_tables(tmp_path):
         "width_sweep": width,
         "single_device": {"d_model": 256, "mem_argument_bytes": 40 * 2**20, "mem_temp_bytes": 555 * 2**20},
     }
-    path = tmp_path / "scaling.json"
-    path.write_text(json.dumps(data))
     page = tmp_path / "S.md"
     page.write_text("# Hand-written\n")
-    out = scaling.main(["--json", str(path), "--replot", "--png-dir", str(tmp_path), "--markdown", str(page)])
-    assert out == data
-    assert _is_png(tmp_path / "scaling_devices.png") and _is_png(tmp_path / "scaling_width.png")
+    pngs = [tmp_path / "scaling_devices.png", tmp_path / "scaling_width.png"]
+    assert scaling.write_outputs(data, tmp_path, page) == [*pngs, page]
+    assert all(_is_png(png) for png in pngs)
     text = page.read_text()
     assert text.startswith("# Hand-written\n") and report.BEGIN in text
     assert text.count("| fsdp_manual |") == 7

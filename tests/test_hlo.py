@@ -166,3 +166,34 @@ def test_a_conditional_counts_its_heaviest_branch_only():
     stats = collective_stats(g.lower(jnp.zeros((8, 128)), jnp.int32(0)).compile())
     assert stats.count["all-reduce"] == 3, stats.count
     assert stats.bytes["all-reduce"] == 3 * 8 * 128 * 4, stats.bytes
+
+
+def test_dtypes_name_what_each_kind_moves():
+    stats = collective_stats(HLO)
+    assert stats.dtypes == {
+        "all-reduce": ("bf16", "f32"),
+        **dict.fromkeys(("all-gather", "reduce-scatter", "collective-permute", "all-to-all"), ("f32",)),
+    }
+    # Async starts: the moved element of the tuple (not the operands or a permute's
+    # u32 scratch), in bytes and dtypes; all-reduce-start's result is all-reduce's.
+    text = """
+HloModule m, num_partitions=2
+ENTRY %main (x: bf16[4,4]) -> bf16[8,4] {
+  %x = bf16[4,4]{1,0} parameter(0)
+  %ags = (f32[4,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(%x), replica_groups={{0,1}}, dimensions={0}
+  %cps = (s32[4,4]{1,0}, f16[4,4]{1,0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1}}
+  %ars = (bf16[4,4]{1,0}, f32[2]{0}) all-reduce-start(%x, %y), replica_groups={{0,1}}, to_apply=%add
+  ROOT %agd = bf16[8,4]{1,0} all-gather-done(%ags)
+}
+"""
+    stats = collective_stats(text)
+    assert stats.bytes == {"all-gather": 64, "collective-permute": 32, "all-reduce": 32 + 8}
+    assert stats.dtypes == {
+        "all-gather": ("bf16",),
+        "collective-permute": ("f16",),
+        "all-reduce": ("bf16", "f32"),
+    }
+    mesh = eqxpar.make_mesh(data=8)
+    f = jax.shard_map(lambda i: jax.lax.psum(i, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
+    compiled = jax.jit(f).lower(jnp.ones(8, jnp.int32)).compile()
+    assert collective_stats(compiled).dtypes == {"all-reduce": ("s32",)}

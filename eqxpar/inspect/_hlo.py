@@ -83,12 +83,15 @@ class CollectiveStats:
     """Collective counts, result bytes and wire bytes (ring cost, see the module
     docstring) by kind, per device; `in_loops` counts (trip-weighted) the
     collectives of each kind that sit inside a `while` body, e.g. a ring's
-    collective-permutes, or an all-reduce that should have been after the loop."""
+    collective-permutes, or an all-reduce that should have been after the loop;
+    `dtypes` names the element types each kind moves (its counted results, sorted),
+    e.g. to check that a bf16 step's collectives do move bf16."""
 
     count: Counter
     bytes: Counter
     wire_bytes: Counter = dataclasses.field(default_factory=Counter)
     in_loops: Counter = dataclasses.field(default_factory=Counter)
+    dtypes: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -178,7 +181,7 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
       lacks `num_partitions=`/`replica_count=` (XLA omits them when 1).
 
     **Returns:** a `CollectiveStats` (`.count`, `.bytes`, `.wire_bytes`, `.in_loops`
-    by kind; `.total_bytes`, `.total_wire_bytes`).
+    and `.dtypes` by kind; `.total_bytes`, `.total_wire_bytes`).
 
     **Raises:** `EqxparError` (a `ValueError`) for an argument it cannot read, text
     with no `ENTRY` computation, or a collective that spans all devices when their
@@ -187,15 +190,25 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     ```python
     stats = collective_stats(jax.jit(f).lower(x).compile())
     stats.wire_bytes["all-reduce"]  # e.g. 3072: a 2048-byte psum over 4 devices
+    stats.dtypes["all-reduce"]  # e.g. ("f32",): what the psum moves
     ```
     """
     text = _hlo_text(compiled_or_text)
     computations, entry = _parse(text)
     if num_devices is None:
         num_devices = _module_devices(text)
-    acc = _Tally(Counter(), Counter(), Counter(), Counter())
+    acc = _Tally(Counter(), Counter(), Counter(), Counter(), Counter())
     _Walk(computations, num_devices).visit(entry, 1, 0, False, acc)
-    return CollectiveStats(count=acc.count, bytes=acc.bytes, wire_bytes=acc.wire, in_loops=acc.in_loops)
+    dtypes: dict[str, set[str]] = {}
+    for kind, dtype in acc.dtypes:
+        dtypes.setdefault(kind, set()).add(dtype)
+    return CollectiveStats(
+        count=acc.count,
+        bytes=acc.bytes,
+        wire_bytes=acc.wire,
+        in_loops=acc.in_loops,
+        dtypes={k: tuple(sorted(dtypes[k])) for k in KINDS if k in dtypes},
+    )
 
 
 def _module_devices(text: str) -> int | None:
@@ -209,12 +222,14 @@ def _module_devices(text: str) -> int | None:
 
 
 class _Tally(NamedTuple):
-    """Per-kind collective counts, result bytes, wire bytes, and counts inside loops."""
+    """Per-kind collective counts, result bytes, wire bytes, counts inside loops, and
+    counts by (kind, element type) of the results."""
 
     count: Counter
     bytes: Counter
     wire: Counter
     in_loops: Counter
+    dtypes: Counter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +279,15 @@ class _Walk:
         acc.count[base] += weight
         if looped:
             acc.in_loops[base] += weight
-        # An async start's result is a tuple (operands, results[, scratch]);
-        # the moved data is its result element.
-        size = _async_result_bytes(result_type) if opcode.endswith("-start") else shape_bytes(result_type)
+        # An async start's result is a tuple (operands, results[, scratch]), but
+        # all-reduce-start's is all-reduce's: the moved data is the result element.
+        tupled = opcode.endswith("-start") and base != "all-reduce"
+        moved = _async_result(result_type) if tupled else result_type
+        size = shape_bytes(moved)
         acc.bytes[base] += weight * size
+        for dtype, _ in _SHAPE.findall(moved):
+            if dtype in _DTYPE_BYTES:
+                acc.dtypes[base, dtype] += weight
         if base == "collective-permute":
             acc.wire[base] += weight * size
         else:
@@ -283,7 +303,7 @@ class _Walk:
         # action), not their sum.
         taken = []
         for callee in branches:
-            sub = _Tally(Counter(), Counter(), Counter(), Counter())
+            sub = _Tally(Counter(), Counter(), Counter(), Counter(), Counter())
             self.visit(callee, weight, depth + 1, looped, sub)
             taken.append(sub)
         heaviest = max(taken, key=lambda sub: (sum(sub.wire.values()), sum(sub.bytes.values())))
@@ -320,17 +340,18 @@ def _ring_bytes(kind: str, size: int, n: int) -> int:
     return (n - 1) * size // n  # all-gather, all-to-all
 
 
-def _async_result_bytes(result_type: str) -> int:
-    # "((f32[8]), f32[64], ...)": take the second top-level element.
+def _async_result(result_type: str) -> str:
+    # "((f32[8,4]{1,0}), f32[16,4]{1,0}, ...)": take the second top-level element
+    # (the commas of shapes and layouts sit deeper).
     depth, parts, start = 0, [], 1
     body = result_type.strip()
     for i, ch in enumerate(body):
-        if ch == "(":
+        if ch in "([{":
             depth += 1
-        elif ch == ")":
+        elif ch in ")]}":
             depth -= 1
         elif ch == "," and depth == 1:
             parts.append(body[start:i])
             start = i + 1
     parts.append(body[start:-1])
-    return shape_bytes(parts[1]) if len(parts) > 1 else shape_bytes(body)
+    return parts[1] if len(parts) > 1 else body
