@@ -56,7 +56,7 @@ def plan_options(args: argparse.Namespace) -> dict:
 
 def char_config(args: argparse.Namespace, vocab: int, **style) -> GPTConfig:
     """The examples' GPT: learned positions, biases, an untied head; SwiGLU and
-    RMSNorm unless `style` says otherwise (`activation=`, `norm=`)."""
+    RMSNorm unless `style` says otherwise (`activation=`, `norm=`, `rotary=`, ...)."""
     return GPTConfig(
         vocab_size=vocab,
         d_model=args.d_model,
@@ -64,11 +64,9 @@ def char_config(args: argparse.Namespace, vocab: int, **style) -> GPTConfig:
         num_layers=args.layers,
         d_hidden=4 * args.d_model,
         max_seq_len=args.seq_len,
-        rotary=False,
-        learned_positions=True,
         tied=False,
         use_bias=True,
-        **{"activation": "swiglu", "norm": "rms", **style},
+        **{"activation": "swiglu", "norm": "rms", "rotary": False, "learned_positions": True, **style},
     )
 
 

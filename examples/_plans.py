@@ -13,6 +13,9 @@ tests/test_examples.py runs every entry. A name is `family/variant`:
 - `hybrid/*`: data 2 x fsdp 2 x tensor 2, `rules.MEGATRON_FSDP` (`hybrid.py --mode`).
 - `pipeline/*`: the layers over `pipe`, the other devices over data or fsdp, with
   or without tensor 2 (`pipeline_parallel.py [--hybrid] [--fsdp]`, `hybrid_3d.py`).
+- `context/*`: the sequence split over `context`: 4 x data 2 with ring attention,
+  8 with all-gathered keys and values, data 2 x context 2 x tensor 2 with
+  sequence parallelism (`long_context.py --mode`).
 - `demo/*`: `demo.py`'s default 3D plan, and its plan without a pipeline.
 """
 
@@ -98,6 +101,19 @@ PLANS: dict[str, Entry] = {
     "pipeline/hybrid": _pipeline("hybrid_3d.py", (), dict(pipe=2, tensor=2, data=-1), _PIPE),
     "pipeline/hybrid-fsdp": _pipeline(
         "hybrid_3d.py", ("--fsdp",), dict(pipe=2, tensor=2, fsdp=-1), _PIPE_FSDP
+    ),
+    "context/ring": Entry("long_context.py", (), dict(data=2, context=4), dict(mode="manual")),
+    "context/allgather": Entry(
+        "long_context.py",
+        ("--mode", "allgather"),
+        dict(context=8),
+        dict(mode="manual", context_attention="allgather"),
+    ),
+    "context/tensor": Entry(
+        "long_context.py",
+        ("--mode", "tensor"),
+        dict(data=2, context=2, tensor=2),
+        dict(rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True),
     ),
     "demo/3d": Entry(
         "demo.py", (), dict(data=2, pipe=2, tensor=2), dict(rules=_PIPE_FSDP, schedule="1f1b", microbatches=4)

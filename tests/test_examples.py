@@ -47,6 +47,7 @@ TINY = {
     "hybrid.py": ["--steps", "2", "--eval-every", "2", *_GPT],
     "pipeline_parallel.py": [*_PIPELINE, "--layers", "4", "--microbatches", "4"],
     "hybrid_3d.py": [*_PIPELINE, "--layers", "2", "--microbatches", "2"],
+    "long_context.py": ["--steps", "2", "--eval-every", "2", *_GPT],
     "demo.py": [
         *("--steps", "2", "--eval-every", "1", "--batch-size", "8", "--seq-len", "16", "--d-model", "32"),
         *("--heads", "4", "--kv-heads", "2", "--layers", "2", "--d-hidden", "64", "--sample-len", "20"),
@@ -72,6 +73,7 @@ PRINTS = {
     "hybrid.py": ["per device of", "collectives per step"],
     "pipeline_parallel.py": ["bubble"],
     "hybrid_3d.py": ["bubble"],
+    "long_context.py": ["over context=", "collectives per step"],
     "demo.py": ["step 2: loss", "sample:\nPython "],
 }
 
