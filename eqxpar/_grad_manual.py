@@ -145,9 +145,10 @@ def _per_device(
     # `tensor` too keeps the partials local, and one all-reduce over both axes
     # sums them (fewer bytes, one collective).
     merged = bool(axes) and split_sequence and tensor not in axes
-    # Attention must see this device's part of a sequence split over `context`.
-    guard = expect_split() if layout.context_axes else contextlib.nullcontext()
-    with guard:
+    # Attention must see this device's part of a sequence split over `context`:
+    # checked in every trace of the loss (a context manager per trace).
+    guard = expect_split if layout.context_axes else contextlib.nullcontext
+    with guard():
         value, aux, grads = _local_gradients(
             loss, layout, model, batch, key, vary=axes + ((tensor,) if merged else ())
         )
@@ -157,7 +158,7 @@ def _per_device(
         # partials: trace again and let autodiff sum over `tensor` (the unused
         # first trace is dead code, removed before compiling).
         merged = False
-        with guard:
+        with guard():
             value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
     if not axes:
         return value, aux, grads

@@ -103,6 +103,24 @@ def test_gpt_matches_single_device(gpts, config, make_plan):
     assert_trees_close_to_scale(grads, ref_grads)
 
 
+def test_weight_used_after_the_sequence_mean_with_sequence_parallelism(gpts):
+    # A replicated weight scaling the loss: under sequence parallelism the step
+    # traces the loss a second time (its gradient is not a sum of sequence-block
+    # partials), and the context split must be checked in that trace as well.
+    model, batch = gpts["rotary-gqa"], tokens(3)
+
+    def scaled(m, t):
+        return lm_loss(m, t) * m.final_norm.weight[0]
+
+    plan = eqxpar.Plan(
+        mesh(data=2, context=2, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    )
+    loss, grads = eqxpar.train.make_value_and_grad(scaled, plan)(model, batch)
+    ref_loss, ref_grads = _single_device(model, scaled, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt_pipelined_with_context_matches_single_device(gpts, schedule):
     model, batch = gpts["rotary-gqa"], tokens(2)
