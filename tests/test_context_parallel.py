@@ -5,6 +5,8 @@ tensor (with sequence parallelism inside), context x FSDP and context x pipeline
 non-causal encoders with pooling; training steps; the bytes attention moves; bad
 plans and inputs raise eqxpar errors."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from eqxpar.inspect import collective_stats
 from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
 
 from ._helpers import RTOL, assert_trees_close_to_scale, train_checked
+from .test_models import GPT2_STYLE
 from .test_nn_layers_any_model import Encoder, encoder_loss
 
 CONFIGS = {
@@ -25,22 +28,9 @@ CONFIGS = {
     "rotary-gqa": GPTConfig(
         vocab_size=32, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_hidden=64, max_seq_len=32
     ),
-    # GPT-2 style: learned positions, GELU, LayerNorm, biases, untied head, fused QKV.
-    "learned-positions": GPTConfig(
-        vocab_size=32,
-        d_model=32,
-        num_heads=4,
-        num_layers=2,
-        d_hidden=64,
-        max_seq_len=32,
-        activation="gelu",
-        norm="layer",
-        tied=False,
-        rotary=False,
-        learned_positions=True,
-        use_bias=True,
-        fused_qkv=True,
-    ),
+    # GPT-2 style (learned positions, GELU, LayerNorm, biases, untied head, fused QKV),
+    # as tests/test_models.py builds it, at this file's sequence length.
+    "learned-positions": dataclasses.replace(GPT2_STYLE, max_seq_len=32),
 }
 BATCH, SEQ = 8, 32  # 2 x 8 chunks of 2 tokens at context 8
 

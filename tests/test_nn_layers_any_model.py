@@ -97,15 +97,8 @@ class DropoutOnly(eqx.Module):
         return self.drop(x * self.scale, key=key)
 
 
-class Recorder(eqx.Module):
+class Recorder(DropoutOnly):
     """Records its layer's mask by writing it into a fresh slot of the output."""
-
-    scale: jax.Array
-    drop: nn.Dropout
-
-    def __init__(self, key):
-        self.scale = jnp.ones(())
-        self.drop = nn.Dropout(0.5)
 
     def __call__(self, x, *, key=None):
         mask = self.drop(self.scale * jnp.ones(x.shape[1:]), key=key)

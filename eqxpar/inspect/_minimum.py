@@ -663,13 +663,12 @@ def minimum_comm(
     return _minimum(items, _note(plan, items))
 
 
-def _attention_layers(params: Any) -> int:
-    # Attention layers the model runs: one per `nn.Attention`, times its stack depth
-    # (a stacked layer's output weight has a leading depth dimension).
+def _attentions(tree: Any) -> list[Any]:
+    """The `eqxpar.nn.Attention` modules in `tree` (a model, or its specs)."""
     from ..nn._attention import Attention
 
-    found = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Attention))]
-    return sum(x.wo.shape[0] if x.wo.ndim == 4 else 1 for x in found if isinstance(x, Attention))
+    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_attention) if is_attention(x)]
 
 
 def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
@@ -681,14 +680,12 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     if n == 1:
         return []
     _need(plan, loss, batch, f"splits the sequence over {CONTEXT_AXIS!r} ({CONTEXT_AXIS}={n})")
-    from ..pipeline._loss import PipelineLoss
-
-    if isinstance(loss, PipelineLoss):
-        piped = loss
-        loss = lambda m, b: piped.last(m, piped.stack_of(m)(piped.first(m, b)), b)  # noqa: E731
     with record_keys() as keys:
         _trace(_with_key(loss), (_outline(plan, params), _outline(plan, batch)), "loss(model, batch)")
-    layers = _attention_layers(params) // plan.mesh.shape.get(PIPE, 1)
+    # One layer per attention module, times its stack depth (a stacked layer's output
+    # weight has a leading depth dimension).
+    layers = sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in _attentions(params))
+    layers //= plan.mesh.shape.get(PIPE, 1)
     if not keys or not layers:
         return []
     k = keys[0]
@@ -703,11 +700,8 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
 
 def _kv_split(plan: Plan, params: Any) -> bool:
     # Whether the rules split the key/value heads over the tensor axis.
-    from ..nn._attention import Attention
-
-    specs = partition_specs(params, plan)
-    found = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, Attention))
-    for spec in (s.wk if s.wqkv is None else s.wqkv for s in found if isinstance(s, Attention)):
+    for attention in _attentions(partition_specs(params, plan)):
+        spec = attention.wk if attention.wqkv is None else attention.wqkv
         if spec is not None and any(plan.tensor_axis in mesh_axis_names(e) for e in spec):
             return True
     return False
