@@ -8,7 +8,6 @@ as in an automatic step.
 
 import contextlib
 import functools
-import math
 from collections.abc import Collection
 from typing import Any
 
@@ -162,12 +161,7 @@ def _per_device(
             value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
     if not axes:
         return value, aux, grads
-    # With the weights marked varying, the gradients differentiate the sum of the
-    # devices' losses along an axis where the loss differs between them (the step
-    # averages it: divide by the axis' size), and the one loss where it is the same
-    # on all of them (a loss averaged over `context` inside, say): no divide.
-    mesh = layout.plan.mesh
-    divide = math.prod(mesh.shape[a] for a in axes if varies_along(value, a))
+    divide = layout.loss_divisor(jax.typeof(value).mat.varying)
     # Along the tensor axis check_vma does the right thing unaided: a weight split
     # over it gets its own shard's gradient, and a replicated weight used on
     # sequence shards gets its partial gradients summed (unless merged above).

@@ -10,6 +10,7 @@ the step, its gradient implementations, the update, checkpoint restore and
 
 import dataclasses
 import math
+from collections.abc import Collection
 from typing import Any, Literal
 
 import equinox as eqx
@@ -132,6 +133,15 @@ class StepLayout:
         """Devices the loss is averaged over by hand: those of `reduced_axes` (the
         divisor of the gradient reduction)."""
         return math.prod(self.plan.mesh.shape[a] for a in self.reduced_axes)
+
+    def loss_divisor(self, varying: Collection[str]) -> int:
+        """The divisor of the gradient reduction for a per-device loss that differs
+        between devices along the manual axes `varying`: the sizes of the reduced
+        axes along which it does. Marked varying, the weights get the gradient of the
+        sum of those devices' losses, which the step averages; along a reduced axis
+        where the loss is one value on every device (averaged inside the loss), they
+        get its gradient already."""
+        return math.prod(self.plan.mesh.shape[a] for a in self.reduced_axes if a in varying)
 
     @property
     def partial(self) -> bool:

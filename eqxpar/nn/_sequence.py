@@ -10,6 +10,7 @@ from .._context_split import context_size, note_split
 from .._errors import DivisibilityError, SpecError
 from .._mesh import CONTEXT_AXIS
 from ._context import TensorContext, tensor_context
+from ._context_attention import _segments
 
 
 def check_sequence_splits(length: int, ctx: TensorContext, where: str) -> None:
@@ -50,10 +51,10 @@ def split_context(x: Shaped[Array, "..."], *, seq_dim: int = 1) -> Shaped[Array,
             f"that is a multiple of {2 * n}."
         )
     note_split()
-    chunk, me = length // (2 * n), jax.lax.axis_index(CONTEXT_AXIS)
-    first = jax.lax.dynamic_slice_in_dim(x, me * chunk, chunk, axis=seq_dim)
-    mirror = jax.lax.dynamic_slice_in_dim(x, (2 * n - 1 - me) * chunk, chunk, axis=seq_dim)
-    return jnp.concatenate([first, mirror], axis=seq_dim)
+    # The layout context_attention reads: its segments' global starts and lengths.
+    segments = _segments(jax.lax.axis_index(CONTEXT_AXIS), length // n, n, True)
+    parts = [jax.lax.dynamic_slice_in_dim(x, s.start, s.length, axis=seq_dim) for s in segments]
+    return jnp.concatenate(parts, axis=seq_dim)
 
 
 def split_sequence(

@@ -35,7 +35,6 @@ while parameters and optimizer state stay split between steps.
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import equinox as eqx
@@ -236,11 +235,7 @@ class _Engine:
         params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
         device = _Device(self, params, static, batch)
         loss_sum, g_rest, g_blocks = device.run()
-        # The gradients are those of the sum of the devices' losses along an axis
-        # where the micro-batch loss differs between devices (the step averages
-        # it), and of the one loss where it is the same on all (averaged inside).
-        divide = math.prod(mesh.shape[a] for a in self.layout.reduced_axes if a in device.loss_varies)
-        return self.reduce(loss_sum, g_rest, g_blocks, gathers, divide)
+        return self.reduce(loss_sum, g_rest, g_blocks, gathers, self.layout.loss_divisor(device.loss_varies))
 
     def reduce(
         self, loss_sum: jax.Array, g_rest: Any, g_blocks: Any, gathers: Any, divide: int
