@@ -17,6 +17,8 @@ tests/test_examples.py runs every entry. A name is `family/variant`:
   8 with all-gathered keys and values, data 2 x context 2 x tensor 2 with
   sequence parallelism (`long_context.py --mode`).
 - `demo/*`: `demo.py`'s default 3D plan, and its plan without a pipeline.
+- `vit/*`: data 4 x tensor 2, `rules.MEGATRON`, automatic or manual with sequence
+  parallelism, for the Vision Transformer (`vision_transformer.py --mode`).
 """
 
 import dataclasses
@@ -124,6 +126,15 @@ PLANS: dict[str, Entry] = {
         ("--pipe", "1", "--fsdp", "2"),
         dict(data=2, fsdp=2, tensor=2),
         dict(rules=eqxpar.rules.MEGATRON_FSDP),
+    ),
+    # A non-causal encoder with pooling: heads and MLP features over tensor 2 (the
+    # 16 patch tokens split over it under sequence parallelism), the batch over data 4.
+    "vit/auto": Entry("vision_transformer.py", (), dict(data=4, tensor=2), dict(rules=eqxpar.rules.MEGATRON)),
+    "vit/sp": Entry(
+        "vision_transformer.py",
+        ("--mode", "sp"),
+        dict(data=4, tensor=2),
+        dict(rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True),
     ),
 }
 

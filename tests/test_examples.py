@@ -52,6 +52,10 @@ TINY = {
         *("--steps", "2", "--eval-every", "1", "--batch-size", "8", "--seq-len", "16", "--d-model", "32"),
         *("--heads", "4", "--kv-heads", "2", "--layers", "2", "--d-hidden", "64", "--sample-len", "20"),
     ],
+    "vision_transformer.py": [
+        *("--steps", "2", "--eval-every", "1", "--batch-size", "8", "--image-size", "8", "--d-model", "16"),
+        *("--layers", "1", "--heads", "2", "--eval-size", "16"),
+    ],
 }
 
 # Flags orthogonal to the plan, so that each mode and option is run somewhere:
@@ -64,6 +68,8 @@ EXTRA = {
     "pipeline/fsdp": ["--schedule", "gpipe"],
     "pipeline/hybrid": ["--schedule", "interleaved", "--chunks", "2", "--layers", "4", "--microbatches", "4"],
     "pipeline/hybrid-fsdp": ["--schedule", "zero_bubble"],
+    # A class token under sequence parallelism: 9 patches + 1 = 10 tokens over tensor 2.
+    "vit/sp": ["--pool", "first", "--image-size", "12"],
 }
 
 # What each script prints besides the final evaluation loss.
@@ -75,6 +81,7 @@ PRINTS = {
     "hybrid_3d.py": ["bubble"],
     "long_context.py": ["over context=", "collectives per step"],
     "demo.py": ["step 2: loss", "sample:\nPython "],
+    "vision_transformer.py": ["step 2: loss", "held-out accuracy", "mesh data 4 x tensor 2; plan mode"],
 }
 
 # The demo's first line names its plan.
@@ -95,9 +102,14 @@ def test_example_runs(name, tmp_path):
     result = run_example(entry.script, args, xla_flags="--xla_backend_optimization_level=0")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    final = re.search(r"final eval loss ([0-9.]+) nats/char \(unigram entropy ([0-9.]+)\)", out)
-    assert final, out[-2000:]
-    assert 0 < float(final.group(1)) < 10
+    if entry.script == "vision_transformer.py":  # a classifier: it reports its accuracy
+        final = re.search(r"final held-out accuracy ([0-9.]+) \(chance ([0-9.]+)\)", out)
+        assert final, out[-2000:]
+        assert 0 <= float(final.group(1)) <= 1
+    else:
+        final = re.search(r"final eval loss ([0-9.]+) nats/char \(unigram entropy ([0-9.]+)\)", out)
+        assert final, out[-2000:]
+        assert 0 < float(final.group(1)) < 10
     for text in PRINTS.get(entry.script, []):
         assert text in out, (text, out[-2000:])
     if name in DEMO_MESH:
