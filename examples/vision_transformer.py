@@ -132,11 +132,11 @@ class ViT(eqx.Module):
         if self.cls is not None:
             # Token 0's patch is zeros: its embedding is the class token.
             table = table.at[0].add(self.cls - self.patch_bias)
-        h = patches @ self.patch_weight + self.patch_bias + nn.split_sequence(table, seq_dim=0)
+        h = patches @ self.patch_weight + self.patch_bias[None, None] + nn.split_sequence(table, seq_dim=0)[None]
         h = self.dropout(h, key=k_embed)
         h = self.norm(self.blocks(h, key=k_blocks))
         pooled = nn.mean_pool(h) if self.pool == "mean" else nn.first_token(h)
-        return pooled @ self.head_weight + self.head_bias
+        return pooled @ self.head_weight + self.head_bias[None]
 
 
 def loss_fn(model: ViT, batch, *, key=None):
