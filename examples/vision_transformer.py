@@ -132,7 +132,11 @@ class ViT(eqx.Module):
         if self.cls is not None:
             # Token 0's patch is zeros: its embedding is the class token.
             table = table.at[0].add(self.cls - self.patch_bias)
-        h = patches @ self.patch_weight + self.patch_bias[None, None] + nn.split_sequence(table, seq_dim=0)[None]
+        h = (
+            patches @ self.patch_weight
+            + self.patch_bias[None, None]
+            + nn.split_sequence(table, seq_dim=0)[None]
+        )
         h = self.dropout(h, key=k_embed)
         h = self.norm(self.blocks(h, key=k_blocks))
         pooled = nn.mean_pool(h) if self.pool == "mean" else nn.first_token(h)
@@ -225,7 +229,9 @@ def run(args) -> float:
 
     # Held-out images from their own seed; evaluated under plain jit (one program
     # over the trained, sharded arrays), without a key: no dropout.
-    eval_images, eval_labels = make_images(np.random.default_rng(1), args.eval_size, args.image_size, args.classes)
+    eval_images, eval_labels = make_images(
+        np.random.default_rng(1), args.eval_size, args.image_size, args.classes
+    )
 
     @eqx.filter_jit
     def accuracy(model, images, labels):
