@@ -3,18 +3,19 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._context_split import check_context_split, context_attention_impl, context_size, note_keys
-from .._errors import DivisibilityError, PlanError
+from .._errors import DivisibilityError, PlanError, SpecError
 from .._mesh import CONTEXT_AXIS
 from .._param import param
-from ._blockwise import blockwise_attention
+from ._blockwise import blockwise_attention, check_segment_ids, segment_allowed
 from ._context import tensor_context
 from ._context_attention import context_attention, context_positions
 from ._linear import _normal
 from ._matmul import check_split, column_matmul, lift, row_matmul
 from ._rotary import apply_rotary
+from ._sequence import split_context
 
 
 class Attention(eqx.Module):
@@ -53,8 +54,19 @@ class Attention(eqx.Module):
     holds its load-balanced part of the sequence: attention runs
     `eqxpar.nn.context_attention` over `context` (the plan's `context_attention`:
     ring or all-gather of keys and values), rotary angles at the tokens' global
-    positions, and `mask` is not supported.
+    positions, and `mask` is not supported (use `segment_ids`).
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
+
+    Calling it: `attn(x, *, mask=None, segment_ids=None)`. `mask` `(seq, seq)` bool
+    keeps key `j` for query `i` (not under context parallelism). `segment_ids`
+    `(batch, seq)` integers: query `i` of row `b` reads key `j` only when
+    `segment_ids[b, i] == segment_ids[b, j]` (packed documents; padding as its own
+    id), ANDed with `causal` and `mask`. They are always the whole sequence's ids in
+    global order, like token ids (the local batch rows under a manual data split):
+    under sequence parallelism the projections hold the whole sequence, and under
+    context parallelism the layer cuts this device's chunks itself, as
+    `eqxpar.nn.split_sequence` cuts the activations, and the ids travel with the
+    keys and values.
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
@@ -62,6 +74,8 @@ class Attention(eqx.Module):
     ```python
     attn = eqxpar.nn.Attention(256, 8, num_kv_heads=2, rotary=True, key=key)
     y = attn(x)                             # x: (batch, seq, 256)
+    seg = jnp.array([[0, 0, 0, 1, 1, 1, 2, 2]])  # three documents packed in one row
+    y = attn(x8, segment_ids=seg)           # x8: (1, 8, 256)
     ```
     """
 
@@ -147,6 +161,7 @@ class Attention(eqx.Module):
         x: Float[Array, "batch seq_in d_model"],
         *,
         mask: Bool[Array, "seq seq"] | None = None,
+        segment_ids: Int[Array, "_batch _seq"] | None = None,
     ) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
         check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
@@ -161,60 +176,94 @@ class Attention(eqx.Module):
         if self.bq is not None:
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
         note_keys(k)
-        split = context_size() > 1
+        n = context_size()
+        split = n > 1
+        if segment_ids is not None:
+            # q and k hold the whole sequence (or, under context parallelism, this
+            # device's part of it): the ids are the whole sequence's, in order.
+            expected = (q.shape[0], q.shape[1] * n)
+            if segment_ids.shape != expected or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+                raise SpecError(
+                    f"Attention(segment_ids=...): shape {segment_ids.shape}, dtype {segment_ids.dtype}; "
+                    f"expected integers of shape (batch, seq) = {expected}: one id per token of the whole "
+                    "sequence in its global order (this device's batch rows under a manual data split), "
+                    "as token ids are given; the layer takes this device's part itself."
+                )
         if self.rotary:
             # q and k hold the whole sequence here (column_matmul gathers it under
             # sequence parallelism), or under context parallelism this device's part.
             positions = context_positions(q.shape[1], load_balanced=True) if split else None
             q = apply_rotary(q, base=self.rotary_base, positions=positions)
             k = apply_rotary(k, base=self.rotary_base, positions=positions)
-        core = self._context_core(q, k, v, mask) if split else self._core(q, k, v, mask)
+        if split:
+            core = self._context_core(q, k, v, mask, segment_ids)
+        else:
+            core = self._core(q, k, v, mask, segment_ids)
         heads = ctx.constrain(core, None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
         return y if self.bo is None else y + lift(self.bo, y.ndim)
 
-    def _context_core(self, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+    def _context_core(
+        self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None
+    ) -> Array:
         check_context_split("Attention")
         if mask is not None:
             raise PlanError(
                 f"Attention(mask=...) under context parallelism: the mesh's {CONTEXT_AXIS!r} axis splits "
-                "the sequence, and a (seq, seq) mask would need every device's part of it. Use the causal "
-                "flag (causal=True / False), or a mesh without a context axis for masked attention."
+                "the sequence, and a (seq, seq) mask would need every device's part of it. Express "
+                "padding and packed sequences with segment_ids=(batch, seq) ids (split like the "
+                "tokens), use the causal flag (causal=True / False), or a mesh without a context axis."
             )
+        if segment_ids is not None:
+            # This device's chunks of the ids, cut exactly as the activations were.
+            segment_ids = split_context(segment_ids)
         return context_attention(
-            q, k, v, causal=self.causal, impl=context_attention_impl(), block_size=self.attention_block
+            q,
+            k,
+            v,
+            causal=self.causal,
+            impl=context_attention_impl(),
+            segment_ids=segment_ids,
+            block_size=self.attention_block,
         )
 
-    def _core(self, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+    def _core(
+        self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None
+    ) -> Array:
         # Attention on the local heads; no collectives on any path.
+        masks = dict(mask=mask, segment_ids=segment_ids)
         if self.attention == "dense":
-            return _attend(q, k, v, causal=self.causal, mask=mask)
+            return _attend(q, k, v, causal=self.causal, **masks)
         if self.attention == "auto":
-            if _cudnn_applies(q, mask):
+            if _cudnn_applies(q, mask, segment_ids):
                 return jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation="cudnn")
             if q.shape[1] <= self.attention_block:
                 # One block: the dense scores are one (seq, block) tile, the same temp
                 # memory as the blockwise path without its scan and custom VJP, and
                 # short-sequence programs (and the HLO the tests count) stay as they were.
-                return _attend(q, k, v, causal=self.causal, mask=mask)
-        return blockwise_attention(q, k, v, causal=self.causal, mask=mask, block_size=self.attention_block)
+                return _attend(q, k, v, causal=self.causal, **masks)
+        return blockwise_attention(q, k, v, causal=self.causal, block_size=self.attention_block, **masks)
 
 
-def _cudnn_applies(q: Array, mask: Array | None) -> bool:
+def _cudnn_applies(q: Array, mask: Array | None, segment_ids: Array | None) -> bool:
     # cuDNN's fused attention: GPU, half precision, head_dim a multiple of 8 up to 128.
     # A given mask goes to the blockwise path (a fully masked row averages all keys
-    # there, as the dense softmax does; cuDNN's result for such rows differs).
+    # there, as the dense softmax does; cuDNN's result for such rows differs); so do
+    # segment ids (one masking rule, the same on every path and device split).
     d = q.shape[-1]
     return (
         jax.default_backend() == "gpu"
         and mask is None
+        and segment_ids is None
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and d % 8 == 0
         and d <= 128
     )
 
 
-def _attend(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None) -> Array:
+def _attend(
+    q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None, segment_ids: Array | None = None
+) -> Array:
     # q: (b, s, hq, d); k, v: (b, s, hkv, d). Query head i reads key/value head
     # i // (hq / hkv); with heads split contiguously over the tensor axis every
     # device holds whole groups, so this runs on local heads unchanged.
@@ -225,6 +274,9 @@ def _attend(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None) -
     allowed = jnp.ones((s, s), bool) if mask is None else mask
     if causal:
         allowed = allowed & jnp.tril(jnp.ones((s, s), bool))
-    scores = jnp.where(lift(allowed, scores.ndim), scores, jnp.finfo(scores.dtype).min)
+    allowed = lift(allowed, scores.ndim)
+    if segment_ids is not None:
+        allowed = allowed & segment_allowed(segment_ids, segment_ids)
+    scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, s, hq, d)

@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import PlanError
 from ._attention import Attention
@@ -38,7 +38,12 @@ class TransformerBlock(eqx.Module):
     y = block(x)                            # x: (batch, seq, 256)
     encoder = eqxpar.nn.TransformerBlock(256, 8, 1024, causal=False, dropout=0.1, key=key)
     y = encoder(x, key=dropout_key)         # without key: no dropout
+    y = block(x, segment_ids=seg)           # seg: (batch, seq) ids of the whole sequence
     ```
+
+    Calling it: `block(x, *, key=None, segment_ids=None)`; `segment_ids` go to the
+    attention (see `Attention`), e.g. `model.blocks(h, segment_ids=seg)` through
+    `eqxpar.nn.Stacked`.
     """
 
     norm1: LayerNorm | RMSNorm
@@ -102,10 +107,14 @@ class TransformerBlock(eqx.Module):
         self.dropout = Dropout(dropout)
 
     def __call__(
-        self, x: Float[Array, "batch seq d_model"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Float[Array, "batch seq d_model"],
+        *,
+        key: PRNGKeyArray | None = None,
+        segment_ids: Int[Array, "_batch _seq"] | None = None,
     ) -> Float[Array, "batch seq d_model"]:
         k1 = k2 = None
         if key is not None and self.dropout.rate > 0:
             k1, k2 = jax.random.split(key)
-        x = x + self.dropout(self.attn(self.norm1(x)), key=k1)
+        x = x + self.dropout(self.attn(self.norm1(x), segment_ids=segment_ids), key=k1)
         return x + self.dropout(self.mlp(self.norm2(x)), key=k2)

@@ -14,9 +14,36 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
+
+from .._errors import SpecError
 
 _F32 = jnp.float32
+
+
+def segment_allowed(q_segments: Array, k_segments: Array) -> Array:
+    """`(b, 1, 1, q, k)`: query `i` may read key `j` of the same batch row when
+    their segment ids are equal (shaped to broadcast against `(b, hkv, g, q, k)`
+    scores). Shared by the dense, blockwise and context paths."""
+    return (q_segments[:, :, None] == k_segments[:, None, :])[:, None, None]
+
+
+def check_segment_ids(segment_ids: Array | None, q: Array, k: Array, fn: str) -> None:
+    """Segment ids `(batch, seq)` of integers, for self-attention (`q_seq == kv_seq`)."""
+    if segment_ids is None:
+        return
+    b, sq = q.shape[:2]
+    if k.shape[1] != sq:
+        raise SpecError(
+            f"{fn}: segment_ids are for self-attention, but q has {sq} positions and k "
+            f"{k.shape[1]}; pass a mask for cross-attention instead."
+        )
+    if segment_ids.shape != (b, sq) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise SpecError(
+            f"{fn}: segment_ids of shape {segment_ids.shape} and dtype {segment_ids.dtype}; expected "
+            f"integers of shape (batch, seq) = {(b, sq)}, one id per token (equal ids attend to each "
+            "other: a packed sequence's documents, or padding as its own id)."
+        )
 
 
 def blockwise_attention(
@@ -26,18 +53,35 @@ def blockwise_attention(
     *,
     causal: bool,
     mask: Bool[Array, "q_seq kv_seq"] | None = None,
+    segment_ids: Int[Array, "_batch _q_seq"] | None = None,
     block_size: int = 512,
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """`softmax(q k^T / sqrt(head_dim)) v` over blocks of `block_size` keys.
 
     Same layout and result as dense attention: batch-first, query head `i` reads
     key/value head `i // (heads / kv_heads)` (grouped-query), `causal` keeps key
-    `j <= i` for query `i`, `mask[i, j]` (optional) keeps key `j` for query `i`;
-    masked scores are `finfo(float32).min` (a fully masked row averages all keys,
-    as the dense softmax does). A key length that is not a multiple of
+    `j <= i` for query `i`, `mask[i, j]` (optional) keeps key `j` for query `i`,
+    `segment_ids[b, i] == segment_ids[b, j]` (optional, self-attention only) keeps
+    key `j` for query `i` of batch row `b` (packed sequences, padding as its own
+    segment); the three combine by AND. Masked scores are `finfo(float32).min`
+    (a fully masked row averages all keys, as the dense softmax does). A key length that is not a multiple of
     `block_size` is padded with keys that take no weight. Accumulation is float32;
     the output has `q`'s dtype. Temp memory, forward and backward, is
     `O(batch x heads x q_seq x block_size)`.
+
+    **Arguments:** `q` `(batch, q_seq, heads, head_dim)`; `k`, `v` `(batch, kv_seq,
+    kv_heads, head_dim)`; keyword-only `causal`, `mask` `(q_seq, kv_seq)` bool,
+    `segment_ids` `(batch, seq)` integers (needs `q_seq == kv_seq`), `block_size`.
+
+    **Returns:** `(batch, q_seq, heads, head_dim)`.
+
+    **Raises:** `ValueError` for mismatched `q`, `k`, `v`, `mask` or `block_size`;
+    `eqxpar.SpecError` for `segment_ids` of the wrong shape or dtype.
+
+    ```python
+    seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2]])   # three packed documents
+    out = eqxpar.nn.blockwise_attention(q, k, v, causal=True, segment_ids=seg, block_size=4)
+    ```
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -51,15 +95,16 @@ def blockwise_attention(
         raise ValueError(f"blockwise_attention: mask {mask.shape}, expected {(sq, sk)}.")
     if block_size < 1:
         raise ValueError(f"blockwise_attention: block_size={block_size} must be positive.")
-    return _flash(q, k, v, mask, bool(causal), int(min(block_size, sk)))
+    check_segment_ids(segment_ids, q, k, "blockwise_attention")
+    return _flash(q, k, v, mask, segment_ids, bool(causal), int(min(block_size, sk)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q, k, v, mask, causal, block):
-    return _forward(q, k, v, mask, causal, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, mask, seg, causal, block):
+    return _forward(q, k, v, mask, seg, causal, block)[0]
 
 
-def _setup(q, k, v, mask, causal, block):
+def _setup(q, k, v, mask, seg, causal, block):
     """Grouped float32 queries, keys and values stacked in blocks `(n, b, block, hkv, d)`
     (padded to whole blocks), the mask padded likewise, and a per-block mask maker."""
     b, sq, hq, d = q.shape
@@ -73,10 +118,12 @@ def _setup(q, k, v, mask, causal, block):
         return x.reshape(b, nb, block, hkv, d).swapaxes(0, 1)
 
     mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, pad)))
+    kseg = None if seg is None else jnp.pad(seg, ((0, 0), (0, pad)))
 
     def masks(j):
         # real: keys inside the sequence (padding takes no weight at all);
-        # allowed: real keys the causal / given mask keeps (others score finfo.min).
+        # allowed: real keys the causal / given mask / segments keep (others score
+        # finfo.min), (q, block) or, with segment ids, (b, 1, 1, q, block).
         kpos = j * block + jnp.arange(block)
         real = (kpos < sk)[None, :]
         allowed = real
@@ -84,6 +131,9 @@ def _setup(q, k, v, mask, causal, block):
             allowed = allowed & (kpos[None, :] <= jnp.arange(sq)[:, None])
         if mask is not None:
             allowed = allowed & lax.dynamic_slice_in_dim(mask, j * block, block, axis=1)
+        if kseg is not None:
+            same = segment_allowed(seg, lax.dynamic_slice_in_dim(kseg, j * block, block, axis=1))
+            allowed = allowed[None, None, None] & same
         return real, allowed
 
     return qg, blocks(k), blocks(v), masks, jnp.arange(nb)
@@ -108,9 +158,9 @@ def fold_tile(state: tuple, s: Array, keep: Array, vj: Array) -> tuple:
     return acc, m_new, total
 
 
-def _forward(q, k, v, mask, causal, block):
+def _forward(q, k, v, mask, seg, causal, block):
     b, sq, hq, d = q.shape
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, causal, block)
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, causal, block)
 
     def step(state, xs):
         j, kj, vj = xs
@@ -124,19 +174,19 @@ def _forward(q, k, v, mask, causal, block):
     (acc, m, total), _ = lax.scan(step, init, (idx, kb, vb))
     o = acc / total[..., None]  # (b, hkv, g, sq, d)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
-    return out, (q, k, v, mask, o, m, total)
+    return out, (q, k, v, mask, seg, o, m, total)
 
 
-def _flash_fwd(q, k, v, mask, causal, block):
-    return _forward(q, k, v, mask, causal, block)
+def _flash_fwd(q, k, v, mask, seg, causal, block):
+    return _forward(q, k, v, mask, seg, causal, block)
 
 
 def _flash_bwd(causal, block, res, dout):
-    q, k, v, mask, o, m, total = res
+    q, k, v, mask, seg, o, m, total = res
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, causal, block)
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, causal, block)
     do = dout.astype(_F32).reshape(b, sq, hkv, g, d)
     delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O)
     inv_l = 1.0 / total
@@ -158,7 +208,7 @@ def _flash_bwd(causal, block, res, dout):
     def unblock(x, like):
         return x.swapaxes(0, 1).reshape(b, -1, hkv, d)[:, :sk].astype(like.dtype)
 
-    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), None
+    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -46,7 +46,7 @@ from jaxtyping import Array, Float, Int, Shaped
 
 from .._collectives import _to_varying, _varying, all_gather
 from .._errors import DivisibilityError, PlanError, SpecError
-from ._blockwise import fold_tile
+from ._blockwise import check_segment_ids, fold_tile, segment_allowed
 
 _F32 = jnp.float32
 _IMPLS = ("ring", "allgather")
@@ -247,25 +247,36 @@ def _allowed(qpos: Array, kpos: Array, length: int, causal: bool) -> Array:
     return real & (kpos[None, :] <= qpos[:, None]) if causal else real
 
 
-def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool):
+def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kseg: Array | None):
     """The mask maker of the pair: sub-block `j` of the key segment -> its
-    `(q, block)` keep-mask, from the global positions of both segments."""
+    `(q, block)` keep-mask, from the global positions of both segments; with
+    segment ids (`qseg`, `kseg`: the pair's `(b, length)` ids) `(b, 1, 1, q, block)`,
+    also keeping only keys of the query's segment."""
     qpos = qs.start + jnp.arange(qs.length)
+    if kseg is not None:
+        # Padded to whole blocks like the keys; the padding keys are dropped by `real`.
+        kseg = jnp.pad(kseg, ((0, 0), (0, -ks.length % block)))
 
     def allowed(j):
         local = j * block + jnp.arange(block)
-        return _allowed(qpos - ks.start, local, ks.length, causal)
+        keep = _allowed(qpos - ks.start, local, ks.length, causal)
+        if kseg is None:
+            return keep
+        same = segment_allowed(qseg, lax.dynamic_slice_in_dim(kseg, j * block, block, axis=1))
+        return keep[None, None, None] & same
 
     return allowed
 
 
-def _fwd_tiles(state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int):
+def _fwd_tiles(
+    state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int, qseg=None, kseg=None
+):
     """Fold the keys `k`, `v` of segment `ks` into the online softmax `state` =
     (acc, max, sum) of the (pre-scaled, grouped) queries `qg` of segment `qs`."""
     block = min(block, ks.length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
-    allowed_at = _tiles(qs, ks, block, causal)
+    allowed_at = _tiles(qs, ks, block, causal, qseg, kseg)
 
     def step(state, xs):
         j, kj, vj = xs
@@ -277,7 +288,9 @@ def _fwd_tiles(state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal:
     return state
 
 
-def _bwd_tiles(grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int):
+def _bwd_tiles(
+    grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int, qseg=None, kseg=None
+):
     """Add the gradients of the tiles of (`qs`, `ks`) to `grads` = (dq, dk, dv):
     dq for the queries of `qs` (pre-scaled), dk and dv for the keys of `ks`."""
     dq, dk, dv = grads
@@ -285,7 +298,7 @@ def _bwd_tiles(grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool
     block = min(block, length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
-    allowed_at = _tiles(qs, ks, block, causal)
+    allowed_at = _tiles(qs, ks, block, causal, qseg, kseg)
 
     def step(dq, xs):
         j, kj, vj = xs
@@ -323,7 +336,9 @@ def _needed(qs: _Seg, ks: _Seg, causal: bool):
     return needed if isinstance(needed, bool) else jnp.asarray(needed)
 
 
-def _sl(x: Array, seg: _Seg, axis: int = 1) -> Array:
+def _sl(x: Array | None, seg: _Seg, axis: int = 1) -> Array | None:
+    if x is None:
+        return None
     return lax.slice_in_dim(x, seg.offset, seg.offset + seg.length, axis=axis)
 
 
@@ -347,15 +362,17 @@ def _init_state(qg: Array, qsegs: list[_Seg]) -> list[tuple]:
     return states
 
 
-def _fold(states, qg, qsegs, k, v, ksegs, causal, block):
-    """Fold keys/values (segments `ksegs` of `k`, `v`) into every query segment's state."""
+def _fold(states, qg, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None):
+    """Fold keys/values (segments `ksegs` of `k`, `v`; their segment ids `kseg`)
+    into every query segment's state (the queries' segment ids `qseg`)."""
     states = list(states)
     for i, qs in enumerate(qsegs):
         qgi = _sl(qg, qs)
         for ks in ksegs:
             f = functools.partial(
-                _fwd_tiles, qg=qgi, k=_sl(k, ks), v=_sl(v, ks), qs=qs, ks=ks, causal=causal, block=block
-            )
+                _fwd_tiles, qg=qgi, k=_sl(k, ks), v=_sl(v, ks), qs=qs, ks=ks, causal=causal, block=block,
+                qseg=_sl(qseg, qs), kseg=_sl(kseg, ks),
+            )  # fmt: skip
             states[i] = _when(_needed(qs, ks, causal), f, states[i])
     return states
 
@@ -370,7 +387,7 @@ def _finish(states, q: Array):
     return out, o, lse
 
 
-def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block):
+def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None):
     """(dq contribution over all of q, dk, dv of `k`, `v`) for one key/value block,
     all float32; dq is with respect to the pre-scaled queries."""
     dqs = [jnp.zeros_like(_sl(qg, qs)) for qs in qsegs]
@@ -382,7 +399,7 @@ def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block):
         for j, ks in enumerate(ksegs):
             f = functools.partial(
                 _bwd_tiles, qg=qgi, do=doi, lse=lsei, delta=deltai, k=_sl(k, ks), v=_sl(v, ks),
-                qs=qs, ks=ks, causal=causal, block=block,
+                qs=qs, ks=ks, causal=causal, block=block, qseg=_sl(qseg, qs), kseg=_sl(kseg, ks),
             )  # fmt: skip
             dqs[i], dks[j], dvs[j] = _when(_needed(qs, ks, causal), f, (dqs[i], dks[j], dvs[j]))
     return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
@@ -419,28 +436,29 @@ def _ring_setup(q, axis, causal, load_balanced):
     return n, me, segs, [(j, (j + 1) % n) for j in range(n)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis, causal, load_balanced, block):
-    return _ring_fwd(q, k, v, axis, causal, load_balanced, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, seg, axis, causal, load_balanced, block):
+    return _ring_fwd(q, k, v, seg, axis, causal, load_balanced, block)[0]
 
 
-def _ring_fwd(q, k, v, axis, causal, load_balanced, block):
+def _ring_fwd(q, k, v, seg, axis, causal, load_balanced, block):
     n, me, segs, right = _ring_setup(q, axis, causal, load_balanced)
     qg = _grouped(q, k.shape[2])
     qsegs = segs(me)
     states = _init_state(qg, qsegs)
-    kv = (k, v)
+    # The keys' segment ids (int32, b x seq: small next to K/V) travel with them.
+    kv = (k, v, seg)
     for t in range(n):
         # Issue the next block's transfer first: nothing below waits for it.
         nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
-        states = _fold(states, qg, qsegs, *kv, segs((me - t) % n), causal, block)
+        states = _fold(states, qg, qsegs, *kv[:2], segs((me - t) % n), causal, block, seg, kv[2])
         kv = nxt
     out, o, lse = _finish(states, q)
-    return out, (q, k, v, o, lse)
+    return out, (q, k, v, seg, o, lse)
 
 
 def _ring_bwd(axis, causal, load_balanced, block, res, dout):
-    q, k, v, o, lse = res
+    q, k, v, seg, o, lse = res
     n, me, segs, right = _ring_setup(q, axis, causal, load_balanced)
     qg, do, delta = _bwd_setup(q, o, dout, k.shape[2])
     qsegs = segs(me)
@@ -448,10 +466,12 @@ def _ring_bwd(axis, causal, load_balanced, block, res, dout):
     # K and V travel stacked here (separately in the forward): otherwise XLA merges
     # these transfers with the forward's identical ones and keeps every visiting
     # block alive until the backward, n x the local K/V, which a ring must not hold.
-    kv, own, carried = jnp.stack((k, v)), None, None
+    kv, kseg, own, carried = jnp.stack((k, v)), seg, None, None
     for t in range(n):
-        nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
-        dq_t, dk_t, dv_t = _grads(qg, do, lse, delta, qsegs, kv[0], kv[1], segs((me - t) % n), causal, block)
+        nxt = lax.ppermute((kv, kseg), axis, right) if t < n - 1 else None
+        dq_t, dk_t, dv_t = _grads(
+            qg, do, lse, delta, qsegs, kv[0], kv[1], segs((me - t) % n), causal, block, seg, kseg
+        )
         dq = dq + dq_t
         if t == 0:
             own = jnp.stack((dk_t, dv_t))  # this device's block: its owner's share never travels
@@ -460,9 +480,9 @@ def _ring_bwd(axis, causal, load_balanced, block, res, dout):
             # (step 1) and follows the block; after step n-1 it reaches the owner.
             acc = jnp.stack((dk_t, dv_t)) if carried is None else carried + jnp.stack((dk_t, dv_t))
             carried = lax.ppermute(acc, axis, right)
-        kv = nxt
+        kv, kseg = nxt if nxt is not None else (None, None)
     dkv = own if carried is None else own + carried
-    return _dq_out(dq, q), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+    return _dq_out(dq, q), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -472,9 +492,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gathered(q, k_all, v_all, axis, causal, load_balanced, block):
-    return _gathered_fwd(q, k_all, v_all, axis, causal, load_balanced, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gathered(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, block):
+    return _gathered_fwd(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, block)[0]
 
 
 def _gathered_segs(q, axis, causal, load_balanced):
@@ -485,20 +505,20 @@ def _gathered_segs(q, axis, causal, load_balanced):
     return segs(me), ksegs
 
 
-def _gathered_fwd(q, k_all, v_all, axis, causal, load_balanced, block):
+def _gathered_fwd(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, block):
     qsegs, ksegs = _gathered_segs(q, axis, causal, load_balanced)
     qg = _grouped(q, k_all.shape[2])
-    states = _fold(_init_state(qg, qsegs), qg, qsegs, k_all, v_all, ksegs, causal, block)
+    states = _fold(_init_state(qg, qsegs), qg, qsegs, k_all, v_all, ksegs, causal, block, seg, seg_all)
     out, o, lse = _finish(states, q)
-    return out, (q, k_all, v_all, o, lse)
+    return out, (q, k_all, v_all, seg, seg_all, o, lse)
 
 
 def _gathered_bwd(axis, causal, load_balanced, block, res, dout):
-    q, k_all, v_all, o, lse = res
+    q, k_all, v_all, seg, seg_all, o, lse = res
     qsegs, ksegs = _gathered_segs(q, axis, causal, load_balanced)
     qg, do, delta = _bwd_setup(q, o, dout, k_all.shape[2])
-    dq, dk, dv = _grads(qg, do, lse, delta, qsegs, k_all, v_all, ksegs, causal, block)
-    return _dq_out(dq, q), dk.astype(k_all.dtype), dv.astype(v_all.dtype)
+    dq, dk, dv = _grads(qg, do, lse, delta, qsegs, k_all, v_all, ksegs, causal, block, seg, seg_all)
+    return _dq_out(dq, q), dk.astype(k_all.dtype), dv.astype(v_all.dtype), None, None
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
@@ -518,6 +538,7 @@ def context_attention(
     axis: str = "context",
     impl: str = "ring",
     load_balanced: bool = True,
+    segment_ids: Int[Array, "_batch _seq"] | None = None,
     block_size: int = 512,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Attention over a sequence split across the devices of mesh axis `axis`.
@@ -551,14 +572,20 @@ def context_attention(
     - `impl`: `"ring"` or `"allgather"`.
     - `load_balanced`: the layout (only matters for `causal`): device `i` holds chunks
       `i` and `2n-1-i` of `2n` (True) or contiguous block `i` (False).
+    - `segment_ids`: optional `(batch, seq)` integers, this device's chunk of the
+      global ids in the same layout as `q` (`context_layout` them like `q`): query
+      `i` reads key `j` only when their ids are equal (packed sequences, padding as
+      its own id), ANDed with `causal`. They travel with the keys (ring: one more
+      small `ppermute` per step; allgather: one more `all_gather`), int32 next to
+      K/V's `heads x head_dim` floats per token.
     - `block_size`: keys per tile of the local online softmax.
 
     **Returns:** `(batch, seq, heads, head_dim)`, this device's rows of the output.
 
     **Raises:** `PlanError` outside a manual region over `axis`, for an unknown
     `impl` or a non-positive `block_size`; `SpecError` for mismatched shapes or
-    heads; `DivisibilityError` for an odd local length with `load_balanced` and
-    `causal`.
+    heads, or `segment_ids` of the wrong shape; `DivisibilityError` for an odd
+    local length with `load_balanced` and `causal`.
 
     ```python
     mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -572,15 +599,20 @@ def context_attention(
     """
     _context_size(axis, "context_attention")
     _check(q, k, v, impl, block_size)
+    check_segment_ids(segment_ids, q, k, "context_attention")
     causal, load_balanced = bool(causal), bool(load_balanced)
     if causal and load_balanced:
         _check_even(q.shape[1], "context_attention")
     # Everything the ring touches varies over `axis`; cast once, outside the loop
     # (a cast inside would put its transpose, a psum, in every backward step).
     vma = _varying(q) | _varying(k) | _varying(v) | {axis}
+    if segment_ids is not None:
+        vma |= _varying(segment_ids)
     q, k, v = (_to_varying(x, vma) for x in (q, k, v))
+    seg = None if segment_ids is None else _to_varying(segment_ids, vma)
     if impl == "ring":
-        return _ring(q, k, v, axis, causal, load_balanced, int(block_size))
+        return _ring(q, k, v, seg, axis, causal, load_balanced, int(block_size))
     k_all = all_gather(k, axis_name=axis, axis=1)
     v_all = all_gather(v, axis_name=axis, axis=1)
-    return _gathered(q, k_all, v_all, axis, causal, load_balanced, int(block_size))
+    seg_all = None if seg is None else all_gather(seg, axis_name=axis, axis=1)
+    return _gathered(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, int(block_size))
