@@ -9,7 +9,14 @@ from .._context_split import check_context_split, context_attention_impl, contex
 from .._errors import DivisibilityError, PlanError, SpecError
 from .._mesh import CONTEXT_AXIS
 from .._param import param
-from ._blockwise import blockwise_attention, check_segment_ids, segment_allowed
+from ._blockwise import (
+    blockwise_attention,
+    check_dropout,
+    dropout_rows,
+    dropout_scale,
+    dropout_seed,
+    segment_allowed,
+)
 from ._context import tensor_context
 from ._context_attention import context_attention, context_positions
 from ._linear import _normal
@@ -49,6 +56,14 @@ class Attention(eqx.Module):
       linear in the sequence) when the sequence is longer than one block, else
       dense. `"blockwise"` or `"dense"` (the `(seq, seq)` score matrix) force one.
     - `attention_block`: keys per block of the blockwise path (default 512).
+    - `dropout`: dropout rate on the attention probabilities (default 0.0),
+      applied when the call gets a `key`. Whether a probability is kept is a hash
+      of (seed drawn from the key, batch row, global head, global query position,
+      global key position), not a random tensor: the dense, blockwise and context
+      paths, the backward pass's recomputed tiles and every split of the heads
+      (tensor parallelism: global head indices) or of the sequence (context
+      parallelism: global positions) drop the same probabilities for one key.
+      cuDNN is not used while it is active.
 
     Under context parallelism (a `context` mesh axis larger than 1) each device
     holds its load-balanced part of the sequence: attention runs
@@ -57,7 +72,8 @@ class Attention(eqx.Module):
     positions, and `mask` is not supported (use `segment_ids`).
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
 
-    Calling it: `attn(x, *, mask=None, segment_ids=None)`. `mask` `(seq, seq)` bool
+    Calling it: `attn(x, *, mask=None, segment_ids=None, key=None)` (`key`: for
+    `dropout`; without it no dropout). `mask` `(seq, seq)` bool
     keeps key `j` for query `i` (not under context parallelism). `segment_ids`
     `(batch, seq)` integers: query `i` of row `b` reads key `j` only when
     `segment_ids[b, i] == segment_ids[b, j]` (packed documents; padding as its own
@@ -98,6 +114,7 @@ class Attention(eqx.Module):
     rotary_base: float = eqx.field(static=True)
     attention: str = eqx.field(static=True, default="auto")
     attention_block: int = eqx.field(static=True, default=512)
+    dropout: float = eqx.field(static=True, default=0.0)
 
     def __init__(
         self,
@@ -112,6 +129,7 @@ class Attention(eqx.Module):
         rotary_base: float = 10000.0,
         attention: str = "auto",
         attention_block: int = 512,
+        dropout: float = 0.0,
         use_bias: bool = True,
         axis: str = "tensor",
         dtype=jnp.float32,
@@ -132,6 +150,7 @@ class Attention(eqx.Module):
             raise PlanError(f"Attention(attention={attention!r}): expected 'auto', 'blockwise' or 'dense'.")
         if attention_block < 1:
             raise PlanError(f"Attention(attention_block={attention_block}): must be positive.")
+        self.dropout = check_dropout(dropout, "Attention")
         hd = d_model // num_heads if head_dim is None else head_dim
         if rotary and hd % 2:
             raise DivisibilityError(
@@ -162,6 +181,7 @@ class Attention(eqx.Module):
         *,
         mask: Bool[Array, "seq seq"] | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
         check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
@@ -195,16 +215,22 @@ class Attention(eqx.Module):
             positions = context_positions(q.shape[1], load_balanced=True) if split else None
             q = apply_rotary(q, base=self.rotary_base, positions=positions)
             k = apply_rotary(k, base=self.rotary_base, positions=positions)
+        drop = {}
+        if key is not None and self.dropout > 0:
+            # Global head indices: inside a manual region over the tensor axis this
+            # device holds heads [i * local, (i + 1) * local); elsewhere all of them.
+            offset = jax.lax.axis_index(self.axis) * q.shape[2] if ctx.manual else 0
+            drop = dict(dropout=self.dropout, key=key, head_offset=offset)
         if split:
-            core = self._context_core(q, k, v, mask, segment_ids)
+            core = self._context_core(q, k, v, mask, segment_ids, drop)
         else:
-            core = self._core(q, k, v, mask, segment_ids)
+            core = self._core(q, k, v, mask, segment_ids, drop)
         heads = ctx.constrain(core, None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
         return y if self.bo is None else y + lift(self.bo, y.ndim)
 
     def _context_core(
-        self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None
+        self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None, drop: dict
     ) -> Array:
         check_context_split("Attention")
         if mask is not None:
@@ -225,17 +251,18 @@ class Attention(eqx.Module):
             impl=context_attention_impl(),
             segment_ids=segment_ids,
             block_size=self.attention_block,
+            **drop,
         )
 
     def _core(
-        self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None
+        self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None, drop: dict
     ) -> Array:
         # Attention on the local heads; no collectives on any path.
-        masks = dict(mask=mask, segment_ids=segment_ids)
+        masks = dict(mask=mask, segment_ids=segment_ids, **drop)
         if self.attention == "dense":
             return _attend(q, k, v, causal=self.causal, **masks)
         if self.attention == "auto":
-            if _cudnn_applies(q, mask, segment_ids):
+            if _cudnn_applies(q, mask, segment_ids) and not drop:
                 return jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation="cudnn")
             if q.shape[1] <= self.attention_block:
                 # One block: the dense scores are one (seq, block) tile, the same temp
@@ -262,7 +289,16 @@ def _cudnn_applies(q: Array, mask: Array | None, segment_ids: Array | None) -> b
 
 
 def _attend(
-    q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None, segment_ids: Array | None = None
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    causal: bool,
+    mask: Array | None,
+    segment_ids: Array | None = None,
+    dropout: float = 0.0,
+    key: PRNGKeyArray | None = None,
+    head_offset: Array | int = 0,
 ) -> Array:
     # q: (b, s, hq, d); k, v: (b, s, hkv, d). Query head i reads key/value head
     # i // (hq / hkv); with heads split contiguously over the tensor axis every
@@ -279,4 +315,8 @@ def _attend(
         allowed = allowed & segment_allowed(segment_ids, segment_ids)
     scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1)
+    if dropout > 0 and key is not None:
+        # The blockwise and context paths' mask: a hash of the global coordinates.
+        rows = dropout_rows(dropout_seed(key), b, hq, hkv, head_offset, jnp.arange(s))
+        weights = weights * dropout_scale(rows, jnp.arange(s), dropout).astype(weights.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, s, hq, d)

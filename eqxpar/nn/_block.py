@@ -27,7 +27,10 @@ class TransformerBlock(eqx.Module):
     `attention_block=512` (how the attention attends: see `Attention`),
     `axis="tensor"`, `dtype`, `key`; `causal=True` (False: an encoder block,
     every position attends to every other) and `dropout=0.0` (residual dropout
-    after the attention and after the MLP, applied when the call gets a `key`).
+    after the attention and after the MLP, applied when the call gets a `key`),
+    `attention_dropout=0.0` (dropout on the attention probabilities: `Attention`'s
+    `dropout`, a hash-based mask equal on every path and device split; its key is
+    split off the call's `key`, independent of the residual dropout's).
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
@@ -71,6 +74,7 @@ class TransformerBlock(eqx.Module):
         dtype=jnp.float32,
         causal: bool = True,
         dropout: float = 0.0,
+        attention_dropout: float = 0.0,
         key: PRNGKeyArray,
     ):
         if norm not in ("layer", "rms"):
@@ -95,6 +99,7 @@ class TransformerBlock(eqx.Module):
             rotary_base=rotary_base,
             attention=attention,
             attention_block=attention_block,
+            dropout=attention_dropout,
             use_bias=use_bias,
             axis=axis,
             dtype=dtype,
@@ -113,8 +118,13 @@ class TransformerBlock(eqx.Module):
         key: PRNGKeyArray | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
     ) -> Float[Array, "batch seq d_model"]:
-        k1 = k2 = None
+        k1 = k2 = k_attn = None
+        if key is not None and self.attn.dropout > 0:
+            # Split off first: the residual dropout's keys stay what they were
+            # without attention dropout.
+            key, k_attn = jax.random.split(key)
         if key is not None and self.dropout.rate > 0:
             k1, k2 = jax.random.split(key)
-        x = x + self.dropout(self.attn(self.norm1(x), segment_ids=segment_ids), key=k1)
+        h = self.attn(self.norm1(x), segment_ids=segment_ids, key=k_attn)
+        x = x + self.dropout(h, key=k1)
         return x + self.dropout(self.mlp(self.norm2(x)), key=k2)

@@ -7,6 +7,13 @@ so no `(seq, seq)` score matrix is ever formed: each step holds one
 `k`, `v`, the output and the per-query maximum and sum (all `O(seq)`), and
 recomputes each tile's probabilities in a second scan over the same blocks
 (FlashAttention's backward), so the backward is `O(seq x block)` as well.
+
+Dropout on the attention probabilities draws no random tensor: whether the
+probability of (batch row, global query head, global query position, global key
+position) is kept is a counter-based hash of those four integers and a seed
+(`dropout_rows`, `dropout_scale`). Any tile, recomputed in the backward pass or on
+another device (context or tensor parallelism), therefore sees the same mask, and
+the dense, blockwise and context paths drop the same probabilities for one key.
 """
 
 import functools
@@ -14,11 +21,62 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._errors import SpecError
+from .._errors import PlanError, SpecError
 
 _F32 = jnp.float32
+_U32 = jnp.uint32
+
+
+def _fmix(h: Array) -> Array:
+    # murmur3's 32-bit finalizer: every input bit flips each output bit with
+    # probability about 1/2 (uint32 arithmetic wraps).
+    h = h ^ (h >> 16)
+    h = h * _U32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _U32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fold(h: Array, x: Array, salt: int) -> Array:
+    # Mix one coordinate into the hash; the salt keeps the coordinates apart.
+    return _fmix(h ^ _fmix(x.astype(_U32) * _U32(0x9E3779B1) + _U32(salt)))
+
+
+def check_dropout(rate: float, fn: str) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= float(rate) < 1.0:
+        raise PlanError(f"{fn}: dropout={rate!r}; expected a rate in [0, 1) (0: no dropout).")
+    return float(rate)
+
+
+def dropout_seed(key: PRNGKeyArray) -> Array:
+    """The uint32 seed of the attention-dropout hash, drawn from `key`."""
+    return jax.random.bits(key, (), _U32)
+
+
+def dropout_rows(
+    seed: Array, batch: int, heads: int, kv_heads: int, head_offset: Array | int, qpos: Array
+) -> Array:
+    """`(batch, kv_heads, heads / kv_heads, q)` uint32: the hash of (seed, batch row,
+    global query head `head_offset + i`, global query position `qpos`) per query
+    row, the first half of `dropout_scale`'s per-probability hash. Per row, so
+    `O(seq)`: the blockwise and context paths carry it like the softmax statistics."""
+    g = heads // kv_heads
+    h = _fmix(jnp.asarray(seed, _U32))
+    h = _fold(h, jnp.arange(batch).reshape(batch, 1, 1, 1), 0x1B873593)
+    head = jnp.asarray(head_offset, jnp.int32) + jnp.arange(heads, dtype=jnp.int32)
+    h = _fold(h, head.reshape(1, kv_heads, g, 1), 0x68E31DA4)
+    return _fold(h, jnp.asarray(qpos).reshape(1, 1, 1, -1), 0x2C1B3C6D)
+
+
+def dropout_scale(rows: Array, kpos: Array, rate: float) -> Array:
+    """`(b, hkv, g, q, k)` float32: `1 / (1 - rate)` where the probability of row
+    `rows` (`dropout_rows`) and global key position `kpos` is kept, else 0. Kept
+    when the hash is at least `round(rate * 2**32)`: probability `1 - rate`."""
+    threshold = min(int(round(rate * 2**32)), 2**32 - 1)
+    h = _fold(rows[..., None], jnp.asarray(kpos).reshape(1, 1, 1, 1, -1), 0x165667B1)
+    return jnp.where(h >= _U32(threshold), jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
 
 
 def segment_allowed(q_segments: Array, k_segments: Array) -> Array:
@@ -55,6 +113,9 @@ def blockwise_attention(
     mask: Bool[Array, "q_seq kv_seq"] | None = None,
     segment_ids: Int[Array, "_batch _q_seq"] | None = None,
     block_size: int = 512,
+    dropout: float = 0.0,
+    key: PRNGKeyArray | None = None,
+    head_offset: Int[Array, ""] | int = 0,
 ) -> Float[Array, "batch q_seq heads head_dim"]:
     """`softmax(q k^T / sqrt(head_dim)) v` over blocks of `block_size` keys.
 
@@ -69,9 +130,19 @@ def blockwise_attention(
     the output has `q`'s dtype. Temp memory, forward and backward, is
     `O(batch x heads x q_seq x block_size)`.
 
+    With `dropout > 0` and a `key`, each attention probability is dropped with
+    probability `dropout` and the kept ones scaled by `1 / (1 - dropout)`
+    (FlashAttention's scheme: the softmax normaliser sums the undropped
+    probabilities, the output the dropped ones). Whether one is kept is a hash of
+    (seed drawn from `key`, batch row, global query head `head_offset + i`, query
+    position, key position), so the dense path, this one and `context_attention`
+    drop the same probabilities for the same key, whatever the tiling.
+
     **Arguments:** `q` `(batch, q_seq, heads, head_dim)`; `k`, `v` `(batch, kv_seq,
     kv_heads, head_dim)`; keyword-only `causal`, `mask` `(q_seq, kv_seq)` bool,
-    `segment_ids` `(batch, seq)` integers (needs `q_seq == kv_seq`), `block_size`.
+    `segment_ids` `(batch, seq)` integers (needs `q_seq == kv_seq`), `block_size`,
+    `dropout` (rate in `[0, 1)`), `key` (without it: no dropout), `head_offset`
+    (global index of the first local query head, under tensor parallelism).
 
     **Returns:** `(batch, q_seq, heads, head_dim)`.
 
@@ -96,15 +167,21 @@ def blockwise_attention(
     if block_size < 1:
         raise ValueError(f"blockwise_attention: block_size={block_size} must be positive.")
     check_segment_ids(segment_ids, q, k, "blockwise_attention")
-    return _flash(q, k, v, mask, segment_ids, bool(causal), int(min(block_size, sk)))
+    rate = check_dropout(dropout, "blockwise_attention")
+    rows = None
+    if rate > 0 and key is not None:
+        rows = dropout_rows(dropout_seed(key), b, hq, hkv, head_offset, jnp.arange(sq))
+    else:
+        rate = 0.0
+    return _flash(q, k, v, mask, segment_ids, rows, bool(causal), int(min(block_size, sk)), rate)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, mask, seg, causal, block):
-    return _forward(q, k, v, mask, seg, causal, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, mask, seg, rows, causal, block, rate):
+    return _forward(q, k, v, mask, seg, rows, causal, block, rate)[0]
 
 
-def _setup(q, k, v, mask, seg, causal, block):
+def _setup(q, k, v, mask, seg, rows, causal, block, rate):
     """Grouped float32 queries, keys and values stacked in blocks `(n, b, block, hkv, d)`
     (padded to whole blocks), the mask padded likewise, and a per-block mask maker."""
     b, sq, hq, d = q.shape
@@ -134,7 +211,8 @@ def _setup(q, k, v, mask, seg, causal, block):
         if kseg is not None:
             same = segment_allowed(seg, lax.dynamic_slice_in_dim(kseg, j * block, block, axis=1))
             allowed = allowed[None, None, None] & same
-        return real, allowed
+        drop = None if rows is None else dropout_scale(rows, kpos, rate)
+        return real, allowed, drop
 
     return qg, blocks(k), blocks(v), masks, jnp.arange(nb)
 
@@ -144,28 +222,31 @@ def _scores(qg, kj, allowed, d):
     return jnp.where(allowed, s, jnp.finfo(_F32).min)
 
 
-def fold_tile(state: tuple, s: Array, keep: Array, vj: Array) -> tuple:
+def fold_tile(state: tuple, s: Array, keep: Array, vj: Array, drop: Array | None = None) -> tuple:
     """One online-softmax step: fold a tile of scores `s` `(b, hkv, g, q, s)` (masked
     entries at `finfo(float32).min`) and its values `vj` `(b, s, hkv, d)` into
     `state` = (acc, running max, running sum); keys where `keep` is False take no
-    weight. Shared by `blockwise_attention` and `context_attention`."""
+    weight. `drop` (dropout's `keep / (1 - rate)`, like `s`) scales the
+    probabilities the output accumulates, not those the running sum normalises by.
+    Shared by `blockwise_attention` and `context_attention`."""
     acc, m, total = state
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     total = total * corr + p.sum(-1)
-    acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vj)
+    pv = p if drop is None else p * drop
+    acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", pv, vj)
     return acc, m_new, total
 
 
-def _forward(q, k, v, mask, seg, causal, block):
+def _forward(q, k, v, mask, seg, rows, causal, block, rate):
     b, sq, hq, d = q.shape
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, causal, block)
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, causal, block, rate)
 
     def step(state, xs):
         j, kj, vj = xs
-        real, allowed = masks(j)
-        return fold_tile(state, _scores(qg, kj, allowed, d), real, vj), None
+        real, allowed, drop = masks(j)
+        return fold_tile(state, _scores(qg, kj, allowed, d), real, vj, drop), None
 
     # Initial carries built from q (zeros_like/full_like), so inside shard_map they
     # vary over the same mesh axes as the values the scan computes.
@@ -174,30 +255,33 @@ def _forward(q, k, v, mask, seg, causal, block):
     (acc, m, total), _ = lax.scan(step, init, (idx, kb, vb))
     o = acc / total[..., None]  # (b, hkv, g, sq, d)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
-    return out, (q, k, v, mask, seg, o, m, total)
+    return out, (q, k, v, mask, seg, rows, o, m, total)
 
 
-def _flash_fwd(q, k, v, mask, seg, causal, block):
-    return _forward(q, k, v, mask, seg, causal, block)
+def _flash_fwd(q, k, v, mask, seg, rows, causal, block, rate):
+    return _forward(q, k, v, mask, seg, rows, causal, block, rate)
 
 
-def _flash_bwd(causal, block, res, dout):
-    q, k, v, mask, seg, o, m, total = res
+def _flash_bwd(causal, block, rate, res, dout):
+    q, k, v, mask, seg, rows, o, m, total = res
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, causal, block)
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, causal, block, rate)
     do = dout.astype(_F32).reshape(b, sq, hkv, g, d)
-    delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O)
+    delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O), O the dropped output
     inv_l = 1.0 / total
 
     def step(dq, xs):
         j, kj, vj = xs
-        real, allowed = masks(j)
+        real, allowed, drop = masks(j)
         s = _scores(qg, kj, allowed, d)
         p = jnp.where(real, jnp.exp(s - m[..., None]), 0.0) * inv_l[..., None]
-        dv = jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        # With dropout O = (P * Z) V: dV = (P * Z)^T dO, dP = (dO V^T) * Z, and
+        # dS = P * (dP - rowsum(dO * O)) as without.
+        dv = jnp.einsum("bkgqs,bqkgd->bskd", p if drop is None else p * drop, do)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vj)
+        dp = dp if drop is None else dp * drop
         ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) / jnp.sqrt(jnp.asarray(d, _F32))
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
@@ -208,7 +292,7 @@ def _flash_bwd(causal, block, res, dout):
     def unblock(x, like):
         return x.swapaxes(0, 1).reshape(b, -1, hkv, d)[:, :sk].astype(like.dtype)
 
-    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None
+    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -30,6 +30,11 @@ Implementations:
   locally with the right global positions; the backward pass reduce-scatters dK/dV
   (the transpose of the gather).
 
+Dropout on the probabilities (`dropout`, `key`) keeps each by a hash of (seed,
+batch row, global head, global query position, global key position), the mask
+`blockwise_attention` and dense attention use, so the result equals one device's
+for the same key, in any layout (positions are then tracked even without `causal`).
+
 Causally masked work is skipped: every pair of (query segment, key segment) whose
 keys all come after its queries is a `lax.cond` that does nothing. Segments are the
 layout's chunks (two per device when load-balanced), so with `load_balanced=True`
@@ -42,11 +47,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .._collectives import _to_varying, _varying, all_gather
 from .._errors import DivisibilityError, PlanError, SpecError
-from ._blockwise import check_segment_ids, fold_tile, segment_allowed
+from ._blockwise import (
+    check_dropout,
+    check_segment_ids,
+    dropout_rows,
+    dropout_scale,
+    dropout_seed,
+    fold_tile,
+    segment_allowed,
+)
 
 _F32 = jnp.float32
 _IMPLS = ("ring", "allgather")
@@ -247,11 +260,15 @@ def _allowed(qpos: Array, kpos: Array, length: int, causal: bool) -> Array:
     return real & (kpos[None, :] <= qpos[:, None]) if causal else real
 
 
-def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kseg: Array | None):
-    """The mask maker of the pair: sub-block `j` of the key segment -> its
+def _tiles(
+    qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kseg: Array | None, rows, rate
+):
+    """The mask makers of the pair: sub-block `j` of the key segment -> its
     `(q, block)` keep-mask, from the global positions of both segments; with
     segment ids (`qseg`, `kseg`: the pair's `(b, length)` ids) `(b, 1, 1, q, block)`,
-    also keeping only keys of the query's segment."""
+    also keeping only keys of the query's segment. And `j` -> the tile's dropout
+    scale from the query rows' hashes `rows` and the keys' global positions (None
+    without dropout)."""
     qpos = qs.start + jnp.arange(qs.length)
     if kseg is not None:
         # Padded to whole blocks like the keys; the padding keys are dropped by `real`.
@@ -265,32 +282,39 @@ def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kse
         same = segment_allowed(qseg, lax.dynamic_slice_in_dim(kseg, j * block, block, axis=1))
         return keep[None, None, None] & same
 
-    return allowed
+    def drop(j):
+        if rows is None:
+            return None
+        return dropout_scale(rows, ks.start + j * block + jnp.arange(block), rate)
+
+    return allowed, drop
 
 
 def _fwd_tiles(
-    state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int, qseg=None, kseg=None
-):
+    state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int,
+    qseg=None, kseg=None, rows=None, rate=0.0,
+):  # fmt: skip
     """Fold the keys `k`, `v` of segment `ks` into the online softmax `state` =
     (acc, max, sum) of the (pre-scaled, grouped) queries `qg` of segment `qs`."""
     block = min(block, ks.length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
-    allowed_at = _tiles(qs, ks, block, causal, qseg, kseg)
+    allowed_at, drop_at = _tiles(qs, ks, block, causal, qseg, kseg, rows, rate)
 
     def step(state, xs):
         j, kj, vj = xs
         allowed = allowed_at(j)
         s = jnp.where(allowed, jnp.einsum("bqkgd,bskd->bkgqs", qg, kj), jnp.finfo(_F32).min)
-        return fold_tile(state, s, allowed, vj), None
+        return fold_tile(state, s, allowed, vj, drop_at(j)), None
 
     state, _ = lax.scan(step, state, (jnp.arange(nb), kb, vb))
     return state
 
 
 def _bwd_tiles(
-    grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int, qseg=None, kseg=None
-):
+    grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int,
+    qseg=None, kseg=None, rows=None, rate=0.0,
+):  # fmt: skip
     """Add the gradients of the tiles of (`qs`, `ks`) to `grads` = (dq, dk, dv):
     dq for the queries of `qs` (pre-scaled), dk and dv for the keys of `ks`."""
     dq, dk, dv = grads
@@ -298,15 +322,18 @@ def _bwd_tiles(
     block = min(block, length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
-    allowed_at = _tiles(qs, ks, block, causal, qseg, kseg)
+    allowed_at, drop_at = _tiles(qs, ks, block, causal, qseg, kseg, rows, rate)
 
     def step(dq, xs):
         j, kj, vj = xs
-        allowed = allowed_at(j)
+        allowed, drop = allowed_at(j), drop_at(j)
         s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj)
         p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
-        dvj = jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        # Dropout Z: dV = (P * Z)^T dO, dP = (dO V^T) * Z; dS as without (delta
+        # is rowsum(dO * O) of the dropped output).
+        dvj = jnp.einsum("bkgqs,bqkgd->bskd", p if drop is None else p * drop, do)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vj)
+        dp = dp if drop is None else dp * drop
         ds = p * (dp - delta[..., None])
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
         dkj = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
@@ -362,7 +389,7 @@ def _init_state(qg: Array, qsegs: list[_Seg]) -> list[tuple]:
     return states
 
 
-def _fold(states, qg, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None):
+def _fold(states, qg, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None, rows=None, rate=0.0):
     """Fold keys/values (segments `ksegs` of `k`, `v`; their segment ids `kseg`)
     into every query segment's state (the queries' segment ids `qseg`)."""
     states = list(states)
@@ -371,7 +398,7 @@ def _fold(states, qg, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None):
         for ks in ksegs:
             f = functools.partial(
                 _fwd_tiles, qg=qgi, k=_sl(k, ks), v=_sl(v, ks), qs=qs, ks=ks, causal=causal, block=block,
-                qseg=_sl(qseg, qs), kseg=_sl(kseg, ks),
+                qseg=_sl(qseg, qs), kseg=_sl(kseg, ks), rows=_sl(rows, qs, 3), rate=rate,
             )  # fmt: skip
             states[i] = _when(_needed(qs, ks, causal), f, states[i])
     return states
@@ -387,7 +414,7 @@ def _finish(states, q: Array):
     return out, o, lse
 
 
-def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None):
+def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None, rows=None, rate=0.0):
     """(dq contribution over all of q, dk, dv of `k`, `v`) for one key/value block,
     all float32; dq is with respect to the pre-scaled queries."""
     dqs = [jnp.zeros_like(_sl(qg, qs)) for qs in qsegs]
@@ -400,6 +427,7 @@ def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kse
             f = functools.partial(
                 _bwd_tiles, qg=qgi, do=doi, lse=lsei, delta=deltai, k=_sl(k, ks), v=_sl(v, ks),
                 qs=qs, ks=ks, causal=causal, block=block, qseg=_sl(qseg, qs), kseg=_sl(kseg, ks),
+                rows=_sl(rows, qs, 3), rate=rate,
             )  # fmt: skip
             dqs[i], dks[j], dvs[j] = _when(_needed(qs, ks, causal), f, (dqs[i], dks[j], dvs[j]))
     return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
@@ -423,12 +451,13 @@ def _dq_out(dq: Array, q: Array) -> Array:
 # ---------------------------------------------------------------------------
 
 
-def _ring_setup(q, axis, causal, load_balanced):
+def _ring_setup(q, axis, positional, load_balanced):
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
     length = q.shape[1]
-    # Positions only matter for the causal mask; without it one segment each.
-    lb = load_balanced and causal
+    # Positions only matter for the causal mask and dropout; without them one
+    # segment each.
+    lb = load_balanced and positional
 
     def segs(device):
         return _segments(device, length, n, lb)
@@ -436,13 +465,13 @@ def _ring_setup(q, axis, causal, load_balanced):
     return n, me, segs, [(j, (j + 1) % n) for j in range(n)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, v, seg, axis, causal, load_balanced, block):
-    return _ring_fwd(q, k, v, seg, axis, causal, load_balanced, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring(q, k, v, seg, rows, axis, causal, load_balanced, block, rate):
+    return _ring_fwd(q, k, v, seg, rows, axis, causal, load_balanced, block, rate)[0]
 
 
-def _ring_fwd(q, k, v, seg, axis, causal, load_balanced, block):
-    n, me, segs, right = _ring_setup(q, axis, causal, load_balanced)
+def _ring_fwd(q, k, v, seg, rows, axis, causal, load_balanced, block, rate):
+    n, me, segs, right = _ring_setup(q, axis, causal or rows is not None, load_balanced)
     qg = _grouped(q, k.shape[2])
     qsegs = segs(me)
     states = _init_state(qg, qsegs)
@@ -451,15 +480,17 @@ def _ring_fwd(q, k, v, seg, axis, causal, load_balanced, block):
     for t in range(n):
         # Issue the next block's transfer first: nothing below waits for it.
         nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
-        states = _fold(states, qg, qsegs, *kv[:2], segs((me - t) % n), causal, block, seg, kv[2])
+        states = _fold(
+            states, qg, qsegs, *kv[:2], segs((me - t) % n), causal, block, seg, kv[2], rows, rate
+        )
         kv = nxt
     out, o, lse = _finish(states, q)
-    return out, (q, k, v, seg, o, lse)
+    return out, (q, k, v, seg, rows, o, lse)
 
 
-def _ring_bwd(axis, causal, load_balanced, block, res, dout):
-    q, k, v, seg, o, lse = res
-    n, me, segs, right = _ring_setup(q, axis, causal, load_balanced)
+def _ring_bwd(axis, causal, load_balanced, block, rate, res, dout):
+    q, k, v, seg, rows, o, lse = res
+    n, me, segs, right = _ring_setup(q, axis, causal or rows is not None, load_balanced)
     qg, do, delta = _bwd_setup(q, o, dout, k.shape[2])
     qsegs = segs(me)
     dq = jnp.zeros_like(qg)
@@ -470,7 +501,7 @@ def _ring_bwd(axis, causal, load_balanced, block, res, dout):
     for t in range(n):
         nxt = lax.ppermute((kv, kseg), axis, right) if t < n - 1 else None
         dq_t, dk_t, dv_t = _grads(
-            qg, do, lse, delta, qsegs, kv[0], kv[1], segs((me - t) % n), causal, block, seg, kseg
+            qg, do, lse, delta, qsegs, kv[0], kv[1], segs((me - t) % n), causal, block, seg, kseg, rows, rate
         )
         dq = dq + dq_t
         if t == 0:
@@ -482,7 +513,7 @@ def _ring_bwd(axis, causal, load_balanced, block, res, dout):
             carried = lax.ppermute(acc, axis, right)
         kv, kseg = nxt if nxt is not None else (None, None)
     dkv = own if carried is None else own + carried
-    return _dq_out(dq, q), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+    return _dq_out(dq, q), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -492,33 +523,36 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _gathered(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, block):
-    return _gathered_fwd(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _gathered(q, k_all, v_all, seg, seg_all, rows, axis, causal, load_balanced, block, rate):
+    return _gathered_fwd(q, k_all, v_all, seg, seg_all, rows, axis, causal, load_balanced, block, rate)[0]
 
 
-def _gathered_segs(q, axis, causal, load_balanced):
-    n, me, segs, _ = _ring_setup(q, axis, causal, load_balanced)
+def _gathered_segs(q, axis, positional, load_balanced):
+    n, me, segs, _ = _ring_setup(q, axis, positional, load_balanced)
     length = q.shape[1]
-    lb = load_balanced and causal
+    lb = load_balanced and positional
     ksegs = [s for j in range(n) for s in _segments(j, length, n, lb, offset=j * length)]
     return segs(me), ksegs
 
 
-def _gathered_fwd(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, block):
-    qsegs, ksegs = _gathered_segs(q, axis, causal, load_balanced)
+def _gathered_fwd(q, k_all, v_all, seg, seg_all, rows, axis, causal, load_balanced, block, rate):
+    qsegs, ksegs = _gathered_segs(q, axis, causal or rows is not None, load_balanced)
     qg = _grouped(q, k_all.shape[2])
-    states = _fold(_init_state(qg, qsegs), qg, qsegs, k_all, v_all, ksegs, causal, block, seg, seg_all)
+    states = _init_state(qg, qsegs)
+    states = _fold(states, qg, qsegs, k_all, v_all, ksegs, causal, block, seg, seg_all, rows, rate)
     out, o, lse = _finish(states, q)
-    return out, (q, k_all, v_all, seg, seg_all, o, lse)
+    return out, (q, k_all, v_all, seg, seg_all, rows, o, lse)
 
 
-def _gathered_bwd(axis, causal, load_balanced, block, res, dout):
-    q, k_all, v_all, seg, seg_all, o, lse = res
-    qsegs, ksegs = _gathered_segs(q, axis, causal, load_balanced)
+def _gathered_bwd(axis, causal, load_balanced, block, rate, res, dout):
+    q, k_all, v_all, seg, seg_all, rows, o, lse = res
+    qsegs, ksegs = _gathered_segs(q, axis, causal or rows is not None, load_balanced)
     qg, do, delta = _bwd_setup(q, o, dout, k_all.shape[2])
-    dq, dk, dv = _grads(qg, do, lse, delta, qsegs, k_all, v_all, ksegs, causal, block, seg, seg_all)
-    return _dq_out(dq, q), dk.astype(k_all.dtype), dv.astype(v_all.dtype), None, None
+    dq, dk, dv = _grads(
+        qg, do, lse, delta, qsegs, k_all, v_all, ksegs, causal, block, seg, seg_all, rows, rate
+    )
+    return _dq_out(dq, q), dk.astype(k_all.dtype), dv.astype(v_all.dtype), None, None, None
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
@@ -540,6 +574,9 @@ def context_attention(
     load_balanced: bool = True,
     segment_ids: Int[Array, "_batch _seq"] | None = None,
     block_size: int = 512,
+    dropout: float = 0.0,
+    key: PRNGKeyArray | None = None,
+    head_offset: Int[Array, ""] | int = 0,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Attention over a sequence split across the devices of mesh axis `axis`.
 
@@ -579,6 +616,13 @@ def context_attention(
       small `ppermute` per step; allgather: one more `all_gather`), int32 next to
       K/V's `heads x head_dim` floats per token.
     - `block_size`: keys per tile of the local online softmax.
+    - `dropout`, `key`: dropout on the attention probabilities (rate in `[0, 1)`;
+      applied only with a `key`, the same on every device, or each device's own
+      seed for independent masks): kept by a hash of (seed drawn from `key`, batch
+      row, global query head `head_offset + i`, global query and key positions), so
+      it equals `blockwise_attention`'s and dense attention's mask for that key.
+    - `head_offset`: the global index of this device's first query head (heads
+      split over a manual tensor axis), for the dropout mask.
 
     **Returns:** `(batch, seq, heads, head_dim)`, this device's rows of the output.
 
@@ -601,18 +645,26 @@ def context_attention(
     _check(q, k, v, impl, block_size)
     check_segment_ids(segment_ids, q, k, "context_attention")
     causal, load_balanced = bool(causal), bool(load_balanced)
-    if causal and load_balanced:
+    rate = check_dropout(dropout, "context_attention")
+    rate = rate if key is not None else 0.0
+    if (causal or rate > 0) and load_balanced:
         _check_even(q.shape[1], "context_attention")
+    rows = None
+    if rate > 0:
+        # Per query row: the hash of (seed, batch row, global head, global position).
+        b, length, hq, _ = q.shape
+        qpos = context_positions(length, axis=axis, load_balanced=load_balanced)
+        rows = dropout_rows(dropout_seed(key), b, hq, k.shape[2], head_offset, qpos)
     # Everything the ring touches varies over `axis`; cast once, outside the loop
     # (a cast inside would put its transpose, a psum, in every backward step).
     vma = _varying(q) | _varying(k) | _varying(v) | {axis}
-    if segment_ids is not None:
-        vma |= _varying(segment_ids)
+    for x in (segment_ids, rows):
+        vma |= frozenset() if x is None else _varying(x)
     q, k, v = (_to_varying(x, vma) for x in (q, k, v))
-    seg = None if segment_ids is None else _to_varying(segment_ids, vma)
+    seg, rows = (None if x is None else _to_varying(x, vma) for x in (segment_ids, rows))
     if impl == "ring":
-        return _ring(q, k, v, seg, axis, causal, load_balanced, int(block_size))
+        return _ring(q, k, v, seg, rows, axis, causal, load_balanced, int(block_size), rate)
     k_all = all_gather(k, axis_name=axis, axis=1)
     v_all = all_gather(v, axis_name=axis, axis=1)
     seg_all = None if seg is None else all_gather(seg, axis_name=axis, axis=1)
-    return _gathered(q, k_all, v_all, seg, seg_all, axis, causal, load_balanced, int(block_size))
+    return _gathered(q, k_all, v_all, seg, seg_all, rows, axis, causal, load_balanced, int(block_size), rate)

@@ -1,0 +1,164 @@
+"""Dropout on the attention probabilities: for one key the dense, blockwise
+(several tilings) and context-parallel (ring and all-gather, both layouts) paths
+drop the same probabilities, forward and gradients, causal or not, grouped-query;
+the kept fraction is 1 - rate; no key or rate 0 is exactly no dropout; a
+TransformerBlock with heads split over a manual tensor axis equals one device."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxpar
+from eqxpar import nn
+from eqxpar.nn._attention import _attend
+
+from ._helpers import assert_trees_close_to_scale
+from .test_attention_segments import Packed, _close, _qkv, _value_and_grads, packed_loss, segments
+from .test_context_attention import SPEC, _mesh
+
+RATE = 0.3
+KEY = jax.random.key(7)
+
+
+def _context(n, causal, load_balanced, impl, key, seg=None):
+    """Global q, k, v -> global output of context attention with dropout over n
+    devices, the same key on every device (and segment ids in the layout)."""
+    lay = functools.partial(nn.context_layout, n=n, load_balanced=load_balanced)
+
+    def attend(q, k, v, seg):
+        return nn.context_attention(
+            q, k, v, causal=causal, impl=impl, load_balanced=load_balanced, block_size=4, dropout=RATE,
+            key=key, segment_ids=seg,
+        )  # fmt: skip
+
+    specs = (SPEC,) * 3 + (None if seg is None else SPEC,)
+    sharded = jax.shard_map(attend, mesh=_mesh(n), in_specs=specs, out_specs=SPEC)
+
+    def f(q, k, v):
+        out = sharded(lay(q), lay(k), lay(v), None if seg is None else lay(seg))
+        return nn.context_unlayout(out, n, load_balanced=load_balanced)
+
+    return f
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_path_drops_the_same_probabilities(causal):
+    args, cot = _qkv(0, 32, 4, 2)
+    dense = functools.partial(_attend, causal=causal, mask=None, dropout=RATE, key=KEY)
+    ref = _value_and_grads(dense, args, cot)
+    # The dropout changes the result (it is not silently off).
+    plain = _value_and_grads(functools.partial(_attend, causal=causal, mask=None), args, cot)
+    assert np.abs(np.asarray(ref[0] - plain[0])).max() > 1e-2
+    for block in (8, 12):  # 12: the last block padded
+        blockwise = functools.partial(
+            nn.blockwise_attention, causal=causal, block_size=block, dropout=RATE, key=KEY
+        )
+        _close(_value_and_grads(blockwise, args, cot), ref)
+    for impl, load_balanced in (("ring", True), ("allgather", True), ("ring", False)):
+        _close(_value_and_grads(_context(4, causal, load_balanced, impl, KEY), args, cot), ref)
+
+
+def test_dropout_with_segment_ids_on_blockwise_and_ring():
+    args, cot = _qkv(1, 32, 2, 2)
+    seg = segments(1, 2, 32)
+    ref = _value_and_grads(
+        functools.partial(_attend, causal=True, mask=None, segment_ids=seg, dropout=RATE, key=KEY), args, cot
+    )
+    blockwise = functools.partial(
+        nn.blockwise_attention, causal=True, segment_ids=seg, block_size=8, dropout=RATE, key=KEY
+    )
+    _close(_value_and_grads(blockwise, args, cot), ref)
+    _close(_value_and_grads(_context(2, True, True, "ring", KEY, seg), args, cot), ref)
+
+
+def test_kept_fraction_is_one_minus_rate():
+    # Zero queries: every probability is 1/s; v the identity over keys, so the
+    # output's entry (i, j) is Z_ij / s, nonzero exactly where kept.
+    b, s, h = 2, 64, 4
+    zeros = jnp.zeros((b, s, h, s))
+    v = jnp.broadcast_to(jnp.eye(s)[None, :, None, :], (b, s, h, s))
+    out = nn.blockwise_attention(zeros, zeros, v, causal=False, block_size=16, dropout=RATE, key=KEY)
+    kept = np.asarray(out > 0)
+    assert abs(kept.mean() - (1 - RATE)) < 0.01
+    np.testing.assert_allclose(np.asarray(out)[kept], 1 / (s * (1 - RATE)), rtol=1e-5)
+    # Heads and batch rows draw different masks.
+    assert (kept[0, :, 0] != kept[0, :, 1]).any() and (kept[0] != kept[1]).any()
+
+
+def test_no_key_or_rate_zero_is_exactly_no_dropout():
+    x = jax.random.normal(jax.random.key(1), (2, 24, 32))
+    for attention in ("dense", "blockwise"):
+        kw = dict(num_kv_heads=2, attention=attention, attention_block=8, key=jax.random.key(2))
+        with_rate, without = nn.Attention(32, 4, dropout=RATE, **kw), nn.Attention(32, 4, **kw)
+        base = without(x)
+        np.testing.assert_array_equal(with_rate(x), base)
+        np.testing.assert_array_equal(without(x, key=KEY), base)
+        assert not np.allclose(with_rate(x, key=KEY), base)
+    with pytest.raises(eqxpar.PlanError, match=r"dropout=1.0.*\[0, 1\)"):
+        nn.Attention(32, 4, dropout=1.0, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_block_with_heads_split_over_tensor_equals_one_device(attention):
+    block = nn.TransformerBlock(
+        32, 4, 64, num_kv_heads=2, attention=attention, attention_block=8, dropout=0.1,
+        attention_dropout=RATE, key=jax.random.key(3),
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(4), (4, 24, 32))
+    ref = jax.jit(lambda m, x: m(x, key=KEY))(block, x)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual")
+
+    def apply(m, x):
+        return m(x, key=KEY)
+
+    sharded = eqxpar.filter_shard_map(
+        apply, plan, in_specs=(eqxpar.partition_specs(block, plan), P()), out_specs=P(), axis_names={"tensor"}
+    )
+    with plan:
+        out = eqx.filter_jit(sharded)(eqxpar.shard(block, plan), x)
+    assert_trees_close_to_scale(out, ref)
+    assert not np.allclose(out, jax.jit(lambda m, x: m(x))(block, x))
+
+
+@pytest.mark.parametrize(
+    "make_plan",
+    [
+        lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual"),
+        lambda: eqxpar.Plan(
+            eqxpar.make_mesh(data=2, context=2, tensor=2),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            sequence_parallel=True,
+            context_attention="allgather",
+        ),
+    ],
+    ids=["ring-data", "allgather-tensor-sp"],
+)
+def test_attention_dropout_in_a_context_step(make_plan):
+    # The step folds each device's index into the key (independent masks per
+    # device), so this checks that dropout runs in the step and takes effect.
+    model = eqx.tree_at(
+        lambda m: m.blocks,
+        Packed(True, jax.random.key(0)),
+        nn.Stacked(
+            lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, attention_dropout=RATE, key=k),
+            depth=2,
+            key=jax.random.key(1),
+        ),
+    )
+    ids = jax.random.randint(jax.random.key(2), (4, 32), 0, 32)
+    batch = (ids, segments(3, 4, 32))
+
+    def loss(m, batch, *, key=None):
+        ids, seg = batch
+        return nn.sequence_mean(jnp.sum(jnp.square(m.blocks(m.embed(ids), segment_ids=seg, key=key)), -1))
+
+    plain = eqx.filter_jit(packed_loss)(model, batch)  # no key: no dropout
+    dropped, grads = eqxpar.train.make_value_and_grad(loss, make_plan())(model, batch, key=KEY)
+    assert np.isfinite(float(dropped)) and abs(float(dropped) - float(plain)) > 1e-4
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
