@@ -113,14 +113,14 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def splice(path: pathlib.Path, tables: str) -> None:
-    """Write `tables` between `BEGIN` and `END` in `path`, keeping the text around them
+def splice(path: pathlib.Path, tables: str, *, begin: str = BEGIN, end: str = END) -> None:
+    """Write `tables` between `begin` and `end` in `path`, keeping the text around them
     (markers appended to a page that has none; the file created if missing)."""
     text = path.read_text() if path.exists() else ""
-    if BEGIN not in text or END not in text:
-        text = text + ("\n" if text else "") + f"{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + BEGIN + "\n\n" + tables + "\n\n" + END + rest.split(END, 1)[1])
+    if begin not in text or end not in text:
+        text = text + ("\n" if text else "") + f"{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n\n" + tables + "\n\n" + end + rest.split(end, 1)[1])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

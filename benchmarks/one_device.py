@@ -1,0 +1,340 @@
+"""Measurements on one device, the inputs of the predictions the distributed records
+cannot make on simulated CPU devices (benchmarks/README.md):
+
+- `rates`: dense matmul FLOP/s (bf16 and float32) and memory copy bandwidth.
+- `attention`: one causal attention (batch 1, 8 heads, head dim 64) forward and
+  forward + backward at growing sequence lengths: time and compiled temp memory of
+  `nn.blockwise_attention`, of cuDNN's fused kernel (GPU) and of XLA's dense softmax.
+- `grouped_matmul`: the expert matmul of a mixture-of-experts layer, dropless with
+  `lax.ragged_dot` against every expert on every token and against capacity-padded
+  per-expert batches, forward and forward + backward.
+- `stage_actions`: one pipeline stage's per-action times, the costs a schedule
+  simulation takes: F (forward), F_keep (forward keeping residuals), B (backward from
+  residuals: input and weight gradients), I (input gradient only), W (weight gradient
+  only), B_recompute (forward again, then backward).
+
+    python -m benchmarks.one_device [--quick] [--only rates,attention] --json PATH
+    python -m benchmarks.one_device --render JSON [JSON ...] --markdown BENCHMARKS.md
+
+Runs on whatever `jax.devices()[0]` is; a GPU run is how BENCHMARKS.md's GPU figures
+were made (`--json benchmarks/results/one_device_gpu.json`).
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqxpar import nn
+
+from . import _workload, report
+
+MiB = 2**20
+
+
+def timed(fn: Callable, *args: Any, reps: int) -> float:
+    """Median seconds of `fn(*args)` over `reps` calls after a compile and two warm-ups."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def temp_bytes(fn: Callable, *args: Any) -> int:
+    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def rates(quick: bool, reps: int) -> dict:
+    """Dense matmul FLOP/s in bf16 and float32 (XLA's default precision) and the copy
+    bandwidth (bytes read + written per second) of `2 * x` on a large array."""
+    n = 2048 if quick else 8192
+    out: dict[str, Any] = {"matmul_n": n}
+    for name, dtype in (("bf16", jnp.bfloat16), ("f32", jnp.float32)):
+        a, b = (jax.random.normal(jax.random.key(i), (n, n), dtype) for i in range(2))
+        seconds = timed(jax.jit(jnp.matmul), a, b, reps=reps)
+        out[f"matmul_{name}_tflops"] = 2 * n**3 / seconds / 1e12
+    size = (16 if quick else 512) * MiB
+    x = jnp.ones((size // 4,), jnp.float32)
+    seconds = timed(jax.jit(lambda x: 2 * x), x, reps=reps)
+    out |= {"copy_bytes": 2 * size, "copy_gbytes_per_s": 2 * size / seconds / 1e9}
+    print(f"  rates {out}", flush=True)
+    return out
+
+
+def _attention_paths(on_gpu: bool) -> dict[str, Callable]:
+    paths = {"blockwise": lambda q, k, v: nn.blockwise_attention(q, k, v, causal=True, block_size=512)}
+    if on_gpu:
+        paths["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    paths["xla_dense"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    return paths
+
+
+def attention(quick: bool, reps: int) -> dict:
+    """Causal attention, batch 1, 8 heads, head dim 64: for each path and sequence,
+    forward and forward + backward time, temp bytes of forward + backward, and
+    the largest difference of the output from the blockwise path's."""
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    seqs = [1024, 4096] if quick else ([4096, 8192, 16384, 32768] if on_gpu else [1024, 4096, 16384])
+    # XLA's dense path holds (heads x seq x seq) scores: run up to 16k on GPU (at 32k
+    # its backward needs 96 GiB); on CPU every path runs up to 4k, longer sequences
+    # are compiled for their memory only (seconds per call).
+    dense_max, any_max = (16384, 32768) if on_gpu else (4096, 4096)
+    rows = []
+    for seq in seqs:
+        shape = (1, seq, 8, 64)
+        q, k, v, ct = (jax.random.normal(jax.random.key(i), shape, dtype) for i in range(4))
+        reference = None
+        for name, fn in _attention_paths(on_gpu).items():
+            row: dict[str, Any] = {"path": name, "seq": seq, "dtype": jnp.dtype(dtype).name}
+            loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
+            fwd_bwd = jax.grad(loss, argnums=(0, 1, 2))
+            try:
+                row["temp_bytes_fwd_bwd"] = temp_bytes(fwd_bwd, q, k, v)
+                if seq <= (dense_max if name == "xla_dense" else any_max):
+                    out = jax.jit(fn)(q, k, v)
+                    reference = out if reference is None else reference
+                    row["max_abs_diff_vs_blockwise"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference)))
+                    row["fwd_s"] = timed(jax.jit(fn), q, k, v, reps=reps)
+                    row["fwd_bwd_s"] = timed(jax.jit(fwd_bwd), q, k, v, reps=reps)
+                    # Causal: half the (seq x seq) scores; forward 2 matmuls, backward 5.
+                    flops = 4 * 8 * seq * seq * 64 / 2
+                    row["fwd_tflops"] = flops / row["fwd_s"] / 1e12
+                    row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_s"] / 1e12
+            except Exception as error:  # noqa: BLE001 - a path that does not run here is recorded, not fatal
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            rows.append(row)
+            print(f"  attention {row}", flush=True)
+    return {"batch": 1, "heads": 8, "head_dim": 64, "causal": True, "rows": rows}
+
+
+def grouped_matmul(quick: bool, reps: int) -> dict:
+    """Routed tokens (tokens x top-k rows, sorted by expert) times per-expert weights
+    `(experts, d, hidden)`: `lax.ragged_dot` on the exact groups (dropless), every
+    expert on every row with a mask (the dense loop), and capacity-padded batches of
+    1.25 x the mean group (what capacity dispatch computes); balanced routing, and
+    for ragged_dot also every row on one expert."""
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    # XLA:CPU runs ragged_dot as a loop (tens of seconds at the GPU's size): CPU sizes are small.
+    small = quick or not on_gpu
+    tokens, d, hidden, experts, top_k = (1024, 256, 512, 8, 2) if small else (16384, 1024, 4096, 8, 2)
+    rows_n = tokens * top_k
+    capacity = math.ceil(1.25 * rows_n / experts)
+    x = jax.random.normal(jax.random.key(0), (rows_n, d), dtype)
+    w = jax.random.normal(jax.random.key(1), (experts, d, hidden), dtype) / math.sqrt(d)
+    assign = jnp.sort(jax.random.randint(jax.random.key(2), (rows_n,), 0, experts))
+    balanced = jnp.bincount(assign, length=experts).astype(jnp.int32)
+    skewed = jnp.zeros((experts,), jnp.int32).at[0].set(rows_n)
+
+    def ragged(x, w, sizes):
+        return jax.lax.ragged_dot(x, w, sizes)
+
+    def dense(x, w, sizes):
+        del sizes
+        out = jnp.zeros((rows_n, hidden), dtype)
+        for e in range(experts):
+            out = out + jnp.where((assign == e)[:, None], x @ w[e], 0).astype(dtype)
+        return out
+
+    def padded(x, w, sizes):
+        del sizes
+        # The rows laid out as `experts` buffers of `capacity` (the layout, not the
+        # dispatch, is what is timed: the compute of capacity-based routing).
+        xp = jnp.pad(x, ((0, experts * capacity - rows_n), (0, 0)))
+        return jnp.einsum("ecd,edh->ech", xp.reshape(experts, capacity, d), w)
+
+    flops = 2 * rows_n * d * hidden
+    rows = []
+    for name, fn, sizes in (
+        ("ragged_dot", ragged, balanced),
+        ("ragged_dot_one_expert", ragged, skewed),
+        ("dense_every_expert", dense, balanced),
+        ("capacity_padded_1.25", padded, balanced),
+    ):
+        row: dict[str, Any] = {"path": name, "dtype": jnp.dtype(dtype).name}
+        loss = lambda x, w, fn=fn, sizes=sizes: jnp.sum(fn(x, w, sizes).astype(jnp.float32))
+        try:
+            row["fwd_s"] = timed(jax.jit(fn), x, w, sizes, reps=reps)
+            row["fwd_bwd_s"] = timed(jax.jit(jax.grad(loss, argnums=(0, 1))), x, w, reps=reps)
+            row["fwd_useful_tflops"] = flops / row["fwd_s"] / 1e12
+            row["fwd_bwd_useful_tflops"] = 3 * flops / row["fwd_bwd_s"] / 1e12
+        except Exception as error:  # noqa: BLE001
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        rows.append(row)
+        print(f"  grouped_matmul {row}", flush=True)
+    sizes = {"tokens": tokens, "top_k": top_k, "d": d, "hidden": hidden, "experts": experts, "capacity": capacity}
+    return {**sizes, "rows": rows}
+
+
+#: The stages timed: the benchmark workload's pipeline stage (pipe 4 of the 8-layer
+#: variant: 2 blocks, one 128-token sequence per micro-batch), and a wider one.
+STAGES = {
+    "workload": (dataclasses.replace(_workload.CONFIG, layers=2), 1),
+    "wide": (dataclasses.replace(_workload.CONFIG, d_model=1024, heads=16, mlp=4096, seq_len=1024, layers=2), 4),
+}
+
+
+def stage_actions(quick: bool, reps: int) -> dict:
+    """Per-action seconds of one pipeline stage (two GPT blocks) on one micro-batch."""
+    out = {}
+    for name, (cfg, micro) in STAGES.items():
+        if quick and name != "workload":
+            continue
+        blocks = _workload.make_model(cfg).blocks
+        params, static = eqx.partition(blocks, eqx.is_inexact_array)
+        x = jax.random.normal(jax.random.key(0), (micro, cfg.seq_len, cfg.d_model), jnp.float32)
+        ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+
+        def stage(p, x):
+            return eqx.combine(p, static)(x)
+
+        _, both = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
+        _, input_only = jax.jit(lambda p, x: jax.vjp(lambda x: stage(p, x), x))(params, x)
+        _, weight_only = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))(params, x)
+        pullback = jax.jit(lambda pb, ct: pb(ct))
+        recompute = jax.jit(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))
+        times = {
+            "F": timed(jax.jit(stage), params, x, reps=reps),
+            "F_keep": timed(jax.jit(lambda p, x: jax.vjp(stage, p, x)), params, x, reps=reps),
+            "B": timed(pullback, both, ct, reps=reps),
+            "I": timed(pullback, input_only, ct, reps=reps),
+            "W": timed(pullback, weight_only, ct, reps=reps),
+            "B_recompute": timed(recompute, params, x, ct, reps=reps),
+        }
+        residual_bytes = sum(a.nbytes for a in jax.tree.leaves(both)) - sum(a.nbytes for a in jax.tree.leaves(params))
+        out[name] = {
+            "config": dataclasses.asdict(cfg),
+            "micro_batch": micro,
+            "seconds": times,
+            "residual_bytes_beyond_params": int(residual_bytes),
+        }
+        print(f"  stage_actions {name} {out[name]['seconds']}", flush=True)
+    return out
+
+
+SECTIONS = {"rates": rates, "attention": attention, "grouped_matmul": grouped_matmul, "stage_actions": stage_actions}
+
+BEGIN = "<!-- one-device tables (python -m benchmarks.one_device --render): edit the prose outside them -->"
+END = "<!-- end of one-device tables -->"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.3f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+
+
+def render(files: list[dict]) -> str:
+    """Markdown tables of one or more JSONs written by this module (one per device)."""
+    out = []
+    rates_rows = [
+        [f["device_kind"], f"{r['matmul_bf16_tflops']:.1f}", f"{r['matmul_f32_tflops']:.1f}", f"{r['copy_gbytes_per_s']:.0f}"]
+        for f in files
+        if "matmul_n" in (r := f.get("rates", {}))
+    ]
+    head = ["device", "matmul bf16 TFLOP/s", "matmul f32 TFLOP/s", "copy GB/s (read + write)"]
+    out += ["#### Rates", _table(head, rates_rows)]
+    rows = []
+    for f in files:
+        for r in f.get("attention", {}).get("rows", []):
+            temp = f"{r['temp_bytes_fwd_bwd'] / MiB:,.0f}" if "temp_bytes_fwd_bwd" in r else "-"
+            flops = f"{r['fwd_bwd_tflops']:.3g}" if "fwd_bwd_tflops" in r else "-"
+            row = [f["device_kind"], r["dtype"], r["seq"], r["path"], _ms(r.get("fwd_s")), _ms(r.get("fwd_bwd_s"))]
+            rows.append([*row, flops, temp])
+    head = ["device", "dtype", "seq", "path", "fwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s", "temp MiB (fwd+bwd)"]
+    out += ["#### Attention (batch 1, 8 heads, head dim 64, causal)", _table(head, rows)]
+    rows = []
+    for f in files:
+        g = f.get("grouped_matmul", {})
+        size = f"{g.get('tokens')} tokens x top-{g.get('top_k')}, d {g.get('d')} -> {g.get('hidden')}, {g.get('experts')} experts"
+        for r in g.get("rows", []):
+            flops = f"{r['fwd_bwd_useful_tflops']:.3g}" if "fwd_bwd_useful_tflops" in r else r.get("error", "-")
+            rows.append([f["device_kind"], size, r["path"], _ms(r.get("fwd_s")), _ms(r.get("fwd_bwd_s")), flops])
+    head = ["device", "size", "path", "fwd ms", "fwd+bwd ms", "useful fwd+bwd TFLOP/s"]
+    out += ["#### Grouped expert matmul", _table(head, rows)]
+    rows = []
+    for f in files:
+        for name, stage in f.get("stage_actions", {}).items():
+            if "seconds" not in stage:
+                continue
+            c, t = stage["config"], stage["seconds"]
+            size = f"{name}: {c['layers']} blocks, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
+            rows.append([f["device_kind"], size, *(_ms(t[k]) for k in ACTIONS)])
+    out += ["#### One pipeline stage's actions (ms)", _table(["device", "stage", *ACTIONS], rows)]
+    return "\n\n".join(out)
+
+
+ACTIONS = ("F", "F_keep", "B", "I", "W", "B_recompute")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.one_device", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
+    parser.add_argument(
+        "--only", help=f"comma-separated sections out of {','.join(SECTIONS)} (the file's others are kept)"
+    )
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median)")
+    parser.add_argument("--json", type=pathlib.Path, help="where to write the measurements")
+    parser.add_argument("--render", type=pathlib.Path, nargs="+", help="JSONs to render (measures nothing)")
+    parser.add_argument("--markdown", type=pathlib.Path, help="with --render: the page to write the tables into")
+    args = parser.parse_args(argv)
+    if args.render:
+        tables = render([json.loads(path.read_text()) for path in args.render])
+        report.splice(args.markdown, tables, begin=BEGIN, end=END) if args.markdown else print(tables)
+        return {}
+    if args.json is None:
+        parser.error("--json is required to measure (or --render JSON... to render)")
+    names = list(SECTIONS) if args.only is None else args.only.split(",")
+    if unknown := set(names) - set(SECTIONS):
+        parser.error(f"--only: unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    device = jax.devices()[0]
+    # With --only, the other sections of an existing file are kept.
+    data: dict[str, Any] = json.loads(args.json.read_text()) if args.only and args.json.exists() else {}
+    data |= {
+        "jax": jax.__version__,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "command": " ".join(["python -m benchmarks.one_device", *(sys.argv[1:] if argv is None else argv)]),
+        "reps": args.reps,
+        "statistic": "median",
+    }
+    print(f"{data['command']}\njax {jax.__version__} on {device.device_kind}", flush=True)
+    for name in names:
+        print(name, flush=True)
+        try:
+            data[name] = SECTIONS[name](args.quick, args.reps)
+        except Exception:  # noqa: BLE001 - the other sections still run and are written
+            data[name] = {"error": traceback.format_exc(limit=3)}
+            print(data[name]["error"], flush=True)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2, default=_plain) + "\n")
+    print(f"wrote {args.json}")
+    return data
+
+
+def _plain(x: Any) -> Any:
+    return x.item() if isinstance(x, np.generic) else str(x)
+
+
+if __name__ == "__main__":
+    main()
