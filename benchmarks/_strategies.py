@@ -19,6 +19,8 @@ from ._baseline import JitStep, opt_specs
 from ._measure import BaselineRunner, EqxparRunner, memory
 
 SAME_SHARDINGS = "hand-written jax.jit step with the same shardings"
+#: A record with no baseline: within 5 % of the minimum, and one device's parity.
+_MINIMUM = {"wire_over_min_max": 1.05, "parity_max_rel_err": 1e-5}
 #: Most records: wire bytes within 5 % of the minimum and no more than the
 #: hand-written step's; loss and gradients within float32 rounding of one device.
 STANDARD = {"wire_over_min_max": 1.05, "wire_le_baseline": True, "parity_max_rel_err": 1e-5}
@@ -69,7 +71,11 @@ class Strategy:
     options: dict = dataclasses.field(default_factory=dict)
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
-        """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide it)."""
+        """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide
+        it), seq 1024 on a context axis."""
+        if self.mesh.get("context", 1) > 1:
+            # An 8x longer sequence (1024 for the workload), the same tokens per step.
+            return dataclasses.replace(cfg, seq_len=8 * cfg.seq_len, batch=cfg.batch // 8)
         return dataclasses.replace(cfg, layers=8) if self.mesh.get("pipe") == 4 else cfg
 
     def __call__(self, model: Any, optim: Any, cfg=_workload.CONFIG, mesh: dict | None = None) -> Setup:
@@ -212,6 +218,44 @@ def _pipelined(
     )
 
 
+def _context(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, contract=_MINIMUM, **options: Any) -> Setup:
+    """Context parallelism (the sequence split over `context`) on the workload at a long
+    sequence. No `jax.jit` step splits a sequence by itself, so no baseline: held to the
+    minimum. The ring re-sends keys and values in the backward pass (it keeps one block,
+    not all `n`), a bound of its own: the minimum plus one more pass of the K/V
+    all-gather. `extra` also compiles (never runs) the step at seq 1k / 2k / 4k on
+    context 1 / 2 / 4 (data 2): the per-device memory as both grow together."""
+    setup = _sharded(model, optim, mesh, cfg, contract=contract, mode="manual", **options)
+    ring = setup.plan.context_attention in (None, "ring")
+
+    def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
+        least = setup.minimum(eqx_model, cfg)
+        kv = sum(w for part, (_, w) in least.parts.items() if "all-gather" in part and "context" in part)
+        fields = {"context_attention": "ring" if ring else "allgather", "comm_wire_bytes_kv_gather_min": kv}
+        if ring:
+            fields["comm_wire_bytes_ring_bound"] = least.total_wire_bytes + kv
+        return {**fields, "context_memory": _context_memory(optim, cfg, mesh, options)}
+
+    return dataclasses.replace(setup, baseline=None, extra=extra)
+
+
+def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict) -> list:
+    """Temp bytes of the step compiled at seq `1024 c` on context `c` in (1, 2, 4), the
+    other axes as `mesh`, the batch as `cfg`'s: the same tokens per device at every point."""
+    points = []
+    for c in (1, 2, 4):
+        point = dataclasses.replace(cfg, seq_len=cfg.seq_len // mesh["context"] * c)
+        plan = eqxpar.Plan(eqxpar.make_mesh(**{**mesh, "context": c}), mode="manual", **options)
+        if c == 1:  # no context axis to choose an attention for
+            plan = dataclasses.replace(plan, context_attention=None)
+        step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
+        state = eqxpar.train.init(_workload.make_model(point), optim, plan, key=jax.random.key(0))
+        batch = eqxpar.shard_batch(_workload.make_batches(1, point)[0], plan)
+        compiled = step.lower(state, batch).compile(compiler_options=MEMORY_ONLY)
+        points.append({"context": c, "seq_len": point.seq_len, "devices": plan.mesh.size, **memory(compiled)})
+    return points
+
+
 _PP = {"pipe": 4, "data": 2}
 _FLAT = {"temp_growth_max": 0.10}
 _TP = {"data": 2, "tensor": 4}
@@ -231,6 +275,11 @@ _FSDP = {"rules": eqxpar.rules.FSDP(axis="fsdp")}
 _AUTO_FSDP = {"wire_le_baseline_plus_bytes": 1024, "parity_max_rel_err": 1e-5}
 _FSDP_TP = {"rules": _workload.TENSOR_FSDP_RULES, "mode": "manual", "sequence_parallel": True}
 
+#: The ring: within 5 % of the minimum plus the backward pass's second K/V all-gather.
+_CP_RING = {"wire_over_ring_bound_max": 1.05, "parity_max_rel_err": 1e-5, "context_temp_growth_max": 0.10}
+_CP_TP = {"data": 2, "context": 2, "tensor": 2}
+_CP_TP_OPTIONS = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
+
 #: name -> strategy, in the order they are run and reported.
 STRATEGIES: dict[str, Strategy] = {
     "dp": Strategy(_sharded, {"data": 8}),
@@ -249,5 +298,8 @@ STRATEGIES: dict[str, Strategy] = {
     "pp_1f1b": _pp("1f1b", 1.55, contract=_FLAT),
     "pp_interleaved": _pp("interleaved", 1.7, chunks=2, contract=_FLAT),
     "pp_zero_bubble": _pp("zero_bubble", 1.85, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "cp": Strategy(_context, {"data": 2, "context": 4}, {"contract": _CP_RING}),
+    "cp_allgather": Strategy(_context, {"data": 2, "context": 4}, {"context_attention": "allgather"}),
+    "cp_tp": Strategy(_context, _CP_TP, {**_CP_TP_OPTIONS, "contract": _CP_RING}),
     "3d": _pp("1f1b", 2.25, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -32,16 +32,19 @@ class References:
     first batch, and the parameters and last loss after `steps` steps of
     `_strategies.single_device`."""
 
-    def __init__(self, optim: Any, batches: Sequence):
-        self.optim, self.batches = optim, batches
+    def __init__(self, optim: Any, steps: int):
+        self.optim = optim
         self.model = functools.cache(_workload.make_model)
+        #: `batches(cfg)`: the steps' batches of `cfg`'s shape (one list per shape).
+        self.batches = functools.cache(lambda cfg: _workload.make_batches(steps, cfg))
         self.run = functools.cache(self._run)
 
     def _run(self, cfg: _workload.Config, loss_fn: Any, steps: int) -> tuple:
-        model, batch = jax.device_put((self.model(cfg), self.batches[0]), jax.devices()[0])
+        batches = self.batches(cfg)
+        model, batch = jax.device_put((self.model(cfg), batches[0]), jax.devices()[0])
         first = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, batch)
         step = single_device(model, self.optim, loss_fn)
-        losses = [step(step.put_batch(batch)) for batch in self.batches[:steps]]
+        losses = [step(step.put_batch(batch)) for batch in batches[:steps]]
         return (*first, step.params, losses[-1])
 
     def parity(self, setup: Any, runner: EqxparRunner, cfg: _workload.Config) -> dict:
@@ -64,12 +67,12 @@ class References:
         }
 
 
-def measure(name: str, refs: References, batches: Sequence, *, warm: int, timed: int, cfg=None) -> dict:
+def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> dict:
     """One record of the JSON for strategy `name` (on the workload, or on variant `cfg`)."""
     started = time.perf_counter()
     strategy = STRATEGIES[name]
     cfg = strategy.config(cfg or _workload.CONFIG)
-    model, optim = refs.model(cfg), refs.optim
+    model, optim, batches = refs.model(cfg), refs.optim, refs.batches(cfg)
     setup = strategy(model, optim, cfg)
     eqx_model = setup.convert(model)
     runner = EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
@@ -109,12 +112,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     started = time.perf_counter()
     warm, timed = QUICK if args.quick else FULL
     data: dict[str, Any] = {**_measure.header(parser.prog, argv, warm=warm, timed=timed), "records": []}
-    # Every config shares the batch shape (the 8-layer variant changes the depth only).
-    batches = _workload.make_batches(warm + timed)
-    refs = References(_workload.make_optimizer(), batches)
+    refs = References(_workload.make_optimizer(), warm + timed)
     print(" | ".join(report.COLUMNS))
     for name in names:
-        data["records"].append(measure(name, refs, batches, warm=warm, timed=timed))
+        data["records"].append(measure(name, refs, warm=warm, timed=timed))
         print(" | ".join(report.row(data["records"][-1])), flush=True)
     data["wall_time_s"] = time.perf_counter() - started
     _measure.write_json(args.json, data)
