@@ -229,7 +229,64 @@ def stage_actions(quick: bool, reps: int) -> dict:
     return out
 
 
-SECTIONS = {"rates": rates, "attention": attention, "grouped_matmul": grouped_matmul, "stage_actions": stage_actions}
+def _rel(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| over the whole tree as one vector (a leaf whose exact
+    gradient is zero, the key bias's, holds only rounding: judged leafwise, it says nothing)."""
+    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+    return math.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) / sum(np.sum(b**2) for _, b in pairs))
+
+
+def attention_agreement(quick: bool, reps: int) -> dict:
+    """`nn.Attention`'s paths on this device against its dense path, output and
+    gradients (inputs and weights; 2-norm of the difference over the reference's, the
+    tree as one vector): `auto` (cuDNN on GPU in bf16), `blockwise`, and blockwise with segment
+    ids (two packed sequences) and attention dropout (the same key) against dense with
+    the same. Also the blockwise path's fwd+bwd time against its key block size."""
+    seq = 512 if quick else 2048
+    rows = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x, ct = (jax.random.normal(jax.random.key(i), (2, seq, 512), dtype) for i in (1, 2))
+        segments = (jnp.arange(seq)[None, :] >= jnp.array([[seq // 3], [seq // 2]])).astype(jnp.int32)
+        for case, kwargs, rate in (
+            ("plain", {}, 0.0),
+            ("segment_ids", {"segment_ids": segments}, 0.0),
+            ("dropout", {"key": jax.random.key(3)}, 0.1),
+        ):
+            layers = {
+                path: nn.Attention(512, 8, attention=path, dropout=rate, key=jax.random.key(0))
+                for path in ("dense", "blockwise", "auto")
+            }
+            layers = {path: jax.tree.map(lambda w: w.astype(dtype), layer) for path, layer in layers.items()}
+
+            def value_and_grad(layer, x):
+                loss = lambda layer, x: jnp.sum(layer(x, **kwargs).astype(jnp.float32) * ct.astype(jnp.float32))
+                grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer, x)
+                return grads, eqx.filter_jit(lambda layer, x: layer(x, **kwargs))(layer, x)
+
+            (_, want_grads), want_out = value_and_grad(layers["dense"], x)
+            for path in ("blockwise", "auto"):
+                (_, grads), out = value_and_grad(layers[path], x)
+                row = {"dtype": jnp.dtype(dtype).name, "case": case, "path": path, "seq": seq}
+                row |= {"out_rel_err": _rel(out, want_out), "grads_rel_err": _rel(grads, want_grads)}
+                rows.append(row)
+                print(f"  attention_agreement {row}", flush=True)
+    shape = (1, 4 * seq, 8, 64)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3))
+    blocks = {}
+    for block in (256, 512, 1024, 2048):
+        loss = lambda q, k, v, block=block: jnp.sum(nn.blockwise_attention(q, k, v, causal=True, block_size=block))
+        blocks[block] = timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, reps=reps)
+    print(f"  blockwise fwd+bwd seconds by block size at seq {4 * seq}: {blocks}", flush=True)
+    return {"rows": rows, "blockwise_fwd_bwd_s_by_block": {"seq": 4 * seq, "dtype": "bfloat16", "seconds": blocks}}
+
+
+SECTIONS = {
+    "rates": rates,
+    "attention": attention,
+    "grouped_matmul": grouped_matmul,
+    "stage_actions": stage_actions,
+    "attention_agreement": attention_agreement,
+}
 
 BEGIN = "<!-- one-device tables (python -m benchmarks.one_device --render): edit the prose outside them -->"
 END = "<!-- end of one-device tables -->"
@@ -281,6 +338,13 @@ def render(files: list[dict]) -> str:
             size = f"{name}: {c['layers']} blocks, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
             rows.append([f["device_kind"], size, *(_ms(t[k]) for k in ACTIONS)])
     out += ["#### One pipeline stage's actions (ms)", _table(["device", "stage", *ACTIONS], rows)]
+    rows = [
+        [f["device_kind"], r["dtype"], r["seq"], r["case"], r["path"], f"{r['out_rel_err']:.1e}", f"{r['grads_rel_err']:.1e}"]
+        for f in files
+        for r in f.get("attention_agreement", {}).get("rows", [])
+    ]
+    head = ["device", "dtype", "seq", "case", "path", "output rel err", "gradients rel err"]
+    out += ["#### `nn.Attention` against its dense path (2-norm relative error)", _table(head, rows)]
     return "\n\n".join(out)
 
 
