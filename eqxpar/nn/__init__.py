@@ -21,6 +21,9 @@ from ._dropout import Dropout as Dropout
 from ._linear import MLP as MLP
 from ._linear import ColumnLinear as ColumnLinear
 from ._linear import RowLinear as RowLinear
+from ._moe import MoE as MoE
+from ._moe import MoEAux as MoEAux
+from ._moe import update_router_bias as update_router_bias
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
 from ._pool import first_token as first_token

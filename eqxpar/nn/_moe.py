@@ -1,0 +1,371 @@
+"""A mixture-of-experts feed-forward layer: top-k routing, dropless grouped
+matmuls (or capacity-padded batches), optional shared experts and
+auxiliary-loss-free balancing."""
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._errors import PlanError, SpecError
+from .._param import param
+from ._context import tensor_context
+from ._linear import MLP
+from ._matmul import check_split
+
+_SCORES = ("softmax", "sigmoid")
+_ACTIVATIONS = ("gelu", "swiglu")
+
+
+class MoEAux(eqx.Module):
+    """What an `MoE` call reports besides its output (returned, never added to a
+    loss by the layer).
+
+    - `load_balance_loss`: Switch/GShard balance loss `experts * sum_e f_e * P_e`,
+      `f_e` the fraction of the `tokens * top_k` routed assignments that chose
+      expert `e` (before any capacity drop), `P_e` the mean over tokens of the
+      router probability of `e` (softmax scores; sigmoid scores normalised to sum
+      1 per token). 1.0 for perfectly uniform routing, `experts` at worst (top-1).
+      Differentiable through `P_e` only.
+    - `router_z_loss`: mean over tokens of `logsumexp(logits)^2` (ST-MoE).
+    - `expert_load`: `(experts,)` float32 counts of routed assignments per expert
+      (they sum to `tokens * top_k`); feed them to `update_router_bias`.
+    - `dropped_fraction`: the share of assignments dropped by the capacity limit
+      (0.0 when dropless).
+    """
+
+    load_balance_loss: Float[Array, ""]
+    router_z_loss: Float[Array, ""]
+    expert_load: Float[Array, " experts"]
+    dropped_fraction: Float[Array, ""]
+
+
+def _normal(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
+    return (jax.random.normal(key, shape) / math.sqrt(fan_in)).astype(dtype)
+
+
+def _lift(b: Array, ndim: int) -> Array:
+    return b.reshape((1,) * (ndim - b.ndim) + b.shape)
+
+
+class MoE(eqx.Module):
+    """A mixture-of-experts feed-forward layer: each token goes to the `top_k` of
+    `experts` expert MLPs its router scores highest, and their outputs are summed
+    weighted by those scores.
+
+    Routing: `logits = x @ router` (float32), `scores = softmax(logits)` or
+    `sigmoid(logits)` over experts; the `top_k` experts are chosen on
+    `scores + router_bias` and combined with weights `scores` of the chosen experts
+    (normalised to sum 1 when `normalize_top_k`, then times `route_scale`).
+    `router_bias` only steers the choice (auxiliary-loss-free balancing, as in
+    DeepSeek-V3): it never enters the combine weights and gets no gradient; move it
+    between steps with `update_router_bias(moe, aux.expert_load, rate=...)`. (With
+    a weight-decaying optimizer, mask it out or it decays towards 0.)
+
+    Dispatch, by default *dropless*: the `tokens * top_k` assignments are sorted by
+    expert and the experts run as grouped matmuls (`jax.lax.ragged_dot`) over their
+    contiguous groups, so no token is ever dropped whatever the routing. With
+    `capacity_factor=c` each expert takes at most
+    `min(ceil(c * tokens * top_k / experts), tokens * top_k)` assignments, as padded
+    per-expert batches multiplied by one batched einsum (on a GPU several times
+    faster than `ragged_dot`); priority is by choice rank, then token order (every
+    token's first choice before any second choice, as in GShard); an assignment
+    over capacity contributes 0 and `aux.dropped_fraction` reports the share.
+
+    Each expert is `w_out act(x @ w_in)` (`activation="gelu"`) or
+    `w_out (silu(x @ w_gate) * (x @ w_in))` (`"swiglu"`), weights stacked over
+    experts with logical axes `("experts", "embed", "mlp")` / `("experts", "mlp",
+    "embed")`, the router `("embed", None)`. `num_shared > 0` adds shared experts:
+    one dense `eqxpar.nn.MLP` of hidden size `num_shared * shared_hidden` applied to
+    every token, its output added.
+
+    Runs under automatic plans (GSPMD; rules may split `"mlp"`, the experts' hidden
+    features, e.g. `rules.MEGATRON`) and inside a `shard_map` over the tensor axis
+    (hidden features split: this device's experts' shards, the partial outputs
+    summed over the axis; not with sequence parallelism).
+
+    **Arguments** (keyword-only after `d_model`, `hidden`, `experts`):
+
+    - `d_model`: model features; `hidden`: each expert's hidden features;
+      `experts`: number of routed experts.
+    - `top_k=2`: experts per token, `1 <= top_k <= experts`.
+    - `score="softmax" | "sigmoid"`; `normalize_top_k=True`; `route_scale=1.0`.
+    - `activation="swiglu" | "gelu"`; `use_bias=False` (expert biases).
+    - `capacity_factor=None` (dropless) or a float > 0.
+    - `num_shared=0`, `shared_hidden=None` (defaults to `hidden`).
+    - `axis="tensor"`, `dtype=jnp.float32`, `key`.
+
+    **Returns** (calling it): `moe(x) -> (y, aux)`, `x` and `y` of shape
+    `(batch, seq, d_model)`, `aux` an `MoEAux`.
+
+    ```python
+    moe = eqxpar.nn.MoE(256, 512, 8, top_k=2, num_shared=1, key=key)
+    y, aux = moe(x)                                   # x: (batch, seq, 256)
+    loss = task_loss + 0.01 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
+    moe = eqxpar.nn.update_router_bias(moe, aux.expert_load, rate=1e-3)
+    ```
+    """
+
+    router: Float[Array, "d_model experts"] = param(axes=("embed", None))
+    router_bias: Float[Array, " experts"] = param(axes=(None,))
+    w_in: Float[Array, "experts d_model hidden"] = param(axes=("experts", "embed", "mlp"))
+    b_in: Float[Array, "experts hidden"] | None = param(axes=("experts", "mlp"))
+    w_gate: Float[Array, "experts d_model hidden"] | None = param(axes=("experts", "embed", "mlp"))
+    b_gate: Float[Array, "experts hidden"] | None = param(axes=("experts", "mlp"))
+    w_out: Float[Array, "experts hidden d_model"] = param(axes=("experts", "mlp", "embed"))
+    b_out: Float[Array, "experts d_model"] | None = param(axes=("experts", "embed"))
+    shared: MLP | None
+    d_model: int = eqx.field(static=True)
+    hidden: int = eqx.field(static=True)
+    experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    score: str = eqx.field(static=True)
+    normalize_top_k: bool = eqx.field(static=True)
+    route_scale: float = eqx.field(static=True)
+    activation: str = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
+    axis: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        experts: int,
+        *,
+        top_k: int = 2,
+        score: str = "softmax",
+        normalize_top_k: bool = True,
+        route_scale: int | float = 1.0,
+        activation: str = "swiglu",
+        use_bias: bool = False,
+        # Any: checked below with an eqxpar error naming the fix.
+        capacity_factor: Any = None,
+        num_shared: int = 0,
+        shared_hidden: int | None = None,
+        axis: str = "tensor",
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        for name, value in (("d_model", d_model), ("hidden", hidden), ("experts", experts)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"MoE({name}={value!r}): expected a positive integer.")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+            raise PlanError(
+                f"MoE(top_k={top_k!r}): expected an integer from 1 to experts={experts} "
+                f"(the experts each token is sent to). Pass e.g. top_k={min(2, experts)}."
+            )
+        if score not in _SCORES:
+            raise PlanError(f"MoE(score={score!r}): expected one of {_SCORES}.")
+        if activation not in _ACTIVATIONS:
+            raise PlanError(f"MoE(activation={activation!r}): expected one of {_ACTIVATIONS}.")
+        if capacity_factor is not None and (
+            isinstance(capacity_factor, bool)
+            or not isinstance(capacity_factor, int | float)
+            or not capacity_factor > 0
+        ):
+            raise PlanError(
+                f"MoE(capacity_factor={capacity_factor!r}): expected a number > 0 (each expert "
+                "takes at most ceil(capacity_factor * tokens * top_k / experts) assignments), "
+                "e.g. 1.25, or None for dropless routing."
+            )
+        if not isinstance(num_shared, int) or isinstance(num_shared, bool) or num_shared < 0:
+            raise PlanError(
+                f"MoE(num_shared={num_shared!r}): expected an integer >= 0 (0: no shared experts)."
+            )
+        if shared_hidden is not None and (
+            not isinstance(shared_hidden, int) or isinstance(shared_hidden, bool) or shared_hidden < 1
+        ):
+            raise PlanError(
+                f"MoE(shared_hidden={shared_hidden!r}): expected a positive integer, or None for `hidden`."
+            )
+        k_router, k_in, k_gate, k_out, k_shared = jax.random.split(key, 5)
+        self.router = _normal(k_router, (d_model, experts), d_model, dtype)
+        self.router_bias = jnp.zeros((experts,), dtype)
+        self.w_in = _normal(k_in, (experts, d_model, hidden), d_model, dtype)
+        self.b_in = jnp.zeros((experts, hidden), dtype) if use_bias else None
+        if activation == "swiglu":
+            self.w_gate = _normal(k_gate, (experts, d_model, hidden), d_model, dtype)
+            self.b_gate = jnp.zeros((experts, hidden), dtype) if use_bias else None
+        else:
+            self.w_gate = self.b_gate = None
+        self.w_out = _normal(k_out, (experts, hidden, d_model), hidden, dtype)
+        self.b_out = jnp.zeros((experts, d_model), dtype) if use_bias else None
+        self.shared = (
+            MLP(
+                d_model,
+                num_shared * (shared_hidden or hidden),
+                activation=activation,
+                use_bias=use_bias,
+                axis=axis,
+                dtype=dtype,
+                key=k_shared,
+            )
+            if num_shared
+            else None
+        )
+        self.d_model, self.hidden, self.experts, self.top_k = d_model, hidden, experts, top_k
+        self.score, self.normalize_top_k, self.route_scale = score, normalize_top_k, float(route_scale)
+        self.activation = activation
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.axis = axis
+
+    # -- routing ---------------------------------------------------------------
+
+    def route(self, x: Float[Array, "tokens d_model"]) -> tuple[
+        Array, Float[Array, "tokens top_k"], Float[Array, "tokens experts"], Float[Array, "tokens experts"]
+    ]:
+        """Route flat tokens: `(indices (tokens, top_k) int32, combine weights
+        (tokens, top_k) float32, scores (tokens, experts), logits (tokens, experts))`."""
+        logits = jnp.dot(
+            x.astype(jnp.float32), self.router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
+        scores = jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
+        bias = jax.lax.stop_gradient(self.router_bias.astype(jnp.float32))
+        # Choose on scores + bias; the bias moves no weight, so choose without gradients.
+        _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores) + _lift(bias, 2), self.top_k)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        if self.normalize_top_k:
+            weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
+        return idx.astype(jnp.int32), weights, scores, logits
+
+    def _aux(self, idx: Array, scores: Array, logits: Array, dropped: Array) -> MoEAux:
+        n_assign = idx.size
+        load = jnp.zeros((self.experts,), jnp.float32).at[idx.reshape(-1)].add(1.0)
+        probs = scores if self.score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+        balance = self.experts * jnp.sum(load / n_assign * jnp.mean(probs, axis=0))
+        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return MoEAux(
+            load_balance_loss=balance,
+            router_z_loss=z,
+            expert_load=load,
+            dropped_fraction=(dropped / n_assign).astype(jnp.float32),
+        )
+
+    # -- the experts -----------------------------------------------------------
+
+    def _weights(self, dtype) -> tuple:
+        cast = lambda w: None if w is None else w.astype(dtype)  # noqa: E731
+        weights = (self.w_in, self.b_in, self.w_gate, self.b_gate, self.w_out, self.b_out)
+        return tuple(cast(w) for w in weights)
+
+    def _act(self, h: Array, g: Array | None) -> Array:
+        return jax.nn.gelu(h) if g is None else jax.nn.silu(g) * h
+
+    def _dropless(self, xf: Array, idx: Array, dtype) -> Array:
+        """Every assignment through its expert: `(tokens * top_k, d_model)` in
+        assignment order (token-major)."""
+        w_in, b_in, w_gate, b_gate, w_out, b_out = self._weights(dtype)
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        inverse = jnp.argsort(order, stable=True)
+        expert_of = flat[order]
+        group_sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
+        xs = xf[order // self.top_k]
+        h = jax.lax.ragged_dot(xs, w_in, group_sizes)
+        if b_in is not None:
+            h = h + b_in[expert_of]
+        g = None
+        if w_gate is not None:
+            g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+            if b_gate is not None:
+                g = g + b_gate[expert_of]
+        y = jax.lax.ragged_dot(self._act(h, g), w_out, group_sizes)
+        y = self._psum(y)
+        if b_out is not None:
+            y = y + b_out[expert_of]
+        return y[inverse]
+
+    def _capacity(self, xf: Array, idx: Array, dtype) -> tuple[Array, Array]:
+        """Assignments through capacity-padded per-expert batches: `((tokens *
+        top_k, d_model)` token-major, 0 for dropped ones; the number dropped)."""
+        assert self.capacity_factor is not None
+        w_in, b_in, w_gate, b_gate, w_out, b_out = self._weights(dtype)
+        tokens, k, e = idx.shape[0], self.top_k, self.experts
+        cap = min(math.ceil(self.capacity_factor * tokens * k / e), tokens * k)
+        # Priority: choice rank, then token order.
+        by_rank = idx.T.reshape(-1)  # (k * tokens,)
+        one_hot = jax.nn.one_hot(by_rank, e, dtype=jnp.int32)
+        position = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=1)
+        keep = position < cap
+        slot = jnp.where(keep, by_rank * cap + position, e * cap)  # e * cap: out of range
+        slot = slot.reshape(k, tokens).T.reshape(-1)  # token-major, like the assignments
+        xs = jnp.repeat(xf, k, axis=0)
+        buf = jnp.zeros((e * cap, xf.shape[1]), xf.dtype).at[slot].set(xs, mode="drop")
+        buf = buf.reshape(e, cap, xf.shape[1])
+        h = jnp.einsum("ecd,edh->ech", buf, w_in)
+        if b_in is not None:
+            h = h + b_in[:, None, :]
+        g = None
+        if w_gate is not None:
+            g = jnp.einsum("ecd,edh->ech", buf, w_gate)
+            if b_gate is not None:
+                g = g + b_gate[:, None, :]
+        y = jnp.einsum("ech,ehd->ecd", self._act(h, g), w_out)
+        y = self._psum(y)
+        if b_out is not None:
+            y = y + b_out[:, None, :]
+        y = y.reshape(e * cap, -1).at[slot].get(mode="fill", fill_value=0)
+        return y, jnp.sum(~keep)
+
+    def _psum(self, y: Array) -> Array:
+        ctx = tensor_context(self.axis)
+        return jax.lax.psum(y, ctx.axis) if ctx.manual else y
+
+    def __call__(self, x: Float[Array, "..."]) -> tuple[Float[Array, "..."], MoEAux]:
+        if x.ndim != 3 or x.shape[-1] != self.d_model:
+            raise SpecError(
+                f"MoE input has shape {tuple(x.shape)}; expected (batch, seq, d_model={self.d_model}). "
+                "Reshape to batch-first (batch, seq, features); do not jax.vmap eqxpar.nn layers "
+                "over examples."
+            )
+        ctx = tensor_context(self.axis)
+        if ctx.manual and ctx.sequence_parallel:
+            raise PlanError(
+                f"MoE inside a shard_map over {ctx.axis!r} with sequence_parallel=True is not "
+                "supported yet: use a plan without sequence parallelism, or an automatic plan "
+                "(mode='auto')."
+            )
+        check_split(self.w_in.shape[2], self.hidden, ctx, what="MoE.w_in (hidden)")
+        check_split(self.w_out.shape[1], self.hidden, ctx, what="MoE.w_out (hidden)")
+        batch, seq, d = x.shape
+        xf = x.reshape(batch * seq, d)
+        idx, weights, scores, logits = self.route(xf)
+        dtype = jnp.result_type(x.dtype, self.w_in.dtype)
+        if self.capacity_factor is None:
+            ys = self._dropless(xf.astype(dtype), idx, dtype)
+            dropped = jnp.zeros((), jnp.int32)
+        else:
+            ys, dropped = self._capacity(xf.astype(dtype), idx, dtype)
+        ys = ys.reshape(batch * seq, self.top_k, d)
+        y = jnp.sum(ys * weights.astype(dtype)[:, :, None], axis=1).reshape(batch, seq, d)
+        y = ctx.constrain(y, None, None)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.astype(x.dtype), self._aux(idx, scores, logits, dropped)
+
+
+def update_router_bias(moe: MoE, expert_load: Float[Array, "*layers experts"], *, rate: float) -> MoE:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): `moe` with `router_bias +=
+    rate * sign(mean(load) - load)`, so under-loaded experts get chosen more often
+    and over-loaded ones less. A pure function; call it between steps, outside
+    the gradient.
+
+    **Arguments:** `moe` (an `MoE`), `expert_load` (`aux.expert_load`: counts or
+    fractions per expert; a stacked `MoE` of `eqxpar.nn.Stacked` takes
+    `(layers, experts)`), `rate` (keyword-only: the step size, e.g. 1e-3).
+
+    **Returns:** the new `MoE`.
+    """
+    load = jnp.asarray(expert_load, jnp.float32)
+    if load.shape != moe.router_bias.shape:
+        raise SpecError(
+            f"update_router_bias: expert_load has shape {tuple(load.shape)}, expected the router "
+            f"bias's {tuple(moe.router_bias.shape)} (one entry per expert: aux.expert_load)."
+        )
+    delta = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return eqx.tree_at(lambda m: m.router_bias, moe, (moe.router_bias + delta).astype(moe.router_bias.dtype))
