@@ -135,11 +135,14 @@ def test_adversarial_routing_dropless_and_capacity(top_k):
     np.testing.assert_allclose(yf_cap[:cap], yf[:cap], rtol=RTOL, atol=1e-6)
     np.testing.assert_array_equal(yf_cap[cap:], 0.0)
 
-    # A capacity large enough for every assignment equals dropless.
+    # A capacity large enough for every assignment equals dropless, gradients too.
     roomy = _forced(top_k, float(E))
     y_roomy, aux_roomy = eqx.filter_jit(lambda m, x: m(x))(roomy, x)
     np.testing.assert_allclose(y_roomy, y, rtol=RTOL, atol=1e-6)
     assert float(aux_roomy.dropped_fraction) == 0.0
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+    grad = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(x)[0] * cot)))
+    assert_trees_close_to_scale(grad(roomy), grad(moe))
 
 
 def test_capacity_priority_is_choice_rank_then_token():
@@ -246,6 +249,45 @@ def test_update_router_bias_moves_towards_balance():
 
     with pytest.raises(eqxpar.SpecError, match="expert_load has shape"):
         nn.update_router_bias(moe, jnp.ones(E + 1), rate=0.1)
+
+
+class MoEBlock(eqx.Module):
+    """A residual MoE block for `nn.Stacked`: the carry is `(h, summed aux loss)`."""
+
+    moe: nn.MoE
+
+    def __init__(self, key):
+        self.moe = nn.MoE(D, H, E, top_k=2, key=key)
+
+    def __call__(self, carry):
+        h, loss = carry
+        y, aux = self.moe(h)
+        return h + y, loss + aux.load_balance_loss + aux.router_z_loss
+
+
+def test_stacked_moe_blocks_with_a_carry():
+    stack = nn.Stacked(MoEBlock, depth=2, key=jax.random.key(13))
+    x = make_x()
+
+    def scanned(s):
+        h, aux = s((x, jnp.zeros(())))
+        return jnp.sum(h**2) + aux
+
+    def looped(s):
+        carry = (x, jnp.zeros(()))
+        for i in range(s.depth):
+            carry = s[i](carry)
+        return jnp.sum(carry[0] ** 2) + carry[1]
+
+    got, got_g = eqx.filter_jit(eqx.filter_value_and_grad(scanned))(stack)
+    want, want_g = eqx.filter_jit(eqx.filter_value_and_grad(looped))(stack)
+    np.testing.assert_allclose(float(got), float(want), rtol=RTOL)
+    assert_trees_close_to_scale(got_g, want_g)
+    # The router bias of a stack: one row per layer.
+    load = jnp.array([[8.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    moe = nn.update_router_bias(stack.blocks.moe, load, rate=0.5)
+    blocks = eqx.tree_at(lambda b: b.moe, stack.blocks, moe)
+    np.testing.assert_allclose(blocks.moe.router_bias, [[-0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
 
 
 # -- plans ---------------------------------------------------------------------

@@ -85,7 +85,11 @@ class MoE(eqx.Module):
     Runs under automatic plans (GSPMD; rules may split `"mlp"`, the experts' hidden
     features, e.g. `rules.MEGATRON`) and inside a `shard_map` over the tensor axis
     (hidden features split: this device's experts' shards, the partial outputs
-    summed over the axis; not with sequence parallelism).
+    summed over the axis; not with sequence parallelism). The auxiliary losses are
+    statistics of the tokens the call sees: where each device runs the layer on its
+    own batch shard (manual data-parallel plans) they are per-shard values, and
+    their mean over devices is not the whole batch's (automatic plans compute the
+    whole batch's).
 
     **Arguments** (keyword-only after `d_model`, `hidden`, `experts`):
 
