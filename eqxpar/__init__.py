@@ -34,6 +34,9 @@ from ._errors import (
     PlanError as PlanError,
 )
 from ._errors import (
+    PipelineScheduleError as PipelineScheduleError,
+)
+from ._errors import (
     SpecError as SpecError,
 )
 from ._errors import (

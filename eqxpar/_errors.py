@@ -39,6 +39,14 @@ class PlanError(EqxparError):
     """A plan option has a value eqxpar does not support."""
 
 
+class PipelineScheduleError(PlanError):
+    """A pipeline schedule (a table or per-device orders) is not runnable.
+
+    Raised before anything compiles, naming the tick and device (or the devices
+    and their blocked actions, for orders that deadlock) and the fix.
+    """
+
+
 class UnusedAxisWarning(UserWarning):
     """A mesh axis larger than 1 splits nothing: neither the batch nor any weight.
 

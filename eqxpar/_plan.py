@@ -33,6 +33,9 @@ CONTEXT_ATTENTION = ("ring", "allgather")
 
 #: Pipeline schedules (`eqxpar.pipeline.schedule`, `Plan(schedule=...)`).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+#: Schedule tables `eqxpar.pipeline.schedule` builds for prediction only: their V
+#: placement (device d holds virtual stages d and 2p-1-d) is not the engine's.
+PREDICTION_SCHEDULES = ("zb_v", "dualpipe_v")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -88,7 +91,10 @@ class Plan:
       recomputed once more, keeping block inputs, then each block as in
       `"inputs"`).
     - `schedule`: run the step as a pipeline over mesh axis `pipe` with this
-      schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`; see
+      schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`, or an
+      `eqxpar.pipeline.Schedule` object such as a custom table from
+      `Schedule.from_table` / `Schedule.from_orders`, whose stages must equal the
+      `pipe` size and which then sets `microbatches` and `chunks`; see
       `eqxpar.pipeline`); the loss must be an `eqxpar.pipeline.PipelineLoss`.
       None (default): no pipeline.
     - `microbatches`: micro-batches each pipeline step splits the batch into
@@ -138,7 +144,7 @@ class Plan:
     context_attention: str | None
     manual_axes: tuple[str, ...] | None
     remat: str
-    schedule: str | None
+    schedule: Any  # str | eqxpar.pipeline.Schedule | None
     microbatches: int
     chunks: int
     zero1: bool
@@ -162,7 +168,7 @@ class Plan:
         context_attention: str | None = None,
         manual_axes: Any = None,
         remat: str = "none",
-        schedule: str | None = None,
+        schedule: Any = None,
         microbatches: int = 1,
         chunks: int = 1,
         zero1: bool = False,
@@ -193,7 +199,7 @@ class Plan:
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
-        _check_pipeline(schedule, microbatches, chunks, names)
+        microbatches, chunks = _check_pipeline(schedule, microbatches, chunks, mesh)
         values = dict(
             mesh=mesh,
             rules=rules,
@@ -458,7 +464,10 @@ def _check_context(
         )
 
 
-def _check_pipeline(schedule: str | None, microbatches: int, chunks: int, names: tuple[str, ...]) -> None:
+def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -> tuple[int, int]:
+    """Validate the pipeline options; returns `(microbatches, chunks)`, taken from
+    the schedule when it is a `Schedule` object."""
+    names = tuple(mesh.axis_names)
     for what, value in (("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"Plan({what}={value!r}): expected a positive integer.")
@@ -469,8 +478,20 @@ def _check_pipeline(schedule: str | None, microbatches: int, chunks: int, names:
                 f"schedule= one of {PIPELINE_SCHEDULES}. (Gradient accumulation without a pipeline is "
                 "eqxpar.train.make_step(..., accumulate=k).)"
             )
-        return
-    if schedule not in PIPELINE_SCHEDULES:
+        return microbatches, chunks
+    # Imported here: the pipeline package imports this module.
+    from .pipeline._schedule import Schedule
+
+    if isinstance(schedule, Schedule):
+        return _check_schedule_object(schedule, microbatches, chunks, mesh)
+    if schedule in PREDICTION_SCHEDULES:
+        raise PlanError(
+            f"Plan(schedule={schedule!r}): {schedule!r} is a table for prediction only "
+            "(eqxpar.pipeline.schedule / simulate): it places two chunks per device in a V "
+            "(device d holds virtual stages d and 2p-1-d), and the engine runs Megatron's "
+            f"interleaved placement only. Use one of {PIPELINE_SCHEDULES}."
+        )
+    if not isinstance(schedule, str) or schedule not in PIPELINE_SCHEDULES:
         raise PlanError(
             f"Plan(schedule={schedule!r}): unknown schedule; expected one of {PIPELINE_SCHEDULES}."
         )
@@ -484,6 +505,45 @@ def _check_pipeline(schedule: str | None, microbatches: int, chunks: int, names:
             f"Plan(schedule={schedule!r}, chunks={chunks}): only schedule='interleaved' runs several "
             "chunks (virtual stages) per device. Use schedule='interleaved', or chunks=1."
         )
+    return microbatches, chunks
+
+
+def _check_schedule_object(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -> tuple[int, int]:
+    from .pipeline._schedule import validate
+
+    names = tuple(mesh.axis_names)
+    if schedule.placement != "interleaved":
+        raise PlanError(
+            f"Plan(schedule={schedule!r}): this table places virtual stages in a "
+            f"{schedule.placement!r} shape (device d holds stages d and 2p-1-d); it is a table for "
+            "prediction only (eqxpar.pipeline.simulate). The engine runs Megatron's interleaved "
+            "placement (virtual stage k on device k % pipe): build the table with "
+            "placement='interleaved'."
+        )
+    # Every error of the table before anything compiles.
+    validate(schedule)
+    if "pipe" not in names:
+        raise PlanError(
+            f"Plan(schedule={schedule!r}) pipelines over mesh axis 'pipe', but the mesh has axes "
+            f"{names}. Build the mesh with eqxpar.make_mesh(pipe={schedule.stages})."
+        )
+    if mesh.shape["pipe"] != schedule.stages:
+        raise PlanError(
+            f"Plan(schedule={schedule!r}): the table has {schedule.stages} stages but the mesh's "
+            f"'pipe' axis has {mesh.shape['pipe']} devices. Build the table for stages="
+            f"{mesh.shape['pipe']}, or the mesh with pipe={schedule.stages}."
+        )
+    for what, given, own in (
+        ("microbatches", microbatches, schedule.microbatches),
+        ("chunks", chunks, schedule.chunks),
+    ):
+        # 1 is the option's default: "not given".
+        if given not in (1, own):
+            raise PlanError(
+                f"Plan(schedule={schedule!r}, {what}={given}): the table has {what}={own}. Leave "
+                f"{what} out (the table sets it) or pass {what}={own}."
+            )
+    return schedule.microbatches, schedule.chunks
 
 
 def current_plan() -> Plan | None:

@@ -16,8 +16,14 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 ```
 
 - `schedule(name, *, stages, microbatches, chunks=1) -> Schedule`: the tables
-  (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`) with their bubble
-  fractions and buffer sizes; `save_schedule_png` draws one.
+  (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`; for prediction only,
+  in a V placement the engine does not run, `"zb_v"` and `"dualpipe_v"`) with
+  their bubble fractions and buffer sizes; `save_schedule_png` draws one.
+- `Schedule.from_table(table, ...)` / `Schedule.from_orders(orders, ...)`: a
+  user's schedule, checked by `validate` (raising `PipelineScheduleError` with
+  the tick and device) before anything compiles; `Plan(schedule=...)` takes it.
+- `simulate(schedule, costs, *, send=0.0) -> Simulation`: the step time
+  predicted from per-action times, free-running and lockstep.
 - `PipelineLoss(first, stack, last)`: the loss in three parts.
 - `stage_rules(*rules)`: rules that also split every stack's layers over `pipe`.
 - `to_pipeline_order` / `from_pipeline_order`: the storage order of interleaved
@@ -25,6 +31,7 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 """
 
 from .._plan import PIPELINE_SCHEDULES as SCHEDULES
+from .._plan import PREDICTION_SCHEDULES as PREDICTION_SCHEDULES
 from ._layout import StageRules as StageRules
 from ._layout import from_pipeline_order as from_pipeline_order
 from ._layout import stage_rules as stage_rules
@@ -33,23 +40,32 @@ from ._loss import PipelineLoss as PipelineLoss
 from ._picture import save_schedule_png as save_schedule_png
 from ._schedule import ACTION_NAMES as ACTION_NAMES
 from ._schedule import COSTS as COSTS
+from ._schedule import PLACEMENTS as PLACEMENTS
 from ._schedule import Buffers as Buffers
 from ._schedule import Schedule as Schedule
 from ._schedule import check_table as check_table
 from ._schedule import schedule as schedule
+from ._schedule import validate as validate
+from ._simulate import Simulation as Simulation
+from ._simulate import simulate as simulate
 
 __all__ = [
     "SCHEDULES",
+    "PREDICTION_SCHEDULES",
     "ACTION_NAMES",
     "COSTS",
+    "PLACEMENTS",
     "Buffers",
     "PipelineLoss",
     "Schedule",
+    "Simulation",
     "StageRules",
     "check_table",
     "from_pipeline_order",
     "save_schedule_png",
     "schedule",
+    "simulate",
     "stage_rules",
     "to_pipeline_order",
+    "validate",
 ]

@@ -183,6 +183,8 @@ class _Engine:
     @functools.cached_property
     def sched(self) -> Schedule:
         plan = self.layout.plan
+        if isinstance(plan.schedule, Schedule):  # a user's table, validated by Plan
+            return plan.schedule
         p = plan.mesh.shape[PIPE]
         return schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
 

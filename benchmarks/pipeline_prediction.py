@@ -1,0 +1,154 @@
+"""Predicted pipeline step times from one stage's measured per-action times.
+
+For `p` in {4, 8} stages and `m = 4p` micro-batches, every schedule table
+(`gpipe`, `1f1b`, `interleaved` with 2 chunks, `zero_bubble` (ZB-H1), and the
+V-placement tables `zb_v` and `dualpipe_v`) is simulated with
+`eqxpar.pipeline.simulate`, free-running and lockstep, from the per-action times
+of `benchmarks/one_device.py`'s `stage_actions` (results/one_device_gpu.json: an
+H100; results/one_device_cpu.json: this project's CPU), under two engine models:
+
+- `today`: the engine keeps only a stage's input, so its backward re-runs the
+  forward: F = F, B = B_recompute, and zero-bubble's I and W each = their measured
+  time + F (each re-runs the forward).
+- `residuals kept`: the forward keeps its residuals (F = F_keep) and B, I, W are
+  as measured.
+
+A chunk (interleaved, ZB-V, DualPipeV: 2 per device) holds half a stage's layers,
+so each of its actions takes half the stage's time. No communication time (`send
+= 0`): the prediction is the schedule's bubble under measured action costs, not a
+network model. CPU-only, seconds:
+
+    python -m benchmarks.pipeline_prediction [--json benchmarks/results/pipeline_prediction.json]
+                                             [--markdown BENCHMARKS.md]
+"""
+
+import argparse
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+from eqxpar.pipeline import schedule, simulate
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+SOURCES = (("one_device_gpu.json", "H100"), ("one_device_cpu.json", "CPU"))
+STAGES = (4, 8)
+#: (schedule name, chunks, column title).
+SCHEDULES = (
+    ("gpipe", 1, "GPipe"),
+    ("1f1b", 1, "1F1B"),
+    ("interleaved", 2, "interleaved v=2"),
+    ("zero_bubble", 1, "ZB-H1"),
+    ("zb_v", 2, "ZB-V"),
+    ("dualpipe_v", 2, "DualPipeV"),
+)
+MODELS = ("today", "residuals kept")
+BEGIN = "<!-- pipeline prediction table (python -m benchmarks.pipeline_prediction --markdown): edit the prose outside it -->"
+END = "<!-- end of pipeline prediction table -->"
+
+
+def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
+    """Per-action times of one whole stage under an engine model (see the module doc)."""
+    if model == "today":
+        f = seconds["F"]
+        return {"F": f, "B": seconds["B_recompute"], "I": seconds["I"] + f, "W": seconds["W"] + f}
+    return {"F": seconds["F_keep"], "B": seconds["B"], "I": seconds["I"], "W": seconds["W"]}
+
+
+def predict(sources: Sequence[tuple[str, dict]]) -> list[dict[str, Any]]:
+    """One row per (device, stage, model, p, schedule)."""
+    rows = []
+    for device, data in sources:
+        for stage, measured in data["stage_actions"].items():
+            if "seconds" not in measured:
+                continue
+            for model in MODELS:
+                costs = engine_costs(measured["seconds"], model)
+                for p in STAGES:
+                    m = 4 * p
+                    base = None
+                    for name, chunks, _ in SCHEDULES:
+                        s = schedule(name, stages=p, microbatches=m, chunks=chunks)
+                        sim = simulate(s, {k: v / chunks for k, v in costs.items()})
+                        base = base or sim
+                        rows.append(
+                            {
+                                "device": device,
+                                "device_kind": data["device_kind"],
+                                "stage": stage,
+                                "model": model,
+                                "stages": p,
+                                "microbatches": m,
+                                "schedule": name,
+                                "chunks": chunks,
+                                "free_s": sim.free_s,
+                                "lockstep_s": sim.lockstep_s,
+                                "work_s": sim.work_s,
+                                "bubble": sim.bubble_fraction,
+                                "lockstep_bubble": sim.lockstep_bubble_fraction,
+                                "speedup_free": sim.speedup_over(base),
+                                "speedup_lockstep": sim.speedup_over(base, lockstep=True),
+                                "in_flight": s.in_flight,
+                            }
+                        )
+    return rows
+
+
+def _time(seconds: float) -> str:
+    return f"{1e3 * seconds:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table: per (device, stage, model, p) GPipe's predicted step and every
+    schedule's speed-up over it, free-running / lockstep."""
+    head = ["device", "stage", "engine", "p", "GPipe step free / lockstep", *(t for _, _, t in SCHEDULES[1:])]
+    lines = [head, ["---"] * len(head)]
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["device"], r["stage"], r["model"], r["stages"]), {})[r["schedule"]] = r
+    for (device, stage, model, p), by in groups.items():
+        g = by["gpipe"]
+        cells = [f"{by[n]['speedup_free']:.2f} / {by[n]['speedup_lockstep']:.2f}" for n, _, _ in SCHEDULES[1:]]
+        lines.append([device, stage, model, p, f"{_time(g['free_s'])} / {_time(g['lockstep_s'])}", *cells])
+    table = "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+    title = "#### Predicted pipeline step (m = 4p, no communication time): speed-up over GPipe, free-running / lockstep"
+    return f"{title}\n\n{table}"
+
+
+def splice(path: pathlib.Path, text: str) -> None:
+    """Write `text` between BEGIN and END in `path` (the markers must be there)."""
+    page = path.read_text()
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{path}: add the lines\n{BEGIN}\n{END}\nwhere the table goes.")
+    head, rest = page.split(BEGIN, 1)
+    path.write_text(head + BEGIN + "\n\n" + text + "\n\n" + END + rest.split(END, 1)[1])
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_prediction", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, help="where to write the predictions")
+    parser.add_argument("--markdown", type=pathlib.Path, help="a page with the table's markers to write it into")
+    args = parser.parse_args(argv)
+    sources = [(label, json.loads((RESULTS / name).read_text())) for name, label in SOURCES]
+    rows = predict(sources)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        assumptions = {
+            "microbatches": "4 * stages",
+            "send_s": 0.0,
+            "chunk_cost": "half the stage's time for every action of a chunk (interleaved, zb_v, dualpipe_v)",
+            "models": {
+                "today": "F = F, B = B_recompute, I = I + F, W = W + F (the engine re-runs the forward)",
+                "residuals kept": "F = F_keep, B = B, I = I, W = W",
+            },
+            "sources": {label: f"results/{name}" for name, label in SOURCES},
+        }
+        args.json.write_text(json.dumps({"assumptions": assumptions, "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        splice(args.markdown, table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

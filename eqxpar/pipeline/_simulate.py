@@ -1,0 +1,210 @@
+"""Predicted step time of a schedule table from per-action times.
+
+The same walk over the table gives the bubble fractions of `Schedule` (under the
+unit cost model `COSTS`) and a prediction in seconds from measured times (e.g.
+`benchmarks/one_device.py`'s `stage_actions`).
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .._errors import PipelineScheduleError
+from ._schedule import (
+    ACTION_NAMES,
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    IDLE,
+    Schedule,
+    _dependencies,
+    _key,
+)
+
+#: The keys of `simulate`'s `costs`, by action code.
+COST_KEYS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """A schedule's predicted step time (see `simulate`).
+
+    **Attributes:**
+
+    - `name`, `stages`: the schedule's.
+    - `free_s`: step time when every device runs its column's actions in table
+      order as soon as their inputs have arrived (independent devices, e.g. one
+      program per device).
+    - `lockstep_s`: step time in one SPMD program, where every tick lasts as long as
+      its costliest action on any device, plus the send time.
+    - `work_s`: the sum of all actions' times (over all devices).
+    - `bubble_fraction`, `lockstep_bubble_fraction`: the idle share of device time,
+      `1 - work_s / (stages * step time)`, free-running and lockstep.
+
+    ```python
+    sim = eqxpar.pipeline.simulate(s, {"F": 1.0, "B": 2.0})
+    sim.speedup_over(gpipe_sim)          # gpipe_sim.free_s / sim.free_s
+    ```
+    """
+
+    name: str
+    stages: int
+    free_s: float
+    lockstep_s: float
+    work_s: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of device time, free-running."""
+        return 1.0 - self.work_s / (self.stages * self.free_s) if self.free_s else 0.0
+
+    @property
+    def lockstep_bubble_fraction(self) -> float:
+        """Idle share of device time, lockstep."""
+        return 1.0 - self.work_s / (self.stages * self.lockstep_s) if self.lockstep_s else 0.0
+
+    def speedup_over(self, baseline: Any, *, lockstep: bool = False) -> float:
+        """How many times faster this step is than `baseline`'s (> 1: faster).
+
+        **Arguments:** `baseline` (another `Simulation`, e.g. GPipe's on the same
+        costs); keyword-only `lockstep`: compare lockstep times rather than
+        free-running ones.
+        """
+        if not isinstance(baseline, Simulation):
+            raise PipelineScheduleError(
+                f"speedup_over({baseline!r}): expected a Simulation (from eqxpar.pipeline.simulate)."
+            )
+        if lockstep:
+            return baseline.lockstep_s / self.lockstep_s
+        return baseline.free_s / self.free_s
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: free-running {self.free_s:.6g} s (bubble {self.bubble_fraction:.1%}), "
+            f"lockstep {self.lockstep_s:.6g} s (bubble {self.lockstep_bubble_fraction:.1%}), "
+            f"work {self.work_s:.6g} s over {self.stages} devices"
+        )
+
+
+def _checked_costs(schedule: Schedule, costs: Any, send: Any) -> dict[int, float]:
+    if not isinstance(costs, Mapping):
+        raise PipelineScheduleError(
+            f"simulate(costs={costs!r}): expected a mapping from action ('F', 'B', 'I', 'W') to "
+            'seconds, e.g. {"F": 1e-3, "B": 2e-3}.'
+        )
+    unknown = sorted(str(k) for k in costs if k not in COST_KEYS.values())
+    if unknown:
+        raise PipelineScheduleError(
+            f"simulate(costs=...): unknown key(s) {unknown}; expected 'F' (forward), 'B' "
+            "(backward), 'I' (backward-input), 'W' (backward-weight)."
+        )
+    used = sorted({int(a) for a in np.unique(schedule.table[..., 2]) if a != IDLE})
+    missing = [COST_KEYS[a] for a in used if COST_KEYS[a] not in costs]
+    if missing:
+        raise PipelineScheduleError(
+            f"simulate({schedule!r}, costs={dict(costs)!r}): no time for {missing}, which the table "
+            f"runs ({', '.join(ACTION_NAMES[a] for a in used)}). Add {missing} to costs (seconds "
+            "for one virtual stage and one micro-batch)."
+        )
+    out: dict[int, float] = {IDLE: 0.0}
+    for code, letter in COST_KEYS.items():
+        if letter not in costs:
+            continue
+        value = costs[letter]
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+            raise PipelineScheduleError(
+                f"simulate(costs[{letter!r}]={value!r}): expected a number of seconds (float)."
+            )
+        if not math.isfinite(value) or value < 0:
+            raise PipelineScheduleError(
+                f"simulate(costs[{letter!r}]={value!r}): expected a finite time >= 0 seconds. Pass "
+                "the measured time of one action (e.g. from benchmarks/one_device.py's stage_actions)."
+            )
+        out[code] = float(value)
+    if isinstance(send, bool) or not isinstance(send, (int, float, np.floating, np.integer)):
+        raise PipelineScheduleError(f"simulate(send={send!r}): expected a number of seconds (float).")
+    if not math.isfinite(send) or send < 0:
+        raise PipelineScheduleError(
+            f"simulate(send={send!r}): expected a finite time >= 0 seconds (0: free communication)."
+        )
+    return out
+
+
+def simulate(
+    schedule: Any,
+    # `Any` for the arguments validated below: a wrong kind of value raises an
+    # eqxpar error naming it and the fix (schedule: a Schedule; costs: a mapping
+    # of str to seconds; send: seconds).
+    costs: Any,
+    *,
+    send: Any = 0.0,
+) -> Simulation:
+    """Predict the step time of `schedule` on its devices from per-action times.
+
+    Two ways to run a table:
+
+    - free-running: each device runs its column's actions in table order, each as
+      soon as the device is free and its inputs have arrived; an activation or
+      cotangent sent by the action it depends on arrives `send` seconds after that
+      action ends (nothing is sent between two actions on the same device);
+    - lockstep (one SPMD program, as eqxpar's engine runs it): every tick lasts as
+      long as its costliest action on any device, plus `send` (the engine's
+      per-tick `ppermute`).
+
+    **Arguments:**
+
+    - `schedule`: an `eqxpar.pipeline.Schedule` (any placement).
+    - `costs`: seconds of one action of one virtual stage on one micro-batch:
+      `"F"` forward, `"B"` backward, `"I"` backward-input, `"W"` backward-weight;
+      only the actions the table runs are required. With chunks, a virtual
+      stage's (a chunk's) time.
+    - `send`: keyword-only, seconds for an activation or cotangent to reach the
+      next device (default 0: free communication).
+
+    **Returns:** a `Simulation` (`free_s`, `lockstep_s`, `work_s`, the bubble
+    fractions, `speedup_over`).
+
+    **Raises:** `PipelineScheduleError` for a missing, unknown, negative or
+    non-finite cost or send time.
+
+    ```python
+    import eqxpar
+    costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    gpipe = eqxpar.pipeline.simulate(eqxpar.pipeline.schedule("gpipe", stages=4, microbatches=16), costs)
+    zb = eqxpar.pipeline.simulate(eqxpar.pipeline.schedule("zero_bubble", stages=4, microbatches=16), costs)
+    zb.bubble_fraction          # 3 / 51, the schedule's bubble_fraction
+    zb.speedup_over(gpipe)      # 1.12
+    ```
+    """
+    if not isinstance(schedule, Schedule):
+        raise PipelineScheduleError(
+            f"simulate({schedule!r}): expected an eqxpar.pipeline.Schedule; build one with "
+            "eqxpar.pipeline.schedule(...) or Schedule.from_table / from_orders."
+        )
+    cost = _checked_costs(schedule, costs, send)
+    stages = schedule.virtual_stages
+    free = [0.0] * schedule.stages
+    finish: dict[tuple[int, int, int], tuple[float, int]] = {}  # key -> (end, device)
+    work = 0.0
+    # Sorted by tick, so whatever an action depends on (an earlier tick in a valid
+    # table) has its finish time already; each device's actions in table order.
+    for _, device, mb, k, kind in sorted(schedule.entries()):
+        start = free[device]
+        for dep in _dependencies((kind, mb, 0), k, stages):
+            end, where = finish[_key(*dep)]
+            start = max(start, end + (send if where != device else 0.0))
+        end = start + cost[kind]
+        finish[(kind, mb, k)] = (end, device)
+        if kind in (BACKWARD, BACKWARD_INPUT):
+            finish[_key(kind, mb, k)] = (end, device)
+        free[device] = end
+        work += cost[kind]
+    per_tick = np.vectorize(cost.__getitem__, otypes=[float])(schedule.table[..., 2]).max(axis=1)
+    lockstep = float(per_tick.sum()) + send * schedule.ticks
+    return Simulation(
+        name=schedule.name, stages=schedule.stages, free_s=max(free), lockstep_s=lockstep, work_s=work
+    )

@@ -1,0 +1,199 @@
+"""`eqxpar.pipeline.simulate`: step times of schedule tables from per-action times,
+checked against cases worked by hand, against the tables' bubble fractions, and
+over every built-in schedule; the V-placement tables (ZB-V, DualPipeV)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import eqxpar
+from eqxpar.pipeline import COSTS, schedule, simulate
+
+UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+assert tuple(UNIT.values()) == COSTS[1:]
+
+
+# --- Hand-computed small cases ------------------------------------------------------
+
+
+def test_gpipe_p2_m2_by_hand():
+    # dev0: F0 [0,1] F1 [1,2]; dev1: F0 [1,2] F1 [2,3] B0 [3,5] B1 [5,7];
+    # dev0: B0 waits for dev1's B0: [5,7], B1 [7,9]. Work 2 x 2 x (1 + 2) = 12.
+    sim = simulate(schedule("gpipe", stages=2, microbatches=2), UNIT)
+    assert (sim.free_s, sim.lockstep_s, sim.work_s) == (9.0, 9.0, 12.0)
+    assert sim.bubble_fraction == pytest.approx(1 / 3)
+    # With a send time s every hop between devices costs s: the forward reaches
+    # dev1 at 1 + s, dev1's B0 ends at 5 + s, dev0's B0 starts at 5 + 2s. In
+    # lockstep, each of the 6 ticks pays s.
+    sim = simulate(schedule("gpipe", stages=2, microbatches=2), UNIT, send=0.5)
+    assert sim.free_s == pytest.approx(9 + 2 * 0.5)
+    assert sim.lockstep_s == pytest.approx(9 + 6 * 0.5)
+
+
+def test_1f1b_p2_m2_by_hand():
+    # dev0: F0 F1 B0 B1; dev1: F0 B0 F1 B1. Free-running: dev1 F0 [1,2] B0 [2,4]
+    # F1 [4,5] B1 [5,7]; dev0 B0 [4,6] B1 [7,9]: 9, as GPipe. Lockstep ticks
+    # (F0 | F1,F0 | B0 | B0,F1 | B1 | B1) cost 1 + 1 + 2 + 2 + 2 + 2 = 10.
+    s = schedule("1f1b", stages=2, microbatches=2)
+    sim = simulate(s, UNIT)
+    assert (sim.free_s, sim.lockstep_s, sim.work_s) == (9.0, 10.0, 12.0)
+    assert sim.lockstep_bubble_fraction == pytest.approx(0.4)
+    gpipe = simulate(schedule("gpipe", stages=2, microbatches=2), UNIT)
+    assert sim.speedup_over(gpipe) == pytest.approx(1.0)
+    assert sim.speedup_over(gpipe, lockstep=True) == pytest.approx(0.9)
+
+
+def test_measured_costs_scale_and_zero_costs():
+    s = schedule("zero_bubble", stages=4, microbatches=8)
+    one = simulate(s, UNIT)
+    # Times scale linearly; the fractions do not move.
+    scaled = simulate(s, {k: 1e-3 * v for k, v in UNIT.items()})
+    assert scaled.free_s == pytest.approx(1e-3 * one.free_s)
+    assert scaled.bubble_fraction == pytest.approx(one.bubble_fraction)
+    # Free weight passes: only F and I count.
+    free_w = simulate(s, {"F": 1.0, "I": 1.0, "W": 0.0})
+    assert free_w.work_s == pytest.approx(4 * 8 * 2)
+    assert free_w.free_s <= one.free_s
+
+
+# --- Agreement with the tables' bubble fractions ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+)
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_unit_costs_give_the_tables_bubble_fractions(name, chunks, p):
+    s = schedule(name, stages=p, microbatches=4 * p, chunks=chunks)
+    sim = simulate(s, UNIT)
+    assert sim.bubble_fraction == pytest.approx(s.bubble_fraction)
+    assert sim.lockstep_bubble_fraction == pytest.approx(s.lockstep_bubble_fraction)
+    # F + B = F + I + W = 3 units for every (micro-batch, virtual stage).
+    assert sim.work_s == pytest.approx(3 * 4 * p * p * chunks)
+    # Lockstep never beats free-running; a send time only adds.
+    assert sim.lockstep_s >= sim.free_s - 1e-9
+    slow = simulate(s, UNIT, send=0.25)
+    assert slow.free_s >= sim.free_s and slow.lockstep_s == pytest.approx(sim.lockstep_s + 0.25 * s.ticks)
+
+
+def test_speedups_order_as_the_bubbles():
+    p, m = 4, 16
+    sims = {
+        name: simulate(schedule(name, stages=p, microbatches=m, chunks=v), {k: c / v for k, c in UNIT.items()})
+        for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2)]
+    }
+    base = sims["gpipe"]
+    free = {n: s.speedup_over(base) for n, s in sims.items()}
+    # Free-running: 1F1B = GPipe (same bubble), then interleaved, ZB-H1, ZB-V.
+    assert free["1f1b"] == pytest.approx(1.0)
+    assert free["1f1b"] < free["interleaved"] < free["zero_bubble"] < free["zb_v"]
+    # Lockstep: 1F1B's mixed F/B ticks cost it; zero-bubble's unit actions do not.
+    lock = {n: s.speedup_over(base, lockstep=True) for n, s in sims.items()}
+    assert lock["1f1b"] < 1.0 < lock["zero_bubble"] < lock["zb_v"]
+
+
+# --- Costs validation ---------------------------------------------------------------------
+
+
+def test_bad_costs_raise_naming_the_value():
+    s = schedule("zero_bubble", stages=2, microbatches=2)
+    err = eqxpar.PipelineScheduleError
+    with pytest.raises(err, match=r"no time for \['I', 'W'\].*Add"):
+        simulate(s, {"F": 1.0, "B": 2.0})
+    with pytest.raises(err, match=r"costs\['F'\]=-1.0.*finite time >= 0"):
+        simulate(s, {"F": -1.0, "I": 1.0, "W": 1.0})
+    with pytest.raises(err, match=r"costs\['W'\]=inf"):
+        simulate(s, {"F": 1.0, "I": 1.0, "W": math.inf})
+    with pytest.raises(err, match=r"costs\['I'\]='1'.*number of seconds"):
+        simulate(s, {"F": 1.0, "I": "1", "W": 1.0})
+    with pytest.raises(err, match=r"unknown key\(s\) \['X'\]"):
+        simulate(s, {"F": 1.0, "I": 1.0, "W": 1.0, "X": 1.0})
+    with pytest.raises(err, match=r"send=nan"):
+        simulate(s, {"F": 1.0, "I": 1.0, "W": 1.0}, send=math.nan)
+    with pytest.raises(err, match="expected a mapping"):
+        simulate(s, [1.0, 2.0])
+    with pytest.raises(err, match="expected an eqxpar.pipeline.Schedule"):
+        simulate("1f1b", UNIT)
+    assert issubclass(err, eqxpar.PlanError)
+    # GPipe runs no I or W: F and B are enough.
+    assert simulate(schedule("gpipe", stages=2, microbatches=2), {"F": 1.0, "B": 2.0}).free_s == 9.0
+
+
+# --- V placement: ZB-V and DualPipeV -----------------------------------------------------
+
+
+def test_v_tables_validate_and_beat_1f1b():
+    p, m = 4, 16
+    ofob = schedule("1f1b", stages=p, microbatches=m)
+    zb_h1 = schedule("zero_bubble", stages=p, microbatches=m)
+    zbv = schedule("zb_v", stages=p, microbatches=m)
+    dpv = schedule("dualpipe_v", stages=p, microbatches=m)
+    for s in (zbv, dpv):
+        eqxpar.pipeline.validate(s)
+        assert s.placement == "v" and s.chunks == 2
+        # Device d holds virtual stages d and 2p - 1 - d: the first and last on device 0.
+        assert [s.stage_of(d, c) for d in range(p) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
+        assert s.bubble_fraction < zb_h1.bubble_fraction < ofob.bubble_fraction
+    # ZB-V (I, W split everywhere, all unit costs) reaches the floor of any table
+    # under this cost model: the last device cannot start before p - 1 chunk
+    # forwards, and every device has 6m unit actions: (p - 1) / (6m + p - 1), half
+    # of ZB-H1's (p - 1) / (3m + p - 1). The ZB paper's "zero bubble" for ZB-V
+    # leaves out this warm-up, which no schedule fills.
+    assert zbv.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert zbv.lockstep_bubble_fraction == pytest.approx(zbv.bubble_fraction)
+    # DualPipeV reaches the same free-running floor; in lockstep its full backwards
+    # (cost 2) share ticks with forwards (cost 1), which costs it.
+    assert dpv.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert zbv.lockstep_bubble_fraction < dpv.lockstep_bubble_fraction < ofob.lockstep_bubble_fraction
+    # Memory: stage inputs held, in chunks (half a stage each): 10 at p = 4, i.e.
+    # 5 stages' worth against 1F1B's 4 (the V holds 2p + 2 chunk inputs).
+    assert zbv.in_flight == dpv.in_flight == 2 * p + 2
+    assert ofob.in_flight == p
+
+
+def test_v_tables_render_and_are_refused_by_the_engine():
+    s = schedule("zb_v", stages=2, microbatches=4)
+    assert "V placement" in str(s).splitlines()[0] and "placement='v'" in repr(s)
+    mesh = eqxpar.make_mesh(pipe=2)
+    with pytest.raises(eqxpar.PlanError, match="table for prediction only"):
+        eqxpar.Plan(mesh, schedule="zb_v", microbatches=4)
+    with pytest.raises(eqxpar.PlanError, match="prediction only"):
+        eqxpar.Plan(mesh, schedule=s)
+    with pytest.raises(eqxpar.PlanError, match="at least 2 \\* stages = 8"):
+        schedule("dualpipe_v", stages=4, microbatches=6)
+    with pytest.raises(eqxpar.PlanError, match="always runs two chunks"):
+        schedule("zb_v", stages=4, microbatches=8, chunks=3)
+
+
+# --- Every built-in schedule, many sizes ---------------------------------------------------
+
+NAMES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(NAMES), st.integers(2, 8), st.integers(0, 100))
+def test_every_builtin_schedule_validates_and_simulates(name_chunks, p, pick):
+    name, chunks = name_chunks
+    low = 2 * p if name == "dualpipe_v" else p
+    m = low + pick % (4 * p - low + 1)
+    if name == "interleaved" and chunks > 1:
+        m = p * max(1, m // p)
+    s = schedule(name, stages=p, microbatches=m, chunks=chunks)
+    eqxpar.pipeline.check_table(s)
+    sim = simulate(s, UNIT, send=0.1)
+    assert 0 <= sim.bubble_fraction < 1 and 0 <= sim.lockstep_bubble_fraction < 1
+    assert sim.work_s == pytest.approx(p * chunks * m * 3)
+    assert sim.free_s >= sim.work_s / p
+
+
+def test_prediction_benchmark_runs(tmp_path):
+    from benchmarks import pipeline_prediction
+
+    out = tmp_path / "prediction.json"
+    rows = pipeline_prediction.main(["--json", str(out)])
+    # 2 devices x 2 stages x 2 engine models x 2 pipeline sizes x 6 schedules.
+    assert len(rows) == 2 * 2 * 2 * 2 * 6
+    assert all(r["speedup_free"] == 1.0 for r in rows if r["schedule"] == "gpipe")
+    assert '"send_s": 0.0' in out.read_text()
