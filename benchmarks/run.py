@@ -2,9 +2,13 @@
 and check every record's contract: exits non-zero when one fails (benchmarks/README.md).
 
     python -m benchmarks.run [--quick] [--only dp,dp_manual] --json PATH [--markdown PATH]
+
+With --only and an existing --json, the other records of that file are kept (and the
+contracts checked over all of them).
 """
 
 import functools
+import json
 import pathlib
 import sys
 import time
@@ -101,9 +105,21 @@ def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> 
     return {**record, "contract": setup.contract, "wall_time_s": time.perf_counter() - started}
 
 
+def _merged(old: dict, new: dict) -> dict:
+    """`old`'s JSON with `new`'s records (an --only run) replacing or joining its own,
+    in the registry's order; `updates` says which command measured which records."""
+    records = {r["strategy"]: r for r in old["records"]} | {r["strategy"]: r for r in new["records"]}
+    update = {"command": new["command"], "records": [r["strategy"] for r in new["records"]]}
+    order = [name for name in STRATEGIES if name in records]
+    return {**old, "records": [records[name] for name in order], "updates": [*old.get("updates", []), update]}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = _measure.parser("python -m benchmarks.run", __doc__, QUICK)
-    parser.add_argument("--only", help=f"comma-separated strategies out of {','.join(STRATEGIES)}")
+    parser.add_argument(
+        "--only",
+        help=f"comma-separated strategies out of {','.join(STRATEGIES)}; an existing --json keeps its other records",
+    )
     parser.add_argument("--markdown", type=pathlib.Path, help="also write the tables into this Markdown file")
     args = parser.parse_args(argv)
     names = list(STRATEGIES) if args.only is None else args.only.split(",")
@@ -118,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         data["records"].append(measure(name, refs, warm=warm, timed=timed))
         print(" | ".join(report.row(data["records"][-1])), flush=True)
     data["wall_time_s"] = time.perf_counter() - started
+    if args.only is not None and args.json.exists():
+        data = _merged(json.loads(args.json.read_text()), data)
     _measure.write_json(args.json, data)
     if args.markdown is not None:
         report.splice(args.markdown, report.render(data))
