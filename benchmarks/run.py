@@ -110,8 +110,10 @@ def _merged(old: dict, new: dict) -> dict:
     in the registry's order; `updates` says which command measured which records."""
     records = {r["strategy"]: r for r in old["records"]} | {r["strategy"]: r for r in new["records"]}
     update = {"command": new["command"], "records": [r["strategy"] for r in new["records"]]}
+    # An earlier update whose records were all measured again says nothing any more.
+    kept = [u for u in old.get("updates", []) if not set(u["records"]) <= set(update["records"])]
     order = [name for name in STRATEGIES if name in records]
-    return {**old, "records": [records[name] for name in order], "updates": [*old.get("updates", []), update]}
+    return {**old, "records": [records[name] for name in order], "updates": [*kept, update]}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

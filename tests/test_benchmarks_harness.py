@@ -87,7 +87,8 @@ def test_minimum_is_the_librarys_count():
 def test_small_record_meets_its_contract(name):
     # What `benchmarks.run` checks, on a small model: wire bytes within 1.05 x the
     # library's minimum (the ring: of the minimum plus its second K/V pass) and no
-    # more than the baseline's where there is one, parity with one device.
+    # more than the baseline's where there is one, parity with one device; the ring's
+    # memory flat as sequence and context grow together.
     references = run.References(_workload.make_optimizer(SMALL), 2)
     record = run.measure(name, references, warm=0, timed=1, cfg=SMALL)
     assert contracts.broken(record, {name: record}, timing=False) == []

@@ -290,42 +290,53 @@ def _tiles(
     return allowed, drop
 
 
+def _trips(nb: int, needed: Array | bool) -> Array | int:
+    # A pair that is fully masked on this device runs no tile: a loop of 0 trips.
+    # Not a `lax.cond`: inside a scanned stack of layers XLA:CPU gives every
+    # conditional its own buffers, and a causal ring has one per chunk pair and
+    # step, which made temp memory grow with the context size.
+    return nb if needed is True else jnp.where(needed, nb, 0)
+
+
 def _fwd_tiles(
     state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int,
-    qseg=None, kseg=None, rows=None, rate=0.0,
+    qseg=None, kseg=None, rows=None, rate=0.0, needed: Array | bool = True,
 ):  # fmt: skip
     """Fold the keys `k`, `v` of segment `ks` into the online softmax `state` =
-    (acc, max, sum) of the (pre-scaled, grouped) queries `qg` of segment `qs`."""
+    (acc, max, sum) of the (pre-scaled, grouped) queries `qg` of segment `qs`
+    (none of them where the traced `needed` is False)."""
     block = min(block, ks.length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
     allowed_at, drop_at = _tiles(qs, ks, block, causal, qseg, kseg, rows, rate)
 
-    def step(state, xs):
-        j, kj, vj = xs
+    def step(j, state):
+        kj, vj = lax.dynamic_index_in_dim(kb, j, keepdims=False), lax.dynamic_index_in_dim(vb, j, keepdims=False)
         allowed = allowed_at(j)
         s = jnp.where(allowed, jnp.einsum("bqkgd,bskd->bkgqs", qg, kj), jnp.finfo(_F32).min)
-        return fold_tile(state, s, allowed, vj, drop_at(j)), None
+        return fold_tile(state, s, allowed, vj, drop_at(j))
 
-    state, _ = lax.scan(step, state, (jnp.arange(nb), kb, vb))
-    return state
+    return lax.fori_loop(0, _trips(nb, needed), step, state)
 
 
 def _bwd_tiles(
     grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int,
-    qseg=None, kseg=None, rows=None, rate=0.0,
+    qseg=None, kseg=None, rows=None, rate=0.0, needed: Array | bool = True,
 ):  # fmt: skip
     """Add the gradients of the tiles of (`qs`, `ks`) to `grads` = (dq, dk, dv):
-    dq for the queries of `qs` (pre-scaled), dk and dv for the keys of `ks`."""
+    dq for the queries of `qs` (pre-scaled), dk and dv for the keys of `ks` (nothing
+    where the traced `needed` is False)."""
     dq, dk, dv = grads
     length = ks.length
     block = min(block, length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
     allowed_at, drop_at = _tiles(qs, ks, block, causal, qseg, kseg, rows, rate)
+    pad = ((0, 0), (0, nb * block - length), (0, 0), (0, 0))
 
-    def step(dq, xs):
-        j, kj, vj = xs
+    def step(j, carry):
+        dq, dk, dv = carry
+        kj, vj = lax.dynamic_index_in_dim(kb, j, keepdims=False), lax.dynamic_index_in_dim(vb, j, keepdims=False)
         allowed, drop = allowed_at(j), drop_at(j)
         s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj)
         p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
@@ -337,23 +348,22 @@ def _bwd_tiles(
         ds = p * (dp - delta[..., None])
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
         dkj = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
-        return dq, (dkj, dvj)
 
-    dq, (dkb, dvb) = lax.scan(step, dq, (jnp.arange(nb), kb, vb))
+        def add(acc, x):
+            return lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, j * block, block, 1) + x, j * block, 1)
 
-    def unblock(x):
-        b, h, d = x.shape[1], x.shape[3], x.shape[4]
-        return x.swapaxes(0, 1).reshape(b, nb * block, h, d)[:, :length]
+        return dq, add(dk, dkj), add(dv, dvj)
 
-    return dq, dk + unblock(dkb), dv + unblock(dvb)
+    dq, dk, dv = lax.fori_loop(0, _trips(nb, needed), step, (dq, jnp.pad(dk, pad), jnp.pad(dv, pad)))
+    return dq, dk[:, :length], dv[:, :length]
 
 
 def _when(needed, f, x):
     # Skip a fully masked pair: a Python bool decides at trace time, a traced one
-    # (positions depend on axis_index) with a cond. No collective is ever inside.
+    # (positions depend on axis_index) sets the pair's tile loop to 0 trips (`_trips`).
     if isinstance(needed, bool):
         return f(x) if needed else x
-    return lax.cond(needed, f, lambda x: x, x)
+    return f(x, needed=needed)
 
 
 def _needed(qs: _Seg, ks: _Seg, causal: bool):
