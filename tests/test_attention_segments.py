@@ -18,7 +18,7 @@ from eqxpar import nn
 from eqxpar.nn._attention import _attend
 
 from ._helpers import RTOL, assert_trees_close_to_scale
-from .test_context_attention import SPEC, _mesh
+from .test_context_attention import SPEC, _mesh, _value_and_grads
 from .test_context_parallel import _single_device, mesh
 
 ATOL = 2e-6
@@ -38,15 +38,6 @@ def segments(seed, batch, s, pad=3):
     starts = jax.random.bernoulli(jax.random.key(seed), 0.2, (batch, s))
     ids = jnp.cumsum(starts, axis=1).astype(jnp.int32)
     return ids.at[:, s - pad :].set(99)
-
-
-def _value_and_grads(f, args, cot):
-    def loss(*a):
-        out = f(*a)
-        return jnp.sum(out * cot), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-    return out, grads
 
 
 def _close(a, b):
