@@ -69,10 +69,14 @@ def rates(quick: bool, reps: int) -> dict:
         a, b = (jax.random.normal(jax.random.key(i), (n, n), dtype) for i in range(2))
         seconds = timed(jax.jit(jnp.matmul), a, b, reps=reps)
         out[f"matmul_{name}_tflops"] = 2 * n**3 / seconds / 1e12
-    size = (16 if quick else 512) * MiB
+    # 2 GiB on a GPU: a call's fixed cost (tens of microseconds) is noise beside it.
+    on_gpu = jax.default_backend() == "gpu"
+    size = (16 if quick else 2048 if on_gpu else 512) * MiB
     x = jnp.ones((size // 4,), jnp.float32)
     seconds = timed(jax.jit(lambda x: 2 * x), x, reps=reps)
     out |= {"copy_bytes": 2 * size, "copy_gbytes_per_s": 2 * size / seconds / 1e9}
+    seconds = timed(jax.jit(jnp.sum), x, reps=reps)
+    out |= {"read_bytes": size, "read_gbytes_per_s": size / seconds / 1e9}
     print(f"  rates {out}", flush=True)
     return out
 
@@ -305,11 +309,17 @@ def render(files: list[dict]) -> str:
     """Markdown tables of one or more JSONs written by this module (one per device)."""
     out = []
     rates_rows = [
-        [f["device_kind"], f"{r['matmul_bf16_tflops']:.1f}", f"{r['matmul_f32_tflops']:.1f}", f"{r['copy_gbytes_per_s']:.0f}"]
+        [
+            f["device_kind"],
+            f"{r['matmul_bf16_tflops']:.1f}",
+            f"{r['matmul_f32_tflops']:.1f}",
+            f"{r['copy_gbytes_per_s']:.0f}",
+            f"{r['read_gbytes_per_s']:.0f}" if "read_gbytes_per_s" in r else "-",
+        ]
         for f in files
         if "matmul_n" in (r := f.get("rates", {}))
     ]
-    head = ["device", "matmul bf16 TFLOP/s", "matmul f32 TFLOP/s", "copy GB/s (read + write)"]
+    head = ["device", "matmul bf16 TFLOP/s", "matmul f32 TFLOP/s", "copy GB/s (read + write)", "sum GB/s (read)"]
     out += ["#### Rates", _table(head, rates_rows)]
     rows = []
     for f in files:
