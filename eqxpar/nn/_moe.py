@@ -13,8 +13,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._errors import PlanError, SpecError
 from .._param import param
 from ._context import tensor_context
-from ._linear import MLP
-from ._matmul import check_split
+from ._linear import MLP, _normal
+from ._matmul import check_split, lift
 
 _SCORES = ("softmax", "sigmoid")
 _ACTIVATIONS = ("gelu", "swiglu")
@@ -41,14 +41,6 @@ class MoEAux(eqx.Module):
     router_z_loss: Float[Array, ""]
     expert_load: Float[Array, " experts"]
     dropped_fraction: Float[Array, ""]
-
-
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
-    return (jax.random.normal(key, shape) / math.sqrt(fan_in)).astype(dtype)
-
-
-def _lift(b: Array, ndim: int) -> Array:
-    return b.reshape((1,) * (ndim - b.ndim) + b.shape)
 
 
 class MoE(eqx.Module):
@@ -231,7 +223,7 @@ class MoE(eqx.Module):
         scores = jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
         bias = jax.lax.stop_gradient(self.router_bias.astype(jnp.float32))
         # Choose on scores + bias; the bias moves no weight, so choose without gradients.
-        _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores) + _lift(bias, 2), self.top_k)
+        _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores) + lift(bias, 2), self.top_k)
         weights = jnp.take_along_axis(scores, idx, axis=-1)
         if self.normalize_top_k:
             weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
