@@ -314,3 +314,40 @@ def test_pipeline_rejects_weights_split_over_pipe_outside_the_stack():
         eqxpar.train.make_value_and_grad(tiny_loss(), plan)(
             Tiny(2, key=jax.random.key(0), d=D), regression_batch(8)
         )
+
+
+@pytest.mark.parametrize("name,chunks", [v for v in VARIANTS if v != ("interleaved", 1)])
+def test_mixed_precision_under_every_schedule(name, chunks):
+    # Plan(compute_dtype=bfloat16) in a pipeline computes what one device computes
+    # with the same casts (weights cast inside the differentiated function, the loss
+    # back to float32): bf16 keeps 8 significant bits, and the two sides round
+    # different intermediates, so they agree to a few roundings; gradients come back
+    # in the float32 master dtype. The float32 loss differs: the casts are applied.
+    stages, microbatches = 2, 4
+    loss = tiny_loss()
+    model = Tiny(stages * chunks, key=jax.random.key(3))
+    batch = regression_batch(2 * ROWS * microbatches)
+
+    def cast_loss(m, b):
+        m = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, m)
+        return loss(m, b).astype(jnp.float32)
+
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(cast_loss))(model, batch)
+    f32_loss = eqx.filter_jit(loss)(model, batch)
+    plan = pipeline_plan(
+        name, pipe=stages, data=2, microbatches=microbatches, chunks=chunks, compute_dtype=jnp.bfloat16
+    )
+    value, grads = eqxpar.train.make_value_and_grad(loss, plan)(
+        reorder(model, stages=stages, chunks=chunks), batch
+    )
+    grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
+    assert value.dtype == jnp.float32
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)))
+    np.testing.assert_allclose(float(value), float(ref_loss), rtol=1e-2)
+    assert float(value) != float(f32_loss)
+    pairs = list(
+        zip(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter(ref_grads, eqx.is_inexact_array)), strict=True)
+    )
+    diff = np.sqrt(sum(float(jnp.sum((a - b.astype(jnp.float32)) ** 2)) for a, b in pairs))
+    scale = np.sqrt(sum(float(jnp.sum(b.astype(jnp.float32) ** 2)) for _, b in pairs))
+    assert diff <= 2e-2 * scale
