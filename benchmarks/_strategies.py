@@ -219,7 +219,9 @@ def _pipelined(
     )
 
 
-def _context(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, contract=_MINIMUM, **options: Any) -> Setup:
+def _context(
+    model: Any, optim: Any, mesh: dict, cfg: _workload.Config, contract=_MINIMUM, **options: Any
+) -> Setup:
     """Context parallelism (the sequence split over `context`) on the workload at a long
     sequence. No `jax.jit` step splits a sequence by itself, so no baseline: held to the
     minimum. The ring re-sends keys and values in the backward pass (it keeps one block,
@@ -287,7 +289,11 @@ _FSDP_TP = {"rules": _workload.TENSOR_FSDP_RULES, "mode": "manual", "sequence_pa
 #: 1e-5 of one device; leafwise 2e-5, because the attention key bias's exact gradient
 #: is zero (softmax ignores it) and its rounding, summed over the context axis in
 #: another order, reaches 1.1e-5 of the leafwise floor (every other leaf ~1e-6).
-_CP_PARITY = {"parity_loss_max_rel_err": 1e-5, "parity_grads_norm_max_rel_err": 1e-5, "parity_max_rel_err": 2e-5}
+_CP_PARITY = {
+    "parity_loss_max_rel_err": 1e-5,
+    "parity_grads_norm_max_rel_err": 1e-5,
+    "parity_max_rel_err": 2e-5,
+}
 _CP_ALLGATHER = {"wire_over_min_max": 1.05, **_CP_PARITY}
 #: The ring: within 5 % of the minimum plus the backward pass's second K/V all-gather,
 #: and per-device memory flat as sequence and context grow together (the all-gather
@@ -315,7 +321,9 @@ STRATEGIES: dict[str, Strategy] = {
     "pp_interleaved": _pp("interleaved", 1.7, chunks=2, contract=_FLAT),
     "pp_zero_bubble": _pp("zero_bubble", 1.85, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
     "cp": Strategy(_context, {"data": 2, "context": 4}, {"contract": _CP_RING}),
-    "cp_allgather": Strategy(_context, {"data": 2, "context": 4}, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
+    "cp_allgather": Strategy(
+        _context, {"data": 2, "context": 4}, {"context_attention": "allgather", "contract": _CP_ALLGATHER}
+    ),
     "cp_tp": Strategy(_context, _CP_TP, {**_CP_TP_OPTIONS, "contract": _CP_RING}),
     "3d": _pp("1f1b", 2.25, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -47,7 +47,9 @@ CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
     ),
     "context_temp_growth_max": (
         "temp growth from context 1 to the largest, the sequence growing alike, < {:.0%}",
-        lambda r, c, _: r["context_memory"][-1]["mem_temp_bytes"] / r["context_memory"][0]["mem_temp_bytes"] - 1 < c,
+        lambda r, c, _: (
+            r["context_memory"][-1]["mem_temp_bytes"] / r["context_memory"][0]["mem_temp_bytes"] - 1 < c
+        ),
     ),
     "temp_growth_max": ("temp growth 4p→16p < {:.0%}", lambda r, c, _: _temp_growth(r) < c),
     "temp_growth_min": ("temp growth 4p→16p ≥ {:.0%}", lambda r, c, _: _temp_growth(r) >= c),

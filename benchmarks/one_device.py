@@ -22,6 +22,7 @@ were made (`--json benchmarks/results/one_device_gpu.json`).
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -60,6 +61,16 @@ def temp_bytes(fn: Callable, *args: Any) -> int:
     return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
+def weighted_sum(fn: Callable, ct: Any) -> Callable:
+    """`(*args, **kw) -> sum(fn(*args, **kw) * ct)` in float32: a scalar whose
+    gradient pulls the cotangent `ct` back through `fn`."""
+
+    def loss(*args: Any, **kw: Any) -> jax.Array:
+        return jnp.sum(fn(*args, **kw).astype(jnp.float32) * jnp.asarray(ct, jnp.float32))
+
+    return loss
+
+
 def rates(quick: bool, reps: int) -> dict:
     """Dense matmul FLOP/s in bf16 and float32 (XLA's default precision) and the copy
     bandwidth (bytes read + written per second) of `2 * x` on a large array."""
@@ -84,8 +95,12 @@ def rates(quick: bool, reps: int) -> dict:
 def _attention_paths(on_gpu: bool) -> dict[str, Callable]:
     paths = {"blockwise": lambda q, k, v: nn.blockwise_attention(q, k, v, causal=True, block_size=512)}
     if on_gpu:
-        paths["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    paths["xla_dense"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        paths["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn"
+        )
+    paths["xla_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="xla"
+    )
     return paths
 
 
@@ -107,14 +122,15 @@ def attention(quick: bool, reps: int) -> dict:
         reference = None
         for name, fn in _attention_paths(on_gpu).items():
             row: dict[str, Any] = {"path": name, "seq": seq, "dtype": jnp.dtype(dtype).name}
-            loss = lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
-            fwd_bwd = jax.grad(loss, argnums=(0, 1, 2))
+            fwd_bwd = jax.grad(weighted_sum(fn, ct), argnums=(0, 1, 2))
             try:
                 row["temp_bytes_fwd_bwd"] = temp_bytes(fwd_bwd, q, k, v)
                 if seq <= (dense_max if name == "xla_dense" else any_max):
                     out = jax.jit(fn)(q, k, v)
                     reference = out if reference is None else reference
-                    row["max_abs_diff_vs_blockwise"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference)))
+                    row["max_abs_diff_vs_blockwise"] = float(
+                        jnp.max(jnp.abs(out.astype(jnp.float32) - reference))
+                    )
                     row["fwd_s"] = timed(jax.jit(fn), q, k, v, reps=reps)
                     row["fwd_bwd_s"] = timed(jax.jit(fwd_bwd), q, k, v, reps=reps)
                     # Causal: half the (seq x seq) scores; forward 2 matmuls, backward 5.
@@ -173,7 +189,7 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
         ("capacity_padded_1.25", padded, balanced),
     ):
         row: dict[str, Any] = {"path": name, "dtype": jnp.dtype(dtype).name}
-        loss = lambda x, w, fn=fn, sizes=sizes: jnp.sum(fn(x, w, sizes).astype(jnp.float32))
+        loss = weighted_sum(functools.partial(fn, sizes=sizes), 1.0)
         try:
             row["fwd_s"] = timed(jax.jit(fn), x, w, sizes, reps=reps)
             row["fwd_bwd_s"] = timed(jax.jit(jax.grad(loss, argnums=(0, 1))), x, w, reps=reps)
@@ -183,7 +199,14 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         rows.append(row)
         print(f"  grouped_matmul {row}", flush=True)
-    sizes = {"tokens": tokens, "top_k": top_k, "d": d, "hidden": hidden, "experts": experts, "capacity": capacity}
+    sizes = {
+        "tokens": tokens,
+        "top_k": top_k,
+        "d": d,
+        "hidden": hidden,
+        "experts": experts,
+        "capacity": capacity,
+    }
     return {**sizes, "rows": rows}
 
 
@@ -191,7 +214,10 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
 #: variant: 2 blocks, one 128-token sequence per micro-batch), and a wider one.
 STAGES = {
     "workload": (dataclasses.replace(_workload.CONFIG, layers=2), 1),
-    "wide": (dataclasses.replace(_workload.CONFIG, d_model=1024, heads=16, mlp=4096, seq_len=1024, layers=2), 4),
+    "wide": (
+        dataclasses.replace(_workload.CONFIG, d_model=1024, heads=16, mlp=4096, seq_len=1024, layers=2),
+        4,
+    ),
 }
 
 
@@ -201,43 +227,59 @@ def stage_actions(quick: bool, reps: int) -> dict:
     for name, (cfg, micro) in STAGES.items():
         if quick and name != "workload":
             continue
-        blocks = _workload.make_model(cfg).blocks
-        params, static = eqx.partition(blocks, eqx.is_inexact_array)
-        x = jax.random.normal(jax.random.key(0), (micro, cfg.seq_len, cfg.d_model), jnp.float32)
-        ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
-
-        def stage(p, x):
-            return eqx.combine(p, static)(x)
-
-        _, both = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
-        _, input_only = jax.jit(lambda p, x: jax.vjp(lambda x: stage(p, x), x))(params, x)
-        _, weight_only = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))(params, x)
-        pullback = jax.jit(lambda pb, ct: pb(ct))
-        recompute = jax.jit(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))
-        times = {
-            "F": timed(jax.jit(stage), params, x, reps=reps),
-            "F_keep": timed(jax.jit(lambda p, x: jax.vjp(stage, p, x)), params, x, reps=reps),
-            "B": timed(pullback, both, ct, reps=reps),
-            "I": timed(pullback, input_only, ct, reps=reps),
-            "W": timed(pullback, weight_only, ct, reps=reps),
-            "B_recompute": timed(recompute, params, x, ct, reps=reps),
-        }
-        residual_bytes = sum(a.nbytes for a in jax.tree.leaves(both)) - sum(a.nbytes for a in jax.tree.leaves(params))
-        out[name] = {
-            "config": dataclasses.asdict(cfg),
-            "micro_batch": micro,
-            "seconds": times,
-            "residual_bytes_beyond_params": int(residual_bytes),
-        }
+        out[name] = _stage_actions(cfg, micro, reps)
         print(f"  stage_actions {name} {out[name]['seconds']}", flush=True)
     return out
+
+
+def _stage_actions(cfg: _workload.Config, micro: int, reps: int) -> dict:
+    params, static = eqx.partition(_workload.make_model(cfg).blocks, eqx.is_inexact_array)
+    x = jax.random.normal(jax.random.key(0), (micro, cfg.seq_len, cfg.d_model), jnp.float32)
+    ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+    stage = functools.partial(_run_stage, static)
+    _, both = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
+    _, input_only = jax.jit(lambda p, x: jax.vjp(lambda x: stage(p, x), x))(params, x)
+    _, weight_only = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))(params, x)
+    pullback = jax.jit(lambda pb, ct: pb(ct))
+    recompute = jax.jit(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))
+    times = {
+        "F": timed(jax.jit(stage), params, x, reps=reps),
+        "F_keep": timed(jax.jit(lambda p, x: jax.vjp(stage, p, x)), params, x, reps=reps),
+        "B": timed(pullback, both, ct, reps=reps),
+        "I": timed(pullback, input_only, ct, reps=reps),
+        "W": timed(pullback, weight_only, ct, reps=reps),
+        "B_recompute": timed(recompute, params, x, ct, reps=reps),
+    }
+    residual_bytes = sum(a.nbytes for a in jax.tree.leaves(both)) - sum(
+        a.nbytes for a in jax.tree.leaves(params)
+    )
+    return {
+        "config": dataclasses.asdict(cfg),
+        "micro_batch": micro,
+        "seconds": times,
+        "residual_bytes_beyond_params": int(residual_bytes),
+    }
 
 
 def _rel(got: Any, want: Any) -> float:
     """||got - want|| / ||want|| over the whole tree as one vector (a leaf whose exact
     gradient is zero, the key bias's, holds only rounding: judged leafwise, it says nothing)."""
-    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+    pairs = [
+        (np.asarray(a, np.float64), np.asarray(b, np.float64))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    ]
     return math.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) / sum(np.sum(b**2) for _, b in pairs))
+
+
+def _call_layer(layer: Any, x: jax.Array, kwargs: dict) -> jax.Array:
+    return layer(x, **kwargs)
+
+
+def _layer_value_and_grad(layer: Any, x: jax.Array, ct: jax.Array, kwargs: dict) -> tuple:
+    """`((loss, gradients), output)` of `layer(x, **kwargs)` against cotangent `ct`."""
+    loss = weighted_sum(_call_layer, ct)
+    grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer, x, kwargs)
+    return grads, eqx.filter_jit(_call_layer)(layer, x, kwargs)
 
 
 def attention_agreement(quick: bool, reps: int) -> dict:
@@ -260,16 +302,13 @@ def attention_agreement(quick: bool, reps: int) -> dict:
                 path: nn.Attention(512, 8, attention=path, dropout=rate, key=jax.random.key(0))
                 for path in ("dense", "blockwise", "auto")
             }
-            layers = {path: jax.tree.map(lambda w: w.astype(dtype), layer) for path, layer in layers.items()}
+            layers = {
+                path: jax.tree.map(lambda w, t=dtype: w.astype(t), layer) for path, layer in layers.items()
+            }
 
-            def value_and_grad(layer, x):
-                loss = lambda layer, x: jnp.sum(layer(x, **kwargs).astype(jnp.float32) * ct.astype(jnp.float32))
-                grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer, x)
-                return grads, eqx.filter_jit(lambda layer, x: layer(x, **kwargs))(layer, x)
-
-            (_, want_grads), want_out = value_and_grad(layers["dense"], x)
+            (_, want_grads), want_out = _layer_value_and_grad(layers["dense"], x, ct, kwargs)
             for path in ("blockwise", "auto"):
-                (_, grads), out = value_and_grad(layers[path], x)
+                (_, grads), out = _layer_value_and_grad(layers[path], x, ct, kwargs)
                 row = {"dtype": jnp.dtype(dtype).name, "case": case, "path": path, "seq": seq}
                 row |= {"out_rel_err": _rel(out, want_out), "grads_rel_err": _rel(grads, want_grads)}
                 rows.append(row)
@@ -278,10 +317,17 @@ def attention_agreement(quick: bool, reps: int) -> dict:
     q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3))
     blocks = {}
     for block in (256, 512, 1024, 2048):
-        loss = lambda q, k, v, block=block: jnp.sum(nn.blockwise_attention(q, k, v, causal=True, block_size=block))
+        loss = weighted_sum(functools.partial(nn.blockwise_attention, causal=True, block_size=block), 1.0)
         blocks[block] = timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, reps=reps)
     print(f"  blockwise fwd+bwd seconds by block size at seq {4 * seq}: {blocks}", flush=True)
-    return {"rows": rows, "blockwise_fwd_bwd_s_by_block": {"seq": 4 * seq, "dtype": "bfloat16", "seconds": blocks}}
+    return {
+        "rows": rows,
+        "blockwise_fwd_bwd_s_by_block": {"seq": 4 * seq, "dtype": "bfloat16", "seconds": blocks},
+    }
+
+
+def _run_stage(static: Any, params: Any, x: jax.Array) -> jax.Array:
+    return eqx.combine(params, static)(x)
 
 
 SECTIONS = {
@@ -319,14 +365,27 @@ def render(files: list[dict]) -> str:
         for f in files
         if "matmul_n" in (r := f.get("rates", {}))
     ]
-    head = ["device", "matmul bf16 TFLOP/s", "matmul f32 TFLOP/s", "copy GB/s (read + write)", "sum GB/s (read)"]
+    head = [
+        "device",
+        "matmul bf16 TFLOP/s",
+        "matmul f32 TFLOP/s",
+        "copy GB/s (read + write)",
+        "sum GB/s (read)",
+    ]
     out += ["#### Rates", _table(head, rates_rows)]
     rows = []
     for f in files:
         for r in f.get("attention", {}).get("rows", []):
             temp = f"{r['temp_bytes_fwd_bwd'] / MiB:,.0f}" if "temp_bytes_fwd_bwd" in r else "-"
             flops = f"{r['fwd_bwd_tflops']:.3g}" if "fwd_bwd_tflops" in r else "-"
-            row = [f["device_kind"], r["dtype"], r["seq"], r["path"], _ms(r.get("fwd_s")), _ms(r.get("fwd_bwd_s"))]
+            row = [
+                f["device_kind"],
+                r["dtype"],
+                r["seq"],
+                r["path"],
+                _ms(r.get("fwd_s")),
+                _ms(r.get("fwd_bwd_s")),
+            ]
             rows.append([*row, flops, temp])
     head = ["device", "dtype", "seq", "path", "fwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s", "temp MiB (fwd+bwd)"]
     out += ["#### Attention (batch 1, 8 heads, head dim 64, causal)", _table(head, rows)]
@@ -335,8 +394,12 @@ def render(files: list[dict]) -> str:
         g = f.get("grouped_matmul", {})
         size = f"{g.get('tokens')} tokens x top-{g.get('top_k')}, d {g.get('d')} -> {g.get('hidden')}, {g.get('experts')} experts"
         for r in g.get("rows", []):
-            flops = f"{r['fwd_bwd_useful_tflops']:.3g}" if "fwd_bwd_useful_tflops" in r else r.get("error", "-")
-            rows.append([f["device_kind"], size, r["path"], _ms(r.get("fwd_s")), _ms(r.get("fwd_bwd_s")), flops])
+            flops = (
+                f"{r['fwd_bwd_useful_tflops']:.3g}" if "fwd_bwd_useful_tflops" in r else r.get("error", "-")
+            )
+            rows.append(
+                [f["device_kind"], size, r["path"], _ms(r.get("fwd_s")), _ms(r.get("fwd_bwd_s")), flops]
+            )
     head = ["device", "size", "path", "fwd ms", "fwd+bwd ms", "useful fwd+bwd TFLOP/s"]
     out += ["#### Grouped expert matmul", _table(head, rows)]
     rows = []
@@ -349,7 +412,15 @@ def render(files: list[dict]) -> str:
             rows.append([f["device_kind"], size, *(_ms(t[k]) for k in ACTIONS)])
     out += ["#### One pipeline stage's actions (ms)", _table(["device", "stage", *ACTIONS], rows)]
     rows = [
-        [f["device_kind"], r["dtype"], r["seq"], r["case"], r["path"], f"{r['out_rel_err']:.1e}", f"{r['grads_rel_err']:.1e}"]
+        [
+            f["device_kind"],
+            r["dtype"],
+            r["seq"],
+            r["case"],
+            r["path"],
+            f"{r['out_rel_err']:.1e}",
+            f"{r['grads_rel_err']:.1e}",
+        ]
         for f in files
         for r in f.get("attention_agreement", {}).get("rows", [])
     ]
@@ -362,7 +433,9 @@ ACTIONS = ("F", "F_keep", "B", "I", "W", "B_recompute")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.one_device", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.one_device", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
     parser.add_argument(
         "--only", help=f"comma-separated sections out of {','.join(SECTIONS)} (the file's others are kept)"
@@ -370,7 +443,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median)")
     parser.add_argument("--json", type=pathlib.Path, help="where to write the measurements")
     parser.add_argument("--render", type=pathlib.Path, nargs="+", help="JSONs to render (measures nothing)")
-    parser.add_argument("--markdown", type=pathlib.Path, help="with --render: the page to write the tables into")
+    parser.add_argument(
+        "--markdown", type=pathlib.Path, help="with --render: the page to write the tables into"
+    )
     args = parser.parse_args(argv)
     if args.render:
         tables = render([json.loads(path.read_text()) for path in args.render])

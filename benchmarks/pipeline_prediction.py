@@ -108,7 +108,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         groups.setdefault((r["device"], r["stage"], r["model"], r["stages"]), {})[r["schedule"]] = r
     for (device, stage, model, p), by in groups.items():
         g = by["gpipe"]
-        cells = [f"{by[n]['speedup_free']:.2f} / {by[n]['speedup_lockstep']:.2f}" for n, _, _ in SCHEDULES[1:]]
+        cells = [
+            f"{by[n]['speedup_free']:.2f} / {by[n]['speedup_lockstep']:.2f}" for n, _, _ in SCHEDULES[1:]
+        ]
         lines.append([device, stage, model, p, f"{_time(g['free_s'])} / {_time(g['lockstep_s'])}", *cells])
     table = "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
     title = "#### Predicted pipeline step (m = 4p, no communication time): speed-up over GPipe, free-running / lockstep"
@@ -125,9 +127,13 @@ def splice(path: pathlib.Path, text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_prediction", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.pipeline_prediction", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", type=pathlib.Path, help="where to write the predictions")
-    parser.add_argument("--markdown", type=pathlib.Path, help="a page with the table's markers to write it into")
+    parser.add_argument(
+        "--markdown", type=pathlib.Path, help="a page with the table's markers to write it into"
+    )
     args = parser.parse_args(argv)
     sources = [(label, json.loads((RESULTS / name).read_text())) for name, label in SOURCES]
     rows = predict(sources)

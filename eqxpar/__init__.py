@@ -31,10 +31,10 @@ from ._errors import (
     MeshError as MeshError,
 )
 from ._errors import (
-    PlanError as PlanError,
+    PipelineScheduleError as PipelineScheduleError,
 )
 from ._errors import (
-    PipelineScheduleError as PipelineScheduleError,
+    PlanError as PlanError,
 )
 from ._errors import (
     SpecError as SpecError,

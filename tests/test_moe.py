@@ -220,6 +220,7 @@ def test_router_bias_steers_selection_not_weights():
     np.testing.assert_array_equal(idx1, 3)
     np.testing.assert_array_equal(scores0, scores1)
     np.testing.assert_allclose(w1[:, 0], scores0[:, 3], rtol=1e-6)  # the score, no bias
+
     # No gradient reaches the bias, through the output or the aux losses.
     def loss(m):
         y, aux = m(x)

@@ -34,7 +34,9 @@ def test_from_table_and_from_orders_give_the_builtin_table():
     ofob = schedule("1f1b", stages=2, microbatches=2)
     a = Schedule.from_table(TABLE, stages=2, microbatches=2)
     b = Schedule.from_orders([["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]], microbatches=2)
-    c = Schedule.from_orders([[(FWD, 0), ("F", 1), ("b", 0, 0), (BWD, 1)], ["F0:0", "B0", "F1", "B1"]], microbatches=2)
+    c = Schedule.from_orders(
+        [[(FWD, 0), ("F", 1), ("b", 0, 0), (BWD, 1)], ["F0:0", "B0", "F1", "B1"]], microbatches=2
+    )
     for s in (a, b, c):
         np.testing.assert_array_equal(s.table, ofob.table)
         assert s.name == "custom" and s.bubble_fraction == ofob.bubble_fraction
@@ -60,14 +62,23 @@ def test_table_errors_name_the_tick_and_device():
     _table_error(set_(3, 0, (2, 0, BWD)), r"tick 3, device 0: backward of micro-batch 2; expected 0 to 1")
     _table_error(set_(3, 0, (0, 1, BWD)), r"tick 3, device 0: backward of chunk 1")
     # The same action twice: both places named.
-    _table_error(set_(5, 0, (0, 0, BWD)), r"tick 5, device 0: the backward of micro-batch 0 at virtual stage 0 "
-                 r"runs twice \(first at tick 3, device 0\)")
+    _table_error(
+        set_(5, 0, (0, 0, BWD)),
+        r"tick 5, device 0: the backward of micro-batch 0 at virtual stage 0 "
+        r"runs twice \(first at tick 3, device 0\)",
+    )
     # Missing: no tick to name, the device that should run it.
-    _table_error(set_(5, 0, IDLE), r"micro-batch 1 at virtual stage 0 \(device 0, chunk 0\) has \['forward'\]; "
-                 "it needs a backward")
+    _table_error(
+        set_(5, 0, IDLE),
+        r"micro-batch 1 at virtual stage 0 \(device 0, chunk 0\) has \['forward'\]; "
+        "it needs a backward",
+    )
     # An I without its W; a B and an I for one unit.
     _table_error(set_(5, 0, (1, 0, INP)), r"micro-batch 1 at virtual stage 0 .* it needs its backward-weight")
-    _table_error(set_(4, 0, (1, 0, INP)), r"micro-batch 1 at virtual stage 0 .* it needs one backward: either")
+    _table_error(
+        set_(4, 0, (1, 0, INP)), r"micro-batch 1 at virtual stage 0 .* it needs one backward: either"
+    )
+
     # A forward in the tick its input is sent: usable only from the next tick.
     def same_tick(t):
         t[0, 1] = (0, 0, FWD)
@@ -79,14 +90,18 @@ def test_table_errors_name_the_tick_and_device():
         r"on: the forward of micro-batch 0 at virtual stage 0, at tick 0 on device 0 \(its output is "
         r"usable from the next tick\). Move it to tick 1 or later",
     )
+
     # A backward before the next stage's: the cotangent is not there yet.
     def early_backward(t):
         t[3, 0] = IDLE
         t[2, 0] = (0, 0, BWD)
 
-    _table_error(early_backward, r"tick 2, device 0: the backward of micro-batch 0 at virtual stage 0 runs before "
-                 r"what it depends on: the backward \(or backward-input\) of micro-batch 0 at virtual stage 1, "
-                 r"at tick 2 on device 1")
+    _table_error(
+        early_backward,
+        r"tick 2, device 0: the backward of micro-batch 0 at virtual stage 0 runs before "
+        r"what it depends on: the backward \(or backward-input\) of micro-batch 0 at virtual stage 1, "
+        r"at tick 2 on device 1",
+    )
     with pytest.raises(ERR, match=r"shape \(6, 2, 2\); expected \(ticks, 2, 3\)"):
         Schedule.from_table(np.array(TABLE)[..., :2], stages=2, microbatches=2)
     with pytest.raises(ERR, match="dtype float64; expected integers"):
@@ -104,9 +119,12 @@ def test_weight_pass_before_its_input_pass():
     (t_i,) = [t for t in range(zb.ticks) if tuple(table[t, 0]) == (0, 0, INP)]
     (t_w,) = [t for t in range(zb.ticks) if tuple(table[t, 0]) == (0, 0, WGT)]
     table[t_i, 0], table[t_w, 0] = table[t_w, 0].copy(), table[t_i, 0].copy()
-    with pytest.raises(ERR, match=rf"tick {t_i}, device 0: the backward-weight of micro-batch 0 .* runs before "
-                       rf"what it depends on: the backward \(or backward-input\) of micro-batch 0 at virtual "
-                       rf"stage 0, at tick {t_w} on device 0"):
+    with pytest.raises(
+        ERR,
+        match=rf"tick {t_i}, device 0: the backward-weight of micro-batch 0 .* runs before "
+        rf"what it depends on: the backward \(or backward-input\) of micro-batch 0 at virtual "
+        rf"stage 0, at tick {t_w} on device 0",
+    ):
         Schedule.from_table(table, stages=2, microbatches=2)
 
 
@@ -115,18 +133,28 @@ def test_order_errors_and_deadlock():
         Schedule.from_orders([["F0", "F1", "B0", "B1"], ["F0", "B0", "X1", "B1"]], microbatches=2)
     with pytest.raises(ERR, match=r"device 0, position 3 of its order: action 'B5' has micro-batch 5"):
         Schedule.from_orders([["F0", "F1", "B0", "B5"], ["F0", "B0", "F1", "B1"]], microbatches=2)
-    with pytest.raises(ERR, match=r"device 0, position 4 of its order: the forward of micro-batch 1 .* runs twice"):
+    with pytest.raises(
+        ERR, match=r"device 0, position 4 of its order: the forward of micro-batch 1 .* runs twice"
+    ):
         Schedule.from_orders([["F0", "F1", "B0", "B1", "F1"], ["F0", "B0", "F1", "B1"]], microbatches=2)
-    with pytest.raises(ERR, match=r"micro-batch 1 at virtual stage 1 \(device 1, chunk 0\) has \['forward'\]"):
+    with pytest.raises(
+        ERR, match=r"micro-batch 1 at virtual stage 1 \(device 1, chunk 0\) has \['forward'\]"
+    ):
         Schedule.from_orders([["F0", "F1", "B0", "B1"], ["F0", "B0", "F1"]], microbatches=2)
     # Device 0 waits for device 1's B0, device 1 runs B1 before its F1: stuck.
     with pytest.raises(ERR, match="deadlock") as info:
         Schedule.from_orders([["F0", "B0", "F1", "B1"], ["F0", "B1", "B0", "F1"]], microbatches=2)
     text = str(info.value)
-    assert re.search(r"device 0 at position 1 of its order, B0:0 .* waits for the backward \(or "
-                     r"backward-input\) of micro-batch 0 at virtual stage 1 \(device 1\)", text), text
-    assert re.search(r"device 1 at position 1 of its order, B1:0 .* waits for the forward of micro-batch 1 "
-                     r"at virtual stage 1 \(device 1\)", text), text
+    assert re.search(
+        r"device 0 at position 1 of its order, B0:0 .* waits for the backward \(or "
+        r"backward-input\) of micro-batch 0 at virtual stage 1 \(device 1\)",
+        text,
+    ), text
+    assert re.search(
+        r"device 1 at position 1 of its order, B1:0 .* waits for the forward of micro-batch 1 "
+        r"at virtual stage 1 \(device 1\)",
+        text,
+    ), text
     with pytest.raises(ERR, match="one sequence of actions per device"):
         Schedule.from_orders("F0 B0", microbatches=1)
 

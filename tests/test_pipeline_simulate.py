@@ -62,7 +62,8 @@ def test_measured_costs_scale_and_zero_costs():
 
 
 @pytest.mark.parametrize(
-    "name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+    "name,chunks",
+    [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2), ("dualpipe_v", 2)],
 )
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_unit_costs_give_the_tables_bubble_fractions(name, chunks, p):
@@ -81,7 +82,9 @@ def test_unit_costs_give_the_tables_bubble_fractions(name, chunks, p):
 def test_speedups_order_as_the_bubbles():
     p, m = 4, 16
     sims = {
-        name: simulate(schedule(name, stages=p, microbatches=m, chunks=v), {k: c / v for k, c in UNIT.items()})
+        name: simulate(
+            schedule(name, stages=p, microbatches=m, chunks=v), {k: c / v for k, c in UNIT.items()}
+        )
         for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2)]
     }
     base = sims["gpipe"]
@@ -169,7 +172,15 @@ def test_v_tables_render_and_are_refused_by_the_engine():
 
 # --- Every built-in schedule, many sizes ---------------------------------------------------
 
-NAMES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+NAMES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved", 1),
+    ("interleaved", 2),
+    ("zero_bubble", 1),
+    ("zb_v", 2),
+    ("dualpipe_v", 2),
+]
 
 
 @settings(max_examples=60, deadline=None)

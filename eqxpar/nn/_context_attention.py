@@ -260,9 +260,7 @@ def _allowed(qpos: Array, kpos: Array, length: int, causal: bool) -> Array:
     return real & (kpos[None, :] <= qpos[:, None]) if causal else real
 
 
-def _tiles(
-    qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kseg: Array | None, rows, rate
-):
+def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kseg: Array | None, rows, rate):
     """The mask makers of the pair: sub-block `j` of the key segment -> its
     `(q, block)` keep-mask, from the global positions of both segments; with
     segment ids (`qseg`, `kseg`: the pair's `(b, length)` ids) `(b, 1, 1, q, block)`,
@@ -311,7 +309,10 @@ def _fwd_tiles(
     allowed_at, drop_at = _tiles(qs, ks, block, causal, qseg, kseg, rows, rate)
 
     def step(j, state):
-        kj, vj = lax.dynamic_index_in_dim(kb, j, keepdims=False), lax.dynamic_index_in_dim(vb, j, keepdims=False)
+        kj, vj = (
+            lax.dynamic_index_in_dim(kb, j, keepdims=False),
+            lax.dynamic_index_in_dim(vb, j, keepdims=False),
+        )
         allowed = allowed_at(j)
         s = jnp.where(allowed, jnp.einsum("bqkgd,bskd->bkgqs", qg, kj), jnp.finfo(_F32).min)
         return fold_tile(state, s, allowed, vj, drop_at(j))
@@ -336,7 +337,10 @@ def _bwd_tiles(
 
     def step(j, carry):
         dq, dk, dv = carry
-        kj, vj = lax.dynamic_index_in_dim(kb, j, keepdims=False), lax.dynamic_index_in_dim(vb, j, keepdims=False)
+        kj, vj = (
+            lax.dynamic_index_in_dim(kb, j, keepdims=False),
+            lax.dynamic_index_in_dim(vb, j, keepdims=False),
+        )
         allowed, drop = allowed_at(j), drop_at(j)
         s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj)
         p = jnp.where(allowed, jnp.exp(s - lse[..., None]), 0.0)
@@ -350,7 +354,9 @@ def _bwd_tiles(
         dkj = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
 
         def add(acc, x):
-            return lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, j * block, block, 1) + x, j * block, 1)
+            return lax.dynamic_update_slice_in_dim(
+                acc, lax.dynamic_slice_in_dim(acc, j * block, block, 1) + x, j * block, 1
+            )
 
         return dq, add(dk, dkj), add(dv, dvj)
 
@@ -490,9 +496,7 @@ def _ring_fwd(q, k, v, seg, rows, axis, causal, load_balanced, block, rate):
     for t in range(n):
         # Issue the next block's transfer first: nothing below waits for it.
         nxt = lax.ppermute(kv, axis, right) if t < n - 1 else None
-        states = _fold(
-            states, qg, qsegs, *kv[:2], segs((me - t) % n), causal, block, seg, kv[2], rows, rate
-        )
+        states = _fold(states, qg, qsegs, *kv[:2], segs((me - t) % n), causal, block, seg, kv[2], rows, rate)
         kv = nxt
     out, o, lse = _finish(states, q)
     return out, (q, k, v, seg, rows, o, lse)

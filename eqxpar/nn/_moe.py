@@ -212,7 +212,9 @@ class MoE(eqx.Module):
 
     # -- routing ---------------------------------------------------------------
 
-    def route(self, x: Float[Array, "tokens d_model"]) -> tuple[
+    def route(
+        self, x: Float[Array, "tokens d_model"]
+    ) -> tuple[
         Array, Float[Array, "tokens top_k"], Float[Array, "tokens experts"], Float[Array, "tokens experts"]
     ]:
         """Route flat tokens: `(indices (tokens, top_k) int32, combine weights

@@ -241,60 +241,62 @@ def _orders_dualpipe_v(p: int, m: int) -> list[list[Action]]:
     # step pops (FIFO). Where DualPipe overlaps a forward of one chunk with a
     # backward of the other (computation of one hiding the other's
     # communication), a table runs them in successive ticks.
-    orders: list[list[Action]] = []
-    for d in range(p):
-        order: list[Action] = []
-        next_f, next_b = [0, 0], [0, 0]
-        queue: list[tuple[int, int]] = []
+    return [_dualpipe_v_order(p, m, d) for d in range(p)]
 
-        def f(c: int) -> None:
-            order.append((FORWARD, next_f[c], c))
-            next_f[c] += 1
 
-        def b(c: int, zero_bubble: bool = False) -> None:
-            if zero_bubble:
-                order.append((BACKWARD_INPUT, next_b[c], c))
-                queue.append((next_b[c], c))
-            else:
-                order.append((BACKWARD, next_b[c], c))
-            next_b[c] += 1
+def _dualpipe_v_order(p: int, m: int, d: int) -> list[Action]:
+    # Rank d's order (see _orders_dualpipe_v).
+    order: list[Action] = []
+    next_f, next_b = [0, 0], [0, 0]
+    queue: list[tuple[int, int]] = []
 
-        def w() -> None:
-            order.append((BACKWARD_WEIGHT, *queue.pop(0)))
+    def f(c: int) -> None:
+        order.append((FORWARD, next_f[c], c))
+        next_f[c] += 1
 
-        for _ in range(2 * (p - d - 1)):  # 1: forwards of chunk 0
-            f(0)
-        for _ in range(d + 1):  # 2: both chunks' forwards
-            f(0)
-            f(1)
-        for _ in range(p - d - 1):  # 3: zero-bubble backward of chunk 1, its W, a forward
-            b(1, True)
-            w()
-            f(1)
-        for _ in range(m - 2 * p + d + 1):  # 4: the steady state, F0 B1 F1 B0
-            f(0)
-            b(1)
-            f(1)
-            b(0)
-        for _ in range(p - d - 1):  # 5: B1 F1 B0
-            b(1)
-            f(1)
-            b(0)
-        zero_bubble = False
-        for i in range(d + 1):  # 6: both backwards; the second half zero-bubble
-            if i == (d + 1) // 2 and d % 2 == 1:
-                zero_bubble = True
-            b(1, zero_bubble)
-            if i == (d + 1) // 2 and d % 2 == 0:
-                zero_bubble = True
-            b(0, zero_bubble)
-        for _ in range(p - d - 1):  # 7: a W, a zero-bubble backward of chunk 0
-            w()
-            b(0, True)
-        while queue:  # 8: the remaining W's
-            w()
-        orders.append(order)
-    return orders
+    def b(c: int, zero_bubble: bool = False) -> None:
+        if zero_bubble:
+            order.append((BACKWARD_INPUT, next_b[c], c))
+            queue.append((next_b[c], c))
+        else:
+            order.append((BACKWARD, next_b[c], c))
+        next_b[c] += 1
+
+    def w() -> None:
+        order.append((BACKWARD_WEIGHT, *queue.pop(0)))
+
+    for _ in range(2 * (p - d - 1)):  # 1: forwards of chunk 0
+        f(0)
+    for _ in range(d + 1):  # 2: both chunks' forwards
+        f(0)
+        f(1)
+    for _ in range(p - d - 1):  # 3: zero-bubble backward of chunk 1, its W, a forward
+        b(1, True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + d + 1):  # 4: the steady state, F0 B1 F1 B0
+        f(0)
+        b(1)
+        f(1)
+        b(0)
+    for _ in range(p - d - 1):  # 5: B1 F1 B0
+        b(1)
+        f(1)
+        b(0)
+    zero_bubble = False
+    for i in range(d + 1):  # 6: both backwards; the second half zero-bubble
+        if i == (d + 1) // 2 and d % 2 == 1:
+            zero_bubble = True
+        b(1, zero_bubble)
+        if i == (d + 1) // 2 and d % 2 == 0:
+            zero_bubble = True
+        b(0, zero_bubble)
+    for _ in range(p - d - 1):  # 7: a W, a zero-bubble backward of chunk 0
+        w()
+        b(0, True)
+    while queue:  # 8: the remaining W's
+        w()
+    return order
 
 
 def _dependencies(action: Action, k: int, stages: int) -> list[tuple[int, int, int]]:
@@ -866,7 +868,11 @@ def _parse_action(action: Any, device: int, i: int, m: int, v: int, where: str) 
         if kind.upper() not in _LETTER_CODES:
             raise PipelineScheduleError(f"{at}: action {action!r} has kind {kind!r}; {fix}.")
         kind = _LETTER_CODES[kind.upper()]
-    if not isinstance(kind, (int, np.integer)) or isinstance(kind, bool) or not FORWARD <= kind <= BACKWARD_WEIGHT:
+    if (
+        not isinstance(kind, (int, np.integer))
+        or isinstance(kind, bool)
+        or not FORWARD <= kind <= BACKWARD_WEIGHT
+    ):
         raise PipelineScheduleError(f"{at}: action {action!r} has kind {kind!r}; {fix}.")
     for what, value, count in (("micro-batch", mb, m), ("chunk", chunk, v)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < count:
@@ -957,7 +963,9 @@ def validate(schedule: Any) -> None:
             f"{where}: the table has shape {shape} and dtype {getattr(table, 'dtype', type(table))}; "
             f"expected an integer array of shape (ticks, {p}, 3)."
         )
-    for tick, device in zip(*np.nonzero((table[..., 2] < IDLE) | (table[..., 2] > BACKWARD_WEIGHT)), strict=True):
+    for tick, device in zip(
+        *np.nonzero((table[..., 2] < IDLE) | (table[..., 2] > BACKWARD_WEIGHT)), strict=True
+    ):
         raise PipelineScheduleError(
             f"{where}: tick {tick}, device {device}: action code {table[tick, device, 2]}; expected 0 "
             "(idle), 1 (forward), 2 (backward), 3 (backward-input) or 4 (backward-weight)."
