@@ -176,14 +176,3 @@ def test_bad_segment_ids_raise():
     batch = (jnp.ones((4, 16, 16)), jnp.zeros((4, 16), jnp.int32))
     with pytest.raises(eqxpar.SpecError, match=r"shape \(2, 4\).*expected.*\(2, 16\).*whole"):
         eqxpar.train.make_value_and_grad(loss, plan)(attn, batch)
-
-
-def test_mask_under_context_points_to_segment_ids():
-    attn = nn.Attention(16, 4, key=jax.random.key(0))
-    plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual")
-
-    def loss(m, x):
-        return jnp.mean(m(nn.split_sequence(x), mask=jnp.ones((4, 4), bool)))
-
-    with pytest.raises(eqxpar.PlanError, match=r"mask=.*under context parallelism.*segment_ids"):
-        eqxpar.train.make_value_and_grad(loss, plan)(attn, jnp.ones((4, 16, 16)))

@@ -270,14 +270,14 @@ def test_attention_on_a_sequence_nobody_split_raises():
     np.testing.assert_allclose(float(value), float(ref), rtol=RTOL)
 
 
-def test_masked_attention_under_context_raises():
+def test_masked_attention_under_context_raises_and_points_to_segment_ids():
     attn = nn.Attention(16, 4, key=jax.random.key(0))
     plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual")
 
     def loss(m, x):
         return jnp.mean(m(nn.split_sequence(x), mask=jnp.ones((4, 4), bool)))
 
-    with pytest.raises(eqxpar.PlanError, match=r"mask=.*under context parallelism"):
+    with pytest.raises(eqxpar.PlanError, match=r"mask=.*under context parallelism.*segment_ids"):
         eqxpar.train.make_value_and_grad(loss, plan)(attn, jnp.ones((4, 16, 16)))
 
 
