@@ -7,11 +7,14 @@ parallelism, and manual tensor-parallel steps.
 - `GPT` (`GPTConfig`): a pre-norm decoder with rotary or learned positions,
   SwiGLU or GELU MLPs, RMSNorm or LayerNorm, optional biases and fused QKV, tied or
   untied embeddings and its blocks in one scanned `eqxpar.nn.Stacked`; `lm_loss`,
-  `generate`, and the pipeline pieces `gpt_first` / `gpt_last`.
+  `generate`, and the pipeline pieces `gpt_first` / `gpt_last`. With
+  `GPTConfig(moe_every=k, experts=n)` every k-th block is a mixture of experts
+  (the stack holds `MoEGroup`s) and `lm_loss` adds the auxiliary losses.
 """
 
 from ._gpt import GPT as GPT
 from ._gpt import GPTConfig as GPTConfig
+from ._gpt import MoEGroup as MoEGroup
 from ._gpt import generate as generate
 from ._gpt import gpt_first as gpt_first
 from ._gpt import gpt_last as gpt_last

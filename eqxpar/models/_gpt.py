@@ -47,6 +47,22 @@ class GPTConfig:
       and 512: blockwise, memory linear in the sequence, past one block; see
       `eqxpar.nn.Attention`).
 
+    Mixture of experts (all off by default):
+
+    - `moe_every`: 0 (default) for dense blocks only; `k` makes every `k`-th block
+      (blocks `k-1, 2k-1, ...`) an MoE block: `num_layers` must be a multiple of
+      `k`, and the model runs `num_layers / k` groups of `k-1` dense blocks and one
+      MoE block in one scanned stack.
+    - `experts`: routed experts per MoE block (needed, > 0, with `moe_every`);
+      each is a `d_hidden`-wide MLP of the config's `activation`.
+    - `top_k` (default 2), `moe_score` (`"softmax"` or `"sigmoid"`),
+      `num_shared_experts` (default 0), `capacity_factor` (default None:
+      dropless): as `eqxpar.nn.MoE`'s `top_k`, `score`, `num_shared`,
+      `capacity_factor`.
+    - `load_balance_coef` (default 0.01) and `router_z_coef` (default 1e-3): what
+      `lm_loss` adds, times the mean over the MoE blocks of each block's
+      `load_balance_loss` and `router_z_loss`.
+
     ```python
     config = eqxpar.models.GPTConfig(vocab_size=128, d_model=128, num_heads=4,
                                      num_layers=4, d_hidden=384)
@@ -55,6 +71,9 @@ class GPTConfig:
                                    d_hidden=1024, activation="gelu", norm="layer",
                                    tied=False, rotary=False, learned_positions=True,
                                    use_bias=True, fused_qkv=True, max_seq_len=128)
+    # Every second block a mixture of 8 experts, each token sent to 2 of them.
+    moe = eqxpar.models.GPTConfig(vocab_size=128, d_model=128, num_heads=4, num_layers=4,
+                                  d_hidden=256, moe_every=2, experts=8, top_k=2)
     ```
     """
 
@@ -75,6 +94,15 @@ class GPTConfig:
     fused_qkv: bool = False
     attention: str = "auto"
     attention_block: int = 512
+    moe_every: int = 0
+    experts: int = 0
+    top_k: int = 2
+    moe_score: str = "softmax"
+    num_shared_experts: int = 0
+    # int | float: a coefficient of 0 or a capacity of 2 is as good as 0.0 or 2.0.
+    capacity_factor: int | float | None = None
+    load_balance_coef: int | float = 0.01
+    router_z_coef: int | float = 1e-3
 
     def __post_init__(self):
         # Every field is checked here, when the config is built, so that a bad one
@@ -134,11 +162,65 @@ class GPTConfig:
                 f"{self.d_model // self.num_heads} is odd, and rotary embeddings turn feature pairs. "
                 "Choose d_model and num_heads with an even quotient."
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("moe_every", "experts", "num_shared_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PlanError(f"GPTConfig({name}={value!r}): expected an integer >= 0.")
+        if self.moe_every and not self.experts:
+            raise PlanError(
+                f"GPTConfig(moe_every={self.moe_every}, experts=0): MoE blocks need experts to route "
+                "to. Pass experts > 0 (e.g. experts=8), or moe_every=0 for a dense model."
+            )
+        if self.experts and not self.moe_every:
+            raise PlanError(
+                f"GPTConfig(experts={self.experts}, moe_every=0): experts are used only by MoE blocks, "
+                "and moe_every=0 makes none. Pass moe_every=k to make every k-th block an MoE block "
+                "(1: every block), or experts=0."
+            )
+        if self.moe_every and self.num_layers % self.moe_every:
+            fits = _divisors(self.num_layers)
+            raise DivisibilityError(
+                f"GPTConfig(num_layers={self.num_layers}, moe_every={self.moe_every}): the blocks run "
+                f"as num_layers / moe_every groups of moe_every blocks (the last one MoE), so moe_every "
+                f"must divide num_layers. Use moe_every in {fits}, or num_layers a multiple of "
+                f"{self.moe_every}."
+            )
+        if self.experts:
+            top_k = self.top_k
+            if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= self.experts:
+                raise PlanError(
+                    f"GPTConfig(top_k={top_k!r}): expected an integer from 1 to experts={self.experts} "
+                    f"(the experts each token is sent to), e.g. top_k={min(2, self.experts)}."
+                )
+        if self.moe_score not in ("softmax", "sigmoid"):
+            raise PlanError(f"GPTConfig(moe_score={self.moe_score!r}): expected 'softmax' or 'sigmoid'.")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not cf > 0):
+            raise PlanError(
+                f"GPTConfig(capacity_factor={cf!r}): expected a number > 0 (e.g. 1.25: each expert takes "
+                "at most 1.25x its even share of the tokens), or None for dropless routing."
+            )
+        for name in ("load_balance_coef", "router_z_coef"):
+            value = getattr(self, name)
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (numeric and math.isfinite(value) and value >= 0):
+                raise PlanError(
+                    f"GPTConfig({name}={value!r}): expected a finite number >= 0 (the weight of that "
+                    "auxiliary loss in lm_loss; 0 leaves it out)."
+                )
 
     @property
     def head_dim(self) -> int:
         """`d_model // num_heads`."""
         return self.d_model // self.num_heads
+
+    @property
+    def moe_layers(self) -> int:
+        """The number of MoE blocks: `num_layers // moe_every`, 0 for a dense model."""
+        return self.num_layers // self.moe_every if self.moe_every else 0
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -149,6 +231,37 @@ def _check_positive_int(name: str, value: object) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class MoEGroup(eqx.Module):
+    """One layer of an MoE `GPT`'s stack: `moe_every - 1` dense blocks, then one MoE
+    block, unrolled (the stack scans over the groups).
+
+    Calling it: `group(x, *, key=None, segment_ids=None) -> (y, aux)`, `aux` the MoE
+    block's `MoEAux`.
+    """
+
+    dense: tuple[nn.TransformerBlock, ...]
+    moe: nn.TransformerBlock
+
+    def __init__(self, dense: tuple[nn.TransformerBlock, ...], moe: nn.TransformerBlock):
+        self.dense, self.moe = tuple(dense), moe
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        *,
+        key: PRNGKeyArray | None = None,
+        segment_ids: Int[Array, "_batch _seq"] | None = None,
+    ) -> tuple[Float[Array, "batch seq d_model"], nn.MoEAux]:
+        keys = (
+            [None] * (len(self.dense) + 1)
+            if key is None
+            else list(jax.random.split(key, len(self.dense) + 1))
+        )
+        for block, k in zip(self.dense, keys, strict=False):
+            x = block(x, key=k, segment_ids=segment_ids)
+        return self.moe(x, key=keys[-1], segment_ids=segment_ids)
 
 
 class GPT(eqx.Module):
@@ -171,6 +284,14 @@ class GPT(eqx.Module):
     columns per device in manual mode): feed them to `eqxpar.nn.cross_entropy`,
     or use `lm_loss`.
 
+    With `config.moe_every = k > 0` every `k`-th block is an MoE block and `blocks`
+    is one `Stacked` of `num_layers / k` `MoEGroup`s (`k - 1` dense blocks and one
+    MoE block each), so compile time still does not grow with depth; the stack then
+    returns `(h, aux)`, `aux` an `eqxpar.nn.MoEAux` with a leading dimension of one
+    entry per MoE block. `logits_and_aux(tokens)` returns it with the logits, and
+    `lm_loss` adds the config's auxiliary losses. MoE models do not run in
+    pipelines (`gpt_first` / `gpt_last` raise `PlanError`).
+
     ```python
     model = eqxpar.models.GPT(config, key=jax.random.key(0))
     logits = model(tokens)                          # tokens: (batch, seq) int
@@ -182,6 +303,7 @@ class GPT(eqx.Module):
     # Replicated over the tensor axis; its model dimension is "embed", so FSDP
     # rules split it like every other weight.
     positions: Float[Array, "max_seq_len d_model"] | None = param(axes=(None, "embed"))
+    # Of TransformerBlocks; of MoEGroups with config.moe_every > 0.
     blocks: nn.Stacked
     final_norm: nn.RMSNorm | nn.LayerNorm
     head: nn.Unembed | None
@@ -201,7 +323,7 @@ class GPT(eqx.Module):
             0.02 * jax.random.normal(k_pos, (c.max_seq_len, c.d_model)) if c.learned_positions else None
         )
 
-        def make_block(k):
+        def make_block(k, **moe):
             return nn.TransformerBlock(
                 c.d_model,
                 c.num_heads,
@@ -216,9 +338,25 @@ class GPT(eqx.Module):
                 attention=c.attention,
                 attention_block=c.attention_block,
                 key=k,
+                **moe,
             )
 
-        self.blocks = nn.Stacked(make_block, depth=c.num_layers, key=k_blocks)
+        def make_group(k):
+            keys = jax.random.split(k, c.moe_every)
+            moe = make_block(
+                keys[-1],
+                experts=c.experts,
+                top_k=c.top_k,
+                moe_score=c.moe_score,
+                num_shared_experts=c.num_shared_experts,
+                capacity_factor=c.capacity_factor,
+            )
+            return MoEGroup(tuple(make_block(kd) for kd in keys[:-1]), moe)
+
+        if c.moe_every:
+            self.blocks = nn.Stacked(make_group, depth=c.moe_layers, key=k_blocks)
+        else:
+            self.blocks = nn.Stacked(make_block, depth=c.num_layers, key=k_blocks)
         self.final_norm = (
             nn.RMSNorm(c.d_model) if c.norm == "rms" else nn.LayerNorm(c.d_model, use_bias=c.use_bias)
         )
@@ -271,8 +409,47 @@ class GPT(eqx.Module):
 
     def __call__(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab"]:
         """Logits `(batch, seq, vocab)` of token ids `(batch, seq)`, vocabulary split
-        over the tensor axis: `logits(blocks(embed_tokens(tokens)))`."""
-        return self.logits(self.blocks(self.embed_tokens(tokens)))
+        over the tensor axis: `logits(blocks(embed_tokens(tokens)))` (an MoE model's
+        auxiliary outputs dropped: see `logits_and_aux`)."""
+        return self.logits_and_aux(tokens)[0]
+
+    def logits_and_aux(
+        self, tokens: Int[Array, "batch seq"]
+    ) -> tuple[Float[Array, "batch seq vocab"], nn.MoEAux | None]:
+        """The logits and the MoE blocks' auxiliary outputs.
+
+        **Arguments:** `tokens`: `(batch, seq)` ids.
+
+        **Returns:** `(logits, aux)`: logits as `__call__`'s; `aux` an
+        `eqxpar.nn.MoEAux` whose every leaf has a leading dimension of
+        `config.moe_layers` (one entry per MoE block: `expert_load` is `(moe_layers,
+        experts)`), or None for a dense model.
+
+        ```python
+        logits, aux = model.logits_and_aux(tokens)
+        print(aux.expert_load.sum(0))            # tokens * top_k per MoE block, per expert
+        ```
+        """
+        h, aux = _run_blocks(self, self.embed_tokens(tokens))
+        return self.logits(h), aux
+
+
+def _run_blocks(model: GPT, h: Array) -> tuple[Array, nn.MoEAux | None]:
+    # A dense stack returns h; an MoE stack (h, aux stacked over its groups).
+    if model.config.moe_every:
+        return model.blocks(h)
+    return model.blocks(h), None
+
+
+def _no_pipeline(model: GPT, where: str) -> None:
+    if model.config.moe_every:
+        raise PlanError(
+            f"{where}: this GPT has MoE blocks (moe_every={model.config.moe_every}), whose auxiliary "
+            "losses (load balance, router z) a pipeline cannot carry: its stages pass only the "
+            "activations, so they would be dropped silently. Train an MoE GPT with "
+            "eqxpar.models.lm_loss under a plan without pipe (data, fsdp, tensor), or build the "
+            "config with moe_every=0 for a pipeline."
+        )
 
 
 def _check_tokens(tokens: Array, where: str) -> None:
@@ -297,10 +474,14 @@ def gpt_first(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array
     **Returns:** activations `(batch, seq', d_model)` (`seq'` the local sequence block
     under sequence parallelism in manual mode).
 
+    Dense models only: an MoE model (`config.moe_every > 0`) raises `PlanError`
+    (a pipeline would drop its auxiliary losses).
+
     ```python
     h = eqxpar.models.gpt_first(model, tokens)
     ```
     """
+    _no_pipeline(model, "gpt_first")
     _check_tokens(tokens, "gpt_first")
     return model.embed_tokens(tokens[:, :-1])
 
@@ -321,11 +502,18 @@ def gpt_last(
 
     **Returns:** the mean loss over the batch's tokens (a scalar).
 
+    Dense models only, as `gpt_first`.
+
     ```python
     loss = eqxpar.models.gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
     ```
     """
+    _no_pipeline(model, "gpt_last")
     _check_tokens(tokens, "gpt_last")
+    return _cross_entropy(model, h, tokens)
+
+
+def _cross_entropy(model: GPT, h: Array, tokens: Array) -> Array:
     split = (model.embed if model.head is None else model.head).vocab_split()
     per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], vocab_split=split)
     # A whole-vocabulary head under sequence parallelism scores only this device's
@@ -340,16 +528,34 @@ def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, 
     valid `loss_fn` for `eqxpar.train.make_step` under any plan (sharded and
     accumulated steps equal the full-batch one).
 
+    For an MoE model the auxiliary losses are added:
+    `+ load_balance_coef * mean(aux.load_balance_loss) + router_z_coef *
+    mean(aux.router_z_loss)`, the means over the MoE blocks. Those are statistics of
+    the tokens a call sees, not means over them: the whole batch's under automatic
+    plans, but a device's shard's under manual data parallelism and a micro-batch's
+    under `accumulate`, which then average per-part values (see `eqxpar.nn.MoE`).
+
     **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids.
 
-    **Returns:** a float scalar (nats per token).
+    **Returns:** a float scalar (nats per token, plus the auxiliary losses).
 
     ```python
     step = eqxpar.train.make_step(eqxpar.models.lm_loss, optimizer, plan)
     state, metrics = step(state, tokens)
     ```
     """
-    return gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
+    if not model.config.moe_every:
+        return gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
+    _check_tokens(tokens, "lm_loss")
+    c = model.config
+    h, aux = _run_blocks(model, model.embed_tokens(tokens[:, :-1]))
+    loss = _cross_entropy(model, h, tokens)
+    # Coefficients of 0 leave their terms out (not even a zero times a value).
+    if c.load_balance_coef:
+        loss = loss + c.load_balance_coef * jnp.mean(aux.load_balance_loss)
+    if c.router_z_coef:
+        loss = loss + c.router_z_coef * jnp.mean(aux.router_z_loss)
+    return loss
 
 
 @eqx.filter_jit

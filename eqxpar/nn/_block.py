@@ -1,5 +1,7 @@
 """A pre-norm transformer block made of the tensor-parallel layers."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from .._errors import PlanError
 from ._attention import Attention
 from ._dropout import Dropout
 from ._linear import MLP
+from ._moe import MoE, MoEAux
 from ._norm import LayerNorm, RMSNorm
 
 
@@ -32,8 +35,19 @@ class TransformerBlock(eqx.Module):
     `dropout`, a hash-based mask equal on every path and device split; its key is
     split off the call's `key`, independent of the residual dropout's).
 
+    Mixture of experts (keyword-only): `experts=0` keeps the dense MLP; `experts > 0`
+    makes the feed-forward (`block.mlp`) an `eqxpar.nn.MoE(d_model, d_hidden,
+    experts, ...)` with the block's `activation`, `use_bias`, `axis` and `dtype`,
+    `top_k` (default 2), `moe_score` (`"softmax"`, default, or `"sigmoid"`: the
+    MoE's `score`), `num_shared_experts` (default 0: the MoE's `num_shared`) and
+    `capacity_factor` (default None: dropless). These four are MoE options: giving
+    one with `experts=0` is a `PlanError`.
+
     Input and output `(batch, seq, d_model)` (the local sequence block under
-    sequence parallelism in manual mode).
+    sequence parallelism in manual mode). A block with experts returns `(y, aux)`,
+    `aux` the MoE's `MoEAux` (add its losses to the training loss yourself, or use
+    `eqxpar.models.GPT`, which does); `eqxpar.nn.Stacked` stacks such aux over the
+    layers.
 
     ```python
     block = eqxpar.nn.TransformerBlock(256, 8, 1024, activation="swiglu", norm="rms",
@@ -42,6 +56,8 @@ class TransformerBlock(eqx.Module):
     encoder = eqxpar.nn.TransformerBlock(256, 8, 1024, causal=False, dropout=0.1, key=key)
     y = encoder(x, key=dropout_key)         # without key: no dropout
     y = block(x, segment_ids=seg)           # seg: (batch, seq) ids of the whole sequence
+    moe = eqxpar.nn.TransformerBlock(256, 8, 512, experts=8, top_k=2, key=key)
+    y, aux = moe(x)                         # aux.load_balance_loss, aux.expert_load, ...
     ```
 
     Calling it: `block(x, *, key=None, segment_ids=None)`; `segment_ids` go to the
@@ -52,7 +68,9 @@ class TransformerBlock(eqx.Module):
     norm1: LayerNorm | RMSNorm
     attn: Attention
     norm2: LayerNorm | RMSNorm
-    mlp: MLP
+    # The feed-forward: the dense MLP, or an MoE with `experts > 0` (same field, so
+    # a dense block's structure and paths are what they were before MoE existed).
+    mlp: MLP | MoE
     dropout: Dropout
 
     def __init__(
@@ -75,10 +93,36 @@ class TransformerBlock(eqx.Module):
         causal: bool = True,
         dropout: float = 0.0,
         attention_dropout: float = 0.0,
+        experts: int = 0,
+        # None: not given (2, 'softmax', 0 with experts), so that an MoE option
+        # given to a dense block is caught instead of silently ignored.
+        top_k: int | None = None,
+        moe_score: str | None = None,
+        num_shared_experts: int | None = None,
+        # Any: checked by MoE with an eqxpar error naming the fix.
+        capacity_factor: Any = None,
         key: PRNGKeyArray,
     ):
         if norm not in ("layer", "rms"):
             raise PlanError(f"TransformerBlock(norm={norm!r}): expected 'layer' or 'rms'.")
+        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+            raise PlanError(
+                f"TransformerBlock(experts={experts!r}): expected an integer >= 0 (0: the dense MLP; "
+                "n > 0: a mixture of n experts), e.g. experts=8."
+            )
+        moe_options = dict(
+            top_k=top_k,
+            moe_score=moe_score,
+            num_shared_experts=num_shared_experts,
+            capacity_factor=capacity_factor,
+        )
+        given = [f"{name}={value!r}" for name, value in moe_options.items() if value is not None]
+        if not experts and given:
+            raise PlanError(
+                f"TransformerBlock({', '.join(given)}) with experts=0: these are mixture-of-experts "
+                "options and a block with experts=0 has a dense MLP. Pass experts > 0 (e.g. experts=8) "
+                "for an MoE block, or drop them."
+            )
         k1, k2 = jax.random.split(key)
 
         def make_norm():
@@ -106,9 +150,25 @@ class TransformerBlock(eqx.Module):
             key=k1,
         )
         self.norm2 = make_norm()
-        self.mlp = MLP(
-            d_model, d_hidden, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=k2
-        )
+        if experts:
+            self.mlp = MoE(
+                d_model,
+                d_hidden,
+                experts,
+                top_k=2 if top_k is None else top_k,
+                score="softmax" if moe_score is None else moe_score,
+                activation=activation,
+                use_bias=use_bias,
+                capacity_factor=capacity_factor,
+                num_shared=num_shared_experts or 0,
+                axis=axis,
+                dtype=dtype,
+                key=k2,
+            )
+        else:
+            self.mlp = MLP(
+                d_model, d_hidden, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=k2
+            )
         self.dropout = Dropout(dropout)
 
     def __call__(
@@ -117,7 +177,7 @@ class TransformerBlock(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
-    ) -> Float[Array, "batch seq d_model"]:
+    ) -> Float[Array, "batch seq d_model"] | tuple[Float[Array, "batch seq d_model"], MoEAux]:
         k1 = k2 = k_attn = None
         if key is not None and self.attn.dropout > 0:
             # Split off first: the residual dropout's keys stay what they were
@@ -127,4 +187,12 @@ class TransformerBlock(eqx.Module):
             k1, k2 = jax.random.split(key)
         h = self.attn(self.norm1(x), segment_ids=segment_ids, key=k_attn)
         x = x + self.dropout(h, key=k1)
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(self.norm2(x))
+            return x + self.dropout(y, key=k2), aux
         return x + self.dropout(self.mlp(self.norm2(x)), key=k2)
+
+    @property
+    def experts(self) -> int:
+        """The number of routed experts of the feed-forward (0: the dense MLP)."""
+        return self.mlp.experts if isinstance(self.mlp, MoE) else 0

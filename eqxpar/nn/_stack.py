@@ -49,7 +49,9 @@ class Stacked(eqx.Module):
     **Arguments:**
 
     - `make_block`: `make_block(key) -> block`, called once under `eqx.filter_vmap`
-      to build all blocks at once; a block maps `(x, *args) -> x` (same shape).
+      to build all blocks at once; a block maps `(x, *args) -> x` (same shape), or
+      `(x, *args) -> (x, aux)` with `aux` any pytree of arrays (e.g. an MoE block's
+      `MoEAux`).
     - `depth`: number of blocks (keyword-only).
     - `key`: PRNG key (keyword-only).
 
@@ -58,10 +60,19 @@ class Stacked(eqx.Module):
     split into one key per layer (`jax.random.split(key, depth)`, scanned with the
     layers) and block `i` gets `key=keys[i]` if its `__call__` takes `key`.
 
+    Blocks that return `(x, aux)` (an output whose structure is not the input's,
+    a pair whose first part is) make the stack return `(y, aux)`, every leaf of
+    `aux` stacked over a leading `depth` dimension (layer `i`'s at index `i`); only
+    `x` is carried from layer to layer. A block that returns the structure it was
+    given (e.g. a tuple carry) is carried whole, as before.
+
     ```python
     stack = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 4, 256, key=k),
                               depth=8, key=key)
     y = stack(x)                                   # x: (batch, seq, 64)
+    moe = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 4, 256, experts=8, key=k),
+                            depth=8, key=key)
+    y, aux = moe(x)                                # aux.expert_load: (8, 8) = (layers, experts)
     ```
     """
 
@@ -135,9 +146,25 @@ class Stacked(eqx.Module):
 
         layer = _checkpoint(layer, "inputs" if policy == "full" else policy)
 
+        carry = jax.tree.structure(x)
+
+        def body(h, p):
+            out = layer(h, p)
+            if jax.tree.structure(out) == carry:
+                return out, None
+            if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == carry:
+                # (h, aux): carry h, and let the scan stack aux over the layers.
+                return out
+            raise PlanError(
+                "a block of this eqxpar.nn.Stacked returned a value of structure "
+                f"{jax.tree.structure(out)} for an input of structure {carry}; expected the input's "
+                "structure (the carried activation) or a pair (activation, aux) whose first part has "
+                "it. Return the activation, or (activation, aux)."
+            )
+
         def run(h, arrays):
             try:
-                h, _ = jax.lax.scan(lambda h, p: (layer(h, p), None), h, arrays)
+                h, aux = jax.lax.scan(body, h, arrays)
             except TypeError as e:
                 if "carry" not in str(e):
                     raise
@@ -149,7 +176,7 @@ class Stacked(eqx.Module):
                     "device's sequence block: pass the input through eqxpar.nn.split_sequence (or an "
                     "eqxpar.nn.Embedding), and reduce per-token losses with eqxpar.nn.sequence_mean."
                 ) from e
-            return h
+            return h if aux is None else (h, aux)
 
         if policy == "full":
             run = _checkpoint(run, "inputs")

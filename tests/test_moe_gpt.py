@@ -1,0 +1,290 @@
+"""Mixture-of-experts blocks in the model layers: a `TransformerBlock` with experts
+equals its attention followed by its `MoE` called directly (forward, aux and
+gradients); `Stacked` returns its blocks' aux stacked over the layers, under every
+remat policy and with per-layer keys; an MoE `GPT` keeps its blocks in one stack
+of groups, adds the configured auxiliary losses in `lm_loss`, trains under an
+automatic data-parallel plan as on one device, and refuses pipelines; bad options
+raise eqxpar errors; examples/moe_gpt.py trains and reports the expert load."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqxpar
+from eqxpar import nn
+from eqxpar.models import GPT, GPTConfig, MoEGroup, gpt_first, gpt_last, lm_loss
+
+from ._helpers import RTOL, assert_trees_close_to_scale, train_checked
+from .test_examples import example
+
+D, HEADS, HIDDEN, E, BATCH, SEQ, VOCAB = 16, 2, 32, 4, 2, 8, 32
+
+
+def make_x(seed=1):
+    return jax.random.normal(jax.random.key(seed), (BATCH, SEQ, D))
+
+
+def tokens(seed: int, batch: int = 8) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, SEQ + 1), 0, VOCAB)
+
+
+def config(**kw) -> GPTConfig:
+    base = dict(
+        vocab_size=VOCAB,
+        d_model=D,
+        num_heads=HEADS,
+        num_layers=4,
+        d_hidden=HIDDEN,
+        max_seq_len=SEQ,
+        moe_every=2,
+        experts=E,
+    )
+    return GPTConfig(**{**base, **kw})
+
+
+# -- the block -----------------------------------------------------------------
+
+BLOCKS = {
+    "swiglu_rms_top2": dict(activation="swiglu", norm="rms", experts=E, top_k=2),
+    "gelu_layer_sigmoid_shared_capacity": dict(
+        activation="gelu",
+        norm="layer",
+        experts=E,
+        top_k=1,
+        moe_score="sigmoid",
+        num_shared_experts=1,
+        capacity_factor=1.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_block_with_experts_is_attention_then_moe(name):
+    block = nn.TransformerBlock(D, HEADS, HIDDEN, **BLOCKS[name], key=jax.random.key(0))
+    assert isinstance(block.mlp, nn.MoE) and block.experts == E
+    assert block.mlp.activation == BLOCKS[name]["activation"]
+    x = make_x()
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def reference(b, x):
+        h = x + b.attn(b.norm1(x))
+        y, aux = b.mlp(b.norm2(h))
+        return h + y, aux
+
+    @eqx.filter_jit
+    def run(b, x, fn):
+        def f(b):
+            y, aux = fn(b, x)
+            return jnp.sum(y * cot) + aux.load_balance_loss + aux.router_z_loss, (y, aux)
+
+        (_, (y, aux)), grads = eqx.filter_value_and_grad(f, has_aux=True)(b)
+        return y, aux, grads
+
+    y, aux, grads = run(block, x, lambda b, x: b(x))
+    y_ref, aux_ref, grads_ref = run(block, x, reference)
+    np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(aux), jax.tree.leaves(aux_ref), strict=True):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+    assert_trees_close_to_scale(grads, grads_ref)
+    assert float(jnp.sum(aux.expert_load)) == BATCH * SEQ * block.mlp.top_k
+
+
+def test_dense_block_returns_an_array():
+    block = nn.TransformerBlock(D, HEADS, HIDDEN, key=jax.random.key(0))
+    assert isinstance(block.mlp, nn.MLP) and block.experts == 0
+    y = block(make_x())
+    assert isinstance(y, jax.Array) and y.shape == (BATCH, SEQ, D)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=1), r"top_k=1\) with experts=0.*Pass experts > 0"),
+        (dict(moe_score="sigmoid", capacity_factor=1.25), r"moe_score='sigmoid', capacity_factor=1.25"),
+        (dict(num_shared_experts=1), r"num_shared_experts=1\) with experts=0"),
+        (dict(experts=-1), r"experts=-1.*integer >= 0"),
+        (dict(experts=E, top_k=E + 1), r"top_k=5.*from 1 to experts=4"),
+        (dict(experts=E, moe_score="relu"), r"score='relu'"),
+    ],
+)
+def test_block_bad_moe_options_raise(kwargs, match):
+    with pytest.raises(eqxpar.PlanError, match=match):
+        nn.TransformerBlock(D, HEADS, HIDDEN, **kwargs, key=jax.random.key(0))
+
+
+# -- the stack -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_stacked_returns_aux_stacked_over_layers(remat):
+    """Dropout on, so each layer's key matters: the stack equals its blocks called
+    in order with the stack's per-layer keys, and aux row i is block i's."""
+    depth = 3
+    stack = nn.Stacked(
+        # No biases: the attention's key bias has a zero gradient, all rounding noise.
+        lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, experts=E, dropout=0.1, use_bias=False, key=k),
+        depth=depth,
+        key=jax.random.key(3),
+    )
+    x, key = make_x(), jax.random.key(4)
+
+    def scanned(s):
+        h, aux = s(x, key=key)
+        return jnp.mean(h**2) + jnp.sum(aux.load_balance_loss) + jnp.sum(aux.router_z_loss), aux
+
+    def looped(s):
+        h, auxes = x, []
+        for i, k in enumerate(jax.random.split(key, depth)):
+            h, aux = s[i](h, key=k)
+            auxes.append(aux)
+        aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+        return jnp.mean(h**2) + jnp.sum(aux.load_balance_loss) + jnp.sum(aux.router_z_loss), aux
+
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8), remat=remat)
+    grad = eqx.filter_value_and_grad(scanned, has_aux=True)
+    with plan:
+        (got, aux), got_g = eqx.filter_jit(grad)(stack)
+    (want, want_aux), want_g = eqx.filter_jit(eqx.filter_value_and_grad(looped, has_aux=True))(stack)
+    assert isinstance(aux, nn.MoEAux)
+    assert aux.expert_load.shape == (depth, E) and aux.load_balance_loss.shape == (depth,)
+    np.testing.assert_allclose(float(got), float(want), rtol=RTOL)
+    for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(want_aux), strict=True):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6)
+    assert_trees_close_to_scale(got_g, want_g)
+
+
+class _Odd(eqx.Module):
+    w: jax.Array
+
+    def __init__(self, key):
+        self.w = jax.random.normal(key, (D,))
+
+    def __call__(self, x):
+        return x * self.w[None, None], x, x  # neither x nor (x, aux)
+
+
+def test_stacked_block_returning_something_else_raises():
+    stack = nn.Stacked(_Odd, depth=2, key=jax.random.key(0))
+    with pytest.raises(eqxpar.PlanError, match=r"\(activation, aux\)"):
+        stack(make_x())
+
+
+# -- the model -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_gpt():
+    return eqx.filter_jit(GPT)(config(num_shared_experts=1), key=jax.random.key(0))
+
+
+def test_gpt_layout_and_logits(moe_gpt):
+    blocks = moe_gpt.blocks
+    assert blocks.depth == 2 and isinstance(blocks.blocks, MoEGroup)
+    assert len(blocks.blocks.dense) == 1 and isinstance(blocks.blocks.dense[0].mlp, nn.MLP)
+    moe = blocks.blocks.moe.mlp
+    assert isinstance(moe, nn.MoE) and moe.experts == E and moe.shared is not None
+    assert moe.w_in.shape == (2, E, D, HIDDEN)  # (groups, experts, ...)
+    # Every block an MoE block: groups of one.
+    every = GPT(config(moe_every=1), key=jax.random.key(0)).blocks
+    assert every.depth == 4 and every.blocks.dense == ()
+
+    t = tokens(1)[:, :-1]
+    logits, aux = eqx.filter_jit(lambda m, t: m.logits_and_aux(t))(moe_gpt, t)
+    assert logits.shape == (8, SEQ, VOCAB) and aux.expert_load.shape == (2, E)
+    np.testing.assert_allclose(aux.expert_load.sum(1), 8 * SEQ * 2)
+    np.testing.assert_array_equal(eqx.filter_jit(lambda m, t: m(t))(moe_gpt, t), logits)
+
+    dense = GPT(config(moe_every=0, experts=0), key=jax.random.key(0))
+    logits, aux = dense.logits_and_aux(t)
+    assert aux is None and logits.shape == (8, SEQ, VOCAB)
+
+
+def test_lm_loss_adds_the_aux_losses(moe_gpt):
+    t = tokens(2)
+
+    @eqx.filter_jit
+    def parts(m, t):
+        logits, aux = m.logits_and_aux(t[:, :-1])
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]))
+        return ce, aux, lm_loss(m, t)
+
+    ce, aux, loss = parts(moe_gpt, t)
+    c = moe_gpt.config
+    want = (
+        ce
+        + c.load_balance_coef * jnp.mean(aux.load_balance_loss)
+        + c.router_z_coef * jnp.mean(aux.router_z_loss)
+    )
+    np.testing.assert_allclose(float(loss), float(want), rtol=RTOL)
+    assert float(loss) > float(ce)
+    # Coefficients 0: the cross-entropy alone.
+    bare = GPT(config(num_shared_experts=1, load_balance_coef=0, router_z_coef=0.0), key=jax.random.key(0))
+    np.testing.assert_allclose(float(parts(bare, t)[2]), float(ce), rtol=RTOL)
+
+
+def test_moe_gpt_data_parallel_matches_one_device():
+    """Loss, gradients and AdamW updates of an MoE GPT (softmax top-2 with a shared
+    expert, every second block) under Plan(make_mesh(data=8)) equal one device's."""
+    model = eqx.filter_jit(GPT)(config(num_shared_experts=1), key=jax.random.key(5))
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    losses, _ = train_checked(plan, model, optax.adamw(1e-2), lm_loss, [tokens(s) for s in range(3)])
+    assert all(np.isfinite(losses))
+
+
+def test_moe_gpt_refuses_pipelines(moe_gpt):
+    t = tokens(1)
+    h = moe_gpt.embed_tokens(t[:, :-1])
+    with pytest.raises(eqxpar.PlanError, match=r"gpt_first.*MoE blocks.*lm_loss under a plan without pipe"):
+        gpt_first(moe_gpt, t)
+    with pytest.raises(eqxpar.PlanError, match=r"gpt_last.*moe_every=0 for a pipeline"):
+        gpt_last(moe_gpt, h, t)
+    loss = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+    with pytest.raises(eqxpar.PlanError, match="MoE blocks"):
+        loss(moe_gpt, t)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(moe_every=3), eqxpar.DivisibilityError, r"num_layers=4, moe_every=3.*moe_every in \[1, 2, 4\]"),
+        (dict(experts=0), eqxpar.PlanError, r"moe_every=2, experts=0.*Pass experts > 0"),
+        (dict(moe_every=0), eqxpar.PlanError, r"experts=4, moe_every=0.*Pass moe_every=k"),
+        (dict(moe_every=-1), eqxpar.PlanError, r"moe_every=-1.*integer >= 0"),
+        (dict(top_k=0), eqxpar.PlanError, r"top_k=0.*from 1 to experts=4"),
+        (dict(top_k=5), eqxpar.PlanError, r"top_k=5.*from 1 to experts=4"),
+        (dict(moe_score="relu"), eqxpar.PlanError, r"moe_score='relu'.*'softmax' or 'sigmoid'"),
+        (dict(capacity_factor=0.0), eqxpar.PlanError, r"capacity_factor=0.0.*None for dropless"),
+        (dict(num_shared_experts=-1), eqxpar.PlanError, r"num_shared_experts=-1"),
+        (dict(load_balance_coef=-0.1), eqxpar.PlanError, r"load_balance_coef=-0.1.*>= 0"),
+        (dict(router_z_coef=float("nan")), eqxpar.PlanError, r"router_z_coef=nan"),
+    ],
+)
+def test_bad_moe_config_raises(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        config(**kwargs)
+
+
+# -- the example ---------------------------------------------------------------
+
+
+def test_example_trains_and_reports_expert_load(capsys):
+    moe_example = example("moe_gpt")
+    result = moe_example.main(
+        [
+            *("--steps", "2", "--eval-every", "2", "--batch-size", "8", "--seq-len", "16"),
+            *("--d-model", "16", "--heads", "2", "--layers", "2", "--moe-every", "2", "--experts", "4"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"step 2: loss [0-9.]+", out), out
+    final = re.search(r"final eval loss ([0-9.]+) nats/char", out)
+    assert final and 0 < float(final.group(1)) < 10, out
+    load = re.search(r"expert load \(share of routed tokens\), MoE block 0: ((?:[0-9.]+ ?){4})", out)
+    assert load, out
+    assert abs(sum(float(v) for v in load.group(1).split()) - 1) < 0.01
+    assert np.isfinite(result)
