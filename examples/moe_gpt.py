@@ -14,7 +14,8 @@ the 8 devices (`Plan(make_mesh(data=8))`).
     python examples/moe_gpt.py --moe-every 1 --top-k 1  # every block MoE, Switch-style top-1
 
 Prints the evaluation loss before training and as it falls (cross-entropy only,
-in nats per character, against the unigram entropy of the text), then each MoE
+in nats per character, against the unigram entropy of the text; the training
+loss beside it includes the auxiliary losses), then each MoE
 block's expert load on the evaluation batch: the share of routed tokens each
 expert takes (1 / experts each when perfectly balanced), before and after.
 """
@@ -47,7 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_model_args(parser, steps=300, layers=4)
+    add_model_args(parser, steps=150, layers=4)
+    # Smaller batches than the dense examples': on CPU an MoE block costs several
+    # dense ones (routing, sorting and grouped matmuls over every token).
+    parser.set_defaults(batch_size=16, seq_len=32, eval_every=25)
     parser.add_argument("--moe-every", type=int, default=2, help="every k-th block is MoE; divides --layers")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")

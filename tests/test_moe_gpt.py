@@ -248,6 +248,15 @@ def test_moe_gpt_refuses_pipelines(moe_gpt):
         loss(moe_gpt, t)
 
 
+def test_moe_group_checks_its_blocks():
+    dense = nn.TransformerBlock(D, HEADS, HIDDEN, key=jax.random.key(0))
+    moe = nn.TransformerBlock(D, HEADS, HIDDEN, experts=E, key=jax.random.key(1))
+    with pytest.raises(eqxpar.PlanError, match=r"last block has a dense MLP.*experts=n"):
+        MoEGroup((dense,), dense)
+    with pytest.raises(eqxpar.PlanError, match=r"a block of `dense` has experts"):
+        MoEGroup((moe,), moe)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

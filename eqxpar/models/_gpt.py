@@ -235,16 +235,36 @@ def _divisors(n: int) -> list[int]:
 
 class MoEGroup(eqx.Module):
     """One layer of an MoE `GPT`'s stack: `moe_every - 1` dense blocks, then one MoE
-    block, unrolled (the stack scans over the groups).
+    block, unrolled (the stack scans over the groups, so the dense blocks between
+    two MoE blocks need no scan of their own and every layer of the scan is alike).
 
-    Calling it: `group(x, *, key=None, segment_ids=None) -> (y, aux)`, `aux` the MoE
-    block's `MoEAux`.
+    **Arguments:** `dense`: the dense `eqxpar.nn.TransformerBlock`s, in order (may
+    be empty); `moe`: a `TransformerBlock` with `experts > 0`.
+
+    Calling it: `group(x, *, key=None, segment_ids=None) -> (y, aux)`, `x` and `y`
+    `(batch, seq, d_model)`, `aux` the MoE block's `eqxpar.nn.MoEAux`; `key` is split
+    into one key per block.
+
+    ```python
+    group = eqxpar.models.MoEGroup((dense_block,), moe_block)
+    y, aux = group(x)
+    ```
     """
 
     dense: tuple[nn.TransformerBlock, ...]
     moe: nn.TransformerBlock
 
     def __init__(self, dense: tuple[nn.TransformerBlock, ...], moe: nn.TransformerBlock):
+        if not moe.experts:
+            raise PlanError(
+                "MoEGroup(moe=...): the last block has a dense MLP (experts=0). Build it with "
+                "eqxpar.nn.TransformerBlock(..., experts=n), n > 0."
+            )
+        if any(block.experts for block in dense):
+            raise PlanError(
+                "MoEGroup(dense=...): a block of `dense` has experts; the group's one MoE block is "
+                "`moe`, the last. Build the dense blocks with experts=0."
+            )
         self.dense, self.moe = tuple(dense), moe
 
     def __call__(
@@ -254,11 +274,8 @@ class MoEGroup(eqx.Module):
         key: PRNGKeyArray | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq d_model"], nn.MoEAux]:
-        keys = (
-            [None] * (len(self.dense) + 1)
-            if key is None
-            else list(jax.random.split(key, len(self.dense) + 1))
-        )
+        n = len(self.dense) + 1
+        keys = [None] * n if key is None else list(jax.random.split(key, n))
         for block, k in zip(self.dense, keys, strict=False):
             x = block(x, key=k, segment_ids=segment_ids)
         return self.moe(x, key=keys[-1], segment_ids=segment_ids)
