@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Shaped
 
 from ._errors import PlanError
+from ._mesh import EXPERT_AXIS
 from ._rules import mesh_axis_names
 from ._specs import leaves_with_layout
 
@@ -63,13 +64,18 @@ def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int =
     """The gathers that make an array with `spec` whole along the manual `axes`.
 
     `skip` leading dimensions (a stack's layer dimension) are dropped from the
-    dims, and must not be split over `axes`.
+    dims, and must not be split over `axes`. A split over the `expert` axis is
+    never gathered: it splits the experts of an MoE layer, each device keeping
+    its own (the gradient is already whole there: the layer's all-to-alls bring
+    every token of the expert group to them).
     """
     if spec is None:
         return ()
     out = []
     for dim, entry in enumerate(spec):
         names = mesh_axis_names(entry)
+        if EXPERT_AXIS in names:
+            continue
         hit = tuple(a for a in names if a in axes)
         if not hit:
             continue
@@ -87,6 +93,14 @@ def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int =
             )
         out.append((dim - skip, hit))
     return tuple(out)
+
+
+def kept_axes(spec: PartitionSpec | None) -> frozenset[str]:
+    """The mesh axes `spec` splits that a step keeps split rather than gathers
+    (`expert`): a gradient there is already whole, summed over nothing more."""
+    if spec is None:
+        return frozenset()
+    return frozenset(a for entry in spec for a in mesh_axis_names(entry) if a == EXPERT_AXIS)
 
 
 def gathered_axes(spec: PartitionSpec | None, axes: Collection[str]) -> frozenset[str]:

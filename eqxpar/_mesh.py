@@ -9,20 +9,28 @@ from jax.sharding import AxisType, Mesh
 
 from ._errors import MeshError
 
-#: Mesh axis names, outermost first. Every eqxpar mesh has all five, size 1 where
+#: Mesh axis names, outermost first. Every eqxpar mesh has all six, size 1 where
 #: unused, so one set of rules (e.g. "embed" -> "fsdp") serves every mesh. The order
 #: follows communication intensity: `data` (one gradient reduction per step) is
-#: outermost, so it lands across hosts; `context` (keys and values passed around in
-#: every attention layer) and `tensor` (collectives inside every layer) are
-#: innermost, so their devices are neighbours.
-AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "context", "tensor")
+#: outermost, so it lands across hosts; `expert` (two all-to-alls per
+#: mixture-of-experts layer), `context` (keys and values passed around in every
+#: attention layer) and `tensor` (collectives inside every layer) are innermost,
+#: so their devices are neighbours.
+AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "expert", "context", "tensor")
 
 #: The mesh axis that splits the sequence of every activation (context parallelism).
 CONTEXT_AXIS = "context"
 
+#: The mesh axis that splits the experts of mixture-of-experts layers (expert
+#: parallelism). Outside those layers it is a batch axis: its devices hold
+#: distinct examples, and each MoE layer sends every token to the device holding
+#: its expert and back (all-to-all).
+EXPERT_AXIS = "expert"
+
 #: Axes a batch's leading dimension is split over: FSDP is data parallel in its
-#: activations, so both carry distinct examples.
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+#: activations, so both carry distinct examples; so does `expert` (when larger
+#: than 1, see `EXPERT_AXIS`).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 
 def make_mesh(
@@ -32,16 +40,19 @@ def make_mesh(
     data: Any = 1,
     pipe: Any = 1,
     fsdp: Any = 1,
+    expert: Any = 1,
     context: Any = 1,
     tensor: Any = 1,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "context", "tensor")`.
+    """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "expert", "context", "tensor")`.
 
     **Arguments:**
 
-    - `data`, `pipe`, `fsdp`, `context`, `tensor`: axis sizes (`context` splits
-      the sequence: context parallelism, see `eqxpar.Plan`). Size 1 is allowed (the axis is
+    - `data`, `pipe`, `fsdp`, `expert`, `context`, `tensor`: axis sizes
+      (`expert` splits the experts of `eqxpar.nn.MoE` layers and is a batch axis
+      elsewhere: expert parallelism; `context` splits the sequence: context
+      parallelism; see `eqxpar.Plan`). Size 1 is allowed (the axis is
       still present, so rules may name it). At most one size may be `-1`, meaning
       "whatever the device count leaves".
     - `devices`: devices to lay out, in order; defaults to `jax.devices()`. When the
@@ -56,9 +67,17 @@ def make_mesh(
     ```python
     mesh = eqxpar.make_mesh(data=2, tensor=4)   # 8 devices
     mesh = eqxpar.make_mesh(data=-1)            # all devices on `data`
+    mesh = eqxpar.make_mesh(expert=4, data=2)   # experts split 4 ways
     ```
     """
-    sizes = {"data": data, "pipe": pipe, "fsdp": fsdp, "context": context, "tensor": tensor}
+    sizes = {
+        "data": data,
+        "pipe": pipe,
+        "fsdp": fsdp,
+        "expert": expert,
+        "context": context,
+        "tensor": tensor,
+    }
     devices = list(jax.devices() if devices is None else devices)
     n_devices = len(devices)
     for name, size in sizes.items():

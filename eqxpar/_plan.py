@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._errors import AxisNameError, PlanError
-from ._mesh import BATCH_AXES, CONTEXT_AXIS
+from ._mesh import BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS
 from ._rules import Rule, as_rules, as_spec, mesh_axis_names
 from ._text import short
 
@@ -49,7 +49,8 @@ class Plan:
       PartitionSpecs; first match wins, unclaimed weights are replicated. The
       default (no rules) replicates every weight: data parallelism.
     - `batch_axes`: mesh axes (one name or a sequence of names) the batch's leading
-      dimension is split over; default the mesh's `data` and `fsdp` axes.
+      dimension is split over; default the mesh's `data` and `fsdp` axes, and
+      `expert` when it is larger than 1.
     - `annotations`: name -> PartitionSpec for `eqxpar.annotate(x, name)`. Defaults:
       `"batch"` and `"activations"` both split the leading dimension over
       `batch_axes`; entries given here override them.
@@ -79,6 +80,14 @@ class Plan:
       of the ids, positions and labels themselves (`eqxpar.nn.split_sequence`),
       attention runs `eqxpar.nn.context_attention`, and the loss (a mean over
       this device's tokens) is averaged over `context` as over the batch axes.
+      Expert parallelism needs no flag either: a mesh `expert` axis of size
+      `n > 1` is a batch axis (it must be one of `batch_axes`), the step runs
+      manual over it in every mode, weights whose `experts` dimension a rule
+      splits over it (`rules.Logical({"experts": "expert"})`, or the
+      ready-made `rules.EXPERT` / `rules.MEGATRON` ones) stay split (each device
+      holds `1/n` of the experts and of their optimizer state; no gather), and
+      every `eqxpar.nn.MoE` layer sends each token to the device holding its
+      expert and back with all-to-alls over it.
     - `manual_axes`: with `mode="manual"`, the mesh axes the per-device step is
       manual over (default None: all of them). Naming a subset, e.g. `("tensor",)`,
       gives a partial-manual step: eqxpar issues the tensor-parallel collectives
@@ -184,10 +193,11 @@ class Plan:
         names = tuple(mesh.axis_names)
         rules = _checked_rules(rules, names)
         batch_axes = _checked_axes(
-            tuple(a for a in BATCH_AXES if a in names) if batch_axes is None else batch_axes,
+            _default_batch_axes(mesh) if batch_axes is None else batch_axes,
             "batch_axes",
             names,
         )
+        _check_expert(mesh, batch_axes, tensor_axis)
         if tensor_axis not in names:
             raise AxisNameError(
                 f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}. Use one of those names."
@@ -196,6 +206,16 @@ class Plan:
         if manual_axes is not None:
             manual_axes = _checked_manual_axes(manual_axes, mode, schedule, names)
         _check_context(mesh, batch_axes, manual_axes, context_attention, schedule)
+        if (
+            manual_axes is not None
+            and int(mesh.shape.get(EXPERT_AXIS, 1)) > 1
+            and EXPERT_AXIS not in manual_axes
+        ):
+            raise PlanError(
+                f"Plan(manual_axes={manual_axes!r}) leaves out {EXPERT_AXIS!r} (size "
+                f"{mesh.shape[EXPERT_AXIS]}): expert parallelism sends tokens between its devices by "
+                f"hand (all-to-all), so the step is always manual over it. Add {EXPERT_AXIS!r} to manual_axes."
+            )
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
@@ -232,6 +252,11 @@ class Plan:
     def context_size(self) -> int:
         """Number of devices the sequence is split over (the mesh's `context` axis; 1 if none)."""
         return int(self.mesh.shape.get(CONTEXT_AXIS, 1))
+
+    @property
+    def expert_size(self) -> int:
+        """Number of devices the experts are split over (the mesh's `expert` axis; 1 if none)."""
+        return int(self.mesh.shape.get(EXPERT_AXIS, 1))
 
     @property
     def batch_spec(self) -> PartitionSpec:
@@ -427,6 +452,32 @@ def _check_tensor_not_batch(
             f"(size {mesh.shape[tensor_axis]}), which tensor-parallel activations are also split over "
             f"(the plan's {'sequence parallelism' if sequence else 'rules'} use it). Drop {tensor_axis!r} from batch_axes, or give the tensor-parallel "
             "layers another axis (Plan(tensor_axis=...))."
+        )
+
+
+def _default_batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    # `expert` joins only when it splits something: at size 1 the batch spec
+    # stays P(("data", "fsdp")), as on meshes without expert parallelism.
+    names = tuple(mesh.axis_names)
+    return tuple(a for a in BATCH_AXES if a in names and (a != EXPERT_AXIS or mesh.shape[a] > 1))
+
+
+def _check_expert(mesh: Mesh, batch_axes: tuple[str, ...], tensor_axis: str) -> None:
+    n = int(mesh.shape.get(EXPERT_AXIS, 1))
+    if n == 1:
+        return
+    if EXPERT_AXIS not in batch_axes:
+        raise PlanError(
+            f"Plan(batch_axes={batch_axes!r}) leaves out {EXPERT_AXIS!r} (size {n}): outside its "
+            "mixture-of-experts layers every device of the expert axis computes on its own examples "
+            "(without them it would repeat its neighbours' work, and the all-to-all dispatch would "
+            f"send the same tokens n times). Add {EXPERT_AXIS!r} to batch_axes, or leave batch_axes "
+            "at its default."
+        )
+    if tensor_axis == EXPERT_AXIS:
+        raise PlanError(
+            f"Plan(tensor_axis={EXPERT_AXIS!r}): the expert axis splits experts and the batch; "
+            "tensor-parallel layers need their own axis. Use tensor_axis='tensor'."
         )
 
 

@@ -14,15 +14,18 @@ from collections.abc import Collection
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
 from jax.sharding import PartitionSpec
+from jax.tree_util import keystr
 from jaxtyping import PyTree
 
 from ._errors import PlanError
-from ._mesh import CONTEXT_AXIS
+from ._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from ._plan import Plan
+from ._rules import mesh_axis_names
 from ._shard_map import region_manual_axes
 from ._sharding import shardings_of
-from ._specs import partition_specs
+from ._specs import leaves_with_layout, partition_specs
 
 Kind = Literal["automatic", "manual", "pipeline"]
 
@@ -38,7 +41,10 @@ def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
     compiler, the reduction would run once per micro-batch). Size-1 axes of a
     partial-manual region are left out, as `shard_map` regions leave them.
     A `context` axis larger than 1 is manual in every mode: attention passes keys
-    and values between its devices by hand.
+    and values between its devices by hand; so is an `expert` axis larger than 1,
+    with every batch axis: mixture-of-experts layers send tokens between its
+    devices by hand, and their data-dependent shuffles of tokens must see only
+    this device's (a batch axis left automatic would be gathered for them).
     """
     if plan.schedule is not None:
         return frozenset(plan.mesh.axis_names)
@@ -49,7 +55,37 @@ def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
         axes += tuple(a for a in plan.batch_axes if a not in axes)
     if plan.context_size > 1 and CONTEXT_AXIS not in axes:
         axes += (CONTEXT_AXIS,)
+    if plan.expert_size > 1:
+        axes += tuple(a for a in plan.batch_axes if a not in axes)
     return region_manual_axes(plan.mesh, axes) if axes else frozenset()
+
+
+def check_expert_specs(model: PyTree, specs: PyTree) -> None:
+    """Raise unless every dimension split over the `expert` axis is an `experts`
+    dimension (the stacked experts of an `eqxpar.nn.MoE`).
+
+    A weight split over `expert` is never gathered (each device keeps its own
+    experts), so a split of any other dimension would leave a layer computing on
+    a fragment of its weight.
+    """
+    leaves, treedef = jax.tree.flatten(model)
+    spec_leaves = treedef.flatten_up_to(specs)
+    for (path, _, axes, _), spec in zip(leaves_with_layout(model), spec_leaves, strict=True):
+        if not isinstance(spec, PartitionSpec):
+            continue
+        for dim, entry in enumerate(spec):
+            names = mesh_axis_names(entry)
+            if EXPERT_AXIS not in names:
+                continue
+            logical = None if axes is None else axes[dim]
+            if logical != "experts" or names != (EXPERT_AXIS,):
+                raise PlanError(
+                    f"the plan's rules give the weight {keystr(path)} the spec {spec}, splitting its "
+                    f"dimension {dim} (logical axis {logical!r}) over {names}; the {EXPERT_AXIS!r} axis "
+                    "splits the stacked experts of eqxpar.nn.MoE layers only (logical axis 'experts', "
+                    "on its own), which each device keeps and never gathers. Map only 'experts' to "
+                    f"{EXPERT_AXIS!r} (rules.EXPERT), and shard other weights over 'fsdp'."
+                )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,6 +127,8 @@ class StepLayout:
             raise PlanError(f"StepLayout.resolve(plan={plan!r}): expected an eqxpar.Plan.")
         rules, mesh = plan.optimizer_rules, plan.mesh
         params = partition_specs(model, plan.rules, mesh=mesh)
+        if plan.expert_size > 1:
+            check_expert_specs(model, params)
         updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
         opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
         return cls(plan, accumulate, manual_axes_of(plan, accumulate), params, updates, opt)

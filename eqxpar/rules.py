@@ -10,7 +10,8 @@ replicated):
 - `ZeroShard(base, axis=)`: another rule set's specs plus a split over the
   data-parallel axes (the ZeRO-1 optimizer-state layout).
 
-Ready-made: `MEGATRON` (tensor parallelism of eqxpar.nn layers) and `MEGATRON_FSDP`.
+Ready-made: `EXPERT` (expert parallelism of `eqxpar.nn.MoE`), `MEGATRON` (tensor
+parallelism of eqxpar.nn layers, experts over `expert` too) and `MEGATRON_FSDP`.
 
 The last three need no metadata, so they also shard plain Equinox models.
 """
@@ -37,11 +38,25 @@ from ._rules import (
     ZeroShard as ZeroShard,
 )
 
-#: Megatron tensor parallelism for eqxpar.nn layers: MLP hidden features, attention
-#: heads and the vocabulary split over `tensor`; everything else replicated.
-MEGATRON = Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor"})
+#: Expert parallelism: the experts of `eqxpar.nn.MoE` layers split over `expert`
+#: (a no-op on a mesh whose `expert` axis has size 1); everything else replicated.
+EXPERT = Logical({"experts": "expert"})
+
+#: Megatron tensor parallelism for eqxpar.nn layers: MLP hidden features (the
+#: experts' too), attention heads and the vocabulary split over `tensor`, the
+#: experts of MoE layers over `expert`; everything else replicated.
+MEGATRON = Logical(
+    {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor", "experts": "expert"}
+)
 
 #: `MEGATRON` plus FSDP: the model dimension of every weight split over `fsdp`.
 MEGATRON_FSDP = Logical(
-    {"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor", "embed": "fsdp"}
+    {
+        "mlp": "tensor",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "vocab": "tensor",
+        "experts": "expert",
+        "embed": "fsdp",
+    }
 )

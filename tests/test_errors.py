@@ -34,7 +34,8 @@ def test_mesh_larger_than_devices():
 
 def test_unknown_axis_in_logical_rule():
     with pytest.raises(
-        eqxpar.AxisNameError, match=r"'model'.*mesh has axes \('data', 'pipe', 'fsdp', 'context', 'tensor'\)"
+        eqxpar.AxisNameError,
+        match=r"'model'.*mesh has axes \('data', 'pipe', 'fsdp', 'expert', 'context', 'tensor'\)",
     ):
         eqxpar.Plan(eqxpar.make_mesh(data=8), rules=Logical({"mlp": "model"}))
 

@@ -198,7 +198,7 @@ def test_fsdp_plans_split_what_they_say(flags, mesh, params_split, split):
 def test_hybrid_plans(flags, expected):
     hybrid = example("hybrid")
     plan = hybrid.make_plan(hybrid.parse_args(flags))
-    assert dict(plan.mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 2, "context": 1, "tensor": 2}
+    assert dict(plan.mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert plan.rules == (eqxpar.rules.MEGATRON_FSDP,)
     for name, value in expected.items():
         assert getattr(plan, name) == value, name

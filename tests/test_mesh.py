@@ -8,10 +8,10 @@ import eqxpar
 
 def test_default_axes_and_order():
     mesh = eqxpar.make_mesh(data=2, tensor=4)
-    assert mesh.axis_names == ("data", "pipe", "fsdp", "context", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 1, "context": 1, "tensor": 4}
+    assert mesh.axis_names == ("data", "pipe", "fsdp", "expert", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4}
     # tensor is innermost: neighbouring devices share a data index.
-    assert [d.id for d in mesh.devices[0, 0, 0, 0]] == [d.id for d in jax.devices()[:4]]
+    assert [d.id for d in mesh.devices[0, 0, 0, 0, 0]] == [d.id for d in jax.devices()[:4]]
 
 
 def test_infer_one_axis():
@@ -50,7 +50,7 @@ def test_bad_sizes(bad):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=5, max_size=5), st.integers(0, 4))
+@given(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=6, max_size=6), st.integers(0, 5))
 def test_any_fitting_shape_builds(sizes, infer):
     names = eqxpar.AXES
     kwargs = dict(zip(names, sizes, strict=True))

@@ -90,11 +90,11 @@ def test_options_a_plan_would_ignore_are_refused():
     "name, kind, manual, reduced",
     [
         ("dp", "automatic", set(), ()),
-        ("dp-manual", "manual", {"data", "pipe", "fsdp", "context", "tensor"}, ("data", "fsdp")),
+        ("dp-manual", "manual", {"data", "pipe", "fsdp", "expert", "context", "tensor"}, ("data", "fsdp")),
         # A partial-manual region leaves size-1 axes (fsdp here) automatic.
         ("zero1", "manual", {"data"}, ("data",)),
         ("tp-partial", "manual", {"tensor"}, ()),
-        ("pipeline", "pipeline", {"data", "pipe", "fsdp", "context", "tensor"}, ("data", "fsdp")),
+        ("pipeline", "pipeline", {"data", "pipe", "fsdp", "expert", "context", "tensor"}, ("data", "fsdp")),
     ],
 )
 def test_layout_decides_the_strategy(name, kind, manual, reduced):

@@ -23,7 +23,7 @@ from jax.tree_util import keystr
 
 from .._context_split import record_keys
 from .._errors import EqxparError, PlanError
-from .._mesh import CONTEXT_AXIS
+from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like, partition_specs
@@ -190,9 +190,16 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
                     "that layout. Pass your own count as comm_report(..., minimum=Minimum.total(...))."
                 )
         itemsize = jnp.dtype(leaf.dtype).itemsize
-        local = math.prod(leaf.shape) * itemsize // math.prod(sizes[a] for a in axes if a not in batch)
-        split = [a for a in axes if a in batch]
-        rest = [a for a in batch if a not in split]
+        # Experts split over `expert` stay split (never gathered), and their
+        # gradients are whole there: like a tensor split, not like FSDP.
+        kept = [a for a in axes if a == EXPERT_AXIS]
+        local = (
+            math.prod(leaf.shape)
+            * itemsize
+            // math.prod(sizes[a] for a in axes if a not in batch or a in kept)
+        )
+        split = [a for a in axes if a in batch and a not in kept]
+        rest = [a for a in batch if a not in split and a not in kept]
         if plan.schedule is not None and PIPE not in axes and sizes.get(PIPE, 1) > 1:
             rest.append(PIPE)
         g, r = math.prod(sizes[a] for a in split), math.prod(sizes[a] for a in rest)
@@ -556,6 +563,8 @@ def _note(plan: Plan, items: list[_Item]) -> str:
         what.append(f"pipeline over pipe={sizes.get(PIPE, 1)}: the busiest stage's boundaries")
     if plan.context_size > 1:
         what.append(f"context parallel over {CONTEXT_AXIS}={plan.context_size}: attention keys and values")
+    if plan.expert_size > 1:
+        what.append(f"expert parallel over {EXPERT_AXIS}={plan.expert_size}: routed activations")
     devices = _axes_text(batch, sizes) or "1 device"
     if not what:
         return f"minimum: data parallel over {devices}, one gradient all-reduce"
@@ -618,6 +627,14 @@ def minimum_comm(
       values reach the other `n-1` devices (an all-gather's wire bytes, compute
       dtype) and their gradients come back (a reduce-scatter's); activations
       and tensor sums are `1/n` per device.
+    - **Expert parallelism** (`n` devices of the `expert` axis): experts split
+      over it are neither gathered nor reduced over it; every `eqxpar.nn.MoE`
+      layer sends this device's routed activations (`tokens * top_k` rows of
+      `d_model`, compute dtype) to their experts' devices and the outputs back,
+      forward, and both transposed backward: four all-to-alls of those rows,
+      `(n-1)/n` of each leaving the device. (A dropless step with static
+      shapes moves `n` times as much, see `eqxpar.nn.MoE`; with a capacity
+      factor `c`, about `c` times.)
     - **Pipelines** (`p` stages, `v` chunks, `m` micro-batches): the busiest
       device's boundary collective-permutes, `m (2v - 1)` (end stages) or `2 m v`
       micro-batch activations, plus its stage's tensor sums (`1/p` of the layers,
@@ -660,7 +677,47 @@ def minimum_comm(
     else:
         items += _tensor_items(plan, params, loss, batch, moved)
     items += _context_items(plan, params, loss, batch, moved)
+    items += _expert_items(plan, params, loss, batch, moved)
     return _minimum(items, _note(plan, items))
+
+
+def _moes(tree: Any) -> list[Any]:
+    """The `eqxpar.nn.MoE` modules in `tree`."""
+    from ..nn._moe import MoE
+
+    is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_moe) if is_moe(x)]
+
+
+def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+    """Expert parallelism over `n` devices: every MoE layer sends this device's
+    routed activations (`tokens * top_k` rows of `d_model`, compute dtype) to the
+    devices of their experts and the outputs back (two all-to-alls, `(n-1)/n`
+    of them leaving the device), and the backward pass runs both transposed; in
+    a pipeline, the busiest stage's `1/p` of the layers."""
+    from ..nn._moe import record_dispatches
+
+    n = plan.expert_size
+    if n == 1:
+        return []
+    moes = _moes(params)
+    if not moes:
+        return []
+    _need(plan, loss, batch, f"splits the experts over {EXPERT_AXIS!r} ({EXPERT_AXIS}={n})")
+    with record_dispatches() as seen:
+        _trace(_with_key(loss), (_outline(plan, params), _outline(plan, batch)), "loss(model, batch)")
+    if not seen:
+        return []
+    # One layer per MoE module, times its stack depth (a stacked layer's expert
+    # weights have a leading depth dimension).
+    layers = sum(m.w_in.shape[0] if m.w_in.ndim == 4 else 1 for m in moes)
+    layers //= plan.mesh.shape.get(PIPE, 1)
+    routed = seen[0]
+    per_device = plan.batch_size_multiple * plan.context_size
+    rows = routed.shape[0] // per_device
+    size = rows * routed.shape[1] * jnp.dtype(_first(moved, routed.dtype)).itemsize
+    part = f"MoE dispatch and combine over {EXPERT_AXIS}={n}"
+    return [_Item(f"{part}: forward and backward all-to-alls", "all-to-all", n, size, 4 * layers)]
 
 
 def _attentions(tree: Any) -> list[Any]:

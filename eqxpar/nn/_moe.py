@@ -2,7 +2,10 @@
 matmuls (or capacity-padded batches), optional shared experts and
 auxiliary-loss-free balancing."""
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -10,13 +13,34 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._errors import PlanError, SpecError
+from .._errors import DivisibilityError, PlanError, SpecError
+from .._mesh import EXPERT_AXIS
 from .._param import param
 from ._context import tensor_context
 from ._linear import MLP, _normal
 from ._matmul import check_split, lift
 
 _SCORES = ("softmax", "sigmoid")
+
+# The routed activations of every MoE call traced inside `record_dispatches`
+# (`eqxpar.inspect.minimum_comm` reads them off the loss's trace).
+_DISPATCHES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "eqxpar_moe_dispatches", default=None
+)
+
+
+@contextlib.contextmanager
+def record_dispatches() -> Iterator[list[jax.ShapeDtypeStruct]]:
+    """Collect, per `MoE` call traced inside, the outline of its routed
+    activations: `(tokens * top_k, d_model)` in the dtype the experts compute in."""
+    seen: list[jax.ShapeDtypeStruct] = []
+    token = _DISPATCHES.set(seen)
+    try:
+        yield seen
+    finally:
+        _DISPATCHES.reset(token)
+
+
 _ACTIVATIONS = ("gelu", "swiglu")
 
 
@@ -79,11 +103,27 @@ class MoE(eqx.Module):
     Runs under automatic plans (GSPMD; rules may split `"mlp"`, the experts' hidden
     features, e.g. `rules.MEGATRON`) and inside a `shard_map` over the tensor axis
     (hidden features split: this device's experts' shards, the partial outputs
-    summed over the axis; not with sequence parallelism). The auxiliary losses are
-    statistics of the tokens the call sees: where each device runs the layer on its
-    own batch shard (manual data-parallel plans) they are per-shard values, and
-    their mean over devices is not the whole batch's (automatic plans compute the
-    whole batch's).
+    summed over the axis; not with sequence parallelism).
+
+    *Expert parallelism*: with the experts split over a mesh `expert` axis of `n`
+    devices (`eqxpar.make_mesh(expert=n, ...)`, `rules.EXPERT` or
+    `rules.MEGATRON`), each device holds `experts / n` of them and eqxpar's steps
+    run manual over that axis: each device routes its own tokens, sends every
+    assignment to the device holding its expert with one all-to-all, runs its
+    experts on what arrives (from every device of the axis) and sends the outputs
+    back with a second; the backward pass runs both transposed. Dropless, the
+    buffers have room for the worst case (every assignment of a device going to
+    one other: `n * tokens * top_k` rows per device, `n` times the routed
+    activations on the wire; XLA:CPU implements no ragged all-to-all, which would
+    send only the rows routed). With `capacity_factor=c` each device's tokens
+    form a group (as in GShard): expert `e` takes at most
+    `ceil(c * group tokens * top_k / experts)` of each device's assignments, and
+    the buffers are `c` times the routed activations.
+
+    The auxiliary losses are statistics of every token of the step: each device
+    routes its own, and the sums behind them are taken over the manual axes the
+    tokens differ along (batch, context), so every device reports what one
+    device computing the whole batch would (automatic plans compute it whole).
 
     **Arguments** (keyword-only after `d_model`, `hidden`, `experts`):
 
@@ -233,17 +273,24 @@ class MoE(eqx.Module):
             weights = weights * self.route_scale
         return idx.astype(jnp.int32), weights, scores, logits
 
-    def _aux(self, idx: Array, scores: Array, logits: Array, dropped: Array) -> MoEAux:
-        n_assign = idx.size
-        load = jnp.zeros((self.experts,), jnp.float32).at[idx.reshape(-1)].add(1.0)
+    def _aux(self, idx: Array, scores: Array, logits: Array, dropped: Array, over: tuple[str, ...]) -> MoEAux:
+        """The auxiliary statistics of every token the layer sees on the devices
+        of the manual axes `over` (those the tokens differ along): sums taken
+        there, so each device reports the whole batch's values, as one device
+        would."""
+        total = lambda v: jax.lax.psum(v, over) if over else v  # noqa: E731
+        n_assign = total(jnp.asarray(idx.size, jnp.float32))
+        n_tokens = n_assign / self.top_k
+        load = total(jnp.zeros((self.experts,), jnp.float32).at[idx.reshape(-1)].add(1.0))
         probs = scores if self.score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-        balance = self.experts * jnp.sum(load / n_assign * jnp.mean(probs, axis=0))
-        z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        mean_probs = total(jnp.sum(probs, axis=0)) / n_tokens
+        balance = self.experts * jnp.sum(load / n_assign * mean_probs)
+        z = total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / n_tokens
         return MoEAux(
             load_balance_loss=balance,
             router_z_loss=z,
             expert_load=load,
-            dropped_fraction=(dropped / n_assign).astype(jnp.float32),
+            dropped_fraction=total(dropped.astype(jnp.float32)) / n_assign,
         )
 
     # -- the experts -----------------------------------------------------------
@@ -280,9 +327,91 @@ class MoE(eqx.Module):
             y = y + b_out[expert_of]
         return y[inverse]
 
-    def _capacity(self, xf: Array, idx: Array, dtype) -> tuple[Array, Array]:
+    def _dropless_parallel(self, xf: Array, idx: Array, dtype, ep: int) -> Array:
+        """`_dropless` with the experts split over `ep` devices of the `expert` axis:
+        `(tokens * top_k, d_model)` in assignment order.
+
+        Each device sorts its assignments by expert (so by the device holding
+        it) and sends each device its rows with one all-to-all; the receiver
+        groups what arrives by its local experts, runs them as grouped matmuls
+        and sends the outputs back with a second all-to-all. Shapes are static,
+        so a dropless buffer must hold the worst case: every assignment of a
+        device going to one other device (`tokens * top_k` rows per device
+        pair; a ragged all-to-all, which would send only the rows routed, is not
+        implemented by XLA:CPU).
+        """
+        w_in, b_in, w_gate, b_gate, w_out, b_out = self._weights(dtype)
+        local = self.experts // ep
+        n_assign = idx.size
+        d = xf.shape[1]
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        expert_of = flat[order]
+        device_of = expert_of // local
+        counts = jnp.bincount(device_of, length=ep).astype(jnp.int32)
+        starts = jnp.cumsum(counts) - counts
+        # Row of each sorted assignment in the (devices, n_assign) send buffer.
+        slot = device_of * n_assign + jnp.arange(n_assign, dtype=jnp.int32) - starts[device_of]
+        send = jnp.zeros((ep * n_assign, d), xf.dtype).at[slot].set(xf[order // self.top_k])
+        # Empty rows carry local expert `local`: a group past the last one.
+        ids = jnp.full((ep * n_assign,), local, jnp.int32).at[slot].set(expert_of % local)
+        rows = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
+        ids = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0, tiled=True)
+        by_expert = jnp.argsort(ids, stable=True)
+        ids_sorted = ids[by_expert]
+        group_sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
+        xs = rows[by_expert]
+        # Bias rows for the empty group read expert 0's: their outputs are never used.
+        bias_of = jnp.minimum(ids_sorted, local - 1)
+        h = jax.lax.ragged_dot(xs, w_in, group_sizes)
+        if b_in is not None:
+            h = h + b_in[bias_of]
+        g = None
+        if w_gate is not None:
+            g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+            if b_gate is not None:
+                g = g + b_gate[bias_of]
+        y = jax.lax.ragged_dot(self._act(h, g), w_out, group_sizes)
+        y = self._psum(y)
+        if b_out is not None:
+            y = y + b_out[bias_of]
+        y = jnp.zeros_like(y).at[by_expert].set(y)
+        back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
+        return jnp.zeros((n_assign, d), back.dtype).at[order].set(back[slot])
+
+    def _expert_split(self) -> tuple[int, tuple[str, ...]]:
+        """`(ep, over)`: the devices this call's experts are split over (1: every
+        device holds them all) and the manual axes its tokens differ along."""
+        abstract = jax.sharding.get_abstract_mesh()
+        manual = set(abstract.manual_axes)
+        held = self.w_in.shape[0]
+        if EXPERT_AXIS in manual and abstract.shape[EXPERT_AXIS] > 1 and held != self.experts:
+            ep = abstract.shape[EXPERT_AXIS]
+            if held * ep != self.experts:
+                raise DivisibilityError(
+                    f"MoE holds {held} of its {self.experts} experts on each of the {ep} devices of "
+                    f"mesh axis {EXPERT_AXIS!r}; expected {self.experts} / {ep}. Use a number of experts "
+                    f"divisible by {ep}, split only over {EXPERT_AXIS!r} (rules.EXPERT)."
+                )
+        elif held != self.experts:
+            raise PlanError(
+                f"MoE holds {held} of its {self.experts} experts: its weights are split, but not over a "
+                f"manual {EXPERT_AXIS!r} mesh axis, so the tokens of the other experts could not reach "
+                f"them. Split experts over {EXPERT_AXIS!r} only (rules.EXPERT), and run the layer in an "
+                "eqxpar step (which is manual over that axis) or a shard_map over it."
+            )
+        else:
+            ep = 1
+        return ep, tuple(sorted(manual))
+
+    def _capacity(self, xf: Array, idx: Array, dtype, ep: int) -> tuple[Array, Array]:
         """Assignments through capacity-padded per-expert batches: `((tokens *
-        top_k, d_model)` token-major, 0 for dropped ones; the number dropped)."""
+        top_k, d_model)` token-major, 0 for dropped ones; the number dropped).
+
+        With expert parallelism over `ep > 1` devices the `(experts * capacity,
+        d_model)` buffer is laid out by device (each holds `experts / ep`
+        consecutive experts), so one all-to-all sends each device its experts'
+        batches from every device of the axis, and one more sends the outputs back."""
         assert self.capacity_factor is not None
         w_in, b_in, w_gate, b_gate, w_out, b_out = self._weights(dtype)
         tokens, k, e = idx.shape[0], self.top_k, self.experts
@@ -295,8 +424,15 @@ class MoE(eqx.Module):
         slot = jnp.where(keep, by_rank * cap + position, e * cap)  # e * cap: out of range
         slot = slot.reshape(k, tokens).T.reshape(-1)  # token-major, like the assignments
         xs = jnp.repeat(xf, k, axis=0)
-        buf = jnp.zeros((e * cap, xf.shape[1]), xf.dtype).at[slot].set(xs, mode="drop")
-        buf = buf.reshape(e, cap, xf.shape[1])
+        d = xf.shape[1]
+        buf = jnp.zeros((e * cap, d), xf.dtype).at[slot].set(xs, mode="drop")
+        local = e // ep
+        if ep > 1:
+            # Rows of device j's experts go to j; what arrives is (source, its
+            # experts, capacity): regroup by expert, the sources' rows side by side.
+            buf = jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0, tiled=True)
+            buf = jnp.swapaxes(buf.reshape(ep, local, cap, d), 0, 1)
+        buf = buf.reshape(local, ep * cap, d)
         h = jnp.einsum("ecd,edh->ech", buf, w_in)
         if b_in is not None:
             h = h + b_in[:, None, :]
@@ -309,7 +445,10 @@ class MoE(eqx.Module):
         y = self._psum(y)
         if b_out is not None:
             y = y + b_out[:, None, :]
-        y = y.reshape(e * cap, -1).at[slot].get(mode="fill", fill_value=0)
+        if ep > 1:
+            y = jnp.swapaxes(y.reshape(local, ep, cap, d), 0, 1).reshape(e * cap, d)
+            y = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
+        y = y.reshape(e * cap, d).at[slot].get(mode="fill", fill_value=0)
         return y, jnp.sum(~keep)
 
     def _psum(self, y: Array) -> Array:
@@ -332,21 +471,31 @@ class MoE(eqx.Module):
             )
         check_split(self.w_in.shape[2], self.hidden, ctx, what="MoE.w_in (hidden)")
         check_split(self.w_out.shape[1], self.hidden, ctx, what="MoE.w_out (hidden)")
+        ep, manual = self._expert_split()
+        # The aux statistics are summed over the manual axes the tokens differ
+        # along (the batch's, the sequence's under context parallelism).
+        over = tuple(a for a in manual if a in set(jax.typeof(x).mat.varying))
         batch, seq, d = x.shape
         xf = x.reshape(batch * seq, d)
         idx, weights, scores, logits = self.route(xf)
         dtype = jnp.result_type(x.dtype, self.w_in.dtype)
-        if self.capacity_factor is None:
-            ys = self._dropless(xf.astype(dtype), idx, dtype)
+        seen = _DISPATCHES.get()
+        if seen is not None:
+            seen.append(jax.ShapeDtypeStruct((idx.size, d), dtype))
+        if self.capacity_factor is not None:
+            ys, dropped = self._capacity(xf.astype(dtype), idx, dtype, ep)
+        elif ep > 1:
+            ys = self._dropless_parallel(xf.astype(dtype), idx, dtype, ep)
             dropped = jnp.zeros((), jnp.int32)
         else:
-            ys, dropped = self._capacity(xf.astype(dtype), idx, dtype)
+            ys = self._dropless(xf.astype(dtype), idx, dtype)
+            dropped = jnp.zeros((), jnp.int32)
         ys = ys.reshape(batch * seq, self.top_k, d)
         y = jnp.sum(ys * weights.astype(dtype)[:, :, None], axis=1).reshape(batch, seq, d)
         y = ctx.constrain(y, None, None)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y.astype(x.dtype), self._aux(idx, scores, logits, dropped)
+        return y.astype(x.dtype), self._aux(idx, scores, logits, dropped, over)
 
 
 def update_router_bias(moe: MoE, expert_load: Float[Array, "*layers experts"], *, rate: float) -> MoE:

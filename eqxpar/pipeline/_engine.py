@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .._errors import DivisibilityError, PlanError
-from .._fsdp import gather_weights, gathers_of
+from .._fsdp import gather_weights, gathers_of, kept_axes
 from .._grad_common import LossFunction, mark_varying, reduce_gradient, split_microbatches
 from .._plan import Plan
 from .._rules import mesh_axis_names
@@ -237,6 +237,21 @@ class _Engine:
         params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
         device = _Device(self, params, static, batch)
         loss_sum, g_rest, g_blocks = device.run()
+        # Experts split over `expert` were not gathered: their gradients are whole
+        # there already (`kept_axes`), so they are not summed over it.
+        kept = jax.tree.map(
+            lambda x, spec: None if x is None else kept_axes(spec),
+            params,
+            self.layout.params,
+            is_leaf=lambda x: x is None,
+        )
+        gathers = jax.tree.map(
+            lambda x, g, k: None if x is None else (g, k),
+            params,
+            gathers,
+            kept,
+            is_leaf=lambda x: x is None,
+        )
         return self.reduce(loss_sum, g_rest, g_blocks, gathers, self.layout.loss_divisor(device.loss_varies))
 
     def reduce(
@@ -257,10 +272,12 @@ class _Engine:
         if not axes:
             return loss, grads
 
-        def reduce(g: jax.Array, gather: Any) -> jax.Array:
+        def reduce(g: jax.Array, gather_kept: Any) -> jax.Array:
             # Reduce-scatter over the axes the weight was gathered over (the
-            # gather's transpose), then sum over the other batch axes.
-            rest = tuple(a for a in axes if all(a not in over for _, over in gather))
+            # gather's transpose), then sum over the other batch axes, except those
+            # it stays split over (experts).
+            gather, kept = gather_kept
+            rest = tuple(a for a in axes if a not in kept and all(a not in over for _, over in gather))
             return reduce_gradient(
                 g,
                 scatter=tuple(reversed(gather)),
