@@ -7,11 +7,17 @@ the 2 its router scores highest. The blocks are one scanned `nn.Stacked` of grou
 `lm_loss` adds the auxiliary losses the config weighs (load balance 0.01, router
 z 1e-3) to the next-character cross-entropy, so the router learns to spread the
 tokens over the experts. The data is Python's own documentation text
-(`pydoc_data.topics`, no download); the plan is automatic data parallelism over
-the 8 devices (`Plan(make_mesh(data=8))`).
+(`pydoc_data.topics`, no download).
+
+The mesh is expert 4 x data 2 (`Plan(make_mesh(expert=4, data=2),
+rules=rules.EXPERT)`): the batch is split over all 8 devices, each device of
+`expert` holds 2 of the 8 experts (and their optimizer state), and every MoE layer
+sends each token to the device holding its expert and back with two all-to-alls
+(backward: two more); everything else is data parallel.
 
     python examples/moe_gpt.py                          # 4 blocks, 2 of them MoE, 8 experts, top-2
     python examples/moe_gpt.py --moe-every 1 --top-k 1  # every block MoE, Switch-style top-1
+    python examples/moe_gpt.py --expert 1               # data 8: every device holds every expert
 
 Prints the evaluation loss before training and as it falls (cross-entropy only,
 in nats per character, against the unigram entropy of the text; the training
@@ -48,21 +54,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_model_args(parser, steps=150, layers=4)
+    add_model_args(parser, steps=300, layers=4)
     # Smaller batches than the dense examples': on CPU an MoE block costs several
-    # dense ones (routing, sorting and grouped matmuls over every token).
-    parser.set_defaults(batch_size=16, seq_len=32, eval_every=25)
+    # dense ones (routing, sorting, all-to-alls and grouped matmuls over every token).
+    parser.set_defaults(batch_size=16, seq_len=32)
     parser.add_argument("--moe-every", type=int, default=2, help="every k-th block is MoE; divides --layers")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2, help="experts per token")
     parser.add_argument(
         "--capacity-factor", type=float, default=None, help="cap each expert's tokens (default: dropless)"
     )
+    parser.add_argument(
+        "--expert", type=int, default=4, help="devices the experts are split over (divides 8 and --experts)"
+    )
     return parser.parse_args(argv)
 
 
 def make_plan(args) -> eqxpar.Plan:
-    return eqxpar.Plan(eqxpar.make_mesh(data=8), **plan_options(args))
+    # The rest of the 8 devices on `data`; rules.EXPERT splits the experts'
+    # weights (logical axis "experts") over `expert`, everything else replicated.
+    mesh = eqxpar.make_mesh(expert=args.expert, data=8 // args.expert)
+    return eqxpar.Plan(mesh, rules=eqxpar.rules.EXPERT, **plan_options(args))
 
 
 @eqx.filter_jit
@@ -102,7 +114,8 @@ def main(argv=None) -> float:
     mesh_text = " x ".join(f"{k} {v}" for k, v in plan.mesh.shape.items() if v > 1)
     print(
         f"MoE GPT: {config.num_layers} blocks, {config.moe_layers} of them MoE (every {config.moe_every}), "
-        f"{config.experts} experts, top-{config.top_k}; mesh {mesh_text}, plan mode {plan.mode}"
+        f"{config.experts} experts, top-{config.top_k}; mesh {mesh_text} "
+        f"({config.experts // plan.expert_size} experts per device), plan mode {plan.mode}"
     )
     # Built under jit: one compilation for the whole initialisation.
     model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))

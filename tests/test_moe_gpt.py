@@ -3,8 +3,9 @@ equals its attention followed by its `MoE` called directly (forward, aux and
 gradients); `Stacked` returns its blocks' aux stacked over the layers, under every
 remat policy and with per-layer keys; an MoE `GPT` keeps its blocks in one stack
 of groups, adds the configured auxiliary losses in `lm_loss`, trains under an
-automatic data-parallel plan as on one device, and refuses pipelines; bad options
-raise eqxpar errors; examples/moe_gpt.py trains and reports the expert load."""
+automatic data-parallel plan and on expert 4 x data 2 as on one device, and
+refuses pipelines; bad options raise eqxpar errors; examples/moe_gpt.py trains
+and reports the expert load."""
 
 import re
 
@@ -227,11 +228,20 @@ def test_lm_loss_adds_the_aux_losses(moe_gpt):
     np.testing.assert_allclose(float(parts(bare, t)[2]), float(ce), rtol=RTOL)
 
 
-def test_moe_gpt_data_parallel_matches_one_device():
+PLANS = {
+    "data8": lambda: eqxpar.Plan(eqxpar.make_mesh(data=8)),
+    # The examples' mesh: each device of `expert` holds one of the 4 experts.
+    "expert4_data2": lambda: eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT),
+}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_moe_gpt_matches_one_device(plan):
     """Loss, gradients and AdamW updates of an MoE GPT (softmax top-2 with a shared
-    expert, every second block) under Plan(make_mesh(data=8)) equal one device's."""
+    expert, every second block) under automatic data parallelism, and with the
+    experts split over `expert`, equal one device's over three steps."""
     model = eqx.filter_jit(GPT)(config(num_shared_experts=1), key=jax.random.key(5))
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    plan = PLANS[plan]()
     losses, _ = train_checked(plan, model, optax.adamw(1e-2), lm_loss, [tokens(s) for s in range(3)])
     assert all(np.isfinite(losses))
 
@@ -290,6 +300,7 @@ def test_example_trains_and_reports_expert_load(capsys):
         ]
     )
     out = capsys.readouterr().out
+    assert "mesh data 2 x expert 4 (1 experts per device)" in out, out
     assert re.search(r"step 2: loss [0-9.]+", out), out
     final = re.search(r"final eval loss ([0-9.]+) nats/char", out)
     assert final and 0 < float(final.group(1)) < 10, out
