@@ -71,7 +71,10 @@ class Strategy:
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
         """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide
-        it), seq 1024 on a context axis."""
+        it), seq 1024 on a context axis, every second block a mixture of 8 experts
+        (top 2) on an expert axis."""
+        if self.mesh.get("expert", 1) > 1:
+            return dataclasses.replace(cfg, moe_every=2, experts=8, top_k=2)
         if self.mesh.get("context", 1) > 1:
             # An 8x longer sequence (1024 for the workload), the same tokens per step.
             return dataclasses.replace(cfg, seq_len=8 * cfg.seq_len, batch=cfg.batch // 8)
@@ -94,7 +97,8 @@ def _gspmd(model: Any, optim: Any, plan: eqxpar.Plan) -> Callable:
 
 def single_device(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
     """The workload's `jax.jit` step of the whole batch on one device."""
-    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    # Auto, as eqxpar's meshes: JAX infers no Explicit sharding for ragged_dot (MoE).
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=P())
 
 
@@ -264,6 +268,39 @@ def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict
     return points
 
 
+def _expert(
+    model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options: Any
+) -> Setup:
+    """Expert parallelism on the workload with every second block a mixture of experts.
+    No `jax.jit` step dispatches tokens to experts by itself, so no baseline. The
+    minimum counts four all-to-alls of the routed activations per MoE layer; a
+    dropless step with static shapes sends `n` times them (room for every
+    assignment of a device going to one other) plus the expert ids: held to that
+    bound, and recorded against the minimum."""
+    setup = _sharded(model, optim, mesh, cfg, contract=contract, **options)
+    n = setup.plan.expert_size
+
+    def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
+        least = setup.minimum(eqx_model, cfg)
+        routed = sum(w for part, (_, w) in least.parts.items() if part.startswith("MoE"))
+        # Per MoE layer one all-to-all of the ids, one int32 per row of the buffers.
+        layers = cfg.layers // cfg.moe_every
+        tokens = cfg.batch * cfg.seq_len // setup.plan.batch_size_multiple
+        ids = layers * (n - 1) * tokens * cfg.top_k * 4
+        is_moe = lambda x: isinstance(x, eqxpar.nn.MoE)  # noqa: E731
+        moes = [m for m in jax.tree.leaves(runner.state.model, is_leaf=is_moe) if is_moe(m)]
+        experts = [x for m in moes for x in (m.w_in, m.w_gate, m.w_out) if x is not None]
+        held = sum(x.addressable_shards[0].data.nbytes for x in experts)
+        return {
+            "comm_wire_bytes_routed_min": routed,
+            "comm_wire_bytes_dropless_bound": least.total_wire_bytes + (n - 1) * routed + ids,
+            "expert_weight_bytes": sum(x.nbytes for x in experts),
+            "expert_weight_bytes_per_device": held,
+        }
+
+    return dataclasses.replace(setup, baseline=None, extra=extra)
+
+
 _PP = {"pipe": 4, "data": 2}
 _FLAT = {"temp_growth_max": 0.10}
 _TP = {"data": 2, "tensor": 4}
@@ -298,6 +335,9 @@ _CP_ALLGATHER = {"wire_over_min_max": 1.05, **_CP_PARITY}
 #: keeps every device's keys and values for the backward pass: recorded, not held).
 _CP_RING = {"wire_over_ring_bound_max": 1.05, **_CP_PARITY, "context_temp_growth_max": 0.10}
 _CP_TP = {"data": 2, "context": 2, "tensor": 2}
+#: Expert parallelism: parity as every record; wire bytes within 5 % of the dropless
+#: bound (the minimum with the routed all-to-alls `n` times over, plus the ids).
+_EP = {"wire_over_dropless_bound_max": 1.05, "parity_max_rel_err": 1e-5}
 _CP_TP_OPTIONS = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
 
 #: name -> strategy, in the order they are run and reported.
@@ -323,5 +363,11 @@ STRATEGIES: dict[str, Strategy] = {
         _context, {"data": 2, "context": 4}, {"context_attention": "allgather", "contract": _CP_ALLGATHER}
     ),
     "cp_tp": Strategy(_context, _CP_TP, {**_CP_TP_OPTIONS, "contract": _CP_RING}),
+    "ep": Strategy(_expert, {"expert": 4, "data": 2}, {"rules": eqxpar.rules.EXPERT, "contract": _EP}),
+    "ep_tp": Strategy(
+        _expert,
+        {"expert": 2, "data": 2, "tensor": 2},
+        {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP},
+    ),
     "3d": _pp("1f1b", 2.25, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray
 
 import eqxpar
@@ -30,6 +31,11 @@ class Config:
     batch: int = 32
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
+    #: Mixture of experts (the `ep` records): every `moe_every`-th block routes each
+    #: token to `top_k` of `experts` expert MLPs of `mlp` hidden features. 0: dense.
+    moe_every: int = 0
+    experts: int = 0
+    top_k: int = 2
 
 
 CONFIG = Config()
@@ -53,6 +59,9 @@ def gpt_config(cfg: Config = CONFIG) -> GPTConfig:
         use_bias=True,
         fused_qkv=True,
         attention="dense",
+        moe_every=cfg.moe_every,
+        experts=cfg.experts,
+        top_k=cfg.top_k,
     )
 
 
@@ -78,6 +87,19 @@ PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_
 #: Megatron tensor parallelism with the vocabulary whole: with 512 ids, splitting
 #: the embedding and head would cost more activation traffic than it saves.
 TENSOR_RULES = eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"})
+
+
+def _experts_only(leaf: eqxpar.rules.Leaf) -> P | None:
+    # The stacked experts of MoE blocks: split over `expert` alone, their hidden
+    # features whole (`TENSOR_RULES` would split them, by their "mlp" name).
+    if leaf.axes is None or "experts" not in leaf.axes:
+        return None
+    return P(*("expert" if a == "experts" else None for a in leaf.axes))
+
+
+#: Expert parallelism beside tensor parallelism: the experts over `expert`, the
+#: attention heads and the dense blocks' MLPs over `tensor`.
+EXPERT_TENSOR_RULES = (eqxpar.rules.Policy(_experts_only), TENSOR_RULES)
 #: `TENSOR_RULES` plus the model dimension of every weight split over `fsdp`.
 TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed": "fsdp"})
 

@@ -45,6 +45,10 @@ CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
         "wire ≤ {} × (minimum + one more K/V all-gather)",
         lambda r, c, _: _wire(r) <= c * r["comm_wire_bytes_ring_bound"],
     ),
+    "wire_over_dropless_bound_max": (
+        "wire ≤ {} × (minimum with the routed all-to-alls n times over, plus expert ids)",
+        lambda r, c, _: _wire(r) <= c * r["comm_wire_bytes_dropless_bound"],
+    ),
     "context_temp_growth_max": (
         "temp growth from context 1 to the largest, the sequence growing alike, < {:.0%}",
         lambda r, c, _: (
