@@ -15,6 +15,10 @@ from . import pipeline as pipeline
 from . import rules as rules
 from . import runtime as runtime
 from . import train as train
+from ._advise import PROFILES as DEVICE_PROFILES  # noqa: F401  (re-exported under this name)
+from ._advise import Advice as Advice
+from ._advise import DeviceProfile as DeviceProfile
+from ._advise import advise as advise
 from ._errors import (
     AxisNameError as AxisNameError,
 )

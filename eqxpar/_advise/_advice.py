@@ -1,0 +1,293 @@
+"""`eqxpar.advise`: enumerate the plans for a device count, predict each, rank them."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import PyTree
+
+from .._errors import EqxparError, PlanError
+from .._mesh import make_mesh
+from .._plan import Plan
+from .._sharding import shard_batch
+from .._specs import is_array_like
+from .._step_layout import StepLayout
+from .._text import fmt_int, render, short
+from ._analysis import analyse, outline
+from ._enumerate import TENSOR, Layout, layouts
+from ._predict import Prediction, _tensor_dims, placeholder_mesh, predict
+from ._profile import DeviceProfile, as_profile
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan the advisor considered: its `layout` (family, mesh sizes, `Plan`
+    options), its `prediction`, and whether it `fits` the memory budget.
+
+    ```python
+    c = advice.candidates[0]
+    c.name, c.mesh, c.prediction.memory_bytes
+    ```
+    """
+
+    layout: Layout
+    prediction: Prediction
+    fits: bool
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return self.layout.mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A compiled candidate's measured bytes per device beside the prediction:
+    `(predicted, measured)` for `argument_bytes`, `temp_bytes` and `wire_bytes`
+    (all kinds); `errors` as predicted / measured - 1."""
+
+    name: str
+    argument_bytes: tuple[int, int]
+    temp_bytes: tuple[int, int]
+    wire_bytes: tuple[int, int]
+
+    @property
+    def errors(self) -> dict[str, float]:
+        pairs = {"argument": self.argument_bytes, "temp": self.temp_bytes, "wire": self.wire_bytes}
+        return {k: (p / m - 1.0 if m else float(p != 0)) for k, (p, m) in pairs.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """The advisor's answer: `candidates` that fit the budget, fastest predicted
+    first; `rejected` ones over it (least memory first); `skipped`: layouts the
+    model or batch does not allow, with the reason. `str(advice)` is a table.
+
+    ```python
+    advice = eqxpar.advise(model, loss_fn, optim, batch, devices=8, memory_per_device=2**30, device="cpu")
+    print(advice)
+    plan = advice.plan(0)          # a ready eqxpar.Plan on a real mesh
+    advice.check(2)                # compile the top two, measured beside predicted
+    ```
+    """
+
+    candidates: tuple[Candidate, ...]
+    rejected: tuple[Candidate, ...]
+    skipped: tuple[tuple[str, str], ...]
+    devices: int
+    memory_per_device: int
+    profile: DeviceProfile
+    model: Any = dataclasses.field(repr=False)
+    loss_fn: Callable = dataclasses.field(repr=False)
+    optimizer: Any = dataclasses.field(repr=False)
+    batch: Any = dataclasses.field(repr=False)
+    pipeline_loss: Any = dataclasses.field(repr=False)
+
+    def table(self, *, rejected: bool = True) -> str:
+        """Plain-text table: rank, plan, memory (arguments + temporaries), wire
+        bytes, predicted step time; then the rejected plans."""
+        header = ["#", "plan", "memory/dev", "args", "temp", "wire/dev", "step (pred.)", "fits"]
+        rows = []
+        shown = list(self.candidates) + (list(self.rejected) if rejected else [])
+        for i, c in enumerate(shown):
+            p = c.prediction
+            rows.append(
+                [
+                    str(i) if c.fits else "-",
+                    c.name,
+                    fmt_int(p.memory_bytes),
+                    fmt_int(p.argument_bytes),
+                    fmt_int(p.temp_bytes),
+                    fmt_int(p.total_wire_bytes),
+                    f"{p.step_time_s * 1e3:.3g} ms",
+                    "yes" if c.fits else "no",
+                ]
+            )
+        title = (
+            f"plans for {self.devices} devices ({self.profile.name}), budget "
+            f"{fmt_int(self.memory_per_device)} bytes per device; predicted, not compiled\n"
+        )
+        right = [True, False, True, True, True, True, True, False]
+        return title + render(header, rows, right=right)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def plan(self, i: int = 0) -> Plan:
+        """The `i`-th ranked candidate as a `Plan` on a real mesh (`make_mesh`).
+        A pipeline plan runs `pipeline_loss` (`eqxpar.pipeline.PipelineLoss`)."""
+        if not isinstance(i, int) or not 0 <= i < len(self.candidates):
+            raise PlanError(
+                f"Advice.plan({i!r}): {len(self.candidates)} candidates fit the budget; expected an index "
+                f"in range({len(self.candidates)}). Raise memory_per_device if none fit."
+            )
+        layout = self.candidates[i].layout
+        return Plan(make_mesh(**layout.mesh), **layout.options)
+
+    def check(self, k: int = 3) -> tuple[Comparison, ...]:
+        """Compile (never run) the top `k` candidates' steps and put XLA's memory
+        analysis and the compiled HLO's wire bytes beside the predictions. Needs the
+        model and batch as arrays, and the candidates' device counts here."""
+        from .. import train
+        from ..inspect import collective_stats, memory_report
+
+        if not isinstance(k, int) or k < 1:
+            raise PlanError(f"Advice.check(k={k!r}): expected a positive number of candidates.")
+        if self.devices > jax.device_count():
+            raise PlanError(
+                f"Advice.check: the plans are for {self.devices} devices and this process has "
+                f"{jax.device_count()}; compile them where the devices exist."
+            )
+        out = []
+        for i, c in enumerate(self.candidates[:k]):
+            plan = self.plan(i)
+            loss = self.pipeline_loss if plan.schedule is not None else self.loss_fn
+            state = train.init(self.model, self.optimizer, plan, key=jax.random.key(0))
+            step = train.make_step(loss, self.optimizer, plan)
+            compiled = step.lower(state, shard_batch(self.batch, plan)).compile()
+            memory, stats, p = memory_report(compiled), collective_stats(compiled), c.prediction
+            out.append(
+                Comparison(
+                    name=c.name,
+                    argument_bytes=(p.argument_bytes, memory.argument_bytes),
+                    temp_bytes=(p.temp_bytes, memory.temp_bytes),
+                    wire_bytes=(p.total_wire_bytes, stats.total_wire_bytes),
+                )
+            )
+        return tuple(out)
+
+
+def _has(model: Any, kind: str) -> bool:
+    from ..nn._attention import Attention
+    from ..nn._moe import MoE
+
+    cls = {"attention": Attention, "moe": MoE}[kind]
+    return any(isinstance(x, cls) for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, cls)))
+
+
+def advise(
+    model: PyTree,
+    loss_fn: Callable,
+    optimizer: Any,
+    batch: PyTree,
+    *,
+    devices: int,
+    memory_per_device: int | None = None,
+    device: Any = "h100",
+    pipeline_loss: Any = None,
+) -> Advice:
+    """Enumerate the plans eqxpar runs on `devices` devices, predict each one's
+    memory, wire bytes and step time from shapes (nothing compiles), drop those
+    over the memory budget and rank the rest by predicted step time.
+
+    Families: data parallel, ZeRO-1, FSDP, HSDP; with eqxpar tensor-parallel
+    layers tensor + sequence parallel and FSDP x tensor; with `pipeline_loss` 1F1B
+    pipelines (x tensor); with attention context parallelism (ring); with MoE
+    layers expert parallelism. Sizes the model's dimensions or the batch do not
+    divide are skipped (`Advice.skipped`). Device counts above this machine's are
+    predicted on placeholder meshes (shapes only; `plan(i)` and `check` need the
+    devices).
+
+    **Arguments:**
+
+    - `model`, `loss_fn`, `optimizer`, `batch`: what `eqxpar.train.make_step`
+      takes (a global batch; arrays or `jax.ShapeDtypeStruct`s; the model may be
+      its `eqx.filter_eval_shape` outline, except for `check`).
+    - `devices`: the device count to plan for.
+    - `memory_per_device`: the budget in bytes (default: the profile's memory).
+    - `device`: a `DeviceProfile` or a name in `eqxpar.DEVICE_PROFILES`
+      (`"h100"`, `"tpu_v5p"`, `"cpu"`).
+    - `pipeline_loss`: an `eqxpar.pipeline.PipelineLoss` computing `loss_fn`, to
+      include pipeline plans.
+
+    **Returns:** an `Advice`.
+
+    **Raises:** `PlanError` for a bad count, budget or device, or a loss that
+    does not trace on the model and batch.
+
+    ```python
+    advice = eqxpar.advise(model, lm_loss, optax.adamw(1e-3), tokens, devices=8,
+                           memory_per_device=2 * 2**30, device="h100")
+    print(advice); plan = advice.plan(0)
+    ```
+    """
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise PlanError(f"advise(devices={devices!r}): expected a positive device count, e.g. devices=8.")
+    profile = as_profile(device)
+    budget = profile.memory_bytes if memory_per_device is None else memory_per_device
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise PlanError(
+            f"advise(memory_per_device={memory_per_device!r}): expected a positive number of bytes, "
+            "e.g. 16 * 2**30."
+        )
+    if pipeline_loss is not None:
+        from ..pipeline import PipelineLoss
+
+        if not isinstance(pipeline_loss, PipelineLoss):
+            raise PlanError(
+                f"advise(pipeline_loss={pipeline_loss!r}): expected an eqxpar.pipeline.PipelineLoss "
+                "(or None for no pipeline plans)."
+            )
+    shapes = outline(model)
+    params = eqx.filter(shapes, lambda x: is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact))
+    if not jax.tree.leaves(params):
+        raise PlanError("advise(model=...): the model has no floating-point arrays to train.")
+    opt_state = eqx.filter_eval_shape(optimizer.init, params)
+    tokens = outline(batch)
+    analysis = analyse(shapes, loss_fn, tokens)
+    staged = analyse(shapes, pipeline_loss, tokens) if pipeline_loss is not None else None
+    probe = Plan(placeholder_mesh({"tensor": 2}), rules=TENSOR)
+    tensor = bool(_tensor_dims(params, StepLayout.resolve(probe, params).params, probe))
+    fitting, over, skipped = [], [], []
+    for layout in layouts(
+        devices,
+        tensor=tensor,
+        pipeline=pipeline_loss is not None,
+        context=_has(shapes, "attention") and analysis.seq_len is not None,
+        expert=_has(shapes, "moe"),
+    ):
+        try:
+            plan = Plan(placeholder_mesh(layout.mesh), **layout.options)
+            need = plan.batch_size_multiple * plan.microbatches
+            if analysis.batch_size % need:
+                raise PlanError(f"the batch of {analysis.batch_size} does not split into {need}")
+            if plan.context_size > 1 and analysis.seq_len % (2 * plan.context_size):
+                raise PlanError(
+                    f"sequence {analysis.seq_len} does not split into {2 * plan.context_size} chunks"
+                )
+            piped = plan.schedule is not None
+            prediction = predict(
+                plan,
+                shapes,
+                opt_state,
+                tokens,
+                pipeline_loss if piped else loss_fn,
+                staged if piped else analysis,
+                profile,
+            )
+        except EqxparError as e:
+            skipped.append((layout.name, short(str(e))))
+            continue
+        candidate = Candidate(layout, prediction, prediction.memory_bytes <= budget)
+        (fitting if candidate.fits else over).append(candidate)
+    fitting.sort(key=lambda c: (c.prediction.step_time_s, c.prediction.memory_bytes))
+    over.sort(key=lambda c: c.prediction.memory_bytes)
+    return Advice(
+        candidates=tuple(fitting),
+        rejected=tuple(over),
+        skipped=tuple(skipped),
+        devices=devices,
+        memory_per_device=budget,
+        profile=profile,
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        batch=batch,
+        pipeline_loss=pipeline_loss,
+    )

@@ -1,0 +1,357 @@
+"""Predict a plan's memory, wire bytes and step time per device, from shapes."""
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from .._mesh import AXES, EXPERT_AXIS, axis_size
+from .._plan import Plan
+from .._rules import mesh_axis_names
+from .._specs import is_array_like
+from .._step_layout import StepLayout
+from ..inspect._minimum import minimum_comm
+from ._analysis import Analysis, nbytes
+from ._profile import DeviceProfile
+
+#: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
+#: optimizer update holds about this share of the updated parameters' bytes in
+#: temporaries beside the gradients (AdamW's new moments are written in place).
+UPDATE_SHARE = 0.6
+#: The step counter (int32) and PRNG key (two uint32) a `TrainState` also passes.
+STATE_SCALARS = 12
+
+
+def placeholder_mesh(sizes: dict[str, int]) -> Mesh:
+    """A mesh of eqxpar's axes with `sizes`, over this machine's devices when there
+    are enough, else over one device repeated: a shape for prediction only (nothing
+    can be placed on it), so that plans for 64 or 512 devices can be described here."""
+    shape = tuple(int(sizes.get(a, 1)) for a in AXES)
+    n = math.prod(shape)
+    devices = jax.devices()
+    chosen = devices[:n] if n <= len(devices) else [devices[0]] * n
+    grid = np.empty(n, dtype=object)
+    grid[:] = chosen
+    return Mesh(grid.reshape(shape), AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What one step of a plan needs per device, predicted without compiling.
+
+    Bytes per device: `params_bytes`, `opt_state_bytes`, `batch_bytes` (the
+    arguments, exact from the layout); `gradient_bytes`, `activation_bytes`
+    (residuals saved for the backward pass), `gathered_bytes` (FSDP weights
+    gathered whole), `buffer_bytes` (pipeline boundary buffers) and
+    `update_bytes` (optimizer temporaries): the temporaries. `wire_bytes` by
+    collective kind and `wire_bytes_by_axis` by mesh axes (what one device
+    sends); `flops` per device; `compute_s`, `comm_s` and `step_time_s` on the
+    profile (communication not overlapped: an upper bound).
+
+    ```python
+    p = advice.candidates[0].prediction
+    p.memory_bytes, p.wire_bytes, p.step_time_s
+    ```
+    """
+
+    params_bytes: int
+    opt_state_bytes: int
+    batch_bytes: int
+    gradient_bytes: int
+    activation_bytes: int
+    gathered_bytes: int
+    buffer_bytes: int
+    update_bytes: int
+    wire_bytes: dict[str, int]
+    wire_bytes_by_axis: dict[str, int]
+    flops: float
+    compute_s: float
+    comm_s: float
+    step_time_s: float
+
+    @property
+    def argument_bytes(self) -> int:
+        """The step's arguments: state arrays and batch (`memory_analysis().argument_size_in_bytes`)."""
+        return self.params_bytes + self.opt_state_bytes + self.batch_bytes + STATE_SCALARS
+
+    @property
+    def temp_bytes(self) -> int:
+        """The step's temporaries (`memory_analysis().temp_size_in_bytes`)."""
+        return (
+            self.gradient_bytes
+            + self.activation_bytes
+            + self.gathered_bytes
+            + self.buffer_bytes
+            + self.update_bytes
+        )
+
+    @property
+    def memory_bytes(self) -> int:
+        """Arguments + temporaries: what the step needs on each device while it runs."""
+        return self.argument_bytes + self.temp_bytes
+
+    @property
+    def total_wire_bytes(self) -> int:
+        return sum(self.wire_bytes.values())
+
+
+def _split(spec: Any, mesh: Mesh, drop: frozenset[str] = frozenset()) -> int:
+    if not isinstance(spec, PartitionSpec):
+        return 1
+    axes = [a for e in spec for a in mesh_axis_names(e) if a not in drop]
+    return axis_size(mesh, axes)
+
+
+def _per_device(tree: Any, specs: Any, mesh: Mesh, drop: frozenset[str] = frozenset()) -> int:
+    leaves = jax.tree.leaves(tree)
+    flat = jax.tree.structure(tree).flatten_up_to(specs)
+    pairs = zip(leaves, flat, strict=True)
+    return sum(nbytes(x) // _split(s, mesh, drop) for x, s in pairs if is_array_like(x))
+
+
+def _tensor_dims(params: Any, specs: Any, plan: Plan) -> set[int]:
+    # Sizes of the weight dimensions split over the tensor axis (heads, MLP features).
+    dims = set()
+    flat = jax.tree.structure(params).flatten_up_to(specs)
+    for x, spec in zip(jax.tree.leaves(params), flat, strict=True):
+        if isinstance(spec, PartitionSpec) and is_array_like(x):
+            dims |= {x.shape[i] for i, e in enumerate(spec) if plan.tensor_axis in mesh_axis_names(e)}
+    return dims
+
+
+def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int:
+    """Residual bytes per device: each residual split as the batch and sequence
+    are, and over the tensor axis where it has a dimension the rules split there
+    (or every one, under sequence parallelism)."""
+    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    split_dims = _tensor_dims(params, specs, plan) if t > 1 else set()
+    b, c = analysis.batch_size, plan.context_size
+    total = 0
+    for r in analysis.residuals:
+        shape = r.shape
+        after = shape[shape.index(b) + 1 :] if b in shape[:-1] else shape
+        divisor = plan.batch_size_multiple * c if b in shape[:-1] else 1
+        if c > 1 and analysis.seq_len is not None and list(after).count(analysis.seq_len) >= 2:
+            # Causal context attention computes a chunk's scores against the key
+            # blocks at or below the diagonal only: half the dense scores.
+            divisor *= 2
+        if t > 1 and (plan.sequence_parallel or split_dims & set(after)):
+            divisor *= t
+        total += nbytes(r) // divisor
+    return total
+
+
+def predict(
+    plan: Plan,
+    params: Any,
+    opt_state: Any,
+    batch: Any,
+    loss: Any,
+    analysis: Analysis,
+    profile: DeviceProfile,
+) -> Prediction:
+    """Predict one step of `plan` per device (see `Prediction`). `params`,
+    `opt_state` and `batch` are outlines; `analysis` is `analyse(model, loss, batch)`."""
+    mesh = plan.mesh
+    layout = StepLayout.resolve(plan, params, opt_state)
+    batch_axes = frozenset(plan.batch_axes)
+    params_bytes = _per_device(params, layout.params, mesh)
+    opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
+    batch_bytes = sum(nbytes(x) // plan.batch_size_multiple for x in jax.tree.leaves(batch))
+    # Gradients come out whole over the batch axes (then reduced or scattered);
+    # experts split over `expert` are never gathered.
+    grads = _per_device(params, layout.params, mesh, drop=batch_axes - {EXPERT_AXIS})
+    # Manual FSDP keeps the gathered weights for the backward pass; the compiler
+    # gathers them again there instead (see `_wire`).
+    keeps = not plan.zero1 and not _auto_fsdp(plan, params)
+    gathered = grads - params_bytes if keeps else 0
+    updated = _per_device(params, layout.updates, mesh)
+    update = int(UPDATE_SHARE * updated)
+    buffers = 0
+    p = mesh.shape.get("pipe", 1)
+    if plan.schedule is None:
+        activations = _activations(plan, analysis, params, layout.params) + _kept_inputs(plan, analysis)
+    else:
+        from ..pipeline import schedule as make_schedule
+
+        m, v = plan.microbatches, plan.chunks
+        whole = _activations(plan, analysis, params, layout.params)
+        # One stage's residuals for one micro-batch (the engine recomputes a stage
+        # in its backward pass from the stage input it keeps)...
+        activations = whole // (m * p * v)
+        # ...the stage inputs in flight, and a second gradient buffer (the tick's
+        # gradient beside the accumulator).
+        sched = make_schedule(plan.schedule, stages=p, microbatches=m, chunks=v)
+        inflight = m * v if plan.schedule == "gpipe" else min(m, p) * v
+        b = analysis.batch_size // plan.batch_size_multiple // m
+        row = analysis.row_bytes * b
+        buffers = inflight * row + grads
+    wire, by_axis = _wire(plan, params, batch, loss, analysis, profile)
+    flops = 3.0 * analysis.forward_flops / mesh.size
+    dtype = plan.compute_dtype or jnp.float32
+    compute = flops / profile.flops(dtype)
+    if plan.schedule is not None:
+        compute /= 1.0 - sched.bubble_fraction
+    traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
+    compute = max(compute, traffic / profile.hbm_bytes_per_s)
+    comm = sum(w / _rate(profile, mesh, axes) for axes, w in by_axis.items())
+    return Prediction(
+        params_bytes=params_bytes,
+        opt_state_bytes=opt_bytes,
+        batch_bytes=batch_bytes,
+        gradient_bytes=grads,
+        activation_bytes=activations,
+        gathered_bytes=gathered,
+        buffer_bytes=buffers,
+        update_bytes=update,
+        wire_bytes=wire,
+        wire_bytes_by_axis={" x ".join(k): v for k, v in by_axis.items()},
+        flops=flops,
+        compute_s=compute,
+        comm_s=comm,
+        step_time_s=compute + comm,
+    )
+
+
+def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
+    """Whole-sequence inputs some layouts keep per layer for the backward pass:
+    under sequence parallelism the all-gathered inputs of the attention and MLP
+    blocks, under all-gather context attention the gathered keys and values."""
+    t, c = plan.mesh.shape.get(plan.tensor_axis, 1), plan.context_size
+    rows = analysis.batch_size // plan.batch_size_multiple
+    row = analysis.row_bytes
+    kept = 0
+    if plan.sequence_parallel and t > 1:
+        kept += 2 * analysis.layers * rows * row // c
+    if c > 1 and plan.context_attention == "allgather":
+        kept += 2 * analysis.layers * rows * row // (t if plan.sequence_parallel or t > 1 else 1)
+    return kept
+
+
+def _rate(profile: DeviceProfile, mesh: Mesh, axes: tuple[str, ...]) -> float:
+    # The slowest link a collective over `axes` crosses: a group spans a node when
+    # its devices (their product, at the innermost axis's stride) do not fit one.
+    names = list(mesh.axis_names)
+    group = math.prod(mesh.shape[a] for a in axes)
+    inner = max(names.index(a) for a in axes)
+    stride = math.prod(mesh.shape[a] for a in names[inner + 1 :])
+    outer = min(names.index(a) for a in axes)
+    span = math.prod(mesh.shape[a] for a in names[outer:])
+    return profile.link(group, max(stride, span // group))
+
+
+_AXIS = re.compile(r"(\w+)=(\d+)")
+
+
+def _part_axes(part: str, kind: str, plan: Plan) -> tuple[str, ...]:
+    axes = tuple(a for a, _ in _AXIS.findall(part) if a in plan.mesh.axis_names)
+    if axes:
+        return axes
+    if "tensor" in part:
+        return (plan.tensor_axis,)
+    if "pipeline" in part:
+        return ("pipe",)
+    return tuple(plan.batch_axes)
+
+
+def _wire(
+    plan: Plan, params: Any, batch: Any, loss: Any, analysis: Analysis, profile: DeviceProfile
+) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
+    """Wire bytes by kind and by axes: `minimum_comm` plus what eqxpar's
+    implementations move beyond it (pipelines send every tick; ring attention
+    re-sends keys and values; dropless expert parallelism sends `n` times the
+    routed rows plus their ids; automatic FSDP gathers twice and all-reduces)."""
+    from ..inspect._minimum import _ring_bytes
+
+    moved = jnp.float32 if profile.name == "cpu" and plan.compute_dtype is not None else None
+    auto_fsdp = _auto_fsdp(plan, params)
+    counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and plan.remat == "none" else plan
+    least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
+    kinds = _part_kinds(least)
+    wire: dict[str, int] = defaultdict(int)
+    by_axis: dict[tuple[str, ...], int] = defaultdict(int)
+
+    def add(kind: str, axes: tuple[str, ...], w: float | int) -> None:
+        wire[kind] += int(w)
+        by_axis[axes] += int(w)
+
+    p, m, v = plan.mesh.shape.get("pipe", 1), plan.microbatches, plan.chunks
+    ticks = None
+    if plan.schedule is not None:
+        from ..pipeline import schedule as make_schedule
+
+        ticks = make_schedule(plan.schedule, stages=p, microbatches=m, chunks=v).ticks
+    ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
+    for part, (result, w) in least.parts.items():
+        kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
+        if ticks is not None and part.startswith("pipeline stage boundaries"):
+            # The engine sends a forward and a backward buffer on every tick, idle or not.
+            sends = 2 * m * v if p > 2 else m * (2 * v - 1)
+            add(kind, axes, w * 2 * ticks / sends)
+        elif ticks is not None and part.startswith("tensor-parallel"):
+            # A tick runs its heaviest branch's tensor sums, forward and backward.
+            add(kind, axes, w * ticks / m)
+        elif ticks is not None and kind == "all-reduce" and len(axes) > 1 and "pipe" in axes:
+            # Reduced over `pipe`, then over the other axes.
+            others = tuple(a for a in axes if a != "pipe")
+            add(kind, ("pipe",), _ring_bytes("all-reduce", result, p))
+            add(
+                kind, others, _ring_bytes("all-reduce", result, math.prod(plan.mesh.shape[a] for a in others))
+            )
+        elif ring and "keys and values" in part:
+            # The ring passes K/V blocks forward and again in the backward pass,
+            # and their gradients back: all as permutes.
+            add("collective-permute", axes, 2 * w if kind == "all-gather" else w)
+        elif part.startswith("MoE") and plan.expert_size > 1:
+            n = plan.expert_size
+            d = analysis.routed.shape[1] if analysis.routed is not None else 1
+            size = jnp.dtype(moved or analysis.routed.dtype).itemsize
+            # Dropless static buffers: room for all of a device's rows going to one other.
+            ids = w * n // (d * size)
+            add(kind, axes, w * n + ids)
+        elif part.startswith("tensor-parallel") and plan.sequence_parallel:
+            # Sequence parallel: each sum is a reduce-scatter and an all-gather
+            # (ring permutes with `tp_overlap`), the same wire bytes in all.
+            for k in ("all-gather", "reduce-scatter"):
+                add("collective-permute" if plan.tp_overlap else k, axes, w / 2)
+        elif auto_fsdp and kind == "reduce-scatter":
+            add("all-reduce", axes, 2 * w)
+        else:
+            add(kind, axes, w)
+    return dict(wire), dict(by_axis)
+
+
+def _part_kinds(least: Any) -> dict[str, str]:
+    # The kind of each part of a Minimum, from its name (the tallies keep kinds apart).
+    kinds = {}
+    for part in least.parts:
+        low = part.lower()
+        if "reduce-scatter" in low:
+            kinds[part] = "reduce-scatter"
+        elif "all-gather" in low:
+            kinds[part] = "all-gather"
+        elif "all-to-all" in low:
+            kinds[part] = "all-to-all"
+        elif "pipeline" in low:
+            kinds[part] = "collective-permute"
+        else:
+            kinds[part] = "all-reduce"
+    return kinds
+
+
+def _auto_fsdp(plan: Plan, params: Any) -> bool:
+    # Weights split over batch axes in a step the compiler partitions.
+    if plan.mode == "manual" or plan.schedule is not None or plan.zero1:
+        return False
+    specs = StepLayout.resolve(plan, params).params
+    batch = set(plan.batch_axes)
+    return any(
+        isinstance(s, PartitionSpec) and any(batch & set(mesh_axis_names(e)) for e in s)
+        for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    )

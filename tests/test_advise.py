@@ -1,0 +1,99 @@
+"""The plan advisor: predictions from shapes, a budget that rules out pure data
+parallelism, the chosen plan compiled and trained, and bad inputs refused."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import eqxpar
+
+
+def _loss(model, batch):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def _setup():
+    # Parameters dominate (a wide MLP, a small batch): replicating them and their
+    # AdamW moments on every device is what does not fit.
+    model = eqx.nn.MLP(64, 64, 1024, 2, key=jax.random.key(0))
+    batch = (jnp.ones((16, 64)), jnp.zeros((16, 64)))
+    return model, optax.adamw(1e-3), batch
+
+
+def test_budget_rules_out_data_parallel_and_the_first_choice_fits():
+    model, optim, batch = _setup()
+    everything = eqxpar.advise(model, _loss, optim, batch, devices=8, memory_per_device=2**40, device="cpu")
+    dp = next(c for c in everything.candidates if c.name == "data parallel: data=8")
+    budget = int(0.6 * dp.prediction.memory_bytes)
+    advice = eqxpar.advise(model, _loss, optim, batch, devices=8, memory_per_device=budget, device="cpu")
+    assert "data parallel: data=8" in [c.name for c in advice.rejected]
+    assert advice.candidates and all(c.prediction.memory_bytes <= budget for c in advice.candidates)
+    (first,) = advice.check(1)
+    measured = first.argument_bytes[1] + first.temp_bytes[1]
+    assert measured <= budget, (advice.candidates[0].name, measured, budget)
+    # Arguments are exact; wire bytes within 10 % of the compiled HLO's.
+    assert first.argument_bytes[0] == first.argument_bytes[1]
+    assert abs(first.errors["wire"]) <= 0.10, first
+    assert "data parallel: data=8" in str(advice)
+
+
+def test_plan_trains_one_step():
+    model, optim, batch = _setup()
+    advice = eqxpar.advise(model, _loss, optim, batch, devices=8, memory_per_device=2**40, device="h100")
+    plan = advice.plan(0)
+    assert isinstance(plan, eqxpar.Plan) and plan.mesh.size == 8
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))
+    step = eqxpar.train.make_step(_loss, optim, plan)
+    state, metrics = step(state, batch)
+    assert jnp.isfinite(metrics["loss"]) and int(state.step) == 1
+
+
+def test_gpt_families_and_placeholder_meshes_above_the_device_count():
+    cfg = eqxpar.models.GPTConfig(
+        vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64, max_seq_len=16
+    )
+    model = eqx.filter_eval_shape(eqxpar.models.GPT, cfg, key=jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((64, 17), jnp.int32)
+    advice = eqxpar.advise(
+        model, eqxpar.models.lm_loss, optax.adamw(1e-3), tokens, devices=64, device="tpu_v5p"
+    )
+    families = {c.layout.family for c in advice.candidates}
+    assert {"data parallel", "FSDP", "tensor + sequence parallel", "context (ring)"} <= families
+    with pytest.raises(eqxpar.PlanError, match="64 devices"):
+        advice.check(1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"devices": 0}, "devices=0"),
+        ({"devices": 8, "memory_per_device": -1}, "memory_per_device=-1"),
+        ({"devices": 8, "device": "a100"}, "device='a100'"),
+        ({"devices": 8, "pipeline_loss": "gpipe"}, "PipelineLoss"),
+    ],
+)
+def test_bad_inputs(kwargs, match):
+    model, optim, batch = _setup()
+    with pytest.raises(eqxpar.PlanError, match=match):
+        eqxpar.advise(model, _loss, optim, batch, **kwargs)
+
+
+def test_bad_index_and_profile():
+    model, optim, batch = _setup()
+    advice = eqxpar.advise(model, _loss, optim, batch, devices=8, memory_per_device=1, device="cpu")
+    assert not advice.candidates
+    with pytest.raises(eqxpar.PlanError, match="0 candidates"):
+        advice.plan(0)
+    with pytest.raises(eqxpar.PlanError, match="flops_per_s"):
+        eqxpar.DeviceProfile(
+            name="x",
+            flops_per_s={"bfloat16": 1e12},
+            hbm_bytes_per_s=1e12,
+            intra_node_bytes_per_s=1e11,
+            inter_node_bytes_per_s=1e10,
+            devices_per_node=8,
+            memory_bytes=2**30,
+        )
