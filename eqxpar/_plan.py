@@ -98,7 +98,10 @@ class Plan:
       is recomputed), `"inputs"` (nothing but each block's input; the block is
       recomputed), `"full"` (nothing but the stack's input: the forward pass is
       recomputed once more, keeping block inputs, then each block as in
-      `"inputs"`).
+      `"inputs"`). Under a pipeline, every policy but `"full"` also keeps each
+      stage forward's residuals (by this policy) for its backward actions;
+      `"full"` keeps the stage input only and recomputes the stage forward in
+      each backward action.
     - `schedule`: run the step as a pipeline over mesh axis `pipe` with this
       schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`, or an
       `eqxpar.pipeline.Schedule` object such as a custom table from

@@ -210,6 +210,30 @@ def test_1f1b_memory_does_not_grow_with_microbatches_gpipe_does():
     assert ofob[1] < gpipe[1]
 
 
+@pytest.mark.parametrize("name,bound", [("gpipe", 0.8), ("1f1b", 0.8), ("zero_bubble", 0.65)])
+def test_backward_reuses_the_forward_unless_remat_full(name, bound):
+    """With residuals kept (every remat policy but "full") a backward action runs
+    no stage forward: per micro-batch a stage costs F + B (~3F) against
+    F + (F + B) (~4F) recomputing, and zero-bubble's input and weight halves
+    share one forward, F + I + W (~3F) against F + (F + I) + (F + W) (~5F).
+    cost_analysis counts each branch of the tick once: the ratio of the two
+    programs is the ratio of their actions' costs. The results are equal."""
+
+    def flops(remat):
+        model = Tiny(4, key=jax.random.key(0), d=256)
+        plan = pipeline_plan(name, pipe=2, microbatches=4, remat=remat)
+        optim = optax.sgd(0.1)
+        state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+        step = eqxpar.train.make_step(tiny_loss(), optim, plan)
+        batch = regression_batch(64)
+        _, metrics = step(state, batch)
+        return step.compile(state, batch).cost_analysis()["flops"], float(metrics["loss"])
+
+    (kept, loss_kept), (full, loss_full) = flops("none"), flops("full")
+    assert kept <= bound * full, (kept, full)
+    np.testing.assert_allclose(loss_kept, loss_full, rtol=RTOL)
+
+
 def test_permutes_run_every_tick_outside_the_branches():
     compiled = compiled_step("1f1b", 4)
     stats = eqxpar.inspect.collective_stats(compiled)

@@ -12,14 +12,18 @@ schedule column, hence their branch.
 - Forward (`F`) of virtual stage `k`: `first` on the micro-batch (stage 0) or the
   buffered input, then the chunk's layers; the result is sent on. On the last
   stage a forward does nothing: its backward computes the loss.
-- Backward (`B`): the stage forward again under `jax.vjp` (recomputed from the
-  buffered input, which is all a stage keeps between its forward and its
-  backward), pulled back from the received cotangent (or from `1 / microbatches`
-  on the last stage); the input cotangent is sent back, the parameter gradients
-  added to the carry.
+- Backward (`B`): the stage's `jax.vjp` pulled back from the received cotangent
+  (or from `1 / microbatches` on the last stage); the input cotangent is sent
+  back, the parameter gradients added to the carry. Under every remat policy but
+  `"full"` the forward stored its residuals in a buffer slot and the backward
+  reads them: no forward runs again (the pull-back is traced anew and its
+  residuals swapped for the stored ones, so the forward traced with it feeds
+  nothing and XLA removes it). Under `"full"` the stage forward is recomputed
+  from the buffered input, which is then all a stage keeps.
 - Backward-input (`I`) and backward-weight (`W`): the same pull-back taken with
-  respect to the stage input only, and to the parameters only; each recomputes
-  the stage forward. The cotangent stays buffered from `I` to `W`.
+  respect to the stage input only, and to the parameters only, both from the one
+  forward's residuals (under `"full"`, each recomputes the forward). The
+  cotangent stays buffered from `I` to `W`.
 
 After the scan the gradients of everything outside the stack (computed on the
 first or last stage only) are summed over `pipe`, and all gradients over the
@@ -35,6 +39,7 @@ while parameters and optimizer state stay split between steps.
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import equinox as eqx
@@ -52,13 +57,24 @@ from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._step_layout import StepLayout
 from ._loss import PipelineLoss
-from ._schedule import BACKWARD, BACKWARD_INPUT, FORWARD, IDLE, Schedule, schedule
+from ._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE, Schedule, schedule
 
 PIPE = "pipe"
 
 
 def _varying(x: Any) -> frozenset[str]:
     return frozenset(x.manual_axis_type.varying)
+
+
+def _vma(x: Any) -> frozenset[str]:
+    """The manual axes a traced array varies along."""
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def _stores(kind: int, last: bool) -> bool:
+    """Whether an action stores residuals: a forward off the last virtual stage,
+    or there the input half of a split backward."""
+    return (kind == FORWARD and not last) or (kind == BACKWARD_INPUT and last)
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -75,21 +91,24 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
     """Per (tick, device): branch index, micro-batch, chunk, input slot, cotangent
-    slot, receive-input slot, receive-cotangent slot; and the branch list
-    (action, is first virtual stage, is last virtual stage)."""
+    slot, receive-input slot, receive-cotangent slot, residual write slot, residual
+    read slot; and the branch list (action, is first virtual stage, is last
+    virtual stage)."""
     p, stages = sched.stages, sched.virtual_stages
     bufs = sched.buffers
     branches: list[tuple[int, bool, bool]] = [(IDLE, False, False)]
     index: dict[tuple[int, bool, bool], int] = {branches[0]: 0}
     table = sched.table
-    prog = np.zeros(table.shape[:2] + (7,), np.int32)
+    prog = np.zeros(table.shape[:2] + (9,), np.int32)
     for tick in range(table.shape[0]):
         for device in range(p):
             mb, chunk, kind = (int(x) for x in table[tick, device])
             key = (IDLE, False, False)
+            write = read = -1
             if kind != IDLE:
                 k = chunk * p + device
                 key = (kind, k == 0, k == stages - 1)
+                write, read = _residual_slots(kind, k == stages - 1, int(bufs.residual_slot[tick, device]))
             if key not in index:
                 index[key] = len(branches)
                 branches.append(key)
@@ -101,8 +120,22 @@ def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]
                 bufs.cotangent_slot[tick, device],
                 bufs.recv_input[tick, device],
                 bufs.recv_cotangent[tick, device],
+                write,
+                read,
             )
     return prog, branches
+
+
+def _residual_slots(kind: int, last: bool, slot: int) -> tuple[int, int]:
+    """`(write, read)` residual slots of an action: a forward writes its stage's
+    residuals and the backward actions read them; on the last virtual stage the
+    forward runs inside the backward, and only a split backward keeps residuals,
+    from its input half (`I` writes) to its weight half (`W` reads)."""
+    if last:
+        return (slot, -1) if kind == BACKWARD_INPUT else (-1, slot) if kind == BACKWARD_WEIGHT else (-1, -1)
+    if kind == FORWARD:
+        return slot, -1
+    return (-1, slot) if kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) else (-1, -1)
 
 
 def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
@@ -191,6 +224,13 @@ class _Engine:
     @functools.cached_property
     def program(self) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
         return _program(self.sched)
+
+    @property
+    def keep(self) -> bool:
+        """Whether a stage's forward keeps its residuals for the backward actions
+        (every remat policy but `"full"`, which recomputes the stage forward from
+        the kept input in each backward action)."""
+        return self.layout.plan.remat != "full"
 
     @property
     def local(self) -> frozenset[str]:
@@ -310,19 +350,23 @@ class _Device:
         self.static_blocks = engine.blocks_of(static)
         self.micro_batches = split_microbatches(engine.loss.compute(batch), self.m)
         self._resolve_types()
+        self._resolve_residuals()
 
     def assemble(self, rest: Any, chunk: Any) -> Any:
         full = eqx.combine(rest, self.static)
         return eqx.tree_at(self.engine.blocks_of, full, eqx.combine(chunk, self.static_blocks))
 
-    def stage(self, rest: Any, chunk: Any, x: Any, mb_batch: Any, first: bool, last: bool) -> jax.Array:
+    def stage(
+        self, rest: Any, chunk: Any, x: Any, mb_batch: Any, first: bool, last: bool, *, cast: bool = True
+    ) -> jax.Array:
         """Virtual stage `chunk` on one micro-batch: `first` (on the first stage),
-        the chunk's layers, then `last` (on the last stage: the loss)."""
+        the chunk's layers, then `last` (on the last stage: the loss). `cast=False`:
+        the weights are in the compute dtype already."""
         loss, parts = self.engine.loss, self.engine.parts
         # Mixed precision as in the other steps: the cast sits inside the
         # differentiated function, so gradients come back in the parameters'
         # dtype; activations travel in the compute dtype.
-        model = self.assemble(*loss.compute((rest, chunk)))
+        model = self.assemble(*loss.compute((rest, chunk))) if cast else self.assemble(rest, chunk)
         if first:
             # As varying as the stage's weights (it is, unless `first` uses no
             # weight), so the stack's scan carry keeps one type.
@@ -353,6 +397,96 @@ class _Device:
         self.loss_type, self.loss_axes = loss_type, _varying(loss_type) | local
         self.loss_varies = _varying(loss_type)
 
+    def _vjp(self, first: bool, last: bool, chunk: Any, x: Any, mb: Any) -> tuple:
+        """`(stage output, pull-back leaves, their treedef, indices of the kept
+        leaves)` of `jax.vjp` of one virtual stage, taken w.r.t. the weights in
+        the compute dtype (cast outside, so the residuals hold no cast copy of
+        them) and, off the first stage, the input.
+
+        Kept: what a forward stores for the backward actions, the residuals that
+        are neither the weights, the input nor the micro-batch (those are at hand
+        again there) and that vary along `pipe` (computed from the weights or the
+        input; what is not, comes from the micro-batch alone and is recomputed)."""
+        args = self.engine.loss.compute((self.rest, chunk))
+        if first:
+            fn = lambda r, c: self.stage(r, c, None, mb, True, last, cast=False)  # noqa: E731
+        else:
+            fn = lambda r, c, x: self.stage(r, c, x, mb, False, last, cast=False)  # noqa: E731
+            args = (*args, x)
+        out, pull = jax.vjp(fn, *args)
+        leaves, treedef = jax.tree.flatten(pull)
+        known = {id(a) for a in jax.tree.leaves((args, mb))}
+        kept = tuple(
+            i
+            for i, leaf in enumerate(leaves)
+            if eqx.is_array(leaf) and id(leaf) not in known and PIPE in _vma(leaf)
+        )
+        return out, leaves, treedef, kept
+
+    def _resolve_residuals(self) -> None:
+        """The layout of the residual buffers: the kept leaves of each kind of
+        virtual stage that stores them (first, middle, last) packed, per dtype and
+        type, into one vector a slot; `res_groups` gives each vector's size (the
+        largest over the kinds), `res_layout[(first, last)]` where each leaf sits."""
+        self.res_layout: dict[tuple[bool, bool], list] = {}
+        self.res_groups: dict[tuple, int] = {}
+        if not self.engine.keep:
+            return
+        _, branch_keys = self.engine.program
+        variants = sorted({(f, la) for kind, f, la in branch_keys if _stores(kind, la)})
+        # Indexed as the branches index them, by a row of the program (which
+        # varies along pipe), so that the residuals have the branches' types.
+        at = lax.axis_index(PIPE) * 0
+        mb0, chunk0 = _index(self.micro_batches, at), _index(self.blocks, at)
+        for first, last in variants:
+
+            def kept_leaves(chunk, x, mb, first=first, last=last):
+                _, leaves, _, kept = self._vjp(first, last, chunk, x, mb)
+                return [leaves[i] for i in kept]
+
+            x0 = None if first else self.zeros_act()
+            outlines = jax.eval_shape(kept_leaves, chunk0, x0, mb0)
+            offsets: dict[tuple, int] = {}
+            layout = []
+            for leaf in outlines:
+                key = (jnp.dtype(leaf.dtype).name, tuple(sorted(_varying(leaf))))
+                start = offsets.get(key, 0)
+                layout.append((key, start, leaf.shape))
+                offsets[key] = start + math.prod(leaf.shape)
+            self.res_layout[(first, last)] = layout
+            for key, size in offsets.items():
+                self.res_groups[key] = max(self.res_groups.get(key, 0), size)
+
+    def residual_zeros(self, slots: int | None = None) -> tuple:
+        """One zero vector per residual group (with `slots`: a buffer of that many)."""
+        shape = () if slots is None else (slots,)
+        return tuple(
+            mark_varying(jnp.zeros((*shape, size), dtype), frozenset(axes))
+            for (dtype, axes), size in sorted(self.res_groups.items())
+        )
+
+    def pack(self, first: bool, last: bool, kept: list) -> tuple:
+        """The kept leaves of a `(first, last)` stage as one vector per group."""
+        parts: dict[tuple, list] = {key: [] for key in self.res_groups}
+        for (key, _, _), leaf in zip(self.res_layout[(first, last)], kept, strict=True):
+            parts[key].append(leaf.reshape(-1))
+        out = []
+        for zero, ((dtype, axes), size) in zip(
+            self.residual_zeros(), sorted(self.res_groups.items()), strict=True
+        ):
+            used = sum(x.size for x in parts[(dtype, axes)])
+            pieces = parts[(dtype, axes)] + ([zero[: size - used]] if used < size else [])
+            out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        return tuple(out)
+
+    def unpack(self, first: bool, last: bool, vectors: tuple) -> list:
+        """The kept leaves of a `(first, last)` stage from its group vectors."""
+        by_key = dict(zip(sorted(self.res_groups), vectors, strict=True))
+        return [
+            lax.dynamic_slice_in_dim(by_key[key], start, math.prod(shape)).reshape(shape)
+            for key, start, shape in self.res_layout[(first, last)]
+        ]
+
     def zeros_act(self) -> jax.Array:
         return mark_varying(jnp.zeros(self.act.shape, self.act.dtype), self.act_axes)
 
@@ -378,28 +512,74 @@ class _Device:
         _, pull = jax.vjp(lambda r, c: stage(r, c, x, mb, first, last), rest, chunk)
         return None, pull(seed), None
 
+    def _pull_back_kept(
+        self, action: int, first: bool, last: bool, chunk: Any, x: Any, mb: Any, seed: Any, stored: tuple
+    ) -> tuple:
+        """As `_pull_back`, from the residuals the stage's forward stored (or, on
+        the last stage, computing them: `B` and `I` run the forward there).
+        Returns `(output, parameter gradients, input cotangent, residuals to store)`.
+
+        The pull-back is traced again here, and its residuals swapped for the
+        stored ones: the forward traced with it then feeds nothing, and XLA
+        removes it."""
+        out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
+        to_store = None
+        if _stores(action, last):
+            to_store = self.pack(first, last, [leaves[i] for i in kept])
+        elif not (last and action == BACKWARD):
+            for i, value in zip(kept, self.unpack(first, last, stored), strict=True):
+                leaves[i] = value
+            out = None
+        cts = jax.tree.unflatten(treedef, leaves)(seed)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), tuple(cts[:2]), (self.rest, chunk))
+        dx = None if first else cts[2]
+        if action == BACKWARD_INPUT:
+            grads = None
+        elif action == BACKWARD_WEIGHT:
+            dx = None
+        return out, grads, dx, to_store
+
     def _run(self, action: int, first: bool, last: bool, operands: tuple) -> tuple:
         """One branch of the tick's `lax.switch`: `(activation to send on,
-        cotangent to send back, rest's gradient sum, stack's gradient sums, loss sum)`."""
-        carry, row = operands
-        inputs, cots, g_rest, g_blocks, loss_sum = carry
-        _, mb, chunk, in_slot, cot_slot, _, _ = row
+        cotangent to send back, rest's gradient sum, stack's gradient sums, loss
+        sum, residuals to store)`."""
+        carry, row, stored = operands
+        inputs, cots, g_rest, g_blocks, loss_sum = carry[:5]
+        _, mb, chunk, in_slot, cot_slot = row[:5]
         send_f, send_b = self.zeros_act(), self.zeros_act()
+        to_store = self.residual_zeros()
         if action == IDLE or (action == FORWARD and last):
             # The last stage's forward is folded into its backward.
-            return send_f, send_b, g_rest, g_blocks, loss_sum
+            return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
         mb_batch, chunk_params = _index(self.micro_batches, mb), _index(self.blocks, chunk)
         x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
+        if action == FORWARD and self.engine.keep:
+            out, leaves, _, kept = self._vjp(first, last, chunk_params, x, mb_batch)
+            send_f = mark_varying(out, self.act_axes)
+            return (
+                send_f,
+                send_b,
+                g_rest,
+                g_blocks,
+                loss_sum,
+                self.pack(first, last, [leaves[i] for i in kept]),
+            )
         if action == FORWARD:
             send_f = mark_varying(
                 self.stage(self.rest, chunk_params, x, mb_batch, first, last), self.act_axes
             )
-            return send_f, send_b, g_rest, g_blocks, loss_sum
+            return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
         if last:
             seed = mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
         else:
             seed = mark_varying(lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False), self.act_axes)
-        out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
+        if self.engine.keep:
+            out, grads, dx, packed = self._pull_back_kept(
+                action, first, last, chunk_params, x, mb_batch, seed, stored
+            )
+            to_store = packed if packed is not None else to_store
+        else:
+            out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
         if dx is not None:
             send_b = mark_varying(dx, self.act_axes)
         if last and action in (BACKWARD, BACKWARD_INPUT):
@@ -414,7 +594,7 @@ class _Device:
                 g_blocks,
                 g_c,
             )
-        return send_f, send_b, g_rest, g_blocks, loss_sum
+        return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
 
     def run(self) -> tuple[jax.Array, Any, Any]:
         """The scan over the schedule's ticks: `(loss sum, rest's gradients, stack's
@@ -426,7 +606,15 @@ class _Device:
         backward_perm = [(i, (i - 1) % p) for i in range(p)]
 
         def tick(carry, row):
-            send_f, send_b, g_rest, g_blocks, loss_sum = lax.switch(row[0], branches, (carry, row))
+            # The residuals a backward action reads, taken out of their buffers
+            # here so that the branches get one slot's worth, not the buffers.
+            res = carry[5]
+            stored = tuple(
+                lax.dynamic_index_in_dim(b, jnp.maximum(row[8], 0), 0, keepdims=False) for b in res
+            )
+            send_f, send_b, g_rest, g_blocks, loss_sum, to_store = lax.switch(
+                row[0], branches, (carry, row, stored)
+            )
             # Every device sends every tick, outside the branches (a collective
             # that only some devices reach would hang).
             if p > 1:
@@ -434,7 +622,8 @@ class _Device:
                 send_b = lax.ppermute(send_b, PIPE, backward_perm)
             inputs = _write(carry[0], row[5], send_f)
             cots = _write(carry[1], row[6], send_b)
-            return (inputs, cots, g_rest, g_blocks, loss_sum), None
+            res = tuple(_write(b, row[7], v) for b, v in zip(res, to_store, strict=True))
+            return (inputs, cots, g_rest, g_blocks, loss_sum, res), None
 
         rows = lax.dynamic_index_in_dim(jnp.asarray(program), lax.axis_index(PIPE), 1, keepdims=False)
         buffers = self.engine.sched.buffers
@@ -446,8 +635,9 @@ class _Device:
             jax.tree.map(jnp.zeros_like, self.rest),
             jax.tree.map(jnp.zeros_like, self.blocks),
             mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
+            self.residual_zeros(max(1, buffers.residuals)),
         )
-        (_, _, g_rest, g_blocks, loss_sum), _ = lax.scan(tick, init, rows)
+        (_, _, g_rest, g_blocks, loss_sum, _), _ = lax.scan(tick, init, rows)
         return loss_sum, g_rest, g_blocks
 
 

@@ -663,7 +663,12 @@ class Buffers:
     of the stage input the action at that tick reads (-1: none);
     `cotangent_slot`: the same for the cotangent; `recv_input[tick, device]`: the
     slot the activation arriving at the end of that tick is written to (-1: none);
-    `recv_cotangent`: the same for an arriving cotangent.
+    `recv_cotangent`: the same for an arriving cotangent. `residuals`: slots for
+    the residuals a stage's forward keeps for its backward (every virtual stage
+    but the last, whose forward runs inside its backward; there, the residuals of
+    its `I`, which `W` reuses); `residual_slot[tick, device]`: the slot the action
+    at that tick writes them to (`F`; the last stage's `I`) or reads them from
+    (`B`, `I`, `W`), -1 for none.
     """
 
     inputs: int
@@ -672,6 +677,8 @@ class Buffers:
     cotangent_slot: np.ndarray
     recv_input: np.ndarray
     recv_cotangent: np.ndarray
+    residuals: int = 0
+    residual_slot: np.ndarray | None = None
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[int, dict]:
@@ -709,9 +716,10 @@ def _buffers(schedule: Schedule) -> Buffers:
     cot_slot = np.full(shape, -1, np.int32)
     recv_input = np.full(shape, -1, np.int32)
     recv_cot = np.full(shape, -1, np.int32)
-    n_in = n_cot = 0
+    res_slot = np.full(shape, -1, np.int32)
+    n_in = n_cot = n_res = 0
     for device in range(p):
-        ins, cots = [], []
+        ins, cots, res = [], [], []
         for mb in range(schedule.microbatches):
             for chunk in range(schedule.chunks):
                 k = schedule.stage_of(device, chunk)
@@ -719,6 +727,17 @@ def _buffers(schedule: Schedule) -> Buffers:
                     ins.append((tick_of[(FORWARD, mb, k - 1)], last_use(mb, k), (mb, k)))
                 if k < stages - 1:  # the last stage seeds its own cotangent
                     cots.append((cot_sent(mb, k + 1), last_use(mb, k), (mb, k)))
+                    # ... and runs its forward inside its backward (keeping residuals
+                    # only from its input half to its weight half).
+                    res.append((tick_of[(FORWARD, mb, k)], last_use(mb, k), (mb, k)))
+                elif (BACKWARD_INPUT, mb, k) in tick_of:
+                    res.append((tick_of[(BACKWARD_INPUT, mb, k)], last_use(mb, k), (mb, k)))
+        count, res_where = _allocate(res)
+        n_res = max(n_res, count)
+        for (mb, k), slot in res_where.items():
+            for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                if (kind, mb, k) in tick_of:
+                    res_slot[tick_of[(kind, mb, k)], device] = slot
         count, in_where = _allocate(ins)
         n_in = max(n_in, count)
         count, cot_where = _allocate(cots)
@@ -734,7 +753,7 @@ def _buffers(schedule: Schedule) -> Buffers:
                 if (kind, mb, k) in tick_of:
                     cot_slot[tick_of[(kind, mb, k)], device] = slot
             recv_cot[cot_sent(mb, k + 1), device] = slot
-    return Buffers(n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot)
+    return Buffers(n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot)
 
 
 def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
