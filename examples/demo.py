@@ -92,6 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--d-hidden", type=int, default=384)
     parser.add_argument("--sample-len", type=int, default=400, help="characters to generate at the end")
+    parser.add_argument(
+        "--advise",
+        action="store_true",
+        help="print eqxpar.advise's ranked plans for this GPT on the available devices, then exit",
+    )
     parser.add_argument("--out", default="demo_out", help="directory for loss.png and sample.txt")
     return parser.parse_args(argv)
 
@@ -185,6 +190,20 @@ def main(argv=None) -> dict:
     )
 
     optimizer = adamw_warmup_cosine(args.lr, args.steps)
+    if args.advise:
+        # Predicted from shapes (nothing compiles): every plan for these devices.
+        tokens = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jax.numpy.int32)
+        advice = eqxpar.advise(
+            model,
+            lm_loss,
+            optimizer,
+            tokens,
+            devices=jax.device_count(),
+            device="cpu",
+            pipeline_loss=PIPELINE_LOSS,
+        )
+        print(advice.table(rejected=False))
+        return {"advice": advice}
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(loss_fn, optimizer, plan)
 
