@@ -263,6 +263,32 @@ def test_expert_and_pipeline_axes_match_one_device(schedule):
     assert w_in.sharding.shard_shape(w_in.shape)[:2] == (2, E // 2)
 
 
+def test_pipelined_blocks_returning_aux_are_refused():
+    class AuxBlock(MoEBlock):
+        def __call__(self, h):
+            y, aux = self.moe(h)
+            return h + y, aux
+
+    model = eqx.tree_at(
+        lambda m: m.blocks, PipelinedMoE(), nn.Stacked(AuxBlock, depth=4, key=jax.random.key(8))
+    )
+    loss = eqxpar.pipeline.PipelineLoss(
+        first=lambda m, batch: batch[0] @ m.proj,
+        stack=lambda m: m.blocks,
+        last=lambda m, h, batch: jnp.mean((h - batch[1]) ** 2),
+    )
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, expert=2, data=2),
+        rules=eqxpar.pipeline.stage_rules(eqxpar.rules.EXPERT),
+        schedule="gpipe",
+        microbatches=2,
+    )
+    step = eqxpar.train.make_step(loss, optax.sgd(0.1), plan)
+    state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
+    with pytest.raises(eqxpar.PlanError, match="returning \\(h, aux\\)\\) cannot be pipelined"):
+        step(state, batches(1)[0])
+
+
 def test_errors_name_the_fix():
     mesh = eqxpar.make_mesh(expert=4, data=2)
     with pytest.raises(eqxpar.PlanError, match="leaves out 'expert'"):

@@ -358,7 +358,7 @@ class _Device:
 
     def stage(
         self, rest: Any, chunk: Any, x: Any, mb_batch: Any, first: bool, last: bool, *, cast: bool = True
-    ) -> jax.Array:
+    ) -> Any:  # an array; anything else is refused by `_resolve_types`, naming the fix
         """Virtual stage `chunk` on one micro-batch: `first` (on the first stage),
         the chunk's layers, then `last` (on the last stage: the loss). `cast=False`:
         the weights are in the compute dtype already."""
@@ -380,6 +380,14 @@ class _Device:
         mb0, chunk0 = _index(self.micro_batches, jnp.asarray(0)), _index(self.blocks, jnp.asarray(0))
         act = jax.eval_shape(lambda r, c, b: self.stage(r, c, None, b, True, False), self.rest, chunk0, mb0)
         first_out = jax.eval_shape(lambda r, b: parts.first(self.assemble(r, chunk0), b), self.rest, mb0)
+        if not isinstance(act, jax.ShapeDtypeStruct):
+            raise PlanError(
+                "the pipelined stack returns "
+                f"{jax.tree.structure(act)}, not one array: stages pass one activation array to each "
+                "other. Blocks that also return auxiliary values (e.g. mixture-of-experts blocks "
+                "returning (h, aux)) cannot be pipelined; drop the aux inside the block (or fold an aux "
+                "loss into the activations), or use a plan without a pipeline."
+            )
         if not isinstance(first_out, jax.ShapeDtypeStruct) or first_out.shape != act.shape:
             raise PlanError(
                 "PipelineLoss.first must return one array, the activations the stack maps to the same "
