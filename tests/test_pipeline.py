@@ -200,12 +200,14 @@ def test_memory_flat_from_4p_to_16p_microbatches(name, chunks):
 
 def test_1f1b_memory_does_not_grow_with_microbatches_gpipe_does():
     act = 16 * 128 * 4  # one micro-batch's activation, bytes
-    ofob = [temp_bytes("1f1b", m) for m in (2, 8)]
-    gpipe = [temp_bytes("gpipe", m) for m in (2, 8)]
-    # GPipe keeps every micro-batch's stage input: six more of them.
-    assert gpipe[1] - gpipe[0] >= 5 * act, gpipe
-    # 1F1B keeps `stages` of them, whatever the micro-batch count (the batch
-    # itself grows, 16 x 5 floats a micro-batch, a tenth of an activation).
+    ofob = [temp_bytes("1f1b", m) for m in (4, 16)]
+    gpipe = [temp_bytes("gpipe", m) for m in (4, 16)]
+    # GPipe keeps every micro-batch's stage input (and residuals): twelve more.
+    assert gpipe[1] - gpipe[0] >= 12 * act, gpipe
+    # 1F1B keeps at most 2 stages - 1 of them (its fused ticks run a forward
+    # 2 (p - 1) micro-batches ahead of the backward beside it), whatever the
+    # micro-batch count (the batch itself grows, 16 x 5 floats a micro-batch).
+    assert eqxpar.pipeline.schedule("1f1b", stages=2, microbatches=16).in_flight <= 3
     assert ofob[1] - ofob[0] <= act, ofob
     assert ofob[1] < gpipe[1]
 

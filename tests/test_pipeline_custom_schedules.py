@@ -31,7 +31,9 @@ ERR = eqxpar.PipelineScheduleError
 
 
 def test_from_table_and_from_orders_give_the_builtin_table():
-    ofob = schedule("1f1b", stages=2, microbatches=2)
+    # The classic (unfused) 1F1B table: the built-in "1f1b" fuses each backward
+    # into a forward's tick, which from_orders (one action a tick) does not.
+    ofob = Schedule("1f1b", 2, 2, 1, np.array(TABLE, np.int32))
     a = Schedule.from_table(TABLE, stages=2, microbatches=2)
     b = Schedule.from_orders([["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]], microbatches=2)
     c = Schedule.from_orders(
@@ -161,10 +163,16 @@ def test_order_errors_and_deadlock():
 
 def test_check_table_is_validate():
     s = schedule("1f1b", stages=4, microbatches=8)
-    broken = Schedule("1f1b", 4, 8, 1, s.table[::-1].copy())
+    broken = Schedule("1f1b", 4, 8, 1, s.table[::-1].copy(), fused=s.fused[::-1].copy())
     for check in (check_table, validate, Schedule.validate):
         with pytest.raises(ERR, match="before what it depends on"):
             check(broken)
+    # A fused tick must pair a forward with a backward-direction action.
+    table, fused = np.array(s.table), np.array(s.fused)
+    tick, device = np.argwhere(fused[..., 2] == 2)[0]
+    table[tick, device, 2] = 2
+    with pytest.raises(ERR, match="must pair with a first one going the other way"):
+        validate(Schedule("1f1b", 4, 8, 1, table, fused=fused))
 
 
 def test_plan_takes_a_schedule_object():

@@ -58,7 +58,8 @@ def test_zero_bubble_beats_1f1b(stages, microbatches):
 
 def test_dependencies_hold_in_the_table():
     # Spelled out once for 1F1B: F of stage s after F of stage s - 1, B of stage s
-    # after B of stage s + 1 (and after its own F).
+    # after B of stage s + 1 (and after its own F; on the last stage in the same
+    # fused tick, where the forward is folded into the backward).
     s = schedule("1f1b", stages=4, microbatches=8)
     tick = {(mb, k, a): t for t, _, mb, k, a in s.entries()}
     for mb in range(8):
@@ -67,17 +68,20 @@ def test_dependencies_hold_in_the_table():
                 assert tick[(mb, k, 1)] > tick[(mb, k - 1, 1)]
             if k < 3:
                 assert tick[(mb, k, 2)] > tick[(mb, k + 1, 2)]
-            assert tick[(mb, k, 2)] > tick[(mb, k, 1)]
+            assert tick[(mb, k, 2)] > tick[(mb, k, 1)] or (k == 3 and tick[(mb, k, 2)] == tick[(mb, k, 1)])
     # A broken table is caught.
-    broken = eqxpar.pipeline.Schedule("1f1b", 4, 8, 1, s.table[::-1].copy())
+    g = schedule("gpipe", stages=4, microbatches=8)
+    broken = eqxpar.pipeline.Schedule("gpipe", 4, 8, 1, g.table[::-1].copy())
     with pytest.raises(eqxpar.PlanError, match="before what it depends on"):
         eqxpar.pipeline.check_table(broken)
 
 
 def test_in_flight_grows_with_stages_for_1f1b_and_with_microbatches_for_gpipe():
     for p in (2, 4, 8):
+        # Fused 1F1B runs a forward 2 (p - 1) micro-batches ahead of the backward
+        # beside it: fewer than 2p stage inputs held, the same for any m >= 2p.
         counts = [schedule("1f1b", stages=p, microbatches=k * p).in_flight for k in (1, 2, 4, 8)]
-        assert counts == [p] * 4
+        assert max(counts) < 2 * p and counts[1:] == [counts[1]] * 3
         zb = [schedule("zero_bubble", stages=p, microbatches=k * p).in_flight for k in (2, 4, 8)]
         assert len(set(zb)) == 1 and zb[0] <= 2 * p - 1
         gpipe = [schedule("gpipe", stages=p, microbatches=k * p).in_flight for k in (1, 2, 4, 8)]

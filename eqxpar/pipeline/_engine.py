@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from .._errors import DivisibilityError, PlanError
+from .._errors import DivisibilityError, PipelineScheduleError, PlanError
 from .._fsdp import gather_weights, gathers_of, kept_axes
 from .._grad_common import LossFunction, mark_varying, reduce_gradient, split_microbatches
 from .._plan import Plan
@@ -89,39 +89,67 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(buffer, value, at, 0)
 
 
-def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
-    """Per (tick, device): branch index, micro-batch, chunk, input slot, cotangent
-    slot, receive-input slot, receive-cotangent slot, residual write slot, residual
-    read slot; and the branch list (action, is first virtual stage, is last
-    virtual stage)."""
+#: Program columns: the branch, the receive-input and receive-cotangent slots,
+#: then per action of the tick (the table's, the fused table's) `FIELDS` values.
+FIELDS = 6  # micro-batch, chunk, input slot, cotangent slot, residual write, residual read
+
+
+Key = tuple[int, bool, bool]  # (action, is first virtual stage, is last virtual stage)
+
+
+def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
+    """Per (tick, device): branch index, receive-input slot, receive-cotangent
+    slot, then for each of the tick's two actions (the second idle unless the
+    schedule fuses them) micro-batch, chunk, input slot, cotangent slot, residual
+    write slot and residual read slot; and the branch list, a pair of
+    `(action, is first virtual stage, is last virtual stage)` per branch."""
     p, stages = sched.stages, sched.virtual_stages
     bufs = sched.buffers
-    branches: list[tuple[int, bool, bool]] = [(IDLE, False, False)]
-    index: dict[tuple[int, bool, bool], int] = {branches[0]: 0}
-    table = sched.table
-    prog = np.zeros(table.shape[:2] + (9,), np.int32)
-    for tick in range(table.shape[0]):
+    idle: Key = (IDLE, False, False)
+    branches: list[tuple[Key, Key]] = [(idle, idle)]
+    index: dict[tuple[Key, Key], int] = {branches[0]: 0}
+    tables = (sched.table, sched.fused if sched.fused is not None else np.zeros_like(sched.table))
+    prog = np.zeros(sched.table.shape[:2] + (3 + 2 * FIELDS,), np.int32)
+    for tick in range(sched.ticks):
         for device in range(p):
-            mb, chunk, kind = (int(x) for x in table[tick, device])
-            key = (IDLE, False, False)
-            write = read = -1
-            if kind != IDLE:
-                k = chunk * p + device
-                key = (kind, k == 0, k == stages - 1)
-                write, read = _residual_slots(kind, k == stages - 1, int(bufs.residual_slot[tick, device]))
-            if key not in index:
-                index[key] = len(branches)
-                branches.append(key)
+            keys, fields, writes, reads = [], [], [], []
+            for i, table in enumerate(tables):
+                mb, chunk, kind = (int(x) for x in table[tick, device])
+                key, write, read = idle, -1, -1
+                if kind != IDLE:
+                    k = chunk * p + device
+                    key = (kind, k == 0, k == stages - 1)
+                    write, read = _residual_slots(
+                        kind, k == stages - 1, int(bufs.residual_slot[tick, device, i])
+                    )
+                keys.append(key)
+                writes.append(write)
+                reads.append(read)
+                fields += [
+                    max(mb, 0),
+                    max(chunk, 0),
+                    bufs.input_slot[tick, device, i],
+                    bufs.cotangent_slot[tick, device, i],
+                    write,
+                    read,
+                ]
+            if min(writes) >= 0 or min(reads) >= 0:
+                # One slot of residuals is read before a tick and one written after it.
+                raise PipelineScheduleError(
+                    f"{sched!r}: tick {tick}, device {device}: both of the tick's actions "
+                    f"{'store' if min(writes) >= 0 else 'read'} a stage's residuals; a fused tick pairs "
+                    "a forward with a backward of another stage or micro-batch. Put them in ticks of "
+                    "their own."
+                )
+            pair = (keys[0], keys[1])
+            if pair not in index:
+                index[pair] = len(branches)
+                branches.append(pair)
             prog[tick, device] = (
-                index[key],
-                max(mb, 0),
-                max(chunk, 0),
-                bufs.input_slot[tick, device],
-                bufs.cotangent_slot[tick, device],
+                index[pair],
                 bufs.recv_input[tick, device],
                 bufs.recv_cotangent[tick, device],
-                write,
-                read,
+                *fields,
             )
     return prog, branches
 
@@ -222,7 +250,7 @@ class _Engine:
         return schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
 
     @functools.cached_property
-    def program(self) -> tuple[np.ndarray, list[tuple[int, bool, bool]]]:
+    def program(self) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
         return _program(self.sched)
 
     @property
@@ -441,7 +469,7 @@ class _Device:
         if not self.engine.keep:
             return
         _, branch_keys = self.engine.program
-        variants = sorted({(f, la) for kind, f, la in branch_keys if _stores(kind, la)})
+        variants = sorted({(f, la) for keys in branch_keys for kind, f, la in keys if _stores(kind, la)})
         # Indexed as the branches index them, by a row of the program (which
         # varies along pipe), so that the residuals have the branches' types.
         at = lax.axis_index(PIPE) * 0
@@ -547,49 +575,68 @@ class _Device:
             dx = None
         return out, grads, dx, to_store
 
-    def _run(self, action: int, first: bool, last: bool, operands: tuple) -> tuple:
-        """One branch of the tick's `lax.switch`: `(activation to send on,
-        cotangent to send back, rest's gradient sum, stack's gradient sums, loss
-        sum, residuals to store)`."""
+    def _run(self, keys: tuple[Key, Key], operands: tuple) -> tuple:
+        """One branch of the tick's `lax.switch`: the tick's action, then its fused
+        second action (if any). Returns `(activation to send on, cotangent to send
+        back, rest's gradient sum, stack's gradient sums, loss sum, residuals to
+        store)`: a fused tick pairs a forward with a backward-direction action, so
+        each send comes from one of them."""
         carry, row, stored = operands
         inputs, cots, g_rest, g_blocks, loss_sum = carry[:5]
-        _, mb, chunk, in_slot, cot_slot = row[:5]
-        send_f, send_b = self.zeros_act(), self.zeros_act()
-        to_store = self.residual_zeros()
+        send_f, send_b, to_store = self.zeros_act(), self.zeros_act(), self.residual_zeros()
+        for i, key in enumerate(keys):
+            fields = row[3 + FIELDS * i : 3 + FIELDS * (i + 1)]
+            f, b, g_rest, g_blocks, loss_sum, st = self._action(
+                *key, fields, inputs, cots, stored, g_rest, g_blocks, loss_sum
+            )
+            send_f = send_f if f is None else f
+            send_b = send_b if b is None else b
+            to_store = to_store if st is None else st
+        return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
+
+    def _action(
+        self,
+        action: int,
+        first: bool,
+        last: bool,
+        fields: jax.Array,
+        inputs: jax.Array,
+        cots: jax.Array,
+        stored: tuple,
+        g_rest: Any,
+        g_blocks: Any,
+        loss_sum: jax.Array,
+    ) -> tuple:
+        """One action of a tick: `(activation to send on or None, cotangent to send
+        back or None, rest's gradient sum, stack's gradient sums, loss sum,
+        residuals to store or None)`."""
+        mb, chunk, in_slot, cot_slot = fields[0], fields[1], fields[2], fields[3]
         if action == IDLE or (action == FORWARD and last):
             # The last stage's forward is folded into its backward.
-            return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
+            return None, None, g_rest, g_blocks, loss_sum, None
         mb_batch, chunk_params = _index(self.micro_batches, mb), _index(self.blocks, chunk)
         x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
         if action == FORWARD and self.engine.keep:
             out, leaves, _, kept = self._vjp(first, last, chunk_params, x, mb_batch)
-            send_f = mark_varying(out, self.act_axes)
-            return (
-                send_f,
-                send_b,
-                g_rest,
-                g_blocks,
-                loss_sum,
-                self.pack(first, last, [leaves[i] for i in kept]),
-            )
+            packed = self.pack(first, last, [leaves[i] for i in kept])
+            return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, packed
         if action == FORWARD:
             send_f = mark_varying(
                 self.stage(self.rest, chunk_params, x, mb_batch, first, last), self.act_axes
             )
-            return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
+            return send_f, None, g_rest, g_blocks, loss_sum, None
         if last:
             seed = mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
         else:
             seed = mark_varying(lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False), self.act_axes)
+        packed = None
         if self.engine.keep:
             out, grads, dx, packed = self._pull_back_kept(
                 action, first, last, chunk_params, x, mb_batch, seed, stored
             )
-            to_store = packed if packed is not None else to_store
         else:
             out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
-        if dx is not None:
-            send_b = mark_varying(dx, self.act_axes)
+        send_b = None if dx is None else mark_varying(dx, self.act_axes)
         if last and action in (BACKWARD, BACKWARD_INPUT):
             loss_sum = loss_sum + mark_varying(out, self.loss_axes)
         if grads is not None:
@@ -602,13 +649,13 @@ class _Device:
                 g_blocks,
                 g_c,
             )
-        return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
+        return None, send_b, g_rest, g_blocks, loss_sum, packed
 
     def run(self) -> tuple[jax.Array, Any, Any]:
         """The scan over the schedule's ticks: `(loss sum, rest's gradients, stack's
         gradients per chunk)` on this device."""
         program, branch_keys = self.engine.program
-        branches = [functools.partial(self._run, *key) for key in branch_keys]
+        branches = [functools.partial(self._run, keys) for keys in branch_keys]
         p = self.p
         forward_perm = [(i, (i + 1) % p) for i in range(p)]
         backward_perm = [(i, (i - 1) % p) for i in range(p)]
@@ -617,9 +664,10 @@ class _Device:
             # The residuals a backward action reads, taken out of their buffers
             # here so that the branches get one slot's worth, not the buffers.
             res = carry[5]
-            stored = tuple(
-                lax.dynamic_index_in_dim(b, jnp.maximum(row[8], 0), 0, keepdims=False) for b in res
-            )
+            # At most one of the tick's actions reads residuals, and one writes.
+            read = jnp.maximum(row[3 + FIELDS - 1], row[3 + 2 * FIELDS - 1])
+            write = jnp.maximum(row[3 + FIELDS - 2], row[3 + 2 * FIELDS - 2])
+            stored = tuple(lax.dynamic_index_in_dim(b, jnp.maximum(read, 0), 0, keepdims=False) for b in res)
             send_f, send_b, g_rest, g_blocks, loss_sum, to_store = lax.switch(
                 row[0], branches, (carry, row, stored)
             )
@@ -628,9 +676,9 @@ class _Device:
             if p > 1:
                 send_f = lax.ppermute(send_f, PIPE, forward_perm)
                 send_b = lax.ppermute(send_b, PIPE, backward_perm)
-            inputs = _write(carry[0], row[5], send_f)
-            cots = _write(carry[1], row[6], send_b)
-            res = tuple(_write(b, row[7], v) for b, v in zip(res, to_store, strict=True))
+            inputs = _write(carry[0], row[1], send_f)
+            cots = _write(carry[1], row[2], send_b)
+            res = tuple(_write(b, write, v) for b, v in zip(res, to_store, strict=True))
             return (inputs, cots, g_rest, g_blocks, loss_sum, res), None
 
         rows = lax.dynamic_index_in_dim(jnp.asarray(program), lax.axis_index(PIPE), 1, keepdims=False)

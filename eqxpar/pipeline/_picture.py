@@ -41,14 +41,23 @@ def save_schedule_png(schedule: Schedule, path: str | os.PathLike) -> None:
     fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * ticks + 1.5), 0.45 * devices + 1.2))
     for tick in range(ticks):
         for device in range(devices):
-            mb, chunk, kind = (int(x) for x in table[tick, device])
-            if kind == IDLE:
-                continue
-            ax.add_patch(
-                Rectangle((tick, device), 1, 1, facecolor=_COLOURS[kind], edgecolor="white", linewidth=0.5)
+            cells = [table[tick, device]] + (
+                [schedule.fused[tick, device]] if schedule.fused is not None else []
             )
-            label = f"{ACTION_LETTERS[kind]}{mb}" + (f":{chunk}" if schedule.chunks > 1 else "")
-            ax.text(tick + 0.5, device + 0.5, label, ha="center", va="center", fontsize=6, color="white")
+            cells = [tuple(int(x) for x in c) for c in cells if int(c[2]) != IDLE]
+            # A fused tick's two actions share the cell: first on the top half.
+            height = 1.0 / max(len(cells), 1)
+            for i, (mb, chunk, kind) in enumerate(cells):
+                top = device + i * height
+                ax.add_patch(
+                    Rectangle(
+                        (tick, top), 1, height, facecolor=_COLOURS[kind], edgecolor="white", linewidth=0.5
+                    )
+                )
+                label = f"{ACTION_LETTERS[kind]}{mb}" + (f":{chunk}" if schedule.chunks > 1 else "")
+                ax.text(
+                    tick + 0.5, top + height / 2, label, ha="center", va="center", fontsize=6, color="white"
+                )
     ax.set_xlim(0, ticks)
     ax.set_ylim(devices, 0)
     ax.set_yticks([d + 0.5 for d in range(devices)], [f"device {d}" for d in range(devices)])

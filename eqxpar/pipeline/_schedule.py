@@ -60,10 +60,14 @@ def _orders_gpipe(p: int, m: int) -> list[list[Action]]:
     return [[(FORWARD, j, 0) for j in range(m)] + [(BACKWARD, j, 0) for j in range(m)] for _ in range(p)]
 
 
-def _orders_1f1b(p: int, m: int) -> list[list[Action]]:
+def _orders_1f1b_fused(p: int, m: int) -> list[list[Action]]:
+    # 1F1B for fused ticks: device s warms up with 2 (p - 1 - s) forwards, then
+    # alternates, each forward sharing a tick with a backward. A tick's backward
+    # on device s then meets the next device's from the tick before, so in the
+    # steady state every device runs one forward and one backward per tick.
     orders = []
     for s in range(p):
-        warmup = min(p - 1 - s, m)
+        warmup = min(2 * (p - 1 - s), m)
         order = [(FORWARD, j, 0) for j in range(warmup)]
         for i in range(m - warmup):
             order += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
@@ -326,14 +330,22 @@ def _describe(kind: int, mb: int, k: int) -> str:
     return f"the {ACTION_NAMES[kind]} of micro-batch {mb} at virtual stage {k}"
 
 
-def _place(orders: list[list[Action]], p: int, stages: int, placement: str = "interleaved") -> np.ndarray:
+def _place(
+    orders: list[list[Action]], p: int, stages: int, placement: str = "interleaved", *, fuse: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Tick of every action: one after the later of the device's previous action
-    and its dependencies. Returns the (ticks, p, 3) table; raises
-    `PipelineScheduleError` naming every blocked device if the orders deadlock."""
+    and its dependencies. Returns the (ticks, p, 3) table and, with `fuse`, the
+    table of each tick's second action (or None): an action whose dependencies
+    are met by the end of the tick before its device's previous action (or by
+    that action itself) joins that tick when the two go opposite ways (a forward
+    and a backward-direction action), so that one send each way still does.
+    Raises `PipelineScheduleError` naming every blocked device if the orders
+    deadlock."""
     done: dict[tuple[int, int, int], int] = {}
     pos = [0] * p
     free = [0] * p
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    shared = [set() for _ in range(p)]  # ticks already holding two actions
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -345,6 +357,17 @@ def _place(orders: list[list[Action]], p: int, stages: int, placement: str = "in
                 if any(_key(*d) not in done for d in deps):
                     break
                 tick = max([free[s]] + [done[_key(*d)] + 1 for d in deps])
+                if fuse and placed[s] and tick == free[s] and tick - 1 not in shared[s]:
+                    before, prev = tick - 1, placed[s][-1][1]
+                    opposite = (prev[0] == FORWARD) != (act[0] == FORWARD)
+                    # The last stage's backward may join its own (folded) forward;
+                    # anything else must have been made before that tick.
+                    own = (prev[0], prev[1], _stage_of(s, prev[2], p, placement))
+                    folded = k == stages - 1 and own[0] == FORWARD
+                    met = all(done[_key(*d)] < before or (folded and _key(*d) == _key(*own)) for d in deps)
+                    if opposite and met:
+                        tick = before
+                        shared[s].add(tick)
                 done[(act[0], act[1], k)] = tick
                 if act[0] in (BACKWARD, BACKWARD_INPUT):
                     done[_key(act[0], act[1], k)] = tick
@@ -378,10 +401,12 @@ def _place(orders: list[list[Action]], p: int, stages: int, placement: str = "in
     ticks = max((t for row in placed for t, _ in row), default=-1) + 1
     table = np.full((ticks, p, 3), -1, dtype=np.int32)
     table[..., 2] = IDLE
+    second = table.copy()
     for s in range(p):
         for tick, (kind, mb, chunk) in placed[s]:
-            table[tick, s] = (mb, chunk, kind)
-    return table
+            target = second if table[tick, s, 2] != IDLE else table
+            target[tick, s] = (mb, chunk, kind)
+    return table, (second if fuse and (second[..., 2] != IDLE).any() else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -405,6 +430,12 @@ class Schedule:
       engine's) or `"v"` (with two chunks, device `d` holds stages `d` and
       `2 * stages - 1 - d`: ZB-V, DualPipeV; for prediction only). See
       `stage_of`.
+    - `fused`: None, or a second table of the same shape: the action each device
+      runs in a tick after `table`'s (idle where none). A fused tick pairs a
+      forward with a backward-direction action (one send each way per tick
+      still does), so that in one SPMD program the devices of a tick run work of
+      the same cost: `"1f1b"` and `"interleaved"` are built so (in their steady
+      state every device runs one forward and one backward per tick).
     - `bubble_fraction`: the idle share of the devices' time when each runs its
       actions in table order as soon as their inputs are there, under the cost
       model forward = 1, backward = 2, backward-input = 1, backward-weight = 1
@@ -434,6 +465,7 @@ class Schedule:
     chunks: int
     table: np.ndarray
     placement: str = "interleaved"
+    fused: np.ndarray | None = None
 
     @classmethod
     def from_table(
@@ -560,7 +592,7 @@ class Schedule:
             for i, (kind, mb, chunk) in enumerate(order)
         ]
         _check_units(units, p, microbatches, chunks, placement, where)
-        table = _place(parsed, p, p * chunks, placement)
+        table, _ = _place(parsed, p, p * chunks, placement)
         table.setflags(write=False)
         out = cls(name, p, microbatches, chunks, table, placement)
         validate(out)
@@ -585,11 +617,17 @@ class Schedule:
         return _stage_of(device, chunk, self.stages, self.placement)
 
     def entries(self) -> list[tuple[int, int, int, int, int]]:
-        """Every non-idle entry as `(tick, device, micro-batch, virtual stage, action)`."""
+        """Every non-idle entry as `(tick, device, micro-batch, virtual stage, action)`,
+        in the order the devices run them (by tick; in a fused tick, `table`'s
+        action before `fused`'s)."""
         out = []
-        for tick, device in zip(*np.nonzero(self.table[..., 2] != IDLE), strict=True):
-            mb, chunk, kind = (int(x) for x in self.table[tick, device])
-            out.append((int(tick), int(device), mb, self.stage_of(int(device), chunk), kind))
+        tables = (self.table,) if self.fused is None else (self.table, self.fused)
+        for tick in range(self.ticks):
+            for device in range(self.stages):
+                for table in tables:
+                    mb, chunk, kind = (int(x) for x in table[tick, device])
+                    if kind != IDLE:
+                        out.append((tick, device, mb, self.stage_of(device, chunk), kind))
         return out
 
     @functools.cached_property
@@ -626,14 +664,18 @@ class Schedule:
 
     def __str__(self) -> str:
         cells = []
+        second = self.fused if self.fused is not None else np.full_like(self.table, IDLE)
         for device in range(self.stages):
             row = []
-            for mb, chunk, kind in self.table[:, device]:
-                if kind == IDLE:
-                    row.append(".")
-                else:
-                    suffix = f":{chunk}" if self.chunks > 1 else ""
-                    row.append(f"{ACTION_LETTERS[kind]}{mb}{suffix}")
+            for (mb, chunk, kind), (mb2, chunk2, kind2) in zip(
+                self.table[:, device], second[:, device], strict=True
+            ):
+                names = [
+                    f"{ACTION_LETTERS[k]}{b}" + (f":{c}" if self.chunks > 1 else "")
+                    for b, c, k in ((mb, chunk, kind), (mb2, chunk2, kind2))
+                    if k != IDLE
+                ]
+                row.append("+".join(names) or ".")
             cells.append(row)
         width = max(len(c) for row in cells for c in row)
         where = ", V placement" if self.placement == "v" else ""
@@ -659,14 +701,15 @@ class Schedule:
 class Buffers:
     """Slot assignment of the engine's buffers, derived from a schedule's table.
 
-    `inputs`/`cotangents`: number of slots. `input_slot[tick, device]`: the slot
-    of the stage input the action at that tick reads (-1: none);
-    `cotangent_slot`: the same for the cotangent; `recv_input[tick, device]`: the
+    `inputs`/`cotangents`: number of slots. `input_slot[tick, device, i]`: the
+    slot of the stage input the tick's action `i` reads (0: the table's, 1: the
+    fused table's second action; -1: none); `cotangent_slot`: the same for the
+    cotangent; `recv_input[tick, device]`: the
     slot the activation arriving at the end of that tick is written to (-1: none);
     `recv_cotangent`: the same for an arriving cotangent. `residuals`: slots for
     the residuals a stage's forward keeps for its backward (every virtual stage
     but the last, whose forward runs inside its backward; there, the residuals of
-    its `I`, which `W` reuses); `residual_slot[tick, device]`: the slot the action
+    its `I`, which `W` reuses); `residual_slot[tick, device, i]`: the slot action `i`
     at that tick writes them to (`F`; the last stage's `I`) or reads them from
     (`B`, `I`, `W`), -1 for none.
     """
@@ -701,8 +744,13 @@ def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[int, dict]:
 def _buffers(schedule: Schedule) -> Buffers:
     p, stages = schedule.stages, schedule.virtual_stages
     tick_of: dict[tuple[int, int, int], int] = {}
-    for tick, _, mb, k, kind in schedule.entries():
+    # Which of its tick's actions (0: the table's, 1: the fused table's) each is.
+    order_of: dict[tuple[int, int, int], int] = {}
+    previous = None
+    for tick, device, mb, k, kind in schedule.entries():
         tick_of[(kind, mb, k)] = tick
+        order_of[(kind, mb, k)] = 1 if previous == (tick, device) else 0
+        previous = (tick, device)
     backward_kinds = (BACKWARD, BACKWARD_INPUT)
 
     def last_use(mb: int, k: int) -> int:
@@ -712,11 +760,11 @@ def _buffers(schedule: Schedule) -> Buffers:
         return max(tick_of.get((kind, mb, k), -1) for kind in backward_kinds)
 
     shape = schedule.table.shape[:2]
-    input_slot = np.full(shape, -1, np.int32)
-    cot_slot = np.full(shape, -1, np.int32)
+    input_slot = np.full((*shape, 2), -1, np.int32)
+    cot_slot = np.full((*shape, 2), -1, np.int32)
     recv_input = np.full(shape, -1, np.int32)
     recv_cot = np.full(shape, -1, np.int32)
-    res_slot = np.full(shape, -1, np.int32)
+    res_slot = np.full((*shape, 2), -1, np.int32)
     n_in = n_cot = n_res = 0
     for device in range(p):
         ins, cots, res = [], [], []
@@ -737,7 +785,7 @@ def _buffers(schedule: Schedule) -> Buffers:
         for (mb, k), slot in res_where.items():
             for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
                 if (kind, mb, k) in tick_of:
-                    res_slot[tick_of[(kind, mb, k)], device] = slot
+                    res_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
         count, in_where = _allocate(ins)
         n_in = max(n_in, count)
         count, cot_where = _allocate(cots)
@@ -745,13 +793,13 @@ def _buffers(schedule: Schedule) -> Buffers:
         for (mb, k), slot in in_where.items():
             for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
                 if (kind, mb, k) in tick_of:
-                    input_slot[tick_of[(kind, mb, k)], device] = slot
+                    input_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
             # The activation sent at that tick by the previous device lands here.
             recv_input[tick_of[(FORWARD, mb, k - 1)], device] = slot
         for (mb, k), slot in cot_where.items():
             for kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
                 if (kind, mb, k) in tick_of:
-                    cot_slot[tick_of[(kind, mb, k)], device] = slot
+                    cot_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
             recv_cot[cot_sent(mb, k + 1), device] = slot
     return Buffers(n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot)
 
@@ -827,7 +875,7 @@ def _build(name: str, p: int, m: int, v: int) -> Schedule:
     if name == "gpipe":
         orders = _orders_gpipe(p, m)
     elif name == "1f1b":
-        orders = _orders_1f1b(p, m)
+        orders = _orders_1f1b_fused(p, m)
     elif name == "interleaved":
         orders = _orders_interleaved(p, m, v)
     elif name == "zero_bubble":
@@ -836,9 +884,16 @@ def _build(name: str, p: int, m: int, v: int) -> Schedule:
         orders, placement = _orders_zb_v(p, m), "v"
     else:
         orders, placement = _orders_dualpipe_v(p, m), "v"
-    table = _place(orders, p, p * v, placement)
+    # 1F1B and interleaved fuse a forward and a backward into one tick, so that a
+    # tick's devices run work of one cost in one SPMD program (see `Schedule`).
+    fuse = name in ("1f1b", "interleaved")
+    table, fused = _place(orders, p, p * v, placement, fuse=fuse)
     table.setflags(write=False)
-    return Schedule(name=name, stages=p, microbatches=m, chunks=v, table=table, placement=placement)
+    if fused is not None:
+        fused.setflags(write=False)
+    return Schedule(
+        name=name, stages=p, microbatches=m, chunks=v, table=table, placement=placement, fused=fused
+    )
 
 
 def _check_counts(where: str, stages: Any, microbatches: Any, chunks: Any, placement: Any) -> None:
@@ -940,6 +995,26 @@ def _check_units(
             )
 
 
+def _check_cells(table: np.ndarray, m: int, v: int, where: str) -> None:
+    """Action codes 0-4, and micro-batch and chunk in range where not idle."""
+    for tick, device in zip(
+        *np.nonzero((table[..., 2] < IDLE) | (table[..., 2] > BACKWARD_WEIGHT)), strict=True
+    ):
+        raise PipelineScheduleError(
+            f"{where}: tick {tick}, device {device}: action code {table[tick, device, 2]}; expected 0 "
+            "(idle), 1 (forward), 2 (backward), 3 (backward-input) or 4 (backward-weight)."
+        )
+    busy = table[..., 2] != IDLE
+    for column, count, what in ((0, m, "micro-batch"), (1, v, "chunk")):
+        bad = busy & ((table[..., column] < 0) | (table[..., column] >= count))
+        for tick, device in zip(*np.nonzero(bad), strict=True):
+            raise PipelineScheduleError(
+                f"{where}: tick {tick}, device {device}: {ACTION_NAMES[table[tick, device, 2]]} of "
+                f"{what} {table[tick, device, column]}; expected 0 to {count - 1} (the schedule "
+                f"has {count})."
+            )
+
+
 def validate(schedule: Any) -> None:
     """Check that a schedule's table is runnable, before anything compiles.
 
@@ -982,22 +1057,31 @@ def validate(schedule: Any) -> None:
             f"{where}: the table has shape {shape} and dtype {getattr(table, 'dtype', type(table))}; "
             f"expected an integer array of shape (ticks, {p}, 3)."
         )
-    for tick, device in zip(
-        *np.nonzero((table[..., 2] < IDLE) | (table[..., 2] > BACKWARD_WEIGHT)), strict=True
+    fused = schedule.fused
+    if fused is not None and (
+        not isinstance(fused, np.ndarray)
+        or not np.issubdtype(fused.dtype, np.integer)
+        or fused.shape != table.shape
     ):
         raise PipelineScheduleError(
-            f"{where}: tick {tick}, device {device}: action code {table[tick, device, 2]}; expected 0 "
-            "(idle), 1 (forward), 2 (backward), 3 (backward-input) or 4 (backward-weight)."
+            f"{where}: the fused table has shape {getattr(fused, 'shape', None)}; expected an integer "
+            f"array of the table's shape {table.shape} (each tick's second action), or None."
         )
-    busy = table[..., 2] != IDLE
-    for column, count, what in ((0, m, "micro-batch"), (1, v, "chunk")):
-        bad = busy & ((table[..., column] < 0) | (table[..., column] >= count))
-        for tick, device in zip(*np.nonzero(bad), strict=True):
-            raise PipelineScheduleError(
-                f"{where}: tick {tick}, device {device}: {ACTION_NAMES[table[tick, device, 2]]} of "
-                f"{what} {table[tick, device, column]}; expected 0 to {count - 1} (the schedule "
-                f"has {count})."
-            )
+    for name, cells in (("table", table), ("fused table", fused)):
+        if cells is None:
+            continue
+        _check_cells(cells, m, v, where if name == "table" else f"{where} ({name})")
+    if fused is not None:
+        for tick, device in zip(*np.nonzero(fused[..., 2] != IDLE), strict=True):
+            first, second = int(table[tick, device, 2]), int(fused[tick, device, 2])
+            if first == IDLE or (first == FORWARD) == (second == FORWARD):
+                raise PipelineScheduleError(
+                    f"{where}: tick {tick}, device {device}: the fused table holds "
+                    f"{ACTION_NAMES[second]} beside {ACTION_NAMES[first]}; a tick's second action "
+                    "must pair with a first one going the other way (a forward with a backward, "
+                    "backward-input or backward-weight), so that one send each way carries both. "
+                    "Put it in a tick of its own."
+                )
     entries = schedule.entries()
     _check_units(
         [(f"tick {tick}, device {device}", mb, k, kind) for tick, device, mb, k, kind in entries],
@@ -1007,15 +1091,24 @@ def validate(schedule: Any) -> None:
         schedule.placement,
         where,
     )
-    at: dict[tuple[int, int, int], tuple[int, int]] = {}
-    for tick, device, mb, k, kind in entries:
-        at[(kind, mb, k)] = (tick, device)
+    at: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    for order, (tick, device, mb, k, kind) in enumerate(entries):
+        at[(kind, mb, k)] = (tick, device, order)
         if kind in (BACKWARD, BACKWARD_INPUT):
-            at[_key(kind, mb, k)] = (tick, device)
-    for tick, device, mb, k, kind in entries:
+            at[_key(kind, mb, k)] = (tick, device, order)
+    for order, (tick, device, mb, k, kind) in enumerate(entries):
         for dep in _dependencies((kind, mb, 0), k, p * v):
-            dep_tick, dep_device = at[_key(*dep)]
-            if dep_tick >= tick:
+            dep_tick, dep_device, dep_order = at[_key(*dep)]
+            # In a fused tick the last stage's backward may follow its own forward
+            # (folded into it): nothing else made in a tick is usable before the next.
+            own = (
+                dep_tick == tick
+                and dep_device == device
+                and dep_order < order
+                and dep[0] == FORWARD
+                and k == p * v - 1
+            )
+            if dep_tick >= tick and not own:
                 same = " (its output is usable from the next tick)" if dep_tick == tick else ""
                 raise PipelineScheduleError(
                     f"{where}: tick {tick}, device {device}: {_describe(kind, mb, k)} runs before what "

@@ -102,7 +102,7 @@ def _checked_costs(schedule: Schedule, costs: Any, send: Any) -> dict[int, float
             f"simulate(costs=...): unknown key(s) {unknown}; expected 'F' (forward), 'B' "
             "(backward), 'I' (backward-input), 'W' (backward-weight)."
         )
-    used = sorted({int(a) for a in np.unique(schedule.table[..., 2]) if a != IDLE})
+    used = sorted({kind for *_, kind in schedule.entries()})
     missing = [COST_KEYS[a] for a in used if COST_KEYS[a] not in costs]
     if missing:
         raise PipelineScheduleError(
@@ -152,8 +152,8 @@ def simulate(
       cotangent sent by the action it depends on arrives `send` seconds after that
       action ends (nothing is sent between two actions on the same device);
     - lockstep (one SPMD program, as eqxpar's engine runs it): every tick lasts as
-      long as its costliest action on any device, plus `send` (the engine's
-      per-tick `ppermute`).
+      long as its costliest device (a fused tick's two actions together), plus
+      `send` (the engine's per-tick `ppermute`).
 
     **Arguments:**
 
@@ -190,9 +190,9 @@ def simulate(
     free = [0.0] * schedule.stages
     finish: dict[tuple[int, int, int], tuple[float, int]] = {}  # key -> (end, device)
     work = 0.0
-    # Sorted by tick, so whatever an action depends on (an earlier tick in a valid
-    # table) has its finish time already; each device's actions in table order.
-    for _, device, mb, k, kind in sorted(schedule.entries()):
+    # In run order (by tick; a fused tick's second action after its first), so
+    # whatever an action depends on has its finish time already.
+    for _, device, mb, k, kind in schedule.entries():
         start = free[device]
         for dep in _dependencies((kind, mb, 0), k, stages):
             end, where = finish[_key(*dep)]
@@ -203,7 +203,14 @@ def simulate(
             finish[_key(kind, mb, k)] = (end, device)
         free[device] = end
         work += cost[kind]
-    per_tick = np.vectorize(cost.__getitem__, otypes=[float])(schedule.table[..., 2]).max(axis=1)
+    # A tick lasts as long as its costliest device: both of a fused tick's actions.
+    kinds = (
+        schedule.table[..., 2]
+        if schedule.fused is None
+        else np.stack([schedule.table[..., 2], schedule.fused[..., 2]])
+    )
+    per_device = np.vectorize(cost.__getitem__, otypes=[float])(kinds)
+    per_tick = (per_device if schedule.fused is None else per_device.sum(axis=0)).max(axis=1)
     lockstep = float(per_tick.sum()) + send * schedule.ticks
     return Simulation(
         name=schedule.name, stages=schedule.stages, free_s=max(free), lockstep_s=lockstep, work_s=work
