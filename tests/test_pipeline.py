@@ -236,13 +236,21 @@ def test_backward_reuses_the_forward_unless_remat_full(name, bound):
     np.testing.assert_allclose(loss_kept, loss_full, rtol=RTOL)
 
 
-def test_permutes_run_every_tick_outside_the_branches():
-    compiled = compiled_step("1f1b", 4)
-    stats = eqxpar.inspect.collective_stats(compiled)
-    ticks = eqxpar.pipeline.schedule("1f1b", stages=2, microbatches=4).ticks
-    # One activation forward and one cotangent backward per tick, in the tick loop.
-    assert stats.count["collective-permute"] == 2 * ticks, stats.count
-    assert stats.in_loops.get("collective-permute", 0) >= 2
+def test_permutes_run_where_due_outside_the_branches():
+    """A tick sends an activation forward only where one arrives at its end, a
+    cotangent backward likewise: GPipe's forward phase sends nothing back and its
+    backward phase nothing forward, so it sends once a tick, not twice."""
+    from eqxpar.pipeline._engine import _segments
+
+    for name, sends in (("gpipe", 10), ("1f1b", 12)):
+        compiled = compiled_step(name, 4)
+        stats = eqxpar.inspect.collective_stats(compiled)
+        sched = eqxpar.pipeline.schedule(name, stages=2, microbatches=4)
+        due = sum((b - a) * (f + g) for a, b, f, g in _segments(sched))
+        assert due == sends, _segments(sched)
+        assert stats.count["collective-permute"] == sends, stats.count
+        # In the tick loops, outside the branches: each send once per tick it runs.
+        assert stats.in_loops.get("collective-permute", 0) == sends
 
 
 # --- Errors ---------------------------------------------------------------------

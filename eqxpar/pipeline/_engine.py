@@ -652,15 +652,21 @@ class _Device:
         return None, send_b, g_rest, g_blocks, loss_sum, packed
 
     def run(self) -> tuple[jax.Array, Any, Any]:
-        """The scan over the schedule's ticks: `(loss sum, rest's gradients, stack's
-        gradients per chunk)` on this device."""
+        """The scans over the schedule's ticks: `(loss sum, rest's gradients, stack's
+        gradients per chunk)` on this device.
+
+        One scan per run of ticks with the same sends due (`_segments`): a tick
+        sends an activation forward only where one arrives somewhere at its end,
+        a cotangent backward likewise (GPipe's forward phase sends nothing back,
+        its backward phase nothing forward). Each scan's `lax.switch` holds the
+        branches its ticks use."""
         program, branch_keys = self.engine.program
         branches = [functools.partial(self._run, keys) for keys in branch_keys]
         p = self.p
         forward_perm = [(i, (i + 1) % p) for i in range(p)]
         backward_perm = [(i, (i - 1) % p) for i in range(p)]
 
-        def tick(carry, row):
+        def tick(carry, row, *, local, forward, backward):
             # The residuals a backward action reads, taken out of their buffers
             # here so that the branches get one slot's worth, not the buffers.
             res = carry[5]
@@ -669,23 +675,26 @@ class _Device:
             write = jnp.maximum(row[3 + FIELDS - 2], row[3 + 2 * FIELDS - 2])
             stored = tuple(lax.dynamic_index_in_dim(b, jnp.maximum(read, 0), 0, keepdims=False) for b in res)
             send_f, send_b, g_rest, g_blocks, loss_sum, to_store = lax.switch(
-                row[0], branches, (carry, row, stored)
+                row[0], local, (carry, row, stored)
             )
-            # Every device sends every tick, outside the branches (a collective
-            # that only some devices reach would hang).
-            if p > 1:
-                send_f = lax.ppermute(send_f, PIPE, forward_perm)
-                send_b = lax.ppermute(send_b, PIPE, backward_perm)
-            inputs = _write(carry[0], row[1], send_f)
-            cots = _write(carry[1], row[2], send_b)
+            inputs, cots = carry[0], carry[1]
+            # Every device sends on a tick where a send is due, outside the
+            # branches (a collective that only some devices reach would hang).
+            if forward:
+                if p > 1:
+                    send_f = lax.ppermute(send_f, PIPE, forward_perm)
+                inputs = _write(inputs, row[1], send_f)
+            if backward:
+                if p > 1:
+                    send_b = lax.ppermute(send_b, PIPE, backward_perm)
+                cots = _write(cots, row[2], send_b)
             res = tuple(_write(b, write, v) for b, v in zip(res, to_store, strict=True))
             return (inputs, cots, g_rest, g_blocks, loss_sum, res), None
 
-        rows = lax.dynamic_index_in_dim(jnp.asarray(program), lax.axis_index(PIPE), 1, keepdims=False)
         buffers = self.engine.sched.buffers
         n_inputs, n_cots = max(1, buffers.inputs), max(1, buffers.cotangents)
         act = self.act
-        init = (
+        carry = (
             mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
             mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
             jax.tree.map(jnp.zeros_like, self.rest),
@@ -693,8 +702,53 @@ class _Device:
             mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
             self.residual_zeros(max(1, buffers.residuals)),
         )
-        (_, _, g_rest, g_blocks, loss_sum, _), _ = lax.scan(tick, init, rows)
+        for start, stop, forward, backward in _segments(self.engine.sched):
+            part = np.array(program[start:stop])
+            used = sorted({int(i) for i in part[..., 0].flat})
+            part[..., 0] = np.searchsorted(used, part[..., 0])
+            rows = lax.dynamic_index_in_dim(jnp.asarray(part), lax.axis_index(PIPE), 1, keepdims=False)
+            body = functools.partial(
+                tick, local=[branches[i] for i in used], forward=forward, backward=backward
+            )
+            carry, _ = lax.scan(body, carry, rows)
+        _, _, g_rest, g_blocks, loss_sum, _ = carry
         return loss_sum, g_rest, g_blocks
+
+
+def _segments(sched: Schedule, *, shortest: int = 3) -> list[tuple[int, int, bool, bool]]:
+    """`(start, stop, forward due, backward due)`: the schedule's ticks in runs
+    with the same sends due. A send is due at a tick where some device receives
+    what it carries at the tick's end. Runs shorter than `shortest` ticks join
+    the run before (the first, the one after), sending what either needs: each
+    run is a loop of its own to compile, and a few extra sends cost less."""
+    bufs = sched.buffers
+    due = list(
+        zip(
+            (bufs.recv_input >= 0).any(axis=1).tolist(),
+            (bufs.recv_cotangent >= 0).any(axis=1).tolist(),
+            strict=True,
+        )
+    )
+    runs: list[list] = []
+    for tick, (forward, backward) in enumerate(due):
+        if runs and (runs[-1][2], runs[-1][3]) == (forward, backward):
+            runs[-1][1] = tick + 1
+        else:
+            runs.append([tick, tick + 1, forward, backward])
+    merged: list[list] = []
+    for run in runs:
+        if merged and (run[1] - run[0] < shortest or merged[-1][1] - merged[-1][0] < shortest):
+            last = merged[-1]
+            last[1], last[2], last[3] = run[1], last[2] or run[2], last[3] or run[3]
+        else:
+            merged.append(list(run))
+    out: list[tuple[int, int, bool, bool]] = []
+    for a, b, f, g in merged:  # neighbours a merge made alike run as one
+        if out and out[-1][2:] == (bool(f), bool(g)):
+            out[-1] = (out[-1][0], b, bool(f), bool(g))
+        else:
+            out.append((a, b, bool(f), bool(g)))
+    return out
 
 
 def pipeline_gradients(
