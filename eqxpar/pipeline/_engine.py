@@ -328,39 +328,42 @@ class _Engine:
         """The step's loss and gradients from the per-device sums: the rest's
         gradients (computed on the first or last stage only) summed over pipe, the
         stack's kept by the stage that owns the layers, all reduced over the
-        batch axes (reduce-scattered where they were gathered), divided by `divide`."""
+        batch axes (reduce-scattered where they were gathered), divided by `divide`.
+        The rest's sum over pipe and over the batch axes is one all-reduce over
+        both (two would send more)."""
         plan, axes = self.layout.plan, self.layout.reduced_axes
-        g_rest = jax.tree.map(
-            lambda g: reduce_gradient(g, scatter=(), psum_axes=(PIPE,), divide=1, dtype=plan.reduce_dtype),
-            g_rest,
-        )
         loss = lax.psum(loss_sum, PIPE) / plan.microbatches
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
+        in_rest = eqx.tree_at(
+            self.blocks_of, jax.tree.map(lambda _: True, g_rest), jax.tree.map(lambda _: False, g_blocks)
+        )
         grads = eqx.tree_at(self.blocks_of, g_rest, g_blocks)
-        if not axes:
-            return loss, grads
 
-        def reduce(g: jax.Array, gather_kept: Any) -> jax.Array:
+        def reduce(g: jax.Array, gather_kept: Any, rest_leaf: bool) -> jax.Array:
             # Reduce-scatter over the axes the weight was gathered over (the
             # gather's transpose), then sum over the other batch axes, except those
-            # it stays split over (experts).
+            # it stays split over (experts), and over pipe for the rest's leaves.
             gather, kept = gather_kept
             rest = tuple(a for a in axes if a not in kept and all(a not in over for _, over in gather))
+            psum_axes = ((PIPE,) if rest_leaf else ()) + rest
+            if not gather and not psum_axes and divide == 1:
+                return g
             return reduce_gradient(
                 g,
                 scatter=tuple(reversed(gather)),
-                psum_axes=rest,
+                psum_axes=psum_axes,
                 divide=divide,
                 dtype=plan.reduce_dtype,
             )
 
         grads = jax.tree.map(
-            lambda g, gather: g if g is None else reduce(g, gather),
+            lambda g, gather, rest_leaf: g if g is None else reduce(g, gather, rest_leaf),
             grads,
             gathers,
+            in_rest,
             is_leaf=lambda x: x is None,
         )
-        return lax.pmean(loss, axes), grads
+        return (lax.pmean(loss, axes) if axes else loss), grads
 
 
 class _Device:
