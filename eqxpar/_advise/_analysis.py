@@ -133,3 +133,75 @@ def _layers(model: Any) -> int:
     from ..inspect._minimum import _attentions
 
     return sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in _attentions(model))
+
+
+def _dependent(jaxpr: Any, sources: set) -> set:
+    """The variables of `jaxpr` that vary as `sources` do inside `shard_map`: those
+    computed from them (an equation with one such input makes all its outputs
+    so), and the other operands of such equations (`shard_map` casts them to
+    the varying type, and a residual is then that cast copy)."""
+    found = set(sources)
+    operands = set()
+    for eqn in jaxpr.eqns:
+        invars = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        if any(v in found for v in invars):
+            found.update(eqn.outvars)
+            operands.update(invars)
+    return found | operands
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One pipeline virtual stage on one micro-batch, whole (not split over a
+    tensor axis): `residuals[(first, last)]`, the outlines its forward keeps for
+    its backward actions as the engine stores them, per kind of virtual stage
+    (the first runs `first` before its layers, the last `last` after them);
+    `activation`, the outline of what crosses a stage boundary."""
+
+    residuals: dict[tuple[bool, bool], tuple[jax.ShapeDtypeStruct, ...]]
+    activation: jax.ShapeDtypeStruct
+
+
+def stage(model: Any, loss: Any, micro_batch: Any, layers: int, dtype: Any = None) -> Stage:
+    """Trace one virtual stage of `layers` layers of `loss`'s stack (an
+    `eqxpar.pipeline.PipelineLoss`) on one micro-batch, the weights in `dtype`
+    (None: their own), as the pipeline engine does (`_Device._resolve_residuals`):
+    the residuals of `jax.vjp` of the stage w.r.t. its weights and (off the first
+    stage) its input, less the weights, the input and the micro-batch themselves
+    and what the micro-batch alone determines (the engine keeps only what varies
+    along `pipe`; see `_dependent`). On outlines; nothing runs."""
+    model, micro_batch = outline(model), outline(micro_batch)
+    floating = lambda x: is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    blocks = loss.stack_of(model).blocks
+    chunk = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype) if is_array_like(x) else x, blocks
+    )
+    # The engine swaps a chunk's layers into the stack the same way (its depth field unchanged).
+    model = eqx.tree_at(lambda m: loss.stack(m).blocks, model, chunk)
+    if dtype is not None:
+        model = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if floating(x) else x, model)
+    params, static = eqx.partition(model, floating)
+    h = jax.eval_shape(lambda p, b: loss.first(eqx.combine(p, static), b), params, micro_batch)
+    out = {}
+    for first, last in ((True, False), (False, False), (False, True), (True, True)):
+
+        def run(p, x, b, first=first, last=last):
+            m = eqx.combine(p, static)
+            y = loss.stack(m)(loss.first(m, b) if first else x)
+            return loss.last(m, y, b) if last else y
+
+        def residuals(p, x, b, run=run, first=first):
+            if first:
+                return jax.tree.leaves(jax.vjp(lambda p: run(p, None, b), p)[1])
+            return jax.tree.leaves(jax.vjp(lambda p, x: run(p, x, b), p, x)[1])
+
+        jaxpr = jax.make_jaxpr(residuals)(params, h, micro_batch).jaxpr
+        n = len(jax.tree.leaves(params)) + len(jax.tree.leaves(h))
+        varying = _dependent(jaxpr, set(jaxpr.invars[:n]))
+        inputs = set(jaxpr.invars)
+        out[(first, last)] = tuple(
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v in jaxpr.outvars
+            if not isinstance(v, jcore.Literal) and v not in inputs and v in varying
+        )
+    return Stage(residuals=out, activation=jax.ShapeDtypeStruct(h.shape, h.dtype))

@@ -47,8 +47,10 @@ class Prediction:
 
     Bytes per device: `params_bytes`, `opt_state_bytes`, `batch_bytes` (the
     arguments, exact from the layout); `gradient_bytes`, `activation_bytes`
-    (residuals saved for the backward pass), `gathered_bytes` (FSDP weights
-    gathered whole), `buffer_bytes` (pipeline boundary buffers) and
+    (residuals saved for the backward pass; a pipeline's kept residual slots),
+    `gathered_bytes` (FSDP weights gathered whole), `buffer_bytes` (a pipeline's
+    input / cotangent slots and a tick's transients; a dropless MoE layer's
+    grouped-matmul and dispatch buffers) and
     `update_bytes` (optimizer temporaries): the temporaries. `wire_bytes` by
     collective kind and `wire_bytes_by_axis` by mesh axes (what one device
     sends); `flops` per device; `compute_s`, `comm_s` and `step_time_s` on the
@@ -128,13 +130,35 @@ def _tensor_dims(params: Any, specs: Any, plan: Plan) -> set[int]:
 def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int:
     """Residual bytes per device: each residual split as the batch and sequence
     are, and over the tensor axis where it has a dimension the rules split there
-    (or every one, under sequence parallelism)."""
+    (or every one, under sequence parallelism). MoE residuals have the batch's
+    tokens flattened: those of the routed rows (`tokens * top_k`) split as the
+    batch, then, under dropless expert parallelism over `n` devices, `n` times
+    that (a device's experts take up to every device's rows: static buffers of
+    `n` devices' assignments), split over the tensor axis only where the experts
+    are; those of the tokens (the router's) split as the batch."""
     t = plan.mesh.shape.get(plan.tensor_axis, 1)
     split_dims = _tensor_dims(params, specs, plan) if t > 1 else set()
     b, c = analysis.batch_size, plan.context_size
+    routed = analysis.routed.shape[0] if analysis.routed is not None else None
+    tokens = b * analysis.seq_len if analysis.seq_len is not None else None
+    moe = _moe_split(plan, params, specs)
     total = 0
     for r in analysis.residuals:
         shape = r.shape
+        if b not in shape[:-1] and routed is not None and routed in shape[:-1]:
+            after = shape[shape.index(routed) + 1 :]
+            divisor = plan.batch_size_multiple * c
+            if moe["tensor"] and split_dims & set(after):
+                divisor *= t
+            total += nbytes(r) * moe["rows"] // divisor
+            continue
+        if b not in shape[:-1] and tokens is not None and tokens in shape[:-1]:
+            after = shape[shape.index(tokens) + 1 :]
+            divisor = plan.batch_size_multiple * c
+            if t > 1 and (plan.sequence_parallel or split_dims & set(after)):
+                divisor *= t
+            total += nbytes(r) // divisor
+            continue
         after = shape[shape.index(b) + 1 :] if b in shape[:-1] else shape
         divisor = plan.batch_size_multiple * c if b in shape[:-1] else 1
         if c > 1 and analysis.seq_len is not None and list(after).count(analysis.seq_len) >= 2:
@@ -145,6 +169,54 @@ def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
             divisor *= t
         total += nbytes(r) // divisor
     return total
+
+
+def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
+    """How the model's MoE layers run under `plan`: `rows`, the factor of the
+    routed rows a device's experts take (the expert axis' size when they are split
+    over it and dropless, else 1); `tensor`, whether the experts are split over
+    the tensor axis."""
+    from ..nn._moe import MoE
+
+    is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
+    layers = [x for x in jax.tree.leaves(params, is_leaf=is_moe) if is_moe(x)]
+    if not layers:
+        return {"rows": 1, "tensor": False, "dropless": False}
+    spec_layers = [x for x in jax.tree.leaves(specs, is_leaf=is_moe) if is_moe(x)]
+    n = plan.expert_size
+    dropless = any(layer.capacity_factor is None for layer in layers)
+    tensor = any(
+        isinstance(spec, PartitionSpec) and any(plan.tensor_axis in mesh_axis_names(e) for e in spec)
+        for layer in spec_layers
+        for spec in (layer.w_in, layer.w_out)
+    )
+    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    return {
+        "rows": n if n > 1 and dropless else 1,
+        "tensor": tensor and t > 1,
+        "dropless": dropless,
+        "local": max(layer.experts for layer in layers) // n,
+        "hidden": max(layer.w_in.shape[-1] for layer in layers) // (t if tensor else 1),
+    }
+
+
+def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int:
+    """Per device, what one dropless MoE layer holds while it runs besides its
+    residuals: the grouped matmuls (`ragged_dot`, which XLA:CPU computes as every
+    local expert's product for all rows, then selects: local experts x rows x
+    hidden, and the result, rows x hidden), and under expert parallelism the
+    static send and receive buffers (`n` x a device's assignments each, of
+    d_model, plus their int32 ids). Rows: the device's routed assignments, `n`
+    times over under expert parallelism over `n` devices."""
+    moe = _moe_split(plan, params, specs)
+    if analysis.routed is None or not moe.get("dropless"):
+        return 0
+    routed, d = analysis.routed.shape
+    size = jnp.dtype(analysis.routed.dtype).itemsize
+    rows = routed * moe["rows"] // (plan.batch_size_multiple * plan.context_size)
+    grouped = rows * (moe["local"] + 1) * moe["hidden"] * size
+    dispatch = 2 * rows * (d * size + 4) if moe["rows"] > 1 else 0
+    return grouped + dispatch
 
 
 def predict(
@@ -174,24 +246,12 @@ def predict(
     updated = _per_device(params, layout.updates, mesh)
     update = int(UPDATE_SHARE * updated)
     buffers = 0
-    p = mesh.shape.get("pipe", 1)
     if plan.schedule is None:
         activations = _activations(plan, analysis, params, layout.params) + _kept_inputs(plan, analysis)
+        buffers = _moe_buffers(plan, analysis, params, layout.params)
     else:
-        from ..pipeline import schedule as make_schedule
-
-        m, v = plan.microbatches, plan.chunks
-        whole = _activations(plan, analysis, params, layout.params)
-        # One stage's residuals for one micro-batch (the engine recomputes a stage
-        # in its backward pass from the stage input it keeps)...
-        activations = whole // (m * p * v)
-        # ...the stage inputs in flight, and a second gradient buffer (the tick's
-        # gradient beside the accumulator).
-        sched = make_schedule(plan.schedule, stages=p, microbatches=m, chunks=v)
-        inflight = m * v if plan.schedule == "gpipe" else min(m, p) * v
-        b = analysis.batch_size // plan.batch_size_multiple // m
-        row = analysis.row_bytes * b
-        buffers = inflight * row + grads
+        sched = _schedule(plan)
+        activations, buffers = _pipeline_memory(plan, sched, params, batch, loss, layout, grads)
     wire, by_axis = _wire(plan, params, batch, loss, analysis, profile)
     flops = 3.0 * analysis.forward_flops / mesh.size
     dtype = plan.compute_dtype or jnp.float32
@@ -217,6 +277,96 @@ def predict(
         comm_s=comm,
         step_time_s=compute + comm,
     )
+
+
+def _schedule(plan: Plan) -> Any:
+    """The plan's pipeline schedule (`eqxpar.pipeline.Schedule`)."""
+    from ..pipeline import Schedule
+    from ..pipeline import schedule as make_schedule
+
+    if isinstance(plan.schedule, Schedule):
+        return plan.schedule
+    p = plan.mesh.shape.get("pipe", 1)
+    return make_schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
+
+
+def _engine_sends(sched: Any) -> int:
+    """Boundary buffers one device sends in a step: one each way on every tick of
+    the engine's runs of ticks that send that way (`_segments`: where some device
+    receives at the tick's end; short runs join a neighbour), idle or not."""
+    from ..pipeline._engine import _segments
+
+    return sum((stop - start) * (int(f) + int(b)) for start, stop, f, b in _segments(sched))
+
+
+def _stored_kinds(sched: Any) -> set[tuple[bool, bool]]:
+    """`(first, last)` of the virtual stages whose actions store residuals: the
+    forwards off the last virtual stage, and there a split backward's input half."""
+    from ..pipeline._schedule import BACKWARD_INPUT, FORWARD
+
+    stages, kinds = sched.virtual_stages, set()
+    for _, _, _, k, action in sched.entries():
+        last = k == stages - 1
+        if (action == FORWARD and not last) or (action == BACKWARD_INPUT and last):
+            kinds.add((k == 0, last))
+    return kinds
+
+
+def _pipeline_memory(
+    plan: Plan, sched: Any, params: Any, batch: Any, loss: Any, layout: StepLayout, grads: int
+) -> tuple[int, int]:
+    """`(kept residuals, buffers)` per device of a pipeline step (see
+    `eqxpar.pipeline`'s engine). Kept: `schedule.buffers.residuals` slots, each one
+    virtual stage's residuals for one micro-batch (`_analysis.stage`), packed per
+    dtype into vectors as long as the largest kind of stage needs (under
+    `remat="full"` none: a backward recomputes its stage, whose residuals are then
+    transient). Buffers: the stage-input and cotangent slots; the residual slots a
+    tick reads and writes beside the buffer (the slot read, the packed slot to
+    write; a fused tick's forward also holds its fresh residuals while its
+    backward reads); a tick's gradient (one virtual stage's weights and the rest)
+    beside the accumulated ones; and the backward's cotangents through the
+    stack, about one layer's residuals."""
+    from ._analysis import stage as trace_stage
+
+    p, v, m = plan.mesh.shape.get("pipe", 1), plan.chunks, plan.microbatches
+    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    depth = loss.stack_of(params).depth
+    layers = max(1, depth // (p * v))
+    share = plan.batch_size_multiple * m
+    mb = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct((x.shape[0] // share, *x.shape[1:]), x.dtype) if is_array_like(x) else x
+        ),
+        batch,
+    )
+    traced = trace_stage(params, loss, mb, layers, plan.compute_dtype)
+    split = _tensor_dims(params, layout.params, plan) if t > 1 else set()
+
+    def local(x: jax.ShapeDtypeStruct) -> int:
+        # Split over the tensor axis where a dimension is one the rules split there.
+        return nbytes(x) // (t if t > 1 and (plan.sequence_parallel or split & set(x.shape[1:])) else 1)
+
+    groups: dict[str, int] = defaultdict(int)
+    kinds = _stored_kinds(sched) or {(True, p * v == 1)}
+    for kind in kinds:
+        sizes: dict[str, int] = defaultdict(int)
+        for x in traced.residuals[kind]:
+            sizes[jnp.dtype(x.dtype).name] += local(x)
+        for dtype, size in sizes.items():
+            groups[dtype] = max(groups[dtype], size)
+    slot = sum(groups.values())
+    act = nbytes(traced.activation)
+    bufs = sched.buffers
+    io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * act
+    stack_grads = _per_device(
+        loss.stack(params).blocks, loss.stack(layout.params).blocks, plan.mesh, frozenset(plan.batch_axes)
+    )
+    tick_grads = grads - stack_grads + stack_grads // v
+    working = slot // layers
+    if plan.remat == "full":
+        return slot, io + tick_grads + working
+    transient = (3 if sched.fused is not None else 2) * slot
+    return max(1, bufs.residuals) * slot, io + transient + tick_grads + working
 
 
 def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
@@ -264,11 +414,10 @@ def _wire(
     plan: Plan, params: Any, batch: Any, loss: Any, analysis: Analysis, profile: DeviceProfile
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """Wire bytes by kind and by axes: `minimum_comm` plus what eqxpar's
-    implementations move beyond it (pipelines send every tick; ring attention
-    re-sends keys and values; dropless expert parallelism sends `n` times the
-    routed rows plus their ids; automatic FSDP gathers twice and all-reduces)."""
-    from ..inspect._minimum import _ring_bytes
-
+    implementations move beyond it (pipelines send on every tick of a run of
+    ticks that sends, idle or not; ring attention re-sends keys and values;
+    dropless expert parallelism sends `n` times the routed rows plus their ids;
+    automatic FSDP gathers twice and all-reduces)."""
     moved = jnp.float32 if profile.name == "cpu" and plan.compute_dtype is not None else None
     auto_fsdp = _auto_fsdp(plan, params)
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and plan.remat == "none" else plan
@@ -282,28 +431,20 @@ def _wire(
         by_axis[axes] += int(w)
 
     p, m, v = plan.mesh.shape.get("pipe", 1), plan.microbatches, plan.chunks
-    ticks = None
+    ticks = sent = None
     if plan.schedule is not None:
-        from ..pipeline import schedule as make_schedule
-
-        ticks = make_schedule(plan.schedule, stages=p, microbatches=m, chunks=v).ticks
+        sched = _schedule(plan)
+        ticks, sent = sched.ticks, _engine_sends(sched)
     ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
-    for part, (result, w) in least.parts.items():
+    for part, (_, w) in least.parts.items():
         kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
         if ticks is not None and part.startswith("pipeline stage boundaries"):
-            # The engine sends a forward and a backward buffer on every tick, idle or not.
+            # The engine sends a boundary buffer each way on the ticks it sends on, idle or not.
             sends = 2 * m * v if p > 2 else m * (2 * v - 1)
-            add(kind, axes, w * 2 * ticks / sends)
+            add(kind, axes, w * sent / sends)
         elif ticks is not None and part.startswith("tensor-parallel"):
             # A tick runs its heaviest branch's tensor sums, forward and backward.
             add(kind, axes, w * ticks / m)
-        elif ticks is not None and kind == "all-reduce" and len(axes) > 1 and "pipe" in axes:
-            # Reduced over `pipe`, then over the other axes.
-            others = tuple(a for a in axes if a != "pipe")
-            add(kind, ("pipe",), _ring_bytes("all-reduce", result, p))
-            add(
-                kind, others, _ring_bytes("all-reduce", result, math.prod(plan.mesh.shape[a] for a in others))
-            )
         elif ring and "keys and values" in part:
             # The ring passes K/V blocks forward and again in the backward pass,
             # and their gradients back: all as permutes.
