@@ -41,6 +41,10 @@ CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
         "step ≤ {} × the hand-written sequence-parallel step",
         lambda r, c, _: r["references"]["handwritten_sp"]["eqxpar_over_reference"] <= c,
     ),
+    "step_ratio_vs_data_parallel_max": (
+        "step ≤ {} × the data-parallel step of the same model",
+        lambda r, c, _: r["references"]["data_parallel"]["eqxpar_over_reference"] <= c,
+    ),
     "wire_over_ring_bound_max": (
         "wire ≤ {} × (minimum + one more K/V all-gather)",
         lambda r, c, _: _wire(r) <= c * r["comm_wire_bytes_ring_bound"],
@@ -63,7 +67,7 @@ CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
     ),
 }
 #: Clauses on step times: noisy on shared cores, left out where timing means nothing.
-TIMED = {"step_ratio_max", "step_ratio_vs_handwritten_sp_max"}
+TIMED = {"step_ratio_max", "step_ratio_vs_handwritten_sp_max", "step_ratio_vs_data_parallel_max"}
 
 
 def describe(contract: dict) -> str:

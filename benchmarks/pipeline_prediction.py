@@ -7,11 +7,14 @@ V-placement tables `zb_v` and `dualpipe_v`) is simulated with
 of `benchmarks/one_device.py`'s `stage_actions` (results/one_device_gpu.json: an
 H100; results/one_device_cpu.json: this project's CPU), under two engine models:
 
-- `today`: the engine keeps only a stage's input, so its backward re-runs the
-  forward: F = F, B = B_recompute, and zero-bubble's I and W each = their measured
-  time + F (each re-runs the forward).
-- `residuals kept`: the forward keeps its residuals (F = F_keep) and B, I, W are
-  as measured.
+- `recompute` (`Plan(remat="full")`): the engine keeps only a stage's input, so
+  its backward re-runs the forward: F = F, B = B_recompute, and zero-bubble's I
+  and W each = their measured time + F (each re-runs the forward).
+- `residuals kept` (every other remat policy, the default): the forward keeps its
+  residuals (F = F_keep) and B, I, W are as measured.
+
+The `1f1b` and `interleaved` tables are the engine's, with fused ticks (a forward
+and a backward in one tick: lockstep charges a tick both).
 
 A chunk (interleaved, ZB-V, DualPipeV: 2 per device) holds half a stage's layers,
 so each of its actions takes half the stage's time. No communication time (`send
@@ -42,14 +45,14 @@ SCHEDULES = (
     ("zb_v", 2, "ZB-V"),
     ("dualpipe_v", 2, "DualPipeV"),
 )
-MODELS = ("today", "residuals kept")
+MODELS = ("recompute", "residuals kept")
 BEGIN = "<!-- pipeline prediction table (python -m benchmarks.pipeline_prediction --markdown): edit the prose outside it -->"
 END = "<!-- end of pipeline prediction table -->"
 
 
 def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
     """Per-action times of one whole stage under an engine model (see the module doc)."""
-    if model == "today":
+    if model == "recompute":
         f = seconds["F"]
         return {"F": f, "B": seconds["B_recompute"], "I": seconds["I"] + f, "W": seconds["W"] + f}
     return {"F": seconds["F_keep"], "B": seconds["B"], "I": seconds["I"], "W": seconds["W"]}
@@ -145,8 +148,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "send_s": 0.0,
             "chunk_cost": "half the stage's time for every action of a chunk (interleaved, zb_v, dualpipe_v)",
             "models": {
-                "today": "F = F, B = B_recompute, I = I + F, W = W + F (the engine re-runs the forward)",
-                "residuals kept": "F = F_keep, B = B, I = I, W = W",
+                "recompute": "F = F, B = B_recompute, I = I + F, W = W + F (remat='full': the engine re-runs the forward)",
+                "residuals kept": "F = F_keep, B = B, I = I, W = W (the engine's default)",
             },
             "sources": {label: f"results/{name}" for name, label in SOURCES},
         }

@@ -98,7 +98,9 @@ def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> 
         **refs.parity(setup, runner, cfg),
     }
     for k, (what, _) in setup.references.items():
-        times = {"step_time_s": median[k], "ratio_to_baseline": median[k] / median["baseline"]}
+        times = {"step_time_s": median[k]}
+        if "baseline" in median:
+            times["ratio_to_baseline"] = median[k] / median["baseline"]
         times["eqxpar_over_reference"] = median["eqxpar"] / median[k]
         record.setdefault("references", {})[k] = {"what": what, **times}
     record.update(setup.extra(compiled, eqx_model, runner) if setup.extra else {})

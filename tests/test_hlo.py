@@ -197,3 +197,26 @@ ENTRY %main (x: bf16[4,4]) -> bf16[8,4] {
     f = jax.shard_map(lambda i: jax.lax.psum(i, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
     compiled = jax.jit(f).lower(jnp.ones(8, jnp.int32)).compile()
     assert collective_stats(compiled).dtypes == {"all-reduce": ("s32",)}
+
+
+def test_collective_permute_wire_is_the_busiest_senders():
+    """A pipeline's forward permute has no sender on its last stage and its
+    backward one none on its first: wire bytes are what the busiest device sends
+    (here the middle one: both), not every permute's result on every device."""
+    text = """
+HloModule m, num_partitions=3
+
+ENTRY %main (x: f32[8,4]) -> f32[8,4] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %f = f32[8,4]{1,0} collective-permute(%x), source_target_pairs={{0,1},{1,2}}
+  %g = f32[8,4]{1,0} collective-permute(%x), source_target_pairs={{0,1},{1,2}}
+  ROOT %b = f32[8,4]{1,0} collective-permute(%f), source_target_pairs={{1,0},{2,1}}
+}
+"""
+    stats = collective_stats(text)
+    assert stats.count["collective-permute"] == 3
+    assert stats.bytes["collective-permute"] == 3 * 128
+    # Device 1 sends in all three, devices 0 and 2 in two and one.
+    assert stats.wire_bytes["collective-permute"] == 3 * 128
+    one_way = text.replace("{{1,0},{2,1}}", "{{2,0}}")
+    assert collective_stats(one_way).wire_bytes["collective-permute"] == 2 * 128

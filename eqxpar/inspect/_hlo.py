@@ -21,9 +21,13 @@ ring over its replica group of n devices:
 | all-gather         | (n-1)/n x result       |
 | reduce-scatter     | (n-1) x result (shard) |
 | all-to-all         | (n-1)/n x result       |
-| collective-permute | result                 |
+| collective-permute | result, per source     |
 
-with 0 when n == 1, rounded down per instruction. n comes from `replica_groups=`,
+with 0 when n == 1, rounded down per instruction. A collective-permute's wire
+bytes are the busiest device's: each permute charges its result to the devices
+its `source_target_pairs` name as sources, and the kind's total is the largest
+device's sum (a pipeline's forward permute has no sender on the last stage, its
+backward one none on the first). n comes from `replica_groups=`,
 written either explicitly (`{{0,1,2,3},{4,5,6,7}}`: the first group's size) or as
 an iota (`[G,n]<=[...]`: G groups of n); an empty or missing list means every
 device in one group.
@@ -76,6 +80,7 @@ _GROUPS_LIST = re.compile(r"\breplica_groups=\{(\{[^}]*\})?")
 _GROUPS_MESH = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
+_PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 @dataclasses.dataclass
@@ -197,8 +202,10 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     computations, entry = _parse(text)
     if num_devices is None:
         num_devices = _module_devices(text)
-    acc = _Tally(Counter(), Counter(), Counter(), Counter(), Counter())
+    acc = _tally()
     _Walk(computations, num_devices).visit(entry, 1, 0, False, acc)
+    if acc.sends:  # the busiest device's permutes
+        acc.wire["collective-permute"] += max(acc.sends.values())
     dtypes: dict[str, set[str]] = {}
     for kind, dtype in acc.dtypes:
         dtypes.setdefault(kind, set()).add(dtype)
@@ -230,6 +237,20 @@ class _Tally(NamedTuple):
     wire: Counter
     in_loops: Counter
     dtypes: Counter
+    # Collective-permute bytes each device sends, by device id.
+    sends: Counter
+
+
+def _tally() -> _Tally:
+    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter())
+
+
+def _sources(line: str) -> set[int] | None:
+    """The sending devices of a collective-permute (None: no pairs written)."""
+    m = _PAIRS.search(line)
+    if not m:
+        return None
+    return {int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", m.group(1))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +310,11 @@ class _Walk:
             if dtype in _DTYPE_BYTES:
                 acc.dtypes[base, dtype] += weight
         if base == "collective-permute":
-            acc.wire[base] += weight * size
+            sources = _sources(line)
+            if sources is None:
+                acc.wire[base] += weight * size
+            for device in sources or ():
+                acc.sends[device] += weight * size
         else:
             acc.wire[base] += weight * _ring_bytes(base, size, _group_size(line) or self.all_devices())
 
@@ -303,10 +328,16 @@ class _Walk:
         # action), not their sum.
         taken = []
         for callee in branches:
-            sub = _Tally(Counter(), Counter(), Counter(), Counter(), Counter())
+            sub = _tally()
             self.visit(callee, weight, depth + 1, looped, sub)
             taken.append(sub)
-        heaviest = max(taken, key=lambda sub: (sum(sub.wire.values()), sum(sub.bytes.values())))
+        heaviest = max(
+            taken,
+            key=lambda sub: (
+                sum(sub.wire.values()) + max(sub.sends.values(), default=0),
+                sum(sub.bytes.values()),
+            ),
+        )
         for total, part in zip(acc, heaviest, strict=True):
             total.update(part)
 

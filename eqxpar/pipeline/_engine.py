@@ -1,13 +1,16 @@
-"""The pipeline engine: one `lax.scan` over a schedule's ticks inside `shard_map`.
+"""The pipeline engine: `lax.scan`s over a schedule's ticks inside `shard_map`.
 
 Every device runs the same program. At each tick it reads its row of the schedule
-(micro-batch, chunk, action, buffer slots), runs that action in a `lax.switch`
+(micro-batch, chunk, action, buffer slots; in a fused tick a forward and a
+backward-direction action, run one after the other), runs it in a `lax.switch`
 branch, then, outside the branches, every device sends one activation to the next
 device along `pipe` and one cotangent to the previous one (`ppermute`; zeros when
-there is nothing to send) and files what it received into its buffers. The
-collectives of the stage body itself (tensor-parallel all-reduces) run inside the
-branches: all devices of a tensor group share their `pipe` index, hence their
-schedule column, hence their branch.
+it has nothing to send) and files what it received into its buffers. A send runs
+only on ticks where something arrives at the tick's end somewhere: the ticks are
+scanned in runs with the same sends due (`_segments`). The collectives of the
+stage body itself (tensor-parallel all-reduces) run inside the branches: all
+devices of a tensor group share their `pipe` index, hence their schedule column,
+hence their branch.
 
 - Forward (`F`) of virtual stage `k`: `first` on the micro-batch (stage 0) or the
   buffered input, then the chunk's layers; the result is sent on. On the last
@@ -666,8 +669,11 @@ class _Device:
         program, branch_keys = self.engine.program
         branches = [functools.partial(self._run, keys) for keys in branch_keys]
         p = self.p
-        forward_perm = [(i, (i + 1) % p) for i in range(p)]
-        backward_perm = [(i, (i - 1) % p) for i in range(p)]
+        # With one chunk per device the last stage sends nothing on and the first
+        # nothing back; with several, the last device's chunk feeds the first's next.
+        ring = self.v > 1
+        forward_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
+        backward_perm = [(i, (i - 1) % p) for i in range(0 if ring else 1, p)]
 
         def tick(carry, row, *, local, forward, backward):
             # The residuals a backward action reads, taken out of their buffers
