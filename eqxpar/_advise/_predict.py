@@ -291,12 +291,19 @@ def _schedule(plan: Plan) -> Any:
 
 
 def _engine_sends(sched: Any) -> int:
-    """Boundary buffers one device sends in a step: one each way on every tick of
-    the engine's runs of ticks that send that way (`_segments`: where some device
-    receives at the tick's end; short runs join a neighbour), idle or not."""
+    """Boundary buffers the busiest device sends in a step: one each way on every
+    tick of the engine's runs of ticks that send that way (`_segments`: where some
+    device receives at the tick's end; short runs join a neighbour), idle or not.
+    With one chunk per device the last stage sends nothing on and the first
+    nothing back, so with two stages each device sends one way only."""
     from ..pipeline._engine import _segments
 
-    return sum((stop - start) * (int(f) + int(b)) for start, stop, f, b in _segments(sched))
+    runs = _segments(sched)
+    forward = sum((stop - start) * int(f) for start, stop, f, _ in runs)
+    backward = sum((stop - start) * int(b) for start, stop, _, b in runs)
+    if sched.chunks == 1 and sched.stages == 2:
+        return max(forward, backward)
+    return forward + backward
 
 
 def _stored_kinds(sched: Any) -> set[tuple[bool, bool]]:
