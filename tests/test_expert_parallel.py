@@ -233,10 +233,9 @@ class PipelinedMoE(eqx.Module):
         self.blocks = nn.Stacked(MoEBlock, depth=4, key=jax.random.key(8))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_expert_and_pipeline_axes_match_one_device(schedule):
-    """The dispatch all-to-alls run inside the pipeline's stage branches: every
-    device of an expert group is on the same stage, so all of them take it."""
+def _pipeline(schedule):
+    """The loss of `PipelinedMoE` in a pipeline's three parts, and a pipe 2 x
+    expert 2 x data 2 plan running it with `schedule`."""
     loss = eqxpar.pipeline.PipelineLoss(
         first=lambda m, batch: batch[0] @ m.proj,
         stack=lambda m: m.blocks,
@@ -248,6 +247,14 @@ def test_expert_and_pipeline_axes_match_one_device(schedule):
         schedule=schedule,
         microbatches=2,
     )
+    return loss, plan
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_expert_and_pipeline_axes_match_one_device(schedule):
+    """The dispatch all-to-alls run inside the pipeline's stage branches: every
+    device of an expert group is on the same stage, so all of them take it."""
+    loss, plan = _pipeline(schedule)
     # Micro-batches sum gradients in another order than one device: compared to
     # each leaf's scale (a few of 16k elements cancel to near zero).
     model, optim = PipelinedMoE(), optax.sgd(1e-2)
@@ -272,17 +279,7 @@ def test_pipelined_blocks_returning_aux_are_refused():
     model = eqx.tree_at(
         lambda m: m.blocks, PipelinedMoE(), nn.Stacked(AuxBlock, depth=4, key=jax.random.key(8))
     )
-    loss = eqxpar.pipeline.PipelineLoss(
-        first=lambda m, batch: batch[0] @ m.proj,
-        stack=lambda m: m.blocks,
-        last=lambda m, h, batch: jnp.mean((h - batch[1]) ** 2),
-    )
-    plan = eqxpar.Plan(
-        eqxpar.make_mesh(pipe=2, expert=2, data=2),
-        rules=eqxpar.pipeline.stage_rules(eqxpar.rules.EXPERT),
-        schedule="gpipe",
-        microbatches=2,
-    )
+    loss, plan = _pipeline("gpipe")
     step = eqxpar.train.make_step(loss, optax.sgd(0.1), plan)
     state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
     with pytest.raises(eqxpar.PlanError, match="returning \\(h, aux\\)\\) cannot be pipelined"):

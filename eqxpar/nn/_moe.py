@@ -303,16 +303,12 @@ class MoE(eqx.Module):
     def _act(self, h: Array, g: Array | None) -> Array:
         return jax.nn.gelu(h) if g is None else jax.nn.silu(g) * h
 
-    def _dropless(self, xf: Array, idx: Array, dtype) -> Array:
-        """Every assignment through its expert: `(tokens * top_k, d_model)` in
-        assignment order (token-major)."""
+    def _grouped(self, xs: Array, group_sizes: Array, expert_of: Array, dtype) -> Array:
+        """The experts this device holds on rows grouped by expert (expert `e` on
+        the next `group_sizes[e]` rows; rows past the groups give outputs nobody
+        reads) as grouped matmuls: `(rows, d_model)`, summed over the tensor axis.
+        `expert_of`: each row's expert, for the biases."""
         w_in, b_in, w_gate, b_gate, w_out, b_out = self._weights(dtype)
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        inverse = jnp.argsort(order, stable=True)
-        expert_of = flat[order]
-        group_sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
-        xs = xf[order // self.top_k]
         h = jax.lax.ragged_dot(xs, w_in, group_sizes)
         if b_in is not None:
             h = h + b_in[expert_of]
@@ -321,10 +317,17 @@ class MoE(eqx.Module):
             g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
             if b_gate is not None:
                 g = g + b_gate[expert_of]
-        y = jax.lax.ragged_dot(self._act(h, g), w_out, group_sizes)
-        y = self._psum(y)
-        if b_out is not None:
-            y = y + b_out[expert_of]
+        y = self._psum(jax.lax.ragged_dot(self._act(h, g), w_out, group_sizes))
+        return y if b_out is None else y + b_out[expert_of]
+
+    def _dropless(self, xf: Array, idx: Array, dtype) -> Array:
+        """Every assignment through its expert: `(tokens * top_k, d_model)` in
+        assignment order (token-major)."""
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        inverse = jnp.argsort(order, stable=True)
+        group_sizes = jnp.bincount(flat, length=self.experts).astype(jnp.int32)
+        y = self._grouped(xf[order // self.top_k], group_sizes, flat[order], dtype)
         return y[inverse]
 
     def _dropless_parallel(self, xf: Array, idx: Array, dtype, ep: int) -> Array:
@@ -340,7 +343,6 @@ class MoE(eqx.Module):
         pair; a ragged all-to-all, which would send only the rows routed, is not
         implemented by XLA:CPU).
         """
-        w_in, b_in, w_gate, b_gate, w_out, b_out = self._weights(dtype)
         local = self.experts // ep
         n_assign = idx.size
         d = xf.shape[1]
@@ -358,23 +360,10 @@ class MoE(eqx.Module):
         rows = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
         ids = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0, tiled=True)
         by_expert = jnp.argsort(ids, stable=True)
-        ids_sorted = ids[by_expert]
         group_sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
-        xs = rows[by_expert]
-        # Bias rows for the empty group read expert 0's: their outputs are never used.
-        bias_of = jnp.minimum(ids_sorted, local - 1)
-        h = jax.lax.ragged_dot(xs, w_in, group_sizes)
-        if b_in is not None:
-            h = h + b_in[bias_of]
-        g = None
-        if w_gate is not None:
-            g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-            if b_gate is not None:
-                g = g + b_gate[bias_of]
-        y = jax.lax.ragged_dot(self._act(h, g), w_out, group_sizes)
-        y = self._psum(y)
-        if b_out is not None:
-            y = y + b_out[bias_of]
+        # Bias rows for the empty group read the last expert's: their outputs are never used.
+        bias_of = jnp.minimum(ids[by_expert], local - 1)
+        y = self._grouped(rows[by_expert], group_sizes, bias_of, dtype)
         y = jnp.zeros_like(y).at[by_expert].set(y)
         back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
         return jnp.zeros((n_assign, d), back.dtype).at[order].set(back[slot])
