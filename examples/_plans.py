@@ -118,12 +118,15 @@ PLANS: dict[str, Entry] = {
         dict(rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True),
     ),
     "demo/3d": Entry(
-        "demo.py", (), dict(data=2, pipe=2, tensor=2), dict(rules=_PIPE_FSDP, schedule="1f1b", microbatches=4)
+        "demo.py",
+        (),
+        dict(data=2, pipe=2, tensor=2),
+        dict(rules=_PIPE_FSDP, schedule="1f1b", microbatches=4, remat="dots"),
     ),
     # The same plan as hybrid/auto, for the demo's GPT.
     "demo/no-pipeline": Entry(
         "demo.py",
-        ("--pipe", "1", "--fsdp", "2"),
+        ("--pipe", "1", "--fsdp", "2", "--remat", "none"),
         dict(data=2, fsdp=2, tensor=2),
         dict(rules=eqxpar.rules.MEGATRON_FSDP),
     ),

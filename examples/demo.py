@@ -78,7 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     mesh.add_argument("--schedule", default="1f1b", help="pipeline schedule (with --pipe > 1)")
     mesh.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches (with --pipe > 1)")
-    mesh.add_argument("--remat", default="none", help="what the scanned blocks keep for backward")
+    # "dots": matmul outputs kept, the rest recomputed. Under the pipeline a stage
+    # keeps its forward's residuals by this policy for its backward; "none" would
+    # keep every intermediate, which on this small model costs more (buffering
+    # them) than recomputing saves.
+    mesh.add_argument("--remat", default="dots", help="what the scanned blocks keep for backward")
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=int, default=400)
     run.add_argument("--batch-size", type=int, default=32)
