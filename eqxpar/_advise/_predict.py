@@ -16,6 +16,7 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like
 from .._step_layout import StepLayout
+from ..inspect import _minimum
 from ..inspect._minimum import minimum_comm
 from ._analysis import Analysis, nbytes
 from ._profile import DeviceProfile
@@ -349,9 +350,20 @@ def _pipeline_memory(
     traced = trace_stage(params, loss, mb, layers, plan.compute_dtype)
     split = _tensor_dims(params, layout.params, plan) if t > 1 else set()
 
+    rows = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else None
+
+    def features(shape: tuple) -> tuple:
+        # The dimensions after the micro-batch's rows: a stacked residual leads
+        # with the stage's layers, then the rows (whose count may equal a split
+        # size, e.g. 2 rows and 2 key/value heads).
+        if shape[:2] == (layers, rows):
+            return shape[2:]
+        return shape[1:]
+
     def local(x: jax.ShapeDtypeStruct) -> int:
         # Split over the tensor axis where a dimension is one the rules split there.
-        return nbytes(x) // (t if t > 1 and (plan.sequence_parallel or split & set(x.shape[1:])) else 1)
+        divided = t > 1 and (plan.sequence_parallel or split & set(features(x.shape)))
+        return nbytes(x) // (t if divided else 1)
 
     groups: dict[str, int] = defaultdict(int)
     kinds = _stored_kinds(sched) or {(True, p * v == 1)}
@@ -443,6 +455,11 @@ def _wire(
         sched = _schedule(plan)
         ticks, sent = sched.ticks, _engine_sends(sched)
     ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
+    repeats = _repeated_sums(plan, params, loss, batch, moved)
+    if repeats:
+        # Per-weight backward sums (see `_repeated_sums`): a pipeline tick runs
+        # them as it runs its other tensor sums.
+        add("all-reduce", (plan.tensor_axis,), repeats * ticks / m if ticks is not None else repeats)
     for part, (_, w) in least.parts.items():
         kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
         if ticks is not None and part.startswith("pipeline stage boundaries"):
@@ -473,6 +490,60 @@ def _wire(
         else:
             add(kind, axes, w)
     return dict(wire), dict(by_axis)
+
+
+class _Repeats(_minimum._Walk):
+    """A jaxpr walk that also keeps the backward sums `minimum_comm` counts once
+    per input: those of a second, third, ... column-parallel weight on one input."""
+
+    def __init__(self, moved: Any) -> None:
+        super().__init__(moved=moved)
+        self.repeats: list = []
+
+    def dot(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        if (lhs is None) != (rhs is None) and (lhs or rhs):
+            dims, contract, act = (rhs, rc, eqn.invars[0]) if rhs is not None else (lhs, lc, eqn.invars[1])
+            if not dims & set(contract) and alias.get(act, act) in self.seen:
+                self.repeats.append(
+                    _minimum._Sum("backward", count, _minimum._aval_bytes(act.aval, self.moved))
+                )
+        super().dot(eqn, ins, alias, count)
+
+
+def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> int:
+    """Wire bytes one device spends, beyond `minimum_comm`, on the backward sums
+    of column-parallel weights that share an input, without sequence parallelism
+    in manual mode (pipelines included): `column_matmul` multiplies the input by
+    each weight apart, so each product's input cotangent is summed on its own
+    (separate Q, K and V weights, as grouped-query attention has, sum three
+    times where a fused QKV weight sums once). Under sequence parallelism the
+    weights share one gather, whose transpose sums once."""
+    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    manual = plan.mode == "manual" or plan.schedule is not None
+    split = _minimum._split_dims(plan, params) if t > 1 and manual and not plan.sequence_parallel else {}
+    if not split or loss is None or batch is None:
+        return 0
+    model, data = _minimum._outline(plan, params), _minimum._outline(plan, batch)
+
+    def repeats(fn: Any, args: tuple, per_device: int, num: int, den: int) -> int:
+        closed, _, _ = _minimum._trace(fn, args, "the loss")
+        walk = _Repeats(moved)
+        walk.run(closed.jaxpr, {closed.jaxpr.invars[i]: d for i, d in split.items() if d}, {}, 1)
+        items = _minimum._sum_items(walk.repeats, t, per_device=per_device, repeat=(num, den))
+        return sum(i.wire for i in items)
+
+    if plan.schedule is None:
+        share = plan.batch_size_multiple * plan.context_size
+        return repeats(_minimum._with_key(loss), (model, data), share, 1, 1)
+    p, m = plan.mesh.shape.get("pipe", 1), plan.microbatches
+    share = plan.batch_size_multiple * m * plan.context_size
+    _, h, _ = _minimum._trace(loss.first, (model, data), "loss.first(model, batch)")
+    stack = repeats(lambda mod, x: loss.stack_of(mod)(x), (model, h), share, m, p)
+    first = repeats(loss.first, (model, data), share, m, 1)
+    last = repeats(loss.last, (model, h, data), share, m, 1)
+    return stack + max(first, last)
 
 
 def _part_kinds(least: Any) -> dict[str, str]:
