@@ -310,6 +310,25 @@ def _engine_sends(sched: Any) -> int:
     return forward + backward
 
 
+def _engine_ticks(sched: Any) -> dict[str, int]:
+    """Ticks whose heaviest branch runs a forward (`"forward"`) and a backward
+    (`"backward"`): the engine runs each run of ticks (`_segments`) as one loop
+    whose ticks branch over every action the run holds, so a run counts for both
+    when any of its ticks has each (1F1B's warm-up runs forwards only)."""
+    from ..pipeline._engine import _segments
+    from ..pipeline._schedule import FORWARD
+
+    actions: dict[int, set[bool]] = defaultdict(set)
+    for tick, _, _, _, action in sched.entries():
+        actions[tick].add(action == FORWARD)
+    out = {"forward": 0, "backward": 0}
+    for start, stop, _, _ in _segments(sched):
+        held = set().union(*(actions[t] for t in range(start, stop)))
+        out["forward"] += (stop - start) * (True in held)
+        out["backward"] += (stop - start) * (False in held)
+    return out
+
+
 def _stored_kinds(sched: Any) -> set[tuple[bool, bool]]:
     """`(first, last)` of the virtual stages whose actions store residuals: the
     forwards off the last virtual stage, and there a split backward's input half."""
@@ -456,13 +475,17 @@ def _wire(
     ticks = sent = None
     if plan.schedule is not None:
         sched = _schedule(plan)
-        ticks, sent = sched.ticks, _engine_sends(sched)
+        ticks, sent = _engine_ticks(sched), _engine_sends(sched)
     ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
     repeats = _repeated_sums(plan, params, loss, batch, moved)
     if repeats:
         # Per-weight backward sums (see `_repeated_sums`): a pipeline tick runs
         # them as it runs its other tensor sums.
-        add("all-reduce", (plan.tensor_axis,), repeats * ticks / m if ticks is not None else repeats)
+        add(
+            "all-reduce",
+            (plan.tensor_axis,),
+            repeats * ticks["backward"] / m if ticks is not None else repeats,
+        )
     for part, (_, w) in least.parts.items():
         kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
         if ticks is not None and part.startswith("pipeline stage boundaries"):
@@ -470,8 +493,9 @@ def _wire(
             sends = 2 * m * v if p > 2 else m * (2 * v - 1)
             add(kind, axes, w * sent / sends)
         elif ticks is not None and part.startswith("tensor-parallel"):
-            # A tick runs its heaviest branch's tensor sums, forward and backward.
-            add(kind, axes, w * ticks / m)
+            # A tick runs its run's heaviest branch's tensor sums: the forward ones
+            # on the ticks of runs with a forward, the backward ones with a backward.
+            add(kind, axes, w * ticks["backward" if "backward" in part else "forward"] / m)
         elif ring and "keys and values" in part:
             # The ring passes K/V blocks forward and again in the backward pass,
             # and their gradients back: all as permutes.
