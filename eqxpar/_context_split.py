@@ -19,11 +19,10 @@ import jax
 from ._errors import PlanError
 from ._mesh import CONTEXT_AXIS
 from ._plan import current_plan
+from ._trace_notes import TraceNotes
 
 # The keys attention met while `eqxpar.inspect.minimum_comm` traces a loss.
-_KEYS: contextvars.ContextVar[list[jax.ShapeDtypeStruct] | None] = contextvars.ContextVar(
-    "eqxpar_attention_keys", default=None
-)
+_KEYS = TraceNotes("eqxpar_attention_keys")
 # [split seen?] for the step being traced, None outside one.
 _SEEN: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
     "eqxpar_context_split", default=None
@@ -79,19 +78,11 @@ def check_context_split(where: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def record_keys() -> Iterator[list[jax.ShapeDtypeStruct]]:
+def record_keys() -> contextlib.AbstractContextManager[list[jax.ShapeDtypeStruct]]:
     """Collect the shape of the keys every attention call traced inside sees."""
-    seen: list[jax.ShapeDtypeStruct] = []
-    token = _KEYS.set(seen)
-    try:
-        yield seen
-    finally:
-        _KEYS.reset(token)
+    return _KEYS.record()
 
 
 def note_keys(k: jax.Array) -> None:
     """Attention's keys, `(batch, seq, kv_heads, head_dim)`, for `record_keys`."""
-    seen = _KEYS.get()
-    if seen is not None:
-        seen.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
+    _KEYS.note(k)

@@ -3,9 +3,7 @@ matmuls (or capacity-padded batches), optional shared experts and
 auxiliary-loss-free balancing."""
 
 import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
@@ -16,6 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._errors import DivisibilityError, PlanError, SpecError
 from .._mesh import EXPERT_AXIS
 from .._param import param
+from .._trace_notes import TraceNotes
 from ._context import tensor_context
 from ._linear import MLP, _normal
 from ._matmul import check_split, lift
@@ -24,21 +23,13 @@ _SCORES = ("softmax", "sigmoid")
 
 # The routed activations of every MoE call traced inside `record_dispatches`
 # (`eqxpar.inspect.minimum_comm` reads them off the loss's trace).
-_DISPATCHES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "eqxpar_moe_dispatches", default=None
-)
+_DISPATCHES = TraceNotes("eqxpar_moe_dispatches")
 
 
-@contextlib.contextmanager
-def record_dispatches() -> Iterator[list[jax.ShapeDtypeStruct]]:
+def record_dispatches() -> contextlib.AbstractContextManager[list[jax.ShapeDtypeStruct]]:
     """Collect, per `MoE` call traced inside, the outline of its routed
     activations: `(tokens * top_k, d_model)` in the dtype the experts compute in."""
-    seen: list[jax.ShapeDtypeStruct] = []
-    token = _DISPATCHES.set(seen)
-    try:
-        yield seen
-    finally:
-        _DISPATCHES.reset(token)
+    return _DISPATCHES.record()
 
 
 _ACTIVATIONS = ("gelu", "swiglu")
@@ -468,9 +459,7 @@ class MoE(eqx.Module):
         xf = x.reshape(batch * seq, d)
         idx, weights, scores, logits = self.route(xf)
         dtype = jnp.result_type(x.dtype, self.w_in.dtype)
-        seen = _DISPATCHES.get()
-        if seen is not None:
-            seen.append(jax.ShapeDtypeStruct((idx.size, d), dtype))
+        _DISPATCHES.note(jax.ShapeDtypeStruct((idx.size, d), dtype))
         if self.capacity_factor is not None:
             ys, dropped = self._capacity(xf.astype(dtype), idx, dtype, ep)
         elif ep > 1:
