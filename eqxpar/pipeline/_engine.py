@@ -162,11 +162,10 @@ def _residual_slots(kind: int, last: bool, slot: int) -> tuple[int, int]:
     residuals and the backward actions read them; on the last virtual stage the
     forward runs inside the backward, and only a split backward keeps residuals,
     from its input half (`I` writes) to its weight half (`W` reads)."""
-    if last:
-        return (slot, -1) if kind == BACKWARD_INPUT else (-1, slot) if kind == BACKWARD_WEIGHT else (-1, -1)
-    if kind == FORWARD:
+    if _stores(kind, last):
         return slot, -1
-    return (-1, slot) if kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) else (-1, -1)
+    reads = kind == BACKWARD_WEIGHT if last else kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+    return -1, (slot if reads else -1)
 
 
 def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
