@@ -409,7 +409,7 @@ STRATEGIES: dict[str, Strategy] = {
     # weight-gradient passes interleave), and its weight half re-runs the
     # backward chain its input half ran (the cotangents between layers are not
     # kept): held to today's bytes, its step time recorded, not held.
-    "pp_zero_bubble": _pp("zero_bubble", 1.70, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "pp_zero_bubble": _pp("zero_bubble", 1.60, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
     "cp": Strategy(_context, {"data": 2, "context": 4}, {"contract": _CP_RING}),
     "cp_allgather": Strategy(
         _context, {"data": 2, "context": 4}, {"context_attention": "allgather", "contract": _CP_ALLGATHER}
@@ -421,5 +421,5 @@ STRATEGIES: dict[str, Strategy] = {
         {"expert": 2, "data": 2, "tensor": 2},
         {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP},
     ),
-    "3d": _pp("1f1b", 1.25, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
+    "3d": _pp("1f1b", 1.10, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -206,9 +206,12 @@ def test_1f1b_memory_does_not_grow_with_microbatches_gpipe_does():
     assert gpipe[1] - gpipe[0] >= 12 * act, gpipe
     # 1F1B keeps at most 2 stages - 1 of them (its fused ticks run a forward
     # 2 (p - 1) micro-batches ahead of the backward beside it), whatever the
-    # micro-batch count (the batch itself grows, 16 x 5 floats a micro-batch).
+    # micro-batch count. What does grow: the batch itself (16 x 5 floats a
+    # micro-batch) and the program's rows (15 int32 a tick and device, 2 ticks a
+    # micro-batch).
     assert eqxpar.pipeline.schedule("1f1b", stages=2, microbatches=16).in_flight <= 3
-    assert ofob[1] - ofob[0] <= act, ofob
+    grown = 12 * (16 * 5 * 4 + 2 * 2 * 15 * 4)
+    assert ofob[1] - ofob[0] <= act + grown, ofob
     assert ofob[1] < gpipe[1]
 
 
@@ -239,18 +242,18 @@ def test_backward_reuses_the_forward_unless_remat_full(name, bound):
 def test_permutes_run_where_due_outside_the_branches():
     """A tick sends an activation forward only where one arrives at its end, a
     cotangent backward likewise: GPipe's forward phase sends nothing back and its
-    backward phase nothing forward, so it sends once a tick, not twice."""
-    from eqxpar.pipeline._engine import _segments
-
-    for name, sends in (("gpipe", 10), ("1f1b", 12)):
+    backward phase nothing forward, and no tick sends what nothing receives."""
+    for name in ("gpipe", "1f1b"):
         compiled = compiled_step(name, 4)
         stats = eqxpar.inspect.collective_stats(compiled)
-        sched = eqxpar.pipeline.schedule(name, stages=2, microbatches=4)
-        due = sum((b - a) * (f + g) for a, b, f, g in _segments(sched))
-        assert due == sends, _segments(sched)
-        assert stats.count["collective-permute"] == sends, stats.count
-        # In the tick loops, outside the branches: each send once per tick it runs.
-        assert stats.in_loops.get("collective-permute", 0) == sends
+        bufs = eqxpar.pipeline.schedule(name, stages=2, microbatches=4).buffers
+        due = int((bufs.recv_input >= 0).any(axis=1).sum() + (bufs.recv_cotangent >= 0).any(axis=1).sum())
+        # Two stages: each of the 4 micro-batches crosses once each way, a tick each.
+        assert due == 8, due
+        # Outside the branches, each send once per tick it runs (XLA unrolls the
+        # loops of one tick, so not every send is in a loop).
+        assert stats.count["collective-permute"] == due, stats.count
+        assert stats.in_loops.get("collective-permute", 0) >= due // 2, stats.in_loops
 
 
 # --- Errors ---------------------------------------------------------------------

@@ -723,40 +723,26 @@ class _Device:
         return loss_sum, g_rest, g_blocks
 
 
-def _segments(sched: Schedule, *, shortest: int = 3) -> list[tuple[int, int, bool, bool]]:
+def _segments(sched: Schedule) -> list[tuple[int, int, bool, bool]]:
     """`(start, stop, forward due, backward due)`: the schedule's ticks in runs
     with the same sends due. A send is due at a tick where some device receives
-    what it carries at the tick's end. Runs shorter than `shortest` ticks join
-    the run before (the first, the one after), sending what either needs: each
-    run is a loop of its own to compile, and a few extra sends cost less."""
+    what it carries at the tick's end. Runs are never merged: a tick run in a
+    neighbour's loop would send what that loop sends, and its branches would be
+    counted (and a stage's tensor-parallel sums run) at the neighbour's costliest
+    action, not its own."""
     bufs = sched.buffers
-    due = list(
-        zip(
-            (bufs.recv_input >= 0).any(axis=1).tolist(),
-            (bufs.recv_cotangent >= 0).any(axis=1).tolist(),
-            strict=True,
-        )
+    due = zip(
+        (bufs.recv_input >= 0).any(axis=1).tolist(),
+        (bufs.recv_cotangent >= 0).any(axis=1).tolist(),
+        strict=True,
     )
-    runs: list[list] = []
+    runs: list[tuple[int, int, bool, bool]] = []
     for tick, (forward, backward) in enumerate(due):
-        if runs and (runs[-1][2], runs[-1][3]) == (forward, backward):
-            runs[-1][1] = tick + 1
+        if runs and runs[-1][2:] == (forward, backward):
+            runs[-1] = (runs[-1][0], tick + 1, forward, backward)
         else:
-            runs.append([tick, tick + 1, forward, backward])
-    merged: list[list] = []
-    for run in runs:
-        if merged and (run[1] - run[0] < shortest or merged[-1][1] - merged[-1][0] < shortest):
-            last = merged[-1]
-            last[1], last[2], last[3] = run[1], last[2] or run[2], last[3] or run[3]
-        else:
-            merged.append(list(run))
-    out: list[tuple[int, int, bool, bool]] = []
-    for a, b, f, g in merged:  # neighbours a merge made alike run as one
-        if out and out[-1][2:] == (bool(f), bool(g)):
-            out[-1] = (out[-1][0], b, bool(f), bool(g))
-        else:
-            out.append((a, b, bool(f), bool(g)))
-    return out
+            runs.append((tick, tick + 1, bool(forward), bool(backward)))
+    return runs
 
 
 def pipeline_gradients(
