@@ -45,6 +45,10 @@ CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
         "step ≤ {} × the data-parallel step of the same model",
         lambda r, c, _: r["references"]["data_parallel"]["eqxpar_over_reference"] <= c,
     ),
+    "flops_over_reference_max": (
+        "lockstep matmul FLOPs ≤ {} × (data-parallel step's / (1 - lockstep bubble))",
+        lambda r, c, _: r["flops_over_reference"] <= c,
+    ),
     "wire_over_ring_bound_max": (
         "wire ≤ {} × (minimum + one more K/V all-gather)",
         lambda r, c, _: _wire(r) <= c * r["comm_wire_bytes_ring_bound"],

@@ -5,10 +5,12 @@ pictures of array layouts.
 Inside: `_table` (`sharding_table`), `_compiled` (a Step, Lowered or Compiled
 turned into one executable), `_hlo` (collective counts and bytes read from
 compiled HLO), `_minimum` (the theoretical minimum of communication of a plan),
-`_report` (`comm_report`: the two side by side), `_memory` (`memory_report`) and
+`_report` (`comm_report`: the two side by side), `_memory` (`memory_report`),
+`_flops` (`matmul_flops`: matmul FLOPs per device, loops weighted) and
 `_layout` (text and PNG pictures of an array's layout over the devices).
 """
 
+from ._flops import matmul_flops as matmul_flops
 from ._hlo import CollectiveStats as CollectiveStats
 from ._hlo import collective_stats as collective_stats
 from ._hlo import shape_bytes as shape_bytes

@@ -13,8 +13,10 @@ devices of a tensor group share their `pipe` index, hence their schedule column,
 hence their branch.
 
 - Forward (`F`) of virtual stage `k`: `first` on the micro-batch (stage 0) or the
-  buffered input, then the chunk's layers; the result is sent on. On the last
-  stage a forward does nothing: its backward computes the loss.
+  buffered input, then the chunk's layers; the result is sent on (on the last
+  stage, `last` gives the loss). Where the schedule puts the last stage's
+  forward in the tick of its backward, it runs inside the backward instead
+  (`Buffers.folded`).
 - Backward (`B`): the stage's `jax.vjp` pulled back from the received cotangent
   (or from `1 / microbatches` on the last stage); the input cotangent is sent
   back, the parameter gradients added to the carry. Under every remat policy but
@@ -74,10 +76,10 @@ def _vma(x: Any) -> frozenset[str]:
     return frozenset(jax.typeof(x).mat.varying)
 
 
-def _stores(kind: int, last: bool) -> bool:
-    """Whether an action stores residuals: a forward off the last virtual stage,
-    or there the input half of a split backward."""
-    return (kind == FORWARD and not last) or (kind == BACKWARD_INPUT and last)
+def _stores(kind: int, folded: bool) -> bool:
+    """Whether an action stores residuals: a forward, unless folded into its
+    backward (`Buffers.folded`), then the input half of a split backward."""
+    return (kind == FORWARD and not folded) or (kind == BACKWARD_INPUT and folded)
 
 
 def _index(tree: Any, i: jax.Array) -> Any:
@@ -97,18 +99,28 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 FIELDS = 6  # micro-batch, chunk, input slot, cotangent slot, residual write, residual read
 
 
-Key = tuple[int, bool, bool]  # (action, is first virtual stage, is last virtual stage)
+#: (action, is first virtual stage, is last virtual stage, folded: the last
+#: stage's forward runs inside its backward)
+Key = tuple[int, bool, bool, bool]
 
 
-def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
+def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
     """Per (tick, device): branch index, receive-input slot, receive-cotangent
     slot, then for each of the tick's two actions (the second idle unless the
     schedule fuses them) micro-batch, chunk, input slot, cotangent slot, residual
-    write slot and residual read slot; and the branch list, a pair of
-    `(action, is first virtual stage, is last virtual stage)` per branch."""
+    write slot and residual read slot; and the branch list, a pair of `Key`s per
+    branch.
+
+    The last virtual stage's forward runs in its own tick and keeps its
+    residuals, as every stage's, where the schedule puts it in a tick before its
+    backward: folded into the backward, it would make every tick with that
+    backward cost a forward more than the table says (GPipe's backward phase).
+    It is folded where the schedule puts the two in one tick (`Buffers.folded`),
+    and, when residuals are not kept (`keep=False`, remat "full"), always: every
+    backward then recomputes its forward anyway."""
     p, stages = sched.stages, sched.virtual_stages
     bufs = sched.buffers
-    idle: Key = (IDLE, False, False)
+    idle: Key = (IDLE, False, False, False)
     branches: list[tuple[Key, Key]] = [(idle, idle)]
     index: dict[tuple[Key, Key], int] = {branches[0]: 0}
     tables = (sched.table, sched.fused if sched.fused is not None else np.zeros_like(sched.table))
@@ -119,12 +131,12 @@ def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
             for i, table in enumerate(tables):
                 mb, chunk, kind = (int(x) for x in table[tick, device])
                 key, write, read = idle, -1, -1
-                if kind != IDLE:
-                    k = chunk * p + device
-                    key = (kind, k == 0, k == stages - 1)
-                    write, read = _residual_slots(
-                        kind, k == stages - 1, int(bufs.residual_slot[tick, device, i])
-                    )
+                k = chunk * p + device
+                last = k == stages - 1
+                folded = last and (not keep or bool(bufs.folded[tick, device, i]))
+                if kind != IDLE and not (kind == FORWARD and folded):
+                    key = (kind, k == 0, last, folded)
+                    write, read = _residual_slots(kind, folded, int(bufs.residual_slot[tick, device, i]))
                 keys.append(key)
                 writes.append(write)
                 reads.append(read)
@@ -157,14 +169,14 @@ def _program(sched: Schedule) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
     return prog, branches
 
 
-def _residual_slots(kind: int, last: bool, slot: int) -> tuple[int, int]:
+def _residual_slots(kind: int, folded: bool, slot: int) -> tuple[int, int]:
     """`(write, read)` residual slots of an action: a forward writes its stage's
-    residuals and the backward actions read them; on the last virtual stage the
-    forward runs inside the backward, and only a split backward keeps residuals,
-    from its input half (`I` writes) to its weight half (`W` reads)."""
-    if _stores(kind, last):
+    residuals and the backward actions read them; where the last virtual stage's
+    forward runs inside its backward (`folded`), only a split backward keeps
+    residuals, from its input half (`I` writes) to its weight half (`W` reads)."""
+    if _stores(kind, folded):
         return slot, -1
-    reads = kind == BACKWARD_WEIGHT if last else kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+    reads = kind == BACKWARD_WEIGHT if folded else kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
     return -1, (slot if reads else -1)
 
 
@@ -253,7 +265,7 @@ class _Engine:
 
     @functools.cached_property
     def program(self) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
-        return _program(self.sched)
+        return _program(self.sched, self.keep)
 
     @property
     def keep(self) -> bool:
@@ -474,7 +486,9 @@ class _Device:
         if not self.engine.keep:
             return
         _, branch_keys = self.engine.program
-        variants = sorted({(f, la) for keys in branch_keys for kind, f, la in keys if _stores(kind, la)})
+        variants = sorted(
+            {(f, la) for keys in branch_keys for kind, f, la, folded in keys if _stores(kind, folded)}
+        )
         # Indexed as the branches index them, by a row of the program (which
         # varies along pipe), so that the residuals have the branches' types.
         at = lax.axis_index(PIPE) * 0
@@ -554,10 +568,20 @@ class _Device:
         return None, pull(seed), None
 
     def _pull_back_kept(
-        self, action: int, first: bool, last: bool, chunk: Any, x: Any, mb: Any, seed: Any, stored: tuple
+        self,
+        action: int,
+        first: bool,
+        last: bool,
+        folded: bool,
+        chunk: Any,
+        x: Any,
+        mb: Any,
+        seed: Any,
+        stored: tuple,
     ) -> tuple:
-        """As `_pull_back`, from the residuals the stage's forward stored (or, on
-        the last stage, computing them: `B` and `I` run the forward there).
+        """As `_pull_back`, from the residuals the stage's forward stored (or, where
+        the last stage's forward is `folded` into its backward, computing them:
+        `B` and `I` run the forward there).
         Returns `(output, parameter gradients, input cotangent, residuals to store)`.
 
         The pull-back is traced again here, and its residuals swapped for the
@@ -565,9 +589,9 @@ class _Device:
         removes it."""
         out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
         to_store = None
-        if _stores(action, last):
+        if _stores(action, folded):
             to_store = self.pack(first, last, [leaves[i] for i in kept])
-        elif not (last and action == BACKWARD):
+        elif not (folded and action == BACKWARD):
             for i, value in zip(kept, self.unpack(first, last, stored), strict=True):
                 leaves[i] = value
             out = None
@@ -604,6 +628,7 @@ class _Device:
         action: int,
         first: bool,
         last: bool,
+        folded: bool,
         fields: jax.Array,
         inputs: jax.Array,
         cots: jax.Array,
@@ -616,14 +641,15 @@ class _Device:
         back or None, rest's gradient sum, stack's gradient sums, loss sum,
         residuals to store or None)`."""
         mb, chunk, in_slot, cot_slot = fields[0], fields[1], fields[2], fields[3]
-        if action == IDLE or (action == FORWARD and last):
-            # The last stage's forward is folded into its backward.
+        if action == IDLE:  # (a folded forward is idle: its backward runs it)
             return None, None, g_rest, g_blocks, loss_sum, None
         mb_batch, chunk_params = _index(self.micro_batches, mb), _index(self.blocks, chunk)
         x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
         if action == FORWARD and self.engine.keep:
             out, leaves, _, kept = self._vjp(first, last, chunk_params, x, mb_batch)
             packed = self.pack(first, last, [leaves[i] for i in kept])
+            if last:  # the loss: nothing to send on
+                return None, None, g_rest, g_blocks, loss_sum + mark_varying(out, self.loss_axes), packed
             return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, packed
         if action == FORWARD:
             send_f = mark_varying(
@@ -637,12 +663,12 @@ class _Device:
         packed = None
         if self.engine.keep:
             out, grads, dx, packed = self._pull_back_kept(
-                action, first, last, chunk_params, x, mb_batch, seed, stored
+                action, first, last, folded, chunk_params, x, mb_batch, seed, stored
             )
         else:
             out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
         send_b = None if dx is None else mark_varying(dx, self.act_axes)
-        if last and action in (BACKWARD, BACKWARD_INPUT):
+        if folded and action in (BACKWARD, BACKWARD_INPUT):
             loss_sum = loss_sum + mark_varying(out, self.loss_axes)
         if grads is not None:
             g_r, g_c = grads

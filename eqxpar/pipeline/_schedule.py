@@ -707,11 +707,13 @@ class Buffers:
     cotangent; `recv_input[tick, device]`: the
     slot the activation arriving at the end of that tick is written to (-1: none);
     `recv_cotangent`: the same for an arriving cotangent. `residuals`: slots for
-    the residuals a stage's forward keeps for its backward (every virtual stage
-    but the last, whose forward runs inside its backward; there, the residuals of
-    its `I`, which `W` reuses); `residual_slot[tick, device, i]`: the slot action `i`
-    at that tick writes them to (`F`; the last stage's `I`) or reads them from
-    (`B`, `I`, `W`), -1 for none.
+    the residuals a stage's forward keeps for its backward actions;
+    `residual_slot[tick, device, i]`: the slot action `i` at that tick writes them
+    to (`F`; a folded `I`) or reads them from (`B`, `I`, `W`), -1 for none.
+    `folded[tick, device, i]`: the action is the last virtual stage's forward, or
+    its backward or input half, in one tick with each other: the forward then
+    runs inside the backward (nothing made in a tick is read in it), and only a
+    split backward keeps residuals, from its `I` (which writes them) to its `W`.
     """
 
     inputs: int
@@ -722,6 +724,7 @@ class Buffers:
     recv_cotangent: np.ndarray
     residuals: int = 0
     residual_slot: np.ndarray | None = None
+    folded: np.ndarray | None = None
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[int, dict]:
@@ -759,12 +762,17 @@ def _buffers(schedule: Schedule) -> Buffers:
     def cot_sent(mb: int, k: int) -> int:
         return max(tick_of.get((kind, mb, k), -1) for kind in backward_kinds)
 
+    def folds(mb: int, k: int) -> bool:
+        # The last virtual stage's forward and backward (or input half) in one tick.
+        return k == stages - 1 and tick_of[(FORWARD, mb, k)] == cot_sent(mb, k)
+
     shape = schedule.table.shape[:2]
     input_slot = np.full((*shape, 2), -1, np.int32)
     cot_slot = np.full((*shape, 2), -1, np.int32)
     recv_input = np.full(shape, -1, np.int32)
     recv_cot = np.full(shape, -1, np.int32)
     res_slot = np.full((*shape, 2), -1, np.int32)
+    folded = np.zeros((*shape, 2), bool)
     n_in = n_cot = n_res = 0
     for device in range(p):
         ins, cots, res = [], [], []
@@ -775,10 +783,13 @@ def _buffers(schedule: Schedule) -> Buffers:
                     ins.append((tick_of[(FORWARD, mb, k - 1)], last_use(mb, k), (mb, k)))
                 if k < stages - 1:  # the last stage seeds its own cotangent
                     cots.append((cot_sent(mb, k + 1), last_use(mb, k), (mb, k)))
-                    # ... and runs its forward inside its backward (keeping residuals
-                    # only from its input half to its weight half).
+                if not folds(mb, k):
                     res.append((tick_of[(FORWARD, mb, k)], last_use(mb, k), (mb, k)))
-                elif (BACKWARD_INPUT, mb, k) in tick_of:
+                    continue
+                for kind in (FORWARD, BACKWARD, BACKWARD_INPUT):
+                    if (kind, mb, k) in tick_of:
+                        folded[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = True
+                if (BACKWARD_INPUT, mb, k) in tick_of:
                     res.append((tick_of[(BACKWARD_INPUT, mb, k)], last_use(mb, k), (mb, k)))
         count, res_where = _allocate(res)
         n_res = max(n_res, count)
@@ -801,7 +812,7 @@ def _buffers(schedule: Schedule) -> Buffers:
                 if (kind, mb, k) in tick_of:
                     cot_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
             recv_cot[cot_sent(mb, k + 1), device] = slot
-    return Buffers(n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot)
+    return Buffers(n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot, folded)
 
 
 def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
