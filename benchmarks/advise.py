@@ -1,6 +1,8 @@
 """The plan advisor against measurements: every benchmarked plan's predicted memory
-and wire bytes beside its compiled step's (compiled, never run), and the advisor's
-ranking for the workload at 8, 64 and 512 devices (predicted only above 8).
+and wire bytes beside its compiled step's (compiled, never run), the same for
+every plan the advisor ranks for the demo's GPT (`examples/demo.py --advise`),
+and the advisor's ranking for the workload at 8, 64 and 512 devices (predicted
+only above 8).
 
     python -m benchmarks.advise --json benchmarks/results/advise.json --markdown BENCHMARKS.md
 
@@ -19,8 +21,11 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -36,6 +41,7 @@ from ._strategies import MEMORY_ONLY, STRATEGIES  # noqa: E402
 
 TITLE = "## Plan advisor: predicted against measured"
 TOLERANCE = 0.10
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def compare(name: str) -> dict:
@@ -81,6 +87,68 @@ def compare(name: str) -> dict:
     return record
 
 
+def _errors(name: str, pairs: dict) -> dict:
+    record = {"plan": name}
+    for what, (p, m) in pairs.items():
+        record[what] = {"predicted": p, "measured": m, "error": p / m - 1.0 if m else 0.0}
+    return record
+
+
+def _check_every(advice, label: str) -> list[dict]:
+    """Every candidate of `advice` compiled (never run, one at a time) beside its
+    prediction."""
+    records = []
+    for i, candidate in enumerate(advice.candidates):
+        start = time.perf_counter()
+        c = advice.compare(i)
+        pairs = {"argument_bytes": c.argument_bytes, "temp_bytes": c.temp_bytes, "wire_bytes": c.wire_bytes}
+        record = {**_errors(candidate.name, pairs), "compile_s": time.perf_counter() - start}
+        print(label, candidate.name, {k: round(record[k]["error"], 4) for k in pairs}, flush=True)
+        records.append(record)
+    return records
+
+
+def _demo_script():
+    sys.path.insert(0, str(EXAMPLES))
+    import demo as demo_script
+
+    return demo_script
+
+
+def demo() -> list[dict]:
+    """Every candidate `examples/demo.py --advise` ranks for the demo's GPT (its
+    default model, batch 32 x 65 tokens, 8 devices, the "cpu" profile), each
+    compiled beside its prediction."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        advice = _demo_script().main(["--advise"])["advice"]
+    return _check_every(advice, "demo")
+
+
+def demo_moe() -> list[dict]:
+    """The demo's GPT with every second block a mixture of 8 experts (top 2,
+    dropless), built as `examples/demo.py` builds its GPT: every candidate the
+    advisor ranks for 8 devices, each compiled beside its prediction."""
+    script = _demo_script()
+    args = script.parse_args([])
+    config = eqxpar.models.GPTConfig(
+        vocab_size=script.CharData().padded_vocab_size(args.tensor),
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        num_layers=args.layers,
+        d_hidden=args.d_hidden,
+        max_seq_len=args.seq_len,
+        moe_every=2,
+        experts=8,
+        top_k=2,
+    )
+    model = eqx.filter_jit(eqxpar.models.GPT)(config, key=jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)
+    optimizer = script.adamw_warmup_cosine(args.lr, args.steps)
+    advice = eqxpar.advise(model, eqxpar.models.lm_loss, optimizer, tokens, devices=8, device="cpu")
+    return _check_every(advice, "demo_moe")
+
+
 def rankings(counts=(8, 64, 512), top: int = 8) -> list[dict]:
     """The advisor's ranking for the workload (batch 32 per 8 devices, H100 profile,
     80 GB), pipelines included."""
@@ -111,11 +179,41 @@ def rankings(counts=(8, 64, 512), top: int = 8) -> list[dict]:
     return out
 
 
-def markdown(records: list[dict], ranks: list[dict]) -> str:
-    def err(r: dict, what: str) -> str:
-        e = r[what]["error"]
-        mark = "" if abs(e) <= TOLERANCE else " **>10 %**"
-        return f"{r[what]['predicted']:,} / {r[what]['measured']:,} ({e:+.1%}){mark}"
+def _err(r: dict, what: str) -> str:
+    e = r[what]["error"]
+    mark = "" if abs(e) <= TOLERANCE else " **>10 %**"
+    return f"{r[what]['predicted']:,} / {r[what]['measured']:,} ({e:+.1%}){mark}"
+
+
+def _every_table(title: str, intro: list[str], records: list[dict]) -> list[str]:
+    """A Markdown table of every candidate's predicted / measured bytes."""
+    lines = [
+        "",
+        title,
+        "",
+        *intro,
+        "",
+        "| plan | arguments | temporaries | wire bytes |",
+        "|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['plan']} | {_err(r, 'argument_bytes')} | {_err(r, 'temp_bytes')} | {_err(r, 'wire_bytes')} |"
+        )
+    bad = {
+        w: [r["plan"] for r in records if abs(r[w]["error"]) > TOLERANCE]
+        for w in ("argument_bytes", "temp_bytes", "wire_bytes")
+    }
+    return lines + [
+        "",
+        "Outside 10 %: " + "; ".join(f"{w}: {', '.join(v) or 'none'}" for w, v in bad.items()) + ".",
+    ]
+
+
+def markdown(
+    records: list[dict], ranks: list[dict], demo_records: list[dict], moe_records: list[dict]
+) -> str:
+    err = _err
 
     lines = [
         TITLE,
@@ -127,8 +225,11 @@ def markdown(records: list[dict], ranks: list[dict]) -> str:
         "Bytes per device: predicted / measured (error). Arguments come exactly from the",
         "layout; temporaries from the loss's traced residuals plus gradients, gathered",
         "weights, an optimizer share fitted on these records (`UPDATE_SHARE`); pipelines:",
-        "the schedule's residual slots times one virtual stage's traced `jax.vjp` residuals,",
-        "plus its input / cotangent slots; dropless expert parallelism: `n` times the routed",
+        "the schedule's residual slots, each as the engine lays one out (its per-device setup",
+        "traced on the plan's mesh), its input / cotangent slots, and what a tick holds beside",
+        "them (the slot read and the slot written, then a forward's fresh residuals or a",
+        "backward's unpacked residuals, one layer's cotangents and the stage's weight",
+        "gradients, whichever is larger); dropless expert parallelism: `n` times the routed",
         "rows and their dispatch buffers. Wire bytes are `minimum_comm` plus eqxpar's known",
         "overheads (pipelines: a boundary buffer each way on the ticks the engine sends).",
         "",
@@ -148,6 +249,23 @@ def markdown(records: list[dict], ranks: list[dict]) -> str:
         "",
         "Outside 10 %: " + "; ".join(f"{w}: {', '.join(v) or 'none'}" for w, v in bad.items()) + ".",
     ]
+    lines += _every_table(
+        "### The demo's GPT: every candidate",
+        [
+            "`examples/demo.py --advise`'s model (its default flags: 4 layers, d_model 128, 4 heads,",
+            "2 key/value heads, batch 32 x 65 tokens): every plan the advisor ranks for 8 devices",
+            '("cpu" profile), each compiled (never run, one at a time) beside its prediction.',
+        ],
+        demo_records,
+    )
+    lines += _every_table(
+        "### The demo's GPT with mixture-of-experts blocks: every candidate",
+        [
+            "The same GPT with every second block a dropless mixture of 8 experts (top 2):",
+            "the advisor skips sequence-parallel plans (the MoE layer refuses them).",
+        ],
+        moe_records,
+    )
     lines += [
         "",
         "### The advisor's ranking for the workload",
@@ -191,10 +309,12 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(STRATEGIES)
     records = [compare(name) for name in names]
+    demo_records, moe_records = demo(), demo_moe()
     ranks = rankings()
-    args.json.write_text(json.dumps({"records": records, "rankings": ranks}, indent=1) + "\n")
+    out = {"records": records, "demo": demo_records, "demo_moe": moe_records, "rankings": ranks}
+    args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.markdown:
-        write_section(args.markdown, markdown(records, ranks))
+        write_section(args.markdown, markdown(records, ranks, demo_records, moe_records))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ from ._enumerate import TENSOR, Layout, layouts
 from ._predict import Prediction, _tensor_dims, placeholder_mesh, predict
 from ._profile import DeviceProfile, as_profile
 
+#: Compiler options for a step compiled only to read its memory and HLO: buffer
+#: assignment runs before LLVM, so skipping LLVM's optimisations changes no byte.
+_MEMORY_ONLY = {"xla_backend_optimization_level": 0}
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -131,36 +135,43 @@ class Advice:
         return Plan(make_mesh(**layout.mesh), **layout.options)
 
     def check(self, k: int = 3) -> tuple[Comparison, ...]:
-        """Compile (never run) the top `k` candidates' steps and put XLA's memory
-        analysis and the compiled HLO's wire bytes beside the predictions. Needs the
-        model and batch as arrays, and the candidates' device counts here."""
+        """Compile (never run) the top `k` candidates' steps, one at a time, and put
+        XLA's memory analysis and the compiled HLO's wire bytes beside the
+        predictions (`compare` for each). Needs the model as arrays (the batch may
+        be outlines), and the candidates' device counts here."""
+        if not isinstance(k, int) or k < 1:
+            raise PlanError(f"Advice.check(k={k!r}): expected a positive number of candidates.")
+        return tuple(self.compare(i) for i in range(min(k, len(self.candidates))))
+
+    def compare(self, i: int = 0) -> Comparison:
+        """Compile (never run) the `i`-th ranked candidate's step and put its
+        measured bytes per device beside the prediction: XLA's
+        `memory_analysis()` (compiled without LLVM's optimisations, which run after
+        buffer assignment and change no byte) and the compiled HLO's wire bytes."""
         from .. import train
         from ..inspect import collective_stats, memory_report
 
-        if not isinstance(k, int) or k < 1:
-            raise PlanError(f"Advice.check(k={k!r}): expected a positive number of candidates.")
         if self.devices > jax.device_count():
             raise PlanError(
                 f"Advice.check: the plans are for {self.devices} devices and this process has "
                 f"{jax.device_count()}; compile them where the devices exist."
             )
-        out = []
-        for i, c in enumerate(self.candidates[:k]):
-            plan = self.plan(i)
-            loss = self.pipeline_loss if plan.schedule is not None else self.loss_fn
-            state = train.init(self.model, self.optimizer, plan, key=jax.random.key(0))
-            step = train.make_step(loss, self.optimizer, plan)
-            compiled = step.lower(state, shard_batch(self.batch, plan)).compile()
-            memory, stats, p = memory_report(compiled), collective_stats(compiled), c.prediction
-            out.append(
-                Comparison(
-                    name=c.name,
-                    argument_bytes=(p.argument_bytes, memory.argument_bytes),
-                    temp_bytes=(p.temp_bytes, memory.temp_bytes),
-                    wire_bytes=(p.total_wire_bytes, stats.total_wire_bytes),
-                )
-            )
-        return tuple(out)
+        plan, c = self.plan(i), self.candidates[i]
+        loss = self.pipeline_loss if plan.schedule is not None else self.loss_fn
+        # Outlines stand for a batch of zeros: only the shapes reach the compile.
+        batch = jax.tree.map(
+            lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, self.batch
+        )
+        state = train.init(self.model, self.optimizer, plan, key=jax.random.key(0))
+        step = train.make_step(loss, self.optimizer, plan)
+        compiled = step.lower(state, shard_batch(batch, plan)).compile(compiler_options=_MEMORY_ONLY)
+        memory, stats, p = memory_report(compiled), collective_stats(compiled), c.prediction
+        return Comparison(
+            name=c.name,
+            argument_bytes=(p.argument_bytes, memory.argument_bytes),
+            temp_bytes=(p.temp_bytes, memory.temp_bytes),
+            wire_bytes=(p.total_wire_bytes, stats.total_wire_bytes),
+        )
 
 
 def _has(model: Any, kind: str) -> bool:
@@ -245,14 +256,18 @@ def advise(
     probe = Plan(placeholder_mesh({"tensor": 2}), rules=TENSOR)
     tensor = bool(_tensor_dims(params, StepLayout.resolve(probe, params).params, probe))
     fitting, over, skipped = [], [], []
+    moe = _has(shapes, "moe")
     for layout in layouts(
         devices,
         tensor=tensor,
         pipeline=pipeline_loss is not None,
         context=_has(shapes, "attention") and analysis.seq_len is not None,
-        expert=_has(shapes, "moe"),
+        expert=moe,
     ):
         try:
+            if moe and layout.options.get("sequence_parallel"):
+                # The layer refuses it when the step is built (eqxpar.nn.MoE).
+                raise PlanError("MoE layers do not run under manual sequence parallelism yet")
             plan = Plan(placeholder_mesh(layout.mesh), **layout.options)
             need = plan.batch_size_multiple * plan.microbatches
             if analysis.batch_size % need:

@@ -3,6 +3,7 @@ candidate plan: the loss's saved residuals, its matmul FLOPs and the model's
 structure. Traced on shape outlines; nothing is compiled or run."""
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -135,73 +136,93 @@ def _layers(model: Any) -> int:
     return sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in _attentions(model))
 
 
-def _dependent(jaxpr: Any, sources: set) -> set:
-    """The variables of `jaxpr` that vary as `sources` do inside `shard_map`: those
-    computed from them (an equation with one such input makes all its outputs
-    so), and the other operands of such equations (`shard_map` casts them to
-    the varying type, and a residual is then that cast copy)."""
-    found = set(sources)
-    operands = set()
-    for eqn in jaxpr.eqns:
-        invars = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        if any(v in found for v in invars):
-            found.update(eqn.outvars)
-            operands.update(invars)
-    return found | operands
-
-
 @dataclasses.dataclass(frozen=True)
-class Stage:
-    """One pipeline virtual stage on one micro-batch, whole (not split over a
-    tensor axis): `residuals[(first, last)]`, the outlines its forward keeps for
-    its backward actions as the engine stores them, per kind of virtual stage
-    (the first runs `first` before its layers, the last `last` after them);
-    `activation`, the outline of what crosses a stage boundary."""
+class Slots:
+    """What the pipeline engine keeps per micro-batch in flight on one device, as
+    the engine itself lays it out for a plan (`engine_slots`).
 
-    residuals: dict[tuple[bool, bool], tuple[jax.ShapeDtypeStruct, ...]]
+    - `groups`: `(dtype name, varying axes) -> elements` of one residual slot: the
+      engine packs each virtual stage's kept residuals into one vector per group,
+      as long as the largest kind of stage (first, middle, last) needs.
+    - `leaves`: `(first, last) -> ((dtype name, local shape), ...)`, the kept
+      residuals of each kind of virtual stage that stores them.
+    - `activation`: the outline of what crosses a stage boundary (per device).
+    """
+
+    groups: dict[tuple[str, tuple[str, ...]], int]
+    leaves: dict[tuple[bool, bool], tuple[tuple[str, tuple[int, ...]], ...]]
     activation: jax.ShapeDtypeStruct
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one residual slot (all its group vectors)."""
+        return sum(n * jnp.dtype(dtype).itemsize for (dtype, _), n in self.groups.items())
 
-def stage(model: Any, loss: Any, micro_batch: Any, layers: int, dtype: Any = None) -> Stage:
-    """Trace one virtual stage of `layers` layers of `loss`'s stack (an
-    `eqxpar.pipeline.PipelineLoss`) on one micro-batch, the weights in `dtype`
-    (None: their own), as the pipeline engine does (`_Device._resolve_residuals`):
-    the residuals of `jax.vjp` of the stage w.r.t. its weights and (off the first
-    stage) its input, less the weights, the input and the micro-batch themselves
-    and what the micro-batch alone determines (the engine keeps only what varies
-    along `pipe`; see `_dependent`). On outlines; nothing runs."""
-    model, micro_batch = outline(model), outline(micro_batch)
-    floating = lambda x: is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
-    blocks = loss.stack_of(model).blocks
-    chunk = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype) if is_array_like(x) else x, blocks
+    def stacked_bytes(self, layers: int, rows: int) -> int:
+        """Bytes of the residuals the stage's scanned layers keep (leading
+        `(layers, rows)`: one per layer), for the kind of stage that keeps most."""
+        sizes = [
+            sum(
+                math.prod(shape) * jnp.dtype(dtype).itemsize
+                for dtype, shape in kind
+                if shape[:2] == (layers, rows)
+            )
+            for kind in self.leaves.values()
+        ]
+        return max(sizes, default=0)
+
+
+def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
+    """The pipeline engine's own residual slot layout for `plan` (a pipeline plan;
+    `loss` its `eqxpar.pipeline.PipelineLoss`; `model` and the global `batch` as
+    arrays or outlines). The engine's per-device setup (`_Device`, which resolves
+    the layout by abstract evaluation) is traced inside `shard_map` on the plan's
+    mesh, which may be a placeholder: nothing is placed or compiled. So the kept
+    leaves are the engine's (those that vary along `pipe` under its varying-type
+    rules, at their per-device shapes, under the plan's remat policy)."""
+    from jax.sharding import PartitionSpec
+
+    from .._grad_common import LossFunction, mark_varying
+    from .._rules import mesh_axis_names
+    from .._shard_map import filter_shard_map
+    from .._step_layout import StepLayout
+    from ..pipeline import _engine
+
+    model, batch = outline(model), outline(batch)
+    layout = StepLayout.resolve(plan, model)
+    engine = _engine._Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=plan.compute_dtype), layout)
+    batch_axes = set(layout.reduced_axes)
+
+    def whole(spec: Any) -> Any:
+        # FSDP weights reach the engine gathered over the batch axes.
+        if not isinstance(spec, PartitionSpec):
+            return spec
+        kept = [tuple(a for a in mesh_axis_names(e) if a not in batch_axes) for e in spec]
+        return PartitionSpec(*[(k if len(k) > 1 else k[0]) if k else None for k in kept])
+
+    found: dict = {}
+
+    def per_device(model: Any, batch: Any) -> jax.Array:
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        params = jax.tree.map(lambda x: mark_varying(x, engine.local), params)
+        device = _engine._Device(engine, params, static, batch)
+        found["groups"] = {key: int(n) for key, n in device.res_groups.items()}
+        found["leaves"] = {
+            kind: tuple((key[0], tuple(shape)) for key, _, shape in leaves)
+            for kind, leaves in device.res_layout.items()
+        }
+        found["activation"] = jax.ShapeDtypeStruct(device.act.shape, device.act.dtype)
+        return jnp.zeros(())
+
+    specs = jax.tree.map(whole, layout.params, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    fn = filter_shard_map(
+        per_device,
+        plan,
+        in_specs=(specs, layout.batch),
+        out_specs=PartitionSpec(),
+        axis_names=frozenset(plan.mesh.axis_names),
     )
-    # The engine swaps a chunk's layers into the stack the same way (its depth field unchanged).
-    model = eqx.tree_at(lambda m: loss.stack(m).blocks, model, chunk)
-    if dtype is not None:
-        model = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if floating(x) else x, model)
-    params, static = eqx.partition(model, floating)
-    h = jax.eval_shape(lambda p, b: loss.first(eqx.combine(p, static), b), params, micro_batch)
-    out = {}
-    for first, last in ((True, False), (False, False), (False, True), (True, True)):
-
-        def run(p, x, b, first=first, last=last):
-            m = eqx.combine(p, static)
-            y = loss.stack(m)(loss.first(m, b) if first else x)
-            return loss.last(m, y, b) if last else y
-
-        def residuals(p, x, b, run=run, first=first):
-            if first:
-                return jax.tree.leaves(jax.vjp(lambda p: run(p, None, b), p)[1])
-            return jax.tree.leaves(jax.vjp(lambda p, x: run(p, x, b), p, x)[1])
-
-        jaxpr = jax.make_jaxpr(residuals)(params, h, micro_batch).jaxpr
-        n = len(jax.tree.leaves(params)) + len(jax.tree.leaves(h))
-        varying = _dependent(jaxpr, set(jaxpr.invars[:n]))
-        inputs = set(jaxpr.invars)
-        out[(first, last)] = tuple(
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-            for v in jaxpr.outvars
-            if not isinstance(v, jcore.Literal) and v not in inputs and v in varying
-        )
-    return Stage(residuals=out, activation=jax.ShapeDtypeStruct(h.shape, h.dtype))
+    dynamic, static = eqx.partition(model, is_array_like)
+    with plan:
+        jax.make_jaxpr(lambda d, b: fn(eqx.combine(d, static), b))(dynamic, batch)
+    return Slots(**found)

@@ -15,7 +15,7 @@ from .._mesh import AXES, EXPERT_AXIS, axis_size
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like
-from .._step_layout import StepLayout
+from .._step_layout import StepLayout, manual_axes_of
 from ..inspect import _minimum
 from ..inspect._minimum import minimum_comm
 from ._analysis import Analysis, nbytes
@@ -174,8 +174,10 @@ def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
 
 def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
     """How the model's MoE layers run under `plan`: `rows`, the factor of the
-    routed rows a device's experts take (the expert axis' size when they are split
-    over it and dropless, else 1); `tensor`, whether the experts are split over
+    routed rows a device's experts take beyond its share of the batch (the expert
+    axis' size when they are split over it and dropless; times the batch axes the
+    compiler partitions, since a dropless layer's data-dependent shuffle of the
+    tokens gathers them over those); `tensor`, whether the experts are split over
     the tensor axis."""
     from ..nn._moe import MoE
 
@@ -192,8 +194,10 @@ def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
         for spec in (layer.w_in, layer.w_out)
     )
     t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    manual = manual_axes_of(plan)
+    gathered = math.prod(plan.mesh.shape[a] for a in plan.batch_axes if a not in manual)
     return {
-        "rows": n if n > 1 and dropless else 1,
+        "rows": n * gathered if dropless else 1,
         "tensor": tensor and t > 1,
         "dropless": dropless,
         "local": max(layer.experts for layer in layers) // n,
@@ -208,7 +212,8 @@ def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     hidden, and the result, rows x hidden), and under expert parallelism the
     static send and receive buffers (`n` x a device's assignments each, of
     d_model, plus their int32 ids). Rows: the device's routed assignments, `n`
-    times over under expert parallelism over `n` devices."""
+    times over under expert parallelism over `n` devices (all of them on every
+    device over the batch axes the compiler partitions: see `_moe_split`)."""
     moe = _moe_split(plan, params, specs)
     if analysis.routed is None or not moe.get("dropless"):
         return 0
@@ -216,7 +221,7 @@ def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     size = jnp.dtype(analysis.routed.dtype).itemsize
     rows = routed * moe["rows"] // (plan.batch_size_multiple * plan.context_size)
     grouped = rows * (moe["local"] + 1) * moe["hidden"] * size
-    dispatch = 2 * rows * (d * size + 4) if moe["rows"] > 1 else 0
+    dispatch = 2 * rows * (d * size + 4) if plan.expert_size > 1 else 0
     return grouped + dispatch
 
 
@@ -256,6 +261,9 @@ def predict(
     else:
         sched = _schedule(plan)
         activations, buffers = _pipeline_memory(plan, sched, params, batch, loss, layout, grads)
+        # The update runs after the tick loops, in the memory their residual
+        # buffers and transients held: only what it needs beyond them adds.
+        update = max(0, update - activations - buffers)
     wire, by_axis = _wire(plan, params, batch, loss, analysis, profile)
     flops = 3.0 * analysis.forward_flops / mesh.size
     dtype = plan.compute_dtype or jnp.float32
@@ -329,85 +337,59 @@ def _engine_ticks(sched: Any) -> dict[str, int]:
     return out
 
 
-def _stored_kinds(sched: Any) -> set[tuple[bool, bool]]:
-    """`(first, last)` of the virtual stages whose actions store residuals: the
-    forwards off the last virtual stage, and there a split backward's input half."""
-    from ..pipeline._schedule import BACKWARD_INPUT, FORWARD
-
-    stages, kinds = sched.virtual_stages, set()
-    for _, _, _, k, action in sched.entries():
-        last = k == stages - 1
-        if (action == FORWARD and not last) or (action == BACKWARD_INPUT and last):
-            kinds.add((k == 0, last))
-    return kinds
-
-
 def _pipeline_memory(
     plan: Plan, sched: Any, params: Any, batch: Any, loss: Any, layout: StepLayout, grads: int
 ) -> tuple[int, int]:
     """`(kept residuals, buffers)` per device of a pipeline step (see
-    `eqxpar.pipeline`'s engine). Kept: `schedule.buffers.residuals` slots, each one
-    virtual stage's residuals for one micro-batch (`_analysis.stage`), packed per
-    dtype into vectors as long as the largest kind of stage needs (under
-    `remat="full"` none: a backward recomputes its stage, whose residuals are then
-    transient). Buffers: the stage-input and cotangent slots; the residual slots a
-    tick reads and writes beside the buffer (the slot read, the packed slot to
-    write; a fused tick's forward also holds its fresh residuals while its
-    backward reads); a tick's gradient (one virtual stage's weights and the rest)
-    beside the accumulated ones; and the backward's cotangents through the
-    stack, about one layer's residuals."""
-    from ._analysis import stage as trace_stage
+    `eqxpar.pipeline`'s engine), from the engine's own slot layout
+    (`_analysis.engine_slots`). Kept: `schedule.buffers.residuals` slots, each
+    one virtual stage's kept residuals for one micro-batch (under
+    `remat="full"`: one slot's worth, recomputed by each backward).
+
+    Buffers: the stage-input and cotangent slots, and what a tick holds beside
+    the loop's carry (`_tick_transients`)."""
+    from ._analysis import engine_slots
 
     p, v, m = plan.mesh.shape.get("pipe", 1), plan.chunks, plan.microbatches
-    t = plan.mesh.shape.get(plan.tensor_axis, 1)
-    depth = loss.stack_of(params).depth
-    layers = max(1, depth // (p * v))
-    share = plan.batch_size_multiple * m
-    mb = jax.tree.map(
-        lambda x: (
-            jax.ShapeDtypeStruct((x.shape[0] // share, *x.shape[1:]), x.dtype) if is_array_like(x) else x
-        ),
-        batch,
-    )
-    traced = trace_stage(params, loss, mb, layers, plan.compute_dtype)
-    split = _tensor_dims(params, layout.params, plan) if t > 1 else set()
-
-    rows = jax.tree.leaves(mb)[0].shape[0] if jax.tree.leaves(mb) else None
-
-    def features(shape: tuple) -> tuple:
-        # The dimensions after the micro-batch's rows: a stacked residual leads
-        # with the stage's layers, then the rows (whose count may equal a split
-        # size, e.g. 2 rows and 2 key/value heads).
-        if shape[:2] == (layers, rows):
-            return shape[2:]
-        return shape[1:]
-
-    def local(x: jax.ShapeDtypeStruct) -> int:
-        # Split over the tensor axis where a dimension is one the rules split there.
-        divided = t > 1 and (plan.sequence_parallel or split & set(features(x.shape)))
-        return nbytes(x) // (t if divided else 1)
-
-    groups: dict[str, int] = defaultdict(int)
-    kinds = _stored_kinds(sched) or {(True, p * v == 1)}
-    for kind in kinds:
-        sizes: dict[str, int] = defaultdict(int)
-        for x in traced.residuals[kind]:
-            sizes[jnp.dtype(x.dtype).name] += local(x)
-        for dtype, size in sizes.items():
-            groups[dtype] = max(groups[dtype], size)
-    slot = sum(groups.values())
-    act = nbytes(traced.activation)
+    layers = max(1, loss.stack_of(params).depth // (p * v))
+    rows = jax.tree.leaves(batch)[0].shape[0] // (plan.batch_size_multiple * m)
+    # Under "full" the engine keeps no residuals; a backward recomputes them.
+    kept = plan if plan.remat != "full" else dataclasses.replace(plan, remat="none")
+    slots = engine_slots(kept, loss, params, batch)
+    slot = slots.slot_bytes
     bufs = sched.buffers
-    io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * act
+    io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * nbytes(slots.activation)
     stack_grads = _per_device(
         loss.stack(params).blocks, loss.stack(layout.params).blocks, plan.mesh, frozenset(plan.batch_axes)
     )
-    tick_grads = grads - stack_grads + stack_grads // v
-    working = slot // layers
+    stacked = slots.stacked_bytes(layers, rows)
     if plan.remat == "full":
-        return slot, io + tick_grads + working
-    transient = (3 if sched.fused is not None else 2) * slot
-    return max(1, bufs.residuals) * slot, io + transient + tick_grads + working
+        # A backward recomputes its stage: its residuals and one virtual stage's
+        # gradients (and the rest's) are transient.
+        return slot, io + grads - stack_grads + stack_grads // v + stacked // layers
+    transients = _tick_transients(slot, stacked, layers, stack_grads // v)
+    return max(1, bufs.residuals) * slot, io + transients
+
+
+def _tick_transients(slot: int, stacked: int, layers: int, chunk_grads: int) -> int:
+    """What a tick's branch holds beside its loop's carry, from the bytes of one
+    residual `slot`, of its `stacked` part (the residuals of a stage's `layers`
+    scanned layers) and of one virtual stage's weight gradients (`chunk_grads`).
+
+    Every tick reads one slot out of the residual buffers (its `lax.switch`
+    operand) and writes one (its output: a forward's residuals packed into one
+    vector per group, or zeros), and XLA holds both through the branch. Beside
+    them, the larger of a forward's fresh residuals before they are packed (a
+    slot) and a backward's working set: the stacked residuals unpacked as the
+    layer scan's inputs (a scan over one layer is inlined, its inputs read in
+    place), one layer's cotangents (about one layer's residuals) and the
+    stage's weight gradients, before they are added to the sums. A fused tick
+    runs its forward, then its backward with the packed slot held: the same
+    bound. (Measured on XLA:CPU buffer assignments of 1F1B ticks: the peak is
+    the backward's, or, where XLA runs the backward first, the forward's
+    packing with the stage's gradients held.)"""
+    unpacked = stacked if layers > 1 else 0
+    return 2 * slot + max(slot, unpacked + stacked // layers + chunk_grads)
 
 
 def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
