@@ -146,17 +146,26 @@ class Slots:
       as long as the largest kind of stage (first, middle, last) needs.
     - `leaves`: `(first, last) -> ((dtype name, local shape), ...)`, the kept
       residuals of each kind of virtual stage that stores them.
+    - `stash`: as `groups`, for the slots a split backward's input half (`I`)
+      fills for its weight half (`W`); empty where no backward is split.
     - `activation`: the outline of what crosses a stage boundary (per device).
     """
 
     groups: dict[tuple[str, tuple[str, ...]], int]
     leaves: dict[tuple[bool, bool], tuple[tuple[str, tuple[int, ...]], ...]]
+    stash: dict[tuple[str, tuple[str, ...]], int]
     activation: jax.ShapeDtypeStruct
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one residual slot (all its group vectors)."""
-        return sum(n * jnp.dtype(dtype).itemsize for (dtype, _), n in self.groups.items())
+        return _group_bytes(self.groups)
+
+    @property
+    def stash_bytes(self) -> int:
+        """Bytes of one stash slot: what a split backward's input half hands its
+        weight half (none where no backward is split)."""
+        return _group_bytes(self.stash)
 
     def stacked_bytes(self, layers: int, rows: int) -> int:
         """Bytes of the residuals the stage's scanned layers keep (leading
@@ -170,6 +179,20 @@ class Slots:
             for kind in self.leaves.values()
         ]
         return max(sizes, default=0)
+
+
+def _group_bytes(groups: dict) -> int:
+    return sum(n * jnp.dtype(dtype).itemsize for (dtype, _), n in groups.items())
+
+
+def _packings(device: Any) -> tuple[dict, dict, dict]:
+    """`(groups, layout, stash groups)` of the engine's per-device residual
+    packing: `device.residuals` and `device.stash` (`_Packing`s), or, on an
+    engine without split-backward stashes, `device.res_groups` / `res_layout`."""
+    residuals = getattr(device, "residuals", None)
+    if residuals is None:
+        return device.res_groups, device.res_layout, {}
+    return residuals.groups, residuals.layout, device.stash.groups
 
 
 def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
@@ -206,11 +229,12 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
         params, static = eqx.partition(model, eqx.is_inexact_array)
         params = jax.tree.map(lambda x: mark_varying(x, engine.local), params)
         device = _engine._Device(engine, params, static, batch)
-        found["groups"] = {key: int(n) for key, n in device.res_groups.items()}
+        groups, layout, stash = _packings(device)
+        found["groups"] = {key: int(n) for key, n in groups.items()}
         found["leaves"] = {
-            kind: tuple((key[0], tuple(shape)) for key, _, shape in leaves)
-            for kind, leaves in device.res_layout.items()
+            kind: tuple((key[0], tuple(shape)) for key, _, shape in leaves) for kind, leaves in layout.items()
         }
+        found["stash"] = {key: int(n) for key, n in stash.items()}
         found["activation"] = jax.ShapeDtypeStruct(device.act.shape, device.act.dtype)
         return jnp.zeros(())
 

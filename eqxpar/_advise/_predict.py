@@ -367,8 +367,11 @@ def _pipeline_memory(
         # A backward recomputes its stage: its residuals and one virtual stage's
         # gradients (and the rest's) are transient.
         return slot, io + grads - stack_grads + stack_grads // v + stacked // layers
-    transients = _tick_transients(slot, stacked, layers, stack_grads // v)
-    return max(1, bufs.residuals) * slot, io + transients
+    # Split backwards stash what `I` hands `W` in slots of their own, as many as
+    # the residuals' and read and written by a tick as they are.
+    stash = slots.stash_bytes
+    transients = _tick_transients(slot, stacked, layers, stack_grads // v) + 2 * stash
+    return max(1, bufs.residuals) * (slot + stash), io + transients
 
 
 def _tick_transients(slot: int, stacked: int, layers: int, chunk_grads: int) -> int:
