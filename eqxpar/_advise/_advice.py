@@ -201,7 +201,8 @@ def advise(
     layers tensor + sequence parallel and FSDP x tensor; with `pipeline_loss` 1F1B
     pipelines (x tensor); with attention context parallelism (ring); with MoE
     layers expert parallelism. Sizes the model's dimensions or the batch do not
-    divide are skipped (`Advice.skipped`). Device counts above this machine's are
+    divide are skipped (`Advice.skipped`), as are sequence-parallel plans for a
+    model with MoE layers (the layer refuses them). Device counts above this machine's are
     predicted on placeholder meshes (shapes only; `plan(i)` and `check` need the
     devices).
 

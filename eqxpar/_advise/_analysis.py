@@ -1,6 +1,7 @@
-"""What the advisor reads off the model and loss once, on one device, for every
-candidate plan: the loss's saved residuals, its matmul FLOPs and the model's
-structure. Traced on shape outlines; nothing is compiled or run."""
+"""What the advisor reads off the model and loss: once, on one device, for every
+candidate plan, the loss's saved residuals, its matmul FLOPs and the model's
+structure (`analyse`); per pipeline plan, the engine's own residual slot layout
+(`engine_slots`). Traced on shape outlines; nothing is compiled or run."""
 
 import dataclasses
 import math
