@@ -435,10 +435,14 @@ STRATEGIES: dict[str, Strategy] = {
         contract={**_FLAT, "step_ratio_max": 1.05, "flops_over_reference_max": 1.20},
     ),
     # Zero-bubble sends on nearly every tick both ways (its forwards, input- and
-    # weight-gradient passes interleave), and its weight half re-runs the
-    # backward chain its input half ran (the cotangents between layers are not
-    # kept): held to today's bytes, its step time recorded, not held.
-    "pp_zero_bubble": _pp("zero_bubble", 1.60, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    # weight-gradient passes interleave): held to today's bytes. Its backward is
+    # split (`pipeline._split_backward`), so its lockstep FLOPs are GPipe's or
+    # fewer; its CPU step time is recorded, not held (see BENCHMARKS.md).
+    "pp_zero_bubble": _pp(
+        "zero_bubble",
+        1.60,
+        contract={**_FLAT, "bubble_below": "pp_1f1b", "flops_over_reference_max": 1.15},
+    ),
     "cp": Strategy(_context, {"data": 2, "context": 4}, {"contract": _CP_RING}),
     "cp_allgather": Strategy(
         _context, {"data": 2, "context": 4}, {"context_attention": "allgather", "contract": _CP_ALLGATHER}

@@ -240,7 +240,11 @@ def test_backward_reuses_the_forward_unless_remat_full(name, bound, lockstep):
         batch = regression_batch(64)
         _, metrics = step(state, batch)
         compiled = step.compile(state, batch)
-        return compiled.cost_analysis()["flops"], eqxpar.inspect.matmul_flops(compiled), float(metrics["loss"])
+        return (
+            compiled.cost_analysis()["flops"],
+            eqxpar.inspect.matmul_flops(compiled),
+            float(metrics["loss"]),
+        )
 
     (kept, ticks_kept, loss_kept), (full, ticks_full, loss_full) = flops("none"), flops("full")
     assert kept <= bound * full, (kept, full)

@@ -63,6 +63,7 @@ from .._shard_map import filter_shard_map
 from .._step_layout import StepLayout
 from ._loss import PipelineLoss
 from ._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE, Schedule, schedule
+from ._split_backward import SplitBackward
 
 PIPE = "pipe"
 
@@ -95,8 +96,11 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 
 #: Program columns: the branch, the receive-input and receive-cotangent slots,
-#: then per action of the tick (the table's, the fused table's) `FIELDS` values.
-FIELDS = 6  # micro-batch, chunk, input slot, cotangent slot, residual write, residual read
+#: then per action of the tick (the table's, the fused table's) `FIELDS` values:
+#: micro-batch, chunk, input slot, cotangent slot, residual write and read slots,
+#: stash write and read slots (`_split_backward`: from a split backward's `I` to its `W`).
+FIELDS = 8
+RES_WRITE, RES_READ, STASH_WRITE, STASH_READ = 4, 5, 6, 7
 
 
 #: (action, is first virtual stage, is last virtual stage, folded: the last
@@ -108,8 +112,8 @@ def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, K
     """Per (tick, device): branch index, receive-input slot, receive-cotangent
     slot, then for each of the tick's two actions (the second idle unless the
     schedule fuses them) micro-batch, chunk, input slot, cotangent slot, residual
-    write slot and residual read slot; and the branch list, a pair of `Key`s per
-    branch.
+    write and read slots, stash write and read slots; and the branch list, a pair
+    of `Key`s per branch.
 
     The last virtual stage's forward runs in its own tick and keeps its
     residuals, as every stage's, where the schedule puts it in a tick before its
@@ -130,13 +134,17 @@ def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, K
             keys, fields, writes, reads = [], [], [], []
             for i, table in enumerate(tables):
                 mb, chunk, kind = (int(x) for x in table[tick, device])
-                key, write, read = idle, -1, -1
+                key, write, read, stash_write, stash_read = idle, -1, -1, -1, -1
                 k = chunk * p + device
                 last = k == stages - 1
                 folded = last and (not keep or bool(bufs.folded[tick, device, i]))
                 if kind != IDLE and not (kind == FORWARD and folded):
                     key = (kind, k == 0, last, folded)
-                    write, read = _residual_slots(kind, folded, int(bufs.residual_slot[tick, device, i]))
+                    slot = int(bufs.residual_slot[tick, device, i])
+                    write, read = _residual_slots(kind, folded, slot)
+                    if keep:
+                        stash_write = slot if kind == BACKWARD_INPUT else -1
+                        stash_read = slot if kind == BACKWARD_WEIGHT else -1
                 keys.append(key)
                 writes.append(write)
                 reads.append(read)
@@ -147,6 +155,8 @@ def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, K
                     bufs.cotangent_slot[tick, device, i],
                     write,
                     read,
+                    stash_write,
+                    stash_read,
                 ]
             if min(writes) >= 0 or min(reads) >= 0:
                 # One slot of residuals is read before a tick and one written after it.
@@ -380,6 +390,73 @@ class _Engine:
         return (lax.pmean(loss, axes) if axes else loss), grads
 
 
+class _Packing:
+    """Arrays of several layouts (one per kind of virtual stage) packed, per dtype
+    and type, into one vector each, so that one buffer slot holds any kind's:
+    `groups` gives each vector's size (the largest over the kinds), `layout[kind]`
+    where each array sits."""
+
+    def __init__(self):
+        self.layout: dict[tuple[bool, bool], list] = {}
+        self.groups: dict[tuple, int] = {}
+
+    def add(self, kind: tuple[bool, bool], outlines: list) -> None:
+        offsets: dict[tuple, int] = {}
+        layout = []
+        for leaf in outlines:
+            key = (jnp.dtype(leaf.dtype).name, tuple(sorted(_varying(leaf))))
+            start = offsets.get(key, 0)
+            layout.append((key, start, leaf.shape))
+            offsets[key] = start + math.prod(leaf.shape)
+        self.layout[kind] = layout
+        for key, size in offsets.items():
+            self.groups[key] = max(self.groups.get(key, 0), size)
+
+    def zeros(self, slots: int | None = None) -> tuple:
+        """One zero vector per group (with `slots`: a buffer of that many)."""
+        shape = () if slots is None else (slots,)
+        return tuple(
+            mark_varying(jnp.zeros((*shape, size), dtype), frozenset(axes))
+            for (dtype, axes), size in sorted(self.groups.items())
+        )
+
+    def pack(self, kind: tuple[bool, bool], arrays: list) -> tuple:
+        """`kind`'s arrays as one vector per group."""
+        parts: dict[tuple, list] = {key: [] for key in self.groups}
+        for (key, _, _), leaf in zip(self.layout[kind], arrays, strict=True):
+            parts[key].append(leaf.reshape(-1))
+        out = []
+        for zero, ((dtype, axes), size) in zip(self.zeros(), sorted(self.groups.items()), strict=True):
+            used = sum(x.size for x in parts[(dtype, axes)])
+            pieces = parts[(dtype, axes)] + ([zero[: size - used]] if used < size else [])
+            out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        return tuple(out)
+
+    def unpack(self, kind: tuple[bool, bool], vectors: tuple) -> list:
+        """`kind`'s arrays from its group vectors."""
+        by_key = dict(zip(sorted(self.groups), vectors, strict=True))
+        return [
+            lax.dynamic_slice_in_dim(by_key[key], start, math.prod(shape)).reshape(shape)
+            for key, start, shape in self.layout[kind]
+        ]
+
+
+def _halves(leaves: list, treedef: Any, seed: jax.Array, first: bool) -> tuple[SplitBackward, list]:
+    """A stage's pull-back (its leaves and treedef) split into its input and
+    weight halves, and the halves' inputs (the pull-back's arrays and the seed).
+    The first stage's has no input cotangent (`SplitBackward`)."""
+    where = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
+
+    def backward(*args):
+        filled = list(leaves)
+        for i, a in zip(where, args[:-1], strict=True):
+            filled[i] = a
+        return jax.tree.leaves(jax.tree.unflatten(treedef, filled)(args[-1]))
+
+    inputs = [leaves[i] for i in where] + [seed]
+    return SplitBackward(backward, inputs, input_outputs=0 if first else 1), inputs
+
+
 class _Device:
     """One device's step: its parameters split into the rest and its chunks, its
     micro-batches, the types of what crosses stages, and the scan over ticks."""
@@ -477,18 +554,18 @@ class _Device:
         return out, leaves, treedef, kept
 
     def _resolve_residuals(self) -> None:
-        """The layout of the residual buffers: the kept leaves of each kind of
-        virtual stage that stores them (first, middle, last) packed, per dtype and
-        type, into one vector a slot; `res_groups` gives each vector's size (the
-        largest over the kinds), `res_layout[(first, last)]` where each leaf sits."""
-        self.res_layout: dict[tuple[bool, bool], list] = {}
-        self.res_groups: dict[tuple, int] = {}
+        """The layouts of the residual buffers (the kept leaves of each kind of
+        virtual stage that stores them: first, middle, last) and, where a
+        backward is split in two, of the stash buffers (what `I` hands `W`)."""
+        self.residuals, self.stash = _Packing(), _Packing()
+        _, branch_keys = self.engine.program
+        self.splits = self.engine.keep and any(k[0] == BACKWARD_INPUT for keys in branch_keys for k in keys)
         if not self.engine.keep:
             return
-        _, branch_keys = self.engine.program
         variants = sorted(
             {(f, la) for keys in branch_keys for kind, f, la, folded in keys if _stores(kind, folded)}
         )
+        split = sorted({(f, la) for keys in branch_keys for kind, f, la, _ in keys if kind == BACKWARD_INPUT})
         # Indexed as the branches index them, by a row of the program (which
         # varies along pipe), so that the residuals have the branches' types.
         at = lax.axis_index(PIPE) * 0
@@ -500,50 +577,26 @@ class _Device:
                 return [leaves[i] for i in kept]
 
             x0 = None if first else self.zeros_act()
-            outlines = jax.eval_shape(kept_leaves, chunk0, x0, mb0)
-            offsets: dict[tuple, int] = {}
-            layout = []
-            for leaf in outlines:
-                key = (jnp.dtype(leaf.dtype).name, tuple(sorted(_varying(leaf))))
-                start = offsets.get(key, 0)
-                layout.append((key, start, leaf.shape))
-                offsets[key] = start + math.prod(leaf.shape)
-            self.res_layout[(first, last)] = layout
-            for key, size in offsets.items():
-                self.res_groups[key] = max(self.res_groups.get(key, 0), size)
+            self.residuals.add((first, last), jax.eval_shape(kept_leaves, chunk0, x0, mb0))
+        for first, last in split:
 
-    def residual_zeros(self, slots: int | None = None) -> tuple:
-        """One zero vector per residual group (with `slots`: a buffer of that many)."""
-        shape = () if slots is None else (slots,)
-        return tuple(
-            mark_varying(jnp.zeros((*shape, size), dtype), frozenset(axes))
-            for (dtype, axes), size in sorted(self.res_groups.items())
-        )
+            def stash(chunk, x, mb, first=first, last=last):
+                _, leaves, treedef, _ = self._vjp(first, last, chunk, x, mb)
+                halves, inputs = _halves(leaves, treedef, self.seed(last, self.zeros_act()), first)
+                return halves.input_half(inputs)[1]
 
-    def pack(self, first: bool, last: bool, kept: list) -> tuple:
-        """The kept leaves of a `(first, last)` stage as one vector per group."""
-        parts: dict[tuple, list] = {key: [] for key in self.res_groups}
-        for (key, _, _), leaf in zip(self.res_layout[(first, last)], kept, strict=True):
-            parts[key].append(leaf.reshape(-1))
-        out = []
-        for zero, ((dtype, axes), size) in zip(
-            self.residual_zeros(), sorted(self.res_groups.items()), strict=True
-        ):
-            used = sum(x.size for x in parts[(dtype, axes)])
-            pieces = parts[(dtype, axes)] + ([zero[: size - used]] if used < size else [])
-            out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-        return tuple(out)
-
-    def unpack(self, first: bool, last: bool, vectors: tuple) -> list:
-        """The kept leaves of a `(first, last)` stage from its group vectors."""
-        by_key = dict(zip(sorted(self.res_groups), vectors, strict=True))
-        return [
-            lax.dynamic_slice_in_dim(by_key[key], start, math.prod(shape)).reshape(shape)
-            for key, start, shape in self.res_layout[(first, last)]
-        ]
+            x0 = None if first else self.zeros_act()
+            self.stash.add((first, last), jax.eval_shape(stash, chunk0, x0, mb0))
 
     def zeros_act(self) -> jax.Array:
         return mark_varying(jnp.zeros(self.act.shape, self.act.dtype), self.act_axes)
+
+    def seed(self, last: bool, cotangent: jax.Array | None) -> jax.Array:
+        """What a backward pulls back: the received cotangent, or on the last
+        stage the loss's weight in the step's mean over micro-batches."""
+        if last:
+            return mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
+        return mark_varying(cotangent, self.act_axes)
 
     def _pull_back(
         self, action: int, first: bool, last: bool, chunk: Any, x: Any, mb: Any, seed: Any
@@ -578,50 +631,65 @@ class _Device:
         mb: Any,
         seed: Any,
         stored: tuple,
+        stashed: tuple,
     ) -> tuple:
         """As `_pull_back`, from the residuals the stage's forward stored (or, where
         the last stage's forward is `folded` into its backward, computing them:
-        `B` and `I` run the forward there).
-        Returns `(output, parameter gradients, input cotangent, residuals to store)`.
+        `B` and `I` run the forward there). Returns `(output, parameter gradients,
+        input cotangent, residuals to store, stash to store)`.
 
         The pull-back is traced again here, and its residuals swapped for the
         stored ones: the forward traced with it then feeds nothing, and XLA
-        removes it."""
+        removes it. `I` and `W` run the two halves of the pull-back
+        (`_split_backward`): `I` the input cotangent's, storing the stash
+        (`stashed`) that `W`'s half, the weight cotangents', reads."""
         out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
         to_store = None
+        kind = (first, last)
         if _stores(action, folded):
-            to_store = self.pack(first, last, [leaves[i] for i in kept])
+            to_store = self.residuals.pack(kind, [leaves[i] for i in kept])
         elif not (folded and action == BACKWARD):
-            for i, value in zip(kept, self.unpack(first, last, stored), strict=True):
+            for i, value in zip(kept, self.residuals.unpack(kind, stored), strict=True):
                 leaves[i] = value
             out = None
+        cast = lambda g, p: g.astype(p.dtype)  # noqa: E731
+        if action in (BACKWARD_INPUT, BACKWARD_WEIGHT):
+            halves, inputs = _halves(leaves, treedef, seed, first)
+            if action == BACKWARD_INPUT:
+                dx, stash = halves.input_half(inputs)
+                return out, None, (None if first else dx[0]), to_store, self.stash.pack(kind, stash)
+            weights = halves.weight_half(inputs, self.stash.unpack(kind, stashed))
+            grads = jax.tree.unflatten(jax.tree.structure((self.rest, chunk)), weights)
+            return out, jax.tree.map(cast, grads, (self.rest, chunk)), None, to_store, None
         cts = jax.tree.unflatten(treedef, leaves)(seed)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), tuple(cts[:2]), (self.rest, chunk))
+        grads = jax.tree.map(cast, tuple(cts[:2]), (self.rest, chunk))
         dx = None if first else cts[2]
         if action == BACKWARD_INPUT:
             grads = None
         elif action == BACKWARD_WEIGHT:
             dx = None
-        return out, grads, dx, to_store
+        return out, grads, dx, to_store, None
 
     def _run(self, keys: tuple[Key, Key], operands: tuple) -> tuple:
         """One branch of the tick's `lax.switch`: the tick's action, then its fused
         second action (if any). Returns `(activation to send on, cotangent to send
         back, rest's gradient sum, stack's gradient sums, loss sum, residuals to
-        store)`: a fused tick pairs a forward with a backward-direction action, so
-        each send comes from one of them."""
-        carry, row, stored = operands
+        store, stash to store)`: a fused tick pairs a forward with a
+        backward-direction action, so each send comes from one of them."""
+        carry, row, stored, stashed = operands
         inputs, cots, g_rest, g_blocks, loss_sum = carry[:5]
-        send_f, send_b, to_store = self.zeros_act(), self.zeros_act(), self.residual_zeros()
+        send_f, send_b = self.zeros_act(), self.zeros_act()
+        to_store, to_stash = self.residuals.zeros(), self.stash.zeros()
         for i, key in enumerate(keys):
             fields = row[3 + FIELDS * i : 3 + FIELDS * (i + 1)]
-            f, b, g_rest, g_blocks, loss_sum, st = self._action(
-                *key, fields, inputs, cots, stored, g_rest, g_blocks, loss_sum
+            f, b, g_rest, g_blocks, loss_sum, st, sh = self._action(
+                *key, fields, inputs, cots, stored, stashed, g_rest, g_blocks, loss_sum
             )
             send_f = send_f if f is None else f
             send_b = send_b if b is None else b
             to_store = to_store if st is None else st
-        return send_f, send_b, g_rest, g_blocks, loss_sum, to_store
+            to_stash = to_stash if sh is None else sh
+        return send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash
 
     def _action(
         self,
@@ -633,37 +701,36 @@ class _Device:
         inputs: jax.Array,
         cots: jax.Array,
         stored: tuple,
+        stashed: tuple,
         g_rest: Any,
         g_blocks: Any,
         loss_sum: jax.Array,
     ) -> tuple:
         """One action of a tick: `(activation to send on or None, cotangent to send
         back or None, rest's gradient sum, stack's gradient sums, loss sum,
-        residuals to store or None)`."""
+        residuals to store or None, stash to store or None)`."""
         mb, chunk, in_slot, cot_slot = fields[0], fields[1], fields[2], fields[3]
         if action == IDLE:  # (a folded forward is idle: its backward runs it)
-            return None, None, g_rest, g_blocks, loss_sum, None
+            return None, None, g_rest, g_blocks, loss_sum, None, None
         mb_batch, chunk_params = _index(self.micro_batches, mb), _index(self.blocks, chunk)
         x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
         if action == FORWARD and self.engine.keep:
             out, leaves, _, kept = self._vjp(first, last, chunk_params, x, mb_batch)
-            packed = self.pack(first, last, [leaves[i] for i in kept])
+            packed = self.residuals.pack((first, last), [leaves[i] for i in kept])
             if last:  # the loss: nothing to send on
-                return None, None, g_rest, g_blocks, loss_sum + mark_varying(out, self.loss_axes), packed
-            return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, packed
+                loss_sum = loss_sum + mark_varying(out, self.loss_axes)
+                return None, None, g_rest, g_blocks, loss_sum, packed, None
+            return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, packed, None
         if action == FORWARD:
             send_f = mark_varying(
                 self.stage(self.rest, chunk_params, x, mb_batch, first, last), self.act_axes
             )
-            return send_f, None, g_rest, g_blocks, loss_sum, None
-        if last:
-            seed = mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
-        else:
-            seed = mark_varying(lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False), self.act_axes)
-        packed = None
+            return send_f, None, g_rest, g_blocks, loss_sum, None, None
+        seed = self.seed(last, None if last else lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False))
+        packed = stash = None
         if self.engine.keep:
-            out, grads, dx, packed = self._pull_back_kept(
-                action, first, last, folded, chunk_params, x, mb_batch, seed, stored
+            out, grads, dx, packed, stash = self._pull_back_kept(
+                action, first, last, folded, chunk_params, x, mb_batch, seed, stored, stashed
             )
         else:
             out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
@@ -680,7 +747,7 @@ class _Device:
                 g_blocks,
                 g_c,
             )
-        return None, send_b, g_rest, g_blocks, loss_sum, packed
+        return None, send_b, g_rest, g_blocks, loss_sum, packed, stash
 
     def run(self) -> tuple[jax.Array, Any, Any]:
         """The scans over the schedule's ticks: `(loss sum, rest's gradients, stack's
@@ -703,13 +770,19 @@ class _Device:
         def tick(carry, row, *, local, forward, backward):
             # The residuals a backward action reads, taken out of their buffers
             # here so that the branches get one slot's worth, not the buffers.
-            res = carry[5]
-            # At most one of the tick's actions reads residuals, and one writes.
-            read = jnp.maximum(row[3 + FIELDS - 1], row[3 + 2 * FIELDS - 1])
-            write = jnp.maximum(row[3 + FIELDS - 2], row[3 + 2 * FIELDS - 2])
-            stored = tuple(lax.dynamic_index_in_dim(b, jnp.maximum(read, 0), 0, keepdims=False) for b in res)
-            send_f, send_b, g_rest, g_blocks, loss_sum, to_store = lax.switch(
-                row[0], local, (carry, row, stored)
+            res, stash = carry[5], carry[6]
+
+            def slot(field):  # at most one of the tick's actions has a slot there
+                return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
+
+            def read(buffers, at):
+                return tuple(
+                    lax.dynamic_index_in_dim(b, jnp.maximum(at, 0), 0, keepdims=False) for b in buffers
+                )
+
+            stored, stashed = read(res, slot(RES_READ)), read(stash, slot(STASH_READ))
+            send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
+                row[0], local, (carry, row, stored, stashed)
             )
             inputs, cots = carry[0], carry[1]
             # Every device sends on a tick where a send is due, outside the
@@ -722,8 +795,9 @@ class _Device:
                 if p > 1:
                     send_b = lax.ppermute(send_b, PIPE, backward_perm)
                 cots = _write(cots, row[2], send_b)
-            res = tuple(_write(b, write, v) for b, v in zip(res, to_store, strict=True))
-            return (inputs, cots, g_rest, g_blocks, loss_sum, res), None
+            res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
+            stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
+            return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash), None
 
         buffers = self.engine.sched.buffers
         n_inputs, n_cots = max(1, buffers.inputs), max(1, buffers.cotangents)
@@ -734,7 +808,10 @@ class _Device:
             jax.tree.map(jnp.zeros_like, self.rest),
             jax.tree.map(jnp.zeros_like, self.blocks),
             mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
-            self.residual_zeros(max(1, buffers.residuals)),
+            self.residuals.zeros(max(1, buffers.residuals)),
+            # The stash of a split backward lives from `I` to `W`, within its
+            # residuals' lifetime: it takes the same slot of a buffer of its own.
+            self.stash.zeros(max(1, buffers.residuals)),
         )
         for start, stop, forward, backward in _segments(self.engine.sched):
             part = np.array(program[start:stop])
@@ -745,7 +822,7 @@ class _Device:
                 tick, local=[branches[i] for i in used], forward=forward, backward=backward
             )
             carry, _ = lax.scan(body, carry, rows)
-        _, _, g_rest, g_blocks, loss_sum, _ = carry
+        _, _, g_rest, g_blocks, loss_sum, _, _ = carry
         return loss_sum, g_rest, g_blocks
 
 
