@@ -256,3 +256,23 @@ def test_moe_data_parallel_gathers_the_routed_rows():
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
     predicted, measured = _compare(model, eqxpar.models.lm_loss, plan, tokens)
     assert abs(predicted.temp_bytes / measured - 1) <= 0.10, (predicted.temp_bytes, measured)
+
+
+@pytest.mark.parametrize("remat, tolerance", [("dots", 0.10), ("full", 0.15)])
+def test_pipeline_temp_under_remat_policies(remat, tolerance):
+    # The slots hold what the policy keeps ("full": nothing; each backward
+    # recomputes its stage), and a backward recomputes what it dropped, about
+    # one layer's residuals without remat (counting the whole stage's, "full"
+    # was 30 % over; counting residuals without the policy, "dots" 95 %).
+    model, loss = _gqa_gpt(), _pipeline_loss()
+    tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, 64)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=4),
+        rules=eqxpar.pipeline.stage_rules(None),
+        schedule="1f1b",
+        microbatches=8,
+        remat=remat,
+    )
+    predicted, measured = _compare(model, loss, plan, tokens)
+    assert (predicted.activation_bytes == 0) == (remat == "full"), predicted
+    assert abs(predicted.temp_bytes / measured - 1) <= tolerance, (predicted.temp_bytes, measured)

@@ -344,7 +344,7 @@ def _pipeline_memory(
     `eqxpar.pipeline`'s engine), from the engine's own slot layout
     (`_analysis.engine_slots`). Kept: `schedule.buffers.residuals` slots, each
     one virtual stage's kept residuals for one micro-batch (under
-    `remat="full"`: one slot's worth, recomputed by each backward).
+    `remat="full"` none: each backward recomputes its stage).
 
     Buffers: the stage-input and cotangent slots, and what a tick holds beside
     the loop's carry (`_tick_transients`)."""
@@ -353,31 +353,40 @@ def _pipeline_memory(
     p, v, m = plan.mesh.shape.get("pipe", 1), plan.chunks, plan.microbatches
     layers = max(1, loss.stack_of(params).depth // (p * v))
     rows = jax.tree.leaves(batch)[0].shape[0] // (plan.batch_size_multiple * m)
-    # Under "full" the engine keeps no residuals; a backward recomputes them.
-    kept = plan if plan.remat != "full" else dataclasses.replace(plan, remat="none")
-    slots = engine_slots(kept, loss, params, batch)
+    slots = engine_slots(plan, loss, params, batch)
+    # What one layer's backward holds: under a remat policy it recomputes what
+    # the policy dropped, so about one layer's residuals under "none".
+    whole = (
+        slots
+        if plan.remat == "none"
+        else engine_slots(dataclasses.replace(plan, remat="none"), loss, params, batch)
+    )
+    layer = whole.stacked_bytes(layers, rows) // layers
     slot = slots.slot_bytes
     bufs = sched.buffers
     io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * nbytes(slots.activation)
     stack_grads = _per_device(
         loss.stack(params).blocks, loss.stack(layout.params).blocks, plan.mesh, frozenset(plan.batch_axes)
     )
-    stacked = slots.stacked_bytes(layers, rows)
     if plan.remat == "full":
-        # A backward recomputes its stage: its residuals and one virtual stage's
-        # gradients (and the rest's) are transient.
-        return slot, io + grads - stack_grads + stack_grads // v + stacked // layers
+        # Nothing is kept between ticks: a backward recomputes its stage, whose
+        # scan keeps each layer's input and recomputes one layer at a time, and
+        # holds one virtual stage's gradients (and the rest's) beside the sums.
+        act = nbytes(slots.activation)
+        return 0, io + layers * act + layer + grads - stack_grads + stack_grads // v
+    stacked = slots.stacked_bytes(layers, rows)
     # Split backwards stash what `I` hands `W` in slots of their own, as many as
     # the residuals' and read and written by a tick as they are.
     stash = slots.stash_bytes
-    transients = _tick_transients(slot, stacked, layers, stack_grads // v) + 2 * stash
+    transients = _tick_transients(slot, stacked, layers, layer, stack_grads // v) + 2 * stash
     return max(1, bufs.residuals) * (slot + stash), io + transients
 
 
-def _tick_transients(slot: int, stacked: int, layers: int, chunk_grads: int) -> int:
+def _tick_transients(slot: int, stacked: int, layers: int, layer: int, chunk_grads: int) -> int:
     """What a tick's branch holds beside its loop's carry, from the bytes of one
     residual `slot`, of its `stacked` part (the residuals of a stage's `layers`
-    scanned layers) and of one virtual stage's weight gradients (`chunk_grads`).
+    scanned layers), of one layer's residuals without remat (`layer`) and of one
+    virtual stage's weight gradients (`chunk_grads`).
 
     Every tick reads one slot out of the residual buffers (its `lax.switch`
     operand) and writes one (its output: a forward's residuals packed into one
@@ -385,14 +394,15 @@ def _tick_transients(slot: int, stacked: int, layers: int, chunk_grads: int) -> 
     them, the larger of a forward's fresh residuals before they are packed (a
     slot) and a backward's working set: the stacked residuals unpacked as the
     layer scan's inputs (a scan over one layer is inlined, its inputs read in
-    place), one layer's cotangents (about one layer's residuals) and the
+    place), one layer's cotangents and what a remat policy recomputes (about
+    one layer's residuals without remat) and the
     stage's weight gradients, before they are added to the sums. A fused tick
     runs its forward, then its backward with the packed slot held: the same
     bound. (Measured on XLA:CPU buffer assignments of 1F1B ticks: the peak is
     the backward's, or, where XLA runs the backward first, the forward's
     packing with the stage's gradients held.)"""
     unpacked = stacked if layers > 1 else 0
-    return 2 * slot + max(slot, unpacked + stacked // layers + chunk_grads)
+    return 2 * slot + max(slot, unpacked + layer + chunk_grads)
 
 
 def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
