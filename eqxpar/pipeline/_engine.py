@@ -101,6 +101,7 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 #: stash write and read slots (`_split_backward`: from a split backward's `I` to its `W`).
 FIELDS = 8
 RES_WRITE, RES_READ, STASH_WRITE, STASH_READ = 4, 5, 6, 7
+_SLOTS = (RES_WRITE, RES_READ, STASH_WRITE, STASH_READ)
 
 
 #: (action, is first virtual stage, is last virtual stage, folded: the last
@@ -670,16 +671,18 @@ class _Device:
             dx = None
         return out, grads, dx, to_store, None
 
-    def _run(self, keys: tuple[Key, Key], operands: tuple) -> tuple:
+    def _run(self, keys: tuple[Key, Key], operands: tuple, *, stores: tuple[bool, bool]) -> tuple:
         """One branch of the tick's `lax.switch`: the tick's action, then its fused
         second action (if any). Returns `(activation to send on, cotangent to send
         back, rest's gradient sum, stack's gradient sums, loss sum, residuals to
         store, stash to store)`: a fused tick pairs a forward with a
-        backward-direction action, so each send comes from one of them."""
+        backward-direction action, so each send comes from one of them. `stores`:
+        whether any tick of the run stores residuals, a stash (if not, `()`)."""
         carry, row, stored, stashed = operands
         inputs, cots, g_rest, g_blocks, loss_sum = carry[:5]
         send_f, send_b = self.zeros_act(), self.zeros_act()
-        to_store, to_stash = self.residuals.zeros(), self.stash.zeros()
+        to_store = self.residuals.zeros() if stores[0] else ()
+        to_stash = self.stash.zeros() if stores[1] else ()
         for i, key in enumerate(keys):
             fields = row[3 + FIELDS * i : 3 + FIELDS * (i + 1)]
             f, b, g_rest, g_blocks, loss_sum, st, sh = self._action(
@@ -759,7 +762,6 @@ class _Device:
         its backward phase nothing forward). Each scan's `lax.switch` holds the
         branches its ticks use."""
         program, branch_keys = self.engine.program
-        branches = [functools.partial(self._run, keys) for keys in branch_keys]
         p = self.p
         # With one chunk per device the last stage sends nothing on and the first
         # nothing back; with several, the last device's chunk feeds the first's next.
@@ -767,9 +769,11 @@ class _Device:
         forward_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
         backward_perm = [(i, (i - 1) % p) for i in range(0 if ring else 1, p)]
 
-        def tick(carry, row, *, local, forward, backward):
+        def tick(carry, row, *, local, forward, backward, uses):
             # The residuals a backward action reads, taken out of their buffers
-            # here so that the branches get one slot's worth, not the buffers.
+            # here so that the branches get one slot's worth, not the buffers;
+            # a slot is copied out (and in) only in runs of ticks that read
+            # (write) one: `uses`, per field.
             res, stash = carry[5], carry[6]
 
             def slot(field):  # at most one of the tick's actions has a slot there
@@ -780,7 +784,8 @@ class _Device:
                     lax.dynamic_index_in_dim(b, jnp.maximum(at, 0), 0, keepdims=False) for b in buffers
                 )
 
-            stored, stashed = read(res, slot(RES_READ)), read(stash, slot(STASH_READ))
+            stored = read(res, slot(RES_READ)) if uses[RES_READ] else ()
+            stashed = read(stash, slot(STASH_READ)) if uses[STASH_READ] else ()
             send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
                 row[0], local, (carry, row, stored, stashed)
             )
@@ -795,8 +800,10 @@ class _Device:
                 if p > 1:
                     send_b = lax.ppermute(send_b, PIPE, backward_perm)
                 cots = _write(cots, row[2], send_b)
-            res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
-            stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
+            if uses[RES_WRITE]:
+                res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
+            if uses[STASH_WRITE]:
+                stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
             return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash), None
 
         buffers = self.engine.sched.buffers
@@ -818,9 +825,10 @@ class _Device:
             used = sorted({int(i) for i in part[..., 0].flat})
             part[..., 0] = np.searchsorted(used, part[..., 0])
             rows = lax.dynamic_index_in_dim(jnp.asarray(part), lax.axis_index(PIPE), 1, keepdims=False)
-            body = functools.partial(
-                tick, local=[branches[i] for i in used], forward=forward, backward=backward
-            )
+            uses = {f: bool((part[..., [3 + f, 3 + FIELDS + f]] >= 0).any()) for f in _SLOTS}
+            stores = (uses[RES_WRITE], uses[STASH_WRITE])
+            local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
+            body = functools.partial(tick, local=local, forward=forward, backward=backward, uses=uses)
             carry, _ = lax.scan(body, carry, rows)
         _, _, g_rest, g_blocks, loss_sum, _, _ = carry
         return loss_sum, g_rest, g_blocks
