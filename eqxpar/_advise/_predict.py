@@ -376,33 +376,72 @@ def _pipeline_memory(
         return 0, io + layers * act + layer + grads - stack_grads + stack_grads // v
     stacked = slots.stacked_bytes(layers, rows)
     # Split backwards stash what `I` hands `W` in slots of their own, as many as
-    # the residuals' and read and written by a tick as they are.
+    # the residuals', read and written by a tick as they are.
     stash = slots.stash_bytes
-    transients = _tick_transients(slot, stacked, layers, layer, stack_grads // v) + 2 * stash
+    backward = _backward_working_set(stacked, layers, layer, stack_grads // v)
+    transients = max(_run_transients(run, slot, stash, backward) for run in _engine_runs(sched))
     return max(1, bufs.residuals) * (slot + stash), io + transients
 
 
-def _tick_transients(slot: int, stacked: int, layers: int, layer: int, chunk_grads: int) -> int:
-    """What a tick's branch holds beside its loop's carry, from the bytes of one
-    residual `slot`, of its `stacked` part (the residuals of a stage's `layers`
-    scanned layers), of one layer's residuals without remat (`layer`) and of one
-    virtual stage's weight gradients (`chunk_grads`).
+def _engine_runs(sched: Any) -> list[dict[str, bool]]:
+    """What the ticks of each of the engine's runs (`_segments`, one loop each)
+    do: whether any reads a residual slot (`"reads"`) or writes one
+    (`"writes"`), the same for the split backwards' stash (`"stash_reads"`,
+    `"stash_writes"`), and whether any runs a forward that stores its residuals
+    (`"forward"`) or a backward action (`"backward"`). The engine copies a slot
+    out of (into) its buffers only in runs that read (write) one."""
+    from ..pipeline import _engine
+    from ..pipeline._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
-    Every tick reads one slot out of the residual buffers (its `lax.switch`
-    operand) and writes one (its output: a forward's residuals packed into one
-    vector per group, or zeros), and XLA holds both through the branch. Beside
-    them, the larger of a forward's fresh residuals before they are packed (a
-    slot) and a backward's working set: the stacked residuals unpacked as the
-    layer scan's inputs (a scan over one layer is inlined, its inputs read in
-    place), one layer's cotangents and what a remat policy recomputes (about
-    one layer's residuals without remat) and the
-    stage's weight gradients, before they are added to the sums. A fused tick
-    runs its forward, then its backward with the packed slot held: the same
-    bound. (Measured on XLA:CPU buffer assignments of 1F1B ticks: the peak is
-    the backward's, or, where XLA runs the backward first, the forward's
-    packing with the stage's gradients held.)"""
-    unpacked = stacked if layers > 1 else 0
-    return 2 * slot + max(slot, unpacked + layer + chunk_grads)
+    program, branch_keys = _engine._program(sched, True)
+
+    def any_at(part: np.ndarray, field: int) -> bool:
+        return bool((part[..., [3 + field, 3 + _engine.FIELDS + field]] >= 0).any())
+
+    runs = []
+    for start, stop, _, _ in _engine._segments(sched):
+        part = program[start:stop]
+        keys = {key for i in set(part[..., 0].flat) for key in branch_keys[int(i)]}
+        runs.append(
+            {
+                "reads": any_at(part, _engine.RES_READ),
+                "writes": any_at(part, _engine.RES_WRITE),
+                "stash_reads": any_at(part, _engine.STASH_READ),
+                "stash_writes": any_at(part, _engine.STASH_WRITE),
+                "forward": any(_engine._stores(kind, folded) for kind, _, _, folded in keys),
+                "backward": any(
+                    kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys
+                ),
+            }
+        )
+    return runs
+
+
+def _backward_working_set(stacked: int, layers: int, layer: int, chunk_grads: int) -> int:
+    """What a backward action holds in its branch besides the slots, from the
+    bytes of a slot's `stacked` part (the residuals of a stage's `layers`
+    scanned layers), of one layer's residuals without remat (`layer`) and of one
+    virtual stage's weight gradients (`chunk_grads`): the stacked residuals
+    unpacked as the layer scan's inputs (a scan over one layer is inlined, its
+    inputs read in place), one layer's cotangents and what a remat policy
+    recomputes (about one layer's residuals without remat), and the stage's
+    weight gradients before they are added to the sums."""
+    return (stacked if layers > 1 else 0) + layer + chunk_grads
+
+
+def _run_transients(run: dict[str, bool], slot: int, stash: int, backward: int) -> int:
+    """What a tick of `run` (`_engine_runs`) holds beside the loop's carry: the
+    residual (and stash) slot read out of the buffers, its `lax.switch`
+    operand, and the slot written, its output (a forward's residuals packed into
+    one vector per group, or zeros), which XLA holds through the branch; beside
+    them the larger of a forward's fresh residuals before they are packed (a
+    slot) and a `backward` action's working set. A fused tick runs its forward,
+    then its backward with the packed slot held: the same bound. (Measured on
+    XLA:CPU buffer assignments of 1F1B ticks: the peak is the backward's, or,
+    where XLA runs the backward first, the forward's packing with the stage's
+    gradients held.)"""
+    held = slot * (run["reads"] + run["writes"]) + stash * (run["stash_reads"] + run["stash_writes"])
+    return held + max(slot if run["forward"] else 0, backward if run["backward"] else 0)
 
 
 def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
