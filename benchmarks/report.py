@@ -80,6 +80,8 @@ def _pipeline_row(r: dict) -> list[str]:
         *(fmt(x, ".2f", MB) for x in (permute, wire, least)),
         fmt(ratio(wire, least), ".3f"),
         " / ".join(fmt(s["mem_temp_bytes"], ".1f", MiB) for s in r["memory_sweep"]),
+        fmt(r.get("flops_per_device"), ".2f", 1e9),
+        fmt(r.get("flops_over_reference"), ".3f"),
         fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
     ]
 
@@ -89,6 +91,7 @@ _PARITY_COLUMNS += ("trajectory: params", "trajectory: last loss")
 _REFERENCE_COLUMNS = ("strategy", "step", "step time (s)", "ratio to baseline", "eqxpar step / this step")
 _PIPELINE_COLUMNS = ("strategy", "schedule", "micro-batches × chunks", "ticks", "bubble (lockstep)", "CP MB")
 _PIPELINE_COLUMNS += ("wire MB", "min MB", "wire/min", "temp MiB at 4p / 8p / 16p micro-batches")
+_PIPELINE_COLUMNS += ("lockstep matmul GFLOP", "÷ (data-parallel's / (1 - lockstep bubble))")
 _PIPELINE_COLUMNS += ("step ratio to GPipe",)
 #: (heading, columns, the rows of one record), in the order they are rendered.
 SECTIONS = (
