@@ -11,7 +11,9 @@ cannot make on simulated CPU devices (benchmarks/README.md):
 - `stage_actions`: one pipeline stage's per-action times, the costs a schedule
   simulation takes: F (forward), F_keep (forward keeping residuals), B (backward from
   residuals: input and weight gradients), I (input gradient only), W (weight gradient
-  only), B_recompute (forward again, then backward).
+  only: two separate pull-backs, W re-running the chain of activation cotangents),
+  I_split and W_split (the engine's zero-bubble halves: one backward split in two,
+  `eqxpar/pipeline/_split_backward.py`), B_recompute (forward again, then backward).
 
     python -m benchmarks.one_device [--quick] [--only rates,attention] --json PATH
     python -m benchmarks.one_device --render JSON [JSON ...] --markdown BENCHMARKS.md
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqxpar import nn
+from eqxpar.pipeline._engine import _halves
 
 from . import _workload, report
 
@@ -242,6 +245,11 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int) -> dict:
     _, weight_only = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))(params, x)
     pullback = jax.jit(lambda pb, ct: pb(ct))
     recompute = jax.jit(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))
+    # The engine's zero-bubble halves: one pull-back split (`_split_backward`).
+    halves, inputs = _halves(*jax.tree.flatten(both), ct, first=False)
+    input_half = jax.jit(lambda *a: halves.input_half(a))
+    stash = input_half(*inputs)[1]
+    weight_half = jax.jit(lambda stash, *a: halves.weight_half(a, stash))
     times = {
         "F": timed(jax.jit(stage), params, x, reps=reps),
         "F_keep": timed(jax.jit(lambda p, x: jax.vjp(stage, p, x)), params, x, reps=reps),
@@ -249,6 +257,8 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int) -> dict:
         "I": timed(pullback, input_only, ct, reps=reps),
         "W": timed(pullback, weight_only, ct, reps=reps),
         "B_recompute": timed(recompute, params, x, ct, reps=reps),
+        "I_split": timed(input_half, *inputs, reps=reps),
+        "W_split": timed(weight_half, stash, *inputs, reps=reps),
     }
     residual_bytes = sum(a.nbytes for a in jax.tree.leaves(both)) - sum(
         a.nbytes for a in jax.tree.leaves(params)
@@ -409,7 +419,7 @@ def render(files: list[dict]) -> str:
                 continue
             c, t = stage["config"], stage["seconds"]
             size = f"{name}: {c['layers']} blocks, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
-            rows.append([f["device_kind"], size, *(_ms(t[k]) for k in ACTIONS)])
+            rows.append([f["device_kind"], size, *(_ms(t.get(k)) for k in ACTIONS)])
     out += ["#### One pipeline stage's actions (ms)", _table(["device", "stage", *ACTIONS], rows)]
     rows = [
         [
@@ -429,7 +439,7 @@ def render(files: list[dict]) -> str:
     return "\n\n".join(out)
 
 
-ACTIONS = ("F", "F_keep", "B", "I", "W", "B_recompute")
+ACTIONS = ("F", "F_keep", "B", "I", "W", "I_split", "W_split", "B_recompute")
 
 
 def main(argv: list[str] | None = None) -> dict:

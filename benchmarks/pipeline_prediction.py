@@ -11,7 +11,10 @@ H100; results/one_device_cpu.json: this project's CPU), under two engine models:
   its backward re-runs the forward: F = F, B = B_recompute, and zero-bubble's I
   and W each = their measured time + F (each re-runs the forward).
 - `residuals kept` (every other remat policy, the default): the forward keeps its
-  residuals (F = F_keep) and B, I, W are as measured.
+  residuals (F = F_keep) and B is as measured; I and W are the engine's split
+  backward's halves (`I_split`, `W_split`: together one backward pass) where the
+  source measured them, else two separate pull-backs (`I`, `W`: W re-runs the
+  chain of activation cotangents, as the engine did before the split).
 
 The `1f1b` and `interleaved` tables are the engine's, with fused ticks (a forward
 and a backward in one tick: lockstep charges a tick both).
@@ -55,7 +58,8 @@ def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
     if model == "recompute":
         f = seconds["F"]
         return {"F": f, "B": seconds["B_recompute"], "I": seconds["I"] + f, "W": seconds["W"] + f}
-    return {"F": seconds["F_keep"], "B": seconds["B"], "I": seconds["I"], "W": seconds["W"]}
+    halves = ("I_split", "W_split") if "I_split" in seconds else ("I", "W")
+    return {"F": seconds["F_keep"], "B": seconds["B"], "I": seconds[halves[0]], "W": seconds[halves[1]]}
 
 
 def predict(sources: Sequence[tuple[str, dict]]) -> list[dict[str, Any]]:

@@ -431,16 +431,15 @@ def _backward_working_set(stacked: int, layers: int, layer: int, chunk_grads: in
 
 def _run_transients(run: dict[str, bool], slot: int, stash: int, backward: int) -> int:
     """What a tick of `run` (`_engine_runs`) holds beside the loop's carry: the
-    residual (and stash) slot read out of the buffers, its `lax.switch`
-    operand, and the slot written, its output (a forward's residuals packed into
-    one vector per group, or zeros), which XLA holds through the branch; beside
-    them the larger of a forward's fresh residuals before they are packed (a
-    slot) and a `backward` action's working set. A fused tick runs its forward,
-    then its backward with the packed slot held: the same bound. (Measured on
-    XLA:CPU buffer assignments of 1F1B ticks: the peak is the backward's, or,
-    where XLA runs the backward first, the forward's packing with the stage's
-    gradients held.)"""
-    held = slot * (run["reads"] + run["writes"]) + stash * (run["stash_reads"] + run["stash_writes"])
+    slot written, the `lax.switch`'s output (a forward's residuals packed into
+    one vector per group, or zeros; the same for a split backward's stash),
+    which XLA holds through the branch; beside it the larger of a forward's
+    fresh residuals before they are packed (a slot) and a `backward` action's
+    working set. A slot read is read in place from the buffers inside the
+    branch (the backward's working set holds what it unpacks). A fused tick
+    runs its forward, then its backward with the packed slot held: the same
+    bound. (Measured on XLA:CPU buffer assignments of 1F1B ticks.)"""
+    held = slot * run["writes"] + stash * run["stash_writes"]
     return held + max(slot if run["forward"] else 0, backward if run["backward"] else 0)
 
 

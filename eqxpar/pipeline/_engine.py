@@ -433,11 +433,11 @@ class _Packing:
             out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         return tuple(out)
 
-    def unpack(self, kind: tuple[bool, bool], vectors: tuple) -> list:
-        """`kind`'s arrays from its group vectors."""
-        by_key = dict(zip(sorted(self.groups), vectors, strict=True))
+    def load(self, buffers: tuple, kind: tuple[bool, bool], slot: jax.Array) -> list:
+        """`kind`'s arrays read from slot `slot` of `buffers` (a buffer per group)."""
+        by_key = dict(zip(sorted(self.groups), buffers, strict=True))
         return [
-            lax.dynamic_slice_in_dim(by_key[key], start, math.prod(shape)).reshape(shape)
+            lax.dynamic_slice(by_key[key], (slot, start), (1, math.prod(shape))).reshape(shape)
             for key, start, shape in self.layout[kind]
         ]
 
@@ -633,6 +633,7 @@ class _Device:
         seed: Any,
         stored: tuple,
         stashed: tuple,
+        fields: jax.Array,
     ) -> tuple:
         """As `_pull_back`, from the residuals the stage's forward stored (or, where
         the last stage's forward is `folded` into its backward, computing them:
@@ -650,7 +651,7 @@ class _Device:
         if _stores(action, folded):
             to_store = self.residuals.pack(kind, [leaves[i] for i in kept])
         elif not (folded and action == BACKWARD):
-            for i, value in zip(kept, self.residuals.unpack(kind, stored), strict=True):
+            for i, value in zip(kept, self.residuals.load(stored, kind, fields[RES_READ]), strict=True):
                 leaves[i] = value
             out = None
         cast = lambda g, p: g.astype(p.dtype)  # noqa: E731
@@ -659,7 +660,7 @@ class _Device:
             if action == BACKWARD_INPUT:
                 dx, stash = halves.input_half(inputs)
                 return out, None, (None if first else dx[0]), to_store, self.stash.pack(kind, stash)
-            weights = halves.weight_half(inputs, self.stash.unpack(kind, stashed))
+            weights = halves.weight_half(inputs, self.stash.load(stashed, kind, fields[STASH_READ]))
             grads = jax.tree.unflatten(jax.tree.structure((self.rest, chunk)), weights)
             return out, jax.tree.map(cast, grads, (self.rest, chunk)), None, to_store, None
         cts = jax.tree.unflatten(treedef, leaves)(seed)
@@ -678,7 +679,10 @@ class _Device:
         store, stash to store)`: a fused tick pairs a forward with a
         backward-direction action, so each send comes from one of them. `stores`:
         whether any tick of the run stores residuals, a stash (if not, `()`)."""
-        carry, row, stored, stashed = operands
+        carry, row = operands
+        # The residual and stash buffers, read where an action reads a slot:
+        # copied out around the switch, a slot would be copied every tick.
+        stored, stashed = carry[5], carry[6]
         inputs, cots, g_rest, g_blocks, loss_sum = carry[:5]
         send_f, send_b = self.zeros_act(), self.zeros_act()
         to_store = self.residuals.zeros() if stores[0] else ()
@@ -733,7 +737,7 @@ class _Device:
         packed = stash = None
         if self.engine.keep:
             out, grads, dx, packed, stash = self._pull_back_kept(
-                action, first, last, folded, chunk_params, x, mb_batch, seed, stored, stashed
+                action, first, last, folded, chunk_params, x, mb_batch, seed, stored, stashed, fields
             )
         else:
             out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
@@ -770,24 +774,15 @@ class _Device:
         backward_perm = [(i, (i - 1) % p) for i in range(0 if ring else 1, p)]
 
         def tick(carry, row, *, local, forward, backward, uses):
-            # The residuals a backward action reads, taken out of their buffers
-            # here so that the branches get one slot's worth, not the buffers;
-            # a slot is copied out (and in) only in runs of ticks that read
-            # (write) one: `uses`, per field.
+            # What the tick's actions store is written into its slot here, after
+            # the switch, in runs of ticks that store any (`uses`, per field).
             res, stash = carry[5], carry[6]
 
             def slot(field):  # at most one of the tick's actions has a slot there
                 return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
 
-            def read(buffers, at):
-                return tuple(
-                    lax.dynamic_index_in_dim(b, jnp.maximum(at, 0), 0, keepdims=False) for b in buffers
-                )
-
-            stored = read(res, slot(RES_READ)) if uses[RES_READ] else ()
-            stashed = read(stash, slot(STASH_READ)) if uses[STASH_READ] else ()
             send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
-                row[0], local, (carry, row, stored, stashed)
+                row[0], local, (carry, row)
             )
             inputs, cots = carry[0], carry[1]
             # Every device sends on a tick where a send is due, outside the
