@@ -160,7 +160,7 @@ def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, K
                     stash_read,
                 ]
             if min(writes) >= 0 or min(reads) >= 0:
-                # One slot of residuals is read before a tick and one written after it.
+                # A tick's branch returns one slot of residuals to write after it.
                 raise PipelineScheduleError(
                     f"{sched!r}: tick {tick}, device {device}: both of the tick's actions "
                     f"{'store' if min(writes) >= 0 else 'read'} a stage's residuals; a fused tick pairs "
@@ -637,14 +637,16 @@ class _Device:
     ) -> tuple:
         """As `_pull_back`, from the residuals the stage's forward stored (or, where
         the last stage's forward is `folded` into its backward, computing them:
-        `B` and `I` run the forward there). Returns `(output, parameter gradients,
-        input cotangent, residuals to store, stash to store)`.
+        `B` and `I` run the forward there), read in place from the residual
+        buffers `stored` at the slot `fields` names. Returns `(output, parameter
+        gradients, input cotangent, residuals to store, stash to store)`.
 
         The pull-back is traced again here, and its residuals swapped for the
         stored ones: the forward traced with it then feeds nothing, and XLA
         removes it. `I` and `W` run the two halves of the pull-back
-        (`_split_backward`): `I` the input cotangent's, storing the stash
-        (`stashed`) that `W`'s half, the weight cotangents', reads."""
+        (`_split_backward`): `I` the input cotangent's, storing the stash that
+        `W`'s half, the weight cotangents', reads from the stash buffers
+        `stashed`."""
         out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
         to_store = None
         kind = (first, last)
