@@ -2,31 +2,24 @@
 weight half (`W`): together they compute what the whole pull-back does, and run
 each matmul of it once."""
 
-import equinox as eqx
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
 from eqxpar.inspect import matmul_flops
-from eqxpar.pipeline._split_backward import SplitBackward
+from eqxpar.pipeline._engine import _halves
 
 
 def _split(fn, *args):
     """The pull-back of `fn` at `args` (the last is the input) as a flat function,
-    its inputs, the whole backward's outputs, and its split."""
+    its inputs, the whole backward's outputs, and its split (as the engine
+    splits a stage's: `_halves`)."""
     out, pull = jax.vjp(fn, *args)
-    leaves, treedef = jax.tree.flatten(pull)
-    where = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
-
-    def backward(*xs):
-        filled = list(leaves)
-        for i, a in zip(where, xs[:-1], strict=True):
-            filled[i] = a
-        return jax.tree.leaves(jax.tree.unflatten(treedef, filled)(xs[-1]))
-
     seed = jax.random.normal(jax.random.key(9), out.shape)
-    inputs = [leaves[i] for i in where] + [seed]
-    return backward, inputs, backward(*inputs), SplitBackward(backward, inputs, input_outputs=1)
+    halves, inputs = _halves(*jax.tree.flatten(pull), seed, first=False)
+    backward = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(halves.jaxpr, halves.consts))
+    return backward, inputs, backward(*inputs), halves
 
 
 def _stack(shared):

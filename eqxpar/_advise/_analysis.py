@@ -188,12 +188,8 @@ def _group_bytes(groups: dict) -> int:
 
 def _packings(device: Any) -> tuple[dict, dict, dict]:
     """`(groups, layout, stash groups)` of the engine's per-device residual
-    packing: `device.residuals` and `device.stash` (`_Packing`s), or, on an
-    engine without split-backward stashes, `device.res_groups` / `res_layout`."""
-    residuals = getattr(device, "residuals", None)
-    if residuals is None:
-        return device.res_groups, device.res_layout, {}
-    return residuals.groups, residuals.layout, device.stash.groups
+    packing (`device.residuals` and `device.stash`, `_Packing`s)."""
+    return device.residuals.groups, device.residuals.layout, device.stash.groups
 
 
 def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
