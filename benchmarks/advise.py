@@ -130,18 +130,7 @@ def demo_moe() -> list[dict]:
     advisor ranks for 8 devices, each compiled beside its prediction."""
     script = _demo_script()
     args = script.parse_args([])
-    config = eqxpar.models.GPTConfig(
-        vocab_size=script.CharData().padded_vocab_size(args.tensor),
-        d_model=args.d_model,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        num_layers=args.layers,
-        d_hidden=args.d_hidden,
-        max_seq_len=args.seq_len,
-        moe_every=2,
-        experts=8,
-        top_k=2,
-    )
+    config = script.gpt_config(args, script.CharData(), moe_every=2, experts=8, top_k=2)
     model = eqx.filter_jit(eqxpar.models.GPT)(config, key=jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jnp.int32)
     optimizer = script.adamw_warmup_cosine(args.lr, args.steps)

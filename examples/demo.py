@@ -155,6 +155,21 @@ def save_curve(path: pathlib.Path, train_losses, evals, entropy: float, title: s
     return True
 
 
+def gpt_config(args: argparse.Namespace, data: CharData, **more) -> GPTConfig:
+    """The demo's GPT from its arguments (`more`: other `GPTConfig` fields)."""
+    return GPTConfig(
+        # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).
+        vocab_size=data.padded_vocab_size(args.tensor),
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        num_layers=args.layers,
+        d_hidden=args.d_hidden,
+        max_seq_len=args.seq_len,
+        **more,
+    )
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -164,16 +179,7 @@ def main(argv=None) -> dict:
     # first and last stage: sequentially composed, exactly lm_loss.
     loss_fn = PIPELINE_LOSS if plan.schedule else lm_loss
     entropy = data.unigram_entropy()
-    config = GPTConfig(
-        # The vocabulary is split over `tensor`: pad it to a multiple (the extra ids never occur).
-        vocab_size=data.padded_vocab_size(args.tensor),
-        d_model=args.d_model,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        num_layers=args.layers,
-        d_hidden=args.d_hidden,
-        max_seq_len=args.seq_len,
-    )
+    config = gpt_config(args, data)
     # Built under jit: one compilation for the whole initialisation.
     model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
