@@ -560,7 +560,6 @@ class _Device:
         backward is split in two, of the stash buffers (what `I` hands `W`)."""
         self.residuals, self.stash = _Packing(), _Packing()
         _, branch_keys = self.engine.program
-        self.splits = self.engine.keep and any(k[0] == BACKWARD_INPUT for keys in branch_keys for k in keys)
         if not self.engine.keep:
             return
         variants = sorted(

@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax import lax
 from jax._src import core
 
@@ -239,9 +240,7 @@ def run_b(
             outs, _ = _run_scan(eqn, split.scans[i], env.inputs(eqn), part="b", stash=parts)
         else:
             outs = _bind(eqn, env.inputs(eqn))
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if _is_var(v) and x is not None and v not in env.values:
-                env.values[v] = x
+        env.write(eqn.outvars, outs)
     return [env.read(v) for v, w in zip(jaxpr.outvars, want_b, strict=True) if w]
 
 
@@ -295,8 +294,6 @@ class SplitBackward:
     so that the two halves stay about as costly as they are on other stages."""
 
     def __init__(self, backward: Any, inputs: Sequence, *, input_outputs: int):
-        import jax
-
         closed = jax.make_jaxpr(backward)(*inputs)
         self.jaxpr, self.consts = closed.jaxpr, closed.consts
         n = len(self.jaxpr.outvars)
