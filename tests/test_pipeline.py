@@ -270,6 +270,25 @@ def test_permutes_run_where_due_outside_the_branches():
         assert stats.in_loops.get("collective-permute", 0) >= due // 2, stats.in_loops
 
 
+@pytest.mark.parametrize(
+    ("name", "chunks"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+)
+def test_each_device_sends_only_what_it_must(name, chunks):
+    """A tick sends from the devices with something due only (the engine's loops
+    run repeating patterns of sends): the busiest device's permute bytes are
+    what the schedule moves, one activation on from each virtual stage but the
+    last and one cotangent back from each but the first, per micro-batch."""
+    p, m, rows, width = 4, 8, 16, 128
+    compiled = compiled_step(name, m, stages=p, chunks=chunks, rows=rows, width=width)
+    stages = p * chunks
+    sends = [
+        m * sum((k < stages - 1) + (k > 0) for k in range(stages) if k % p == device) for device in range(p)
+    ]
+    assert max(sends) == (4 * m if chunks == 2 else 2 * m)
+    stats = eqxpar.inspect.collective_stats(compiled)
+    assert stats.wire_bytes["collective-permute"] == max(sends) * rows * width * 4, (stats.wire_bytes, sends)
+
+
 # --- Errors ---------------------------------------------------------------------
 
 

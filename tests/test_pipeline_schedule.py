@@ -124,3 +124,30 @@ def test_table_is_read_only():
     assert isinstance(s.table, np.ndarray)
     with pytest.raises(ValueError):
         s.table[0, 0, 0] = 5
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (4, 4), (4, 16), (8, 16)])
+def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatches):
+    """The engine runs the ticks in loops over repeating patterns of sends: each
+    tick once, in order, in a loop position whose sends are the tick's (the
+    devices that send are those whose next device, or previous, receives)."""
+    from eqxpar.pipeline._engine import _loops, _sends
+
+    chunks = 2 if name == "interleaved" else 1
+    sched = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
+    sends, bufs = _sends(sched), sched.buffers
+    covered = []
+    for loop in _loops(sched):
+        assert loop.count >= 1 and loop.period >= 1
+        for position in range(loop.period):
+            for tick in loop.ticks(position):
+                assert sends[tick] == loop.sends[position], (tick, loop)
+        covered += range(loop.start, loop.stop)
+    assert covered == list(range(sched.ticks))
+    for tick, (forward, backward) in enumerate(sends):
+        assert set(forward) == {(d - 1) % stages for d in range(stages) if bufs.recv_input[tick, d] >= 0}
+        assert set(backward) == {(d + 1) % stages for d in range(stages) if bufs.recv_cotangent[tick, d] >= 0}
+    # Steady states repeat: far fewer loops than ticks once m is several times p.
+    if microbatches >= 4 * stages:
+        assert len(_loops(sched)) < sched.ticks // 2

@@ -3,7 +3,7 @@
 import dataclasses
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import jax
@@ -303,37 +303,31 @@ def _schedule(plan: Plan) -> Any:
 
 
 def _engine_sends(sched: Any) -> int:
-    """Boundary buffers the busiest device sends in a step: one each way on every
-    tick of the engine's runs of ticks that send that way (`_segments`: where some
-    device receives at the tick's end; short runs join a neighbour), idle or not.
-    With one chunk per device the last stage sends nothing on and the first
-    nothing back, so with two stages each device sends one way only."""
-    from ..pipeline._engine import _segments
+    """Boundary buffers the busiest device sends in a step: the engine's ticks
+    send from the devices that have something due only (`_sends`)."""
+    from ..pipeline._engine import _sends
 
-    runs = _segments(sched)
-    forward = sum((stop - start) * int(f) for start, stop, f, _ in runs)
-    backward = sum((stop - start) * int(b) for start, stop, _, b in runs)
-    if sched.chunks == 1 and sched.stages == 2:
-        return max(forward, backward)
-    return forward + backward
+    sent = Counter(d for forward, backward in _sends(sched) for d in (*forward, *backward))
+    return max(sent.values(), default=0)
 
 
 def _engine_ticks(sched: Any) -> dict[str, int]:
     """Ticks whose heaviest branch runs a forward (`"forward"`) and a backward
-    (`"backward"`): the engine runs each run of ticks (`_segments`) as one loop
-    whose ticks branch over every action the run holds, so a run counts for both
-    when any of its ticks has each (1F1B's warm-up runs forwards only)."""
-    from ..pipeline._engine import _segments
+    (`"backward"`): the engine runs each position of a loop's body (`_loops`)
+    with one `lax.switch` over every action the ticks it runs hold, so a
+    position counts for both when any of its ticks has each."""
+    from ..pipeline._engine import _loops
     from ..pipeline._schedule import FORWARD
 
     actions: dict[int, set[bool]] = defaultdict(set)
     for tick, _, _, _, action in sched.entries():
         actions[tick].add(action == FORWARD)
     out = {"forward": 0, "backward": 0}
-    for start, stop, _, _ in _segments(sched):
-        held = set().union(*(actions[t] for t in range(start, stop)))
-        out["forward"] += (stop - start) * (True in held)
-        out["backward"] += (stop - start) * (False in held)
+    for loop in _loops(sched):
+        for position in range(loop.period):
+            held = set().union(*(actions[t] for t in loop.ticks(position)))
+            out["forward"] += loop.count * (True in held)
+            out["backward"] += loop.count * (False in held)
     return out
 
 
@@ -384,12 +378,12 @@ def _pipeline_memory(
 
 
 def _engine_runs(sched: Any) -> list[dict[str, bool]]:
-    """What the ticks of each of the engine's runs (`_segments`, one loop each)
-    do: whether any reads a residual slot (`"reads"`) or writes one
+    """What the ticks of each position of the engine's loops (`_loops`, one
+    `lax.switch` each) do: whether any reads a residual slot (`"reads"`) or writes one
     (`"writes"`), the same for the split backwards' stash (`"stash_reads"`,
     `"stash_writes"`), and whether any runs a forward that stores its residuals
     (`"forward"`) or a backward action (`"backward"`). The engine copies a slot
-    out of (into) its buffers only in runs that read (write) one."""
+    out of (into) its buffers only at positions that read (write) one."""
     from ..pipeline import _engine
     from ..pipeline._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
@@ -399,21 +393,22 @@ def _engine_runs(sched: Any) -> list[dict[str, bool]]:
         return bool((part[..., [3 + field, 3 + _engine.FIELDS + field]] >= 0).any())
 
     runs = []
-    for start, stop, _, _ in _engine._segments(sched):
-        part = program[start:stop]
-        keys = {key for i in set(part[..., 0].flat) for key in branch_keys[int(i)]}
-        runs.append(
-            {
-                "reads": any_at(part, _engine.RES_READ),
-                "writes": any_at(part, _engine.RES_WRITE),
-                "stash_reads": any_at(part, _engine.STASH_READ),
-                "stash_writes": any_at(part, _engine.STASH_WRITE),
-                "forward": any(_engine._stores(kind, folded) for kind, _, _, folded in keys),
-                "backward": any(
-                    kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys
-                ),
-            }
-        )
+    for loop in _engine._loops(sched):
+        for position in range(loop.period):
+            part = program[list(loop.ticks(position))]
+            keys = {key for i in set(part[..., 0].flat) for key in branch_keys[int(i)]}
+            runs.append(
+                {
+                    "reads": any_at(part, _engine.RES_READ),
+                    "writes": any_at(part, _engine.RES_WRITE),
+                    "stash_reads": any_at(part, _engine.STASH_READ),
+                    "stash_writes": any_at(part, _engine.STASH_WRITE),
+                    "forward": any(_engine._stores(kind, folded) for kind, _, _, folded in keys),
+                    "backward": any(
+                        kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys
+                    ),
+                }
+            )
     return runs
 
 

@@ -1,16 +1,17 @@
-"""The pipeline engine: `lax.scan`s over a schedule's ticks inside `shard_map`.
+"""The pipeline engine: loops over a schedule's ticks inside `shard_map`.
 
 Every device runs the same program. At each tick it reads its row of the schedule
 (micro-batch, chunk, action, buffer slots; in a fused tick a forward and a
 backward-direction action, run one after the other), runs it in a `lax.switch`
-branch, then, outside the branches, every device sends one activation to the next
-device along `pipe` and one cotangent to the previous one (`ppermute`; zeros when
-it has nothing to send) and files what it received into its buffers. A send runs
-only on ticks where something arrives at the tick's end somewhere: the ticks are
-scanned in runs with the same sends due (`_segments`). The collectives of the
-stage body itself (tensor-parallel all-reduces) run inside the branches: all
-devices of a tensor group share their `pipe` index, hence their schedule column,
-hence their branch.
+branch, then, outside the branches, sends what is due: an activation to the next
+device along `pipe`, a cotangent to the previous one (`ppermute`), from exactly
+the devices that have one to send, and files what it received into its buffers.
+The send pairs are static, so the ticks are run in loops over repeating patterns
+of sends (`_loops`): GPipe's steady forward phase is one loop of one tick,
+zero-bubble's steady state one loop of three ticks, the fill and drain ticks
+loops of one iteration. The collectives of the stage body itself
+(tensor-parallel all-reduces) run inside the branches: all devices of a tensor
+group share their `pipe` index, hence their schedule column, hence their branch.
 
 - Forward (`F`) of virtual stage `k`: `first` on the micro-batch (stage 0) or the
   buffered input, then the chunk's layers; the result is sent on (on the last
@@ -88,11 +89,18 @@ def _index(tree: Any, i: jax.Array) -> Any:
 
 
 def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    # Slot -1 means "nothing arrived": keep the buffer as it is.
-    at = jnp.maximum(slot, 0)
-    current = lax.dynamic_index_in_dim(buffer, at, 0, keepdims=False)
-    value = jnp.where(slot >= 0, value, current)
-    return lax.dynamic_update_index_in_dim(buffer, value, at, 0)
+    """`value` written into slot `slot` of `buffer`; slot -1: nothing arrived,
+    the buffer as it is. A `lax.cond` (the slot varies by device; no collective
+    runs in it), not a select of the old and new values: a select reads the
+    slot it writes, and where XLA cannot order that read before the in-place
+    update (in straight-line ticks) it copies the whole buffer."""
+    return lax.cond(
+        slot >= 0,
+        lambda b, v: lax.dynamic_update_index_in_dim(b, v, jnp.maximum(slot, 0), 0),
+        lambda b, v: b,
+        buffer,
+        value,
+    )
 
 
 #: Program columns: the branch, the receive-input and receive-cotangent slots,
@@ -758,25 +766,20 @@ class _Device:
         return None, send_b, g_rest, g_blocks, loss_sum, packed, stash
 
     def run(self) -> tuple[jax.Array, Any, Any]:
-        """The scans over the schedule's ticks: `(loss sum, rest's gradients, stack's
-        gradients per chunk)` on this device.
+        """The loops over the schedule's ticks: `(loss sum, rest's gradients,
+        stack's gradients per chunk)` on this device.
 
-        One scan per run of ticks with the same sends due (`_segments`): a tick
-        sends an activation forward only where one arrives somewhere at its end,
-        a cotangent backward likewise (GPipe's forward phase sends nothing back,
-        its backward phase nothing forward). Each scan's `lax.switch` holds the
-        branches its ticks use."""
+        One loop per repeating pattern of sends (`_loops`): a tick sends an
+        activation on only from the devices that have one due (GPipe's forward
+        phase sends nothing back, its fill sends from fewer devices each tick),
+        a cotangent back likewise. Each tick's `lax.switch` holds the branches
+        of the ticks its loop position runs."""
         program, branch_keys = self.engine.program
         p = self.p
-        # With one chunk per device the last stage sends nothing on and the first
-        # nothing back; with several, the last device's chunk feeds the first's next.
-        ring = self.v > 1
-        forward_perm = [(i, (i + 1) % p) for i in range(p if ring else p - 1)]
-        backward_perm = [(i, (i - 1) % p) for i in range(0 if ring else 1, p)]
 
         def tick(carry, row, *, local, forward, backward, uses):
             # What the tick's actions store is written into its slot here, after
-            # the switch, in runs of ticks that store any (`uses`, per field).
+            # the switch, in loop positions whose ticks store any (`uses`, per field).
             res, stash = carry[5], carry[6]
 
             def slot(field):  # at most one of the tick's actions has a slot there
@@ -786,24 +789,23 @@ class _Device:
                 row[0], local, (carry, row)
             )
             inputs, cots = carry[0], carry[1]
-            # Every device sends on a tick where a send is due, outside the
-            # branches (a collective that only some devices reach would hang).
+            # Every device runs the tick's sends, outside the branches (a
+            # collective that only some devices reach would hang); the pairs
+            # name the devices with something due.
             if forward:
-                if p > 1:
-                    send_f = lax.ppermute(send_f, PIPE, forward_perm)
-                inputs = _write(inputs, row[1], send_f)
+                inputs = _write(
+                    inputs, row[1], lax.ppermute(send_f, PIPE, [(d, (d + 1) % p) for d in forward])
+                )
             if backward:
-                if p > 1:
-                    send_b = lax.ppermute(send_b, PIPE, backward_perm)
-                cots = _write(cots, row[2], send_b)
+                cots = _write(cots, row[2], lax.ppermute(send_b, PIPE, [(d, (d - 1) % p) for d in backward]))
             if uses[RES_WRITE]:
                 res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
             if uses[STASH_WRITE]:
                 stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
-            return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash), None
+            return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash)
 
         buffers = self.engine.sched.buffers
-        n_inputs, n_cots = max(1, buffers.inputs), max(1, buffers.cotangents)
+        n_inputs, n_cots, n_res = (max(1, n) for n in (buffers.inputs, buffers.cotangents, buffers.residuals))
         act = self.act
         carry = (
             mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
@@ -811,45 +813,131 @@ class _Device:
             jax.tree.map(jnp.zeros_like, self.rest),
             jax.tree.map(jnp.zeros_like, self.blocks),
             mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
-            self.residuals.zeros(max(1, buffers.residuals)),
+            self.residuals.zeros(n_res),
             # The stash of a split backward lives from `I` to `W`, within its
             # residuals' lifetime: it takes the same slot of a buffer of its own.
-            self.stash.zeros(max(1, buffers.residuals)),
+            self.stash.zeros(n_res),
         )
-        for start, stop, forward, backward in _segments(self.engine.sched):
-            part = np.array(program[start:stop])
-            used = sorted({int(i) for i in part[..., 0].flat})
-            part[..., 0] = np.searchsorted(used, part[..., 0])
-            rows = lax.dynamic_index_in_dim(jnp.asarray(part), lax.axis_index(PIPE), 1, keepdims=False)
-            uses = {f: bool((part[..., [3 + f, 3 + FIELDS + f]] >= 0).any()) for f in _SLOTS}
-            stores = (uses[RES_WRITE], uses[STASH_WRITE])
-            local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
-            body = functools.partial(tick, local=local, forward=forward, backward=backward, uses=uses)
-            carry, _ = lax.scan(body, carry, rows)
+        for loop in _loops(self.engine.sched):
+            # (count, period, device, column): iteration, body position.
+            part = np.array(program[loop.start : loop.stop]).reshape(
+                loop.count, loop.period, *program.shape[1:]
+            )
+            bodies = []
+            for j, (forward, backward) in enumerate(loop.sends):
+                at = part[:, j]
+                # A switch of one branch is inlined (by JAX): its slot reads are
+                # then no longer ordered before the tick's slot writes by the
+                # switch's output, and XLA copies whole buffers around them.
+                # The idle branch keeps it a switch.
+                used = sorted({int(i) for i in at[..., 0].flat} | {0})
+                part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
+                uses = {f: bool((at[..., [3 + f, 3 + FIELDS + f]] >= 0).any()) for f in _SLOTS}
+                stores = (uses[RES_WRITE], uses[STASH_WRITE])
+                local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
+                bodies.append(
+                    functools.partial(tick, local=local, forward=forward, backward=backward, uses=uses)
+                )
+            rows = lax.dynamic_index_in_dim(jnp.asarray(part), lax.axis_index(PIPE), 2, keepdims=False)
+
+            def body(carry, rows, bodies=bodies):
+                for j, run_tick in enumerate(bodies):
+                    carry = run_tick(carry, rows[j])
+                return carry, None
+
+            if loop.count == 1:
+                # Ticks run once each are still run in a loop, of one iteration
+                # on every device (a trip count XLA learns late, from the device
+                # index, and then unrolls): compiled as straight-line code from
+                # the start they held more at once (1F1B on a small GPT: 21 %
+                # more temporaries, two residual slots).
+                once = lax.axis_index(PIPE) * 0 + 1
+                carry = lax.fori_loop(0, once, lambda _, c, r=rows[0]: body(c, r)[0], carry)
+            else:
+                carry, _ = lax.scan(body, carry, rows)
         _, _, g_rest, g_blocks, loss_sum, _, _ = carry
         return loss_sum, g_rest, g_blocks
 
 
-def _segments(sched: Schedule) -> list[tuple[int, int, bool, bool]]:
-    """`(start, stop, forward due, backward due)`: the schedule's ticks in runs
-    with the same sends due. A send is due at a tick where some device receives
-    what it carries at the tick's end. Runs are never merged: a tick run in a
-    neighbour's loop would send what that loop sends, and its branches would be
-    counted (and a stage's tensor-parallel sums run) at the neighbour's costliest
-    action, not its own."""
-    bufs = sched.buffers
-    due = zip(
-        (bufs.recv_input >= 0).any(axis=1).tolist(),
-        (bufs.recv_cotangent >= 0).any(axis=1).tolist(),
-        strict=True,
-    )
-    runs: list[tuple[int, int, bool, bool]] = []
-    for tick, (forward, backward) in enumerate(due):
-        if runs and runs[-1][2:] == (forward, backward):
-            runs[-1] = (runs[-1][0], tick + 1, forward, backward)
-        else:
-            runs.append((tick, tick + 1, bool(forward), bool(backward)))
-    return runs
+def _sends(sched: Schedule) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per tick, the devices that send an activation on and those that send a
+    cotangent back at its end: the senders of what some device receives then."""
+    bufs, p = sched.buffers, sched.stages
+    return [
+        (
+            tuple(sorted((d - 1) % p for d in range(p) if bufs.recv_input[tick, d] >= 0)),
+            tuple(sorted((d + 1) % p for d in range(p) if bufs.recv_cotangent[tick, d] >= 0)),
+        )
+        for tick in range(sched.ticks)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """Ticks `start` to `stop` of a schedule, run as `count` iterations of a loop
+    whose body runs `period` ticks, each tick of the body sending along the
+    pairs its position's senders name (`sends[j]`: forward, backward senders).
+    With `count == 1` the body runs once, not in a loop."""
+
+    start: int
+    period: int
+    count: int
+    sends: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.count
+
+    def ticks(self, position: int) -> range:
+        """The schedule's ticks body position `position` runs."""
+        return range(self.start + position, self.stop, self.period)
+
+
+def _loops(sched: Schedule, longest: int = 16) -> list[Loop]:
+    """The schedule's ticks as loops (`Loop`) over repeating send patterns: a tick
+    sends only from the devices with something due, so that what the program
+    sends is what the schedule moves (a loop's tick sends what its body's
+    position sends on every iteration). From each tick on, the pattern of
+    `period <= longest` ticks that repeats over the most ticks is one loop;
+    ticks that start no repeat run once each, in one straight-line body.
+
+    A loop's position holds, in its `lax.switch`, the branches of the ticks it
+    runs; where a tick of a repeat runs another action than the others there,
+    the position is counted (FLOPs, a stage's tensor-parallel sums) at the
+    costliest."""
+    sends = _sends(sched)
+    n = len(sends)
+    loops: list[Loop] = []
+    single: list[int] = []
+
+    def flush() -> None:
+        if single:
+            loops.append(Loop(single[0], len(single), 1, tuple(sends[t] for t in single)))
+            single.clear()
+
+    tick = 0
+    while tick < n:
+        best = (1, 1)
+        for period in range(1, longest + 1):
+            count = 1
+            pattern = sends[tick : tick + period]
+            while (
+                tick + (count + 1) * period <= n
+                and sends[tick + count * period : tick + (count + 1) * period] == pattern
+            ):
+                count += 1
+            if count >= 2 and period * count > best[0] * best[1]:
+                best = (period, count)
+        period, count = best
+        if count == 1:
+            single.append(tick)
+            tick += 1
+            continue
+        flush()
+        loops.append(Loop(tick, period, count, tuple(sends[tick : tick + period])))
+        tick += period * count
+    flush()
+    return loops
 
 
 def pipeline_gradients(
