@@ -899,7 +899,7 @@ def _loops(sched: Schedule, longest: int = 16) -> list[Loop]:
     sends is what the schedule moves (a loop's tick sends what its body's
     position sends on every iteration). From each tick on, the pattern of
     `period <= longest` ticks that repeats over the most ticks is one loop;
-    ticks that start no repeat run once each, in one straight-line body.
+    consecutive ticks that start no repeat form one body, run once.
 
     A loop's position holds, in its `lax.switch`, the branches of the ticks it
     runs; where a tick of a repeat runs another action than the others there,
