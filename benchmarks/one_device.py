@@ -13,7 +13,8 @@ cannot make on simulated CPU devices (benchmarks/README.md):
   residuals: input and weight gradients), I (input gradient only), W (weight gradient
   only: two separate pull-backs, W re-running the chain of activation cotangents),
   I_split and W_split (the engine's zero-bubble halves: one backward split in two,
-  `eqxpar/pipeline/_split_backward.py`), B_recompute (forward again, then backward).
+  `eqxpar/pipeline/_split_backward.py`), B_recompute (forward again, then backward);
+  of a stage of two blocks, of the same unrolled, and of a chunk of one block.
 
     python -m benchmarks.one_device [--quick] [--only rates,attention] --json PATH
     python -m benchmarks.one_device --render JSON [JSON ...] --markdown BENCHMARKS.md
@@ -213,30 +214,40 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
     return {**sizes, "rows": rows}
 
 
-#: The stages timed: the benchmark workload's pipeline stage (pipe 4 of the 8-layer
-#: variant: 2 blocks, one 128-token sequence per micro-batch), and a wider one.
+_WIDE = dataclasses.replace(_workload.CONFIG, d_model=1024, heads=16, mlp=4096, seq_len=1024)
+#: The stages timed, `(config, micro-batch, unrolled)`: the benchmark workload's
+#: pipeline stage (pipe 4 of the 8-layer variant: 2 blocks, one 128-token sequence
+#: per micro-batch), and a wider one; each also with its blocks unrolled
+#: (`NAME_unrolled`: `nn.Stacked(unroll=True)`, no loop) and as a chunk of two
+#: (`NAME_chunk`: 1 block), what an interleaved, ZB-V or DualPipeV device runs per
+#: action (a launch-bound device does not halve its time).
 STAGES = {
-    "workload": (dataclasses.replace(_workload.CONFIG, layers=2), 1),
-    "wide": (
-        dataclasses.replace(_workload.CONFIG, d_model=1024, heads=16, mlp=4096, seq_len=1024, layers=2),
-        4,
-    ),
+    "workload": (dataclasses.replace(_workload.CONFIG, layers=2), 1, False),
+    "workload_unrolled": (dataclasses.replace(_workload.CONFIG, layers=2), 1, True),
+    "workload_chunk": (dataclasses.replace(_workload.CONFIG, layers=1), 1, False),
+    "wide": (dataclasses.replace(_WIDE, layers=2), 4, False),
+    "wide_unrolled": (dataclasses.replace(_WIDE, layers=2), 4, True),
+    "wide_chunk": (dataclasses.replace(_WIDE, layers=1), 4, False),
 }
 
 
 def stage_actions(quick: bool, reps: int) -> dict:
-    """Per-action seconds of one pipeline stage (two GPT blocks) on one micro-batch."""
+    """Per-action seconds of one pipeline stage (two GPT blocks) and of a chunk of it
+    (one block) on one micro-batch."""
     out = {}
-    for name, (cfg, micro) in STAGES.items():
-        if quick and name != "workload":
+    for name, (cfg, micro, unrolled) in STAGES.items():
+        if quick and not name.startswith("workload"):
             continue
-        out[name] = _stage_actions(cfg, micro, reps)
+        out[name] = _stage_actions(cfg, micro, reps, unrolled=unrolled)
         print(f"  stage_actions {name} {out[name]['seconds']}", flush=True)
     return out
 
 
-def _stage_actions(cfg: _workload.Config, micro: int, reps: int) -> dict:
-    params, static = eqx.partition(_workload.make_model(cfg).blocks, eqx.is_inexact_array)
+def _stage_actions(cfg: _workload.Config, micro: int, reps: int, *, unrolled: bool) -> dict:
+    blocks = _workload.make_model(cfg).blocks
+    if unrolled:
+        blocks = nn.Stacked.from_blocks([blocks[i] for i in range(blocks.depth)], unroll=True)
+    params, static = eqx.partition(blocks, eqx.is_inexact_array)
     x = jax.random.normal(jax.random.key(0), (micro, cfg.seq_len, cfg.d_model), jnp.float32)
     ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
     stage = functools.partial(_run_stage, static)
@@ -266,6 +277,7 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int) -> dict:
     return {
         "config": dataclasses.asdict(cfg),
         "micro_batch": micro,
+        "unrolled": unrolled,
         "seconds": times,
         "residual_bytes_beyond_params": int(residual_bytes),
     }
@@ -418,7 +430,10 @@ def render(files: list[dict]) -> str:
             if "seconds" not in stage:
                 continue
             c, t = stage["config"], stage["seconds"]
-            size = f"{name}: {c['layers']} blocks, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
+            blocks = (
+                f"{c['layers']} block{'s' * (c['layers'] > 1)}{' unrolled' * stage.get('unrolled', False)}"
+            )
+            size = f"{name}: {blocks}, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
             rows.append([f["device_kind"], size, *(_ms(t.get(k)) for k in ACTIONS)])
     out += ["#### One pipeline stage's actions (ms)", _table(["device", "stage", *ACTIONS], rows)]
     rows = [

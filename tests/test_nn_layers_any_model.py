@@ -151,6 +151,37 @@ def test_stacked_without_key_lowers_as_before():
     np.testing.assert_array_equal(no_key(x, key=jax.random.key(1)), no_key(x))
 
 
+@pytest.mark.parametrize("unroll", [2, True])
+def test_stacked_unrolled_computes_the_same_without_a_loop(unroll):
+    make = lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, key=k)  # noqa: E731
+    scanned = nn.Stacked(make, depth=4, key=jax.random.key(0))
+    unrolled = nn.Stacked(make, depth=4, unroll=unroll, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D))
+
+    def loss(stack, x):
+        return jnp.mean(stack(x) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    (want, want_g), (got, got_g) = grad(scanned, x), grad(unrolled, x)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    assert_trees_close_to_scale(got_g, want_g)
+    # Four layers, `unroll` per iteration: a loop of two trips, or none.
+    text = grad.lower(unrolled, x).compile().as_text()
+    assert ("while(" in text) == (unroll is not True)
+    # Stored as a number of layers: True is not the static field 1 of a scanned
+    # stack (equal in Python), whose compiled program jit would reuse.
+    assert unrolled.unroll == (4 if unroll is True else unroll)
+    blocks = [unrolled[i] for i in range(4)]
+    assert nn.Stacked.from_blocks(blocks, unroll=unroll).unroll == unrolled.unroll
+
+
+@pytest.mark.parametrize("unroll", [0, -1])
+def test_stacked_bad_unroll(unroll):
+    make = lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, key=k)  # noqa: E731
+    with pytest.raises(eqxpar.PlanError, match=r"unroll=.*positive number of layers"):
+        nn.Stacked(make, depth=2, unroll=unroll, key=jax.random.key(0))
+
+
 def test_pooling_on_one_device():
     h = jax.random.normal(jax.random.key(0), (BATCH, SEQ, D))
     np.testing.assert_allclose(nn.mean_pool(h), jnp.mean(h, axis=1), rtol=RTOL)

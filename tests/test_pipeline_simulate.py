@@ -2,6 +2,7 @@
 checked against cases worked by hand, against the tables' bubble fractions, and
 over every built-in schedule; the V-placement tables (ZB-V, DualPipeV)."""
 
+import json
 import math
 
 import pytest
@@ -227,7 +228,23 @@ def test_prediction_benchmark_runs(tmp_path):
 
     out = tmp_path / "prediction.json"
     rows = pipeline_prediction.main(["--json", str(out)])
-    # 2 devices x 2 stages x 2 engine models x 2 pipeline sizes x 6 schedules.
-    assert len(rows) == 2 * 2 * 2 * 2 * 6
+    sources = {
+        label: json.loads((pipeline_prediction.RESULTS / name).read_text())["stage_actions"]
+        for name, label in pipeline_prediction.SOURCES
+    }
+    # Per source, its stages (a chunk is not one) x 2 engine models x 2 pipeline sizes x 6 schedules.
+    stages = sum(not name.endswith("_chunk") for measured in sources.values() for name in measured)
+    assert len(rows) == stages * 2 * 2 * 6
     assert all(r["speedup_free"] == 1.0 for r in rows if r["schedule"] == "gpipe")
     assert '"send_s": 0.0' in out.read_text()
+    # A two-chunk schedule runs the chunk's measured actions where the source has
+    # them: interleaved runs each of its p * 2 chunks' m forwards and backwards.
+    checked = 0
+    for r in rows:
+        chunk = sources[r["device"]].get(r["stage"].removesuffix("_unrolled") + "_chunk")
+        if r["schedule"] == "interleaved" and r["model"] == "residuals kept" and chunk:
+            t = chunk["seconds"]
+            want = r["stages"] * 2 * r["microbatches"] * (t["F_keep"] + t["B"])
+            assert r["work_s"] == pytest.approx(want)
+            checked += 1
+    assert checked >= 4  # the H200's stages, each at p = 4 and 8
