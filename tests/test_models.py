@@ -231,6 +231,8 @@ def test_gpt_errors():
         GPTConfig(vocab_size=8, d_model=8, num_heads=3, num_layers=1, d_hidden=8)
     with pytest.raises(eqxpar.DivisibilityError, match="is odd"):
         GPTConfig(vocab_size=8, d_model=12, num_heads=4, num_layers=1, d_hidden=8)
+    with pytest.raises(eqxpar.PlanError, match="unroll=0"):
+        GPTConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=1, d_hidden=8, unroll=0)
     config = GPTConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=1, d_hidden=8, max_seq_len=4)
     model = eqx.filter_jit(GPT)(config, key=jax.random.key(0))
     with pytest.raises(eqxpar.SpecError, match="max_seq_len=4"):
@@ -239,6 +241,18 @@ def test_gpt_errors():
         generate(model, jnp.zeros((1, 0), jnp.int32), steps=2, key=jax.random.key(0))
     with pytest.raises(eqxpar.PlanError, match="temperature=-1"):
         generate(model, jnp.zeros((1, 2), jnp.int32), steps=2, key=jax.random.key(0), temperature=-1.0)
+
+
+def test_gpt_unrolled_stack_gives_the_same_logits():
+    config = GPTConfig(vocab_size=16, d_model=8, num_heads=2, num_layers=2, d_hidden=16)
+    unrolled = dataclasses.replace(config, unroll=2)
+    scanned_model = GPT(config, key=jax.random.key(0))
+    unrolled_model = GPT(unrolled, key=jax.random.key(0))
+    assert (scanned_model.blocks.unroll, unrolled_model.blocks.unroll) == (1, 2)
+    x = jax.random.randint(jax.random.key(1), (2, 6), 0, 16)
+    np.testing.assert_allclose(
+        eqx.filter_jit(unrolled_model)(x), eqx.filter_jit(scanned_model)(x), rtol=1e-5, atol=1e-6
+    )
 
 
 def classifier_batch():

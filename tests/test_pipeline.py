@@ -38,10 +38,10 @@ class Tiny(eqx.Module):
     blocks: nn.Stacked
     w_out: jax.Array
 
-    def __init__(self, depth, *, key, d=D):
+    def __init__(self, depth, *, key, d=D, unroll=1):
         k = jax.random.split(key, 3)
         self.w_in = jax.random.normal(k[0], (D_IN, d))
-        self.blocks = nn.Stacked(lambda kk: Block(kk, d), depth=depth, key=k[1])
+        self.blocks = nn.Stacked(lambda kk: Block(kk, d), depth=depth, unroll=unroll, key=k[1])
         self.w_out = jax.random.normal(k[2], (d, D_OUT)) / np.sqrt(d)
 
 
@@ -99,6 +99,23 @@ def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
     grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
     np.testing.assert_allclose(float(value), float(ref_loss), rtol=RTOL, atol=ATOL)
     assert_trees_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
+def test_pipeline_runs_an_unrolled_stack(name, chunks):
+    # Each chunk's two layers run with no loop (`Stacked(unroll=True)`); zero-bubble
+    # splits a backward that then has no scan to split.
+    stages, microbatches, loss = 2, 4, tiny_loss()
+    model = Tiny(2 * stages * chunks, key=jax.random.key(3), unroll=True)
+    batch = regression_batch(ROWS * microbatches)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
+    plan = pipeline_plan(name, pipe=stages, microbatches=microbatches, chunks=chunks)
+    step = eqxpar.train.make_value_and_grad(loss, plan)
+    stored = reorder(model, stages=stages, chunks=chunks)
+    value, grads = step(stored, batch)
+    np.testing.assert_allclose(float(value), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert_trees_close(reorder(grads, stages=stages, chunks=chunks, forward=False), ref_grads)
+    assert stored.blocks.unroll == model.blocks.depth  # reordering keeps the setting
 
 
 def test_pipeline_order_round_trip_and_layout():

@@ -46,6 +46,10 @@ class GPTConfig:
     - `attention`, `attention_block`: how every attention attends (default "auto"
       and 512: blockwise, memory linear in the sequence, past one block; see
       `eqxpar.nn.Attention`).
+    - `unroll`: entries of the block stack run per iteration of its scan
+      (`eqxpar.nn.Stacked(unroll=...)`: blocks, or with `moe_every` groups; default
+      1; `num_layers` runs the stack, or a pipeline stage's part of it, with no
+      loop: faster on a GPU where the loop costs, slower to compile).
 
     Mixture of experts (all off by default):
 
@@ -94,6 +98,7 @@ class GPTConfig:
     fused_qkv: bool = False
     attention: str = "auto"
     attention_block: int = 512
+    unroll: int = 1
     moe_every: int = 0
     experts: int = 0
     top_k: int = 2
@@ -116,6 +121,7 @@ class GPTConfig:
             "d_hidden",
             "max_seq_len",
             "attention_block",
+            "unroll",
         ):
             _check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is not None:
@@ -371,9 +377,9 @@ class GPT(eqx.Module):
             return MoEGroup(tuple(make_block(kd) for kd in keys[:-1]), moe)
 
         if c.moe_every:
-            self.blocks = nn.Stacked(make_group, depth=c.moe_layers, key=k_blocks)
+            self.blocks = nn.Stacked(make_group, depth=c.moe_layers, unroll=c.unroll, key=k_blocks)
         else:
-            self.blocks = nn.Stacked(make_block, depth=c.num_layers, key=k_blocks)
+            self.blocks = nn.Stacked(make_block, depth=c.num_layers, unroll=c.unroll, key=k_blocks)
         self.final_norm = (
             nn.RMSNorm(c.d_model) if c.norm == "rms" else nn.LayerNorm(c.d_model, use_bias=c.use_bias)
         )
