@@ -232,8 +232,8 @@ STAGES = {
 
 
 def stage_actions(quick: bool, reps: int) -> dict:
-    """Per-action seconds of one pipeline stage (two GPT blocks) and of a chunk of it
-    (one block) on one micro-batch."""
+    """Per-action seconds of one pipeline stage (two GPT blocks, scanned and unrolled)
+    and of a chunk of it (one block) on one micro-batch."""
     out = {}
     for name, (cfg, micro, unrolled) in STAGES.items():
         if quick and not name.startswith("workload"):

@@ -56,9 +56,10 @@ class Stacked(eqx.Module):
     - `unroll`: how many layers one iteration of the scan runs (keyword-only,
       `lax.scan`'s `unroll`; `True`: all of them, no loop; stored as that number,
       so that `True` and `1` do not compare equal as static fields and share a
-      compiled program). Compile time grows with it. A short stack may run faster unrolled on a GPU: a pipeline stage of two
-      wide blocks (d 1024, 4 x 1024 tokens) ran its backward with recomputation in
-      6.1 ms unrolled against 9.6 ms scanned on an H200 (BENCHMARKS.md).
+      compiled program). Compile time grows with it. A short stack may run faster
+      unrolled on a GPU: a pipeline stage of two wide blocks (d 1024, 4 x 1024
+      tokens) ran its backward with recomputation in 6.1 ms unrolled against 9.8 ms
+      scanned on an H200 (BENCHMARKS.md).
     - `key`: PRNG key (keyword-only).
 
     Calling the stack applies block 0, then 1, ...: `stack(x, *args, **kwargs)`
