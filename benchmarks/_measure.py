@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import pathlib
+import resource
 import shlex
 import statistics
 import sys
@@ -66,18 +67,38 @@ class BaselineRunner:
         return self.step.compile(self.batches[0])
 
 
-def median_times(sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int) -> dict[str, float]:
-    """Median wall seconds of `timed` steps per side, after `warm` untimed steps per side.
-    The sides take turns one step at a time, so that the noise of shared CPU cores hits
-    them alike: only ratios taken in one process mean anything."""
-    times: dict[str, list[float]] = {name: [] for name in sides}
+def timed_steps(
+    sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int
+) -> dict[str, dict[str, float]]:
+    """Per side, medians over `timed` steps (after `warm` untimed steps per side) of
+    the wall seconds (`step_time_s`) and of what the process asked of the kernel
+    meanwhile (`resource.getrusage`): minor page faults (`step_minor_faults`) and
+    system CPU seconds (`step_system_cpu_s`). The sides take turns one step at a
+    time, so that the noise of shared CPU cores hits them alike: only ratios taken
+    in one process mean anything."""
+    seen: dict[str, list[tuple[float, float, float]]] = {name: [] for name in sides}
     for i in range(warm + timed):
         for name, side in sides.items():
-            start = time.perf_counter()
+            before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             jax.block_until_ready(side())
+            wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
             if i >= warm:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+                seen[name].append(
+                    (wall, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime)
+                )
+    fields = ("step_time_s", "step_minor_faults", "step_system_cpu_s")
+    return {
+        name: {
+            field: statistics.median(column)
+            for field, column in zip(fields, zip(*steps, strict=True), strict=True)
+        }
+        for name, steps in seen.items()
+    }
+
+
+def median_times(sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int) -> dict[str, float]:
+    """Median wall seconds of `timed` steps per side (`timed_steps`)."""
+    return {name: t["step_time_s"] for name, t in timed_steps(sides, warm=warm, timed=timed).items()}
 
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:

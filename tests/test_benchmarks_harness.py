@@ -202,3 +202,25 @@ def test_report_splices_tables_into_hand_written_prose(tmp_path):
 def test_strategy_configs():
     assert STRATEGIES["pp_1f1b"].config() == dataclasses.replace(_workload.CONFIG, layers=8)
     assert STRATEGIES["3d"].config() == STRATEGIES["dp"].config() == _workload.CONFIG
+
+
+def test_timed_steps_counts_the_page_faults_of_each_side():
+    import contextlib
+    import mmap
+
+    size = 32 * 2**20
+
+    def touches_fresh_pages():
+        # Anonymous memory, one write per 4 KiB page: a fault each, whatever malloc does
+        # (and whatever the machine's transparent huge pages would do, told no).
+        with mmap.mmap(-1, size) as memory:
+            if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                with contextlib.suppress(OSError):  # a kernel without huge pages
+                    memory.madvise(mmap.MADV_NOHUGEPAGE)
+            for offset in range(0, size, 4096):
+                memory[offset] = 1
+
+    steps = _measure.timed_steps({"fresh": touches_fresh_pages, "idle": lambda: None}, warm=1, timed=3)
+    assert set(steps["idle"]) == {"step_time_s", "step_minor_faults", "step_system_cpu_s"}
+    assert steps["fresh"]["step_minor_faults"] >= 0.9 * size / 4096 > 10 * steps["idle"]["step_minor_faults"]
+    assert steps["fresh"]["step_time_s"] > 0 and steps["fresh"]["step_system_cpu_s"] >= 0
