@@ -103,8 +103,8 @@ def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
 
 @pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
 def test_pipeline_runs_an_unrolled_stack(name, chunks):
-    # Each chunk's two layers run with no loop (`Stacked(unroll=True)`); zero-bubble
-    # splits a backward that then has no scan to split.
+    # Each chunk's two layers run with no loop (`Stacked(unroll=True)`: the jaxpr's
+    # scan says `unroll`); zero-bubble's split scans keep that setting.
     stages, microbatches, loss = 2, 4, tiny_loss()
     model = Tiny(2 * stages * chunks, key=jax.random.key(3), unroll=True)
     batch = regression_batch(ROWS * microbatches)
