@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar._plan import REMAT_POLICIES
 
-from . import _handwritten_sp, _workload
+from . import _handwritten_sp, _workload, pipeline_prediction
 from ._baseline import JitStep, opt_specs
 from ._measure import BaselineRunner, EqxparRunner, memory
 
@@ -261,6 +261,9 @@ def _pipelined(
             **{"schedule": schedule, "microbatches": m, "chunks": v, "ticks": sched.ticks},
             "bubble_fraction": sched.bubble_fraction,
             "lockstep_bubble_fraction": sched.lockstep_bubble_fraction,
+            "predicted_speedup_over_gpipe": pipeline_prediction.speedup_over_gpipe(
+                schedule, stages=p, microbatches=m, chunks=v
+            ),
             **_flops(compiled, eqx_model, optim, cfg, sched.lockstep_bubble_fraction),
             "memory_sweep": [{"microbatches": m, **memory(compiled)}]
             + _memory_sweep(at, runner, cfg, m, counts),

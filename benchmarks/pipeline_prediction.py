@@ -79,6 +79,37 @@ def chunk_costs(
     return {k: v / chunks for k, v in costs.items()}
 
 
+#: The stages a pipeline record's prediction is made from: the benchmark workload's
+#: own (2 blocks, one sequence per micro-batch; launch-bound on a GPU), and the wide
+#: one unrolled (compute-bound; its chunk, one block, runs in no loop either).
+RECORD_STAGES = ("workload", "wide_unrolled")
+
+
+def speedup_over_gpipe(name: str, *, stages: int, microbatches: int, chunks: int) -> dict[str, dict]:
+    """What a pipeline record states of its schedule: per source and per stage of
+    `RECORD_STAGES` it measured, the predicted speed-up over GPipe (free-running and
+    lockstep) of `name` at this size, with residuals kept (the records'
+    `remat="none"`). The ratio depends on the actions' relative times only, so a
+    tensor-split stage (3d) takes them too."""
+    out = {}
+    for file, label in SOURCES:
+        measured = json.loads((RESULTS / file).read_text())["stage_actions"]
+        out[label] = {"source": f"results/{file}"}
+        for stage in RECORD_STAGES:
+            if "seconds" not in measured.get(stage, {}):
+                continue
+            chunk = measured.get(f"{stage.removesuffix('_unrolled')}_chunk", {})
+            costs = engine_costs(measured[stage]["seconds"], "residuals kept")
+            gpipe = simulate(schedule("gpipe", stages=stages, microbatches=microbatches), costs)
+            table = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
+            sim = simulate(table, chunk_costs(costs, measured[stage], chunk, chunks, "residuals kept"))
+            out[label][stage] = {
+                "free": sim.speedup_over(gpipe),
+                "lockstep": sim.speedup_over(gpipe, lockstep=True),
+            }
+    return out
+
+
 def predict(sources: Sequence[tuple[str, dict]]) -> list[dict[str, Any]]:
     """One row per (device, stage, model, p, schedule)."""
     rows = []

@@ -248,3 +248,25 @@ def test_prediction_benchmark_runs(tmp_path):
             assert r["work_s"] == pytest.approx(want)
             checked += 1
     assert checked >= 4  # the H200's stages, each at p = 4 and 8
+
+
+def test_a_pipeline_record_states_the_prediction_table_row():
+    from benchmarks import pipeline_prediction
+
+    rows = pipeline_prediction.predict(
+        [
+            (label, json.loads((pipeline_prediction.RESULTS / name).read_text()))
+            for name, label in pipeline_prediction.SOURCES
+        ]
+    )
+    for name, chunks in (("gpipe", 1), ("interleaved", 2), ("zero_bubble", 1)):
+        record = pipeline_prediction.speedup_over_gpipe(name, stages=4, microbatches=16, chunks=chunks)
+        stated = 0
+        for row in rows:
+            got = record[row["device"]].get(row["stage"])
+            if row["schedule"] == name and row["stages"] == 4 and row["model"] == "residuals kept" and got:
+                assert got == {"free": row["speedup_free"], "lockstep": row["speedup_lockstep"]}
+                assert name != "gpipe" or got == {"free": 1.0, "lockstep": 1.0}
+                stated += 1
+        # Each source's two record stages (the workload's, the wide one unrolled).
+        assert stated == 2 * len(pipeline_prediction.SOURCES)
