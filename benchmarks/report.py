@@ -83,7 +83,14 @@ def _pipeline_row(r: dict) -> list[str]:
         fmt(r.get("flops_per_device"), ".2f", 1e9),
         fmt(r.get("flops_over_reference"), ".3f"),
         fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
+        _predicted(r, "H200", "wide_unrolled"),
     ]
+
+
+def _predicted(r: dict, source: str, stage: str) -> str:
+    """The record's predicted speed-up over GPipe, free-running / lockstep."""
+    got = r.get("predicted_speedup_over_gpipe", {}).get(source, {}).get(stage)
+    return f"{got['free']:.2f} / {got['lockstep']:.2f}" if got else "—"
 
 
 _PARITY_COLUMNS = ("strategy", "loss rel err", "gradients max rel err", "gradients 2-norm rel err")
@@ -92,7 +99,7 @@ _REFERENCE_COLUMNS = ("strategy", "step", "step time (s)", "ratio to baseline", 
 _PIPELINE_COLUMNS = ("strategy", "schedule", "micro-batches × chunks", "ticks", "bubble (lockstep)", "CP MB")
 _PIPELINE_COLUMNS += ("wire MB", "min MB", "wire/min", "temp MiB at 4p / 8p / 16p micro-batches")
 _PIPELINE_COLUMNS += ("lockstep matmul GFLOP", "÷ (data-parallel's / (1 - lockstep bubble))")
-_PIPELINE_COLUMNS += ("step ratio to GPipe",)
+_PIPELINE_COLUMNS += ("step ratio to GPipe", "predicted over GPipe on an H200 (wide stage, free / lockstep)")
 #: (heading, columns, the rows of one record), in the order they are rendered.
 SECTIONS = (
     ("Records", COLUMNS, lambda r: [row(r)]),

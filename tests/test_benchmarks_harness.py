@@ -181,6 +181,7 @@ def test_report_splices_tables_into_hand_written_prose(tmp_path):
         lockstep_bubble_fraction=0.333,
         comm_bytes={"collective-permute": 9_961_472},
         memory_sweep=[{"microbatches": m, "mem_temp_bytes": 2**25} for m in (16, 32, 64)],
+        predicted_speedup_over_gpipe={"H200": {"wide_unrolled": {"free": 1.004, "lockstep": 0.996}}},
         contract={"wire_over_min_max": 1.55, "temp_growth_max": 0.1},
     )
     data = {"command": "c", "jax": jax.__version__, "devices": 8, "records": [_record("dp"), pipe]}
@@ -194,6 +195,7 @@ def test_report_splices_tables_into_hand_written_prose(tmp_path):
     assert main[2] == "1.100" and main[4] == "13.82 (AR 1)" and main[9] == "1.0000"
     row = next(line for line in text.splitlines() if line.startswith("| pp_1f1b | 1f1b |"))
     assert "| 9.96 |" in row and "32.0 / 32.0 / 32.0" in row and "16 × 1" in row
+    assert row.endswith("| 1.00 / 1.00 |")
     assert "| pp_1f1b | wire ≤ 1.55 × minimum; temp growth 4p→16p < 10% |" in text
     report.splice(page, "again")  # idempotent around the prose
     assert page.read_text().count("Prose after.") == 1 and "again" in page.read_text()
