@@ -66,6 +66,12 @@ def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
     return {"F": seconds["F_keep"], "B": seconds["B"], "I": seconds[halves[0]], "W": seconds[halves[1]]}
 
 
+def chunk_of(measured: dict, stage: str) -> dict:
+    """The measured one-block chunk of `stage` (`NAME_chunk`; `{}` if not timed). A
+    chunk's one block runs in no loop, whether its stage's are scanned or not."""
+    return measured.get(f"{stage.removesuffix('_unrolled')}_chunk", {})
+
+
 def chunk_costs(
     costs: dict[str, float], stage: dict, chunk: dict, chunks: int, model: str
 ) -> dict[str, float]:
@@ -98,7 +104,7 @@ def speedup_over_gpipe(name: str, *, stages: int, microbatches: int, chunks: int
         for stage in RECORD_STAGES:
             if "seconds" not in measured.get(stage, {}):
                 continue
-            chunk = measured.get(f"{stage.removesuffix('_unrolled')}_chunk", {})
+            chunk = chunk_of(measured, stage)
             costs = engine_costs(measured[stage]["seconds"], "residuals kept")
             gpipe = simulate(schedule("gpipe", stages=stages, microbatches=microbatches), costs)
             table = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
@@ -118,8 +124,7 @@ def predict(sources: Sequence[tuple[str, dict]]) -> list[dict[str, Any]]:
         for stage, measured in measured_stages.items():
             if "seconds" not in measured or stage.endswith("_chunk"):
                 continue
-            # A chunk's one block runs in no loop, whether its stage's are scanned or not.
-            chunk = measured_stages.get(f"{stage.removesuffix('_unrolled')}_chunk", {})
+            chunk = chunk_of(measured_stages, stage)
             for model in MODELS:
                 costs = engine_costs(measured["seconds"], model)
                 for p in STAGES:

@@ -389,9 +389,6 @@ def _engine_runs(sched: Any) -> list[dict[str, bool]]:
 
     program, branch_keys = _engine._program(sched, True)
 
-    def any_at(part: np.ndarray, field: int) -> bool:
-        return bool((part[..., [3 + field, 3 + _engine.FIELDS + field]] >= 0).any())
-
     runs = []
     for loop in _engine._loops(sched):
         for position in range(loop.period):
@@ -399,10 +396,10 @@ def _engine_runs(sched: Any) -> list[dict[str, bool]]:
             keys = {key for i in set(part[..., 0].flat) for key in branch_keys[int(i)]}
             runs.append(
                 {
-                    "reads": any_at(part, _engine.RES_READ),
-                    "writes": any_at(part, _engine.RES_WRITE),
-                    "stash_reads": any_at(part, _engine.STASH_READ),
-                    "stash_writes": any_at(part, _engine.STASH_WRITE),
+                    "reads": _engine._slot_used(part, _engine.RES_READ),
+                    "writes": _engine._slot_used(part, _engine.RES_WRITE),
+                    "stash_reads": _engine._slot_used(part, _engine.STASH_READ),
+                    "stash_writes": _engine._slot_used(part, _engine.STASH_WRITE),
                     "forward": any(_engine._stores(kind, folded) for kind, _, _, folded in keys),
                     "backward": any(
                         kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys

@@ -112,6 +112,12 @@ RES_WRITE, RES_READ, STASH_WRITE, STASH_READ = 4, 5, 6, 7
 _SLOTS = (RES_WRITE, RES_READ, STASH_WRITE, STASH_READ)
 
 
+def _slot_used(rows: np.ndarray, field: int) -> bool:
+    """Whether any action of the program rows `rows` (any leading shape) has a
+    slot in column `field` (one of `_SLOTS`)."""
+    return bool((rows[..., [3 + field, 3 + FIELDS + field]] >= 0).any())
+
+
 #: (action, is first virtual stage, is last virtual stage, folded: the last
 #: stage's forward runs inside its backward)
 Key = tuple[int, bool, bool, bool]
@@ -832,7 +838,7 @@ class _Device:
                 # The idle branch keeps it a switch.
                 used = sorted({int(i) for i in at[..., 0].flat} | {0})
                 part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
-                uses = {f: bool((at[..., [3 + f, 3 + FIELDS + f]] >= 0).any()) for f in _SLOTS}
+                uses = {f: _slot_used(at, f) for f in _SLOTS}
                 stores = (uses[RES_WRITE], uses[STASH_WRITE])
                 local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
                 bodies.append(
