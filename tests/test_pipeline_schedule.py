@@ -128,13 +128,16 @@ def test_table_is_read_only():
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (4, 4), (4, 16), (8, 16)])
-def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatches):
-    """The engine runs the ticks in loops over repeating patterns of sends: each
-    tick once, in order, in a loop position whose sends are the tick's (a device
-    sends an activation on at the end of a forward of any virtual stage but the
-    last, and a cotangent back at the end of a backward or input half of any but
-    the first)."""
-    from eqxpar.pipeline._engine import _loops, _sends
+@pytest.mark.parametrize("keep", [True, False])
+def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatches, keep):
+    """The engine runs the ticks in loops over repeating patterns of sends and
+    branches: each tick once, in order, in a loop position whose sends are the
+    tick's (a device sends an activation on at the end of a forward of any
+    virtual stage but the last, and a cotangent back at the end of a backward or
+    input half of any but the first) and where each device runs the tick's
+    branch: a position's switch is counted at what its ticks run, so the
+    program's lockstep cost is the table's."""
+    from eqxpar.pipeline._engine import _loops, _program, _sends
     from eqxpar.pipeline._schedule import BACKWARD, BACKWARD_INPUT, FORWARD
 
     chunks = 2 if name == "interleaved" else 1
@@ -147,14 +150,18 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
         if kind in (BACKWARD, BACKWARD_INPUT) and k > 0:
             due[tick][1].add(device)
     assert [(set(f), set(b)) for f, b in sends] == due
+    program = _program(sched, keep)[0]
     covered = []
-    for loop in _loops(sched):
+    loops = _loops(sched, program)
+    for loop in loops:
         assert loop.count >= 1 and loop.period >= 1
         for position in range(loop.period):
-            for tick in loop.ticks(position):
+            ticks = list(loop.ticks(position))
+            for tick in ticks:
                 assert sends[tick] == loop.sends[position], (tick, loop)
+            assert (program[ticks, :, 0] == program[ticks[0], :, 0]).all(), (ticks, loop)
         covered += range(loop.start, loop.stop)
     assert covered == list(range(sched.ticks))
     # Steady states repeat: far fewer loops than ticks once m is several times p.
     if microbatches >= 4 * stages:
-        assert len(_loops(sched)) < sched.ticks // 2
+        assert len(loops) < sched.ticks // 2

@@ -7,7 +7,7 @@ branch, then, outside the branches, sends what is due: an activation to the next
 device along `pipe`, a cotangent to the previous one (`ppermute`), from exactly
 the devices that have one to send, and files what it received into its buffers.
 The send pairs are static, so the ticks are run in loops over repeating patterns
-of sends (`_loops`): GPipe's steady forward phase is one loop of one tick,
+of sends and branches (`_loops`): GPipe's steady forward phase is one loop of one tick,
 zero-bubble's steady state one loop of three ticks, the fill and drain ticks
 loops of one iteration. The collectives of the stage body itself
 (tensor-parallel all-reduces) run inside the branches: all devices of a tensor
@@ -775,11 +775,12 @@ class _Device:
         """The loops over the schedule's ticks: `(loss sum, rest's gradients,
         stack's gradients per chunk)` on this device.
 
-        One loop per repeating pattern of sends (`_loops`): a tick sends an
-        activation on only from the devices that have one due (GPipe's forward
-        phase sends nothing back, its fill sends from fewer devices each tick),
-        a cotangent back likewise. Each tick's `lax.switch` holds the branches
-        of the ticks its loop position runs."""
+        One loop per repeating pattern of sends and branches (`_loops`): a tick
+        sends an activation on only from the devices that have one due (GPipe's
+        forward phase sends nothing back, its fill sends from fewer devices each
+        tick), a cotangent back likewise; and each device runs the same branch
+        at a loop position on every iteration. Each tick's `lax.switch` holds
+        the branches its loop position runs, one per device."""
         program, branch_keys = self.engine.program
         p = self.p
 
@@ -824,7 +825,7 @@ class _Device:
             # residuals' lifetime: it takes the same slot of a buffer of its own.
             self.stash.zeros(n_res),
         )
-        for loop in _loops(self.engine.sched):
+        for loop in _loops(self.engine.sched, program):
             # (count, period, device, column): iteration, body position.
             part = np.array(program[loop.start : loop.stop]).reshape(
                 loop.count, loop.period, *program.shape[1:]
@@ -899,19 +900,20 @@ class Loop:
         return range(self.start + position, self.stop, self.period)
 
 
-def _loops(sched: Schedule, longest: int = 16) -> list[Loop]:
-    """The schedule's ticks as loops (`Loop`) over repeating send patterns: a tick
+def _loops(sched: Schedule, program: np.ndarray, longest: int = 16) -> list[Loop]:
+    """The schedule's ticks as loops (`Loop`) over repeating patterns: a tick
     sends only from the devices with something due, so that what the program
     sends is what the schedule moves (a loop's tick sends what its body's
-    position sends on every iteration). From each tick on, the pattern of
+    position sends on every iteration); and each device runs one branch of
+    `program` (`_program`'s, column 0) at a position on every iteration, so that
+    a position's `lax.switch` holds one branch per device and each tick is
+    counted (FLOPs, a stage's tensor-parallel sums) at what it runs, not at the
+    costliest action of another iteration. From each tick on, the pattern of
     `period <= longest` ticks that repeats over the most ticks is one loop;
-    consecutive ticks that start no repeat form one body, run once.
-
-    A loop's position holds, in its `lax.switch`, the branches of the ticks it
-    runs; where a tick of a repeat runs another action than the others there,
-    the position is counted (FLOPs, a stage's tensor-parallel sums) at the
-    costliest."""
+    consecutive ticks that start no repeat form one body, run once."""
     sends = _sends(sched)
+    # What must repeat: the tick's sends and every device's branch.
+    pattern_of = [(sent, tuple(int(b) for b in program[t, :, 0])) for t, sent in enumerate(sends)]
     n = len(sends)
     loops: list[Loop] = []
     single: list[int] = []
@@ -926,10 +928,10 @@ def _loops(sched: Schedule, longest: int = 16) -> list[Loop]:
         best = (1, 1)
         for period in range(1, longest + 1):
             count = 1
-            pattern = sends[tick : tick + period]
+            pattern = pattern_of[tick : tick + period]
             while (
                 tick + (count + 1) * period <= n
-                and sends[tick + count * period : tick + (count + 1) * period] == pattern
+                and pattern_of[tick + count * period : tick + (count + 1) * period] == pattern
             ):
                 count += 1
             if count >= 2 and period * count > best[0] * best[1]:
