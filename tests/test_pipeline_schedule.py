@@ -9,6 +9,7 @@ import pytest
 
 import eqxpar
 from eqxpar.pipeline import schedule
+from eqxpar.pipeline._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
 GRID = [(p, k * p) for p in (1, 2, 4, 8) for k in (1, 2, 4)]
 VARIANTS = [
@@ -33,14 +34,26 @@ def test_tables_are_valid_and_match_their_bubble_formula(name, chunks, stages, m
     keys = [(mb, k, a) for _, _, mb, k, a in entries]
     assert len(keys) == len(set(keys))
     per_unit = 2 if name != "zero_bubble" else 3
-    assert len(keys) == per_unit * microbatches * stages * chunks
     p, m, v = stages, microbatches, chunks
+    # Interleaved splits the last virtual stage's last p - 1 backwards into input
+    # and weight halves, the weight halves in the last device's closing idle ticks.
+    split = min(p - 1, m) if name == "interleaved" else 0
+    assert len(keys) == per_unit * microbatches * stages * chunks + split
+    if name == "interleaved":
+        halves = [(t, d, mb, k, a) for t, d, mb, k, a in entries if a in (BACKWARD_INPUT, BACKWARD_WEIGHT)]
+        assert len(halves) == 2 * split
+        assert all(d == p - 1 and k == p * v - 1 for _, d, _, k, _ in halves)
+        # The weight halves come after the device's last backward.
+        last_backward = max(t for t, d, _, _, a in entries if d == p - 1 and a == BACKWARD)
+        assert all(t > last_backward for t, _, _, _, a in halves if a == BACKWARD_WEIGHT)
+        # What it buys: the formula's bubble (Megatron's), or less.
+        assert s.bubble_fraction <= (p - 1) / (v * m + p - 1) + 1e-12
     if name == "zero_bubble":
         # ZB-H1 under unit costs: a third of 1F1B's bubble when m >= p.
         assert s.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
         # Every action costs 1, so running in lockstep loses nothing.
         assert s.lockstep_bubble_fraction == pytest.approx(s.bubble_fraction)
-    else:
+    elif name != "interleaved":
         assert s.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
     assert s.lockstep_bubble_fraction >= s.bubble_fraction - 1e-12
     if name == "gpipe":
@@ -94,7 +107,13 @@ def test_text_rendering():
     lines = text.splitlines()
     assert lines[0].startswith("interleaved: 2 stages x 2 chunk(s), 2 micro-batches")
     assert "bubble 20.0%" in lines[0]
-    assert len(lines) == 3 and lines[1].startswith("dev0") and "F0:0" in lines[1] and "B1:1" in lines[2]
+    assert (
+        len(lines) == 3
+        and lines[1].startswith("dev0")
+        and "F0:0" in lines[1]
+        and "I1:1" in lines[2]
+        and "W1:1" in lines[2]
+    )
     assert "I0" in str(schedule("zero_bubble", stages=2, microbatches=2))
 
 

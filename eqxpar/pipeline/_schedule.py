@@ -96,6 +96,20 @@ def _orders_interleaved(p: int, m: int, v: int) -> list[list[Action]]:
             order += [(FORWARD, *unit(warmup + i, False)), (BACKWARD, *unit(i, True))]
         order += [(BACKWARD, *unit(k, True)) for k in range(total - warmup, total)]
         orders.append(order)
+    # The last device runs the last virtual stage (and the model's head, in the
+    # engine) fused with its forward in ticks where every other device runs a
+    # forward and a backward: that tick lasts a head longer. Its last p - 1 such
+    # backwards are split instead: the input half beside the forward (cheaper than
+    # the others' pair), the weight half in the p - 1 ticks the device idles at
+    # the end while the cotangents reach device 0 (cheaper than their backwards).
+    # The weight halves keep their residuals and cotangent that long: p - 1 slots.
+    last, split = orders[p - 1], set()
+    for i in range(len(last) - 1, -1, -1):
+        kind, mb, chunk = last[i]
+        if kind == BACKWARD and chunk == v - 1 and len(split) < p - 1:
+            last[i] = (BACKWARD_INPUT, mb, chunk)
+            split.add(mb)
+    last += [(BACKWARD_WEIGHT, mb, v - 1) for mb in sorted(split)]
     return orders
 
 
@@ -823,7 +837,9 @@ def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> S
     - `name`: `"gpipe"` (all forwards, then all backwards: `microbatches`
       activations per stage in flight), `"1f1b"` (after a warm-up, one forward then
       one backward: at most `stages` in flight), `"interleaved"` (1F1B over
-      `chunks` virtual stages per device: the bubble shrinks by `chunks`),
+      `chunks` virtual stages per device: the bubble shrinks by `chunks`; the
+      last virtual stage's last `stages - 1` backwards are split, their weight
+      halves run while the last device would idle at the end),
       `"zero_bubble"` (ZB-H1: backward split into input- and weight-gradient
       passes, the weight passes filling 1F1B's bubble at 1F1B's memory). For
       prediction only (V placement, which the engine does not run): `"zb_v"`
@@ -843,7 +859,7 @@ def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> S
 
     ```python
     s = eqxpar.pipeline.schedule("interleaved", stages=4, microbatches=8, chunks=2)
-    s.bubble_fraction      # (4 - 1) / (2 * 8 + 4 - 1)
+    s.bubble_fraction      # 0.127, under Megatron's (4 - 1) / (2 * 8 + 4 - 1)
     eqxpar.pipeline.schedule("zb_v", stages=4, microbatches=16).bubble_fraction
     ```
     """
