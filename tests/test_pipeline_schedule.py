@@ -184,3 +184,42 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
     # Steady states repeat: far fewer loops than ticks once m is several times p.
     if microbatches >= 4 * stages:
         assert len(loops) < sched.ticks // 2
+
+
+@pytest.mark.parametrize("name,chunks", [("interleaved", 2), ("zero_bubble", 1), ("1f1b", 1)])
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_residual_and_stash_slots_never_overlap(name, chunks, stages, microbatches):
+    """Each kept residual set lives in its slot from the forward (a folded input
+    half) that writes it to its last backward action, each stash from its `I` to
+    its `W`; two that share a slot on a device never live at once (a write lands
+    at the end of its tick, after that tick's reads). Stashes take slots of their
+    own, as many as live at once: interleaved splits p - 1 backwards."""
+    s = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
+    bufs = s.buffers
+    # Each entry with its place in its tick (0: the table's action, 1: the fused one's).
+    placed, seen = [], set()
+    for tick, device, mb, k, kind in s.entries():
+        placed.append((tick, device, mb, k, kind, int((tick, device) in seen)))
+        seen.add((tick, device))
+    for slots, count, kinds in (
+        (bufs.residual_slot, bufs.residuals, None),
+        (bufs.stash_slot, bufs.stashes, (BACKWARD_INPUT, BACKWARD_WEIGHT)),
+    ):
+        held: dict[tuple[int, int, int, int], list[int]] = {}  # (device, slot, mb, k): ticks
+        for tick, device, mb, k, kind, i in placed:
+            slot = int(slots[tick, device, i])
+            assert -1 <= slot < max(count, 1)
+            if slot >= 0 and (kinds is None or kind in kinds):
+                held.setdefault((device, slot, mb, k), []).append(tick)
+        lives: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (device, slot, _, _), ticks in held.items():
+            lives.setdefault((device, slot), []).append((min(ticks), max(ticks)))
+        for intervals in lives.values():
+            intervals.sort()
+            for (_, end), (start, _) in zip(intervals, intervals[1:]):
+                assert end <= start, intervals
+    assert bufs.stashes <= max(bufs.residuals, 1)
+    if name == "interleaved":
+        assert bufs.stashes == min(stages - 1, microbatches)
+    if name == "1f1b":
+        assert bufs.stashes == 0

@@ -370,12 +370,12 @@ def _pipeline_memory(
         act = nbytes(slots.activation)
         return 0, io + layers * act + layer + grads - stack_grads + stack_grads // v
     stacked = slots.stacked_bytes(layers, rows)
-    # Split backwards stash what `I` hands `W` in slots of their own, as many as
-    # the residuals', read and written by a tick as they are.
+    # Split backwards stash what `I` hands `W` in slots of their own
+    # (`Buffers.stashes`), read and written by a tick as the residuals' are.
     stash = slots.stash_bytes
     backward = _backward_working_set(stacked, layers, layer, stack_grads // v)
     transients = max(_run_transients(run, slot, stash, backward) for run in _engine_runs(sched))
-    return max(1, bufs.residuals) * (slot + stash), io + transients
+    return max(1, bufs.residuals) * slot + max(1, bufs.stashes) * stash, io + transients
 
 
 def _engine_runs(sched: Any) -> list[dict[str, bool]]:

@@ -158,8 +158,9 @@ def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, K
                     slot = int(bufs.residual_slot[tick, device, i])
                     write, read = _residual_slots(kind, folded, slot)
                     if keep:
-                        stash_write = slot if kind == BACKWARD_INPUT else -1
-                        stash_read = slot if kind == BACKWARD_WEIGHT else -1
+                        stash = int(bufs.stash_slot[tick, device, i])
+                        stash_write = stash if kind == BACKWARD_INPUT else -1
+                        stash_read = stash if kind == BACKWARD_WEIGHT else -1
                 keys.append(key)
                 writes.append(write)
                 reads.append(read)
@@ -821,9 +822,8 @@ class _Device:
             jax.tree.map(jnp.zeros_like, self.blocks),
             mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
             self.residuals.zeros(n_res),
-            # The stash of a split backward lives from `I` to `W`, within its
-            # residuals' lifetime: it takes the same slot of a buffer of its own.
-            self.stash.zeros(n_res),
+            # What a split backward's `I` hands its `W`, in slots of their own.
+            self.stash.zeros(max(1, buffers.stashes)),
         )
         for loop in _loops(self.engine.sched, program):
             # (count, period, device, column): iteration, body position.

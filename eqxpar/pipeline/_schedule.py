@@ -728,6 +728,10 @@ class Buffers:
     its backward or input half, in one tick with each other: the forward then
     runs inside the backward (nothing made in a tick is read in it), and only a
     split backward keeps residuals, from its `I` (which writes them) to its `W`.
+    `stashes`: slots for what a split backward's `I` hands its `W`;
+    `stash_slot[tick, device, i]`: the slot an `I` writes that to or a `W`
+    reads it from, -1 for none (allocated apart from the residuals': a stash
+    lives from `I` to `W` only, and a schedule may split few of its backwards).
     """
 
     inputs: int
@@ -739,6 +743,8 @@ class Buffers:
     residuals: int = 0
     residual_slot: np.ndarray | None = None
     folded: np.ndarray | None = None
+    stashes: int = 0
+    stash_slot: np.ndarray | None = None
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[int, dict]:
@@ -786,13 +792,18 @@ def _buffers(schedule: Schedule) -> Buffers:
     recv_input = np.full(shape, -1, np.int32)
     recv_cot = np.full(shape, -1, np.int32)
     res_slot = np.full((*shape, 2), -1, np.int32)
+    stash_slot = np.full((*shape, 2), -1, np.int32)
     folded = np.zeros((*shape, 2), bool)
-    n_in = n_cot = n_res = 0
+    n_in = n_cot = n_res = n_stash = 0
     for device in range(p):
-        ins, cots, res = [], [], []
+        ins, cots, res, stashes = [], [], [], []
         for mb in range(schedule.microbatches):
             for chunk in range(schedule.chunks):
                 k = schedule.stage_of(device, chunk)
+                if (BACKWARD_INPUT, mb, k) in tick_of:
+                    stashes.append(
+                        (tick_of[(BACKWARD_INPUT, mb, k)], tick_of[(BACKWARD_WEIGHT, mb, k)], (mb, k))
+                    )
                 if k > 0:  # virtual stage 0 computes its input from the batch
                     ins.append((tick_of[(FORWARD, mb, k - 1)], last_use(mb, k), (mb, k)))
                 if k < stages - 1:  # the last stage seeds its own cotangent
@@ -811,6 +822,11 @@ def _buffers(schedule: Schedule) -> Buffers:
             for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
                 if (kind, mb, k) in tick_of:
                     res_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
+        count, stash_where = _allocate(stashes)
+        n_stash = max(n_stash, count)
+        for (mb, k), slot in stash_where.items():
+            for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
+                stash_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
         count, in_where = _allocate(ins)
         n_in = max(n_in, count)
         count, cot_where = _allocate(cots)
@@ -826,7 +842,9 @@ def _buffers(schedule: Schedule) -> Buffers:
                 if (kind, mb, k) in tick_of:
                     cot_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
             recv_cot[cot_sent(mb, k + 1), device] = slot
-    return Buffers(n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot, folded)
+    return Buffers(
+        n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot, folded, n_stash, stash_slot
+    )
 
 
 def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
