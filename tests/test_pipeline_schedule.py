@@ -2,6 +2,7 @@
 buffers sized by stages (1F1B, zero-bubble) or micro-batches (GPipe), and the text
 and PNG renderings."""
 
+import itertools
 import sys
 
 import numpy as np
@@ -216,7 +217,7 @@ def test_residual_and_stash_slots_never_overlap(name, chunks, stages, microbatch
             lives.setdefault((device, slot), []).append((min(ticks), max(ticks)))
         for intervals in lives.values():
             intervals.sort()
-            for (_, end), (start, _) in zip(intervals, intervals[1:]):
+            for (_, end), (start, _) in itertools.pairwise(intervals):
                 assert end <= start, intervals
     assert bufs.stashes <= max(bufs.residuals, 1)
     if name == "interleaved":
