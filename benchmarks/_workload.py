@@ -100,6 +100,9 @@ def _experts_only(leaf: eqxpar.rules.Leaf) -> P | None:
 #: Expert parallelism beside tensor parallelism: the experts over `expert`, the
 #: attention heads and the dense blocks' MLPs over `tensor`.
 EXPERT_TENSOR_RULES = (eqxpar.rules.Policy(_experts_only), TENSOR_RULES)
+#: `TENSOR_RULES` with the vocabulary split too: a pipeline's 3D record, whose
+#: last stage would otherwise run the whole head beside half a stage's layers.
+TENSOR_VOCAB_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "vocab": "tensor"})
 #: `TENSOR_RULES` plus the model dimension of every weight split over `fsdp`.
 TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed": "fsdp"})
 
