@@ -795,6 +795,16 @@ def _buffers(schedule: Schedule) -> Buffers:
     stash_slot = np.full((*shape, 2), -1, np.int32)
     folded = np.zeros((*shape, 2), bool)
     n_in = n_cot = n_res = n_stash = 0
+
+    def assign(target: np.ndarray, device: int, intervals: list, kinds: tuple[int, ...]) -> tuple[int, dict]:
+        # Slots for `device`'s `intervals`, written into `target` at each of `kinds`' actions.
+        count, where = _allocate(intervals)
+        for (mb, k), slot in where.items():
+            for kind in kinds:
+                if (kind, mb, k) in tick_of:
+                    target[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
+        return count, where
+
     for device in range(p):
         ins, cots, res, stashes = [], [], [], []
         for mb in range(schedule.microbatches):
@@ -816,31 +826,18 @@ def _buffers(schedule: Schedule) -> Buffers:
                         folded[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = True
                 if (BACKWARD_INPUT, mb, k) in tick_of:
                     res.append((tick_of[(BACKWARD_INPUT, mb, k)], last_use(mb, k), (mb, k)))
-        count, res_where = _allocate(res)
-        n_res = max(n_res, count)
-        for (mb, k), slot in res_where.items():
-            for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                if (kind, mb, k) in tick_of:
-                    res_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
-        count, stash_where = _allocate(stashes)
-        n_stash = max(n_stash, count)
-        for (mb, k), slot in stash_where.items():
-            for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
-                stash_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
-        count, in_where = _allocate(ins)
+
+        every = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+        n_res = max(n_res, assign(res_slot, device, res, every)[0])
+        n_stash = max(n_stash, assign(stash_slot, device, stashes, (BACKWARD_INPUT, BACKWARD_WEIGHT))[0])
+        count, in_where = assign(input_slot, device, ins, every)
         n_in = max(n_in, count)
-        count, cot_where = _allocate(cots)
-        n_cot = max(n_cot, count)
         for (mb, k), slot in in_where.items():
-            for kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                if (kind, mb, k) in tick_of:
-                    input_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
             # The activation sent at that tick by the previous device lands here.
             recv_input[tick_of[(FORWARD, mb, k - 1)], device] = slot
+        count, cot_where = assign(cot_slot, device, cots, (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        n_cot = max(n_cot, count)
         for (mb, k), slot in cot_where.items():
-            for kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
-                if (kind, mb, k) in tick_of:
-                    cot_slot[tick_of[(kind, mb, k)], device, order_of[(kind, mb, k)]] = slot
             recv_cot[cot_sent(mb, k + 1), device] = slot
     return Buffers(
         n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot, folded, n_stash, stash_slot
