@@ -311,25 +311,20 @@ def _engine_sends(sched: Any) -> int:
     return max(sent.values(), default=0)
 
 
-def _engine_ticks(sched: Any, keep: bool) -> dict[str, int]:
-    """Ticks whose heaviest branch runs a forward (`"forward"`) and a backward
-    (`"backward"`): the engine runs each position of a loop's body (`_loops`)
-    with one `lax.switch` over the actions the ticks it runs hold, so a
-    position counts for both when any of its ticks has each. `keep`: the
-    stages keep their residuals (every remat policy but "full")."""
-    from ..pipeline._engine import _loops, _program
+def _engine_ticks(sched: Any) -> dict[str, int]:
+    """Ticks in which some device runs a forward (`"forward"`) and a
+    backward-direction action (`"backward"`): the engine's loop positions hold
+    one branch per device on every iteration (`_loops`), so each tick is counted
+    at what it runs."""
     from ..pipeline._schedule import FORWARD
 
     actions: dict[int, set[bool]] = defaultdict(set)
     for tick, _, _, _, action in sched.entries():
         actions[tick].add(action == FORWARD)
-    out = {"forward": 0, "backward": 0}
-    for loop in _loops(sched, _program(sched, keep)[0]):
-        for position in range(loop.period):
-            held = set().union(*(actions[t] for t in loop.ticks(position)))
-            out["forward"] += loop.count * (True in held)
-            out["backward"] += loop.count * (False in held)
-    return out
+    return {
+        "forward": sum(True in held for held in actions.values()),
+        "backward": sum(False in held for held in actions.values()),
+    }
 
 
 def _pipeline_memory(
@@ -501,7 +496,7 @@ def _wire(
     ticks = sent = None
     if plan.schedule is not None:
         sched = _schedule(plan)
-        ticks, sent = _engine_ticks(sched, plan.remat != "full"), _engine_sends(sched)
+        ticks, sent = _engine_ticks(sched), _engine_sends(sched)
     ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
     repeats = _repeated_sums(plan, params, loss, batch, moved)
     if repeats:
