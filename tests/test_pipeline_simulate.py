@@ -62,6 +62,28 @@ def test_measured_costs_scale_and_zero_costs():
     assert free_w.free_s <= one.free_s
 
 
+def test_last_stage_time_by_hand():
+    # The head on the last stage: dev1's F [1,3] [3,5], B [5,8] [8,11]; dev0's B0
+    # waits for dev1's: [8,10], B1 [11,13]. Lockstep ticks 1, 2, 2, 3, 3, 2.
+    s = schedule("gpipe", stages=2, microbatches=2)
+    sim = simulate(s, {"F": 1.0, "B": 2.0}, last_stage={"F": 1.0, "B": 1.0})
+    assert (sim.free_s, sim.lockstep_s, sim.work_s) == (13.0, 13.0, 16.0)
+    assert simulate(s, {"F": 1.0, "B": 2.0}, last_stage={}).free_s == 9.0
+
+
+@pytest.mark.parametrize("name,chunks", [("interleaved", 2), ("zero_bubble", 1), ("zb_v", 2)])
+def test_last_stage_time_lands_on_the_last_virtual_stage(name, chunks):
+    p, m, head = 4, 8, {"F": 0.5, "B": 1.0, "I": 0.5, "W": 0.5}
+    s = schedule(name, stages=p, microbatches=m, chunks=chunks)
+    plain, with_head = simulate(s, UNIT), simulate(s, UNIT, last_stage=head)
+    # Each micro-batch's last-stage F and backward halves (or B) pay the head once.
+    assert with_head.work_s == pytest.approx(plain.work_s + m * 1.5)
+    # Lockstep pays the head where the last stage's device is the tick's costliest,
+    # at most once per action it runs.
+    assert plain.lockstep_s < with_head.lockstep_s <= plain.lockstep_s + m * 1.5 + 1e-9
+    assert with_head.free_s > plain.free_s
+
+
 # --- Agreement with the tables' bubble fractions ----------------------------------------
 
 
@@ -141,6 +163,10 @@ def test_bad_costs_raise_naming_the_value():
         simulate(s, {"F": 1.0, "I": 1.0, "W": 1.0}, send=math.nan)
     with pytest.raises(err, match="expected a mapping"):
         simulate(s, [1.0, 2.0])
+    with pytest.raises(err, match=r"last_stage\['F'\]=-0.5.*finite time >= 0"):
+        simulate(s, UNIT, last_stage={"F": -0.5})
+    with pytest.raises(err, match=r"simulate\(last_stage=.*unknown key\(s\) \['head'\]"):
+        simulate(s, UNIT, last_stage={"head": 1.0})
     with pytest.raises(err, match="expected an eqxpar.pipeline.Schedule"):
         simulate("1f1b", UNIT)
     assert issubclass(err, eqxpar.PlanError)
