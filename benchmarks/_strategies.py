@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar._plan import REMAT_POLICIES
 
-from . import _handwritten_sp, _workload, pipeline_prediction
+from . import _action_flops, _handwritten_sp, _workload, pipeline_prediction
 from ._baseline import JitStep, opt_specs
 from ._measure import BaselineRunner, EqxparRunner, memory
 
@@ -214,19 +214,38 @@ def _remat_memory(
     return points
 
 
-def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, bubble: float) -> dict:
+def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: Any, mesh: dict) -> dict:
     """The step's matmul FLOPs per device in lockstep (`eqxpar.inspect.matmul_flops`:
-    tick loops weighted by trip count, each tick at its costliest action) beside
-    the data-parallel `jax.jit` step's on the same devices divided by 1 - the
-    schedule's lockstep bubble: what the pipeline would run recomputing nothing,
-    its stages equal. Their ratio is what it recomputes, plus its stages'
-    imbalance (the head on the last stage)."""
+    tick loops weighted by trip count, each tick at its costliest action) against two
+    references:
+
+    - the data-parallel `jax.jit` step's on the same devices divided by 1 - the
+      schedule's lockstep bubble (unit costs: F 1, B 2, I and W 1 each): what the
+      pipeline would run recomputing nothing, its stages and its actions' halves
+      equal. The ratio is what it recomputes, plus the head on the last stage and
+      the input half costing more than the weight half (`flops_over_reference`);
+    - the table priced at each action's own FLOPs, compiled on one device apart
+      from any pipeline (`_action_flops`): what the program runs if it runs the
+      table in lockstep and nothing more (`flops_over_table`; its lockstep bubble
+      at those costs, `lockstep_bubble_fraction_at_flops`)."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
+    bubble = sched.lockstep_bubble_fraction
+    per_action = _action_flops.action_flops(
+        cfg,
+        layers=cfg.layers // sched.virtual_stages,
+        rows=cfg.batch // (sched.microbatches * mesh.get("data", 1)),
+        tensor=mesh.get("tensor", 1),
+    )
+    table = _action_flops.pipeline_table_flops(sched, per_action)
     return {
         "flops_per_device": flops,
         "flops_reference": reference / (1 - bubble),
         "flops_over_reference": flops * (1 - bubble) / reference,
+        "flops_per_action": per_action,
+        "flops_table": table.lockstep_s,
+        "flops_over_table": flops / table.lockstep_s,
+        "lockstep_bubble_fraction_at_flops": table.lockstep_bubble_fraction,
     }
 
 
@@ -264,7 +283,7 @@ def _pipelined(
             "predicted_speedup_over_gpipe": pipeline_prediction.speedup_over_gpipe(
                 schedule, stages=p, microbatches=m, chunks=v
             ),
-            **_flops(compiled, eqx_model, optim, cfg, sched.lockstep_bubble_fraction),
+            **_flops(compiled, eqx_model, optim, cfg, sched, mesh),
             "memory_sweep": [{"microbatches": m, **memory(compiled)}]
             + _memory_sweep(at, runner, cfg, m, counts),
             **(
@@ -378,7 +397,14 @@ _DFT = {"data": 2, "fsdp": 2, "tensor": 2}
 def _pp(schedule: str, wire: float, mesh: dict = _PP, **options: Any) -> Strategy:
     # Held to `wire` x the minimum: the engine sends from the devices with
     # something due only, on every tick.
-    options["contract"] = {"wire_over_min_max": wire, **options.get("contract", {})}
+    # And the program runs its table, nothing more (no forward recomputed, each
+    # loop position one action per device): its lockstep FLOPs within 1 % of the
+    # table's priced at each action's own FLOPs.
+    options["contract"] = {
+        "wire_over_min_max": wire,
+        "flops_over_table_max": 1.01,
+        **options.get("contract", {}),
+    }
     return Strategy(_pipelined, mesh, {"schedule": schedule, **options})
 
 

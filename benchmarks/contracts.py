@@ -49,6 +49,10 @@ CLAUSES: dict[str, tuple[str, Callable[[dict, Any, dict], bool]]] = {
         "lockstep matmul FLOPs ≤ {} × (data-parallel step's / (1 - lockstep bubble))",
         lambda r, c, _: r["flops_over_reference"] <= c,
     ),
+    "flops_over_table_max": (
+        "lockstep matmul FLOPs ≤ {} × the table's, each action at its own FLOPs on one device",
+        lambda r, c, _: r["flops_over_table"] <= c,
+    ),
     "wire_over_ring_bound_max": (
         "wire ≤ {} × (minimum + one more K/V all-gather)",
         lambda r, c, _: _wire(r) <= c * r["comm_wire_bytes_ring_bound"],

@@ -82,6 +82,8 @@ def _pipeline_row(r: dict) -> list[str]:
         " / ".join(fmt(s["mem_temp_bytes"], ".1f", MiB) for s in r["memory_sweep"]),
         fmt(r.get("flops_per_device"), ".2f", 1e9),
         fmt(r.get("flops_over_reference"), ".3f"),
+        fmt(r.get("flops_over_table"), ".4f"),
+        fmt(r.get("lockstep_bubble_fraction_at_flops"), ".3f"),
         fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
         _predicted(r, "H200", "wide_unrolled"),
     ]
@@ -99,6 +101,7 @@ _REFERENCE_COLUMNS = ("strategy", "step", "step time (s)", "ratio to baseline", 
 _PIPELINE_COLUMNS = ("strategy", "schedule", "micro-batches × chunks", "ticks", "bubble (lockstep)", "CP MB")
 _PIPELINE_COLUMNS += ("wire MB", "min MB", "wire/min", "temp MiB at 4p / 8p / 16p micro-batches")
 _PIPELINE_COLUMNS += ("lockstep matmul GFLOP", "÷ (data-parallel's / (1 - lockstep bubble))")
+_PIPELINE_COLUMNS += ("÷ the table at each action's FLOPs", "lockstep bubble at each action's FLOPs")
 _PIPELINE_COLUMNS += ("step ratio to GPipe", "predicted over GPipe on an H200 (wide stage, free / lockstep)")
 #: (heading, columns, the rows of one record), in the order they are rendered.
 SECTIONS = (

@@ -96,6 +96,41 @@ def test_small_record_meets_its_contract(name):
     json.dumps(record)  # JSON-ready
 
 
+@pytest.mark.parametrize(
+    ("name", "chunks", "remat"), [("zero_bubble", 1, "none"), ("interleaved", 2, "none"), ("1f1b", 1, "full")]
+)
+def test_pipeline_program_runs_its_table_at_each_actions_flops(name, chunks, remat):
+    # `_action_flops` compiles each action on one device: the split backward's
+    # halves run the backward once (I + W = B), the input half more than the weight
+    # half (the attention's activation gradients), and the head adds to each of the
+    # last stage's actions. Priced at those FLOPs, the table is what the pipeline
+    # step compiled on pipe 2 runs in lockstep (the pp records hold it to 1 %);
+    # recomputing each forward in its backward (remat "full") runs a third more.
+    from benchmarks import _action_flops
+
+    cfg, p, m, data = dataclasses.replace(SMALL, layers=4), 2, 4, 4
+    flops = _action_flops.action_flops(cfg, layers=cfg.layers // (p * chunks), rows=cfg.batch // (m * data))
+    stage, head = flops["stage"], flops["head"]
+    assert stage["I"] + stage["W"] == stage["B"] and stage["I"] > stage["F"] > stage["W"] > 0
+    assert head["F"] > 0 and head["I"] + head["W"] == head["B"]
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=p, data=data),
+        rules=eqxpar.pipeline.stage_rules(None),
+        schedule=name,
+        microbatches=m,
+        chunks=chunks,
+        remat=remat,
+    )
+    optim = _workload.make_optimizer(cfg)
+    step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
+    model = _workload.pipeline_model(_workload.make_model(cfg), stages=p, chunks=chunks)
+    compiled = _measure.EqxparRunner(step, plan, model, optim, _workload.make_batches(1, cfg)).compile()
+    sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
+    table = _action_flops.pipeline_table_flops(sched, flops)
+    ratio = eqxpar.inspect.matmul_flops(compiled) / table.lockstep_s
+    assert ratio == pytest.approx(1.0, abs=0.01) if remat == "none" else ratio > 1.25, ratio
+
+
 def test_first_step_gradients_read_back_from_adam():
     # The harness reads a step's gradients from AdamW's first moment after its first
     # call (the small records above check them against one device); only one step old.

@@ -1,0 +1,75 @@
+"""Matrix-multiply FLOPs of one pipeline action on one device, compiled apart from
+any pipeline: the per-action costs a schedule table is priced at to say what the
+engine's program should run (`pipeline_table_flops`).
+
+A stage's forward (`F`, keeping its residuals), backward from them (`B`), and the
+two halves the engine splits that backward into for zero-bubble (`I`: the input
+cotangent and what the weight half needs of it; `W`: the weight cotangents), each
+`jax.jit`-compiled on one micro-batch and counted with
+`eqxpar.inspect.matmul_flops`; then the same of the last stage, whose actions also
+run the model's head and loss: their difference is what the head adds
+(`simulate(..., last_stage=...)`)."""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import eqxpar
+from eqxpar.models import gpt_first, gpt_last
+from eqxpar.pipeline._engine import _halves
+
+from . import _workload
+
+
+def _compiled_flops(fn: Any, *args: Any) -> int:
+    return eqxpar.inspect.matmul_flops(jax.jit(fn).lower(*args).compile())
+
+
+def _per_action(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> dict[str, int]:
+    """FLOPs of `stage(params, x)`'s F, B, I and W, the backward pulled back from `seed`."""
+    _, pull = jax.vjp(stage, params, x)
+    halves, inputs = _halves(*jax.tree.flatten(pull), seed, first=False)
+    stash = jax.eval_shape(lambda *a: halves.input_half(a)[1], *inputs)
+    return {
+        "F": _compiled_flops(lambda p, x: jax.vjp(stage, p, x), params, x),
+        "B": _compiled_flops(lambda pull, seed: pull(seed), pull, seed),
+        "I": _compiled_flops(lambda *a: halves.input_half(a), *inputs),
+        "W": _compiled_flops(lambda stash, *a: halves.weight_half(a, stash), stash, *inputs),
+    }
+
+
+def action_flops(cfg: _workload.Config, *, layers: int, rows: int, tensor: int = 1) -> dict:
+    """Per-action matmul FLOPs of a virtual stage of `layers` blocks of the workload
+    on one micro-batch of `rows` sequences: `{"stage": {F, B, I, W}, "head": {F, B,
+    I, W}}` ("head": what the last stage's actions add). `tensor`: the stage's
+    matmuls are split over that many devices (every one: heads, hidden features
+    and the vocabulary), so a device runs that fraction."""
+    model = _workload.make_model(dataclasses.replace(cfg, layers=layers))
+    tokens = _workload.make_batches(1, dataclasses.replace(cfg, batch=rows))[0]
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x = gpt_first(model, tokens)
+
+    def middle(params: Any, x: jax.Array) -> jax.Array:
+        return eqx.combine(params, static).blocks(x)
+
+    def last(params: Any, x: jax.Array) -> jax.Array:
+        whole = eqx.combine(params, static)
+        return gpt_last(whole, whole.blocks(x), tokens)
+
+    stage = _per_action(middle, params, x, jnp.ones_like(x))
+    with_head = _per_action(last, params, x, jnp.ones((), jnp.float32))
+    return {
+        "stage": {k: f / tensor for k, f in stage.items()},
+        "head": {k: (with_head[k] - stage[k]) / tensor for k in stage},
+    }
+
+
+def pipeline_table_flops(schedule: Any, flops: dict) -> eqxpar.pipeline.Simulation:
+    """`schedule` priced at `action_flops`'s per-action FLOPs (`simulate` in FLOPs
+    rather than seconds): its `lockstep_s` is the FLOPs a device runs in lockstep,
+    each tick at its costliest device, if the program runs the table and nothing
+    more."""
+    return eqxpar.pipeline.simulate(schedule, flops["stage"], last_stage=flops["head"])
