@@ -172,8 +172,8 @@ def simulate(
       next device (default 0: free communication).
     - `last_stage`: keyword-only, the seconds the last virtual stage's actions take
       on top of `costs` (the model's head and loss, which run there), by the same
-      keys, absent keys 0; default none. A head as costly as a sixth of a stage's
-      forward makes every tick the last device runs that much longer.
+      keys, absent keys 0; default none. In lockstep a tick in which the last
+      stage's device is the costliest lasts that much longer, on every device.
 
     **Returns:** a `Simulation` (`free_s`, `lockstep_s`, `work_s`, the bubble
     fractions, `speedup_over`).
