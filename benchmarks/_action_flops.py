@@ -24,20 +24,27 @@ from eqxpar.pipeline._engine import _halves
 from . import _workload
 
 
-def _compiled_flops(fn: Any, *args: Any) -> int:
-    return eqxpar.inspect.matmul_flops(jax.jit(fn).lower(*args).compile())
+def engine_actions(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> dict[str, tuple]:
+    """The engine's actions of `stage(params, x)` on one device, each as `(function,
+    arguments)`: `F` the forward keeping its residuals, `B` the backward from them
+    (pulled back from `seed`), `I` and `W` that backward's input and weight halves
+    (`eqxpar/pipeline/_split_backward.py`: together they run it once)."""
+    _, pull = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
+    halves, inputs = _halves(*jax.tree.flatten(pull), seed, first=False)
+    stash = jax.jit(lambda *a: halves.input_half(a))(*inputs)[1]
+    return {
+        "F": (lambda p, x: jax.vjp(stage, p, x), (params, x)),
+        "B": (lambda pull, seed: pull(seed), (pull, seed)),
+        "I": (lambda *a: halves.input_half(a), tuple(inputs)),
+        "W": (lambda stash, *a: halves.weight_half(a, stash), (stash, *inputs)),
+    }
 
 
 def _per_action(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> dict[str, int]:
-    """FLOPs of `stage(params, x)`'s F, B, I and W, the backward pulled back from `seed`."""
-    _, pull = jax.vjp(stage, params, x)
-    halves, inputs = _halves(*jax.tree.flatten(pull), seed, first=False)
-    stash = jax.eval_shape(lambda *a: halves.input_half(a)[1], *inputs)
+    """Matmul FLOPs of each of `engine_actions`, compiled."""
     return {
-        "F": _compiled_flops(lambda p, x: jax.vjp(stage, p, x), params, x),
-        "B": _compiled_flops(lambda pull, seed: pull(seed), pull, seed),
-        "I": _compiled_flops(lambda *a: halves.input_half(a), *inputs),
-        "W": _compiled_flops(lambda stash, *a: halves.weight_half(a, stash), stash, *inputs),
+        name: eqxpar.inspect.matmul_flops(jax.jit(fn).lower(*args).compile())
+        for name, (fn, args) in engine_actions(stage, params, x, seed).items()
     }
 
 

@@ -42,9 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqxpar import nn
-from eqxpar.pipeline._engine import _halves
 
-from . import _workload, report
+from . import _action_flops, _workload, report
 
 MiB = 2**20
 
@@ -251,25 +250,25 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int, *, unrolled: bo
     x = jax.random.normal(jax.random.key(0), (micro, cfg.seq_len, cfg.d_model), jnp.float32)
     ct = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
     stage = functools.partial(_run_stage, static)
-    _, both = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
+    # The engine's actions: F keeping residuals, B from them, and zero-bubble's
+    # halves (one pull-back split, `_split_backward`).
+    engine = {
+        k: (jax.jit(fn), args) for k, (fn, args) in _action_flops.engine_actions(stage, params, x, ct).items()
+    }
+    both = engine["B"][1][0]
     _, input_only = jax.jit(lambda p, x: jax.vjp(lambda x: stage(p, x), x))(params, x)
     _, weight_only = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))(params, x)
-    pullback = jax.jit(lambda pb, ct: pb(ct))
+    pullback = engine["B"][0]
     recompute = jax.jit(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))
-    # The engine's zero-bubble halves: one pull-back split (`_split_backward`).
-    halves, inputs = _halves(*jax.tree.flatten(both), ct, first=False)
-    input_half = jax.jit(lambda *a: halves.input_half(a))
-    stash = input_half(*inputs)[1]
-    weight_half = jax.jit(lambda stash, *a: halves.weight_half(a, stash))
     times = {
         "F": timed(jax.jit(stage), params, x, reps=reps),
-        "F_keep": timed(jax.jit(lambda p, x: jax.vjp(stage, p, x)), params, x, reps=reps),
+        "F_keep": timed(engine["F"][0], *engine["F"][1], reps=reps),
         "B": timed(pullback, both, ct, reps=reps),
         "I": timed(pullback, input_only, ct, reps=reps),
         "W": timed(pullback, weight_only, ct, reps=reps),
         "B_recompute": timed(recompute, params, x, ct, reps=reps),
-        "I_split": timed(input_half, *inputs, reps=reps),
-        "W_split": timed(weight_half, stash, *inputs, reps=reps),
+        "I_split": timed(engine["I"][0], *engine["I"][1], reps=reps),
+        "W_split": timed(engine["W"][0], *engine["W"][1], reps=reps),
     }
     residual_bytes = sum(a.nbytes for a in jax.tree.leaves(both)) - sum(
         a.nbytes for a in jax.tree.leaves(params)
