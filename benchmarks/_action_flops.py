@@ -11,6 +11,7 @@ run the model's head and loss: their difference is what the head adds
 (`simulate(..., last_stage=...)`)."""
 
 import dataclasses
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -48,6 +49,9 @@ def _per_action(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> dict[
     }
 
 
+# Cached: the pipeline records of one mesh share their stage (same sizes, same
+# micro-batch), and each call compiles eight functions.
+@functools.cache
 def action_flops(cfg: _workload.Config, *, layers: int, rows: int, tensor: int = 1) -> dict:
     """Per-action matmul FLOPs of a virtual stage of `layers` blocks of the workload
     on one micro-batch of `rows` sequences: `{"stage": {F, B, I, W}, "head": {F, B,

@@ -199,7 +199,8 @@ def simulate(
             f"simulate({schedule!r}): expected an eqxpar.pipeline.Schedule; build one with "
             "eqxpar.pipeline.schedule(...) or Schedule.from_table / from_orders."
         )
-    used = sorted({kind for *_, kind in schedule.entries()})
+    entries = schedule.entries()
+    used = sorted({kind for *_, kind in entries})
     cost = _checked_times("costs", costs, used)
     extra = _checked_times("last_stage", {} if last_stage is None else last_stage, [])
     send = _checked_send(send)
@@ -213,7 +214,7 @@ def simulate(
     work = 0.0
     # In run order (by tick; a fused tick's second action after its first), so
     # whatever an action depends on has its finish time already.
-    for _, device, mb, k, kind in schedule.entries():
+    for _, device, mb, k, kind in entries:
         start = free[device]
         for dep in _dependencies((kind, mb, 0), k, stages):
             end, where = finish[_key(*dep)]
@@ -226,7 +227,7 @@ def simulate(
         work += time(kind, k)
     # A tick lasts as long as its costliest device: both of a fused tick's actions.
     per_device = np.zeros(schedule.table.shape[:2])
-    for tick, device, _, k, kind in schedule.entries():
+    for tick, device, _, k, kind in entries:
         per_device[tick, device] += time(kind, k)
     lockstep = float(per_device.max(axis=1).sum()) + send * schedule.ticks
     return Simulation(
