@@ -1,13 +1,21 @@
 # Two commands set up a fresh machine: `make demo` and `make test`.
+# `make test PYTHON=python3.12` does the same in a venv of that Python's own
+# (.venv-python3.12), which gets the newest JAX that Python allows.
 PYTHON ?= python3
-VENV ?= .venv
+VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
+# A pyenv shim answers "command not found" for a Python that is installed but not
+# the active version; then ask pyenv for that version's interpreter.
+PYTHON_BIN := $(shell $(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null || \
+	PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep -x '$(patsubst python%,%,$(notdir $(PYTHON)))[.0-9]*' | tail -1) \
+	$(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench bench-quick install clean lint
+.PHONY: demo test test-newest bench bench-quick install clean lint release-check
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -n "$(PYTHON_BIN)" || { echo "make: no Python found for PYTHON=$(PYTHON); install it or pass PYTHON=/path/to/python" >&2; exit 1; }
+	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,examples]"
 	rm -f $(VENV)/.installed-*
@@ -19,7 +27,16 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -m "not slow"
+	$(PY) -m pytest -n 2 -m "not slow" $(TESTS)
+
+# What CI runs on the other end of the supported range (see .ci/run): every parity,
+# collective-byte, README and docs test.
+NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_step.py \
+	tests/test_pipeline.py tests/test_models.py tests/test_expert_parallel.py \
+	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
+	tests/test_accumulate_comm.py tests/test_readme.py
+test-newest: $(STAMP)
+	$(PY) -m pytest -n 2 -m "not slow" $(NEWEST_TESTS)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick --json benchmarks/results/quick.json --markdown BENCHMARKS.md
@@ -27,8 +44,13 @@ bench-quick: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --json benchmarks/results/full.json
 
+# Builds the sdist and wheel into dist/, then installs the wheel into a fresh venv
+# and runs README's quick start with it.
+release-check: $(STAMP)
+	$(PY) .ci/release_check.py
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf .venv .venv-* build dist *.egg-info .pytest_cache
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet "ruff>=0.6"

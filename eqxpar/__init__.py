@@ -70,5 +70,4 @@ from ._sharding import (
     shard_batch as shard_batch,
 )
 from ._specs import partition_specs as partition_specs
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__

@@ -45,7 +45,22 @@ partition the program and place and schedule the collectives run either way);
 import os
 import sys
 
-# --- XLA set-up: what tests/conftest.py sets, before jax is imported ---------------
+if __name__ == "__main__" or __package__ in (None, ""):
+    # Run as a script: make `import tests._fuzz_worker`-style imports and eqxpar
+    # (from the checkout) importable.
+    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+# --- XLA set-up: what tests/conftest.py sets, after the type-checking hook (which must
+# be in place before eqxpar is imported) and before JAX starts a backend ------------
+
+_hook = os.environ.get("EQXPAR_FUZZ_JAXTYPING", "").strip()
+if _hook and "eqxpar" not in sys.modules:
+    import jaxtyping
+
+    *_packages, _checker = _hook.split(",")
+    jaxtyping.install_import_hook(_packages, _checker)
 
 _OWN_FLAGS = (
     "--xla_force_host_platform_device_count=",
@@ -69,22 +84,13 @@ if os.environ.get("EQXPAR_FUZZ_FULL_OPT", "0") != "1":
         "--xla_llvm_disable_expensive_passes=true",
         "--xla_cpu_use_fusion_emitters=false",
     ]
-os.environ["XLA_FLAGS"] = " ".join(_flags)
+# Only the flags this jaxlib knows (XLA aborts on any other). JAX is imported by now
+# but no backend has started, and XLA reads XLA_FLAGS when the first one starts.
+from eqxpar.runtime import supported_xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join(supported_xla_flags(_flags))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-if __name__ == "__main__" or __package__ in (None, ""):
-    # Run as a script: make `import tests._fuzz_worker`-style imports and eqxpar
-    # (from the checkout) importable.
-    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
-
-_hook = os.environ.get("EQXPAR_FUZZ_JAXTYPING", "").strip()
-if _hook and "eqxpar" not in sys.modules:
-    import jaxtyping
-
-    *_packages, _checker = _hook.split(",")
-    jaxtyping.install_import_hook(_packages, _checker)
 
 import json  # noqa: E402
 import math  # noqa: E402

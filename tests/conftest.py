@@ -1,7 +1,7 @@
 """Test set-up: 8 simulated CPU devices, strict rank promotion.
 
-XLA_FLAGS must be set before jax is imported anywhere, so it is set here, at the
-top of the first module pytest imports.
+XLA_FLAGS must be set before JAX starts its first backend, so it is set here, in
+the first module pytest imports.
 """
 
 import os
@@ -15,14 +15,24 @@ import os
 # program and place its collectives, hence every collective and byte count the
 # tests read, are the same; results are compared with one device compiled alike.
 # Examples and scripts the tests run as subprocesses inherit the flags.
+# jaxlib releases drop flags (the fusion-emitter switch is gone from 0.12) and XLA
+# aborts on one it does not know, so only the flags this jaxlib knows are passed.
+# Importing eqxpar imports JAX but starts no backend, and XLA reads XLA_FLAGS when
+# the first backend starts, so setting them after the import below still counts.
+from eqxpar.runtime import supported_xla_flags  # noqa: E402
+
 os.environ["XLA_FLAGS"] = " ".join(
     [
         os.environ.get("XLA_FLAGS", ""),
-        "--xla_force_host_platform_device_count=8",
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-        "--xla_backend_optimization_level=0",
-        "--xla_llvm_disable_expensive_passes=true",
-        "--xla_cpu_use_fusion_emitters=false",
+        *supported_xla_flags(
+            [
+                "--xla_force_host_platform_device_count=8",
+                "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+                "--xla_backend_optimization_level=0",
+                "--xla_llvm_disable_expensive_passes=true",
+                "--xla_cpu_use_fusion_emitters=false",
+            ]
+        ),
     ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

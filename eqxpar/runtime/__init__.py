@@ -9,7 +9,8 @@ public names in one place:
 - `_distributed`: `initialize`, process-aware printing and logging;
 - `_data`: `ShardedIterator`, `global_batch`, `process_slice`;
 - `_checkpoint`: `CheckpointManager` (orbax-checkpoint is imported only when a
-  manager is built).
+  manager is built);
+- `_xla_flags`: `supported_xla_flags`, the XLA flags the installed jaxlib knows.
 """
 
 from ._checkpoint import CheckpointError as CheckpointError
@@ -29,3 +30,4 @@ from ._distributed import process_index as process_index
 from ._distributed import rank_prefix as rank_prefix
 from ._launch import free_port as free_port
 from ._launch import run as run
+from ._xla_flags import supported_xla_flags as supported_xla_flags
