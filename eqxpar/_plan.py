@@ -203,7 +203,10 @@ class Plan:
         _check_expert(mesh, batch_axes, tensor_axis)
         if tensor_axis not in names:
             raise AxisNameError(
-                f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}. Use one of those names."
+                f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}, none of them "
+                f"{tensor_axis!r}. Pass tensor_axis= one of those names, or build the mesh with "
+                "eqxpar.make_mesh(data=..., tensor=...), which names every axis eqxpar uses "
+                "(size 1 where unused)."
             )
         _check_tensor_not_batch(rules, batch_axes, tensor_axis, mesh, sequence_parallel or tp_overlap)
         if manual_axes is not None:
