@@ -11,7 +11,7 @@ PYTHON_BIN := $(shell $(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/nu
 	$(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-newest bench bench-quick install clean lint release-check
+.PHONY: demo test test-newest docs bench bench-quick install clean lint release-check
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON_BIN)" || { echo "make: no Python found for PYTHON=$(PYTHON); install it or pass PYTHON=/path/to/python" >&2; exit 1; }
@@ -34,9 +34,13 @@ test: $(STAMP)
 NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_step.py \
 	tests/test_pipeline.py tests/test_models.py tests/test_expert_parallel.py \
 	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
-	tests/test_accumulate_comm.py tests/test_readme.py
+	tests/test_accumulate_comm.py tests/test_docs.py
 test-newest: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow" $(NEWEST_TESTS)
+
+# The site (mkdocs.yml, docs/) into site/; the docs extra comes with the test extra.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick --json benchmarks/results/quick.json --markdown BENCHMARKS.md
@@ -50,7 +54,7 @@ release-check: $(STAMP)
 	$(PY) .ci/release_check.py
 
 clean:
-	rm -rf .venv .venv-* build dist *.egg-info .pytest_cache
+	rm -rf .venv .venv-* build dist *.egg-info .pytest_cache site
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet "ruff>=0.6"
