@@ -30,7 +30,29 @@ def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str, may_alias: bo
         check_spec(spec, tuple(x.shape), plan.mesh, where=where)
         return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
     check_spec(spec, tuple(x.shape), plan.mesh, where=where)
-    return jax.device_put(x, NamedSharding(plan.mesh, spec), may_alias=may_alias)
+    placed = jax.device_put(x, NamedSharding(plan.mesh, spec), may_alias=may_alias)
+    if may_alias or not shares_buffer(placed, x):
+        return placed
+    # `may_alias=False` is not kept by JAX everywhere: placing a one-device array
+    # on a replicated sharding reuses its buffer as that device's copy (jax
+    # 0.10.2), and a donating step would then delete the caller's array.
+    return _copy(placed)
+
+
+# A jit output never aliases an input that is not donated: a fresh buffer per shard.
+_copy = jax.jit(jax.numpy.copy)
+
+
+def shares_buffer(a: Any, b: Any) -> bool:
+    """Whether jax arrays `a` and `b` hold any device buffer in common (True when
+    the backend cannot say: the safe answer for a caller that copies on True)."""
+    if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)):
+        return False
+    try:
+        pointers = {s.data.unsafe_buffer_pointer() for s in b.addressable_shards}
+        return any(s.data.unsafe_buffer_pointer() in pointers for s in a.addressable_shards)
+    except (NotImplementedError, RuntimeError):  # a backend without buffer pointers
+        return True
 
 
 def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
