@@ -115,6 +115,13 @@ class MoE(eqx.Module):
     routes its own, and the sums behind them are taken over the manual axes the
     tokens differ along (batch, context), so every device reports what one
     device computing the whole batch would (automatic plans compute it whole).
+    They are statistics of the tokens of one call, though: a step that splits the
+    batch into micro-batches (`accumulate=k`, a pipeline's micro-batches) gets a
+    micro-batch's each. `router_z_loss`, a mean over tokens, then averages to the
+    batch's exactly; `load_balance_loss`, a product of two batch means, does not,
+    so a loss adding it has not the full batch's gradient under accumulation
+    (eqxpar warns, `eqxpar.AccumulationWarning`, for an MoE `GPT` whose
+    `load_balance_coef` is not 0; it cannot see a hand-written loss's terms).
 
     **Arguments** (keyword-only after `d_model`, `hidden`, `experts`):
 
