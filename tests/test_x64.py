@@ -1,6 +1,7 @@
 """Every strategy under `jax_enable_x64` (float64 is common in scientific JAX):
-data parallel, manual FSDP, tensor parallel with sequence parallelism and each
-pipeline schedule give the loss and gradients of a float64 one-device run, to
+data parallel, manual FSDP, ring context parallelism (its attention accumulates
+in float64 for float64 inputs), tensor parallel with sequence parallelism and
+each pipeline schedule give the loss and gradients of a float64 one-device run, to
 float64 precision. x64 is switched on only inside these tests (the `x64` fixture
 restores the flag), so the rest of the suite runs as before."""
 
@@ -54,6 +55,7 @@ PLANS = {
     "dp_auto_accumulate2": (lambda: eqxpar.Plan(M(data=8)), 2),
     "dp_manual": (lambda: eqxpar.Plan(M(data=8), mode="manual"), 1),
     "fsdp_manual": (lambda: eqxpar.Plan(M(fsdp=8), rules=R.FSDP(axis="fsdp", min_size=1), mode="manual"), 1),
+    "context_ring_manual": (lambda: eqxpar.Plan(M(context=4, data=2), mode="manual"), 1),
     "tp_sp_manual": (
         lambda: eqxpar.Plan(M(data=2, tensor=4), rules=R.MEGATRON, mode="manual", sequence_parallel=True),
         1,
