@@ -1,6 +1,6 @@
 """Every strategy under `jax_enable_x64` (float64 is common in scientific JAX):
 data parallel, manual FSDP, ring context parallelism (its attention accumulates
-in float64 for float64 inputs), tensor parallel with sequence parallelism and
+in float64 for float64 inputs), expert parallelism, tensor parallel with sequence parallelism and
 each pipeline schedule give the loss and gradients of a float64 one-device run, to
 float64 precision. x64 is switched on only inside these tests (the `x64` fixture
 restores the flag), so the rest of the suite runs as before."""
@@ -16,6 +16,8 @@ import eqxpar
 from eqxpar.models import GPT, GPTConfig, lm_loss
 
 from ._helpers import assert_trees_close_to_scale
+from .test_expert_parallel import MoEModel, moe_loss
+from .test_expert_parallel import batches as moe_batches
 from .test_pipeline import Tiny, pipeline_plan, regression_batch, reorder, tiny_loss
 
 # float64 sums in a different order differ in the last bits (measured: 2e-15 of
@@ -70,6 +72,16 @@ def test_strategies_under_x64_match_one_device(x64, name):
     tokens = jax.random.randint(jax.random.key(1), (16, 9), 0, 32)  # int64 under x64
     value, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan(), accumulate=accumulate)(model, tokens)
     assert_float64_close(value, grads, *one_device(lm_loss, model, tokens))
+
+
+def test_expert_parallel_under_x64_matches_one_device(x64):
+    # The router computes in float64 too (float32 at least), so the whole MoE
+    # layer, routing, all-to-alls and auxiliary losses, keeps float64 precision.
+    model = float64(MoEModel(top_k=2, num_shared=1))
+    batch = moe_batches(1)[0]
+    plan = eqxpar.Plan(M(expert=4, data=2), rules=R.EXPERT, mode="manual")
+    value, grads = eqxpar.train.make_value_and_grad(moe_loss, plan)(model, batch)
+    assert_float64_close(value, grads, *one_device(moe_loss, model, batch))
 
 
 # Each schedule on pipe 2 with data 2 (interleaved: 2 chunks), and 1F1B on pipe 4.

@@ -63,7 +63,7 @@ class MoE(eqx.Module):
     `experts` expert MLPs its router scores highest, and their outputs are summed
     weighted by those scores.
 
-    Routing: `logits = x @ router` (float32), `scores = softmax(logits)` or
+    Routing: `logits = x @ router` (in float32, float64 for float64 inputs), `scores = softmax(logits)` or
     `sigmoid(logits)` over experts; the `top_k` experts are chosen on
     `scores + router_bias` and combined with weights `scores` of the chosen experts
     (normalised to sum 1 when `normalize_top_k`, then times `route_scale`).
@@ -256,12 +256,14 @@ class MoE(eqx.Module):
         Array, Float[Array, "tokens top_k"], Float[Array, "tokens experts"], Float[Array, "tokens experts"]
     ]:
         """Route flat tokens: `(indices (tokens, top_k) int32, combine weights
-        (tokens, top_k) float32, scores (tokens, experts), logits (tokens, experts))`."""
-        logits = jnp.dot(
-            x.astype(jnp.float32), self.router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-        )
+        (tokens, top_k), scores (tokens, experts), logits (tokens, experts))`, in
+        float32 (float64 for float64 inputs)."""
+        # At least float32 (bfloat16 routing picks other experts); float64 stays
+        # float64 under jax_enable_x64.
+        dtype = jnp.promote_types(jnp.result_type(x, self.router), jnp.float32)
+        logits = jnp.dot(x.astype(dtype), self.router.astype(dtype), precision=jax.lax.Precision.HIGHEST)
         scores = jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
-        bias = jax.lax.stop_gradient(self.router_bias.astype(jnp.float32))
+        bias = jax.lax.stop_gradient(self.router_bias.astype(dtype))
         # Choose on scores + bias; the bias moves no weight, so choose without gradients.
         _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores) + lift(bias, 2), self.top_k)
         weights = jnp.take_along_axis(scores, idx, axis=-1)
