@@ -280,7 +280,9 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
     coefs = [c for c in coefs if c]
     if not coefs:
         return
-    split = f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
+    split = (
+        f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
+    )
     warnings.warn(
         f"{split} splits the batch into {microbatches} micro-batches, and the model's MoE blocks add a "
         f"load-balance loss (GPTConfig(load_balance_coef={coefs[0]!r})): experts * sum_e f_e * P_e is a "

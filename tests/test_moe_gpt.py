@@ -258,7 +258,9 @@ def test_accumulation_warns_exactly_when_the_load_balance_loss_is_split(moe_gpt)
     # micro-batches is not its value on the batch: warned whenever the batch is
     # split and load_balance_coef != 0, and only then.
     plan, t = eqxpar.Plan(eqxpar.make_mesh(data=2)), tokens(3)
-    with pytest.warns(eqxpar.AccumulationWarning, match=r"accumulate=4 .*load_balance_coef=0\.01.*accumulate=1"):
+    with pytest.warns(
+        eqxpar.AccumulationWarning, match=r"accumulate=4 .*load_balance_coef=0\.01.*accumulate=1"
+    ):
         eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=4)(moe_gpt, t)
     _no_warnings(eqxpar.train.make_value_and_grad(lm_loss, plan), moe_gpt, t)
     # The z-loss is a mean over tokens: exact under accumulation, no warning.
@@ -270,7 +272,9 @@ def test_accumulation_warns_exactly_when_the_load_balance_loss_is_split(moe_gpt)
     optim = optax.sgd(0.1)
     step = eqxpar.train.make_step(lm_loss, optim, plan, accumulate=2)
     state = eqxpar.train.init(moe_gpt, optim, plan, key=jax.random.key(0))
-    with pytest.warns(eqxpar.AccumulationWarning, match=r"accumulate=2 splits the batch into 2 micro-batches"):
+    with pytest.warns(
+        eqxpar.AccumulationWarning, match=r"accumulate=2 splits the batch into 2 micro-batches"
+    ):
         state, _ = step(state, t)
     _no_warnings(step, state, t)
     # A pipeline's micro-batches split the batch too (an MoE GPT then cannot run).

@@ -150,7 +150,9 @@ def test_shard_gives_new_buffers_a_donating_step_cannot_delete():
     for key, spec in specs.items():
         assert given[key].sharding.is_equivalent_to(plan.sharding(spec), 2), key
     for key in specs:
-        assert not _buffers(originals[key]) & _buffers(given[key]), f"{key}: shard returned the caller's buffer"
+        assert not _buffers(originals[key]) & _buffers(given[key]), (
+            f"{key}: shard returned the caller's buffer"
+        )
     eqx.filter_jit(lambda t: jax.tree.map(lambda x: 2 * x, t), donate="all")(given)
     for key, x in originals.items():
         assert not x.is_deleted(), key

@@ -70,7 +70,9 @@ def test_strategies_under_x64_match_one_device(x64, name):
     make_plan, accumulate = PLANS[name]
     model = float64(eqx.filter_jit(GPT)(GPT_CONFIG, key=jax.random.key(0)))
     tokens = jax.random.randint(jax.random.key(1), (16, 9), 0, 32)  # int64 under x64
-    value, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan(), accumulate=accumulate)(model, tokens)
+    value, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan(), accumulate=accumulate)(
+        model, tokens
+    )
     assert_float64_close(value, grads, *one_device(lm_loss, model, tokens))
 
 

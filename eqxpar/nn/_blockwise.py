@@ -32,6 +32,8 @@ def accumulation_dtype(dtype) -> jnp.dtype:
     """The dtype attention accumulates in: at least float32 (bfloat16 inputs), and
     float64 for float64 inputs (under `jax_enable_x64`), as one device computes."""
     return jnp.promote_types(dtype, _F32)
+
+
 _U32 = jnp.uint32
 
 
