@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
@@ -169,3 +170,11 @@ def test_shard_of_a_plain_model_survives_a_donating_step():
     eqx.filter_jit(lambda m: jax.tree.map(lambda x: x + 1, eqx.filter(m, eqx.is_array)), donate="all")(placed)
     assert not any(x.is_deleted() for x in _leaves(model))
     np.testing.assert_array_equal(np.asarray(model.layers[0].weight), weight)
+    # eqxpar.train.init builds its state inside jit: fresh buffers from an already
+    # placed model too, which its steps then donate.
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    placed = eqxpar.shard(model, plan)
+    state = eqxpar.train.init(placed, optax.sgd(0.1), plan, key=jax.random.key(0))
+    assert not any(
+        _buffers(a) & _buffers(b) for a, b in zip(_leaves(placed), _leaves(state.model), strict=True)
+    )
