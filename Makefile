@@ -34,7 +34,7 @@ test: $(STAMP)
 NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_step.py \
 	tests/test_pipeline.py tests/test_models.py tests/test_expert_parallel.py \
 	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
-	tests/test_accumulate_comm.py tests/test_docs.py
+	tests/test_accumulate_comm.py tests/test_docs.py tests/test_x64.py
 test-newest: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow" $(NEWEST_TESTS)
 

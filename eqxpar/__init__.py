@@ -20,6 +20,9 @@ from ._advise import Advice as Advice
 from ._advise import DeviceProfile as DeviceProfile
 from ._advise import advise as advise
 from ._errors import (
+    AccumulationWarning as AccumulationWarning,
+)
+from ._errors import (
     AxisNameError as AxisNameError,
 )
 from ._errors import (

@@ -53,3 +53,13 @@ class UnusedAxisWarning(UserWarning):
     Its devices then compute the same thing (plain replicas), usually because the
     plan's rules claim no weight of a model that has no eqxpar logical axes.
     """
+
+
+class AccumulationWarning(UserWarning):
+    """A step splits the batch into micro-batches (`accumulate=k`, or a pipeline's
+    micro-batches) for a loss that is not a mean over rows, so its gradient is the
+    mean of the micro-batches' gradients, not the full batch's.
+
+    Raised for MoE models whose load-balance loss is on (`GPTConfig(
+    load_balance_coef != 0)`): that loss is a product of two batch statistics.
+    """

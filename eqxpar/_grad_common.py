@@ -212,7 +212,9 @@ def accumulated_value_and_grad(
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
     zeros = jax.tree.map(lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, sum_dtypes)
     grads, (aux, values) = lax.scan(step, zeros, (jnp.arange(k), micro))
-    total = jnp.sum(values.astype(jnp.float32))
+    # At least float32 (a bfloat16 loss summed over micro-batches loses bits), and
+    # float64 stays float64 under jax_enable_x64.
+    total = jnp.sum(values.astype(jnp.promote_types(values.dtype, jnp.float32)))
     return total / k, aux, jax.tree.map(lambda g: g / k, grads)
 
 

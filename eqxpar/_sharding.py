@@ -30,7 +30,29 @@ def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str, may_alias: bo
         check_spec(spec, tuple(x.shape), plan.mesh, where=where)
         return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
     check_spec(spec, tuple(x.shape), plan.mesh, where=where)
-    return jax.device_put(x, NamedSharding(plan.mesh, spec), may_alias=may_alias)
+    placed = jax.device_put(x, NamedSharding(plan.mesh, spec), may_alias=may_alias)
+    if may_alias or not shares_buffer(placed, x):
+        return placed
+    # `may_alias=False` is not kept by JAX everywhere: placing a one-device array
+    # on a replicated sharding reuses its buffer as that device's copy (jax
+    # 0.10.2), and a donating step would then delete the caller's array.
+    return _copy(placed)
+
+
+# A jit output never aliases an input that is not donated: a fresh buffer per shard.
+_copy = jax.jit(jax.numpy.copy)
+
+
+def shares_buffer(a: Any, b: Any) -> bool:
+    """Whether jax arrays `a` and `b` hold any device buffer in common (True when
+    the backend cannot say: the safe answer for a caller that copies on True)."""
+    if not (isinstance(a, jax.Array) and isinstance(b, jax.Array)):
+        return False
+    try:
+        pointers = {s.data.unsafe_buffer_pointer() for s in b.addressable_shards}
+        return any(s.data.unsafe_buffer_pointer() in pointers for s in a.addressable_shards)
+    except (NotImplementedError, RuntimeError):  # a backend without buffer pointers
+        return True
 
 
 def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
@@ -121,21 +143,60 @@ def check_batch(batch: PyTree, plan: Plan, *, microbatches: int = 1) -> int:
         )
     if microbatches < 1:
         raise BatchError(f"accumulate={microbatches} is not a valid micro-batch count; expected >= 1.")
+    _check_split(size, plan, microbatches)
+    return size
+
+
+def _check_split(size: int, plan: Plan, microbatches: int) -> None:
+    """Raise unless a batch of `size` rows cuts into `microbatches` equal parts that
+    each split over the data-parallel devices; the message names the batch size,
+    what cut it, and the nearest sizes that work."""
+    dp = plan.batch_size_multiple
+    if size % microbatches == 0 and (size // microbatches) % dp == 0:
+        return
+    devices = f"{dp} data-parallel devices (mesh axes {plan.batch_axes})"
+    multiple = dp * microbatches
+    if microbatches == 1:
+        raise BatchError(
+            f"batch size {size} is not divisible by the {devices}. Use a batch size that is a "
+            f"multiple of {multiple}{_nearest(size, multiple)}."
+        )
+    split = _split_by(plan, microbatches)
+    fix = (
+        f"Use a batch size that is a multiple of {multiple} ({microbatches} micro-batches x {dp} "
+        f"devices){_nearest(size, multiple)}"
+    )
+    fix += _counts(size, dp, microbatches)
     if size % microbatches:
         raise BatchError(
-            f"batch size {size} is not divisible by the {microbatches} micro-batches. "
-            f"Use a batch size that is a multiple of {microbatches}, or a micro-batch "
-            f"count that divides {size}."
+            f"batch size {size} is not divisible by the {microbatches} micro-batches of {split}. {fix}."
         )
-    dp = plan.batch_size_multiple
-    if (size // microbatches) % dp:
-        per = "each micro-batch of " if microbatches > 1 else ""
-        raise BatchError(
-            f"{per}batch size {size // microbatches} is not divisible by the "
-            f"{dp} data-parallel devices (mesh axes {plan.batch_axes}). Use a batch size "
-            f"that is a multiple of {dp * microbatches}."
-        )
-    return size
+    raise BatchError(
+        f"batch size {size}, cut into the {microbatches} micro-batches of {split}, gives micro-batches "
+        f"of {size // microbatches} rows, which are not divisible by the {devices}. {fix}."
+    )
+
+
+def _split_by(plan: Plan, microbatches: int) -> str:
+    # What cut the batch: the pipeline's micro-batches or gradient accumulation.
+    return f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
+
+
+def _counts(size: int, dp: int, microbatches: int) -> str:
+    """The micro-batch counts nearest `microbatches` that fit a batch of `size`
+    rows on `dp` devices, as a clause of an error message ("" if none)."""
+    fits = [k for k in range(1, size + 1) if size % k == 0 and (size // k) % dp == 0]
+    below = [k for k in fits if k < microbatches][-1:]
+    above = [k for k in fits if k > microbatches][:1]
+    near = " or ".join(map(str, below + above))
+    return f"; or a micro-batch count that fits it ({near})" if near else ""
+
+
+def _nearest(size: int, multiple: int) -> str:
+    """The multiples of `multiple` nearest `size`, as a clause of an error message."""
+    below = size // multiple * multiple
+    above = below + multiple
+    return f": the nearest are {below} and {above}" if below else f": the nearest is {above}"
 
 
 def shard_batch(batch: PyTree, plan: Plan) -> PyTree:

@@ -12,7 +12,7 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._errors import PlanError
+from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
@@ -133,6 +133,7 @@ class Step:
         if cached is not None:
             return cached
         plan = self._plan
+        _warn_batch_statistics(state.model, plan, self._accumulate, stacklevel=4)
         layout = self.layout(state)
         state_shardings = layout.shardings(layout.state_specs(dynamic))
         batch_sharding = plan.sharding(layout.batch)
@@ -264,6 +265,37 @@ def _microbatches(plan: Plan, accumulate: int) -> int:
     return plan.microbatches if plan.schedule is not None else accumulate
 
 
+def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stacklevel: int) -> None:
+    """Warn (`AccumulationWarning`) when the step splits the batch into
+    micro-batches and the model's loss holds a term that is not a mean over rows:
+    the load-balance loss of an MoE `GPT` (the only loss eqxpar knows the terms of;
+    its z-loss, a mean over tokens, accumulates exactly)."""
+    microbatches = _microbatches(plan, accumulate)
+    if microbatches == 1:
+        return
+    from .models import GPT  # eqxpar.models imports the core, not the reverse
+
+    gpts = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, GPT))
+    coefs = sorted({g.config.load_balance_coef for g in gpts if isinstance(g, GPT) and g.config.moe_every})
+    coefs = [c for c in coefs if c]
+    if not coefs:
+        return
+    split = (
+        f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
+    )
+    warnings.warn(
+        f"{split} splits the batch into {microbatches} micro-batches, and the model's MoE blocks add a "
+        f"load-balance loss (GPTConfig(load_balance_coef={coefs[0]!r})): experts * sum_e f_e * P_e is a "
+        "product of two batch statistics, so its mean over the micro-batches is not its value on the "
+        "whole batch, and the step's gradient is not the full batch's mean gradient (the router z-loss, a "
+        "mean over tokens, is exact). Use accumulate=1 (or fewer micro-batches), or "
+        "GPTConfig(load_balance_coef=0) (e.g. balance with eqxpar.nn.update_router_bias instead), or "
+        "accept the approximation: warnings.filterwarnings('ignore', category=eqxpar.AccumulationWarning).",
+        AccumulationWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:
     # The option sets the dtype of the reductions eqxpar issues itself; where the
     # compiler reduces every gradient (automatic and partial-manual plans that
@@ -324,8 +356,15 @@ def make_step(
       report the learning rate).
     - `plan`: the plan.
     - `accumulate`: number of micro-batches the batch is split into; their
-      gradients are averaged with a `lax.scan`, equal to the full-batch gradient.
-      Each device sums its micro-batches' gradients and the step reduces them
+      gradients are averaged with a `lax.scan`. That mean equals the full-batch
+      gradient exactly when the loss is a mean over rows (equal micro-batches: the
+      mean of their means is the batch's mean), as cross-entropy, MSE and an MoE's
+      router z-loss (a mean over tokens) are. A term that is a function of batch
+      statistics is not: an MoE's load-balance loss (`experts * sum_e f_e * P_e`,
+      a product of two batch means) is then the mean of the micro-batches' values,
+      and the step warns (`eqxpar.AccumulationWarning`) for a `GPT` whose
+      `load_balance_coef` is not 0. A pipeline's micro-batches (`Plan(microbatches=m)`)
+      split the batch the same way. Each device sums its micro-batches' gradients and the step reduces them
       once, after the loop, under every plan (the batch axes run manual while
       accumulating; manual FSDP gathers its weights once, before the loop), so
       `accumulate=k` moves the bytes of `accumulate=1`.
@@ -337,7 +376,10 @@ def make_step(
     stacked over micro-batches when accumulate > 1, averaged over data-parallel
     devices in manual mode)}`. Every batch leaf has a leading batch dimension.
 
-    **Warns:** `RuntimeWarning` on XLA:CPU when the step is manual over two or more
+    **Warns:** `eqxpar.AccumulationWarning` when the batch is split into
+    micro-batches (`accumulate > 1`, or a pipeline's) and the model is an MoE
+    `GPT` with `load_balance_coef != 0` (see `accumulate`).
+    `RuntimeWarning` on XLA:CPU when the step is manual over two or more
     mesh axes of size > 1 (a manual plan, a pipeline, ZeRO-1) and `XLA_FLAGS` lacks
     `--xla_cpu_enable_concurrency_optimized_scheduler=false`: without it XLA:CPU
     may run two collectives of one kind over one device group at once and abort.
@@ -391,6 +433,7 @@ def make_value_and_grad(
 
     def value_and_grad(model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> Any:
         check_batch(batch, plan, microbatches=_microbatches(plan, accumulate))
+        _warn_batch_statistics(model, plan, accumulate, stacklevel=2)
         return compiled(model, batch, jax.random.key(0) if key is None else key)
 
     return value_and_grad

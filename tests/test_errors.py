@@ -68,7 +68,8 @@ def test_batch_not_divisible_by_data_parallel_size():
     plan, state, step = dp_step(8)
     x, y = regression_batches(1, batch=12)[0]
     with pytest.raises(
-        eqxpar.BatchError, match=r"batch size 12 is not divisible by the 8 data-parallel.*multiple of 8"
+        eqxpar.BatchError,
+        match=r"batch size 12 is not divisible by the 8 data-parallel.*multiple of 8: the nearest are 8 and 16",
     ):
         step(state, (x, y))
     with pytest.raises(eqxpar.BatchError, match="batch size 12"):
@@ -82,9 +83,35 @@ def test_microbatches_not_dividing_the_batch():
 
 
 def test_micro_batch_not_divisible_by_data_parallel_size():
+    # The message names the batch the user passed and what cut it, not only the
+    # micro-batch size it derived.
     _, state, step = dp_step(8, accumulate=8)
-    with pytest.raises(eqxpar.BatchError, match=r"micro-batch of batch size 4 .* multiple of 64"):
+    with pytest.raises(
+        eqxpar.BatchError,
+        match=r"batch size 32, cut into the 8 micro-batches of accumulate=8, gives micro-batches of 4 rows"
+        r".*8 data-parallel devices.*multiple of 64 \(8 micro-batches x 8 devices\): the nearest is 64; "
+        r"or a micro-batch count that fits it \(4\)",
+    ):
         step(state, regression_batches(1)[0])
+
+
+def test_batch_errors_name_the_batch_the_micro_batches_and_the_nearest_sizes():
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2))
+    step = eqxpar.train.make_value_and_grad(mse_loss, plan, accumulate=4)
+    model = eqx.nn.MLP(16, 4, 8, 1, key=jax.random.key(0))
+    with pytest.raises(
+        eqxpar.BatchError,
+        match=r"^batch size 12, cut into the 4 micro-batches of accumulate=4, gives micro-batches of 3 rows, "
+        r"which are not divisible by the 2 data-parallel devices .*multiple of 8 \(4 micro-batches x 2 "
+        r"devices\): the nearest are 8 and 16; or a micro-batch count that fits it \(3 or 6\)\.$",
+    ):
+        step(model, regression_batches(1, batch=12)[0])
+    with pytest.raises(
+        eqxpar.BatchError,
+        match=r"^batch size 10 is not divisible by the 4 micro-batches of accumulate=4\. .*multiple of 8 .*"
+        r"the nearest are 8 and 16; or a micro-batch count that fits it \(1 or 5\)\.$",
+    ):
+        step(model, regression_batches(1, batch=10)[0])
 
 
 def test_spec_longer_than_rank():

@@ -3,11 +3,13 @@ equals its attention followed by its `MoE` called directly (forward, aux and
 gradients); `Stacked` returns its blocks' aux stacked over the layers, under every
 remat policy and with per-layer keys; an MoE `GPT` keeps its blocks in one stack
 of groups, adds the configured auxiliary losses in `lm_loss`, trains under an
-automatic data-parallel plan and on expert 4 x data 2 as on one device, and
-refuses pipelines; bad options raise eqxpar errors; examples/moe_gpt.py trains
+automatic data-parallel plan and on expert 4 x data 2 as on one device, warns
+when micro-batches split its load-balance loss (and accumulates exactly without
+it), and refuses pipelines; bad options raise eqxpar errors; examples/moe_gpt.py trains
 and reports the expert load."""
 
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -244,6 +246,67 @@ def test_moe_gpt_matches_one_device(plan):
     plan = PLANS[plan]()
     losses, _ = train_checked(plan, model, optax.adamw(1e-2), lm_loss, [tokens(s) for s in range(3)])
     assert all(np.isfinite(losses))
+
+
+def _no_warnings(f, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return f(*args)
+
+
+def test_accumulation_warns_exactly_when_the_load_balance_loss_is_split():
+    # The load-balance loss is a product of two batch means, so its mean over
+    # micro-batches is not its value on the batch: warned whenever the batch is
+    # split and load_balance_coef != 0, and only then. Traced, not compiled
+    # (filter_eval_shape, Step.lower): the warning comes before compiling.
+    plan, t = eqxpar.Plan(eqxpar.make_mesh(data=2)), tokens(3)
+    model = GPT(config(num_layers=2), key=jax.random.key(0))
+
+    def trace(f, model):
+        return eqx.filter_eval_shape(f, model, t)
+
+    with pytest.warns(
+        eqxpar.AccumulationWarning, match=r"accumulate=4 .*load_balance_coef=0\.01.*accumulate=1"
+    ):
+        trace(eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=4), model)
+    _no_warnings(trace, eqxpar.train.make_value_and_grad(lm_loss, plan), model)
+    # The z-loss is a mean over tokens: exact under accumulation, no warning.
+    no_balance = GPT(config(num_layers=2, load_balance_coef=0), key=jax.random.key(0))
+    _no_warnings(trace, eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=4), no_balance)
+    dense = GPT(config(num_layers=2, moe_every=0, experts=0), key=jax.random.key(0))
+    _no_warnings(trace, eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=4), dense)
+    # make_step warns when it builds its program (once per state layout).
+    optim = optax.sgd(0.1)
+    step = eqxpar.train.make_step(lm_loss, optim, plan, accumulate=2)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    with pytest.warns(
+        eqxpar.AccumulationWarning, match=r"accumulate=2 splits the batch into 2 micro-batches"
+    ):
+        step.lower(state, t)
+    _no_warnings(step.lower, state, t)
+    # A pipeline's micro-batches split the batch too (an MoE GPT then cannot run:
+    # it is refused after the warning).
+    pipelined = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2), rules=eqxpar.pipeline.stage_rules(None), schedule="gpipe", microbatches=4
+    )
+    loss = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+    with (
+        pytest.raises(eqxpar.EqxparError),
+        pytest.warns(eqxpar.AccumulationWarning, match=r"Plan\(microbatches=4\)"),
+    ):
+        trace(eqxpar.train.make_value_and_grad(loss, pipelined), model)
+
+
+def test_accumulation_matches_the_full_batch_without_load_balance_loss():
+    """With load_balance_coef=0 (the z-loss on: a mean over tokens) accumulate=4
+    on expert 2 x data 2 gives the one-device full-batch loss and gradients."""
+    model = GPT(config(num_layers=2, load_balance_coef=0, router_z_coef=0.1), key=jax.random.key(5))
+    plan = eqxpar.Plan(eqxpar.make_mesh(expert=2, data=2), rules=eqxpar.rules.EXPERT)
+    t = tokens(4, batch=16)
+    loss, grads = _no_warnings(eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=4), model, t)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, t)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close_to_scale(grads, ref_grads)
 
 
 def test_moe_gpt_refuses_pipelines(moe_gpt):

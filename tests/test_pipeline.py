@@ -356,6 +356,15 @@ def test_bad_input_errors():
         eqxpar.train.make_value_and_grad(loss.__call__, plan)(model, batch)
     with pytest.raises(eqxpar.BatchError, match="batch size 6"):
         eqxpar.train.make_value_and_grad(loss, plan)(model, regression_batch(6))
+    # The user's 12 rows and the plan's 4 micro-batches, not only the 3-row
+    # micro-batch that the 2 data-parallel devices cannot split.
+    data2 = pipeline_plan("1f1b", pipe=2, data=2, microbatches=4)
+    with pytest.raises(
+        eqxpar.BatchError,
+        match=r"batch size 12, cut into the 4 micro-batches of Plan\(microbatches=4\), gives micro-batches of "
+        r"3 rows, which are not divisible by the 2 data-parallel devices .* the nearest are 8 and 16",
+    ):
+        eqxpar.train.make_value_and_grad(loss, data2)(model, regression_batch(12))
     with pytest.raises(eqxpar.DivisibilityError, match=r"size 3, which is not divisible by the 2 devices"):
         eqxpar.train.make_value_and_grad(loss, plan)(Tiny(3, key=jax.random.key(0)), batch)
     interleaved = pipeline_plan("interleaved", pipe=2, microbatches=4, chunks=4)

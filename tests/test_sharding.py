@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
@@ -125,3 +126,55 @@ def test_filter_shard_map_specs_from_rules_split_weights():
     w1, b1 = shapes(model)
     assert tuple(np.asarray(w1)) == (4, 2)
     assert tuple(np.asarray(b1)) == (2,)
+
+
+def _buffers(x):
+    return {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+
+
+def _leaves(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def test_shard_gives_new_buffers_a_donating_step_cannot_delete():
+    # Every kind of leaf: one-device arrays placed replicated (where JAX's
+    # device_put reuses the buffer as device 0's copy) and split, and arrays
+    # already on their target sharding (replicated and split).
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    single = {"replicated": jnp.arange(16.0).reshape(8, 2), "split": jnp.arange(16.0).reshape(8, 2) + 1}
+    specs = {"replicated": P(), "split": P("data")}
+    placed = eqxpar.shard(single, plan, specs)
+    originals = {**single, "placed_replicated": placed["replicated"], "placed_split": placed["split"]}
+    specs = {**specs, "placed_replicated": P(), "placed_split": P("data")}
+    saved = jax.tree.map(np.array, originals)
+    given = eqxpar.shard(originals, plan, specs)
+    for key, spec in specs.items():
+        assert given[key].sharding.is_equivalent_to(plan.sharding(spec), 2), key
+    for key in specs:
+        assert not _buffers(originals[key]) & _buffers(given[key]), (
+            f"{key}: shard returned the caller's buffer"
+        )
+    eqx.filter_jit(lambda t: jax.tree.map(lambda x: 2 * x, t), donate="all")(given)
+    for key, x in originals.items():
+        assert not x.is_deleted(), key
+        np.testing.assert_array_equal(np.asarray(x), saved[key], err_msg=key)
+    # `copy=False` may hand an already placed array back as it is (batches).
+    assert eqxpar.shard(placed["split"], plan, P("data"), copy=False) is placed["split"]
+
+
+def test_shard_of_a_plain_model_survives_a_donating_step():
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(1))
+    weight = np.array(model.layers[0].weight)
+    placed = eqxpar.shard(model, eqxpar.Plan(eqxpar.make_mesh(data=8)))
+    assert not any(_buffers(a) & _buffers(b) for a, b in zip(_leaves(model), _leaves(placed), strict=True))
+    eqx.filter_jit(lambda m: jax.tree.map(lambda x: x + 1, eqx.filter(m, eqx.is_array)), donate="all")(placed)
+    assert not any(x.is_deleted() for x in _leaves(model))
+    np.testing.assert_array_equal(np.asarray(model.layers[0].weight), weight)
+    # eqxpar.train.init builds its state inside jit: fresh buffers from an already
+    # placed model too, which its steps then donate.
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    placed = eqxpar.shard(model, plan)
+    state = eqxpar.train.init(placed, optax.sgd(0.1), plan, key=jax.random.key(0))
+    assert not any(
+        _buffers(a) & _buffers(b) for a, b in zip(_leaves(placed), _leaves(state.model), strict=True)
+    )

@@ -554,9 +554,12 @@ def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, 
     For an MoE model the auxiliary losses are added:
     `+ load_balance_coef * mean(aux.load_balance_loss) + router_z_coef *
     mean(aux.router_z_loss)`, the means over the MoE blocks. Those are statistics of
-    the tokens a call sees, not means over them: the whole batch's under automatic
-    plans, but a device's shard's under manual data parallelism and a micro-batch's
-    under `accumulate`, which then average per-part values (see `eqxpar.nn.MoE`).
+    the tokens a call sees: the whole batch's under every plan (the layer sums over
+    the devices the tokens are split over, see `eqxpar.nn.MoE`), but a
+    micro-batch's under `accumulate` (or a pipeline's micro-batches), which then
+    averages per-micro-batch values. The z-loss, a mean over tokens, stays exact;
+    the load-balance loss, a product of two batch means, does not, so its gradient
+    is not the full batch's: the step warns (`eqxpar.AccumulationWarning`).
 
     **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids.
 

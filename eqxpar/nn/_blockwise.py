@@ -26,6 +26,14 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._errors import PlanError, SpecError
 
 _F32 = jnp.float32
+
+
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """The dtype attention accumulates in: at least float32 (bfloat16 inputs), and
+    float64 for float64 inputs (under `jax_enable_x64`), as one device computes."""
+    return jnp.promote_types(dtype, _F32)
+
+
 _U32 = jnp.uint32
 
 
@@ -124,10 +132,11 @@ def blockwise_attention(
     `j <= i` for query `i`, `mask[i, j]` (optional) keeps key `j` for query `i`,
     `segment_ids[b, i] == segment_ids[b, j]` (optional, self-attention only) keeps
     key `j` for query `i` of batch row `b` (packed sequences, padding as its own
-    segment); the three combine by AND. Masked scores are `finfo(float32).min`
-    (a fully masked row averages all keys, as the dense softmax does). A key length that is not a multiple of
-    `block_size` is padded with keys that take no weight. Accumulation is float32;
-    the output has `q`'s dtype. Temp memory, forward and backward, is
+    segment); the three combine by AND. Masked scores are the accumulation
+    dtype's `finfo.min` (a fully masked row averages all keys, as the dense
+    softmax does). A key length that is not a multiple of `block_size` is padded
+    with keys that take no weight. Accumulation is float32 (float64 for float64
+    inputs); the output has `q`'s dtype. Temp memory, forward and backward, is
     `O(batch x heads x q_seq x block_size)`.
 
     With `dropout > 0` and a `key`, each attention probability is dropped with
@@ -188,10 +197,11 @@ def _setup(q, k, v, mask, seg, rows, causal, block, rate):
     sk, hkv = k.shape[1], k.shape[2]
     nb = -(-sk // block)
     pad = nb * block - sk
-    qg = q.astype(_F32).reshape(b, sq, hkv, hq // hkv, d)
+    acc = accumulation_dtype(q.dtype)
+    qg = q.astype(acc).reshape(b, sq, hkv, hq // hkv, d)
 
     def blocks(x):
-        x = jnp.pad(x.astype(_F32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+        x = jnp.pad(x.astype(acc), ((0, 0), (0, pad), (0, 0), (0, 0)))
         return x.reshape(b, nb, block, hkv, d).swapaxes(0, 1)
 
     mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, pad)))
@@ -218,8 +228,8 @@ def _setup(q, k, v, mask, seg, rows, causal, block, rate):
 
 
 def _scores(qg, kj, allowed, d):
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj) / jnp.sqrt(jnp.asarray(d, _F32))
-    return jnp.where(allowed, s, jnp.finfo(_F32).min)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj) / jnp.sqrt(jnp.asarray(d, qg.dtype))
+    return jnp.where(allowed, s, jnp.finfo(s.dtype).min)
 
 
 def fold_tile(state: tuple, s: Array, keep: Array, vj: Array, drop: Array | None = None) -> tuple:
@@ -268,7 +278,7 @@ def _flash_bwd(causal, block, rate, res, dout):
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, causal, block, rate)
-    do = dout.astype(_F32).reshape(b, sq, hkv, g, d)
+    do = dout.astype(qg.dtype).reshape(b, sq, hkv, g, d)
     delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O), O the dropped output
     inv_l = 1.0 / total
 
@@ -282,7 +292,7 @@ def _flash_bwd(causal, block, rate, res, dout):
         dv = jnp.einsum("bkgqs,bqkgd->bskd", p if drop is None else p * drop, do)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vj)
         dp = dp if drop is None else dp * drop
-        ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) / jnp.sqrt(jnp.asarray(d, _F32))
+        ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) / jnp.sqrt(jnp.asarray(d, qg.dtype))
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
         dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
         return dq, (dk, dv)

@@ -52,6 +52,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 from .._collectives import _to_varying, _varying, all_gather
 from .._errors import DivisibilityError, PlanError, SpecError
 from ._blockwise import (
+    accumulation_dtype,
     check_dropout,
     check_segment_ids,
     dropout_rows,
@@ -61,7 +62,6 @@ from ._blockwise import (
     segment_allowed,
 )
 
-_F32 = jnp.float32
 _IMPLS = ("ring", "allgather")
 
 # ---------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def _kv_blocks(x: Array, block: int) -> tuple[Array, int]:
     # (b, L, h, d) -> float32 (nb, b, block, h, d), padded to whole blocks.
     b, length, h, d = x.shape
     nb = -(-length // block)
-    x = jnp.pad(x.astype(_F32), ((0, 0), (0, nb * block - length), (0, 0), (0, 0)))
+    x = jnp.pad(x.astype(accumulation_dtype(x.dtype)), ((0, 0), (0, nb * block - length), (0, 0), (0, 0)))
     return x.reshape(b, nb, block, h, d).swapaxes(0, 1), nb
 
 
@@ -314,7 +314,8 @@ def _fwd_tiles(
             lax.dynamic_index_in_dim(vb, j, keepdims=False),
         )
         allowed = allowed_at(j)
-        s = jnp.where(allowed, jnp.einsum("bqkgd,bskd->bkgqs", qg, kj), jnp.finfo(_F32).min)
+        s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj)
+        s = jnp.where(allowed, s, jnp.finfo(s.dtype).min)
         return fold_tile(state, s, allowed, vj, drop_at(j))
 
     return lax.fori_loop(0, _trips(nb, needed), step, state)
@@ -393,7 +394,8 @@ def _sl(x: Array | None, seg: _Seg, axis: int = 1) -> Array | None:
 def _grouped(q: Array, hkv: int) -> Array:
     # (b, s, hq, d) -> float32 (b, s, hkv, g, d), scaled by 1/sqrt(d) once.
     b, s, hq, d = q.shape
-    return q.astype(_F32).reshape(b, s, hkv, hq // hkv, d) / jnp.sqrt(jnp.asarray(d, _F32))
+    acc = accumulation_dtype(q.dtype)
+    return q.astype(acc).reshape(b, s, hkv, hq // hkv, d) / jnp.sqrt(jnp.asarray(d, acc))
 
 
 def _init_state(qg: Array, qsegs: list[_Seg]) -> list[tuple]:
@@ -434,8 +436,8 @@ def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kse
     """(dq contribution over all of q, dk, dv of `k`, `v`) for one key/value block,
     all float32; dq is with respect to the pre-scaled queries."""
     dqs = [jnp.zeros_like(_sl(qg, qs)) for qs in qsegs]
-    dks = [jnp.zeros_like(_sl(k, ks), dtype=_F32) for ks in ksegs]
-    dvs = [jnp.zeros_like(_sl(v, ks), dtype=_F32) for ks in ksegs]
+    dks = [jnp.zeros_like(_sl(k, ks), dtype=accumulation_dtype(k.dtype)) for ks in ksegs]
+    dvs = [jnp.zeros_like(_sl(v, ks), dtype=accumulation_dtype(v.dtype)) for ks in ksegs]
     for i, qs in enumerate(qsegs):
         qgi, doi = _sl(qg, qs), _sl(do, qs)
         lsei, deltai = _sl(lse, qs, 3), _sl(delta, qs, 3)
@@ -451,7 +453,7 @@ def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kse
 
 def _bwd_setup(q, o, dout, hkv):
     b, sq, hq, d = q.shape
-    do = dout.astype(_F32).reshape(b, sq, hkv, hq // hkv, d)
+    do = dout.astype(o.dtype).reshape(b, sq, hkv, hq // hkv, d)
     delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O)
     return _grouped(q, hkv), do, delta
 
@@ -459,7 +461,7 @@ def _bwd_setup(q, o, dout, hkv):
 def _dq_out(dq: Array, q: Array) -> Array:
     # dq is w.r.t. the queries scaled by 1/sqrt(d): chain rule back to q.
     b, sq, hq, d = q.shape
-    return (dq / jnp.sqrt(jnp.asarray(d, _F32))).reshape(b, sq, hq, d).astype(q.dtype)
+    return (dq / jnp.sqrt(jnp.asarray(d, dq.dtype))).reshape(b, sq, hq, d).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -599,7 +601,8 @@ def context_attention(
     `softmax(q k^T / sqrt(head_dim)) v` over the whole, globally ordered sequence,
     for this device's queries. Query head `i` reads key/value head
     `i // (heads / kv_heads)` (grouped-query); `causal` keeps keys at global
-    positions `<=` the query's. Accumulation is float32; the output has `q`'s dtype.
+    positions `<=` the query's. Accumulation is float32 (float64 for float64 inputs);
+    the output has `q`'s dtype.
     Temp memory, forward and backward, is one tile, `O(batch x heads x seq x
     block_size)`, plus one visiting K/V block (ring) or all `n` blocks (allgather).
 

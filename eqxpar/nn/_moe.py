@@ -63,7 +63,7 @@ class MoE(eqx.Module):
     `experts` expert MLPs its router scores highest, and their outputs are summed
     weighted by those scores.
 
-    Routing: `logits = x @ router` (float32), `scores = softmax(logits)` or
+    Routing: `logits = x @ router` (in float32, float64 for float64 inputs), `scores = softmax(logits)` or
     `sigmoid(logits)` over experts; the `top_k` experts are chosen on
     `scores + router_bias` and combined with weights `scores` of the chosen experts
     (normalised to sum 1 when `normalize_top_k`, then times `route_scale`).
@@ -115,6 +115,13 @@ class MoE(eqx.Module):
     routes its own, and the sums behind them are taken over the manual axes the
     tokens differ along (batch, context), so every device reports what one
     device computing the whole batch would (automatic plans compute it whole).
+    They are statistics of the tokens of one call, though: a step that splits the
+    batch into micro-batches (`accumulate=k`, a pipeline's micro-batches) gets a
+    micro-batch's each. `router_z_loss`, a mean over tokens, then averages to the
+    batch's exactly; `load_balance_loss`, a product of two batch means, does not,
+    so a loss adding it has not the full batch's gradient under accumulation
+    (eqxpar warns, `eqxpar.AccumulationWarning`, for an MoE `GPT` whose
+    `load_balance_coef` is not 0; it cannot see a hand-written loss's terms).
 
     **Arguments** (keyword-only after `d_model`, `hidden`, `experts`):
 
@@ -249,12 +256,14 @@ class MoE(eqx.Module):
         Array, Float[Array, "tokens top_k"], Float[Array, "tokens experts"], Float[Array, "tokens experts"]
     ]:
         """Route flat tokens: `(indices (tokens, top_k) int32, combine weights
-        (tokens, top_k) float32, scores (tokens, experts), logits (tokens, experts))`."""
-        logits = jnp.dot(
-            x.astype(jnp.float32), self.router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-        )
+        (tokens, top_k), scores (tokens, experts), logits (tokens, experts))`, in
+        float32 (float64 for float64 inputs)."""
+        # At least float32 (bfloat16 routing picks other experts); float64 stays
+        # float64 under jax_enable_x64.
+        dtype = jnp.promote_types(jnp.result_type(x, self.router), jnp.float32)
+        logits = jnp.dot(x.astype(dtype), self.router.astype(dtype), precision=jax.lax.Precision.HIGHEST)
         scores = jax.nn.softmax(logits, axis=-1) if self.score == "softmax" else jax.nn.sigmoid(logits)
-        bias = jax.lax.stop_gradient(self.router_bias.astype(jnp.float32))
+        bias = jax.lax.stop_gradient(self.router_bias.astype(dtype))
         # Choose on scores + bias; the bias moves no weight, so choose without gradients.
         _, idx = jax.lax.top_k(jax.lax.stop_gradient(scores) + lift(bias, 2), self.top_k)
         weights = jnp.take_along_axis(scores, idx, axis=-1)

@@ -84,6 +84,12 @@ def _stores(kind: int, folded: bool) -> bool:
     return (kind == FORWARD and not folded) or (kind == BACKWARD_INPUT and folded)
 
 
+def _int32(*indices: Any) -> tuple[jax.Array, ...]:
+    """`indices` all as int32: under `jax_enable_x64` a Python int index becomes
+    int64 while the program's slots are int32, and `dynamic_slice` rejects the mix."""
+    return tuple(jnp.asarray(i, jnp.int32) for i in indices)
+
+
 def _index(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
 
@@ -452,7 +458,7 @@ class _Packing:
         """`kind`'s arrays read from slot `slot` of `buffers` (a buffer per group)."""
         by_key = dict(zip(sorted(self.groups), buffers, strict=True))
         return [
-            lax.dynamic_slice(by_key[key], (slot, start), (1, math.prod(shape))).reshape(shape)
+            lax.dynamic_slice(by_key[key], _int32(slot, start), (1, math.prod(shape))).reshape(shape)
             for key, start, shape in self.layout[kind]
         ]
 
