@@ -140,7 +140,8 @@ def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL, err_msg=""):
 
     that is, `rtol` relative to the element, plus an absolute term relative to *the
     leaf's* largest magnitude (k = rtol, with `atol` as a floor for leaves that are
-    all zero or tiny). Integer and bool leaves must be equal.
+    all zero or tiny). Integer and bool leaves (counts) must be equal. Leaves may be
+    Python numbers (a loss; a list of losses is one leaf per step), shapes must match.
 
     Why the leaf's scale: an element is a sum (a matmul, a mean over the batch, a
     psum over devices) whose order the device split and the CPU's vector width
@@ -160,7 +161,7 @@ def assert_trees_close(a, b, *, rtol=RTOL, atol=ATOL, err_msg=""):
     assert len(la) == len(lb), (len(la), len(lb))
     for i, (x, y) in enumerate(zip(la, lb, strict=True)):
         assert x.shape == y.shape, (i, x.shape, y.shape)
-        if not jnp.issubdtype(y.dtype, jnp.inexact):
+        if not (jnp.issubdtype(x.dtype, jnp.inexact) or jnp.issubdtype(y.dtype, jnp.inexact)):
             np.testing.assert_array_equal(x, y, err_msg=f"{err_msg} (leaf {i})")
             continue
         x, y = x.astype(np.float64), y.astype(np.float64)
