@@ -49,8 +49,11 @@ def test_scores_depend_only_on_relative_position():
     def score(m, n):
         return float(score_of(jnp.asarray(m), jnp.asarray(n)))
 
-    assert score(3, 1) == pytest.approx(score(10, 8), rel=1e-5)
-    assert score(0, 5) == pytest.approx(score(7, 12), rel=1e-5)
+    # Rotations by other angles round differently in float32; a score's rounding
+    # scales with |q| |k| (its largest possible value), not with the score itself.
+    bound = 1e-5 * float(jnp.linalg.norm(q) * jnp.linalg.norm(k))
+    assert abs(score(3, 1) - score(10, 8)) <= bound
+    assert abs(score(0, 5) - score(7, 12)) <= bound
     # ... and does depend on it.
     assert abs(score(3, 1) - score(3, 2)) > 1e-3
 
