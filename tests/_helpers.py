@@ -211,7 +211,8 @@ def assert_params_close(a, b, *, rtol=RTOL, err_msg=""):
     still 2e-5 of the leaf's scale. Adam amplifies gradient rounding without a
     useful bound, so a parity test after Adam steps:
 
-    - compares losses and gradients elementwise (`assert_trees_close`), where a
+    - compares losses and gradients elementwise (`assert_trees_close`: rtol of each
+      element plus rtol of its leaf's largest magnitude), where a
       missing all-reduce, a wrong factor or a wrong shard shows;
     - compares parameters with this helper against a one-device optimizer fed the
       step's *own* gradients (`assert_steps_match_one_device`), so only the
@@ -278,7 +279,7 @@ def assert_steps_match_one_device(
 
     - its loss and its gradients (the step's own, from its optimizer state) equal
       `jax.value_and_grad(loss_fn)` on one device at the parameters the step
-      started from (the first: `model` itself), elementwise at rtol 1e-5;
+      started from (the first: `model` itself), elementwise (`assert_trees_close`);
     - its parameters equal, per leaf (`assert_params_close`), those of `optimizer`
       run on one device from `model` and fed the same gradients: the update was
       applied, once, to the right parameters, with the optimizer state carried.
@@ -305,7 +306,7 @@ def assert_steps_match_one_device(
         want_loss, want_grads = value_and_grad(start, on_device(batch))
         got_model, opt_state, loss = advance(batch)
         grads = recorded_gradients(opt_state)
-        np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL, err_msg=f"loss at step {i}")
+        assert_trees_close(float(loss), float(want_loss), err_msg=f"loss at step {i}")
         assert_trees_close(grads, want_grads, err_msg=f"gradients at step {i}")
         ref_model, ref_state = update(on_device(grads), ref_state, ref_model)
         assert_params_close(got_model, ref_model, err_msg=f"parameters after step {i}: ")
