@@ -22,7 +22,7 @@ from eqxpar import nn
 from eqxpar._errors import PlanError
 from eqxpar.nn._attention import _attend
 
-from ._helpers import assert_trees_close_to_scale
+from ._helpers import assert_trees_close, assert_trees_close_to_scale
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -37,7 +37,7 @@ def _qkv(seed, s, hq, hkv, d=8, batch=2):
 
 def _close(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
+        assert_trees_close(x, y, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -153,7 +153,7 @@ def test_gpt_and_transformer_block_pass_the_attention_choice_on():
         return eqx.filter_jit(eqx.filter_value_and_grad(eqxpar.models.lm_loss))(m, tokens)
 
     (loss, grads), (ref_loss, ref_grads) = value_and_grad(blockwise), value_and_grad(dense)
-    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_trees_close(loss, ref_loss)
     assert_trees_close_to_scale(grads, ref_grads)
     block = nn.TransformerBlock(32, 4, 64, attention="blockwise", attention_block=4, key=jax.random.key(2))
     assert (block.attn.attention, block.attn.attention_block) == ("blockwise", 4)

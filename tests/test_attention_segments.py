@@ -10,14 +10,13 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import eqxpar
 from eqxpar import nn
 from eqxpar.nn._attention import _attend
 
-from ._helpers import RTOL, assert_trees_close_to_scale
+from ._helpers import RTOL, assert_trees_close, assert_trees_close_to_scale
 from .test_context_attention import SPEC, _mesh, _value_and_grads
 from .test_context_parallel import _single_device, mesh
 
@@ -42,7 +41,7 @@ def segments(seed, batch, s, pad=3):
 
 def _close(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=ATOL)
+        assert_trees_close(x, y, rtol=RTOL, atol=ATOL)
 
 
 def test_dense_segment_ids_are_the_per_row_mask():
@@ -151,7 +150,7 @@ def test_packed_blocks_under_context_match_single_device(causal, make_plan):
     batch = (ids, segments(5, 4, 32, pad=6))
     loss, grads = eqxpar.train.make_value_and_grad(packed_loss, make_plan())(model, batch)
     ref_loss, ref_grads = _single_device(model, packed_loss, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
     # The ids matter: without them the loss differs.
     plain, _ = _single_device(model, packed_loss, (ids, jnp.zeros_like(ids)))

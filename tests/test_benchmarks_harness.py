@@ -15,7 +15,7 @@ import eqxpar
 from benchmarks import _handwritten_sp, _measure, _workload, contracts, report, run
 from benchmarks._strategies import MEMORY_ONLY, STANDARD, STRATEGIES
 
-from ._helpers import assert_trees_close_to_scale
+from ._helpers import RTOL, assert_trees_close, assert_trees_close_to_scale
 
 # The workload's structure at a size that compiles in seconds; 4 heads and a
 # sequence of 8 divide over tensor 4, and 32 rows give every pipeline one row per
@@ -38,7 +38,7 @@ def test_pipeline_loss_is_the_workloads():
     batch = _workload.make_batches(1, SMALL)[0]
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(_workload.loss_fn))(model, batch)
     got_loss, got_grads = eqx.filter_jit(eqx.filter_value_and_grad(_workload.PIPELINE_LOSS))(model, batch)
-    np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
+    assert_trees_close(got_loss, loss)
     assert_trees_close_to_scale(got_grads, grads)
     model = _workload.make_model(dataclasses.replace(SMALL, layers=4))
     reordered = _workload.pipeline_model(model, stages=2, chunks=2)
@@ -58,7 +58,7 @@ def test_handwritten_sp_step_is_the_workload():
     )
     loss, grads = step(step.put_batch(batch)), _measure.adam_gradients(step.opt_state)
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(_workload.loss_fn))(model, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, _handwritten_sp.params_of(ref_grads), rtol=1e-5)
 
 
@@ -92,7 +92,9 @@ def test_small_record_meets_its_contract(name):
     references = run.References(_workload.make_optimizer(SMALL), 2)
     record = run.measure(name, references, warm=0, timed=1, cfg=SMALL)
     assert contracts.broken(record, {name: record}, timing=False) == []
-    assert record["parity_loss_rel_err"] <= 1e-6 and record["comm_wire_bytes_total"] > 0
+    # The loss to the suite's float32 contract (RTOL: a sum reordered by the split
+    # and by the CPU's vector width), as assert_trees_close holds every loss.
+    assert record["parity_loss_rel_err"] <= RTOL and record["comm_wire_bytes_total"] > 0
     json.dumps(record)  # JSON-ready
 
 

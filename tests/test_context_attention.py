@@ -16,9 +16,12 @@ import eqxpar
 from eqxpar.inspect import collective_stats
 from eqxpar.nn import context_attention, context_layout, context_positions, context_unlayout
 
+from ._helpers import assert_trees_close
+
 AX = "context"
 B, S, H, D = 2, 48, 4, 8
-# float32 contract; entries near zero need an absolute bound (other summation order).
+# float32 contract; entries near zero need an absolute bound (other summation order):
+# ATOL is its floor, raised to rtol x each leaf's largest magnitude (assert_trees_close).
 RTOL, ATOL = 1e-5, 2e-6
 SPEC = P(None, AX)
 
@@ -84,9 +87,9 @@ def test_matches_dense_attention_forward_and_backward(n, impl, causal, load_bala
     args, cot = _inputs(kv_heads, seed=n)
     out, grads = _value_and_grads(_context(n, causal, load_balanced, impl), args, cot)
     out_d, grads_d = _value_and_grads(lambda q, k, v: _dense(q, k, v, causal), args, cot)
-    np.testing.assert_allclose(out, out_d, rtol=RTOL, atol=ATOL)
+    assert_trees_close(out, out_d, rtol=RTOL, atol=ATOL)
     for name, g, g_d in zip("qkv", grads, grads_d, strict=True):
-        np.testing.assert_allclose(g, g_d, rtol=RTOL, atol=ATOL, err_msg=f"d{name}")
+        assert_trees_close(g, g_d, rtol=RTOL, atol=ATOL, err_msg=f"d{name}")
 
 
 def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients():

@@ -19,7 +19,7 @@ from eqxpar import nn
 from eqxpar.inspect import collective_stats
 from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
 
-from ._helpers import RTOL, assert_trees_close_to_scale, train_checked
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, train_checked
 from .test_models import GPT2_STYLE
 from .test_nn_layers_any_model import Encoder, encoder_loss
 
@@ -89,7 +89,7 @@ def test_gpt_matches_single_device(gpts, config, make_plan):
     model, batch = gpts[config], tokens(1)
     loss, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan())(model, batch)
     ref_loss, ref_grads = _single_device(model, lm_loss, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
 
@@ -107,7 +107,7 @@ def test_weight_used_after_the_sequence_mean_with_sequence_parallelism(gpts):
     )
     loss, grads = eqxpar.train.make_value_and_grad(scaled, plan)(model, batch)
     ref_loss, ref_grads = _single_device(model, scaled, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
 
@@ -128,7 +128,7 @@ def test_gpt_pipelined_with_context_matches_single_device(gpts, schedule):
     ref_grads = eqx.tree_at(
         lambda m: m.blocks, ref_grads, eqxpar.pipeline.to_pipeline_order(ref_grads.blocks, stages=2, chunks=1)
     )
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
 
@@ -142,7 +142,7 @@ def test_encoder_with_pooling_matches_single_device(impl):
     plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual", context_attention=impl)
     loss, grads = eqxpar.train.make_value_and_grad(encoder_loss, plan)(model, batch)
     ref_loss, ref_grads = _single_device(model, encoder_loss, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=RTOL)
+    assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
 
@@ -267,7 +267,7 @@ def test_attention_on_a_sequence_nobody_split_raises():
     fixed = lambda m, x: jnp.mean(m(nn.split_sequence(x)))  # noqa: E731
     value, _ = eqxpar.train.make_value_and_grad(fixed, plan)(model, x)
     ref, _ = _single_device(model, loss, x)
-    np.testing.assert_allclose(float(value), float(ref), rtol=RTOL)
+    assert_trees_close(float(value), float(ref))
 
 
 def test_masked_attention_under_context_raises_and_points_to_segment_ids():

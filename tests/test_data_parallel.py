@@ -12,8 +12,6 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 
 from ._helpers import (
-    ATOL,
-    RTOL,
     TinyTransformer,
     assert_trees_close,
     lm_loss,
@@ -65,7 +63,7 @@ def test_batch_over_data_and_fsdp_axes(mode):
     ref_losses, ref_model = reference_run(model, optimizer, mse_loss, batches)
     plan = eqxpar.Plan(eqxpar.make_mesh(data=2, fsdp=4), mode=mode)
     losses, state = run(plan, model, optimizer, mse_loss, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(losses, ref_losses)
     assert_trees_close(state.model, ref_model)
 
 
@@ -79,7 +77,7 @@ def test_accumulated_gradients_equal_full_batch(mode):
     # The accumulated step's own gradients equal the full batch's on one device,
     # elementwise, at its parameters each step; its parameters per leaf (AdamW).
     acc_losses, _ = train_checked(plan, model, optimizer, mse_loss, batches, accumulate=4)
-    np.testing.assert_allclose(acc_losses, full_losses, rtol=RTOL)
+    assert_trees_close(acc_losses, full_losses)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -154,7 +152,7 @@ def test_has_aux_and_loss_with_key():
     batch = regression_batches(1)[0]
     _, metrics = step(state, batch)
     expected = jnp.mean(jnp.abs(jax.vmap(model)(batch[0]) - batch[1]))
-    np.testing.assert_allclose(metrics["aux"]["mae"], expected, rtol=RTOL, atol=ATOL)
+    assert_trees_close(metrics["aux"]["mae"], expected)
     assert keys_seen, "the loss function was given a key"
 
 
@@ -175,6 +173,6 @@ def test_loss_and_gradients_equal_single_device(mode, accumulate):
     ref_loss, ref_grads = eqx.filter_value_and_grad(lm_loss)(model, batch)
     plan = eqxpar.Plan(eqxpar.make_mesh(data=4, fsdp=2), mode=mode)
     loss, grads = eqxpar.train.make_value_and_grad(lm_loss, plan, accumulate=accumulate)(model, batch)
-    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    assert_trees_close(loss, ref_loss)
     assert_trees_close(grads, ref_grads)
     assert all(g.sharding.spec == P() for g in jax.tree.leaves(grads))

@@ -19,8 +19,8 @@ from eqxpar import nn
 from eqxpar.inspect import collective_stats
 
 from ._helpers import (
-    RTOL,
     TinyTransformer,
+    assert_trees_close,
     assert_trees_close_to_scale,
     lm_loss,
     reference_run,
@@ -108,7 +108,7 @@ def test_stacked_model_matches_single_device_over_steps(name):
     data = batches(STEPS)
     ref_losses, ref_model = reference_run(model, OPTIM, loss_fn, data)
     losses, state = train(PLANS[name](), model, loss_fn, data)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(losses, ref_losses)
     assert_trees_close_to_scale(state.model, ref_model)
 
 
@@ -126,7 +126,7 @@ def test_plain_equinox_model_with_rules_only(kw):
     data = token_batches(STEPS, batch=8, seq=9, vocab=32)
     ref_losses, ref_model = reference_run(model, OPTIM, lm_loss, data)
     losses, state = train(eqxpar.Plan(eqxpar.make_mesh(fsdp=8), **kw), model, lm_loss, data)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(losses, ref_losses)
     assert_trees_close_to_scale(state.model, ref_model)
 
 
@@ -303,7 +303,7 @@ def test_stacked_equals_the_loop_of_its_blocks():
     expected = x
     for block in blocks:
         expected = block(expected)
-    np.testing.assert_allclose(stack(x), expected, rtol=1e-5, atol=1e-5)
+    assert_trees_close(stack(x), expected, atol=1e-5)
     assert stack.depth == 3
     assert_trees_close_to_scale(stack[1], blocks[1])
 

@@ -22,7 +22,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, GPTConfig, MoEGroup, gpt_first, gpt_last, lm_loss
 
-from ._helpers import RTOL, assert_trees_close_to_scale, train_checked
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, train_checked
 from .test_examples import example
 
 D, HEADS, HIDDEN, E, BATCH, SEQ, VOCAB = 16, 2, 32, 4, 2, 8, 32
@@ -90,9 +90,9 @@ def test_block_with_experts_is_attention_then_moe(name):
 
     y, aux, grads = run(block, x, lambda b, x: b(x))
     y_ref, aux_ref, grads_ref = run(block, x, reference)
-    np.testing.assert_allclose(y, y_ref, rtol=RTOL, atol=1e-6)
+    assert_trees_close(y, y_ref)
     for got, want in zip(jax.tree.leaves(aux), jax.tree.leaves(aux_ref), strict=True):
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
+        assert_trees_close(got, want)
     assert_trees_close_to_scale(grads, grads_ref)
     assert float(jnp.sum(aux.expert_load)) == BATCH * SEQ * block.mlp.top_k
 
@@ -155,9 +155,9 @@ def test_stacked_returns_aux_stacked_over_layers(remat):
     (want, want_aux), want_g = eqx.filter_jit(eqx.filter_value_and_grad(looped, has_aux=True))(stack)
     assert isinstance(aux, nn.MoEAux)
     assert aux.expert_load.shape == (depth, E) and aux.load_balance_loss.shape == (depth,)
-    np.testing.assert_allclose(float(got), float(want), rtol=RTOL)
+    assert_trees_close(float(got), float(want))
     for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(want_aux), strict=True):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-6)
+        assert_trees_close(a, b)
     assert_trees_close_to_scale(got_g, want_g)
 
 
@@ -223,11 +223,11 @@ def test_lm_loss_adds_the_aux_losses(moe_gpt):
         + c.load_balance_coef * jnp.mean(aux.load_balance_loss)
         + c.router_z_coef * jnp.mean(aux.router_z_loss)
     )
-    np.testing.assert_allclose(float(loss), float(want), rtol=RTOL)
+    assert_trees_close(float(loss), float(want))
     assert float(loss) > float(ce)
     # Coefficients 0: the cross-entropy alone.
     bare = GPT(config(num_shared_experts=1, load_balance_coef=0, router_z_coef=0.0), key=jax.random.key(0))
-    np.testing.assert_allclose(float(parts(bare, t)[2]), float(ce), rtol=RTOL)
+    assert_trees_close(float(parts(bare, t)[2]), float(ce))
 
 
 PLANS = {

@@ -6,6 +6,7 @@ and accept what sharding really changes (summation order: rounding)."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -55,8 +56,13 @@ def test_params_close_accepts_rounding_level_noise():
         # themselves, for entries near zero, which elementwise rtol would reject.
         noisy[name] = x + 1e-6 * jnp.max(jnp.abs(x)) * jax.random.uniform(k, x.shape, minval=-1, maxval=1)
     assert_params_close(noisy, params)
+    # The elementwise comparison allows the same leaf-scale noise (its absolute term
+    # is rtol x the leaf's scale) ...
+    assert_trees_close(noisy, params)
+    # ... which a purely elementwise bound would reject, on the entries near zero.
     with pytest.raises(AssertionError):
-        assert_trees_close(noisy, params, atol=0)
+        for name in params:
+            np.testing.assert_allclose(noisy[name], params[name], rtol=1e-5, atol=0)
     assert_params_close(params, params)
 
 
@@ -146,3 +152,67 @@ def test_step_check_rejects_an_optimizer_state_not_carried():
     advance, model = _single_device_run(optax.adamw(1e-2), reset_state=True)
     with pytest.raises(AssertionError, match="parameters after step 1"):
         assert_steps_match_one_device(advance, model, optax.adamw(1e-2), mse_loss, regression_batches(3))
+
+
+def test_trees_close_accepts_the_avx2_pipeline_rounding():
+    # The case that failed a purely elementwise atol of 1e-6 on an AVX2 CPU: one
+    # gradient element, 0.05 in a leaf whose elements reach 4, 2.1e-6 off (2 float32
+    # ulps of the leaf's largest element; 9.7e-5 of the element itself).
+    leaf = jnp.linspace(-4.0, 4.0, 512).at[7].set(0.05)
+    moved = leaf.at[7].add(2.1e-6)
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(moved, leaf, rtol=1e-5, atol=1e-6)
+    assert_trees_close({"w": moved}, {"w": leaf})
+    # But the same element off by 1e-4 (2.5e-5 of the leaf's scale) is not rounding.
+    with pytest.raises(AssertionError):
+        assert_trees_close({"w": leaf.at[7].add(1e-4)}, {"w": leaf})
+
+
+@pytest.mark.parametrize("chunks", [2, 8, 64])
+def test_trees_close_accepts_a_float32_sum_in_another_order(chunks):
+    # x.T @ g over a batch of 4096 (a weight's gradient): in float32 with the batch
+    # split into `chunks` partial sums added one after another (what a data-parallel
+    # psum or another vector width does to the order), against the exact sum rounded
+    # to float32. The elements span zero, so many sit near it after cancellation.
+    kx, kg = jax.random.split(jax.random.key(3))
+    x = np.asarray(jax.random.normal(kx, (4096, 32)))
+    g = np.asarray(jax.random.normal(kg, (4096, 16)))
+    exact = (x.astype(np.float64).T @ g.astype(np.float64)).astype(np.float32)
+    parts = [x[i::chunks].T @ g[i::chunks] for i in range(chunks)]  # float32 throughout
+    reordered = parts[0]
+    for p in parts[1:]:
+        reordered = reordered + p
+    assert reordered.dtype == np.float32
+    # Measured: up to 1e-4 off on elements of up to 214, several elements past an
+    # elementwise rtol 1e-5 / atol 1e-6, and within 4% of this helper's bound.
+    assert_trees_close(reordered, exact)
+
+
+def _bugs(full, shards):
+    """The gradients a buggy all-reduce would give, by name."""
+    mean = jax.tree.map(lambda *g: sum(g) / 8, *shards)
+    return {
+        "factor_2": jax.tree.map(lambda g: 2 * g, mean),  # a psum where a pmean belongs
+        "factor_1.01": jax.tree.map(lambda g: 1.01 * g, mean),  # e.g. a mean over 99 of 100 tokens
+        "half": jax.tree.map(lambda g: g / 2, mean),  # a mean taken twice over a 2-way axis
+        "missing_share": jax.tree.map(lambda *g: sum(g[1:]) / 8, *shards),  # one of 8 devices left out
+        "wrong_sign": jax.tree.map(lambda g: -g, mean),
+    }
+
+
+@pytest.mark.parametrize("bug", ["factor_2", "factor_1.01", "half", "missing_share", "wrong_sign"])
+def test_trees_close_rejects_each_bug_in_each_leaf(bug):
+    # The bug in one leaf alone (a weight or a bias, each judged at its own scale)
+    # fails the comparison; the correctly reduced gradients pass.
+    full, shards = _sharded_gradients()
+    mean = jax.tree.map(lambda *g: sum(g) / 8, *shards)
+    wrong = _bugs(full, shards)[bug]
+    leaves, treedef = jax.tree.flatten(eqx.filter(mean, eqx.is_array))
+    wrong_leaves = jax.tree.leaves(eqx.filter(wrong, eqx.is_array))
+    assert len(leaves) == 6  # 3 weights, 3 biases
+    assert_trees_close(mean, full)
+    for i in range(len(leaves)):
+        mixed = [w if j == i else g for j, (g, w) in enumerate(zip(leaves, wrong_leaves, strict=True))]
+        one_wrong = jax.tree.unflatten(treedef, mixed)
+        with pytest.raises(AssertionError):
+            assert_trees_close(one_wrong, eqx.filter(full, eqx.is_array))

@@ -14,7 +14,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_pipeline_order
 
-from ._helpers import ATOL, RTOL, assert_trees_close, assert_trees_close_to_scale, reference_run, run_steps
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, reference_run, run_steps
 
 D_IN, D, D_OUT, ROWS = 3, 8, 2, 2
 
@@ -97,7 +97,7 @@ def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
     # The stack's gradients come out split over pipe like the layers.
     assert stages == 1 or grads.blocks.blocks.w.sharding.spec[0] == "pipe"
     grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
-    np.testing.assert_allclose(float(value), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert_trees_close(float(value), float(ref_loss))
     assert_trees_close(grads, ref_grads)
 
 
@@ -113,7 +113,7 @@ def test_pipeline_runs_an_unrolled_stack(name, chunks):
     step = eqxpar.train.make_value_and_grad(loss, plan)
     stored = reorder(model, stages=stages, chunks=chunks)
     value, grads = step(stored, batch)
-    np.testing.assert_allclose(float(value), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert_trees_close(float(value), float(ref_loss))
     assert_trees_close(reorder(grads, stages=stages, chunks=chunks, forward=False), ref_grads)
     assert stored.blocks.unroll == model.blocks.depth  # reordering keeps the setting
 
@@ -187,7 +187,7 @@ def test_3d_hybrid_trains_like_one_device():
     spec = state.model.blocks.blocks.mlp.w_in.sharding.spec
     assert spec[0] == "pipe" and spec[-1] == "tensor", spec
     losses, state = run_steps(step, state, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(losses, ref_losses)
     assert_trees_close_to_scale(state.model, ref_model)
 
 
@@ -267,7 +267,7 @@ def test_backward_reuses_the_forward_unless_remat_full(name, bound, lockstep):
     assert kept <= bound * full, (kept, full)
     if lockstep is not None:
         assert ticks_kept <= lockstep * ticks_full, (ticks_kept, ticks_full)
-    np.testing.assert_allclose(loss_kept, loss_full, rtol=RTOL)
+    assert_trees_close(loss_kept, loss_full)
 
 
 @pytest.mark.parametrize(
@@ -401,7 +401,7 @@ def test_pipeline_fsdp_tensor_trains_like_one_device_and_gathers_once():
     assert spec[0] == "pipe" and spec[1] == "fsdp" and spec[-1] == "tensor", spec
     stats = eqxpar.inspect.collective_stats(step.compile(state, batches[0]))
     losses, state = run_steps(step, state, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(losses, ref_losses)
     assert_trees_close_to_scale(state.model, ref_model)
 
     # Every fsdp-split weight is gathered once per step (outside the tick loop)

@@ -13,7 +13,7 @@ import pytest
 import eqxpar
 from eqxpar.pipeline import Schedule, check_table, schedule, validate
 
-from ._helpers import ATOL, RTOL, assert_trees_close
+from ._helpers import assert_trees_close
 from .test_pipeline import Tiny, regression_batch, reorder, tiny_loss
 
 FWD, BWD, INP, WGT = 1, 2, 3, 4
@@ -205,7 +205,7 @@ def _parity(sched, *, chunks=1):
     stored = reorder(model, stages=stages, chunks=chunks)
     value, grads = eqxpar.train.make_value_and_grad(loss, plan)(stored, batch)
     grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
-    np.testing.assert_allclose(float(value), float(ref_loss), rtol=RTOL, atol=ATOL)
+    assert_trees_close(float(value), float(ref_loss))
     assert_trees_close(grads, ref_grads)
 
 

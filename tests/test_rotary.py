@@ -12,6 +12,8 @@ import pytest
 import eqxpar
 from eqxpar import nn
 
+from ._helpers import assert_trees_close
+
 
 def complex_rotary(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> np.ndarray:
     """Feature pairs (i, i + d/2) as complex numbers, times exp(i * pos * base^(-2i/d))."""
@@ -27,10 +29,10 @@ def test_apply_rotary_matches_complex_rotation():
     x = jax.random.normal(jax.random.key(0), (2, 6, 3, 8))
     out = jax.jit(lambda x: nn.apply_rotary(x, base=100.0))(x)
     expected = complex_rotary(np.asarray(x, np.float64), np.arange(6.0), base=100.0)
-    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+    assert_trees_close(np.asarray(out), expected)
     # Position 0 is not rotated; every position keeps each pair's length.
     np.testing.assert_allclose(out[:, 0], x[:, 0], rtol=1e-6)
-    np.testing.assert_allclose(jnp.linalg.norm(out, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+    assert_trees_close(jnp.linalg.norm(out, axis=-1), jnp.linalg.norm(x, axis=-1))
 
 
 def test_scores_depend_only_on_relative_position():
@@ -47,8 +49,11 @@ def test_scores_depend_only_on_relative_position():
     def score(m, n):
         return float(score_of(jnp.asarray(m), jnp.asarray(n)))
 
-    assert score(3, 1) == pytest.approx(score(10, 8), rel=1e-5)
-    assert score(0, 5) == pytest.approx(score(7, 12), rel=1e-5)
+    # Rotations by other angles round differently in float32; a score's rounding
+    # scales with |q| |k| (its largest possible value), not with the score itself.
+    bound = 1e-5 * float(jnp.linalg.norm(q) * jnp.linalg.norm(k))
+    assert abs(score(3, 1) - score(10, 8)) <= bound
+    assert abs(score(0, 5) - score(7, 12)) <= bound
     # ... and does depend on it.
     assert abs(score(3, 1) - score(3, 2)) > 1e-3
 
@@ -84,7 +89,7 @@ def test_rotary_attention_matches_numpy_reference():
     attn = nn.Attention(16, 4, num_kv_heads=2, rotary=True, use_bias=False, key=jax.random.key(2))
     x = jax.random.normal(jax.random.key(3), (2, 7, 16))
     out = eqx.filter_jit(lambda a, x: a(x))(attn, x)
-    np.testing.assert_allclose(np.asarray(out), numpy_attention(attn, np.asarray(x, np.float64)), atol=2e-5)
+    assert_trees_close(np.asarray(out), numpy_attention(attn, np.asarray(x, np.float64)), atol=2e-5)
     # Without rotary the same weights give a different (position-blind) result.
     plain = eqxpar.nn.Attention(16, 4, num_kv_heads=2, use_bias=False, key=jax.random.key(2))
     assert float(jnp.max(jnp.abs(eqx.filter_jit(lambda a, x: a(x))(plain, x) - out))) > 1e-3
