@@ -22,6 +22,7 @@ from jax.extend import core as jcore
 from jax.tree_util import keystr
 
 from .._context_split import record_keys
+from .._jax_compat import scan_body
 from .._errors import EqxparError, PlanError
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from .._plan import Plan
@@ -328,8 +329,7 @@ class _Walk:
 
     def scan(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
         params = eqn.params
-        body = params["jaxpr"].jaxpr
-        consts, carry = params["num_consts"], params["num_carry"]
+        body, _, consts, carry = scan_body(eqn)
         env, inner_alias = {}, {}
         for i, (inner, outer, dims) in enumerate(zip(body.invars, eqn.invars, ins, strict=True)):
             if i < consts and isinstance(outer, jcore.Var):

@@ -27,6 +27,8 @@ import jax
 from jax import lax
 from jax._src import core
 
+from .._jax_compat import scan_body
+
 Key = Any  # a jaxpr Var, or ("scan", equation index, stash index) for a scan's stash
 
 
@@ -59,33 +61,8 @@ def _is_var(v: Any) -> bool:
     return isinstance(v, core.Var) and not isinstance(v, core.DropVar)
 
 
-def _scan_body(eqn: core.JaxprEqn) -> tuple[core.Jaxpr, list, int, int]:
-    """A scan equation's `(body, body constants, number of constant inputs, number
-    of carries)`; its inputs are the constants, then the carries, then the
-    scanned-over values, and its outputs the carries, then the stacked ones."""
-    params = eqn.params
-    if "num_consts" in params:  # JAX 0.10: a closed body and two counts
-        body = params["jaxpr"]
-        return body.jaxpr, list(body.consts), params["num_consts"], params["num_carry"]
-    # JAX 0.11 describes the inputs as a tree of three (constants, carries,
-    # scanned-over values) whose leaves are the inputs in order, and the body is
-    # open. The package pins JAX 0.10; this branch lets the one-device GPU
-    # benchmark (whose image has JAX 0.11) measure the split halves.
-    consts, carry, xs = params["ft_in"].unpack()
-    counts = [len(part.vals) for part in (consts, carry, xs)]
-    body = params["jaxpr"]
-    body = getattr(body, "jaxpr", body)
-    if sum(counts) != len(eqn.invars) or len(body.invars) != len(eqn.invars) or body.constvars:
-        raise NotImplementedError(
-            f"this JAX's scan ({jax.__version__}) describes its inputs in a way the"
-            f" zero-bubble split does not know: {counts} for {len(eqn.invars)} inputs."
-            " Install JAX 0.10 (the version eqxpar supports)."
-        )
-    return body, [], counts[0], counts[1]
-
-
 def _scan_parts(eqn: core.JaxprEqn) -> tuple[core.Jaxpr, int, int]:
-    body, _, nc, ncarry = _scan_body(eqn)
+    body, _, nc, ncarry = scan_body(eqn)
     return body, nc, ncarry
 
 
@@ -273,7 +250,7 @@ def run_b(
 def _run_scan(eqn: core.JaxprEqn, ss: _ScanSplit, values: list, *, part: str, stash: list = ()) -> tuple:
     """Part `part` of a split scan: `(the equation's outputs, None where this
     part does not compute one; for A, the stash of every iteration)`."""
-    body_jaxpr, body_consts, nc, ncarry = _scan_body(eqn)
+    body_jaxpr, body_consts, nc, ncarry = scan_body(eqn)
     consts, init, xs = values[:nc], values[nc : nc + ncarry], values[nc + ncarry :]
     keep_carry, keep_ys = (ss.a_carry, ss.a_ys) if part == "a" else (ss.b_carry, ss.b_ys)
     carried = [k for k in range(ncarry) if keep_carry[k]]
