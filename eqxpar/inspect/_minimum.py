@@ -22,8 +22,8 @@ from jax.extend import core as jcore
 from jax.tree_util import keystr
 
 from .._context_split import record_keys
-from .._jax_compat import scan_body
 from .._errors import EqxparError, PlanError
+from .._jax_compat import scan_body
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from .._plan import Plan
 from .._rules import mesh_axis_names
