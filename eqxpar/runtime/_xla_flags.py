@@ -8,8 +8,8 @@ for one release kills every process of another. The only reliable test of a flag
 to start a backend with it, in a child process; the answer is cached on disk per
 jaxlib version, since it cannot change without a reinstall.
 
-This module imports nothing from JAX, so a test set-up or a launcher can use it
-before JAX starts.
+This module imports nothing from JAX (importing `eqxpar` imports JAX but starts no
+backend), so a test set-up or a launcher can use it before JAX starts.
 """
 
 import hashlib
@@ -22,6 +22,8 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+
+from .._errors import EqxparError
 
 # "Unknown flag in XLA_FLAGS: --a=1" (one) or "Unknown flags in XLA_FLAGS: --a=1 --b" (several).
 _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
@@ -65,7 +67,7 @@ def _check(flags: list[str], python: str) -> list[str]:
         if started:
             return kept
         if not unknown:
-            raise RuntimeError(
+            raise EqxparError(
                 f"JAX's CPU backend did not start with XLA_FLAGS={' '.join(kept)!r}, and XLA named "
                 "no unknown flag; run `python -c \"import jax; jax.devices('cpu')\"` with those "
                 "flags to see why."
