@@ -29,8 +29,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow" $(TESTS)
 
-# What CI runs on the other end of the supported range (see .ci/run): every parity,
-# collective-byte, README and docs test.
+# What CI runs on the other end of the supported range (see .ci/run): each strategy's
+# parity tests, the collective-byte tests, x64, README and docs.
 NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_step.py \
 	tests/test_pipeline.py tests/test_models.py tests/test_expert_parallel.py \
 	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
