@@ -161,7 +161,7 @@ def _check_split(size: int, plan: Plan, microbatches: int) -> None:
             f"batch size {size} is not divisible by the {devices}. Use a batch size that is a "
             f"multiple of {multiple}{_nearest(size, multiple)}."
         )
-    split = _split_by(plan, microbatches)
+    split = split_by(plan, microbatches)
     fix = (
         f"Use a batch size that is a multiple of {multiple} ({microbatches} micro-batches x {dp} "
         f"devices){_nearest(size, multiple)}"
@@ -177,8 +177,9 @@ def _check_split(size: int, plan: Plan, microbatches: int) -> None:
     )
 
 
-def _split_by(plan: Plan, microbatches: int) -> str:
-    # What cut the batch: the pipeline's micro-batches or gradient accumulation.
+def split_by(plan: Plan, microbatches: int) -> str:
+    """What cut the batch into `microbatches`, as the user wrote it: a pipeline's
+    `Plan(microbatches=m)` or gradient accumulation's `accumulate=k`."""
     return f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
 
 

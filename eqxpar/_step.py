@@ -17,7 +17,7 @@ from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._plan import Plan
-from ._sharding import check_batch, shard
+from ._sharding import check_batch, shard, split_by
 from ._step_layout import StepLayout, manual_axes_of
 from ._train_state import TrainState
 
@@ -280,11 +280,8 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
     coefs = [c for c in coefs if c]
     if not coefs:
         return
-    split = (
-        f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
-    )
     warnings.warn(
-        f"{split} splits the batch into {microbatches} micro-batches, and the model's MoE blocks add a "
+        f"{split_by(plan, microbatches)} splits the batch into {microbatches} micro-batches, and the model's MoE blocks add a "
         f"load-balance loss (GPTConfig(load_balance_coef={coefs[0]!r})): experts * sum_e f_e * P_e is a "
         "product of two batch statistics, so its mean over the micro-batches is not its value on the "
         "whole batch, and the step's gradient is not the full batch's mean gradient (the router z-loss, a "
