@@ -46,10 +46,12 @@ def _jaxlib_version() -> str:
         return "none"
 
 
-def _probe(flags: list[str], python: str) -> tuple[bool, set[str]]:
+def _probe(flags: list[str]) -> tuple[bool, set[str]]:
     """Start a CPU backend with `flags`: (it started, the flag names XLA called unknown)."""
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
     if result.returncode == 0:
         return True, set()
     unknown = set()
@@ -58,12 +60,12 @@ def _probe(flags: list[str], python: str) -> tuple[bool, set[str]]:
     return False, unknown
 
 
-def _check(flags: list[str], python: str) -> list[str]:
+def _check(flags: list[str]) -> list[str]:
     kept = list(flags)
     # Each round drops every flag XLA named; a release names them all at once, but a
     # second round costs little and covers one that reports them one at a time.
     for _ in range(len(flags) + 1):
-        started, unknown = _probe(kept, python)
+        started, unknown = _probe(kept)
         if started:
             return kept
         if not unknown:
@@ -76,8 +78,8 @@ def _check(flags: list[str], python: str) -> list[str]:
     return kept
 
 
-def supported_xla_flags(flags: Sequence[str], *, python: str | None = None) -> list[str]:
-    """The flags of `flags` that the installed jaxlib knows, in their order.
+def supported_xla_flags(flags: Sequence[str]) -> list[str]:
+    """The flags of `flags` that this interpreter's jaxlib knows, in their order.
 
     Each flag is tried by starting JAX's CPU backend in a child process (about two
     seconds, once per jaxlib version: the answer is cached under
@@ -87,7 +89,6 @@ def supported_xla_flags(flags: Sequence[str], *, python: str | None = None) -> l
     **Arguments:**
 
     - `flags`: XLA flags, e.g. `["--xla_force_host_platform_device_count=8"]`.
-    - `python`: the interpreter whose jaxlib to ask (default: this one).
 
     **Returns:** the known flags. An unknown one is left out, never passed on to abort
     the process.
@@ -102,8 +103,8 @@ def supported_xla_flags(flags: Sequence[str], *, python: str | None = None) -> l
     ```
     """
     flags = [f for flag in flags for f in shlex.split(flag)]
-    python = python or sys.executable
-    key = hashlib.sha256(json.dumps([python, _jaxlib_version(), flags]).encode()).hexdigest()[:16]
+    # This interpreter's jaxlib answers, so its path and jaxlib version key the cache.
+    key = hashlib.sha256(json.dumps([sys.executable, _jaxlib_version(), flags]).encode()).hexdigest()[:16]
     path = _cache_file()
     try:
         cached = json.loads(path.read_text())
@@ -111,7 +112,7 @@ def supported_xla_flags(flags: Sequence[str], *, python: str | None = None) -> l
         cached = {}
     if isinstance(cached.get(key), list):
         return list(cached[key])
-    kept = _check(flags, python)
+    kept = _check(flags)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Written whole, then renamed: two test workers may probe at once.
