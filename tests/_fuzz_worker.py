@@ -62,32 +62,20 @@ if _hook and "eqxpar" not in sys.modules:
     *_packages, _checker = _hook.split(",")
     jaxtyping.install_import_hook(_packages, _checker)
 
-_OWN_FLAGS = (
-    "--xla_force_host_platform_device_count=",
-    "--xla_cpu_enable_concurrency_optimized_scheduler=",
-    "--xla_backend_optimization_level=",
-    "--xla_llvm_disable_expensive_passes=",
-    "--xla_cpu_use_fusion_emitters=",
-)
+from eqxpar.runtime import supported_xla_flags  # noqa: E402
+from tests._compile_flags import CHEAP_CODEGEN, DEVICES_8, IN_ORDER  # noqa: E402
+
+# The worker sets these flags itself, replacing any the caller's XLA_FLAGS holds.
+_OWN_FLAGS = tuple(f.split("=")[0] + "=" for f in (DEVICES_8, IN_ORDER, *CHEAP_CODEGEN))
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_OWN_FLAGS)]
-_flags += [
-    "--xla_force_host_platform_device_count=8",
-    "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-]
+_flags += [DEVICES_8, IN_ORDER]
 if os.environ.get("EQXPAR_FUZZ_FULL_OPT", "0") != "1":
-    # Code generation only (LLVM effort, and XLA:CPU's older elemental emitter for
-    # fused elementwise ops instead of its MLIR fusion emitters): together they cut
-    # these tiny steps' compile time about 5x. The HLO passes that partition the
-    # program and place and schedule its collectives are the same either way.
-    _flags += [
-        "--xla_backend_optimization_level=0",
-        "--xla_llvm_disable_expensive_passes=true",
-        "--xla_cpu_use_fusion_emitters=false",
-    ]
+    # Cheap code generation, as the rest of the suite (tests/_compile_flags.py): the
+    # HLO passes that partition the program and place and schedule its collectives
+    # are the same either way.
+    _flags += CHEAP_CODEGEN
 # Only the flags this jaxlib knows (XLA aborts on any other). JAX is imported by now
 # but no backend has started, and XLA reads XLA_FLAGS when the first one starts.
-from eqxpar.runtime import supported_xla_flags  # noqa: E402
-
 os.environ["XLA_FLAGS"] = " ".join(supported_xla_flags(_flags))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

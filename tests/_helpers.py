@@ -16,6 +16,8 @@ from jaxtyping import Array, Float
 
 import eqxpar
 
+from ._compile_flags import suite_xla_flags
+
 # Float32 parity: sharded reductions sum in a different order than one device (and
 # than another CPU's vector width), so results differ in the last bits. rtol 1e-5 is
 # the contract, relative to each element *and* to its leaf's largest magnitude
@@ -335,11 +337,11 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def run_example(script: str, args, *, xla_flags: str | None = None) -> subprocess.CompletedProcess:
-    """Run `examples/<script>` with `args` in a fresh interpreter; the example sets
-    its own device count, so the test's XLA_FLAGS are replaced by `xla_flags`."""
+    """Run `examples/<script>` with `args` in a fresh interpreter, compiled as the
+    suite compiles (tests/_compile_flags.py); the example sets its own device count,
+    so the test's XLA_FLAGS are replaced by those and `xla_flags`."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
+    env["XLA_FLAGS"] = suite_xla_flags(*([xla_flags] if xla_flags else []))
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
         cwd=ROOT,

@@ -6,34 +6,15 @@ the first module pytest imports.
 
 import os
 
-# 8 simulated devices; XLA:CPU running each device's collectives in program order
-# (plans manual over several axes need it: see eqxpar.train.make_step); and cheap
-# code generation (no LLVM optimisation, XLA:CPU's elemental emitter for fused
-# elementwise ops), as the plan fuzz's workers use. The suite compiles hundreds of
-# small programs and runs each a few times, so compiling is most of its time and
-# generating machine code most of compiling. The HLO passes that partition the
-# program and place its collectives, hence every collective and byte count the
-# tests read, are the same; results are compared with one device compiled alike.
-# Examples and scripts the tests run as subprocesses inherit the flags.
-# jaxlib releases drop flags (the fusion-emitter switch is gone from 0.12) and XLA
-# aborts on one it does not know, so only the flags this jaxlib knows are passed.
+# 8 simulated devices, each running its collectives in program order, compiled
+# cheaply: the flags, and why, are in tests/_compile_flags.py. Examples and scripts
+# the tests run as subprocesses inherit them, or take them from there.
 # Importing eqxpar imports JAX but starts no backend, and XLA reads XLA_FLAGS when
-# the first backend starts, so setting them after the import below still counts.
-from eqxpar.runtime import supported_xla_flags  # noqa: E402
+# the first backend starts, so setting them after this import still counts.
+from ._compile_flags import DEVICES_8, IN_ORDER, suite_xla_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        *supported_xla_flags(
-            [
-                "--xla_force_host_platform_device_count=8",
-                "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-                "--xla_backend_optimization_level=0",
-                "--xla_llvm_disable_expensive_passes=true",
-                "--xla_cpu_use_fusion_emitters=false",
-            ]
-        ),
-    ]
+    [os.environ.get("XLA_FLAGS", ""), suite_xla_flags(DEVICES_8, IN_ORDER)]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

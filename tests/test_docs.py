@@ -16,15 +16,17 @@ import types
 
 import pytest
 
+from ._compile_flags import DEVICES_8, IN_ORDER, suite_xla_flags
+
 ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 REFERENCE = DOCS / "reference"
 PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 
-# The device set-up of tests/conftest.py, for the child processes: 8 simulated CPU
-# devices, each running its collectives in program order.
-XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=false"
+# The set-up of tests/conftest.py, for the child processes: 8 simulated CPU devices,
+# each running its collectives in program order, compiled cheaply.
+XLA_FLAGS = suite_xla_flags(DEVICES_8, IN_ORDER)
 
 # Fences a page may use. Only `python` runs; what must not run (a shell command, a
 # Slurm script, printed output) says so with its language.

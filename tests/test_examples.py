@@ -97,9 +97,9 @@ def test_example_runs(name, tmp_path):
     args = [*entry.flags, *TINY[entry.script], *EXTRA.get(name, [])]
     if entry.script == "demo.py":
         args += ["--out", str(tmp_path)]
-    # Two steps of a tiny model: compilation dominates, so compile cheaply (the
-    # example adds the device count to these flags).
-    result = run_example(entry.script, args, xla_flags="--xla_backend_optimization_level=0")
+    # Two steps of a tiny model: compilation dominates, and run_example compiles
+    # cheaply (the example adds the device count to its flags).
+    result = run_example(entry.script, args)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     if entry.script == "vision_transformer.py":  # a classifier: it reports its accuracy
@@ -122,7 +122,7 @@ def test_example_runs(name, tmp_path):
 def test_filter_jit_loop_runs():
     # The user-written loop of filter_jit_loop.py takes no plan from the table.
     result = run_example(
-        "filter_jit_loop.py", ["--steps", "3"], xla_flags="--xla_backend_optimization_level=0"
+        "filter_jit_loop.py", ["--steps", "3"]
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loss" in result.stdout

@@ -23,6 +23,7 @@ import pytest
 import eqxpar.launch
 from eqxpar.distributed import DistributedError
 
+from ._compile_flags import suite_xla_flags
 from ._helpers import assert_params_close, assert_trees_close
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -152,7 +153,8 @@ def test_a_rank_failing_after_initialize_stops_the_run(tmp_path, kind, rank, sta
     # Two JAX processes joined by eqxpar.distributed.initialize(). A failing one
     # used to hang in JAX's exit barrier (exception, sys.exit) or ignore SIGTERM
     # (JAX's preemption notifier), unseen by the launcher, until the timeout.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The launcher adds each process's device count to the suite's compile flags.
+    env = {**os.environ, "XLA_FLAGS": suite_xla_flags()}
     command = [sys.executable, "-m", "eqxpar.launch", "-n", "2", "--devices-per-process", "2"]
     command += ["--timeout", "90", str(SCRIPT), "fault", kind, str(rank), str(tmp_path)]
     start = time.monotonic()
@@ -274,7 +276,8 @@ def _launch(n, devices, *args):
 
 
 def test_two_processes_match_one_and_a_killed_run_resumes_exactly(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each run sets its own devices
+    # Each run sets its own device count beside the suite's compile flags.
+    env = {**os.environ, "XLA_FLAGS": suite_xla_flags()}
     # Later runs reuse the executables earlier ones compiled (same programs): the
     # machine is small and each process compiles the same few steps.
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax-cache")
