@@ -316,7 +316,7 @@ def _engine_ticks(sched: Any) -> dict[str, int]:
     backward-direction action (`"backward"`): the engine's loop positions hold
     one branch per device on every iteration (`_loops`), so each tick is counted
     at what it runs."""
-    from ..pipeline._schedule import FORWARD
+    from ..pipeline._actions import FORWARD
 
     actions: dict[int, set[bool]] = defaultdict(set)
     for tick, _, _, _, action in sched.entries():
@@ -381,7 +381,7 @@ def _engine_runs(sched: Any) -> list[dict[str, bool]]:
     (`"forward"`) or a backward action (`"backward"`). The engine copies a slot
     out of (into) its buffers only at positions that read (write) one."""
     from ..pipeline import _engine
-    from ..pipeline._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+    from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
     program, branch_keys = _engine._program(sched, True)
 

@@ -62,8 +62,10 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._step_layout import StepLayout
+from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
+from ._builtin import schedule
 from ._loss import PipelineLoss
-from ._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE, Schedule, schedule
+from ._schedule import Schedule
 from ._split_backward import SplitBackward
 
 PIPE = "pipe"
