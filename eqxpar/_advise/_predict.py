@@ -18,6 +18,18 @@ from .._specs import is_array_like
 from .._step_layout import StepLayout, manual_axes_of
 from ..inspect import _minimum
 from ..inspect._minimum import minimum_comm
+from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ..pipeline._program import (
+    RES_READ,
+    RES_WRITE,
+    STASH_READ,
+    STASH_WRITE,
+    build_program,
+    senders,
+    slot_used,
+    stores_residuals,
+    tick_loops,
+)
 from ._analysis import Analysis, nbytes
 from ._profile import DeviceProfile
 
@@ -304,20 +316,16 @@ def _schedule(plan: Plan) -> Any:
 
 def _engine_sends(sched: Any) -> int:
     """Boundary buffers the busiest device sends in a step: the engine's ticks
-    send from the devices that have something due only (`_sends`)."""
-    from ..pipeline._engine import _sends
-
-    sent = Counter(d for forward, backward in _sends(sched) for d in (*forward, *backward))
+    send from the devices that have something due only (`senders`)."""
+    sent = Counter(d for forward, backward in senders(sched) for d in (*forward, *backward))
     return max(sent.values(), default=0)
 
 
 def _engine_ticks(sched: Any) -> dict[str, int]:
     """Ticks in which some device runs a forward (`"forward"`) and a
     backward-direction action (`"backward"`): the engine's loop positions hold
-    one branch per device on every iteration (`_loops`), so each tick is counted
+    one branch per device on every iteration (`tick_loops`), so each tick is counted
     at what it runs."""
-    from ..pipeline._actions import FORWARD
-
     actions: dict[int, set[bool]] = defaultdict(set)
     for tick, _, _, _, action in sched.entries():
         actions[tick].add(action == FORWARD)
@@ -374,29 +382,26 @@ def _pipeline_memory(
 
 
 def _engine_runs(sched: Any) -> list[dict[str, bool]]:
-    """What the ticks of each position of the engine's loops (`_loops`, one
+    """What the ticks of each position of the engine's loops (`tick_loops`, one
     `lax.switch` each) do: whether any reads a residual slot (`"reads"`) or writes one
     (`"writes"`), the same for the split backwards' stash (`"stash_reads"`,
     `"stash_writes"`), and whether any runs a forward that stores its residuals
     (`"forward"`) or a backward action (`"backward"`). The engine copies a slot
     out of (into) its buffers only at positions that read (write) one."""
-    from ..pipeline import _engine
-    from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
-
-    program, branch_keys = _engine._program(sched, True)
+    program, branch_keys = build_program(sched, True)
 
     runs = []
-    for loop in _engine._loops(sched, program):
+    for loop in tick_loops(sched, program):
         for position in range(loop.period):
             part = program[list(loop.ticks(position))]
             keys = {key for i in set(part[..., 0].flat) for key in branch_keys[int(i)]}
             runs.append(
                 {
-                    "reads": _engine._slot_used(part, _engine.RES_READ),
-                    "writes": _engine._slot_used(part, _engine.RES_WRITE),
-                    "stash_reads": _engine._slot_used(part, _engine.STASH_READ),
-                    "stash_writes": _engine._slot_used(part, _engine.STASH_WRITE),
-                    "forward": any(_engine._stores(kind, folded) for kind, _, _, folded in keys),
+                    "reads": slot_used(part, RES_READ),
+                    "writes": slot_used(part, RES_WRITE),
+                    "stash_reads": slot_used(part, STASH_READ),
+                    "stash_writes": slot_used(part, STASH_WRITE),
+                    "forward": any(stores_residuals(kind, folded) for kind, _, _, folded in keys),
                     "backward": any(
                         kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys
                     ),
