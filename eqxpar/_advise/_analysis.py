@@ -17,6 +17,7 @@ from jax.extend import core as jcore
 from .._errors import PlanError
 from .._specs import is_array_like
 from .._text import short
+from ..inspect._model_layers import attention_layers
 
 
 def outline(tree: Any) -> Any:
@@ -132,9 +133,7 @@ def analyse(model: Any, loss: Callable, batch: Any) -> Analysis:
 
 
 def _layers(model: Any) -> int:
-    from ..inspect._minimum import _attentions
-
-    return sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in _attentions(model))
+    return sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in attention_layers(model))
 
 
 @dataclasses.dataclass(frozen=True)

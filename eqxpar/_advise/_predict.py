@@ -16,8 +16,17 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like
 from .._step_layout import StepLayout, manual_axes_of
-from ..inspect import _minimum
-from ..inspect._minimum import minimum_comm
+from ..inspect import minimum_comm
+from ..inspect._jaxpr_walk import (
+    TensorSum,
+    TensorSumWalk,
+    aval_bytes,
+    compute_outline,
+    tensor_split_dims,
+    trace_jaxpr,
+    with_key,
+)
+from ..inspect._tally import sum_items
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
 from ..pipeline._program import (
     RES_READ,
@@ -545,7 +554,7 @@ def _wire(
     return dict(wire), dict(by_axis)
 
 
-class _Repeats(_minimum._Walk):
+class _Repeats(TensorSumWalk):
     """A jaxpr walk that also keeps the backward sums `minimum_comm` counts once
     per input: those of a second, third, ... column-parallel weight on one input."""
 
@@ -559,9 +568,7 @@ class _Repeats(_minimum._Walk):
         if (lhs is None) != (rhs is None) and (lhs or rhs):
             dims, contract, act = (rhs, rc, eqn.invars[0]) if rhs is not None else (lhs, lc, eqn.invars[1])
             if not dims & set(contract) and alias.get(act, act) in self.seen:
-                self.repeats.append(
-                    _minimum._Sum("backward", count, _minimum._aval_bytes(act.aval, self.moved))
-                )
+                self.repeats.append(TensorSum("backward", count, aval_bytes(act.aval, self.moved)))
         super().dot(eqn, ins, alias, count)
 
 
@@ -575,24 +582,24 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     weights share one gather, whose transpose sums once."""
     t = plan.mesh.shape.get(plan.tensor_axis, 1)
     manual = plan.mode == "manual" or plan.schedule is not None
-    split = _minimum._split_dims(plan, params) if t > 1 and manual and not plan.sequence_parallel else {}
+    split = tensor_split_dims(plan, params) if t > 1 and manual and not plan.sequence_parallel else {}
     if not split or loss is None or batch is None:
         return 0
-    model, data = _minimum._outline(plan, params), _minimum._outline(plan, batch)
+    model, data = compute_outline(plan, params), compute_outline(plan, batch)
 
     def repeats(fn: Any, args: tuple, per_device: int, num: int, den: int) -> int:
-        closed, _, _ = _minimum._trace(fn, args, "the loss")
+        closed, _, _ = trace_jaxpr(fn, args, "the loss")
         walk = _Repeats(moved)
         walk.run(closed.jaxpr, {closed.jaxpr.invars[i]: d for i, d in split.items() if d}, {}, 1)
-        items = _minimum._sum_items(walk.repeats, t, per_device=per_device, repeat=(num, den))
+        items = sum_items(walk.repeats, t, per_device=per_device, repeat=(num, den))
         return sum(i.wire for i in items)
 
     if plan.schedule is None:
         share = plan.batch_size_multiple * plan.context_size
-        return repeats(_minimum._with_key(loss), (model, data), share, 1, 1)
+        return repeats(with_key(loss), (model, data), share, 1, 1)
     p, m = plan.mesh.shape.get("pipe", 1), plan.microbatches
     share = plan.batch_size_multiple * m * plan.context_size
-    _, h, _ = _minimum._trace(loss.first, (model, data), "loss.first(model, batch)")
+    _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     stack = repeats(lambda mod, x: loss.stack_of(mod)(x), (model, h), share, m, p)
     first = repeats(loss.first, (model, data), share, m, 1)
     last = repeats(loss.last, (model, h, data), share, m, 1)
