@@ -77,6 +77,7 @@ from ._program import (
     STASH_READ,
     STASH_WRITE,
     Key,
+    Loop,
     build_program,
     slot_used,
     stores_residuals,
@@ -688,68 +689,13 @@ class Device:
         at a loop position on every iteration. Each tick's `lax.switch` holds
         the branches its loop position runs, one per device."""
         program, branch_keys = self.engine.program
-        p = self.p
-
-        def tick(carry, row, *, local, forward, backward, uses):
-            # What the tick's actions store is written into its slot here, after
-            # the switch, in loop positions whose ticks store any (`uses`, per field).
-            res, stash = carry[5], carry[6]
-
-            def slot(field):  # at most one of the tick's actions has a slot there
-                return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
-
-            send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
-                row[0], local, (carry, row)
-            )
-            inputs, cots = carry[0], carry[1]
-            # Every device runs the tick's sends, outside the branches (a
-            # collective that only some devices reach would hang); the pairs
-            # name the devices with something due.
-            if forward:
-                inputs = _write(
-                    inputs, row[1], lax.ppermute(send_f, PIPE, [(d, (d + 1) % p) for d in forward])
-                )
-            if backward:
-                cots = _write(cots, row[2], lax.ppermute(send_b, PIPE, [(d, (d - 1) % p) for d in backward]))
-            if uses[RES_WRITE]:
-                res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
-            if uses[STASH_WRITE]:
-                stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
-            return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash)
-
-        buffers = self.engine.sched.buffers
-        n_inputs, n_cots, n_res = (max(1, n) for n in (buffers.inputs, buffers.cotangents, buffers.residuals))
-        act = self.act
-        carry = (
-            mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
-            mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
-            jax.tree.map(jnp.zeros_like, self.rest),
-            jax.tree.map(jnp.zeros_like, self.blocks),
-            mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
-            self.residuals.zeros(n_res),
-            # What a split backward's `I` hands its `W`, in slots of their own.
-            self.stash.zeros(max(1, buffers.stashes)),
-        )
+        carry = self._initial_carry()
         for loop in tick_loops(self.engine.sched, program):
             # (count, period, device, column): iteration, body position.
             part = np.array(program[loop.start : loop.stop]).reshape(
                 loop.count, loop.period, *program.shape[1:]
             )
-            bodies = []
-            for j, (forward, backward) in enumerate(loop.sends):
-                at = part[:, j]
-                # A switch of one branch is inlined (by JAX): its slot reads are
-                # then no longer ordered before the tick's slot writes by the
-                # switch's output, and XLA copies whole buffers around them.
-                # The idle branch keeps it a switch.
-                used = sorted({int(i) for i in at[..., 0].flat} | {0})
-                part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
-                uses = {f: slot_used(at, f) for f in SLOTS}
-                stores = (uses[RES_WRITE], uses[STASH_WRITE])
-                local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
-                bodies.append(
-                    functools.partial(tick, local=local, forward=forward, backward=backward, uses=uses)
-                )
+            bodies = self._loop_bodies(loop, part, branch_keys)
             rows = lax.dynamic_index_in_dim(jnp.asarray(part), lax.axis_index(PIPE), 2, keepdims=False)
 
             def body(carry, rows, bodies=bodies):
@@ -769,6 +715,75 @@ class Device:
                 carry, _ = lax.scan(body, carry, rows)
         _, _, g_rest, g_blocks, loss_sum, _, _ = carry
         return loss_sum, g_rest, g_blocks
+
+    def _initial_carry(self) -> tuple:
+        """The loops' carry: the stage-input and cotangent buffers, the gradient
+        and loss sums, the residual and stash buffers."""
+        buffers = self.engine.sched.buffers
+        n_inputs, n_cots, n_res = (max(1, n) for n in (buffers.inputs, buffers.cotangents, buffers.residuals))
+        act = self.act
+        return (
+            mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
+            mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
+            jax.tree.map(jnp.zeros_like, self.rest),
+            jax.tree.map(jnp.zeros_like, self.blocks),
+            mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
+            self.residuals.zeros(n_res),
+            # What a split backward's `I` hands its `W`, in slots of their own.
+            self.stash.zeros(max(1, buffers.stashes)),
+        )
+
+    def _loop_bodies(self, loop: Loop, part: np.ndarray, branch_keys: list) -> list:
+        """One tick function per position of `loop`'s body, each switching over the
+        branches its position runs; `part` (the loop's program rows, `(count,
+        period, device, column)`) gets its branch column renumbered to match."""
+        bodies = []
+        for j, (forward, backward) in enumerate(loop.sends):
+            at = part[:, j]
+            # A switch of one branch is inlined (by JAX): its slot reads are
+            # then no longer ordered before the tick's slot writes by the
+            # switch's output, and XLA copies whole buffers around them.
+            # The idle branch keeps it a switch.
+            used = sorted({int(i) for i in at[..., 0].flat} | {0})
+            part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
+            uses = {f: slot_used(at, f) for f in SLOTS}
+            stores = (uses[RES_WRITE], uses[STASH_WRITE])
+            local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
+            bodies.append(
+                functools.partial(self._tick, local=local, forward=forward, backward=backward, uses=uses)
+            )
+        return bodies
+
+    def _tick(
+        self, carry: tuple, row: jax.Array, *, local: list, forward: tuple, backward: tuple, uses: dict
+    ) -> tuple:
+        """One tick: the device's branch of `local`, then the sends of the
+        devices `forward` and `backward` name, each received value filed into
+        its slot."""
+        p = self.p
+        # What the tick's actions store is written into its slot here, after
+        # the switch, in loop positions whose ticks store any (`uses`, per field).
+        res, stash = carry[5], carry[6]
+
+        def slot(field):  # at most one of the tick's actions has a slot there
+            return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
+
+        send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
+            row[0], local, (carry, row)
+        )
+        inputs, cots = carry[0], carry[1]
+        # Every device runs the tick's sends, outside the branches (a
+        # collective that only some devices reach would hang); the pairs
+        # name the devices with something due.
+        if forward:
+            inputs = _write(inputs, row[1], lax.ppermute(send_f, PIPE, [(d, (d + 1) % p) for d in forward]))
+        if backward:
+            cots = _write(cots, row[2], lax.ppermute(send_b, PIPE, [(d, (d - 1) % p) for d in backward]))
+        if uses[RES_WRITE]:
+            res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
+        if uses[STASH_WRITE]:
+            stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
+        return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash)
 
 
 def pipeline_gradients(
