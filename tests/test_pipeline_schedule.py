@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 
 import eqxpar
-<<<<<<< HEAD
-from eqxpar.pipeline import schedule
-from eqxpar.pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
-=======
 from eqxpar.pipeline import ACTION_NAMES, schedule
->>>>>>> tests37
 
 # The action codes of a schedule's table (`Schedule.table[..., 2]`, the last field of
 # `Schedule.entries()`): each action's index in ACTION_NAMES.
@@ -166,12 +161,7 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
     input half of any but the first) and where each device runs the tick's
     branch: a position's switch is counted at what its ticks run, so the
     program's lockstep cost is the table's."""
-<<<<<<< HEAD
-    from eqxpar.pipeline._actions import BACKWARD, BACKWARD_INPUT, FORWARD
     from eqxpar.pipeline._program import build_program, senders, tick_loops
-=======
-    from eqxpar.pipeline._engine import _loops, _program, _sends
->>>>>>> tests37
 
     chunks = 2 if name == "interleaved" else 1
     sched = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
