@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar import nn
-from eqxpar.nn._attention import _attend
+from eqxpar.nn._attention import dense_attention
 
 from ._helpers import (
     ATTENTION_ATOL,
@@ -36,10 +36,10 @@ KEY = jax.random.key(7)
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_path_drops_the_same_probabilities(causal):
     args, cot = random_qkv(0, 32, 4, 2)
-    dense = functools.partial(_attend, causal=causal, mask=None, dropout=RATE, key=KEY)
+    dense = functools.partial(dense_attention, causal=causal, mask=None, dropout=RATE, key=KEY)
     ref = output_and_grads(dense, args, cot)
     # The dropout changes the result (it is not silently off).
-    plain = output_and_grads(functools.partial(_attend, causal=causal, mask=None), args, cot)
+    plain = output_and_grads(functools.partial(dense_attention, causal=causal, mask=None), args, cot)
     assert np.abs(np.asarray(ref[0] - plain[0])).max() > 1e-2
     for block in (8, 12):  # 12: the last block padded
         blockwise = functools.partial(
@@ -64,7 +64,7 @@ def test_dropout_with_segment_ids_on_blockwise_and_ring():
     args, cot = random_qkv(1, 32, 2, 2)
     seg = packed_segment_ids(1, 2, 32)
     ref = output_and_grads(
-        functools.partial(_attend, causal=True, mask=None, segment_ids=seg, dropout=RATE, key=KEY), args, cot
+        functools.partial(dense_attention, causal=True, mask=None, segment_ids=seg, dropout=RATE, key=KEY), args, cot
     )
     blockwise = functools.partial(
         nn.blockwise_attention, causal=True, segment_ids=seg, block_size=8, dropout=RATE, key=KEY

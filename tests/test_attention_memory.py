@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar import nn
-from eqxpar.nn._attention import _attend
+from eqxpar.nn._attention import dense_attention
 
 from ._helpers import assert_trees_close, assert_trees_close_to_scale, random_qkv
 
@@ -40,7 +40,7 @@ def test_blockwise_equals_dense(causal, seq, heads, kv_heads, block):
         return nn.blockwise_attention(q, k, v, causal=causal, block_size=block)
 
     def dense(q, k, v):
-        return _attend(q, k, v, causal=causal, mask=None)
+        return dense_attention(q, k, v, causal=causal, mask=None)
 
     assert_trees_close(jax.jit(blockwise)(q, k, v), jax.jit(dense)(q, k, v))
     assert_trees_close(loss(blockwise)(q, k, v), loss(dense)(q, k, v))
@@ -59,7 +59,7 @@ def test_blockwise_mask_and_fully_masked_rows(causal):
         return nn.blockwise_attention(q, k, v, causal=causal, mask=mask, block_size=16)
 
     def dense(q, k, v):
-        return _attend(q, k, v, causal=causal, mask=mask)
+        return dense_attention(q, k, v, causal=causal, mask=mask)
 
     assert_trees_close(loss(blockwise)(q, k, v), loss(dense)(q, k, v))
 
@@ -68,7 +68,7 @@ def test_blockwise_bfloat16_accumulates_in_float32():
     (q, k, v), _ = random_qkv(2, 48, 4, 4)
     out = nn.blockwise_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), causal=True, block_size=16)
     assert out.dtype == jnp.bfloat16
-    ref = _attend(q, k, v, causal=True, mask=None)
+    ref = dense_attention(q, k, v, causal=True, mask=None)
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=5e-2)
 
 

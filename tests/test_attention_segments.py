@@ -13,7 +13,7 @@ import pytest
 
 import eqxpar
 from eqxpar import nn
-from eqxpar.nn._attention import _attend
+from eqxpar.nn._attention import dense_attention
 
 from ._helpers import (
     ATTENTION_ATOL,
@@ -33,8 +33,8 @@ def test_dense_segment_ids_are_the_per_row_mask():
     (q, k, v), _ = random_qkv(0, 16, 2, 2, batch=1)
     seg = packed_segment_ids(0, 1, 16)
     mask = seg[0][:, None] == seg[0][None, :]
-    by_ids = _attend(q, k, v, causal=True, mask=None, segment_ids=seg)
-    assert_trees_close(by_ids, _attend(q, k, v, causal=True, mask=mask), atol=ATTENTION_ATOL)
+    by_ids = dense_attention(q, k, v, causal=True, mask=None, segment_ids=seg)
+    assert_trees_close(by_ids, dense_attention(q, k, v, causal=True, mask=mask), atol=ATTENTION_ATOL)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -43,7 +43,7 @@ def test_blockwise_equals_dense(causal, seq, heads, kv_heads, block):
     args, cot = random_qkv(1, seq, heads, kv_heads)
     seg = packed_segment_ids(1, 2, seq)
     blockwise = functools.partial(nn.blockwise_attention, causal=causal, segment_ids=seg, block_size=block)
-    dense = functools.partial(_attend, causal=causal, mask=None, segment_ids=seg)
+    dense = functools.partial(dense_attention, causal=causal, mask=None, segment_ids=seg)
     assert_trees_close(
         output_and_grads(blockwise, args, cot), output_and_grads(dense, args, cot), atol=ATTENTION_ATOL
     )
@@ -56,7 +56,7 @@ def test_blockwise_segments_and_mask_combine():
     blockwise = functools.partial(
         nn.blockwise_attention, causal=False, mask=mask, segment_ids=seg, block_size=8
     )
-    dense = functools.partial(_attend, causal=False, mask=mask, segment_ids=seg)
+    dense = functools.partial(dense_attention, causal=False, mask=mask, segment_ids=seg)
     assert_trees_close(
         output_and_grads(blockwise, args, cot), output_and_grads(dense, args, cot), atol=ATTENTION_ATOL
     )
@@ -73,7 +73,7 @@ def test_context_attention_equals_dense(impl, causal, load_balanced):
         args,
         cot,
     )
-    ref = output_and_grads(functools.partial(_attend, causal=causal, mask=None, segment_ids=seg), args, cot)
+    ref = output_and_grads(functools.partial(dense_attention, causal=causal, mask=None, segment_ids=seg), args, cot)
     assert_trees_close((out, grads), ref, atol=ATTENTION_ATOL)
 
 

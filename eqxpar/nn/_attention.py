@@ -260,7 +260,7 @@ class Attention(eqx.Module):
         # Attention on the local heads; no collectives on any path.
         masks = dict(mask=mask, segment_ids=segment_ids, **drop)
         if self.attention == "dense":
-            return _attend(q, k, v, causal=self.causal, **masks)
+            return dense_attention(q, k, v, causal=self.causal, **masks)
         if self.attention == "auto":
             if _cudnn_applies(q, mask, segment_ids) and not drop:
                 return jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation="cudnn")
@@ -268,7 +268,7 @@ class Attention(eqx.Module):
                 # One block: the dense scores are one (seq, block) tile, the same temp
                 # memory as the blockwise path without its scan and custom VJP, and
                 # short-sequence programs (and the HLO the tests count) stay as they were.
-                return _attend(q, k, v, causal=self.causal, **masks)
+                return dense_attention(q, k, v, causal=self.causal, **masks)
         return blockwise_attention(q, k, v, causal=self.causal, block_size=self.attention_block, **masks)
 
 
@@ -288,7 +288,7 @@ def _cudnn_applies(q: Array, mask: Array | None, segment_ids: Array | None) -> b
     )
 
 
-def _attend(
+def dense_attention(
     q: Array,
     k: Array,
     v: Array,
@@ -300,6 +300,9 @@ def _attend(
     key: PRNGKeyArray | None = None,
     head_offset: Array | int = 0,
 ) -> Array:
+    """Attention over the whole sequence at once, scores materialised: what
+    `Attention` runs when it does not attend blockwise, and the reference the
+    blockwise, context-parallel and dropout paths are tested against."""
     # q: (b, s, hq, d); k, v: (b, s, hkv, d). Query head i reads key/value head
     # i // (hq / hkv); with heads split contiguously over the tensor axis every
     # device holds whole groups, so this runs on local heads unchanged.
