@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import eqxpar
 from eqxpar.models import gpt_first, gpt_last
-from eqxpar.pipeline._engine import _halves
+from eqxpar.pipeline._split_backward import split_pull_back as _halves
 
 from . import _workload
 

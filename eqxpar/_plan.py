@@ -536,7 +536,9 @@ def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -
                 "eqxpar.train.make_step(..., accumulate=k).)"
             )
         return microbatches, chunks
-    # Imported here: the pipeline package imports this module.
+    # Imported here, not at the top: importing a module of eqxpar.pipeline runs
+    # the package's __init__, which imports eqxpar.nn, whose layers import this
+    # module. (No module of eqxpar.pipeline that this one imports imports it.)
     from .pipeline._schedule import Schedule
 
     if isinstance(schedule, Schedule):
@@ -566,7 +568,7 @@ def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -
 
 
 def _check_schedule_object(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -> tuple[int, int]:
-    from .pipeline._schedule import validate
+    from .pipeline._validate import validate  # imported here: see `_check_pipeline`
 
     names = tuple(mesh.axis_names)
     if schedule.placement != "interleaved":

@@ -279,7 +279,7 @@ def test_lockstep_flops_are_the_tables(name, stages, microbatches, chunks):
     at its costliest branch, times its trip count) are what the table's lockstep
     bubble says: a device's useful work, F + B = 3F per chunk and micro-batch,
     over 1 - the bubble. Each device runs one branch at a loop position on every
-    iteration (`_loops`), so no tick is counted at another's action (interleaved
+    iteration (`tick_loops`), so no tick is counted at another's action (interleaved
     here: 4-6 % more when positions mixed forwards and backwards). The rest is
     the tiny model's input layer and head."""
     rows, width = 16, 256

@@ -10,7 +10,7 @@ import pytest
 
 import eqxpar
 from eqxpar.pipeline import schedule
-from eqxpar.pipeline._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+from eqxpar.pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 
 GRID = [(p, k * p) for p in (1, 2, 4, 8) for k in (1, 2, 4)]
 VARIANTS = [
@@ -157,12 +157,12 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
     input half of any but the first) and where each device runs the tick's
     branch: a position's switch is counted at what its ticks run, so the
     program's lockstep cost is the table's."""
-    from eqxpar.pipeline._engine import _loops, _program, _sends
-    from eqxpar.pipeline._schedule import BACKWARD, BACKWARD_INPUT, FORWARD
+    from eqxpar.pipeline._actions import BACKWARD, BACKWARD_INPUT, FORWARD
+    from eqxpar.pipeline._program import build_program, senders, tick_loops
 
     chunks = 2 if name == "interleaved" else 1
     sched = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
-    sends = _sends(sched)
+    sends = senders(sched)
     due = [(set(), set()) for _ in range(sched.ticks)]
     for tick, device, _, k, kind in sched.entries():
         if kind == FORWARD and k < sched.virtual_stages - 1:
@@ -170,9 +170,9 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
         if kind in (BACKWARD, BACKWARD_INPUT) and k > 0:
             due[tick][1].add(device)
     assert [(set(f), set(b)) for f, b in sends] == due
-    program = _program(sched, keep)[0]
+    program = build_program(sched, keep)[0]
     covered = []
-    loops = _loops(sched, program)
+    loops = tick_loops(sched, program)
     for loop in loops:
         assert loop.count >= 1 and loop.period >= 1
         for position in range(loop.period):

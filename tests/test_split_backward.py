@@ -7,7 +7,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 
 from eqxpar.inspect import matmul_flops
-from eqxpar.pipeline._engine import _halves
+from eqxpar.pipeline._split_backward import split_pull_back
 
 from ._helpers import assert_trees_close
 
@@ -15,10 +15,10 @@ from ._helpers import assert_trees_close
 def _split(fn, *args):
     """The pull-back of `fn` at `args` (the last is the input) as a flat function,
     its inputs, the whole backward's outputs, and its split (as the engine
-    splits a stage's: `_halves`)."""
+    splits a stage's: `split_pull_back`)."""
     out, pull = jax.vjp(fn, *args)
     seed = jax.random.normal(jax.random.key(9), out.shape)
-    halves, inputs = _halves(*jax.tree.flatten(pull), seed, first=False)
+    halves, inputs = split_pull_back(*jax.tree.flatten(pull), seed, first=False)
     backward = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(halves.jaxpr, halves.consts))
     return backward, inputs, backward(*inputs), halves
 

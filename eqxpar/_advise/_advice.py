@@ -16,7 +16,7 @@ from .._sharding import shard_batch
 from .._specs import is_array_like
 from .._step_layout import StepLayout
 from .._text import fmt_int, render, short
-from ._analysis import analyse, outline
+from ._analysis import Analysis, analyse, outline
 from ._enumerate import TENSOR, Layout, layouts
 from ._predict import Prediction, _tensor_dims, placeholder_mesh, predict
 from ._profile import DeviceProfile, as_profile
@@ -229,23 +229,7 @@ def advise(
     print(advice); plan = advice.plan(0)
     ```
     """
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise PlanError(f"advise(devices={devices!r}): expected a positive device count, e.g. devices=8.")
-    profile = as_profile(device)
-    budget = profile.memory_bytes if memory_per_device is None else memory_per_device
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise PlanError(
-            f"advise(memory_per_device={memory_per_device!r}): expected a positive number of bytes, "
-            "e.g. 16 * 2**30."
-        )
-    if pipeline_loss is not None:
-        from ..pipeline import PipelineLoss
-
-        if not isinstance(pipeline_loss, PipelineLoss):
-            raise PlanError(
-                f"advise(pipeline_loss={pipeline_loss!r}): expected an eqxpar.pipeline.PipelineLoss "
-                "(or None for no pipeline plans)."
-            )
+    profile, budget = _checked(devices, device, memory_per_device, pipeline_loss)
     shapes = outline(model)
     params = eqx.filter(shapes, lambda x: is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact))
     if not jax.tree.leaves(params):
@@ -266,26 +250,8 @@ def advise(
         expert=moe,
     ):
         try:
-            if moe and layout.options.get("sequence_parallel"):
-                # The layer refuses it when the step is built (eqxpar.nn.MoE).
-                raise PlanError("MoE layers do not run under manual sequence parallelism yet")
-            plan = Plan(placeholder_mesh(layout.mesh), **layout.options)
-            need = plan.batch_size_multiple * plan.microbatches
-            if analysis.batch_size % need:
-                raise PlanError(f"the batch of {analysis.batch_size} does not split into {need}")
-            if plan.context_size > 1 and analysis.seq_len % (2 * plan.context_size):
-                raise PlanError(
-                    f"sequence {analysis.seq_len} does not split into {2 * plan.context_size} chunks"
-                )
-            piped = plan.schedule is not None
-            prediction = predict(
-                plan,
-                shapes,
-                opt_state,
-                tokens,
-                pipeline_loss if piped else loss_fn,
-                staged if piped else analysis,
-                profile,
+            prediction = _predict_layout(
+                layout, moe, shapes, opt_state, tokens, (loss_fn, analysis), (pipeline_loss, staged), profile
             )
         except EqxparError as e:
             skipped.append((layout.name, short(str(e))))
@@ -307,3 +273,56 @@ def advise(
         batch=batch,
         pipeline_loss=pipeline_loss,
     )
+
+
+def _checked(
+    devices: Any, device: Any, memory_per_device: Any, pipeline_loss: Any
+) -> tuple[DeviceProfile, int]:
+    """`(device profile, memory budget per device)` of `advise`'s arguments, checked."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise PlanError(f"advise(devices={devices!r}): expected a positive device count, e.g. devices=8.")
+    profile = as_profile(device)
+    budget = profile.memory_bytes if memory_per_device is None else memory_per_device
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise PlanError(
+            f"advise(memory_per_device={memory_per_device!r}): expected a positive number of bytes, "
+            "e.g. 16 * 2**30."
+        )
+    if pipeline_loss is not None:
+        from ..pipeline import PipelineLoss
+
+        if not isinstance(pipeline_loss, PipelineLoss):
+            raise PlanError(
+                f"advise(pipeline_loss={pipeline_loss!r}): expected an eqxpar.pipeline.PipelineLoss "
+                "(or None for no pipeline plans)."
+            )
+    return profile, budget
+
+
+def _predict_layout(
+    layout: Layout,
+    moe: bool,
+    shapes: Any,
+    opt_state: Any,
+    tokens: Any,
+    plain: tuple[Any, Analysis],
+    piped: tuple[Any, Analysis | None],
+    profile: DeviceProfile,
+) -> Prediction:
+    """The prediction of one candidate `layout`, from the loss and its analysis
+    (`plain`, or `piped` for a pipeline plan: the `PipelineLoss` and its
+    analysis). Raises `EqxparError` where the layout cannot run the model or
+    batch (`advise` skips it, naming why)."""
+    loss_fn, analysis = plain
+    if moe and layout.options.get("sequence_parallel"):
+        # The layer refuses it when the step is built (eqxpar.nn.MoE).
+        raise PlanError("MoE layers do not run under manual sequence parallelism yet")
+    plan = Plan(placeholder_mesh(layout.mesh), **layout.options)
+    need = plan.batch_size_multiple * plan.microbatches
+    if analysis.batch_size % need:
+        raise PlanError(f"the batch of {analysis.batch_size} does not split into {need}")
+    if plan.context_size > 1 and analysis.seq_len % (2 * plan.context_size):
+        raise PlanError(f"sequence {analysis.seq_len} does not split into {2 * plan.context_size} chunks")
+    if plan.schedule is not None:
+        loss_fn, analysis = piped
+    return predict(plan, shapes, opt_state, tokens, loss_fn, analysis, profile)

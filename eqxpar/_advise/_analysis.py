@@ -17,6 +17,7 @@ from jax.extend import core as jcore
 from .._errors import PlanError
 from .._specs import is_array_like
 from .._text import short
+from ..inspect._model_layers import attention_layers
 
 
 def outline(tree: Any) -> Any:
@@ -132,9 +133,7 @@ def analyse(model: Any, loss: Callable, batch: Any) -> Analysis:
 
 
 def _layers(model: Any) -> int:
-    from ..inspect._minimum import _attentions
-
-    return sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in _attentions(model))
+    return sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in attention_layers(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,14 +187,14 @@ def _group_bytes(groups: dict) -> int:
 
 def _packings(device: Any) -> tuple[dict, dict, dict]:
     """`(groups, layout, stash groups)` of the engine's per-device residual
-    packing (`device.residuals` and `device.stash`, `_Packing`s)."""
+    packing (`device.residuals` and `device.stash`, `Packing`s)."""
     return device.residuals.groups, device.residuals.layout, device.stash.groups
 
 
 def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     """The pipeline engine's own residual slot layout for `plan` (a pipeline plan;
     `loss` its `eqxpar.pipeline.PipelineLoss`; `model` and the global `batch` as
-    arrays or outlines). The engine's per-device setup (`_Device`, which resolves
+    arrays or outlines). The engine's per-device setup (`Device`, which resolves
     the layout by abstract evaluation) is traced inside `shard_map` on the plan's
     mesh, which may be a placeholder: nothing is placed or compiled. So the kept
     leaves are the engine's (those that vary along `pipe` under its varying-type
@@ -206,11 +205,11 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     from .._rules import mesh_axis_names
     from .._shard_map import filter_shard_map
     from .._step_layout import StepLayout
-    from ..pipeline import _engine
+    from ..pipeline._engine import Device, Engine
 
     model, batch = outline(model), outline(batch)
     layout = StepLayout.resolve(plan, model)
-    engine = _engine._Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=plan.compute_dtype), layout)
+    engine = Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=plan.compute_dtype), layout)
     batch_axes = set(layout.reduced_axes)
 
     def whole(spec: Any) -> Any:
@@ -225,7 +224,7 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     def per_device(model: Any, batch: Any) -> jax.Array:
         params, static = eqx.partition(model, eqx.is_inexact_array)
         params = jax.tree.map(lambda x: mark_varying(x, engine.local), params)
-        device = _engine._Device(engine, params, static, batch)
+        device = Device(engine, params, static, batch)
         groups, layout, stash = _packings(device)
         found["groups"] = {key: int(n) for key, n in groups.items()}
         found["leaves"] = {

@@ -16,8 +16,29 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like
 from .._step_layout import StepLayout, manual_axes_of
-from ..inspect import _minimum
-from ..inspect._minimum import minimum_comm
+from ..inspect import minimum_comm
+from ..inspect._jaxpr_walk import (
+    TensorSum,
+    TensorSumWalk,
+    aval_bytes,
+    compute_outline,
+    tensor_split_dims,
+    trace_jaxpr,
+    with_key,
+)
+from ..inspect._tally import sum_items
+from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ..pipeline._program import (
+    RES_READ,
+    RES_WRITE,
+    STASH_READ,
+    STASH_WRITE,
+    build_program,
+    senders,
+    slot_used,
+    stores_residuals,
+    tick_loops,
+)
 from ._analysis import Analysis, nbytes
 from ._profile import DeviceProfile
 
@@ -304,20 +325,16 @@ def _schedule(plan: Plan) -> Any:
 
 def _engine_sends(sched: Any) -> int:
     """Boundary buffers the busiest device sends in a step: the engine's ticks
-    send from the devices that have something due only (`_sends`)."""
-    from ..pipeline._engine import _sends
-
-    sent = Counter(d for forward, backward in _sends(sched) for d in (*forward, *backward))
+    send from the devices that have something due only (`senders`)."""
+    sent = Counter(d for forward, backward in senders(sched) for d in (*forward, *backward))
     return max(sent.values(), default=0)
 
 
 def _engine_ticks(sched: Any) -> dict[str, int]:
     """Ticks in which some device runs a forward (`"forward"`) and a
     backward-direction action (`"backward"`): the engine's loop positions hold
-    one branch per device on every iteration (`_loops`), so each tick is counted
+    one branch per device on every iteration (`tick_loops`), so each tick is counted
     at what it runs."""
-    from ..pipeline._schedule import FORWARD
-
     actions: dict[int, set[bool]] = defaultdict(set)
     for tick, _, _, _, action in sched.entries():
         actions[tick].add(action == FORWARD)
@@ -374,29 +391,26 @@ def _pipeline_memory(
 
 
 def _engine_runs(sched: Any) -> list[dict[str, bool]]:
-    """What the ticks of each position of the engine's loops (`_loops`, one
+    """What the ticks of each position of the engine's loops (`tick_loops`, one
     `lax.switch` each) do: whether any reads a residual slot (`"reads"`) or writes one
     (`"writes"`), the same for the split backwards' stash (`"stash_reads"`,
     `"stash_writes"`), and whether any runs a forward that stores its residuals
     (`"forward"`) or a backward action (`"backward"`). The engine copies a slot
     out of (into) its buffers only at positions that read (write) one."""
-    from ..pipeline import _engine
-    from ..pipeline._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
-
-    program, branch_keys = _engine._program(sched, True)
+    program, branch_keys = build_program(sched, True)
 
     runs = []
-    for loop in _engine._loops(sched, program):
+    for loop in tick_loops(sched, program):
         for position in range(loop.period):
             part = program[list(loop.ticks(position))]
             keys = {key for i in set(part[..., 0].flat) for key in branch_keys[int(i)]}
             runs.append(
                 {
-                    "reads": _engine._slot_used(part, _engine.RES_READ),
-                    "writes": _engine._slot_used(part, _engine.RES_WRITE),
-                    "stash_reads": _engine._slot_used(part, _engine.STASH_READ),
-                    "stash_writes": _engine._slot_used(part, _engine.STASH_WRITE),
-                    "forward": any(_engine._stores(kind, folded) for kind, _, _, folded in keys),
+                    "reads": slot_used(part, RES_READ),
+                    "writes": slot_used(part, RES_WRITE),
+                    "stash_reads": slot_used(part, STASH_READ),
+                    "stash_writes": slot_used(part, STASH_WRITE),
+                    "forward": any(stores_residuals(kind, folded) for kind, _, _, folded in keys),
                     "backward": any(
                         kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys
                     ),
@@ -540,7 +554,7 @@ def _wire(
     return dict(wire), dict(by_axis)
 
 
-class _Repeats(_minimum._Walk):
+class _Repeats(TensorSumWalk):
     """A jaxpr walk that also keeps the backward sums `minimum_comm` counts once
     per input: those of a second, third, ... column-parallel weight on one input."""
 
@@ -554,9 +568,7 @@ class _Repeats(_minimum._Walk):
         if (lhs is None) != (rhs is None) and (lhs or rhs):
             dims, contract, act = (rhs, rc, eqn.invars[0]) if rhs is not None else (lhs, lc, eqn.invars[1])
             if not dims & set(contract) and alias.get(act, act) in self.seen:
-                self.repeats.append(
-                    _minimum._Sum("backward", count, _minimum._aval_bytes(act.aval, self.moved))
-                )
+                self.repeats.append(TensorSum("backward", count, aval_bytes(act.aval, self.moved)))
         super().dot(eqn, ins, alias, count)
 
 
@@ -570,24 +582,24 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     weights share one gather, whose transpose sums once."""
     t = plan.mesh.shape.get(plan.tensor_axis, 1)
     manual = plan.mode == "manual" or plan.schedule is not None
-    split = _minimum._split_dims(plan, params) if t > 1 and manual and not plan.sequence_parallel else {}
+    split = tensor_split_dims(plan, params) if t > 1 and manual and not plan.sequence_parallel else {}
     if not split or loss is None or batch is None:
         return 0
-    model, data = _minimum._outline(plan, params), _minimum._outline(plan, batch)
+    model, data = compute_outline(plan, params), compute_outline(plan, batch)
 
     def repeats(fn: Any, args: tuple, per_device: int, num: int, den: int) -> int:
-        closed, _, _ = _minimum._trace(fn, args, "the loss")
+        closed, _, _ = trace_jaxpr(fn, args, "the loss")
         walk = _Repeats(moved)
         walk.run(closed.jaxpr, {closed.jaxpr.invars[i]: d for i, d in split.items() if d}, {}, 1)
-        items = _minimum._sum_items(walk.repeats, t, per_device=per_device, repeat=(num, den))
+        items = sum_items(walk.repeats, t, per_device=per_device, repeat=(num, den))
         return sum(i.wire for i in items)
 
     if plan.schedule is None:
         share = plan.batch_size_multiple * plan.context_size
-        return repeats(_minimum._with_key(loss), (model, data), share, 1, 1)
+        return repeats(with_key(loss), (model, data), share, 1, 1)
     p, m = plan.mesh.shape.get("pipe", 1), plan.microbatches
     share = plan.batch_size_multiple * m * plan.context_size
-    _, h, _ = _minimum._trace(loss.first, (model, data), "loss.first(model, batch)")
+    _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     stack = repeats(lambda mod, x: loss.stack_of(mod)(x), (model, h), share, m, p)
     first = repeats(loss.first, (model, data), share, m, 1)
     last = repeats(loss.last, (model, h, data), share, m, 1)

@@ -10,7 +10,6 @@ and wire bytes (bandwidth-optimal rings over each group of n devices: all-gather
 """
 
 import dataclasses
-import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,19 +17,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 from jax.tree_util import keystr
 
 from .._context_split import record_keys
 from .._errors import EqxparError, PlanError
-from .._jax_compat import scan_body
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._specs import is_array_like, partition_specs
 from .._step_layout import StepLayout
 from .._text import short
-from ._hlo import _ring_bytes
+from ._jaxpr_walk import (
+    TensorSum,
+    aval_bytes,
+    compute_outline,
+    tensor_split_dims,
+    tensor_sums,
+    trace_jaxpr,
+    with_key,
+)
+from ._model_layers import attention_layers, moe_layers
+from ._tally import Item, sum_items
 
 #: The mesh axis pipeline plans split a stack's layers over.
 PIPE = "pipe"
@@ -78,28 +85,7 @@ class Minimum:
 # --- Tallying collectives --------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Item:
-    """`repeat` collectives of one kind over `n` devices, each of `size` result bytes."""
-
-    part: str
-    kind: str
-    n: int
-    size: int
-    repeat: int = 1
-
-    @property
-    def result(self) -> int:
-        return self.size * self.repeat if self.n > 1 or self.kind == "collective-permute" else 0
-
-    @property
-    def wire(self) -> int:
-        if self.kind == "collective-permute":
-            return self.size * self.repeat
-        return self.repeat * _ring_bytes(self.kind, self.size, self.n)
-
-
-def _minimum(items: list[_Item], note: str) -> Minimum:
+def _minimum(items: list[Item], note: str) -> Minimum:
     """A `Minimum` of tallied collectives (kinds and parts that move nothing left out)."""
     result: dict[str, int] = defaultdict(int)
     wire: dict[str, int] = defaultdict(int)
@@ -158,7 +144,7 @@ def _first(dtype: Any, default: Any) -> Any:
     return default if dtype is None else dtype
 
 
-def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) -> list[_Item]:
+def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) -> list[Item]:
     """The gradient reductions and FSDP gathers of every floating-point leaf.
 
     Per leaf, with `L` its bytes on one device of the non-batch axes (tensor,
@@ -216,233 +202,7 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
         else:
             dtype = _first(plan.reduce_dtype, leaf.dtype)
             groups[(reduced, "all-reduce", r, 1)] += local * jnp.dtype(dtype).itemsize // itemsize
-    return [_Item(part, kind, n, size, repeat) for (part, kind, n, repeat), size in groups.items()]
-
-
-# --- Tensor-parallel activation sums, read from the loss function's jaxpr -----------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sum:
-    """`count` sums over the tensor axis of an activation of `nbytes` (global shape)."""
-
-    where: str  # "forward" (a row-parallel output) or "backward" (a column-parallel input)
-    count: int
-    nbytes: int
-
-
-def _aval_bytes(aval: Any, moved: Any) -> int:
-    dtype = moved if moved is not None and jnp.issubdtype(aval.dtype, jnp.floating) else aval.dtype
-    return math.prod(aval.shape) * jnp.dtype(dtype).itemsize
-
-
-def _reshape_dims(old: tuple[int, ...], new: tuple[int, ...], dims: frozenset[int]) -> frozenset[int]:
-    # The dimension of the reshaped array that holds each split dimension: the one
-    # whose run of outer indices contains the split dimension's start.
-    out = set()
-    for d in dims:
-        outer, acc = math.prod(old[:d]), 1
-        for j, size in enumerate(new):
-            if acc <= outer < acc * size:
-                out.add(j)
-                break
-            acc *= size
-    return frozenset(out)
-
-
-#: Primitives whose output keeps its input's dimensions (and so its split).
-_SAME_DIMS = frozenset(
-    {
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "reduce_precision",
-        "slice",
-        "dynamic_slice",
-        "sharding_constraint",
-    }
-)
-
-
-def _follow(eqn: Any, dims: frozenset[int]) -> frozenset[int] | None:
-    """The split dimensions of a weight after a layout primitive, or None when
-    `eqn` is not one (its output is no longer "the weight")."""
-    name, params = eqn.primitive.name, eqn.params
-    if name in _SAME_DIMS:
-        return dims
-    if name == "transpose":
-        return frozenset(i for i, d in enumerate(params["permutation"]) if d in dims)
-    if name == "broadcast_in_dim":
-        return frozenset(params["broadcast_dimensions"][d] for d in dims)
-    if name == "squeeze":
-        kept = [d for d in range(len(eqn.invars[0].aval.shape)) if d not in set(params["dimensions"])]
-        return frozenset(kept.index(d) for d in dims if d in kept)
-    if name == "reshape":
-        return _reshape_dims(tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]), dims)
-    return None
-
-
-def _inner(eqn: Any) -> Any:
-    """The jaxpr a call-like primitive (jit, checkpoint, custom_jvp/vjp) runs on its
-    operands one to one, or None."""
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(key)
-        if isinstance(sub, jcore.ClosedJaxpr):
-            sub = sub.jaxpr
-        if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(eqn.invars):
-            return sub
-    return None
-
-
-@dataclasses.dataclass
-class _Walk:
-    """State of one pass over a loss function's jaxpr (see `_tensor_sums`)."""
-
-    moved: Any
-    sums: list[_Sum] = dataclasses.field(default_factory=list)
-    # Column-parallel inputs already counted (their cotangents are summed once
-    # however many weights multiply them: Q, K and V share one).
-    seen: set = dataclasses.field(default_factory=set)
-
-    def dot(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
-        (lc, rc), _ = eqn.params["dimension_numbers"]
-        lhs, rhs = ins
-        if (lhs is None) == (rhs is None) or not (lhs or rhs):
-            return
-        dims, contract, act = (rhs, rc, eqn.invars[0]) if rhs is not None else (lhs, lc, eqn.invars[1])
-        if dims & set(contract):
-            # Row-parallel: each device holds a partial product, summed forward.
-            self.sums.append(_Sum("forward", count, _aval_bytes(eqn.outvars[0].aval, self.moved)))
-            return
-        # Column-parallel: the input's cotangent is a partial sum, summed backward.
-        key = alias.get(act, act)
-        if key not in self.seen:
-            self.seen.add(key)
-            self.sums.append(_Sum("backward", count, _aval_bytes(act.aval, self.moved)))
-
-    def gather(self, eqn: Any, ins: list, count: int) -> None:
-        # A lookup in rows split over the tensor axis (a vocabulary-parallel
-        # embedding): each device finds its own rows, summed forward.
-        dims = ins[0]
-        if dims and dims & set(eqn.params["dimension_numbers"].start_index_map):
-            self.sums.append(_Sum("forward", count, _aval_bytes(eqn.outvars[0].aval, self.moved)))
-
-    def scan(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
-        params = eqn.params
-        body, _, consts, carry = scan_body(eqn)
-        env, inner_alias = {}, {}
-        for i, (inner, outer, dims) in enumerate(zip(body.invars, eqn.invars, ins, strict=True)):
-            if i < consts and isinstance(outer, jcore.Var):
-                inner_alias[inner] = alias.get(outer, outer)
-            if dims is not None:
-                # Scanned-over operands lose their leading (layer) dimension.
-                env[inner] = dims if i < consts + carry else frozenset(d - 1 for d in dims if d > 0)
-        self.run(body, env, inner_alias, count * params["length"])
-
-    def run(self, jaxpr: Any, env: dict, alias: dict, count: int) -> dict:
-        """Walk `jaxpr`, `env` mapping the variables that hold a tensor-split weight to
-        its split dimensions; `count` times per step. Returns `env` extended."""
-        for eqn in jaxpr.eqns:
-            ins = [env.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
-            if all(d is None for d in ins):
-                continue
-            name, sub = eqn.primitive.name, _inner(eqn)
-            if name == "dot_general":
-                self.dot(eqn, ins, alias, count)
-            elif name == "gather":
-                self.gather(eqn, ins, count)
-            elif name == "scan":
-                self.scan(eqn, ins, alias, count)
-            elif sub is not None:
-                inner_env = {v: d for v, d in zip(sub.invars, ins, strict=True) if d is not None}
-                pairs = zip(sub.invars, eqn.invars, strict=True)
-                inner_alias = {v: alias.get(o, o) for v, o in pairs if isinstance(o, jcore.Var)}
-                found = self.run(sub, inner_env, inner_alias, count)
-                for inner, outer in zip(sub.outvars, eqn.outvars, strict=True):
-                    if isinstance(inner, jcore.Var) and inner in found:
-                        env[outer] = found[inner]
-            elif ins[0] is not None and len(eqn.outvars) == 1:
-                dims = _follow(eqn, ins[0])
-                if dims is not None:
-                    env[eqn.outvars[0]] = dims
-        return env
-
-
-def _outline(plan: Plan, tree: Any) -> Any:
-    """`tree` with every array leaf a `ShapeDtypeStruct`, floating ones in the
-    plan's compute dtype (what the step's loss sees)."""
-
-    def outline(x: Any) -> Any:
-        if not is_array_like(x):
-            return x
-        dtype = x.dtype
-        if plan.compute_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            dtype = plan.compute_dtype
-        return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
-
-    return jax.tree.map(outline, tree)
-
-
-def _trace(fn: Callable, args: tuple, what: str) -> tuple[Any, Any, list[Any]]:
-    """`(closed jaxpr, output outline, dynamic leaves)` of `fn(*args)` traced on
-    outlines, on one device (no plan): the computation every layout divides up."""
-    leaves, treedef = jax.tree.flatten(args)
-    where = [i for i, x in enumerate(leaves) if is_array_like(x)]
-
-    def flat(*dynamic: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(where, dynamic, strict=True):
-            full[i] = x
-        return fn(*jax.tree.unflatten(treedef, full))
-
-    try:
-        closed, out = jax.make_jaxpr(flat, return_shape=True)(*[leaves[i] for i in where])
-    except EqxparError:
-        raise
-    except Exception as e:
-        raise PlanError(
-            f"minimum_comm: tracing {what} on the model and batch outlines failed ({type(e).__name__}: "
-            f"{short(str(e))}). Pass loss= the function the step differentiates and batch= a global "
-            "batch it accepts."
-        ) from e
-    return closed, out, [leaves[i] for i in where]
-
-
-def _tensor_sums(
-    plan: Plan, fn: Callable, args: tuple, split: dict[int, frozenset[int]], what: str, moved: Any
-) -> list[_Sum]:
-    """The activation sums over the tensor axis that `fn(*args)` needs, read from
-    its jaxpr on one device; `split` maps the index of a model leaf (among
-    `args[0]`'s array leaves, which come first) to its tensor-split dimensions.
-
-    A weight split on a dimension its matmul contracts (row-parallel) leaves each
-    device a partial product: one forward sum of the output. Split on an output
-    dimension (column-parallel), the input's cotangent is partial: one backward sum
-    of the input, once per input however many weights multiply it. A lookup in
-    rows split over the axis (vocabulary-parallel embedding) sums its output
-    forward. Each counts once per execution (scans multiply).
-    """
-    closed, _, _ = _trace(fn, args, what)
-    env = {closed.jaxpr.invars[i]: dims for i, dims in split.items() if dims}
-    walk = _Walk(moved=moved)
-    walk.run(closed.jaxpr, env, {}, 1)
-    return walk.sums
-
-
-def _split_dims(plan: Plan, params: Any) -> dict[int, frozenset[int]]:
-    """Array-leaf index -> the dimensions split over the tensor axis (leaves with any)."""
-    if plan.mesh.shape.get(plan.tensor_axis, 1) == 1:
-        return {}
-    specs = jax.tree.structure(params).flatten_up_to(partition_specs(params, plan))
-    out, index = {}, 0
-    for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True):
-        if not is_array_like(leaf):
-            continue
-        dims = frozenset(d for d, entry in enumerate(spec) if plan.tensor_axis in mesh_axis_names(entry))
-        if dims:
-            out[index] = dims
-        index += 1
-    return out
+    return [Item(part, kind, n, size, repeat) for (part, kind, n, repeat), size in groups.items()]
 
 
 # --- Plans: the parts put together ------------------------------------------------------
@@ -457,43 +217,21 @@ def _need(plan: Plan, loss: Any, batch: Any, why: str) -> None:
         )
 
 
-def _sum_items(sums: list[_Sum], t: int, *, per_device: int, repeat: tuple[int, int] = (1, 1)) -> list[_Item]:
-    """Activation all-reduces over `t` tensor devices: each sum's global bytes split
-    `per_device` ways, repeated `count * repeat[0] // repeat[1]` times."""
-    num, den = repeat
-    part = "tensor-parallel activation sums ({})"
-    return [
-        _Item(part.format(s.where), "all-reduce", t, s.nbytes // per_device, s.count * num // den)
-        for s in sums
-    ]
-
-
-def _with_key(loss: Callable) -> Callable:
-    # A loss taking `key=` gets one, as make_step gives it (its value moves nothing).
-    try:
-        takes_key = "key" in inspect.signature(loss).parameters
-    except (TypeError, ValueError):  # no signature to read (some builtins)
-        takes_key = False
-    if not takes_key:
-        return loss
-    return lambda model, batch: loss(model, batch, key=jax.random.key(0))
-
-
-def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The activation sums of a non-pipeline plan whose weights are split over the
     tensor axis: the whole batch's sums, each split over the batch devices."""
-    split = _split_dims(plan, params)
+    split = tensor_split_dims(plan, params)
     if not split:
         return []
     _need(plan, loss, batch, f"splits weights over the tensor axis {plan.tensor_axis!r}")
-    args = (_outline(plan, params), _outline(plan, batch))
-    sums = _tensor_sums(plan, _with_key(loss), args, split, "loss(model, batch)", moved)
+    args = (compute_outline(plan, params), compute_outline(plan, batch))
+    sums = tensor_sums(plan, with_key(loss), args, split, "loss(model, batch)", moved)
     _check_found(sums, plan)
     t = plan.mesh.shape[plan.tensor_axis]
-    return _sum_items(sums, t, per_device=plan.batch_size_multiple * plan.context_size)
+    return sum_items(sums, t, per_device=plan.batch_size_multiple * plan.context_size)
 
 
-def _check_found(sums: list[_Sum], plan: Plan) -> None:
+def _check_found(sums: list[TensorSum], plan: Plan) -> None:
     if not sums:
         raise PlanError(
             f"minimum_comm: weights are split over the tensor axis {plan.tensor_axis!r}, but no matmul "
@@ -511,7 +249,7 @@ def _boundary_sends(p: int, v: int, m: int) -> list[int]:
     return [m * (2 * v - (d == p - 1) - (d == 0)) for d in range(p)]
 
 
-def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The busiest pipeline device's activation traffic: stage-boundary
     collective-permutes and, with the tensor axis, its stage's activation sums
     (and the embedding's on the first stage, the head's on the last)."""
@@ -526,31 +264,31 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
     p, v, m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
     # One micro-batch on one device of the batch axes, its part of the sequence.
     share = plan.batch_size_multiple * m * plan.context_size
-    model, data = _outline(plan, params), _outline(plan, batch)
-    _, h, _ = _trace(loss.first, (model, data), "loss.first(model, batch)")
-    boundary = sum(_aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
-    split = _split_dims(plan, params)
+    model, data = compute_outline(plan, params), compute_outline(plan, batch)
+    _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
+    boundary = sum(aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
+    split = tensor_split_dims(plan, params)
     t = plan.mesh.shape.get(plan.tensor_axis, 1)
     first = last = stack = []
     if split:
         run_stack = lambda mod, x: loss.stack_of(mod)(x)  # noqa: E731
-        stack = _tensor_sums(plan, run_stack, (model, h), split, "the stack", moved)
-        first = _tensor_sums(plan, loss.first, (model, data), split, "loss.first", moved)
-        last = _tensor_sums(plan, loss.last, (model, h, data), split, "loss.last", moved)
+        stack = tensor_sums(plan, run_stack, (model, h), split, "the stack", moved)
+        first = tensor_sums(plan, loss.first, (model, data), split, "loss.first", moved)
+        last = tensor_sums(plan, loss.last, (model, h, data), split, "loss.last", moved)
         _check_found(stack + first + last, plan)
-    busiest: list[_Item] = []
+    busiest: list[Item] = []
     for d, sends in enumerate(_boundary_sends(p, v, m)):
-        items = [_Item("pipeline stage boundaries", "collective-permute", p, boundary, sends)]
+        items = [Item("pipeline stage boundaries", "collective-permute", p, boundary, sends)]
         # The stack's layers are shared out over the stages; every micro-batch runs through them.
-        items += _sum_items(stack, t, per_device=share, repeat=(m, p))
-        items += _sum_items(first if d == 0 else [], t, per_device=share, repeat=(m, 1))
-        items += _sum_items(last if d == p - 1 else [], t, per_device=share, repeat=(m, 1))
+        items += sum_items(stack, t, per_device=share, repeat=(m, p))
+        items += sum_items(first if d == 0 else [], t, per_device=share, repeat=(m, 1))
+        items += sum_items(last if d == p - 1 else [], t, per_device=share, repeat=(m, 1))
         if not busiest or sum(i.wire for i in items) > sum(i.wire for i in busiest):
             busiest = items
     return busiest
 
 
-def _note(plan: Plan, items: list[_Item]) -> str:
+def _note(plan: Plan, items: list[Item]) -> str:
     sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     batch = [a for a in plan.batch_axes if sizes[a] > 1]
     kinds = {i.kind for i in items if i.result}
@@ -681,15 +419,7 @@ def minimum_comm(
     return _minimum(items, _note(plan, items))
 
 
-def _moes(tree: Any) -> list[Any]:
-    """The `eqxpar.nn.MoE` modules in `tree`."""
-    from ..nn._moe import MoE
-
-    is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_moe) if is_moe(x)]
-
-
-def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """Expert parallelism over `n` devices: every MoE layer sends this device's
     routed activations (`tokens * top_k` rows of `d_model`, compute dtype) to the
     devices of their experts and the outputs back (two all-to-alls, `(n-1)/n`
@@ -700,12 +430,16 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     n = plan.expert_size
     if n == 1:
         return []
-    moes = _moes(params)
+    moes = moe_layers(params)
     if not moes:
         return []
     _need(plan, loss, batch, f"splits the experts over {EXPERT_AXIS!r} ({EXPERT_AXIS}={n})")
     with record_dispatches() as seen:
-        _trace(_with_key(loss), (_outline(plan, params), _outline(plan, batch)), "loss(model, batch)")
+        trace_jaxpr(
+            with_key(loss),
+            (compute_outline(plan, params), compute_outline(plan, batch)),
+            "loss(model, batch)",
+        )
     if not seen:
         return []
     # One layer per MoE module, times its stack depth (a stacked layer's expert
@@ -717,18 +451,10 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     rows = routed.shape[0] // per_device
     size = rows * routed.shape[1] * jnp.dtype(_first(moved, routed.dtype)).itemsize
     part = f"MoE dispatch and combine over {EXPERT_AXIS}={n}"
-    return [_Item(f"{part}: forward and backward all-to-alls", "all-to-all", n, size, 4 * layers)]
+    return [Item(f"{part}: forward and backward all-to-alls", "all-to-all", n, size, 4 * layers)]
 
 
-def _attentions(tree: Any) -> list[Any]:
-    """The `eqxpar.nn.Attention` modules in `tree` (a model, or its specs)."""
-    from ..nn._attention import Attention
-
-    is_attention = lambda x: isinstance(x, Attention)  # noqa: E731
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_attention) if is_attention(x)]
-
-
-def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[_Item]:
+def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """Context parallelism over `n` devices: every attention layer's keys and values
     reach every device of the context axis ((n-1)/n of them, an all-gather's wire
     bytes, in the compute dtype) and their gradients go back (a reduce-scatter);
@@ -738,26 +464,30 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
         return []
     _need(plan, loss, batch, f"splits the sequence over {CONTEXT_AXIS!r} ({CONTEXT_AXIS}={n})")
     with record_keys() as keys:
-        _trace(_with_key(loss), (_outline(plan, params), _outline(plan, batch)), "loss(model, batch)")
+        trace_jaxpr(
+            with_key(loss),
+            (compute_outline(plan, params), compute_outline(plan, batch)),
+            "loss(model, batch)",
+        )
     # One layer per attention module, times its stack depth (a stacked layer's output
     # weight has a leading depth dimension).
-    layers = sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in _attentions(params))
+    layers = sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in attention_layers(params))
     layers //= plan.mesh.shape.get(PIPE, 1)
     if not keys or not layers:
         return []
     k = keys[0]
     kv_split = plan.mesh.shape.get(plan.tensor_axis, 1) if _kv_split(plan, params) else 1
-    whole = 2 * _aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
+    whole = 2 * aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
     part = f"attention keys and values over {CONTEXT_AXIS}={n}"
     return [
-        _Item(f"{part}: all-gather", "all-gather", n, whole, layers),
-        _Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers),
+        Item(f"{part}: all-gather", "all-gather", n, whole, layers),
+        Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers),
     ]
 
 
 def _kv_split(plan: Plan, params: Any) -> bool:
     # Whether the rules split the key/value heads over the tensor axis.
-    for attention in _attentions(partition_specs(params, plan)):
+    for attention in attention_layers(partition_specs(params, plan)):
         spec = attention.wk if attention.wqkv is None else attention.wqkv
         if spec is not None and any(plan.tensor_axis in mesh_axis_names(e) for e in spec):
             return True

@@ -32,22 +32,22 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 
 from .._plan import PIPELINE_SCHEDULES as SCHEDULES
 from .._plan import PREDICTION_SCHEDULES as PREDICTION_SCHEDULES
+from ._actions import ACTION_NAMES as ACTION_NAMES
+from ._actions import COSTS as COSTS
+from ._buffers import Buffers as Buffers
+from ._builtin import schedule as schedule
 from ._layout import StageRules as StageRules
 from ._layout import from_pipeline_order as from_pipeline_order
 from ._layout import stage_rules as stage_rules
 from ._layout import to_pipeline_order as to_pipeline_order
 from ._loss import PipelineLoss as PipelineLoss
 from ._picture import save_schedule_png as save_schedule_png
-from ._schedule import ACTION_NAMES as ACTION_NAMES
-from ._schedule import COSTS as COSTS
-from ._schedule import PLACEMENTS as PLACEMENTS
-from ._schedule import Buffers as Buffers
+from ._placement import PLACEMENTS as PLACEMENTS
 from ._schedule import Schedule as Schedule
-from ._schedule import check_table as check_table
-from ._schedule import schedule as schedule
-from ._schedule import validate as validate
-from ._simulate import Simulation as Simulation
 from ._simulate import simulate as simulate
+from ._timeline import Simulation as Simulation
+from ._validate import check_table as check_table
+from ._validate import validate as validate
 
 __all__ = [
     "SCHEDULES",

@@ -1,4 +1,8 @@
 """The pipeline engine: loops over a schedule's ticks inside `shard_map`.
+Shared with `eqxpar._step` (which runs `pipeline_gradients` and refuses what
+`check_pipeline_step` refuses) and `eqxpar._advise` (which traces a device's
+setup, `Engine` and `Device`, for the engine's own residual slot layout):
+internal names, not public API.
 
 Every device runs the same program. At each tick it reads its row of the schedule
 (micro-batch, chunk, action, buffer slots; in a fused tick a forward and a
@@ -7,7 +11,7 @@ branch, then, outside the branches, sends what is due: an activation to the next
 device along `pipe`, a cotangent to the previous one (`ppermute`), from exactly
 the devices that have one to send, and files what it received into its buffers.
 The send pairs are static, so the ticks are run in loops over repeating patterns
-of sends and branches (`_loops`): GPipe's steady forward phase is one loop of one tick,
+of sends and branches (`tick_loops`): GPipe's steady forward phase is one loop of one tick,
 zero-bubble's steady state one loop of three ticks, the fill and drain ticks
 loops of one iteration. The collectives of the stage body itself
 (tensor-parallel all-reduces) run inside the branches: all devices of a tensor
@@ -55,16 +59,32 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from .._errors import DivisibilityError, PipelineScheduleError, PlanError
+from .._errors import DivisibilityError, PlanError
 from .._fsdp import gather_weights, gathers_of, kept_axes
 from .._grad_common import LossFunction, mark_varying, reduce_gradient, split_microbatches
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._step_layout import StepLayout
+from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
+from ._builtin import schedule
 from ._loss import PipelineLoss
-from ._schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE, Schedule, schedule
-from ._split_backward import SplitBackward
+from ._program import (
+    FIELDS,
+    RES_READ,
+    RES_WRITE,
+    SLOTS,
+    STASH_READ,
+    STASH_WRITE,
+    Key,
+    Loop,
+    build_program,
+    slot_used,
+    stores_residuals,
+    tick_loops,
+)
+from ._schedule import Schedule
+from ._split_backward import split_pull_back
 
 PIPE = "pipe"
 
@@ -76,12 +96,6 @@ def _varying(x: Any) -> frozenset[str]:
 def _vma(x: Any) -> frozenset[str]:
     """The manual axes a traced array varies along."""
     return frozenset(jax.typeof(x).mat.varying)
-
-
-def _stores(kind: int, folded: bool) -> bool:
-    """Whether an action stores residuals: a forward, unless folded into its
-    backward (`Buffers.folded`), then the input half of a split backward."""
-    return (kind == FORWARD and not folded) or (kind == BACKWARD_INPUT and folded)
 
 
 def _int32(*indices: Any) -> tuple[jax.Array, ...]:
@@ -107,109 +121,6 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
         buffer,
         value,
     )
-
-
-#: Program columns: the branch, the receive-input and receive-cotangent slots,
-#: then per action of the tick (the table's, the fused table's) `FIELDS` values:
-#: micro-batch, chunk, input slot, cotangent slot, residual write and read slots,
-#: stash write and read slots (`_split_backward`: from a split backward's `I` to its `W`).
-FIELDS = 8
-RES_WRITE, RES_READ, STASH_WRITE, STASH_READ = 4, 5, 6, 7
-_SLOTS = (RES_WRITE, RES_READ, STASH_WRITE, STASH_READ)
-
-
-def _slot_used(rows: np.ndarray, field: int) -> bool:
-    """Whether any action of the program rows `rows` (any leading shape) has a
-    slot in column `field` (one of `_SLOTS`)."""
-    return bool((rows[..., [3 + field, 3 + FIELDS + field]] >= 0).any())
-
-
-#: (action, is first virtual stage, is last virtual stage, folded: the last
-#: stage's forward runs inside its backward)
-Key = tuple[int, bool, bool, bool]
-
-
-def _program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
-    """Per (tick, device): branch index, receive-input slot, receive-cotangent
-    slot, then for each of the tick's two actions (the second idle unless the
-    schedule fuses them) micro-batch, chunk, input slot, cotangent slot, residual
-    write and read slots, stash write and read slots; and the branch list, a pair
-    of `Key`s per branch.
-
-    The last virtual stage's forward runs in its own tick and keeps its
-    residuals, as every stage's, where the schedule puts it in a tick before its
-    backward: folded into the backward, it would make every tick with that
-    backward cost a forward more than the table says (GPipe's backward phase).
-    It is folded where the schedule puts the two in one tick (`Buffers.folded`),
-    and, when residuals are not kept (`keep=False`, remat "full"), always: every
-    backward then recomputes its forward anyway."""
-    p, stages = sched.stages, sched.virtual_stages
-    bufs = sched.buffers
-    idle: Key = (IDLE, False, False, False)
-    branches: list[tuple[Key, Key]] = [(idle, idle)]
-    index: dict[tuple[Key, Key], int] = {branches[0]: 0}
-    tables = (sched.table, sched.fused if sched.fused is not None else np.zeros_like(sched.table))
-    prog = np.zeros(sched.table.shape[:2] + (3 + 2 * FIELDS,), np.int32)
-    for tick in range(sched.ticks):
-        for device in range(p):
-            keys, fields, writes, reads = [], [], [], []
-            for i, table in enumerate(tables):
-                mb, chunk, kind = (int(x) for x in table[tick, device])
-                key, write, read, stash_write, stash_read = idle, -1, -1, -1, -1
-                k = chunk * p + device
-                last = k == stages - 1
-                folded = last and (not keep or bool(bufs.folded[tick, device, i]))
-                if kind != IDLE and not (kind == FORWARD and folded):
-                    key = (kind, k == 0, last, folded)
-                    slot = int(bufs.residual_slot[tick, device, i])
-                    write, read = _residual_slots(kind, folded, slot)
-                    if keep:
-                        stash = int(bufs.stash_slot[tick, device, i])
-                        stash_write = stash if kind == BACKWARD_INPUT else -1
-                        stash_read = stash if kind == BACKWARD_WEIGHT else -1
-                keys.append(key)
-                writes.append(write)
-                reads.append(read)
-                fields += [
-                    max(mb, 0),
-                    max(chunk, 0),
-                    bufs.input_slot[tick, device, i],
-                    bufs.cotangent_slot[tick, device, i],
-                    write,
-                    read,
-                    stash_write,
-                    stash_read,
-                ]
-            if min(writes) >= 0 or min(reads) >= 0:
-                # A tick's branch returns one slot of residuals to write after it.
-                raise PipelineScheduleError(
-                    f"{sched!r}: tick {tick}, device {device}: both of the tick's actions "
-                    f"{'store' if min(writes) >= 0 else 'read'} a stage's residuals; a fused tick pairs "
-                    "a forward with a backward of another stage or micro-batch. Put them in ticks of "
-                    "their own."
-                )
-            pair = (keys[0], keys[1])
-            if pair not in index:
-                index[pair] = len(branches)
-                branches.append(pair)
-            prog[tick, device] = (
-                index[pair],
-                bufs.recv_input[tick, device],
-                bufs.recv_cotangent[tick, device],
-                *fields,
-            )
-    return prog, branches
-
-
-def _residual_slots(kind: int, folded: bool, slot: int) -> tuple[int, int]:
-    """`(write, read)` residual slots of an action: a forward writes its stage's
-    residuals and the backward actions read them; where the last virtual stage's
-    forward runs inside its backward (`folded`), only a split backward keeps
-    residuals, from its input half (`I` writes) to its weight half (`W` reads)."""
-    if _stores(kind, folded):
-        return slot, -1
-    reads = kind == BACKWARD_WEIGHT if folded else kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-    return -1, (slot if reads else -1)
 
 
 def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
@@ -276,7 +187,7 @@ def check_pipeline_step(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: b
 
 
 @dataclasses.dataclass(frozen=True)
-class _Engine:
+class Engine:
     """What every device's program shares: the schedule's program, the loss, and
     the axes the gradients are reduced over."""
 
@@ -297,7 +208,7 @@ class _Engine:
 
     @functools.cached_property
     def program(self) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
-        return _program(self.sched, self.keep)
+        return build_program(self.sched, self.keep)
 
     @property
     def keep(self) -> bool:
@@ -349,7 +260,7 @@ class _Engine:
             is_leaf=lambda x: x is None,
         )
         params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
-        device = _Device(self, params, static, batch)
+        device = Device(self, params, static, batch)
         loss_sum, g_rest, g_blocks = device.run()
         # Experts split over `expert` were not gathered: their gradients are whole
         # there already (`kept_axes`), so they are not summed over it.
@@ -412,7 +323,7 @@ class _Engine:
         return (lax.pmean(loss, axes) if axes else loss), grads
 
 
-class _Packing:
+class Packing:
     """Arrays of several layouts (one per kind of virtual stage) packed, per dtype
     and type, into one vector each, so that one buffer slot holds any kind's:
     `groups` gives each vector's size (the largest over the kinds), `layout[kind]`
@@ -463,27 +374,11 @@ class _Packing:
         ]
 
 
-def _halves(leaves: list, treedef: Any, seed: jax.Array, first: bool) -> tuple[SplitBackward, list]:
-    """A stage's pull-back (its leaves and treedef) split into its input and
-    weight halves, and the halves' inputs (the pull-back's arrays and the seed).
-    The first stage's has no input cotangent (`SplitBackward`)."""
-    where = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
-
-    def backward(*args):
-        filled = list(leaves)
-        for i, a in zip(where, args[:-1], strict=True):
-            filled[i] = a
-        return jax.tree.leaves(jax.tree.unflatten(treedef, filled)(args[-1]))
-
-    inputs = [leaves[i] for i in where] + [seed]
-    return SplitBackward(backward, inputs, input_outputs=0 if first else 1), inputs
-
-
-class _Device:
+class Device:
     """One device's step: its parameters split into the rest and its chunks, its
     micro-batches, the types of what crosses stages, and the scan over ticks."""
 
-    def __init__(self, engine: _Engine, params: Any, static: Any, batch: Any):
+    def __init__(self, engine: Engine, params: Any, static: Any, batch: Any):
         plan = engine.layout.plan
         self.engine, self.static = engine, static
         self.p, self.v, self.m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
@@ -579,12 +474,17 @@ class _Device:
         """The layouts of the residual buffers (the kept leaves of each kind of
         virtual stage that stores them: first, middle, last) and, where a
         backward is split in two, of the stash buffers (what `I` hands `W`)."""
-        self.residuals, self.stash = _Packing(), _Packing()
+        self.residuals, self.stash = Packing(), Packing()
         _, branch_keys = self.engine.program
         if not self.engine.keep:
             return
         variants = sorted(
-            {(f, la) for keys in branch_keys for kind, f, la, folded in keys if _stores(kind, folded)}
+            {
+                (f, la)
+                for keys in branch_keys
+                for kind, f, la, folded in keys
+                if stores_residuals(kind, folded)
+            }
         )
         split = sorted({(f, la) for keys in branch_keys for kind, f, la, _ in keys if kind == BACKWARD_INPUT})
         # Indexed as the branches index them, by a row of the program (which
@@ -603,7 +503,7 @@ class _Device:
 
             def stash(chunk, x, mb, first=first, last=last):
                 _, leaves, treedef, _ = self._vjp(first, last, chunk, x, mb)
-                halves, inputs = _halves(leaves, treedef, self.seed(last, self.zeros_act()), first)
+                halves, inputs = split_pull_back(leaves, treedef, self.seed(last, self.zeros_act()), first)
                 return halves.input_half(inputs)[1]
 
             x0 = None if first else self.zeros_act()
@@ -670,7 +570,7 @@ class _Device:
         out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
         to_store = None
         kind = (first, last)
-        if _stores(action, folded):
+        if stores_residuals(action, folded):
             to_store = self.residuals.pack(kind, [leaves[i] for i in kept])
         elif not (folded and action == BACKWARD):
             for i, value in zip(kept, self.residuals.load(stored, kind, fields[RES_READ]), strict=True):
@@ -678,7 +578,7 @@ class _Device:
             out = None
         cast = lambda g, p: g.astype(p.dtype)  # noqa: E731
         if action in (BACKWARD_INPUT, BACKWARD_WEIGHT):
-            halves, inputs = _halves(leaves, treedef, seed, first)
+            halves, inputs = split_pull_back(leaves, treedef, seed, first)
             if action == BACKWARD_INPUT:
                 dx, stash = halves.input_half(inputs)
                 return out, None, (None if first else dx[0]), to_store, self.stash.pack(kind, stash)
@@ -782,75 +682,20 @@ class _Device:
         """The loops over the schedule's ticks: `(loss sum, rest's gradients,
         stack's gradients per chunk)` on this device.
 
-        One loop per repeating pattern of sends and branches (`_loops`): a tick
+        One loop per repeating pattern of sends and branches (`tick_loops`): a tick
         sends an activation on only from the devices that have one due (GPipe's
         forward phase sends nothing back, its fill sends from fewer devices each
         tick), a cotangent back likewise; and each device runs the same branch
         at a loop position on every iteration. Each tick's `lax.switch` holds
         the branches its loop position runs, one per device."""
         program, branch_keys = self.engine.program
-        p = self.p
-
-        def tick(carry, row, *, local, forward, backward, uses):
-            # What the tick's actions store is written into its slot here, after
-            # the switch, in loop positions whose ticks store any (`uses`, per field).
-            res, stash = carry[5], carry[6]
-
-            def slot(field):  # at most one of the tick's actions has a slot there
-                return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
-
-            send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
-                row[0], local, (carry, row)
-            )
-            inputs, cots = carry[0], carry[1]
-            # Every device runs the tick's sends, outside the branches (a
-            # collective that only some devices reach would hang); the pairs
-            # name the devices with something due.
-            if forward:
-                inputs = _write(
-                    inputs, row[1], lax.ppermute(send_f, PIPE, [(d, (d + 1) % p) for d in forward])
-                )
-            if backward:
-                cots = _write(cots, row[2], lax.ppermute(send_b, PIPE, [(d, (d - 1) % p) for d in backward]))
-            if uses[RES_WRITE]:
-                res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
-            if uses[STASH_WRITE]:
-                stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
-            return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash)
-
-        buffers = self.engine.sched.buffers
-        n_inputs, n_cots, n_res = (max(1, n) for n in (buffers.inputs, buffers.cotangents, buffers.residuals))
-        act = self.act
-        carry = (
-            mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
-            mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
-            jax.tree.map(jnp.zeros_like, self.rest),
-            jax.tree.map(jnp.zeros_like, self.blocks),
-            mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
-            self.residuals.zeros(n_res),
-            # What a split backward's `I` hands its `W`, in slots of their own.
-            self.stash.zeros(max(1, buffers.stashes)),
-        )
-        for loop in _loops(self.engine.sched, program):
+        carry = self._initial_carry()
+        for loop in tick_loops(self.engine.sched, program):
             # (count, period, device, column): iteration, body position.
             part = np.array(program[loop.start : loop.stop]).reshape(
                 loop.count, loop.period, *program.shape[1:]
             )
-            bodies = []
-            for j, (forward, backward) in enumerate(loop.sends):
-                at = part[:, j]
-                # A switch of one branch is inlined (by JAX): its slot reads are
-                # then no longer ordered before the tick's slot writes by the
-                # switch's output, and XLA copies whole buffers around them.
-                # The idle branch keeps it a switch.
-                used = sorted({int(i) for i in at[..., 0].flat} | {0})
-                part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
-                uses = {f: _slot_used(at, f) for f in _SLOTS}
-                stores = (uses[RES_WRITE], uses[STASH_WRITE])
-                local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
-                bodies.append(
-                    functools.partial(tick, local=local, forward=forward, backward=backward, uses=uses)
-                )
+            bodies = self._loop_bodies(loop, part, branch_keys)
             rows = lax.dynamic_index_in_dim(jnp.asarray(part), lax.axis_index(PIPE), 2, keepdims=False)
 
             def body(carry, rows, bodies=bodies):
@@ -871,87 +716,74 @@ class _Device:
         _, _, g_rest, g_blocks, loss_sum, _, _ = carry
         return loss_sum, g_rest, g_blocks
 
-
-def _sends(sched: Schedule) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per tick, the devices that send an activation on and those that send a
-    cotangent back at its end: the senders of what some device receives then."""
-    bufs, p = sched.buffers, sched.stages
-    return [
-        (
-            tuple(sorted((d - 1) % p for d in range(p) if bufs.recv_input[tick, d] >= 0)),
-            tuple(sorted((d + 1) % p for d in range(p) if bufs.recv_cotangent[tick, d] >= 0)),
+    def _initial_carry(self) -> tuple:
+        """The loops' carry: the stage-input and cotangent buffers, the gradient
+        and loss sums, the residual and stash buffers."""
+        buffers = self.engine.sched.buffers
+        n_inputs, n_cots, n_res = (max(1, n) for n in (buffers.inputs, buffers.cotangents, buffers.residuals))
+        act = self.act
+        return (
+            mark_varying(jnp.zeros((n_inputs, *act.shape), act.dtype), self.act_axes),
+            mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
+            jax.tree.map(jnp.zeros_like, self.rest),
+            jax.tree.map(jnp.zeros_like, self.blocks),
+            mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
+            self.residuals.zeros(n_res),
+            # What a split backward's `I` hands its `W`, in slots of their own.
+            self.stash.zeros(max(1, buffers.stashes)),
         )
-        for tick in range(sched.ticks)
-    ]
 
+    def _loop_bodies(self, loop: Loop, part: np.ndarray, branch_keys: list) -> list:
+        """One tick function per position of `loop`'s body, each switching over the
+        branches its position runs; `part` (the loop's program rows, `(count,
+        period, device, column)`) gets its branch column renumbered to match."""
+        bodies = []
+        for j, (forward, backward) in enumerate(loop.sends):
+            at = part[:, j]
+            # A switch of one branch is inlined (by JAX): its slot reads are
+            # then no longer ordered before the tick's slot writes by the
+            # switch's output, and XLA copies whole buffers around them.
+            # The idle branch keeps it a switch.
+            used = sorted({int(i) for i in at[..., 0].flat} | {0})
+            part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
+            uses = {f: slot_used(at, f) for f in SLOTS}
+            stores = (uses[RES_WRITE], uses[STASH_WRITE])
+            local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
+            bodies.append(
+                functools.partial(self._tick, local=local, forward=forward, backward=backward, uses=uses)
+            )
+        return bodies
 
-@dataclasses.dataclass(frozen=True)
-class Loop:
-    """Ticks `start` to `stop` of a schedule, run as `count` iterations of a loop
-    whose body runs `period` ticks, each tick of the body sending along the
-    pairs its position's senders name (`sends[j]`: forward, backward senders).
-    With `count == 1` the body runs once, not in a loop."""
+    def _tick(
+        self, carry: tuple, row: jax.Array, *, local: list, forward: tuple, backward: tuple, uses: dict
+    ) -> tuple:
+        """One tick: the device's branch of `local`, then the sends of the
+        devices `forward` and `backward` name, each received value filed into
+        its slot."""
+        p = self.p
+        # What the tick's actions store is written into its slot here, after
+        # the switch, in loop positions whose ticks store any (`uses`, per field).
+        res, stash = carry[5], carry[6]
 
-    start: int
-    period: int
-    count: int
-    sends: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+        def slot(field):  # at most one of the tick's actions has a slot there
+            return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
 
-    @property
-    def stop(self) -> int:
-        return self.start + self.period * self.count
-
-    def ticks(self, position: int) -> range:
-        """The schedule's ticks body position `position` runs."""
-        return range(self.start + position, self.stop, self.period)
-
-
-def _loops(sched: Schedule, program: np.ndarray, longest: int = 16) -> list[Loop]:
-    """The schedule's ticks as loops (`Loop`) over repeating patterns: a tick
-    sends only from the devices with something due, so that what the program
-    sends is what the schedule moves (a loop's tick sends what its body's
-    position sends on every iteration); and each device runs one branch of
-    `program` (`_program`'s, column 0) at a position on every iteration, so that
-    a position's `lax.switch` holds one branch per device and each tick is
-    counted (FLOPs, a stage's tensor-parallel sums) at what it runs, not at the
-    costliest action of another iteration. From each tick on, the pattern of
-    `period <= longest` ticks that repeats over the most ticks is one loop;
-    consecutive ticks that start no repeat form one body, run once."""
-    sends = _sends(sched)
-    # What must repeat: the tick's sends and every device's branch.
-    pattern_of = [(sent, tuple(int(b) for b in program[t, :, 0])) for t, sent in enumerate(sends)]
-    n = len(sends)
-    loops: list[Loop] = []
-    single: list[int] = []
-
-    def flush() -> None:
-        if single:
-            loops.append(Loop(single[0], len(single), 1, tuple(sends[t] for t in single)))
-            single.clear()
-
-    tick = 0
-    while tick < n:
-        best = (1, 1)
-        for period in range(1, longest + 1):
-            count = 1
-            pattern = pattern_of[tick : tick + period]
-            while (
-                tick + (count + 1) * period <= n
-                and pattern_of[tick + count * period : tick + (count + 1) * period] == pattern
-            ):
-                count += 1
-            if count >= 2 and period * count > best[0] * best[1]:
-                best = (period, count)
-        period, count = best
-        if count == 1:
-            single.append(tick)
-            tick += 1
-            continue
-        flush()
-        loops.append(Loop(tick, period, count, tuple(sends[tick : tick + period])))
-        tick += period * count
-    flush()
-    return loops
+        send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
+            row[0], local, (carry, row)
+        )
+        inputs, cots = carry[0], carry[1]
+        # Every device runs the tick's sends, outside the branches (a
+        # collective that only some devices reach would hang); the pairs
+        # name the devices with something due.
+        if forward:
+            inputs = _write(inputs, row[1], lax.ppermute(send_f, PIPE, [(d, (d + 1) % p) for d in forward]))
+        if backward:
+            cots = _write(cots, row[2], lax.ppermute(send_b, PIPE, [(d, (d - 1) % p) for d in backward]))
+        if uses[RES_WRITE]:
+            res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
+        if uses[STASH_WRITE]:
+            stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
+        return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash)
 
 
 def pipeline_gradients(
@@ -961,7 +793,7 @@ def pipeline_gradients(
     parts of a `PipelineLoss` take no key, and return no aux). The gradients
     come out in the parameters' specs."""
     del key
-    engine = _Engine(loss, layout)
+    engine = Engine(loss, layout)
     engine.check_depth(model)
     plan = layout.plan
     _check_specs(layout.params, loss.fn, plan)

@@ -3,7 +3,8 @@
 import os
 
 from .._errors import EqxparError
-from ._schedule import ACTION_LETTERS, IDLE, Schedule
+from ._actions import ACTION_LETTERS, IDLE
+from ._schedule import Schedule
 
 # Colour per action: forward, backward, backward-input, backward-weight.
 _COLOURS = {1: "#4c72b0", 2: "#dd8452", 3: "#c44e52", 4: "#55a868"}

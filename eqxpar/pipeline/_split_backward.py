@@ -1,4 +1,6 @@
 """A stage's backward pass split in two, for zero-bubble's input and weight halves.
+Shared with the tests and `benchmarks/` (which time and check the halves of a
+stage's pull-back, `split_pull_back`): internal names, not public API.
 
 A backward pass computes the input cotangent (what the previous stage waits for)
 and the weight cotangents (what nobody waits for). Zero-bubble runs them as two
@@ -23,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax import lax
 from jax._src import core
@@ -318,3 +321,19 @@ class SplitBackward:
     def weight_half(self, inputs: Sequence, stash: Sequence) -> list:
         """The other outputs (the weight cotangents)."""
         return run_b(self.jaxpr, self.consts, self.split, self.want_b, list(inputs), stash)
+
+
+def split_pull_back(leaves: list, treedef: Any, seed: jax.Array, first: bool) -> tuple[SplitBackward, list]:
+    """A stage's pull-back (its leaves and treedef) split into its input and
+    weight halves, and the halves' inputs (the pull-back's arrays and the seed).
+    The first stage's has no input cotangent (`SplitBackward`)."""
+    where = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
+
+    def backward(*args):
+        filled = list(leaves)
+        for i, a in zip(where, args[:-1], strict=True):
+            filled[i] = a
+        return jax.tree.leaves(jax.tree.unflatten(treedef, filled)(args[-1]))
+
+    inputs = [leaves[i] for i in where] + [seed]
+    return SplitBackward(backward, inputs, input_outputs=0 if first else 1), inputs
