@@ -1,5 +1,6 @@
 """Small models, data and a single-device reference run shared by the tests."""
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -12,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 import eqxpar
+from eqxpar import nn
 
 from ._compile_flags import suite_xla_flags
 
@@ -95,6 +98,44 @@ def regression_batches(n_steps, *, batch=32, d_in=16, d_out=4, seed=0):
 def token_batches(n_steps, *, batch=16, seq=9, vocab=32, seed=0):
     keys = jax.random.split(jax.random.key(seed), n_steps)
     return [jax.random.randint(k, (batch, seq), 0, vocab) for k in keys]
+
+
+def lm_tokens(seed: int, *, batch: int, seq: int, vocab: int = 32) -> jax.Array:
+    """(batch, seq + 1) random token ids from `jax.random.key(seed)`: the inputs and
+    next-token targets of `seq` positions (as `eqxpar.models.lm_loss` takes them)."""
+    return jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, vocab)
+
+
+def sequence_regression_batches(n: int, batch: int, *, seq: int, dim: int) -> list:
+    """`n` batches (x, target), each (batch, seq, dim) standard normal, batch i from
+    `jax.random.key(100 + i)`."""
+    out = []
+    for i in range(n):
+        kx, ky = jax.random.split(jax.random.key(100 + i))
+        out.append((jax.random.normal(kx, (batch, seq, dim)), jax.random.normal(ky, (batch, seq, dim))))
+    return out
+
+
+def cross_entropy_loss(model, batch):
+    """Mean `eqxpar.nn.cross_entropy` of `model(ids)` against `labels`, for a model
+    called on the whole (batch, seq) array of ids; `batch` is (ids, labels)."""
+    ids, labels = batch
+    return jnp.mean(nn.cross_entropy(model(ids), labels))
+
+
+def moe_regression_loss(model, batch):
+    """Mean squared error of a model returning (y, `nn.MoEAux`), plus 0.01 x its
+    load-balance loss and 1e-3 x its router z-loss; `batch` is (x, target)."""
+    x, target = batch
+    y, aux = model(x)
+    return jnp.mean((y - target) ** 2) + 0.01 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
+
+
+def value_and_grad_on_one_device(model, loss_fn, batch):
+    """`loss_fn`'s value and gradients at (`model`, `batch`), both put on the first
+    device, with `eqx.filter_value_and_grad` under `eqx.filter_jit`."""
+    model, batch = jax.device_put((model, batch), jax.devices()[0])
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, batch)
 
 
 def reference_run(model, optimizer, loss_fn, batches):
@@ -331,6 +372,109 @@ def train_checked(plan, model, optimizer, loss_fn, batches, **step_kwargs):
 
     losses = assert_steps_match_one_device(advance, model, optimizer, loss_fn, batches)
     return losses, state
+
+
+# -- attention: random inputs, (output, gradients), context-parallel runs ------------
+
+
+def random_qkv(seed: int, s: int, hq: int, hkv: int, d: int = 8, batch: int = 2):
+    """((q, k, v), cotangent) for attention over `s` positions, `hq` query and `hkv`
+    key/value heads of size `d`: standard normal, q and the cotangent (batch, s, hq,
+    d), k and v (batch, s, hkv, d)."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (batch, s, hq, d))
+    k = jax.random.normal(kk, (batch, s, hkv, d))
+    v = jax.random.normal(kv, (batch, s, hkv, d))
+    return (q, k, v), jax.random.normal(kc, q.shape)
+
+
+def output_and_grads(f, args, cot):
+    """(`f(*args)`, the gradients of sum(f(*args) * cot) with respect to the three
+    arguments (q, k, v)), under `jax.jit`."""
+
+    def loss(*a):
+        out = f(*a)
+        return jnp.sum(out * cot), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+    return out, grads
+
+
+#: The absolute floor of attention outputs' and gradients' comparisons with
+#: `assert_trees_close` (entries near zero, summed in another order); rtol x each
+#: leaf's largest magnitude raises it.
+ATTENTION_ATOL = 2e-6
+
+
+def packed_segment_ids(seed: int, batch: int, s: int, pad: int = 3) -> jax.Array:
+    """Packed documents of random lengths per row, the last `pad` tokens padding
+    (their own id, 99)."""
+    starts = jax.random.bernoulli(jax.random.key(seed), 0.2, (batch, s))
+    ids = jnp.cumsum(starts, axis=1).astype(jnp.int32)
+    return ids.at[:, s - pad :].set(99)
+
+
+class PackedSequenceModel(eqx.Module):
+    """Token embedding and two stacked blocks reading the rows' segment ids."""
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+
+    def __init__(self, causal, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = nn.Embedding(32, 32, key=k1)
+        self.blocks = nn.Stacked(
+            lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, rotary=True, causal=causal, key=k),
+            depth=2,
+            key=k2,
+        )
+
+    def __call__(self, ids, seg):
+        return self.blocks(self.embed(ids), segment_ids=seg)
+
+
+def packed_sequence_loss(model, batch):
+    """`PackedSequenceModel`'s loss: the sequence mean of each output's squared
+    norm; `batch` is (ids, segment ids)."""
+    ids, seg = batch
+    return nn.sequence_mean(jnp.sum(jnp.square(model(ids, seg)), axis=-1))
+
+
+#: The mesh axis `context_mesh` makes, and how q, k, v (batch, seq, heads, dim) split
+#: over it: the sequence.
+CONTEXT_AXIS = "context"
+CONTEXT_SPEC = P(None, CONTEXT_AXIS)
+
+
+def context_mesh(n: int) -> jax.sharding.Mesh:
+    """A mesh of the first `n` devices along one Auto axis, `context`."""
+    return jax.make_mesh(
+        (n,), (CONTEXT_AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
+    )
+
+
+def context_attention_fn(n, *, causal, load_balanced, impl, block_size=4, segment_ids=None, **attention_kw):
+    """Global q, k, v -> global output of `eqxpar.nn.context_attention` over `n`
+    devices of `context_mesh(n)` (in `jax.shard_map`): the inputs laid out with
+    `context_layout`, the output put back with `context_unlayout`. `segment_ids`
+    (batch, seq), if given, are laid out the same way; `attention_kw` (dropout=,
+    key=) go to `context_attention`."""
+    lay = functools.partial(nn.context_layout, n=n, load_balanced=load_balanced)
+
+    def attend(q, k, v, seg):
+        return nn.context_attention(
+            q, k, v, causal=causal, impl=impl, load_balanced=load_balanced, block_size=block_size,
+            segment_ids=seg, **attention_kw,
+        )  # fmt: skip
+
+    specs = (CONTEXT_SPEC,) * 3 + (None if segment_ids is None else CONTEXT_SPEC,)
+    sharded = jax.shard_map(attend, mesh=context_mesh(n), in_specs=specs, out_specs=CONTEXT_SPEC)
+
+    def f(q, k, v):
+        out = sharded(lay(q), lay(k), lay(v), None if segment_ids is None else lay(segment_ids))
+        return nn.context_unlayout(out, n, load_balanced=load_balanced)
+
+    return f
 
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -17,63 +17,70 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.nn._attention import _attend
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale
-from .test_attention_segments import Packed, _close, _qkv, _value_and_grads, packed_loss, segments
-from .test_context_attention import SPEC, _mesh
+from ._helpers import (
+    ATTENTION_ATOL,
+    PackedSequenceModel,
+    assert_trees_close,
+    assert_trees_close_to_scale,
+    context_attention_fn,
+    output_and_grads,
+    packed_segment_ids,
+    packed_sequence_loss,
+    random_qkv,
+)
 
 RATE = 0.3
 KEY = jax.random.key(7)
 
 
-def _context(n, causal, load_balanced, impl, key, seg=None):
-    """Global q, k, v -> global output of context attention with dropout over n
-    devices, the same key on every device (and segment ids in the layout)."""
-    lay = functools.partial(nn.context_layout, n=n, load_balanced=load_balanced)
-
-    def attend(q, k, v, seg):
-        return nn.context_attention(
-            q, k, v, causal=causal, impl=impl, load_balanced=load_balanced, block_size=4, dropout=RATE,
-            key=key, segment_ids=seg,
-        )  # fmt: skip
-
-    specs = (SPEC,) * 3 + (None if seg is None else SPEC,)
-    sharded = jax.shard_map(attend, mesh=_mesh(n), in_specs=specs, out_specs=SPEC)
-
-    def f(q, k, v):
-        out = sharded(lay(q), lay(k), lay(v), None if seg is None else lay(seg))
-        return nn.context_unlayout(out, n, load_balanced=load_balanced)
-
-    return f
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_path_drops_the_same_probabilities(causal):
-    args, cot = _qkv(0, 32, 4, 2)
+    args, cot = random_qkv(0, 32, 4, 2)
     dense = functools.partial(_attend, causal=causal, mask=None, dropout=RATE, key=KEY)
-    ref = _value_and_grads(dense, args, cot)
+    ref = output_and_grads(dense, args, cot)
     # The dropout changes the result (it is not silently off).
-    plain = _value_and_grads(functools.partial(_attend, causal=causal, mask=None), args, cot)
+    plain = output_and_grads(functools.partial(_attend, causal=causal, mask=None), args, cot)
     assert np.abs(np.asarray(ref[0] - plain[0])).max() > 1e-2
     for block in (8, 12):  # 12: the last block padded
         blockwise = functools.partial(
             nn.blockwise_attention, causal=causal, block_size=block, dropout=RATE, key=KEY
         )
-        _close(_value_and_grads(blockwise, args, cot), ref)
+        assert_trees_close(output_and_grads(blockwise, args, cot), ref, atol=ATTENTION_ATOL)
     for impl, load_balanced in (("ring", True), ("allgather", True), ("ring", False)):
-        _close(_value_and_grads(_context(4, causal, load_balanced, impl, KEY), args, cot), ref)
+        assert_trees_close(
+            output_and_grads(
+                context_attention_fn(
+                    4, causal=causal, load_balanced=load_balanced, impl=impl, dropout=RATE, key=KEY
+                ),
+                args,
+                cot,
+            ),
+            ref,
+            atol=ATTENTION_ATOL,
+        )
 
 
 def test_dropout_with_segment_ids_on_blockwise_and_ring():
-    args, cot = _qkv(1, 32, 2, 2)
-    seg = segments(1, 2, 32)
-    ref = _value_and_grads(
+    args, cot = random_qkv(1, 32, 2, 2)
+    seg = packed_segment_ids(1, 2, 32)
+    ref = output_and_grads(
         functools.partial(_attend, causal=True, mask=None, segment_ids=seg, dropout=RATE, key=KEY), args, cot
     )
     blockwise = functools.partial(
         nn.blockwise_attention, causal=True, segment_ids=seg, block_size=8, dropout=RATE, key=KEY
     )
-    _close(_value_and_grads(blockwise, args, cot), ref)
-    _close(_value_and_grads(_context(2, True, True, "ring", KEY, seg), args, cot), ref)
+    assert_trees_close(output_and_grads(blockwise, args, cot), ref, atol=ATTENTION_ATOL)
+    assert_trees_close(
+        output_and_grads(
+            context_attention_fn(
+                2, causal=True, load_balanced=True, impl="ring", segment_ids=seg, dropout=RATE, key=KEY
+            ),
+            args,
+            cot,
+        ),
+        ref,
+        atol=ATTENTION_ATOL,
+    )
 
 
 def test_kept_fraction_is_one_minus_rate():
@@ -145,7 +152,7 @@ def test_attention_dropout_in_a_context_step(make_plan):
     # device), so this checks that dropout runs in the step and takes effect.
     model = eqx.tree_at(
         lambda m: m.blocks,
-        Packed(True, jax.random.key(0)),
+        PackedSequenceModel(True, jax.random.key(0)),
         nn.Stacked(
             lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, attention_dropout=RATE, key=k),
             depth=2,
@@ -153,13 +160,13 @@ def test_attention_dropout_in_a_context_step(make_plan):
         ),
     )
     ids = jax.random.randint(jax.random.key(2), (4, 32), 0, 32)
-    batch = (ids, segments(3, 4, 32))
+    batch = (ids, packed_segment_ids(3, 4, 32))
 
     def loss(m, batch, *, key=None):
         ids, seg = batch
         return nn.sequence_mean(jnp.sum(jnp.square(m.blocks(m.embed(ids), segment_ids=seg, key=key)), -1))
 
-    plain = eqx.filter_jit(packed_loss)(model, batch)  # no key: no dropout
+    plain = eqx.filter_jit(packed_sequence_loss)(model, batch)  # no key: no dropout
     dropped, grads = eqxpar.train.make_value_and_grad(loss, make_plan())(model, batch, key=KEY)
     assert np.isfinite(float(dropped)) and abs(float(dropped) - float(plain)) > 1e-4
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

@@ -19,25 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar import nn
-from eqxpar._errors import PlanError
 from eqxpar.nn._attention import _attend
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale
-
-RTOL, ATOL = 1e-5, 1e-6
-
-
-def _qkv(seed, s, hq, hkv, d=8, batch=2):
-    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (batch, s, hq, d))
-    k = jax.random.normal(kk, (batch, s, hkv, d))
-    v = jax.random.normal(kv, (batch, s, hkv, d))
-    return q, k, v, jax.random.normal(kc, q.shape)
-
-
-def _close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert_trees_close(x, y, rtol=RTOL, atol=ATOL)
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, random_qkv
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -47,7 +31,7 @@ def _close(a, b):
     ids=["divides", "gqa-pads", "gqa3-pads", "one-block"],
 )
 def test_blockwise_equals_dense(causal, seq, heads, kv_heads, block):
-    q, k, v, ct = _qkv(0, seq, heads, kv_heads)
+    (q, k, v), ct = random_qkv(0, seq, heads, kv_heads)
 
     def loss(fn):
         return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct), (0, 1, 2)))
@@ -58,14 +42,14 @@ def test_blockwise_equals_dense(causal, seq, heads, kv_heads, block):
     def dense(q, k, v):
         return _attend(q, k, v, causal=causal, mask=None)
 
-    _close(jax.jit(blockwise)(q, k, v), jax.jit(dense)(q, k, v))
-    _close(loss(blockwise)(q, k, v), loss(dense)(q, k, v))
+    assert_trees_close(jax.jit(blockwise)(q, k, v), jax.jit(dense)(q, k, v))
+    assert_trees_close(loss(blockwise)(q, k, v), loss(dense)(q, k, v))
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_blockwise_mask_and_fully_masked_rows(causal):
     """A given mask; row 3 fully masked averages every key, as the dense softmax does."""
-    q, k, v, ct = _qkv(1, 45, 4, 2)
+    (q, k, v), ct = random_qkv(1, 45, 4, 2)
     mask = jax.random.bernoulli(jax.random.key(5), 0.6, (45, 45)).at[3].set(False)
 
     def loss(fn):
@@ -77,11 +61,11 @@ def test_blockwise_mask_and_fully_masked_rows(causal):
     def dense(q, k, v):
         return _attend(q, k, v, causal=causal, mask=mask)
 
-    _close(loss(blockwise)(q, k, v), loss(dense)(q, k, v))
+    assert_trees_close(loss(blockwise)(q, k, v), loss(dense)(q, k, v))
 
 
 def test_blockwise_bfloat16_accumulates_in_float32():
-    q, k, v, _ = _qkv(2, 48, 4, 4)
+    (q, k, v), _ = random_qkv(2, 48, 4, 4)
     out = nn.blockwise_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), causal=True, block_size=16)
     assert out.dtype == jnp.bfloat16
     ref = _attend(q, k, v, causal=True, mask=None)
@@ -89,12 +73,12 @@ def test_blockwise_bfloat16_accumulates_in_float32():
 
 
 def test_blockwise_errors():
-    q, k, v, _ = _qkv(0, 16, 4, 4)
+    (q, k, v), _ = random_qkv(0, 16, 4, 4)
     with pytest.raises(ValueError, match="query heads"):
         nn.blockwise_attention(q, k[:, :, :3], v[:, :, :3], causal=True)
     with pytest.raises(ValueError, match="block_size"):
         nn.blockwise_attention(q, k, v, causal=True, block_size=0)
-    with pytest.raises(PlanError, match="attention="):
+    with pytest.raises(eqxpar.PlanError, match="attention="):
         nn.Attention(16, 4, attention="flash", key=jax.random.key(0))
 
 
@@ -157,9 +141,9 @@ def test_gpt_and_transformer_block_pass_the_attention_choice_on():
     assert_trees_close_to_scale(grads, ref_grads)
     block = nn.TransformerBlock(32, 4, 64, attention="blockwise", attention_block=4, key=jax.random.key(2))
     assert (block.attn.attention, block.attn.attention_block) == ("blockwise", 4)
-    with pytest.raises(PlanError, match="attention='flash'"):
+    with pytest.raises(eqxpar.PlanError, match="attention='flash'"):
         dataclasses.replace(config, attention="flash")
-    with pytest.raises(PlanError, match="attention_block"):
+    with pytest.raises(eqxpar.PlanError, match="attention_block"):
         dataclasses.replace(config, attention_block=0)
 
 

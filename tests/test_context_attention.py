@@ -16,18 +16,14 @@ import eqxpar
 from eqxpar.inspect import collective_stats
 from eqxpar.nn import context_attention, context_layout, context_positions, context_unlayout
 
-from ._helpers import assert_trees_close
+from ._helpers import CONTEXT_AXIS as AX
+from ._helpers import CONTEXT_SPEC as SPEC
+from ._helpers import assert_trees_close, context_attention_fn, context_mesh, output_and_grads
 
-AX = "context"
 B, S, H, D = 2, 48, 4, 8
 # float32 contract; entries near zero need an absolute bound (other summation order):
 # ATOL is its floor, raised to rtol x each leaf's largest magnitude (assert_trees_close).
 RTOL, ATOL = 1e-5, 2e-6
-SPEC = P(None, AX)
-
-
-def _mesh(n):
-    return jax.make_mesh((n,), (AX,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
 
 
 def _dense(q, k, v, causal):
@@ -40,21 +36,6 @@ def _dense(q, k, v, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-def _context(n, causal, load_balanced, impl, block_size=4):
-    """Global q, k, v -> global output, computed context-parallel over n devices."""
-    lay = functools.partial(context_layout, n=n, load_balanced=load_balanced)
-    unlay = functools.partial(context_unlayout, n=n, load_balanced=load_balanced)
-    attend = functools.partial(
-        context_attention, causal=causal, impl=impl, load_balanced=load_balanced, block_size=block_size
-    )
-    sharded = jax.shard_map(attend, mesh=_mesh(n), in_specs=(SPEC,) * 3, out_specs=SPEC, check_vma=True)
-
-    def f(q, k, v):
-        return unlay(sharded(lay(q), lay(k), lay(v)))
-
-    return f
-
-
 def _inputs(kv_heads, seed=0):
     rng = np.random.default_rng(seed)
     q, k, v, cot = (
@@ -62,15 +43,6 @@ def _inputs(kv_heads, seed=0):
         for shape in ((B, S, H, D), (B, S, kv_heads, D), (B, S, kv_heads, D), (B, S, H, D))
     )
     return (q, k, v), cot
-
-
-def _value_and_grads(f, args, cot):
-    def loss(*a):
-        out = f(*a)
-        return jnp.sum(out * cot), out
-
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-    return out, grads
 
 
 CASES = [
@@ -85,8 +57,10 @@ CASES = [
 def test_matches_dense_attention_forward_and_backward(n, impl, causal, load_balanced):
     kv_heads = 2 if (n, impl) != (4, "ring") or not causal else 4
     args, cot = _inputs(kv_heads, seed=n)
-    out, grads = _value_and_grads(_context(n, causal, load_balanced, impl), args, cot)
-    out_d, grads_d = _value_and_grads(lambda q, k, v: _dense(q, k, v, causal), args, cot)
+    out, grads = output_and_grads(
+        context_attention_fn(n, causal=causal, load_balanced=load_balanced, impl=impl), args, cot
+    )
+    out_d, grads_d = output_and_grads(lambda q, k, v: _dense(q, k, v, causal), args, cot)
     assert_trees_close(out, out_d, rtol=RTOL, atol=ATOL)
     for name, g, g_d in zip("qkv", grads, grads_d, strict=True):
         assert_trees_close(g, g_d, rtol=RTOL, atol=ATOL, err_msg=f"d{name}")
@@ -95,7 +69,9 @@ def test_matches_dense_attention_forward_and_backward(n, impl, causal, load_bala
 def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients():
     args, cot = _inputs(2)
     low = tuple(x.astype(jnp.bfloat16) for x in args)
-    out, grads = _value_and_grads(_context(2, True, True, "ring"), low, cot.astype(jnp.bfloat16))
+    out, grads = output_and_grads(
+        context_attention_fn(2, causal=True, load_balanced=True, impl="ring"), low, cot.astype(jnp.bfloat16)
+    )
     assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
     # float32 accumulation: only the rounding of inputs and results differs from float32.
     out_d = _dense(*(x.astype(jnp.float32) for x in low), causal=True)
@@ -110,7 +86,7 @@ def _compiled(n, impl, backward):
     """The compiled context-parallel forward (or forward and backward), on inputs
     already in the layout, so that only the attention's own collectives remain."""
     attend = functools.partial(context_attention, causal=True, impl=impl, block_size=4)
-    sharded = jax.shard_map(attend, mesh=_mesh(n), in_specs=(SPEC,) * 3, out_specs=SPEC)
+    sharded = jax.shard_map(attend, mesh=context_mesh(n), in_specs=(SPEC,) * 3, out_specs=SPEC)
 
     def run(q, k, v, cot):
         if not backward:
@@ -155,7 +131,7 @@ def test_layout_round_trip_and_positions(n, load_balanced):
     local = S // n
     positions = jax.shard_map(
         lambda: context_positions(local, load_balanced=load_balanced),
-        mesh=_mesh(n),
+        mesh=context_mesh(n),
         in_specs=(),
         out_specs=P(AX),
     )()
@@ -175,7 +151,7 @@ def _trace(n, q_shape, kv_shape, **kwargs):
     kwargs.setdefault("causal", True)
     f = jax.shard_map(
         lambda q, k, v: context_attention(q, k, v, **kwargs),
-        mesh=_mesh(n),
+        mesh=context_mesh(n),
         in_specs=(SPEC,) * 3,
         out_specs=SPEC,
     )

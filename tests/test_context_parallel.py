@@ -6,6 +6,7 @@ non-causal encoders with pooling; training steps; the bytes attention moves; bad
 plans and inputs raise eqxpar errors."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -19,7 +20,13 @@ from eqxpar import nn
 from eqxpar.inspect import collective_stats
 from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, train_checked
+from ._helpers import (
+    assert_trees_close,
+    assert_trees_close_to_scale,
+    lm_tokens,
+    train_checked,
+    value_and_grad_on_one_device,
+)
 from .test_models import GPT2_STYLE
 from .test_nn_layers_any_model import Encoder, encoder_loss
 
@@ -35,27 +42,22 @@ CONFIGS = {
 BATCH, SEQ = 8, 32  # 2 x 8 chunks of 2 tokens at context 8
 
 
-def tokens(seed: int) -> jax.Array:
-    return jax.random.randint(jax.random.key(seed), (BATCH, SEQ + 1), 0, 32)
-
-
-def mesh(**sizes):
-    return eqxpar.make_mesh(**sizes)
+tokens = functools.partial(lm_tokens, batch=BATCH, seq=SEQ)
 
 
 PLANS = [
-    ("ring-manual", "rotary-gqa", lambda: eqxpar.Plan(mesh(context=4, data=2), mode="manual")),
-    ("ring-auto", "learned-positions", lambda: eqxpar.Plan(mesh(context=4, data=2))),
+    ("ring-manual", "rotary-gqa", lambda: eqxpar.Plan(eqxpar.make_mesh(context=4, data=2), mode="manual")),
+    ("ring-auto", "learned-positions", lambda: eqxpar.Plan(eqxpar.make_mesh(context=4, data=2))),
     (
         "allgather-context8",
         "rotary-gqa",
-        lambda: eqxpar.Plan(mesh(context=8), mode="manual", context_attention="allgather"),
+        lambda: eqxpar.Plan(eqxpar.make_mesh(context=8), mode="manual", context_attention="allgather"),
     ),
     (
         "tensor-sp",
         "learned-positions",
         lambda: eqxpar.Plan(
-            mesh(data=2, context=2, tensor=2),
+            eqxpar.make_mesh(data=2, context=2, tensor=2),
             rules=eqxpar.rules.MEGATRON,
             mode="manual",
             sequence_parallel=True,
@@ -64,12 +66,14 @@ PLANS = [
     (
         "tensor-auto",
         "rotary-gqa",
-        lambda: eqxpar.Plan(mesh(context=4, tensor=2), rules=eqxpar.rules.MEGATRON),
+        lambda: eqxpar.Plan(eqxpar.make_mesh(context=4, tensor=2), rules=eqxpar.rules.MEGATRON),
     ),
     (
         "fsdp-manual",
         "learned-positions",
-        lambda: eqxpar.Plan(mesh(fsdp=2, context=4), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"),
+        lambda: eqxpar.Plan(
+            eqxpar.make_mesh(fsdp=2, context=4), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"
+        ),
     ),
 ]
 
@@ -79,16 +83,11 @@ def gpts():
     return {name: eqx.filter_jit(GPT)(c, key=jax.random.key(0)) for name, c in CONFIGS.items()}
 
 
-def _single_device(model, loss_fn, batch):
-    model, batch = jax.device_put((model, batch), jax.devices()[0])
-    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, batch)
-
-
 @pytest.mark.parametrize("config,make_plan", [p[1:] for p in PLANS], ids=[p[0] for p in PLANS])
 def test_gpt_matches_single_device(gpts, config, make_plan):
     model, batch = gpts[config], tokens(1)
     loss, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan())(model, batch)
-    ref_loss, ref_grads = _single_device(model, lm_loss, batch)
+    ref_loss, ref_grads = value_and_grad_on_one_device(model, lm_loss, batch)
     assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
@@ -103,10 +102,13 @@ def test_weight_used_after_the_sequence_mean_with_sequence_parallelism(gpts):
         return lm_loss(m, t) * m.final_norm.weight[0]
 
     plan = eqxpar.Plan(
-        mesh(data=2, context=2, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+        eqxpar.make_mesh(data=2, context=2, tensor=2),
+        rules=eqxpar.rules.MEGATRON,
+        mode="manual",
+        sequence_parallel=True,
     )
     loss, grads = eqxpar.train.make_value_and_grad(scaled, plan)(model, batch)
-    ref_loss, ref_grads = _single_device(model, scaled, batch)
+    ref_loss, ref_grads = value_and_grad_on_one_device(model, scaled, batch)
     assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
@@ -115,7 +117,7 @@ def test_weight_used_after_the_sequence_mean_with_sequence_parallelism(gpts):
 def test_gpt_pipelined_with_context_matches_single_device(gpts, schedule):
     model, batch = gpts["rotary-gqa"], tokens(2)
     plan = eqxpar.Plan(
-        mesh(pipe=2, context=2, data=2),
+        eqxpar.make_mesh(pipe=2, context=2, data=2),
         schedule=schedule,
         microbatches=4,
         rules=eqxpar.pipeline.stage_rules(None),
@@ -124,7 +126,7 @@ def test_gpt_pipelined_with_context_matches_single_device(gpts, schedule):
     order = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=2, chunks=1)
     staged = eqx.tree_at(lambda m: m.blocks, model, order)
     loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(staged, batch)
-    ref_loss, ref_grads = _single_device(model, lm_loss, batch)
+    ref_loss, ref_grads = value_and_grad_on_one_device(model, lm_loss, batch)
     ref_grads = eqx.tree_at(
         lambda m: m.blocks, ref_grads, eqxpar.pipeline.to_pipeline_order(ref_grads.blocks, stages=2, chunks=1)
     )
@@ -139,16 +141,16 @@ def test_encoder_with_pooling_matches_single_device(impl):
     model = Encoder(jax.random.key(0))
     k1, k2 = jax.random.split(jax.random.key(1))
     batch = (jax.random.randint(k1, (4, 16), 0, 32), jax.random.normal(k2, (4, 3)))
-    plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual", context_attention=impl)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual", context_attention=impl)
     loss, grads = eqxpar.train.make_value_and_grad(encoder_loss, plan)(model, batch)
-    ref_loss, ref_grads = _single_device(model, encoder_loss, batch)
+    ref_loss, ref_grads = value_and_grad_on_one_device(model, encoder_loss, batch)
     assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
 
 
 def test_training_steps_match_single_device(gpts):
     # AdamW, three steps, each step's loss, gradients and parameters checked.
-    plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")
     batches = [tokens(i) for i in range(3)]
     losses, _ = train_checked(plan, gpts["rotary-gqa"], optax.adamw(1e-2), lm_loss, batches)
     assert len(losses) == 3
@@ -166,7 +168,7 @@ def test_attention_moves_the_stated_bytes(gpts, impl):
     # 2 (n-1) B backward (K/V again, with the float32 dK/dV accumulators); the
     # all-gather variant gathers (n-1) B and reduce-scatters (n-1) B of gradients.
     n, config = 4, CONFIGS["rotary-gqa"]
-    plan = eqxpar.Plan(mesh(data=2, context=n), mode="manual", context_attention=impl)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=n), mode="manual", context_attention=impl)
     wire = _attention_bytes(plan, gpts["rotary-gqa"], tokens(1))
     local_tokens = (BATCH // 2) * (SEQ // n)
     kv_bytes = 2 * local_tokens * config.num_kv_heads * config.head_dim * 4
@@ -195,7 +197,9 @@ def test_wire_bytes_against_the_library_minimum(gpts, impl, sizes, options):
     # (as for the tp_sp record: within 5 %).
     model, batch, config = gpts["learned-positions"], tokens(1), CONFIGS["learned-positions"]
     rules = eqxpar.rules.MEGATRON if "tensor" in sizes else None
-    plan = eqxpar.Plan(mesh(**sizes), rules=rules, mode="manual", context_attention=impl, **options)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(**sizes), rules=rules, mode="manual", context_attention=impl, **options
+    )
     wire = sum(_attention_bytes(plan, model, batch).values())
     least = eqxpar.inspect.minimum_comm(plan, model, loss=lm_loss, batch=batch)
     assert any("attention keys and values over context" in part for part in least.parts)
@@ -210,7 +214,7 @@ def test_wire_bytes_against_the_library_minimum(gpts, impl, sizes, options):
 def test_context_axis_of_size_one_changes_nothing(gpts):
     # The fifth mesh axis at size 1: the same collectives as a plan that never had it.
     model, batch = gpts["rotary-gqa"], tokens(1)
-    plan = eqxpar.Plan(mesh(data=8), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8), mode="manual")
     stats = collective_stats(
         jax.jit(eqxpar.train.make_value_and_grad(lm_loss, plan)).lower(model, batch).compile()
     )
@@ -220,28 +224,32 @@ def test_context_axis_of_size_one_changes_nothing(gpts):
 
 def test_layout_is_manual_over_context_in_every_mode(gpts):
     model = gpts["rotary-gqa"]
-    auto = eqxpar.train.StepLayout.resolve(eqxpar.Plan(mesh(data=2, context=4)), model)
+    auto = eqxpar.train.StepLayout.resolve(eqxpar.Plan(eqxpar.make_mesh(data=2, context=4)), model)
     assert auto.kind == "manual" and auto.manual_axes == {"context"} and auto.reduced_axes == ("context",)
-    manual = eqxpar.train.StepLayout.resolve(eqxpar.Plan(mesh(data=2, context=4), mode="manual"), model)
+    manual = eqxpar.train.StepLayout.resolve(
+        eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual"), model
+    )
     assert manual.reduced_axes == ("data", "fsdp", "context") and manual.data_parallel_size == 8
 
 
 def test_plan_errors():
     with pytest.raises(eqxpar.PlanError, match=r"context_attention='ring'.*make_mesh\(context=n\)"):
-        eqxpar.Plan(mesh(data=8), context_attention="ring")
+        eqxpar.Plan(eqxpar.make_mesh(data=8), context_attention="ring")
     with pytest.raises(eqxpar.PlanError, match=r"expected one of \('ring', 'allgather'\)"):
-        eqxpar.Plan(mesh(context=8), context_attention="ulysses")
+        eqxpar.Plan(eqxpar.make_mesh(context=8), context_attention="ulysses")
     with pytest.raises(eqxpar.PlanError, match=r"splits the batch over 'context'.*Drop it"):
-        eqxpar.Plan(mesh(data=2, context=4), batch_axes=("data", "context"))
+        eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), batch_axes=("data", "context"))
     with pytest.raises(eqxpar.PlanError, match=r"leaves out 'context'.*Add 'context' to manual_axes"):
-        eqxpar.Plan(mesh(context=2, tensor=4), mode="manual", manual_axes=("tensor",))
+        eqxpar.Plan(eqxpar.make_mesh(context=2, tensor=4), mode="manual", manual_axes=("tensor",))
     with pytest.raises(eqxpar.PlanError, match=r"'allgather' \(the default in pipelines\)"):
-        eqxpar.Plan(mesh(pipe=2, context=4), schedule="gpipe", microbatches=2, context_attention="ring")
+        eqxpar.Plan(
+            eqxpar.make_mesh(pipe=2, context=4), schedule="gpipe", microbatches=2, context_attention="ring"
+        )
 
 
 def test_sequence_that_does_not_split_names_the_padding(gpts):
     # 30 tokens over context 4: 8 chunks, pad by 2 to 32.
-    plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")
     batch = jnp.zeros((8, 31), jnp.int32)
     match = r"sequence \(30 tokens.*2 x 4 equal chunks.*Pad every sequence by 2 to 32 tokens"
     with pytest.raises(eqxpar.DivisibilityError, match=match):
@@ -259,20 +267,20 @@ class _Unsplit(eqx.Module):
 def test_attention_on_a_sequence_nobody_split_raises():
     model = _Unsplit(nn.Attention(16, 4, key=jax.random.key(0)))
     x = jnp.ones((4, 16, 16))
-    plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")
     loss = lambda m, x: jnp.mean(m(x))  # noqa: E731
     with pytest.raises(eqxpar.PlanError, match=r"computed from the whole sequence.*split_sequence"):
         eqxpar.train.make_value_and_grad(loss, plan)(model, x)
     # Splitting the input first is the fix.
     fixed = lambda m, x: jnp.mean(m(nn.split_sequence(x)))  # noqa: E731
     value, _ = eqxpar.train.make_value_and_grad(fixed, plan)(model, x)
-    ref, _ = _single_device(model, loss, x)
+    ref, _ = value_and_grad_on_one_device(model, loss, x)
     assert_trees_close(float(value), float(ref))
 
 
 def test_masked_attention_under_context_raises_and_points_to_segment_ids():
     attn = nn.Attention(16, 4, key=jax.random.key(0))
-    plan = eqxpar.Plan(mesh(data=2, context=4), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")
 
     def loss(m, x):
         return jnp.mean(m(nn.split_sequence(x), mask=jnp.ones((4, 4), bool)))
@@ -286,7 +294,7 @@ def test_each_device_of_context_draws_its_own_dropout_mask():
     # so the devices' parts get independent masks (a shared key would repeat one
     # part's mask on every part).
     x = jnp.ones((1, 64, 8))
-    plan = eqxpar.Plan(mesh(context=8), mode="manual")
+    plan = eqxpar.Plan(eqxpar.make_mesh(context=8), mode="manual")
 
     def kept(w, x, *, key):
         mask = (nn.Dropout(0.5)(nn.split_sequence(x), key=key) != 0).astype(jnp.float32)

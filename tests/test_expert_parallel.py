@@ -23,8 +23,10 @@ from eqxpar import nn
 from ._helpers import (
     assert_trees_close,
     assert_trees_close_to_scale,
+    moe_regression_loss,
     reference_run,
     run_steps,
+    sequence_regression_batches,
     train_checked,
 )
 
@@ -53,18 +55,8 @@ class MoEModel(eqx.Module):
         return self.moe(x @ self.proj)
 
 
-def moe_loss(model, batch):
-    x, target = batch
-    y, aux = model(x)
-    return jnp.mean((y - target) ** 2) + 0.01 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
-
-
 def batches(n, batch=16):
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.key(100 + i))
-        out.append((jax.random.normal(kx, (batch, SEQ, D)), jax.random.normal(ky, (batch, SEQ, D))))
-    return out
+    return sequence_regression_batches(n, batch, seq=SEQ, dim=D)
 
 
 CASES = {
@@ -83,7 +75,7 @@ def test_expert_parallel_matches_one_device(name):
     rules = eqxpar.rules.EXPERT if "fsdp" not in mesh_kw else eqxpar.rules.MEGATRON_FSDP
     plan = eqxpar.Plan(eqxpar.make_mesh(**mesh_kw), rules=rules, mode=mode)
     model = MoEModel(**moe_kw)
-    losses, state = train_checked(plan, model, optax.adamw(1e-2), moe_loss, batches(3))
+    losses, state = train_checked(plan, model, optax.adamw(1e-2), moe_regression_loss, batches(3))
     assert all(np.isfinite(losses))
     # Each device holds its experts and their Adam moments: 1/n of them.
     n = mesh_kw["expert"]
@@ -104,7 +96,9 @@ def test_tensor_and_expert_axes_match_one_device():
         plan = eqxpar.Plan(
             eqxpar.make_mesh(expert=2, data=2, tensor=2), rules=eqxpar.rules.MEGATRON, mode=mode
         )
-        train_checked(plan, MoEModel(top_k=2, num_shared=1), optax.adamw(1e-2), moe_loss, batches(2))
+        train_checked(
+            plan, MoEModel(top_k=2, num_shared=1), optax.adamw(1e-2), moe_regression_loss, batches(2)
+        )
 
 
 def test_aux_statistics_are_the_whole_batchs():
@@ -144,7 +138,7 @@ def test_dropless_under_adversarial_routing(top_k):
     plan = eqxpar.Plan(eqxpar.make_mesh(expert=8), rules=eqxpar.rules.EXPERT, mode="manual")
     model = _forced(top_k)
     # Not one assignment dropped: loss and gradients are one device's.
-    train_checked(plan, model, optax.sgd(0.1), moe_loss, batches(1))
+    train_checked(plan, model, optax.sgd(0.1), moe_regression_loss, batches(1))
 
     def loss(m, batch):
         y, aux = m(batch[0])
@@ -186,7 +180,7 @@ def test_capacity_applies_per_device_group():
 
 
 def _compiled_step(plan, model, *, batch=16):
-    step = eqxpar.train.make_step(moe_loss, optax.adamw(1e-2), plan)
+    step = eqxpar.train.make_step(moe_regression_loss, optax.adamw(1e-2), plan)
     state = eqxpar.train.init(model, optax.adamw(1e-2), plan, key=jax.random.key(0))
     return step.compile(state, batches(1, batch)[0])
 
@@ -327,7 +321,7 @@ def test_minimum_comm_counts_the_routed_activations(capacity_factor):
     plan = eqxpar.Plan(eqxpar.make_mesh(expert=n, data=2), rules=eqxpar.rules.EXPERT, mode="manual")
     model = MoEModel(top_k=2, capacity_factor=capacity_factor)
     data = batches(1, batch)[0]
-    minimum = eqxpar.inspect.minimum_comm(plan, model, loss=moe_loss, batch=data)
+    minimum = eqxpar.inspect.minimum_comm(plan, model, loss=moe_regression_loss, batch=data)
     rows = batch // (2 * n) * SEQ * 2
     assert minimum.wire_bytes["all-to-all"] == 4 * (n - 1) * (rows * D * 4) // n
     stats = eqxpar.inspect.collective_stats(_compiled_step(plan, model, batch=batch))

@@ -22,6 +22,7 @@ from ._helpers import (
     TinyTransformer,
     assert_trees_close,
     assert_trees_close_to_scale,
+    cross_entropy_loss,
     lm_loss,
     reference_run,
     run_steps,
@@ -56,11 +57,6 @@ class StackedLM(eqx.Module):
 
     def __call__(self, ids):
         return self.head(self.norm(self.blocks(self.embed(ids))))
-
-
-def loss_fn(model, batch):
-    ids, labels = batch
-    return jnp.mean(nn.cross_entropy(model(ids), labels))
 
 
 def batches(n):
@@ -106,8 +102,8 @@ def train(plan, model, loss, data):
 def test_stacked_model_matches_single_device_over_steps(name):
     model = StackedLM(key=jax.random.key(0))
     data = batches(STEPS)
-    ref_losses, ref_model = reference_run(model, OPTIM, loss_fn, data)
-    losses, state = train(PLANS[name](), model, loss_fn, data)
+    ref_losses, ref_model = reference_run(model, OPTIM, cross_entropy_loss, data)
+    losses, state = train(PLANS[name](), model, cross_entropy_loss, data)
     assert_trees_close(losses, ref_losses)
     assert_trees_close_to_scale(state.model, ref_model)
 
@@ -141,7 +137,7 @@ def test_fsdp_parameter_and_optimizer_bytes_per_device(mode):
     plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY, mode=mode)
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
     batch = batches(1)[0]
-    compiled = eqxpar.train.make_step(loss_fn, optim, plan).compile(state, batch)
+    compiled = eqxpar.train.make_step(cross_entropy_loss, optim, plan).compile(state, batch)
     batch_bytes = _leaf_bytes(batch) // 8
     per_device = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
     # What cannot be split: leaves the rules leave replicated (norm scales, biases
@@ -166,7 +162,7 @@ def test_remat_full_lowers_temp_memory():
         state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0))
         tokens = jnp.tile(data[0], (4, 4))  # a longer, bigger batch: activations dominate
         big = (tokens, tokens)
-        compiled = eqxpar.train.make_step(loss_fn, OPTIM, plan).compile(state, big)
+        compiled = eqxpar.train.make_step(cross_entropy_loss, OPTIM, plan).compile(state, big)
         temps[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temps["full"] < 0.8 * temps["none"], temps
 
@@ -186,7 +182,9 @@ def test_manual_fsdp_moves_the_minimum_and_less_than_gspmd():
     for mode in ("auto", "manual"):
         plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY, mode=mode)
         state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0))
-        stats = collective_stats(eqxpar.train.make_step(loss_fn, OPTIM, plan).compile(state, batch))
+        stats = collective_stats(
+            eqxpar.train.make_step(cross_entropy_loss, OPTIM, plan).compile(state, batch)
+        )
         wire[mode] = stats
     manual = wire["manual"]
     assert manual.count["reduce-scatter"] > 0
@@ -205,7 +203,9 @@ def test_manual_fsdp_with_remat_gathers_again_for_backward():
     model = StackedLM(key=jax.random.key(0))
     plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY, mode="manual", remat="inputs")
     state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0))
-    stats = collective_stats(eqxpar.train.make_step(loss_fn, OPTIM, plan).compile(state, batches(1)[0]))
+    stats = collective_stats(
+        eqxpar.train.make_step(cross_entropy_loss, OPTIM, plan).compile(state, batches(1)[0])
+    )
     stack = _sharded_and_replicated_bytes(model.blocks, plan)[0]
     outside = _sharded_and_replicated_bytes(model, plan)[0] - stack
     # The stack's weights are gathered in the forward scan and again in the
@@ -219,7 +219,9 @@ def test_zero1_reduce_scatters_gradients_and_gathers_parameters():
     model = StackedLM(key=jax.random.key(0))
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8), zero1=True)
     state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0))
-    stats = collective_stats(eqxpar.train.make_step(loss_fn, OPTIM, plan).compile(state, batches(1)[0]))
+    stats = collective_stats(
+        eqxpar.train.make_step(cross_entropy_loss, OPTIM, plan).compile(state, batches(1)[0])
+    )
     layout = eqxpar.train.StepLayout.of_state(state, plan)
     opt_specs = jax.tree.leaves(layout.opt_state, is_leaf=lambda s: isinstance(s, jax.P))
     assert any(any(e is not None for e in s) for s in opt_specs)
@@ -253,7 +255,7 @@ def test_bfloat16_compute_stays_close_to_float32(mode):
     # weights, the gradients and the optimizer state stay float32.
     model = StackedLM(key=jax.random.key(0))
     batch = batches(1)[0]
-    ref_loss, ref_grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
+    ref_loss, ref_grads = eqx.filter_value_and_grad(cross_entropy_loss)(model, batch)
     plan = eqxpar.Plan(
         eqxpar.make_mesh(data=2, fsdp=2, tensor=2),
         rules=MF,
@@ -261,14 +263,14 @@ def test_bfloat16_compute_stays_close_to_float32(mode):
         compute_dtype=jnp.bfloat16,
         reduce_dtype=jnp.bfloat16 if mode == "manual" else None,
     )
-    loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
+    loss, grads = eqxpar.train.make_value_and_grad(cross_entropy_loss, plan)(model, batch)
     assert np.isfinite(float(loss)) and abs(float(loss) - float(ref_loss)) <= 1e-2 * float(ref_loss)
     flat = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
     ref = jnp.concatenate([g.ravel() for g in jax.tree.leaves(ref_grads)])
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     assert bool(jnp.all(jnp.isfinite(flat)))
     assert float(flat @ ref / (jnp.linalg.norm(flat) * jnp.linalg.norm(ref))) > 0.99
-    losses, state = train(plan, model, loss_fn, batches(3))
+    losses, state = train(plan, model, cross_entropy_loss, batches(3))
     assert all(np.isfinite(losses))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(state, eqx.is_inexact_array)))
 
@@ -325,7 +327,7 @@ def test_manual_fsdp_rejects_a_dimension_split_over_fsdp_and_tensor():
     rules = eqxpar.rules.Logical({"mlp": ("fsdp", "tensor"), "heads": "tensor", "vocab": "tensor"})
     plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=2, tensor=4), rules=rules, mode="manual")
     with pytest.raises(eqxpar.PlanError, match="mixing data-parallel axes"):
-        eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batches(1)[0])
+        eqxpar.train.make_value_and_grad(cross_entropy_loss, plan)(model, batches(1)[0])
 
 
 _CONCURRENT_SCRIPT = """

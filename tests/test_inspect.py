@@ -20,11 +20,12 @@ F32 = 4
 
 
 def _setup(plan, model, d_out):
+    """(step, state, batch, compiled step, plan) of an Adam step on `plan`."""
     optim = optax.adam(1e-2)
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(mse_loss, optim, plan)
     batch = (jnp.ones((64, 16)), jnp.zeros((64, d_out)))
-    return step, state, batch, step.compile(state, batch)
+    return step, state, batch, step.compile(state, batch), plan
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ FSDP_REPLICATED = 64 * F32  # b1: 256
 
 
 def test_dp_comm_report_is_one_gradient_all_reduce(dp):
-    step, state, batch, _ = dp
+    step, state, batch, _, _ = dp
     report = ei.comm_report(step, state, batch)
     m = report.measured
     # One all-reduce; XLA fuses the 4-byte loss sum into the gradients' tuple.
@@ -67,7 +68,7 @@ def test_dp_comm_report_is_one_gradient_all_reduce(dp):
 
 
 def test_fsdp_comm_report_counts_gathers_and_gradient_reduction(fsdp):
-    step, state, batch, compiled = fsdp
+    step, state, batch, compiled, _ = fsdp
     report = ei.comm_report(step, state, batch, baseline=compiled)
     m = report.measured
     # XLA:CPU gathers each sharded weight once (keeping it for the backward) and
@@ -115,7 +116,7 @@ def test_minimum_for_hybrid_and_single_device_plans():
 
 
 def test_comm_report_of_compiled_and_given_minimum(dp):
-    _, _, _, compiled = dp
+    _, _, _, compiled, _ = dp
     bare = ei.comm_report(compiled)
     assert bare.minimum is None and bare.ratio_to_minimum is None
     assert "n/a" in str(bare) and "pass minimum=" in str(bare)
@@ -134,8 +135,7 @@ def test_tensor_parallel_minimum_needs_the_loss_and_batch():
 
 @pytest.mark.parametrize("which", ["dp", "fsdp"])
 def test_table_bytes_per_device_equal_compiled_arguments(which, request):
-    step, state, batch, compiled = request.getfixturevalue(which)
-    plan = step._plan
+    step, state, batch, compiled, plan = request.getfixturevalue(which)
     # The step's arguments are the state's array leaves (model, optimizer
     # moments and count, step, key) in their shardings, and the batch split over
     # the batch axes; XLA's argument size is their bytes on one device, exactly.
@@ -149,8 +149,8 @@ def test_table_bytes_per_device_equal_compiled_arguments(which, request):
 
 
 def test_table_rows_and_text(fsdp):
-    step, state, _, _ = fsdp
-    table = ei.sharding_table(state.model, step._plan)
+    _, state, _, _, plan = fsdp
+    table = ei.sharding_table(state.model, plan)
     w1, b1, w2 = table.rows
     assert (w1.path, w1.shape, w1.dtype, w1.axes, w1.spec) == (
         ".w1",
@@ -177,7 +177,7 @@ def test_table_rows_and_text(fsdp):
 
 
 def test_memory_report(dp):
-    step, state, batch, compiled = dp
+    step, state, batch, compiled, _ = dp
     report = ei.memory_report(step, state, batch)
     stats = compiled.memory_analysis()
     assert report == ei.memory_report(compiled)
@@ -268,8 +268,8 @@ def test_save_layout_png(tmp_path):
 
 
 def test_optional_dependencies_missing(monkeypatch, tmp_path, dp):
-    step, state, _, _ = dp
-    table = ei.sharding_table(state.model, step._plan)
+    _, state, _, _, plan = dp
+    table = ei.sharding_table(state.model, plan)
     # A None entry in sys.modules makes `import` raise ImportError: as if missing.
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.patches", "rich", "rich.table"):
         monkeypatch.setitem(sys.modules, name, None)
@@ -281,8 +281,7 @@ def test_optional_dependencies_missing(monkeypatch, tmp_path, dp):
 
 
 def test_bad_input_errors(dp):
-    step, state, batch, compiled = dp
-    plan = step._plan
+    step, state, batch, compiled, plan = dp
     with pytest.raises(eqxpar.PlanError, match=r"plan='data'.*eqxpar\.Plan"):
         ei.sharding_table(state, "data")
     with pytest.raises(eqxpar.EqxparError, match=r"tree=dict .*no array leaves.*TrainState"):

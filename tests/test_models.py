@@ -5,6 +5,7 @@ tied and untied, SwiGLU and GELU, grouped-query attention; over three optimizer 
 for two of them. Tied heads, the pipeline pieces, generation and the MLP classifier."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -17,7 +18,14 @@ import eqxpar
 from eqxpar import models, nn
 from eqxpar.models import GPT, GPTConfig, MLPClassifier, generate, gpt_first, gpt_last, lm_loss
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, reference_run, run_steps
+from ._helpers import (
+    assert_trees_close,
+    assert_trees_close_to_scale,
+    lm_tokens,
+    reference_run,
+    run_steps,
+    value_and_grad_on_one_device,
+)
 
 CONFIGS = {
     # SwiGLU, RMSNorm, tied embeddings, grouped-query attention (8 query, 4 kv heads).
@@ -41,33 +49,34 @@ CONFIGS = {
 BATCH, SEQ = 8, 8  # tokens are (BATCH, SEQ + 1): SEQ predicted positions
 
 
-def tokens(seed: int) -> jax.Array:
-    return jax.random.randint(jax.random.key(seed), (BATCH, SEQ + 1), 0, 32)
-
-
-def mesh(**sizes):
-    return eqxpar.make_mesh(**sizes)
+tokens = functools.partial(lm_tokens, batch=BATCH, seq=SEQ)
 
 
 # (id, config, plan factory). Factories: the mesh is built when the test runs.
 PLANS = [
-    ("dp-auto", "gelu-untied", lambda: eqxpar.Plan(mesh(data=8))),
+    ("dp-auto", "gelu-untied", lambda: eqxpar.Plan(eqxpar.make_mesh(data=8))),
     (
         "fsdp-tp-auto-remat-full",
         "swiglu-tied-gqa",
-        lambda: eqxpar.Plan(mesh(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP, remat="full"),
+        lambda: eqxpar.Plan(
+            eqxpar.make_mesh(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP, remat="full"
+        ),
     ),
-    ("tp-auto", "gelu-untied", lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON)),
+    (
+        "tp-auto",
+        "gelu-untied",
+        lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON),
+    ),
     (
         "tp-sync",
         "swiglu-tied-gqa",
-        lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual"),
+        lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual"),
     ),
     (
         "tp-sp-remat-full",
         "gelu-untied",
         lambda: eqxpar.Plan(
-            mesh(data=4, tensor=2),
+            eqxpar.make_mesh(data=4, tensor=2),
             rules=eqxpar.rules.MEGATRON,
             mode="manual",
             sequence_parallel=True,
@@ -82,7 +91,7 @@ PLANS += [
     (
         f"whole-vocab-{name}",
         config,
-        lambda options=options: eqxpar.Plan(mesh(data=2, tensor=4), rules=WHOLE_VOCAB, **options),
+        lambda options=options: eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=WHOLE_VOCAB, **options),
     )
     for name, config, options in [
         ("auto", "gelu-untied", {}),
@@ -99,7 +108,7 @@ STEP_PLANS = [
         "tp-overlap",
         "swiglu-tied-gqa",
         lambda: eqxpar.Plan(
-            mesh(data=2, tensor=4),
+            eqxpar.make_mesh(data=2, tensor=4),
             rules=eqxpar.rules.MEGATRON,
             mode="manual",
             sequence_parallel=True,
@@ -110,7 +119,7 @@ STEP_PLANS = [
         "partial-manual-sp",
         "gelu-untied",
         lambda: eqxpar.Plan(
-            mesh(data=2, tensor=4),
+            eqxpar.make_mesh(data=2, tensor=4),
             rules=eqxpar.rules.MEGATRON,
             mode="manual",
             manual_axes=("tensor",),
@@ -144,8 +153,7 @@ def single_device(gpts):
     """Loss and gradients of `lm_loss` on one device, per config."""
 
     def run(name):
-        model, batch = jax.device_put((gpts[name], tokens(1)), jax.devices()[0])
-        return eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(model, batch)
+        return value_and_grad_on_one_device(gpts[name], lm_loss, tokens(1))
 
     return Lazy(run)
 
@@ -269,7 +277,7 @@ def classifier():
 def test_mlp_classifier_matches_single_device(classifier, mode):
     model, batch, (ref_loss, ref_grads) = classifier
     assert len(model.ups) == len(model.downs) == 2
-    plan = eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode=mode)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode=mode)
     loss, grads = eqxpar.train.make_value_and_grad(MLPClassifier.loss, plan)(model, batch)
     assert_trees_close(float(loss), float(ref_loss))
     assert_trees_close_to_scale(grads, ref_grads)
@@ -277,7 +285,9 @@ def test_mlp_classifier_matches_single_device(classifier, mode):
 
 def test_mlp_classifier_rejects_sequence_parallel_plans(classifier):
     model = classifier[0]
-    plan = eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, sequence_parallel=True)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, sequence_parallel=True
+    )
     with pytest.raises(eqxpar.PlanError, match="sequence_parallel=True"):
         eqxpar.train.make_value_and_grad(MLPClassifier.loss, plan)(model, classifier_batch())
     with pytest.raises(eqxpar.PlanError, match="depth=0"):
@@ -300,27 +310,32 @@ GPT2_PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks,
 GPT2_PLANS = [
     (
         "tp-sync",
-        lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual"),
+        lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual"),
         lm_loss,
     ),
     (
         "tp-sp",
         lambda: eqxpar.Plan(
-            mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+            eqxpar.make_mesh(data=4, tensor=2),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            sequence_parallel=True,
         ),
         lm_loss,
     ),
     (
         "fsdp-tp-auto-sp",
         lambda: eqxpar.Plan(
-            mesh(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP, sequence_parallel=True
+            eqxpar.make_mesh(data=2, fsdp=2, tensor=2),
+            rules=eqxpar.rules.MEGATRON_FSDP,
+            sequence_parallel=True,
         ),
         lm_loss,
     ),
     (
         "pipe-data-tensor-1f1b",
         lambda: eqxpar.Plan(
-            mesh(pipe=2, data=2, tensor=2),
+            eqxpar.make_mesh(pipe=2, data=2, tensor=2),
             rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON),
             schedule="1f1b",
             microbatches=2,
@@ -334,8 +349,7 @@ GPT2_PLANS = [
 def gpt2_style():
     """The GPT-2 style model and its single-device loss and gradients."""
     model = eqx.filter_jit(GPT)(GPT2_STYLE, key=jax.random.key(0))
-    on_one = jax.device_put((model, tokens(1)), jax.devices()[0])
-    return model, eqx.filter_jit(eqx.filter_value_and_grad(lm_loss))(*on_one)
+    return model, value_and_grad_on_one_device(model, lm_loss, tokens(1))
 
 
 @pytest.mark.parametrize("make_plan,loss_fn", [p[1:] for p in GPT2_PLANS], ids=[p[0] for p in GPT2_PLANS])
@@ -396,7 +410,10 @@ def test_whole_vocab_embedding_and_head_move_no_activations(gpts, sequence_paral
 
     def counts(rules):
         plan = eqxpar.Plan(
-            mesh(data=2, tensor=4), rules=rules, mode="manual", sequence_parallel=sequence_parallel
+            eqxpar.make_mesh(data=2, tensor=4),
+            rules=rules,
+            mode="manual",
+            sequence_parallel=sequence_parallel,
         )
         step = eqxpar.train.make_step(lm_loss, optax.sgd(0.1), plan)
         state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))

@@ -17,7 +17,13 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar import nn
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, train_checked
+from ._helpers import (
+    assert_trees_close,
+    assert_trees_close_to_scale,
+    moe_regression_loss,
+    sequence_regression_batches,
+    train_checked,
+)
 
 D, H, E, BATCH, SEQ = 16, 32, 4, 2, 8
 T = BATCH * SEQ
@@ -305,18 +311,8 @@ class MoEModel(eqx.Module):
         return self.moe(x)
 
 
-def moe_loss(model, batch):
-    x, target = batch
-    y, aux = model(x)
-    return jnp.mean((y - target) ** 2) + 0.01 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
-
-
 def plan_batches(n, batch=8):
-    out = []
-    for i in range(n):
-        kx, ky = jax.random.split(jax.random.key(100 + i))
-        out.append((jax.random.normal(kx, (batch, SEQ, D)), jax.random.normal(ky, (batch, SEQ, D))))
-    return out
+    return sequence_regression_batches(n, batch, seq=SEQ, dim=D)
 
 
 PLAN_CASES = {
@@ -339,7 +335,7 @@ def test_automatic_plans_match_one_device(name):
     mesh_kw, rules, moe_kw = PLAN_CASES[name]
     plan = eqxpar.Plan(eqxpar.make_mesh(**mesh_kw), rules=rules)
     model = MoEModel(**moe_kw)
-    losses, _ = train_checked(plan, model, optax.sgd(0.1), moe_loss, plan_batches(2))
+    losses, _ = train_checked(plan, model, optax.sgd(0.1), moe_regression_loss, plan_batches(2))
     assert all(np.isfinite(losses))
 
 

@@ -22,7 +22,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, GPTConfig, MoEGroup, gpt_first, gpt_last, lm_loss
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, train_checked
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, lm_tokens, train_checked
 from .test_examples import example
 
 D, HEADS, HIDDEN, E, BATCH, SEQ, VOCAB = 16, 2, 32, 4, 2, 8, 32
@@ -33,7 +33,7 @@ def make_x(seed=1):
 
 
 def tokens(seed: int, batch: int = 8) -> jax.Array:
-    return jax.random.randint(jax.random.key(seed), (batch, SEQ + 1), 0, VOCAB)
+    return lm_tokens(seed, batch=batch, seq=SEQ, vocab=VOCAB)
 
 
 def config(**kw) -> GPTConfig:

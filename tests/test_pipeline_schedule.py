@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 
 import eqxpar
-from eqxpar.pipeline import schedule
-from eqxpar.pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
+from eqxpar.pipeline import ACTION_NAMES, schedule
 
+# The action codes of a schedule's table (`Schedule.table[..., 2]`, the last field of
+# `Schedule.entries()`): each action's index in ACTION_NAMES.
+FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = (
+    ACTION_NAMES.index(name) for name in ("forward", "backward", "backward-input", "backward-weight")
+)
 GRID = [(p, k * p) for p in (1, 2, 4, 8) for k in (1, 2, 4)]
 VARIANTS = [
     ("gpipe", 1),
@@ -157,7 +161,6 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
     input half of any but the first) and where each device runs the tick's
     branch: a position's switch is counted at what its ticks run, so the
     program's lockstep cost is the table's."""
-    from eqxpar.pipeline._actions import BACKWARD, BACKWARD_INPUT, FORWARD
     from eqxpar.pipeline._program import build_program, senders, tick_loops
 
     chunks = 2 if name == "interleaved" else 1

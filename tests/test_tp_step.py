@@ -12,7 +12,13 @@ import pytest
 import eqxpar
 from eqxpar import nn
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, reference_run, run_steps
+from ._helpers import (
+    assert_trees_close,
+    assert_trees_close_to_scale,
+    cross_entropy_loss,
+    reference_run,
+    run_steps,
+)
 
 VOCAB, D, HEADS, HIDDEN, SEQ, BATCH = 64, 32, 8, 64, 16, 8
 
@@ -40,11 +46,6 @@ class TinyGPT(eqx.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
-
-
-def loss_fn(model, batch):
-    ids, labels = batch
-    return jnp.mean(nn.cross_entropy(model(ids), labels))
 
 
 def batches(n):
@@ -75,12 +76,12 @@ def make_plan(name, *, data=2, tensor=4):
 def reference():
     model = TinyGPT(key=jax.random.key(0))
     optim = optax.sgd(0.5)
-    losses, trained = reference_run(model, optim, loss_fn, batches(3))
+    losses, trained = reference_run(model, optim, cross_entropy_loss, batches(3))
     return model, optim, losses, trained
 
 
 def run_plan(plan, model, optim, *, accumulate=1):
-    step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate=accumulate)
+    step = eqxpar.train.make_step(cross_entropy_loss, optim, plan, accumulate=accumulate)
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
     losses, state = run_steps(step, state, batches(3))
     return losses, state.model
@@ -109,7 +110,7 @@ def compiled_step(name):
     optim = optax.sgd(0.1)
     model = TinyGPT(key=jax.random.key(0))
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
-    return eqxpar.train.make_step(loss_fn, optim, plan).compile(state, batches(1)[0])
+    return eqxpar.train.make_step(cross_entropy_loss, optim, plan).compile(state, batches(1)[0])
 
 
 @pytest.mark.parametrize("mode", ["sync", "sp", "overlap"])
