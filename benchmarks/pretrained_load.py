@@ -9,8 +9,9 @@ one tensor at a time), then loads it under `fsdp=8` as 2 processes x 4 devices:
 Each process prints its resident memory before the load, its peak during the load
 (VmHWM), the peak's growth, and what a sharded load needs at least: its half of
 the model (its 4 devices' shards, held in host memory on the CPU backend) plus
-the largest tensor (the biggest block read at once). A load that gathered the
-whole model on one host would grow by the whole model instead.
+the largest tensor (the biggest block read at once). VmHWM counts the pages of
+the memory-mapped file a process touched (RssFile: page cache, reclaimable),
+so the anonymous memory after the load is printed too.
 """
 
 import argparse
@@ -85,7 +86,9 @@ def load(directory: pathlib.Path) -> None:
     print(
         f"process {jax.process_index()}: RSS before load {before / 1e6:.0f} MB, peak {peak / 1e6:.0f} MB, "
         f"growth {(peak - before) / 1e6:.0f} MB; its shards {local / 1e6:.0f} MB of {sum(sizes) / 1e6:.0f} MB, "
-        f"+ largest tensor {max(sizes) / 1e6:.0f} MB = {bound / 1e6:.0f} MB"
+        f"+ largest tensor {max(sizes) / 1e6:.0f} MB = {bound / 1e6:.0f} MB; after load: anonymous "
+        f"{_status('RssAnon') / 1e6:.0f} MB, file-backed {_status('RssFile') / 1e6:.0f} MB (safetensors' "
+        "memory map: page cache, not copies)"
     )
 
 
