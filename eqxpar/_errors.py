@@ -63,3 +63,9 @@ class AccumulationWarning(UserWarning):
     Raised for MoE models whose load-balance loss is on (`GPTConfig(
     load_balance_coef != 0)`): that loss is a product of two batch statistics.
     """
+
+
+class PretrainedError(EqxparError):
+    """A Hugging Face checkpoint directory cannot be read into, or written from, an
+    `eqxpar.models.GPT`: a missing or damaged file, a tensor whose shape disagrees
+    with `config.json`, or a config field eqxpar cannot honour."""

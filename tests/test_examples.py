@@ -128,6 +128,19 @@ def test_filter_jit_loop_runs():
     assert "loss" in result.stdout
 
 
+def test_finetune_pretrained_runs(tmp_path):
+    # No --path: the script writes a tiny random checkpoint, fine-tunes it under a
+    # plan of the table, saves it in Hugging Face format and reads it back.
+    result = run_example(
+        "finetune_pretrained.py",
+        ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--out", str(tmp_path)],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    held_out = re.search(r"held-out loss: trained ([0-9.]+), reloaded ([0-9.]+)", result.stdout)
+    assert held_out and held_out.group(1) == held_out.group(2), result.stdout[-2000:]
+    assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()
+
+
 def test_flags_build_the_table_plans():
     plans = {}
     for name, entry in PLANS.items():

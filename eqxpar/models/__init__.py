@@ -20,3 +20,6 @@ from ._gpt import gpt_first as gpt_first
 from ._gpt import gpt_last as gpt_last
 from ._gpt import lm_loss as lm_loss
 from ._mlp import MLPClassifier as MLPClassifier
+from ._pretrained import from_pretrained as from_pretrained
+from ._pretrained import save_pretrained as save_pretrained
+from .._errors import PretrainedError as PretrainedError

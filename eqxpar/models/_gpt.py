@@ -43,6 +43,12 @@ class GPTConfig:
     - `fused_qkv`: each attention stores Q, K and V as one weight
       `(d_model, 3, heads, head_dim)` and projects with one matmul (default False:
       three weights). Needs as many key/value heads as query heads.
+    - `norm_eps`: the epsilon of every norm (default None: the norm's own, 1e-6
+      for RMSNorm and 1e-5 for LayerNorm; Llama 2 and 3 use 1e-5 with RMSNorm).
+    - `qkv_bias`: biases on the query, key and value projections (default None:
+      as `use_bias`; Qwen2 has them with `use_bias=False`).
+    - `rotary_scaling`: an `eqxpar.nn.RotaryScaling` of the rotary frequencies
+      (Llama 3.1's long-context rescaling; default None: unscaled).
     - `attention`, `attention_block`: how every attention attends (default "auto"
       and 512: blockwise, memory linear in the sequence, past one block; see
       `eqxpar.nn.Attention`).
@@ -108,6 +114,9 @@ class GPTConfig:
     capacity_factor: int | float | None = None
     load_balance_coef: int | float = 0.01
     router_z_coef: int | float = 1e-3
+    norm_eps: float | None = None
+    qkv_bias: bool | None = None
+    rotary_scaling: nn.RotaryScaling | None = None
 
     def __post_init__(self):
         # Every field is checked here, when the config is built, so that a bad one
@@ -136,6 +145,21 @@ class GPTConfig:
         if self.attention not in ("auto", "blockwise", "dense"):
             raise PlanError(
                 f"GPTConfig(attention={self.attention!r}): expected 'auto', 'blockwise' or 'dense'."
+            )
+        eps = self.norm_eps
+        if eps is not None and not (
+            isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0
+        ):
+            raise PlanError(
+                f"GPTConfig(norm_eps={eps!r}): expected a small positive number (e.g. 1e-5) or None "
+                "for the norm's default."
+            )
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise PlanError(f"GPTConfig(qkv_bias={self.qkv_bias!r}): expected True, False or None.")
+        if self.rotary_scaling is not None and not isinstance(self.rotary_scaling, nn.RotaryScaling):
+            raise PlanError(
+                f"GPTConfig(rotary_scaling={self.rotary_scaling!r}): expected an "
+                "eqxpar.nn.RotaryScaling or None."
             )
         base = self.rotary_base
         numeric = isinstance(base, int | float) and not isinstance(base, bool)
@@ -358,6 +382,9 @@ class GPT(eqx.Module):
                 fused_qkv=c.fused_qkv,
                 rotary=c.rotary,
                 rotary_base=c.rotary_base,
+                rotary_scaling=c.rotary_scaling,
+                qkv_bias=c.qkv_bias,
+                norm_eps=c.norm_eps,
                 attention=c.attention,
                 attention_block=c.attention_block,
                 key=k,
@@ -380,8 +407,11 @@ class GPT(eqx.Module):
             self.blocks = nn.Stacked(make_group, depth=c.moe_layers, unroll=c.unroll, key=k_blocks)
         else:
             self.blocks = nn.Stacked(make_block, depth=c.num_layers, unroll=c.unroll, key=k_blocks)
+        eps = {} if c.norm_eps is None else {"eps": c.norm_eps}
         self.final_norm = (
-            nn.RMSNorm(c.d_model) if c.norm == "rms" else nn.LayerNorm(c.d_model, use_bias=c.use_bias)
+            nn.RMSNorm(c.d_model, **eps)
+            if c.norm == "rms"
+            else nn.LayerNorm(c.d_model, use_bias=c.use_bias, **eps)
         )
         self.head = None if c.tied else nn.Unembed(c.d_model, c.vocab_size, key=k_head)
 

@@ -28,6 +28,7 @@ from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
 from ._pool import first_token as first_token
 from ._pool import mean_pool as mean_pool
+from ._rotary import RotaryScaling as RotaryScaling
 from ._rotary import apply_rotary as apply_rotary
 from ._sequence import sequence_mean as sequence_mean
 from ._sequence import split_sequence as split_sequence

@@ -21,7 +21,7 @@ from ._context import tensor_context
 from ._context_attention import context_attention, context_positions
 from ._linear import _normal
 from ._matmul import check_split, column_matmul, lift, row_matmul
-from ._rotary import apply_rotary
+from ._rotary import RotaryScaling, apply_rotary
 from ._sequence import split_context
 
 
@@ -49,6 +49,8 @@ class Attention(eqx.Module):
       the whole sequence (under sequence parallelism they gather it first).
       `head_dim` must be even.
     - `rotary_base`: the rotary wavelength base (default 10000.0).
+    - `rotary_scaling`: a `RotaryScaling` of the rotary frequencies (Llama 3.1's
+      long-context rescaling; default None: unscaled).
     - `attention`: how the local heads attend. `"auto"` (default): cuDNN's fused
       attention (`jax.nn.dot_product_attention`) on GPU where it applies (bfloat16
       or float16, head_dim a multiple of 8 up to 128, no `mask`), else
@@ -71,6 +73,9 @@ class Attention(eqx.Module):
     ring or all-gather of keys and values), rotary angles at the tokens' global
     positions, and `mask` is not supported (use `segment_ids`).
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
+    - `qkv_bias`: biases on the query, key and value projections only (Qwen2's
+      layout: `qkv_bias=True, use_bias=False` gives no output bias); default None:
+      as `use_bias`.
 
     Calling it: `attn(x, *, mask=None, segment_ids=None, key=None)` (`key`: for
     `dropout`; without it no dropout). `mask` `(seq, seq)` bool
@@ -115,6 +120,7 @@ class Attention(eqx.Module):
     attention: str = eqx.field(static=True, default="auto")
     attention_block: int = eqx.field(static=True, default=512)
     dropout: float = eqx.field(static=True, default=0.0)
+    rotary_scaling: RotaryScaling | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -131,6 +137,8 @@ class Attention(eqx.Module):
         attention_block: int = 512,
         dropout: float = 0.0,
         use_bias: bool = True,
+        qkv_bias: bool | None = None,
+        rotary_scaling: RotaryScaling | None = None,
         axis: str = "tensor",
         dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -165,14 +173,21 @@ class Attention(eqx.Module):
             self.wq = _normal(kq, (d_model, num_heads, hd), d_model, dtype)
             self.wk = _normal(kk, (d_model, kv, hd), d_model, dtype)
             self.wv = _normal(kvk, (d_model, kv, hd), d_model, dtype)
-        self.bq = jnp.zeros((num_heads, hd), dtype) if use_bias else None
-        self.bk = jnp.zeros((kv, hd), dtype) if use_bias else None
-        self.bv = jnp.zeros((kv, hd), dtype) if use_bias else None
+        if rotary_scaling is not None and not isinstance(rotary_scaling, RotaryScaling):
+            raise PlanError(
+                f"Attention(rotary_scaling={rotary_scaling!r}): expected an eqxpar.nn.RotaryScaling "
+                "or None."
+            )
+        in_bias = use_bias if qkv_bias is None else qkv_bias
+        self.bq = jnp.zeros((num_heads, hd), dtype) if in_bias else None
+        self.bk = jnp.zeros((kv, hd), dtype) if in_bias else None
+        self.bv = jnp.zeros((kv, hd), dtype) if in_bias else None
         self.wo = _normal(ko, (num_heads, hd, d_model), num_heads * hd, dtype)
         self.bo = jnp.zeros((d_model,), dtype) if use_bias else None
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, kv, hd
         self.causal, self.axis = causal, axis
         self.rotary, self.rotary_base = bool(rotary), float(rotary_base)
+        self.rotary_scaling = rotary_scaling
         self.attention, self.attention_block = attention, int(attention_block)
 
     def __call__(
@@ -213,8 +228,9 @@ class Attention(eqx.Module):
             # q and k hold the whole sequence here (column_matmul gathers it under
             # sequence parallelism), or under context parallelism this device's part.
             positions = context_positions(q.shape[1], load_balanced=True) if split else None
-            q = apply_rotary(q, base=self.rotary_base, positions=positions)
-            k = apply_rotary(k, base=self.rotary_base, positions=positions)
+            rope = dict(base=self.rotary_base, positions=positions, scaling=self.rotary_scaling)
+            q = apply_rotary(q, **rope)
+            k = apply_rotary(k, **rope)
         drop = {}
         if key is not None and self.dropout > 0:
             # Global head indices: inside a manual region over the tensor axis this

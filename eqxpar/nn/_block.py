@@ -13,6 +13,7 @@ from ._dropout import Dropout
 from ._linear import MLP
 from ._moe import MoE, MoEAux
 from ._norm import LayerNorm, RMSNorm
+from ._rotary import RotaryScaling
 
 
 class TransformerBlock(eqx.Module):
@@ -28,6 +29,9 @@ class TransformerBlock(eqx.Module):
     `use_bias=True`, `fused_qkv=False`, `rotary=False` (rotary position embeddings
     in the attention), `rotary_base=10000.0`, `attention="auto"` and
     `attention_block=512` (how the attention attends: see `Attention`),
+    `qkv_bias=None` and `rotary_scaling=None` (as `Attention`'s), `norm_eps=None`
+    (both norms' epsilon; None: the norm's default, 1e-5 for LayerNorm, 1e-6 for
+    RMSNorm),
     `axis="tensor"`, `dtype`, `key`; `causal=True` (False: an encoder block,
     every position attends to every other) and `dropout=0.0` (residual dropout
     after the attention and after the MLP, applied when the call gets a `key`),
@@ -86,6 +90,9 @@ class TransformerBlock(eqx.Module):
         fused_qkv: bool = False,
         rotary: bool = False,
         rotary_base: float = 10000.0,
+        rotary_scaling: RotaryScaling | None = None,
+        qkv_bias: bool | None = None,
+        norm_eps: float | None = None,
         attention: str = "auto",
         attention_block: int = 512,
         axis: str = "tensor",
@@ -125,11 +132,14 @@ class TransformerBlock(eqx.Module):
             )
         k1, k2 = jax.random.split(key)
 
+        # Only a given epsilon is passed on: each norm keeps its own default.
+        eps = {} if norm_eps is None else {"eps": norm_eps}
+
         def make_norm():
             return (
-                LayerNorm(d_model, use_bias=use_bias, dtype=dtype)
+                LayerNorm(d_model, use_bias=use_bias, dtype=dtype, **eps)
                 if norm == "layer"
-                else RMSNorm(d_model, dtype=dtype)
+                else RMSNorm(d_model, dtype=dtype, **eps)
             )
 
         self.norm1 = make_norm()
@@ -141,10 +151,12 @@ class TransformerBlock(eqx.Module):
             fused_qkv=fused_qkv,
             rotary=rotary,
             rotary_base=rotary_base,
+            rotary_scaling=rotary_scaling,
             attention=attention,
             attention_block=attention_block,
             dropout=attention_dropout,
             use_bias=use_bias,
+            qkv_bias=qkv_bias,
             axis=axis,
             dtype=dtype,
             key=k1,

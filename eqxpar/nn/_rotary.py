@@ -1,9 +1,66 @@
 """Rotary position embeddings (RoPE) for queries and keys."""
 
+import dataclasses
+import math
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._errors import SpecError
+from .._errors import PlanError, SpecError
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryScaling:
+    """Llama 3.1's rescaling of the rotary frequencies for a longer context
+    (Hugging Face `rope_scaling={"rope_type": "llama3", ...}`); frozen and
+    hashable, so layers keep it as a static field.
+
+    A frequency `f` has wavelength `w = 2 pi / f`. Short wavelengths
+    (`w < original_max_positions / high_freq_factor`) are kept, long ones
+    (`w > original_max_positions / low_freq_factor`) are divided by `factor`, and
+    those between are blended: `(1 - s) f / factor + s f` with
+    `s = (original_max_positions / w - low_freq_factor) / (high_freq_factor -
+    low_freq_factor)`, so the frequencies change continuously.
+
+    **Fields:** `factor`, `low_freq_factor`, `high_freq_factor` (positive numbers,
+    `high_freq_factor > low_freq_factor`) and `original_max_positions` (the context
+    length the model was first trained at, a positive integer).
+
+    ```python
+    scaling = eqxpar.nn.RotaryScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_positions=8192)
+    q = eqxpar.nn.apply_rotary(q, base=500000.0, scaling=scaling)
+    ```
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions"):
+            value = getattr(self, name)
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (numeric and math.isfinite(value) and value > 0):
+                raise PlanError(f"RotaryScaling({name}={value!r}): expected a positive finite number.")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise PlanError(
+                f"RotaryScaling(low_freq_factor={self.low_freq_factor}, high_freq_factor="
+                f"{self.high_freq_factor}): the blend between them divides by their difference, so "
+                "high_freq_factor must be larger (Llama 3.1 uses 1.0 and 4.0)."
+            )
+
+    def __call__(self, inv_freq: Float[Array, " half"]) -> Float[Array, " half"]:
+        """The rescaled inverse frequencies (float32 in, float32 out)."""
+        wavelength = 2 * math.pi / inv_freq
+        context = float(self.original_max_positions)
+        blend = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        slowed = inv_freq / self.factor
+        mixed = (1 - blend) * slowed + blend * inv_freq
+        out = jnp.where(wavelength > context / self.low_freq_factor, slowed, inv_freq)
+        middle = (wavelength >= context / self.high_freq_factor) & (wavelength <= context / self.low_freq_factor)
+        return jnp.where(middle, mixed, out)
 
 
 def apply_rotary(
@@ -11,6 +68,7 @@ def apply_rotary(
     *,
     base: float = 10000.0,
     positions: Int[Array, " positions"] | None = None,
+    scaling: RotaryScaling | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Rotate each head's feature pairs by an angle proportional to the token's position.
 
@@ -30,6 +88,8 @@ def apply_rotary(
     - `base`: the wavelength base (keyword-only).
     - `positions`: integer position of each of the `seq` tokens; default
       `0, 1, ..., seq - 1`.
+    - `scaling`: a `RotaryScaling` applied to the frequencies (keyword-only;
+      default None: unscaled).
 
     **Returns:** `x` rotated, same shape and dtype.
 
@@ -55,6 +115,8 @@ def apply_rotary(
     # Angles in float32 whatever x's dtype: low-precision positions * frequencies lose
     # the fine rotations of far-apart tokens.
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
+    if scaling is not None:
+        inv_freq = scaling(inv_freq)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, half)
     # Explicit broadcasting to (1, seq, 1, half): rank promotion is "raise" in tests.
     cos = jnp.cos(angles).astype(x.dtype)[None, :, None, :]

@@ -1,0 +1,101 @@
+"""Host memory of `eqxpar.models.from_pretrained` under a plan, per process.
+
+Writes a random Llama-shaped checkpoint of at least 1 GB (float32 safetensors,
+one tensor at a time), then loads it under `fsdp=8` as 2 processes x 4 devices:
+
+    python benchmarks/pretrained_load.py --write /tmp/big-llama
+    python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py --load /tmp/big-llama
+
+Each process prints its resident memory before the load, its peak during the load
+(VmHWM), the peak's growth, and what a sharded load needs at least: its half of
+the model (its 4 devices' shards, held in host memory on the CPU backend) plus
+the largest tensor (the biggest block read at once). VmHWM counts the pages of
+the memory-mapped file a process touched (RssFile: page cache, reclaimable),
+so the anonymous memory after the load is printed too.
+"""
+
+import argparse
+import pathlib
+
+
+def _status(field: str) -> int:
+    # Linux: resident set now (VmRSS) and its peak so far (VmHWM), in bytes.
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def config():
+    from eqxpar.models import GPTConfig
+
+    # 4 x 218 MB of blocks + 262 MB of embedding: 1.13 GB in float32.
+    return GPTConfig(vocab_size=32000, d_model=2048, num_heads=16, num_layers=4, d_hidden=5632, tied=True,
+                     norm_eps=1e-5, max_seq_len=4096)
+
+
+def write(directory: pathlib.Path) -> None:
+    import json
+
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    from eqxpar.models import GPT
+    from eqxpar.models._hf_config import config_to_hf
+    from eqxpar.models._hf_files import write_safetensors
+    from eqxpar.models._hf_layout import layout
+
+    c = config()
+    abstract = eqx.filter_eval_shape(GPT, c, key=jax.random.key(0))
+    shapes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        source = layout(c, "llama")[jax.tree_util.keystr(path)]
+        for _, name in source.names(leaf.shape):
+            shapes[name] = source.tensor_shape
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config_to_hf(c, "llama", "float32")))
+    tensors = [(name, shape, np.float32) for name, shape in shapes.items()]
+    write_safetensors(directory / "model.safetensors", tensors,
+                      lambda name: rng.standard_normal(shapes[name], np.float32) * 0.02)
+    total = sum(int(np.prod(s)) * 4 for s in shapes.values())
+    print(f"wrote {directory}: {len(shapes)} tensors, {total / 1e9:.2f} GB")
+
+
+def load(directory: pathlib.Path) -> None:
+    import eqxpar.distributed as dist
+
+    dist.initialize()
+    import jax
+    import numpy as np
+
+    import eqxpar
+    from eqxpar.models import from_pretrained
+    from eqxpar.models._hf_files import TensorFiles
+
+    files = TensorFiles(directory)
+    sizes = [int(np.prod(files.shape(n))) * 4 for n in files.names()]
+    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(min_size=1))
+    before = _status("VmRSS")
+    model = from_pretrained(directory, plan)
+    jax.block_until_ready(jax.tree.leaves(model))
+    peak = _status("VmHWM")
+    local = sum(s.data.nbytes for leaf in jax.tree.leaves(model) for s in leaf.addressable_shards)
+    bound = local + max(sizes)
+    print(
+        f"process {jax.process_index()}: RSS before load {before / 1e6:.0f} MB, peak {peak / 1e6:.0f} MB, "
+        f"growth {(peak - before) / 1e6:.0f} MB; its shards {local / 1e6:.0f} MB of {sum(sizes) / 1e6:.0f} MB, "
+        f"+ largest tensor {max(sizes) / 1e6:.0f} MB = {bound / 1e6:.0f} MB; after load: anonymous "
+        f"{_status('RssAnon') / 1e6:.0f} MB, file-backed {_status('RssFile') / 1e6:.0f} MB (safetensors' "
+        "memory map: page cache, not copies)"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write", type=pathlib.Path)
+    group.add_argument("--load", type=pathlib.Path)
+    args = parser.parse_args()
+    write(args.write) if args.write else load(args.load)
