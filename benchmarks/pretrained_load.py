@@ -9,9 +9,10 @@ one tensor at a time), then loads it under `fsdp=8` as 2 processes x 4 devices:
 Each process prints its resident memory before the load, its peak during the load
 (VmHWM), the peak's growth, and what a sharded load needs at least: its half of
 the model (its 4 devices' shards, held in host memory on the CPU backend) plus
-the largest tensor (the biggest block read at once). VmHWM counts the pages of
-the memory-mapped file a process touched (RssFile: page cache, reclaimable),
-so the anonymous memory after the load is printed too.
+the largest tensor (the biggest block read at once: each read maps its file and
+unmaps it after, so the file's pages are resident for one read only). It fails
+if a process's peak grew by the whole model, or its anonymous memory by twice its
+shards.
 """
 
 import argparse
@@ -83,14 +84,16 @@ def load(directory: pathlib.Path) -> None:
     peak = _status("VmHWM")
     local = sum(s.data.nbytes for leaf in jax.tree.leaves(model) for s in leaf.addressable_shards)
     bound = local + max(sizes)
+    anonymous = _status("RssAnon")
     print(
         f"process {jax.process_index()}: RSS before load {before / 1e6:.0f} MB, peak {peak / 1e6:.0f} MB, "
-        f"growth {(peak - before) / 1e6:.0f} MB; its shards {local / 1e6:.0f} MB of {sum(sizes) / 1e6:.0f} MB, "
-        f"+ largest tensor {max(sizes) / 1e6:.0f} MB = {bound / 1e6:.0f} MB; after load: anonymous "
-        f"{_status('RssAnon') / 1e6:.0f} MB, file-backed {_status('RssFile') / 1e6:.0f} MB (safetensors' "
-        "memory map: page cache, not copies)"
+        f"growth {(peak - before) / 1e6:.0f} MB ({(peak - before) / bound:.2f} x its shards "
+        f"{local / 1e6:.0f} MB of {sum(sizes) / 1e6:.0f} MB + the largest tensor {max(sizes) / 1e6:.0f} MB); "
+        f"anonymous after the load {anonymous / 1e6:.0f} MB"
     )
-
+    # The contract: never the whole model on one host, never a second copy of its half.
+    if peak - before >= sum(sizes) or anonymous - before >= 2 * local:
+        raise SystemExit(f"process {jax.process_index()}: the load held more than its share")
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

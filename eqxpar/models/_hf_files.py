@@ -1,11 +1,12 @@
 """The files of a Hugging Face checkpoint directory: finding each tensor's
 safetensors file, reading slices of it, and writing new files one tensor at a time."""
 
+import contextlib
 import json
 import os
 import pathlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -70,7 +71,7 @@ class TensorFiles:
 
     def __init__(self, directory: pathlib.Path):
         self.directory = directory
-        self._handles: dict[str, Any] = {}
+        self._headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
         if (directory / INDEX).is_file():
             try:
                 index = json.loads((directory / INDEX).read_text())
@@ -82,7 +83,7 @@ class TensorFiles:
                 ) from e
             self.file_of = {name: str(file) for name, file in weight_map.items()}
         elif (directory / SINGLE).is_file():
-            self.file_of = {name: SINGLE for name in self._open(SINGLE).keys()}
+            self.file_of = {name: SINGLE for name in self._header_of(SINGLE)}
         else:
             pickles = [name for name in _PICKLES if (directory / name).is_file()]
             if pickles:
@@ -98,53 +99,74 @@ class TensorFiles:
                 "Face checkpoint directory with safetensors weights."
             )
 
-    def _open(self, file: str) -> Any:
-        if file not in self._handles:
-            path = self.directory / file
-            if not path.is_file():
-                raise PretrainedError(
-                    f"from_pretrained: {str(path)!r} does not exist, but {INDEX} names it. Download the "
-                    "checkpoint's missing shard (every file the index lists)."
-                )
-            safetensors = safetensors_module()
-            try:
-                self._handles[file] = safetensors.safe_open(str(path), framework="numpy")
-            except Exception as e:  # safetensors raises its own error types for bad files
-                raise PretrainedError(
-                    f"from_pretrained: {str(path)!r} is not a readable safetensors file ({e}). It may be "
-                    "truncated (an interrupted download): download it again."
-                ) from e
-        return self._handles[file]
+    def _path(self, file: str) -> pathlib.Path:
+        path = self.directory / file
+        if not path.is_file():
+            raise PretrainedError(
+                f"from_pretrained: {str(path)!r} does not exist, but {INDEX} names it. Download the "
+                "checkpoint's missing shard (every file the index lists)."
+            )
+        return path
+
+    @contextlib.contextmanager
+    def _open_file(self, file: str) -> Iterator[Any]:
+        """One safetensors file, memory-mapped while the block is open. Each read opens
+        its file again and unmaps it after: the pages a read touches (a column block
+        touches every page of its tensor) are then resident for that read only, so a
+        process's peak memory is its own blocks plus one tensor, not the files."""
+        path = self._path(file)
+        safetensors = safetensors_module()
+        try:
+            handle = safetensors.safe_open(str(path), framework="numpy")
+        except Exception as e:  # safetensors raises its own error types for bad files
+            raise PretrainedError(
+                f"from_pretrained: {str(path)!r} is not a readable safetensors file ({e}). It may be "
+                "truncated (an interrupted download): download it again."
+            ) from e
+        with handle as opened:
+            yield opened
+
+    def _header_of(self, file: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The shape and dtype of every tensor in `file`, read from its header once."""
+        if file not in self._headers:
+            with self._open_file(file) as opened:
+                self._headers[file] = {
+                    name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
+                    for name in opened.keys()
+                }
+        return self._headers[file]
 
     def names(self) -> set[str]:
         return set(self.file_of)
 
-    def _slice(self, name: str) -> Any:
+    def _header(self, name: str) -> tuple[tuple[int, ...], str]:
         if name not in self.file_of:
             raise PretrainedError(
                 f"from_pretrained: tensor {name!r} is missing from {str(self.directory)!r} "
                 f"(its safetensors files hold {len(self.file_of)} tensors, not this one). The "
                 "checkpoint does not match its config.json, or a shard is incomplete."
             )
-        handle = self._open(self.file_of[name])
-        try:
-            return handle.get_slice(name)
-        except Exception as e:
+        header = self._header_of(self.file_of[name])
+        if name not in header:
             raise PretrainedError(
                 f"from_pretrained: tensor {name!r} is not in {self.file_of[name]!r} although the index "
-                f"says so ({e}). Download the checkpoint again."
-            ) from e
+                "says so. Download the checkpoint again."
+            )
+        return header[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._header(name)[0]
 
     def dtype_name(self, name: str) -> str:
-        return self._slice(name).get_dtype()
+        return self._header(name)[1]
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The block `index` (one slice per dimension) of tensor `name`, read from disk."""
+        self._header(name)
         try:
-            return np.asarray(self._slice(name)[index])
+            with self._open_file(self.file_of[name]) as opened:
+                # A copy: the block must outlive the mapping, which closes here.
+                return np.array(opened.get_slice(name)[index], copy=True)
         except PretrainedError:
             raise
         except Exception as e:
