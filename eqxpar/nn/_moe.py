@@ -15,6 +15,7 @@ from .._errors import DivisibilityError, PlanError, SpecError
 from .._mesh import EXPERT_AXIS
 from .._param import param
 from .._trace_notes import TraceNotes
+from .._varying import varying_axes
 from ._context import tensor_context
 from ._linear import MLP, _normal
 from ._matmul import check_split, lift
@@ -463,7 +464,7 @@ class MoE(eqx.Module):
         ep, manual = self._expert_split()
         # The aux statistics are summed over the manual axes the tokens differ
         # along (the batch's, the sequence's under context parallelism).
-        over = tuple(a for a in manual if a in set(jax.typeof(x).mat.varying))
+        over = tuple(a for a in manual if a in varying_axes(x))
         batch, seq, d = x.shape
         xf = x.reshape(batch * seq, d)
         idx, weights, scores, logits = self.route(xf)
