@@ -31,8 +31,16 @@ def config():
     from eqxpar.models import GPTConfig
 
     # 4 x 218 MB of blocks + 262 MB of embedding: 1.13 GB in float32.
-    return GPTConfig(vocab_size=32000, d_model=2048, num_heads=16, num_layers=4, d_hidden=5632, tied=True,
-                     norm_eps=1e-5, max_seq_len=4096)
+    return GPTConfig(
+        vocab_size=32000,
+        d_model=2048,
+        num_heads=16,
+        num_layers=4,
+        d_hidden=5632,
+        tied=True,
+        norm_eps=1e-5,
+        max_seq_len=4096,
+    )
 
 
 def write(directory: pathlib.Path) -> None:
@@ -58,8 +66,11 @@ def write(directory: pathlib.Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config_to_hf(c, "llama", "float32")))
     tensors = [(name, shape, np.float32) for name, shape in shapes.items()]
-    write_safetensors(directory / "model.safetensors", tensors,
-                      lambda name: rng.standard_normal(shapes[name], np.float32) * 0.02)
+    write_safetensors(
+        directory / "model.safetensors",
+        tensors,
+        lambda name: rng.standard_normal(shapes[name], np.float32) * 0.02,
+    )
     total = sum(int(np.prod(s)) * 4 for s in shapes.values())
     print(f"wrote {directory}: {len(shapes)} tensors, {total / 1e9:.2f} GB")
 
@@ -95,8 +106,11 @@ def load(directory: pathlib.Path) -> None:
     if peak - before >= sum(sizes) or anonymous - before >= 2 * local:
         raise SystemExit(f"process {jax.process_index()}: the load held more than its share")
 
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", type=pathlib.Path)
     group.add_argument("--load", type=pathlib.Path)

@@ -54,6 +54,7 @@ from jaxtyping import Array, Float, Shaped
 
 from ._errors import AxisNameError, DivisibilityError, SpecError
 from ._mesh import AXES
+from ._varying import mark_varying, varying_axes
 
 # ---------------------------------------------------------------------------
 # Validation and varying-ness helpers
@@ -116,21 +117,6 @@ def _check_divisible(x: Array, axis: int, n: int, axis_name: str, fn: str) -> No
         )
 
 
-def _varying(x: Array) -> frozenset:
-    # The manual axes over which x may differ between devices (check_vma=True); empty
-    # when check_vma=False, where jax tracks nothing.
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def _to_varying(x: Array, axes: frozenset) -> Array:
-    # Casting once, before a loop, keeps jax from casting inside the loop body: the
-    # transpose of that cast is a psum, which would then run once per ring step in
-    # the backward pass instead of once (or, for a replicated weight, be the one
-    # psum its gradient needs, placed after the loop).
-    missing = tuple(sorted(a for a in axes if a not in _varying(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _prepare_matmul(
     x: Array, w: Array, axis_name: str, axis: int, fn: str, *, scatter: bool
 ) -> tuple[int, int, Array, Array]:
@@ -141,9 +127,12 @@ def _prepare_matmul(
     if scatter:
         _check_divisible(x, axis, n, axis_name, fn)
     # Everything in the ring varies over axis_name (it arrives by ppermute) and over
-    # whatever x and w already vary over: cast once, outside the loop (_to_varying).
-    vma = _varying(x) | _varying(w) | {axis_name}
-    return n, axis, _to_varying(x, vma), _to_varying(w, vma)
+    # whatever x and w already vary over: cast once, outside the loop (mark_varying),
+    # so the transpose of the cast (a psum) runs once in the backward pass, not per
+    # ring step (or, for a replicated weight, is the one psum its gradient needs,
+    # placed after the loop).
+    vma = varying_axes(x) | varying_axes(w) | {axis_name}
+    return n, axis, mark_varying(x, vma), mark_varying(w, vma)
 
 
 def _dot(a: Array, w: Array) -> Array:
@@ -195,9 +184,9 @@ def all_gather(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> Sha
     n = _axis_size(axis_name, "all_gather")
     axis = _check_axis(axis, x.ndim, x.shape, "all_gather")
     if n == 1:
-        return _to_varying(x, frozenset({axis_name}))
+        return mark_varying(x, {axis_name})
     if _automatic_axes_split():
-        return _ring_all_gather(_to_varying(x, _varying(x) | {axis_name}), axis_name, axis)
+        return _ring_all_gather(mark_varying(x, {axis_name}), axis_name, axis)
     return lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
@@ -229,9 +218,9 @@ def psum_scatter(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> S
     axis = _check_axis(axis, x.ndim, x.shape, "psum_scatter")
     _check_divisible(x, axis, n, axis_name, "psum_scatter")
     if n == 1:
-        return _to_varying(x, frozenset({axis_name}))
+        return mark_varying(x, {axis_name})
     if _automatic_axes_split():
-        return _ring_psum_scatter(_to_varying(x, _varying(x) | {axis_name}), axis_name, axis)
+        return _ring_psum_scatter(mark_varying(x, {axis_name}), axis_name, axis)
     return lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
 
 
@@ -296,12 +285,12 @@ def _ag_ring(
     # x, and whatever f closes over, already vary over axis_name.
     n = lax.axis_size(axis_name)
     block = x.shape[axis]
-    vma = _varying(x)
+    vma = varying_axes(x)
     product = jax.eval_shape(f, x)
     out_shape = (*product.shape[:axis], n * block, *product.shape[axis + 1 :])
-    out = _to_varying(jnp.zeros(out_shape, product.dtype), vma)
+    out = mark_varying(jnp.zeros(out_shape, product.dtype), vma)
     xs_shape = (*x.shape[:axis], n * block, *x.shape[axis + 1 :])
-    xs = _to_varying(jnp.zeros(xs_shape, x.dtype), vma) if keep_x else None
+    xs = mark_varying(jnp.zeros(xs_shape, x.dtype), vma) if keep_x else None
     me = lax.axis_index(axis_name)
     to_left, to_right = _ring(n, -1), _ring(n, +1)
 

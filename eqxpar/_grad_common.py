@@ -1,6 +1,6 @@
 """What the three gradient implementations (automatic, manual, pipeline) share:
-the loss call with its mixed-precision casts, marking values varying, the
-micro-batch split, the gradient reduction and the checks on per-device results.
+the loss call with its mixed-precision casts, the micro-batch split, the gradient
+reduction and the checks on per-device results.
 
 Every implementation has one signature,
 `gradients(loss, layout, model, batch, key) -> (loss, aux, grads)`, over the
@@ -9,7 +9,7 @@ global batch, with the gradients in the layout's `updates` specs.
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -23,6 +23,7 @@ from ._fsdp import Gather, layer_gathers, wire_dtype
 from ._sharding import shard
 from ._step_layout import StepLayout
 from ._train_state import cast_floating
+from ._varying import varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,19 +60,10 @@ class LossFunction:
         return self.loss_dtype(loss), aux
 
 
-def mark_varying(x: Array, axes: Collection[str]) -> Array:
-    """`x` typed as varying along the manual `axes` (it may differ between those
-    devices). Parameters marked so get per-device gradients (no implicit psum), and
-    scan carries and switch branches get one type. Axes `x` already varies along
-    are skipped (`pcast` rejects them)."""
-    missing = tuple(sorted(set(axes) - set(jax.typeof(x).mat.varying)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def varies_along(tree: PyTree, axis: str) -> bool:
     """Whether any floating-point array in `tree` varies along manual mesh `axis`."""
     leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
-    return any(axis in jax.typeof(x).mat.varying for x in leaves)
+    return any(axis in varying_axes(x) for x in leaves)
 
 
 def split_microbatches(batch: PyTree, k: int) -> PyTree:
@@ -124,7 +116,7 @@ def check_same_on_devices(loss: Array, aux: PyTree, *, allowed: tuple[str, ...])
         for x in jax.tree.leaves(tree):
             if not isinstance(x, jax.Array):
                 continue
-            varying = set(jax.typeof(x).mat.varying)
+            varying = set(varying_axes(x))
             if what == "aux" and not jnp.issubdtype(x.dtype, jnp.inexact) and varying:
                 raise PlanError(
                     f"the loss function's aux holds an integer array (shape {x.shape}, dtype {x.dtype}) that "

@@ -22,7 +22,6 @@ from ._fsdp import gather_whole, gathered_axes, gathers_of, prepare_model
 from ._grad_common import (
     LossFunction,
     accumulated_value_and_grad,
-    mark_varying,
     mean_aux,
     mean_over,
     reduce_gradient,
@@ -35,6 +34,7 @@ from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map
 from ._sharding import shard
 from ._step_layout import StepLayout
+from ._varying import mark_varying, varying_axes
 
 
 def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
@@ -161,7 +161,7 @@ def _per_device(
             value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
     if not axes:
         return value, aux, grads
-    divide = layout.loss_divisor(jax.typeof(value).mat.varying)
+    divide = layout.loss_divisor(varying_axes(value))
     # Along the tensor axis check_vma does the right thing unaided: a weight split
     # over it gets its own shard's gradient, and a replicated weight used on
     # sequence shards gets its partial gradients summed (unless merged above).

@@ -188,11 +188,7 @@ class Plan:
         compute_dtype: Any = None,
         reduce_dtype: Any = None,
     ):
-        if not isinstance(mesh, Mesh):
-            raise PlanError(
-                f"Plan(mesh={mesh!r}): expected a jax.sharding.Mesh; build one with "
-                "eqxpar.make_mesh(data=..., fsdp=..., tensor=..., pipe=...)."
-            )
+        _check_mesh(mesh)
         names = tuple(mesh.axis_names)
         rules = _checked_rules(rules, names)
         batch_axes = _checked_axes(
@@ -201,27 +197,12 @@ class Plan:
             names,
         )
         _check_expert(mesh, batch_axes, tensor_axis)
-        if tensor_axis not in names:
-            raise AxisNameError(
-                f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}, none of them "
-                f"{tensor_axis!r}. Pass tensor_axis= one of those names, or build the mesh with "
-                "eqxpar.make_mesh(data=..., tensor=...), which names every axis eqxpar uses "
-                "(size 1 where unused)."
-            )
+        _check_tensor_axis(tensor_axis, names)
         _check_tensor_not_batch(rules, batch_axes, tensor_axis, mesh, sequence_parallel or tp_overlap)
         if manual_axes is not None:
             manual_axes = _checked_manual_axes(manual_axes, mode, schedule, names)
         _check_context(mesh, batch_axes, manual_axes, context_attention, schedule)
-        if (
-            manual_axes is not None
-            and int(mesh.shape.get(EXPERT_AXIS, 1)) > 1
-            and EXPERT_AXIS not in manual_axes
-        ):
-            raise PlanError(
-                f"Plan(manual_axes={manual_axes!r}) leaves out {EXPERT_AXIS!r} (size "
-                f"{mesh.shape[EXPERT_AXIS]}): expert parallelism sends tokens between its devices by "
-                f"hand (all-to-all), so the step is always manual over it. Add {EXPERT_AXIS!r} to manual_axes."
-            )
+        _check_expert_manual(mesh, manual_axes)
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
@@ -301,6 +282,36 @@ class Plan:
 
     def __exit__(self, *exc: Any) -> None:
         _CURRENT.reset(_TOKENS.stack.pop())
+
+
+def _check_mesh(mesh: Any) -> None:
+    """`Plan(mesh=...)` is a mesh (anything else fails later, far from the cause)."""
+    if not isinstance(mesh, Mesh):
+        raise PlanError(
+            f"Plan(mesh={mesh!r}): expected a jax.sharding.Mesh; build one with "
+            "eqxpar.make_mesh(data=..., fsdp=..., tensor=..., pipe=...)."
+        )
+
+
+def _check_tensor_axis(tensor_axis: str, names: tuple[str, ...]) -> None:
+    """`Plan(tensor_axis=...)` names an axis of the mesh (of axis names `names`)."""
+    if tensor_axis not in names:
+        raise AxisNameError(
+            f"Plan(tensor_axis={tensor_axis!r}): the mesh has axes {names}, none of them "
+            f"{tensor_axis!r}. Pass tensor_axis= one of those names, or build the mesh with "
+            "eqxpar.make_mesh(data=..., tensor=...), which names every axis eqxpar uses "
+            "(size 1 where unused)."
+        )
+
+
+def _check_expert_manual(mesh: Mesh, manual_axes: tuple[str, ...] | None) -> None:
+    """Explicit `manual_axes` include the expert axis wherever it splits experts."""
+    if manual_axes is not None and int(mesh.shape.get(EXPERT_AXIS, 1)) > 1 and EXPERT_AXIS not in manual_axes:
+        raise PlanError(
+            f"Plan(manual_axes={manual_axes!r}) leaves out {EXPERT_AXIS!r} (size "
+            f"{mesh.shape[EXPERT_AXIS]}): expert parallelism sends tokens between its devices by "
+            f"hand (all-to-all), so the step is always manual over it. Add {EXPERT_AXIS!r} to manual_axes."
+        )
 
 
 def _axis_names(value: Any, what: str) -> tuple[str, ...]:

@@ -43,7 +43,9 @@ CHOICES = [name for name in PLANS if not name.startswith(("vit/", "context/", "d
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--path", help="a Hugging Face checkpoint directory (default: make a tiny one)")
     parser.add_argument("--plan", choices=CHOICES, default="hybrid/auto", help="a plan of examples/_plans.py")
     parser.add_argument("--out", help="where to save the fine-tuned model (default: a temporary directory)")
@@ -60,8 +62,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def tiny_checkpoint(directory: pathlib.Path, data: CharData, args) -> pathlib.Path:
     """A random Llama-shaped model written in Hugging Face format: a stand-in for a download."""
     config = GPTConfig(
-        vocab_size=data.padded_vocab_size(8), d_model=args.d_model, num_heads=4, num_kv_heads=2,
-        num_layers=args.layers, d_hidden=2 * args.d_model, tied=False, norm_eps=1e-5, max_seq_len=args.seq_len,
+        vocab_size=data.padded_vocab_size(8),
+        d_model=args.d_model,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=args.layers,
+        d_hidden=2 * args.d_model,
+        tied=False,
+        norm_eps=1e-5,
+        max_seq_len=args.seq_len,
     )
     save_pretrained(GPT(config, key=jax.random.key(0)), directory)
     return directory
@@ -75,9 +84,13 @@ def main(argv=None) -> float:
     plan = PLANS[args.plan].plan()
     model = from_pretrained(path, plan, dtype=jnp.bfloat16 if args.bf16 else None)
     c = model.config
-    print(f"loaded {path}: {c.num_layers} layers, d_model {c.d_model}, vocab {c.vocab_size}, plan {args.plan}")
+    print(
+        f"loaded {path}: {c.num_layers} layers, d_model {c.d_model}, vocab {c.vocab_size}, plan {args.plan}"
+    )
     if data.vocab_size > c.vocab_size:
-        raise SystemExit(f"the text's {data.vocab_size} characters do not fit the vocabulary of {c.vocab_size}")
+        raise SystemExit(
+            f"the text's {data.vocab_size} characters do not fit the vocabulary of {c.vocab_size}"
+        )
     pipeline = plan.schedule is not None
     loss_fn = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last) if pipeline else lm_loss
     optim = optax.adamw(args.lr)
@@ -90,7 +103,9 @@ def main(argv=None) -> float:
     out = pathlib.Path(args.out) if args.out else work / "finetuned"
     save_pretrained(state.model, out)
     print(f"saved {out}: {sorted(p.name for p in out.iterdir())}")
-    held_out = jnp.asarray(data.windows(np.random.default_rng(1), args.batch_size, args.seq_len + 1, split="eval"))
+    held_out = jnp.asarray(
+        data.windows(np.random.default_rng(1), args.batch_size, args.seq_len + 1, split="eval")
+    )
     value = eqxpar.train.make_value_and_grad(loss_fn, plan)
     trained = float(value(state.model, held_out)[0])
     reloaded = float(value(from_pretrained(out, plan), held_out)[0])

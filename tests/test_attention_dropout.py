@@ -64,7 +64,9 @@ def test_dropout_with_segment_ids_on_blockwise_and_ring():
     args, cot = random_qkv(1, 32, 2, 2)
     seg = packed_segment_ids(1, 2, 32)
     ref = output_and_grads(
-        functools.partial(dense_attention, causal=True, mask=None, segment_ids=seg, dropout=RATE, key=KEY), args, cot
+        functools.partial(dense_attention, causal=True, mask=None, segment_ids=seg, dropout=RATE, key=KEY),
+        args,
+        cot,
     )
     blockwise = functools.partial(
         nn.blockwise_attention, causal=True, segment_ids=seg, block_size=8, dropout=RATE, key=KEY

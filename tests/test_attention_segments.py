@@ -73,7 +73,9 @@ def test_context_attention_equals_dense(impl, causal, load_balanced):
         args,
         cot,
     )
-    ref = output_and_grads(functools.partial(dense_attention, causal=causal, mask=None, segment_ids=seg), args, cot)
+    ref = output_and_grads(
+        functools.partial(dense_attention, causal=causal, mask=None, segment_ids=seg), args, cot
+    )
     assert_trees_close((out, grads), ref, atol=ATTENTION_ATOL)
 
 

@@ -121,9 +121,7 @@ def test_example_runs(name, tmp_path):
 
 def test_filter_jit_loop_runs():
     # The user-written loop of filter_jit_loop.py takes no plan from the table.
-    result = run_example(
-        "filter_jit_loop.py", ["--steps", "3"]
-    )
+    result = run_example("filter_jit_loop.py", ["--steps", "3"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loss" in result.stdout
 

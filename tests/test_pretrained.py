@@ -6,7 +6,6 @@ a load under a plan reads only each device's block; save then load is
 bit-identical and writes the tensors transformers wrote; bad directories raise
 PretrainedError naming the file or field."""
 
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -218,8 +217,9 @@ def test_bad_checkpoints_name_the_file_or_field(tmp_path):
             from_pretrained(d)
     # A config no Hugging Face architecture has cannot be saved.
     odd = eqxpar.models.GPT(
-        eqxpar.models.GPTConfig(vocab_size=8, d_model=8, num_heads=2, num_layers=2, d_hidden=8, moe_every=2,
-                                experts=2),
+        eqxpar.models.GPTConfig(
+            vocab_size=8, d_model=8, num_heads=2, num_layers=2, d_hidden=8, moe_every=2, experts=2
+        ),
         key=jax.random.key(0),
     )
     with pytest.raises(error, match="moe_every=2"):

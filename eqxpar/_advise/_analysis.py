@@ -201,10 +201,11 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     rules, at their per-device shapes, under the plan's remat policy)."""
     from jax.sharding import PartitionSpec
 
-    from .._grad_common import LossFunction, mark_varying
+    from .._grad_common import LossFunction
     from .._rules import mesh_axis_names
     from .._shard_map import filter_shard_map
     from .._step_layout import StepLayout
+    from .._varying import mark_varying
     from ..pipeline._engine import Device, Engine
 
     model, batch = outline(model), outline(batch)

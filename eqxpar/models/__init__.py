@@ -12,6 +12,7 @@ parallelism, and manual tensor-parallel steps.
   (the stack holds `MoEGroup`s) and `lm_loss` adds the auxiliary losses.
 """
 
+from .._errors import PretrainedError as PretrainedError
 from ._gpt import GPT as GPT
 from ._gpt import GPTConfig as GPTConfig
 from ._gpt import MoEGroup as MoEGroup
@@ -22,4 +23,3 @@ from ._gpt import lm_loss as lm_loss
 from ._mlp import MLPClassifier as MLPClassifier
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import save_pretrained as save_pretrained
-from .._errors import PretrainedError as PretrainedError

@@ -43,7 +43,9 @@ def _rotary(hf: dict[str, Any]) -> tuple[float, nn.RotaryScaling | None]:
         return float(theta), None
     if kind != "llama3":
         raise _refuse(
-            "rope_scaling.rope_type", kind, "'default' and 'llama3' rotary frequencies",
+            "rope_scaling.rope_type",
+            kind,
+            "'default' and 'llama3' rotary frequencies",
             "Other scalings (linear, dynamic, yarn, longrope) are not implemented.",
         )
     try:
@@ -77,15 +79,18 @@ def _llama_like(hf: dict[str, Any], kind: str) -> GPTConfig:
     windowed = hf.get("use_sliding_window", False) if kind == "qwen2" else window is not None
     if windowed and window is not None and window < hf.get("max_position_embeddings", float("inf")):
         raise _refuse(
-            "sliding_window", window, "full causal attention only (no sliding window)",
+            "sliding_window",
+            window,
+            "full causal attention only (no sliding window)",
             "Use a checkpoint without one (Mistral v0.2 and later set sliding_window=null).",
         )
     attention_bias = bool(hf.get("attention_bias", False))
     mlp_bias = bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise _refuse(
-            "attention_bias", attention_bias, f"attention_bias equal to mlp_bias (here {mlp_bias}): one "
-            "use_bias for every projection",
+            "attention_bias",
+            attention_bias,
+            f"attention_bias equal to mlp_bias (here {mlp_bias}): one use_bias for every projection",
         )
     base, scaling = _rotary(hf)
     moe: dict[str, Any] = {}
@@ -157,7 +162,9 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[GPTConfig, str]:
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise _refuse(
-            "model_type", kind, f"model_type in {ARCHITECTURES}",
+            "model_type",
+            kind,
+            f"model_type in {ARCHITECTURES}",
             "Other architectures have layers eqxpar's GPT does not have.",
         )
     try:
@@ -196,16 +203,38 @@ def config_to_hf(config: GPTConfig, kind: str, dtype_name: str) -> dict[str, Any
         raise PretrainedError(f"save_pretrained(model_type={kind!r}): expected one of {ARCHITECTURES}.")
     head = {"architectures": [_CLASSES[kind]], "model_type": kind, "torch_dtype": dtype_name}
     if kind == "gpt2":
-        _check(c, kind, dict(
-            activation="gelu", norm="layer", rotary=False, learned_positions=True, use_bias=True,
-            fused_qkv=True, qkv_bias=None, moe_every=0,
-        ))
-        return {**head, "vocab_size": c.vocab_size, "n_embd": c.d_model, "n_head": c.num_heads,
-                "n_layer": c.num_layers, "n_inner": c.d_hidden, "n_positions": c.max_seq_len,
-                "layer_norm_epsilon": 1e-5 if c.norm_eps is None else c.norm_eps,
-                "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                "attn_pdrop": 0.0, "tie_word_embeddings": c.tied}
-    _check(c, kind, dict(activation="swiglu", norm="rms", rotary=True, learned_positions=False, fused_qkv=False))
+        _check(
+            c,
+            kind,
+            dict(
+                activation="gelu",
+                norm="layer",
+                rotary=False,
+                learned_positions=True,
+                use_bias=True,
+                fused_qkv=True,
+                qkv_bias=None,
+                moe_every=0,
+            ),
+        )
+        return {
+            **head,
+            "vocab_size": c.vocab_size,
+            "n_embd": c.d_model,
+            "n_head": c.num_heads,
+            "n_layer": c.num_layers,
+            "n_inner": c.d_hidden,
+            "n_positions": c.max_seq_len,
+            "layer_norm_epsilon": 1e-5 if c.norm_eps is None else c.norm_eps,
+            "activation_function": "gelu_new",
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": c.tied,
+        }
+    _check(
+        c, kind, dict(activation="swiglu", norm="rms", rotary=True, learned_positions=False, fused_qkv=False)
+    )
     _check(c, kind, dict(moe_every=1 if kind == "mixtral" else 0))
     if kind == "qwen2":
         _check(c, kind, dict(use_bias=False, qkv_bias=True))
@@ -213,24 +242,45 @@ def config_to_hf(config: GPTConfig, kind: str, dtype_name: str) -> dict[str, Any
         _check(c, kind, dict(qkv_bias=c.use_bias))
     if kind in ("mistral", "mixtral"):
         _check(c, kind, dict(use_bias=False))
-    out = {**head, "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_hidden,
-           "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-           "num_key_value_heads": c.num_kv_heads or c.num_heads, "head_dim": c.head_dim,
-           "hidden_act": "silu", "max_position_embeddings": c.max_seq_len,
-           "rms_norm_eps": 1e-6 if c.norm_eps is None else c.norm_eps, "rope_theta": c.rotary_base,
-           "tie_word_embeddings": c.tied, "attention_dropout": 0.0}
-    s = c.rotary_scaling
-    out["rope_scaling"] = None if s is None else {
-        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-        "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_positions,
+    out = {
+        **head,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.d_hidden,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads or c.num_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": 1e-6 if c.norm_eps is None else c.norm_eps,
+        "rope_theta": c.rotary_base,
+        "tie_word_embeddings": c.tied,
+        "attention_dropout": 0.0,
     }
+    s = c.rotary_scaling
+    out["rope_scaling"] = (
+        None
+        if s is None
+        else {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_positions,
+        }
+    )
     if kind == "llama":
         out.update(attention_bias=c.use_bias, mlp_bias=c.use_bias)
     if kind in ("mistral", "mixtral", "qwen2"):
         out.update(sliding_window=None, use_sliding_window=False)
     if kind == "mixtral":
         _check(c, kind, dict(num_shared_experts=0, capacity_factor=None, moe_score="softmax"))
-        out.update(num_local_experts=c.experts, num_experts_per_tok=c.top_k,
-                   router_aux_loss_coef=c.load_balance_coef, output_router_logits=c.load_balance_coef > 0,
-                   router_jitter_noise=0.0)
+        out.update(
+            num_local_experts=c.experts,
+            num_experts_per_tok=c.top_k,
+            router_aux_loss_coef=c.load_balance_coef,
+            output_router_logits=c.load_balance_coef > 0,
+            router_jitter_noise=0.0,
+        )
     return out

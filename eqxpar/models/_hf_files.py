@@ -61,7 +61,9 @@ def read_config(directory: pathlib.Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PretrainedError(f"from_pretrained: cannot read {str(path)!r} as JSON ({e}).") from e
     if not isinstance(config, dict):
-        raise PretrainedError(f"from_pretrained: {str(path)!r} holds {type(config).__name__}, not a JSON object.")
+        raise PretrainedError(
+            f"from_pretrained: {str(path)!r} holds {type(config).__name__}, not a JSON object."
+        )
     return config
 
 
@@ -177,7 +179,9 @@ class TensorFiles:
             ) from e
 
 
-def write_safetensors(path: pathlib.Path, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]], fetch) -> None:
+def write_safetensors(
+    path: pathlib.Path, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]], fetch
+) -> None:
     """Write a safetensors file of `tensors` (name, shape, dtype), calling
     `fetch(name) -> np.ndarray` for one tensor at a time: the header is written
     first from the shapes, so no more than one tensor is ever held."""
@@ -186,7 +190,11 @@ def write_safetensors(path: pathlib.Path, tensors: Iterable[tuple[str, tuple[int
     offset = 0
     for name, shape, dtype in tensors:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": DTYPE_NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[np.dtype(dtype)],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     # The format aligns the data to 8 bytes by padding the header with spaces.
@@ -198,7 +206,9 @@ def write_safetensors(path: pathlib.Path, tensors: Iterable[tuple[str, tuple[int
         for name, shape, dtype in tensors:
             array = np.ascontiguousarray(fetch(name), dtype=np.dtype(dtype).newbyteorder("<"))
             if array.shape != tuple(shape):
-                raise PretrainedError(f"save_pretrained: tensor {name!r} came out as {array.shape}, not {shape}.")
+                raise PretrainedError(
+                    f"save_pretrained: tensor {name!r} came out as {array.shape}, not {shape}."
+                )
             f.write(array.tobytes())
     # Renamed only when complete: a crash leaves no file that looks whole.
     os.replace(tmp, path)

@@ -141,11 +141,16 @@ def layout(config: GPTConfig, kind: str, prefix: str = "") -> dict[str, Source]:
             out[f"{block}.mlp.{leaf}"] = per_layer(
                 f"{moe}.experts.{{}}.{w}.weight", ((f,), (d,)), (1, 0), enum=(0, 1)
             )
-        out[f"{block}.mlp.w_out"] = per_layer(f"{moe}.experts.{{}}.w2.weight", ((d,), (f,)), (1, 0), enum=(0, 1))
+        out[f"{block}.mlp.w_out"] = per_layer(
+            f"{moe}.experts.{{}}.w2.weight", ((d,), (f,)), (1, 0), enum=(0, 1)
+        )
     else:
         # w_in (d, 2, hidden): index 0 is the gate (under silu), 1 the up projection.
         out[f"{block}.mlp.w_in"] = Source(
-            lambda i, k: f"model.layers.{i}.mlp.{('gate_proj', 'up_proj')[k]}.weight", (0, 2), ((f,), (d,)), (1, 0)
+            lambda i, k: f"model.layers.{i}.mlp.{('gate_proj', 'up_proj')[k]}.weight",
+            (0, 2),
+            ((f,), (d,)),
+            (1, 0),
         )
         out[f"{block}.mlp.w_out"] = per_layer("mlp.down_proj.weight", ((d,), (f,)), (1, 0))
         if c.use_bias:

@@ -18,7 +18,16 @@ from .._plan import Plan
 from .._sharding import named_shardings
 from ._gpt import GPT
 from ._hf_config import config_from_hf, config_to_hf, infer_model_type
-from ._hf_files import CONFIG, DTYPE_NAMES, INDEX, SINGLE, TensorFiles, read_config, safetensors_module, write_safetensors
+from ._hf_files import (
+    CONFIG,
+    DTYPE_NAMES,
+    INDEX,
+    SINGLE,
+    TensorFiles,
+    read_config,
+    safetensors_module,
+    write_safetensors,
+)
 from ._hf_layout import Source, layout
 
 # Tensors transformers keeps on disk that are not weights (old GPT-2 files carry
@@ -199,9 +208,13 @@ def save_pretrained(
     ```
     """
     if not isinstance(model, GPT):
-        raise PretrainedError(f"save_pretrained(model={type(model).__name__}): expected an eqxpar.models.GPT.")
+        raise PretrainedError(
+            f"save_pretrained(model={type(model).__name__}): expected an eqxpar.models.GPT."
+        )
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise PretrainedError(f"save_pretrained(max_shard_bytes={max_shard_bytes!r}): expected a positive integer.")
+        raise PretrainedError(
+            f"save_pretrained(max_shard_bytes={max_shard_bytes!r}): expected a positive integer."
+        )
     safetensors_module()
     config = model.config
     kind = infer_model_type(config) if model_type is None else model_type
@@ -254,7 +267,9 @@ def save_pretrained(
 
 
 def _torch_dtype(dtype: np.dtype) -> str:
-    return {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64"}[dtype.name]
+    return {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "float64": "float64"}[
+        dtype.name
+    ]
 
 
 def _plan_files(tensors: dict, shapes: dict, types: dict, max_bytes: int) -> dict[str, list[str]]:

@@ -175,8 +175,7 @@ class Attention(eqx.Module):
             self.wv = _normal(kvk, (d_model, kv, hd), d_model, dtype)
         if rotary_scaling is not None and not isinstance(rotary_scaling, RotaryScaling):
             raise PlanError(
-                f"Attention(rotary_scaling={rotary_scaling!r}): expected an eqxpar.nn.RotaryScaling "
-                "or None."
+                f"Attention(rotary_scaling={rotary_scaling!r}): expected an eqxpar.nn.RotaryScaling or None."
             )
         in_bias = use_bias if qkv_bias is None else qkv_bias
         self.bq = jnp.zeros((num_heads, hd), dtype) if in_bias else None

@@ -1,5 +1,6 @@
 """A pre-norm transformer block made of the tensor-parallel layers."""
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -110,39 +111,10 @@ class TransformerBlock(eqx.Module):
         capacity_factor: Any = None,
         key: PRNGKeyArray,
     ):
-        if norm not in ("layer", "rms"):
-            raise PlanError(f"TransformerBlock(norm={norm!r}): expected 'layer' or 'rms'.")
-        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
-            raise PlanError(
-                f"TransformerBlock(experts={experts!r}): expected an integer >= 0 (0: the dense MLP; "
-                "n > 0: a mixture of n experts), e.g. experts=8."
-            )
-        moe_options = dict(
-            top_k=top_k,
-            moe_score=moe_score,
-            num_shared_experts=num_shared_experts,
-            capacity_factor=capacity_factor,
-        )
-        given = [f"{name}={value!r}" for name, value in moe_options.items() if value is not None]
-        if not experts and given:
-            raise PlanError(
-                f"TransformerBlock({', '.join(given)}) with experts=0: these are mixture-of-experts "
-                "options and a block with experts=0 has a dense MLP. Pass experts > 0 (e.g. experts=8) "
-                "for an MoE block, or drop them."
-            )
+        moe = _MoEOptions(top_k, moe_score, num_shared_experts, capacity_factor)
+        _check_options(norm, experts, moe)
         k1, k2 = jax.random.split(key)
-
-        # Only a given epsilon is passed on: each norm keeps its own default.
-        eps = {} if norm_eps is None else {"eps": norm_eps}
-
-        def make_norm():
-            return (
-                LayerNorm(d_model, use_bias=use_bias, dtype=dtype, **eps)
-                if norm == "layer"
-                else RMSNorm(d_model, dtype=dtype, **eps)
-            )
-
-        self.norm1 = make_norm()
+        self.norm1 = _make_norm(norm, d_model, use_bias=use_bias, eps=norm_eps, dtype=dtype)
         self.attn = Attention(
             d_model,
             num_heads,
@@ -161,26 +133,18 @@ class TransformerBlock(eqx.Module):
             dtype=dtype,
             key=k1,
         )
-        self.norm2 = make_norm()
-        if experts:
-            self.mlp = MoE(
-                d_model,
-                d_hidden,
-                experts,
-                top_k=2 if top_k is None else top_k,
-                score="softmax" if moe_score is None else moe_score,
-                activation=activation,
-                use_bias=use_bias,
-                capacity_factor=capacity_factor,
-                num_shared=num_shared_experts or 0,
-                axis=axis,
-                dtype=dtype,
-                key=k2,
-            )
-        else:
-            self.mlp = MLP(
-                d_model, d_hidden, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=k2
-            )
+        self.norm2 = _make_norm(norm, d_model, use_bias=use_bias, eps=norm_eps, dtype=dtype)
+        self.mlp = _make_feed_forward(
+            d_model,
+            d_hidden,
+            experts,
+            moe,
+            activation=activation,
+            use_bias=use_bias,
+            axis=axis,
+            dtype=dtype,
+            key=k2,
+        )
         self.dropout = Dropout(dropout)
 
     def __call__(
@@ -208,3 +172,83 @@ class TransformerBlock(eqx.Module):
     def experts(self) -> int:
         """The number of routed experts of the feed-forward (0: the dense MLP)."""
         return self.mlp.experts if isinstance(self.mlp, MoE) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoEOptions:
+    """`TransformerBlock`'s mixture-of-experts options as given (None: not given),
+    named as the block's arguments are."""
+
+    top_k: int | None
+    moe_score: str | None
+    num_shared_experts: int | None
+    capacity_factor: Any
+
+    def given(self) -> list[str]:
+        """The options given, as `name=value` (for messages)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return [f"{name}={value!r}" for name, value in values.items() if value is not None]
+
+
+def _check_options(norm: str, experts: Any, moe: _MoEOptions) -> None:
+    """The checks of `TransformerBlock`'s own options (the layers check theirs):
+    the norm's name, the number of experts, and no MoE option on a dense block."""
+    if norm not in ("layer", "rms"):
+        raise PlanError(f"TransformerBlock(norm={norm!r}): expected 'layer' or 'rms'.")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise PlanError(
+            f"TransformerBlock(experts={experts!r}): expected an integer >= 0 (0: the dense MLP; "
+            "n > 0: a mixture of n experts), e.g. experts=8."
+        )
+    given = moe.given()
+    if not experts and given:
+        raise PlanError(
+            f"TransformerBlock({', '.join(given)}) with experts=0: these are mixture-of-experts "
+            "options and a block with experts=0 has a dense MLP. Pass experts > 0 (e.g. experts=8) "
+            "for an MoE block, or drop them."
+        )
+
+
+def _make_norm(
+    norm: str, d_model: int, *, use_bias: bool, eps: float | None, dtype: Any
+) -> LayerNorm | RMSNorm:
+    """One of the block's two norms (`norm`: "layer" or "rms", already checked).
+    Only a given epsilon is passed on: each norm keeps its own default."""
+    given = {} if eps is None else {"eps": eps}
+    if norm == "layer":
+        return LayerNorm(d_model, use_bias=use_bias, dtype=dtype, **given)
+    return RMSNorm(d_model, dtype=dtype, **given)
+
+
+def _make_feed_forward(
+    d_model: int,
+    d_hidden: int,
+    experts: int,
+    moe: _MoEOptions,
+    *,
+    activation: str,
+    use_bias: bool,
+    axis: str,
+    dtype: Any,
+    key: PRNGKeyArray,
+) -> MLP | MoE:
+    """The block's feed-forward: the dense MLP with `experts=0`, else an MoE whose
+    options not given take the MoE's defaults."""
+    if not experts:
+        return MLP(
+            d_model, d_hidden, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=key
+        )
+    return MoE(
+        d_model,
+        d_hidden,
+        experts,
+        top_k=2 if moe.top_k is None else moe.top_k,
+        score="softmax" if moe.moe_score is None else moe.moe_score,
+        activation=activation,
+        use_bias=use_bias,
+        capacity_factor=moe.capacity_factor,
+        num_shared=moe.num_shared_experts or 0,
+        axis=axis,
+        dtype=dtype,
+        key=key,
+    )

@@ -49,8 +49,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from .._collectives import _to_varying, _varying, all_gather
+from .._collectives import all_gather
 from .._errors import DivisibilityError, PlanError, SpecError
+from .._varying import mark_varying, varying_axes
 from ._blockwise import (
     accumulation_dtype,
     check_dropout,
@@ -674,11 +675,11 @@ def context_attention(
         rows = dropout_rows(dropout_seed(key), b, hq, k.shape[2], head_offset, qpos)
     # Everything the ring touches varies over `axis`; cast once, outside the loop
     # (a cast inside would put its transpose, a psum, in every backward step).
-    vma = _varying(q) | _varying(k) | _varying(v) | {axis}
+    vma = varying_axes(q) | varying_axes(k) | varying_axes(v) | {axis}
     for x in (segment_ids, rows):
-        vma |= frozenset() if x is None else _varying(x)
-    q, k, v = (_to_varying(x, vma) for x in (q, k, v))
-    seg, rows = (None if x is None else _to_varying(x, vma) for x in (segment_ids, rows))
+        vma |= frozenset() if x is None else varying_axes(x)
+    q, k, v = (mark_varying(x, vma) for x in (q, k, v))
+    seg, rows = (None if x is None else mark_varying(x, vma) for x in (segment_ids, rows))
     if impl == "ring":
         return _ring(q, k, v, seg, rows, axis, causal, load_balanced, int(block_size), rate)
     k_all = all_gather(k, axis_name=axis, axis=1)

@@ -15,6 +15,7 @@ from .._errors import DivisibilityError, PlanError, SpecError
 from .._mesh import EXPERT_AXIS
 from .._param import param
 from .._trace_notes import TraceNotes
+from .._varying import varying_axes
 from ._context import tensor_context
 from ._linear import MLP, _normal
 from ._matmul import check_split, lift
@@ -185,38 +186,17 @@ class MoE(eqx.Module):
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
-        for name, value in (("d_model", d_model), ("hidden", hidden), ("experts", experts)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"MoE({name}={value!r}): expected a positive integer.")
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
-            raise PlanError(
-                f"MoE(top_k={top_k!r}): expected an integer from 1 to experts={experts} "
-                f"(the experts each token is sent to). Pass e.g. top_k={min(2, experts)}."
-            )
-        if score not in _SCORES:
-            raise PlanError(f"MoE(score={score!r}): expected one of {_SCORES}.")
-        if activation not in _ACTIVATIONS:
-            raise PlanError(f"MoE(activation={activation!r}): expected one of {_ACTIVATIONS}.")
-        if capacity_factor is not None and (
-            isinstance(capacity_factor, bool)
-            or not isinstance(capacity_factor, int | float)
-            or not capacity_factor > 0
-        ):
-            raise PlanError(
-                f"MoE(capacity_factor={capacity_factor!r}): expected a number > 0 (each expert "
-                "takes at most ceil(capacity_factor * tokens * top_k / experts) assignments), "
-                "e.g. 1.25, or None for dropless routing."
-            )
-        if not isinstance(num_shared, int) or isinstance(num_shared, bool) or num_shared < 0:
-            raise PlanError(
-                f"MoE(num_shared={num_shared!r}): expected an integer >= 0 (0: no shared experts)."
-            )
-        if shared_hidden is not None and (
-            not isinstance(shared_hidden, int) or isinstance(shared_hidden, bool) or shared_hidden < 1
-        ):
-            raise PlanError(
-                f"MoE(shared_hidden={shared_hidden!r}): expected a positive integer, or None for `hidden`."
-            )
+        _check_options(
+            d_model,
+            hidden,
+            experts,
+            top_k=top_k,
+            score=score,
+            activation=activation,
+            capacity_factor=capacity_factor,
+            num_shared=num_shared,
+            shared_hidden=shared_hidden,
+        )
         k_router, k_in, k_gate, k_out, k_shared = jax.random.split(key, 5)
         self.router = _normal(k_router, (d_model, experts), d_model, dtype)
         self.router_bias = jnp.zeros((experts,), dtype)
@@ -463,7 +443,7 @@ class MoE(eqx.Module):
         ep, manual = self._expert_split()
         # The aux statistics are summed over the manual axes the tokens differ
         # along (the batch's, the sequence's under context parallelism).
-        over = tuple(a for a in manual if a in set(jax.typeof(x).mat.varying))
+        over = tuple(a for a in manual if a in varying_axes(x))
         batch, seq, d = x.shape
         xf = x.reshape(batch * seq, d)
         idx, weights, scores, logits = self.route(xf)
@@ -483,6 +463,52 @@ class MoE(eqx.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y.astype(x.dtype), self._aux(idx, scores, logits, dropped, over)
+
+
+def _check_options(
+    d_model: Any,
+    hidden: Any,
+    experts: Any,
+    *,
+    top_k: Any,
+    score: Any,
+    activation: Any,
+    capacity_factor: Any,
+    num_shared: Any,
+    shared_hidden: Any,
+) -> None:
+    """The checks of `MoE`'s arguments, each failing with an eqxpar error naming the
+    argument and what it takes (`Any`: a wrong kind of value is what they catch)."""
+    for name, value in (("d_model", d_model), ("hidden", hidden), ("experts", experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"MoE({name}={value!r}): expected a positive integer.")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+        raise PlanError(
+            f"MoE(top_k={top_k!r}): expected an integer from 1 to experts={experts} "
+            f"(the experts each token is sent to). Pass e.g. top_k={min(2, experts)}."
+        )
+    if score not in _SCORES:
+        raise PlanError(f"MoE(score={score!r}): expected one of {_SCORES}.")
+    if activation not in _ACTIVATIONS:
+        raise PlanError(f"MoE(activation={activation!r}): expected one of {_ACTIVATIONS}.")
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, int | float)
+        or not capacity_factor > 0
+    ):
+        raise PlanError(
+            f"MoE(capacity_factor={capacity_factor!r}): expected a number > 0 (each expert "
+            "takes at most ceil(capacity_factor * tokens * top_k / experts) assignments), "
+            "e.g. 1.25, or None for dropless routing."
+        )
+    if not isinstance(num_shared, int) or isinstance(num_shared, bool) or num_shared < 0:
+        raise PlanError(f"MoE(num_shared={num_shared!r}): expected an integer >= 0 (0: no shared experts).")
+    if shared_hidden is not None and (
+        not isinstance(shared_hidden, int) or isinstance(shared_hidden, bool) or shared_hidden < 1
+    ):
+        raise PlanError(
+            f"MoE(shared_hidden={shared_hidden!r}): expected a positive integer, or None for `hidden`."
+        )
 
 
 def update_router_bias(moe: MoE, expert_load: Float[Array, "*layers experts"], *, rate: float) -> MoE:

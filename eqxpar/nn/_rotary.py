@@ -59,7 +59,9 @@ class RotaryScaling:
         slowed = inv_freq / self.factor
         mixed = (1 - blend) * slowed + blend * inv_freq
         out = jnp.where(wavelength > context / self.low_freq_factor, slowed, inv_freq)
-        middle = (wavelength >= context / self.high_freq_factor) & (wavelength <= context / self.low_freq_factor)
+        middle = (wavelength >= context / self.high_freq_factor) & (
+            wavelength <= context / self.low_freq_factor
+        )
         return jnp.where(middle, mixed, out)
 
 

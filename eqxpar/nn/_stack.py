@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._collectives import _to_varying, _varying
 from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
 from .._param import stacked
 from .._plan import current_plan
+from .._varying import mark_varying, varying_axes
 
 
 def _checkpoint(fn: Callable, policy: str) -> Callable:
@@ -237,8 +237,8 @@ def _wait_for(a: jax.Array, b: Sequence[jax.Array]) -> jax.Array:
     executor respects, unlike an optimization barrier); backward, their cotangents
     wait for `a`'s. Only the arrays that vary over the same mesh axes as `a` are
     tied: adding a zero must change no type."""
-    varying = tuple(_varying(x) for x in b)
-    tied = tuple(v == _varying(a) for v in varying)
+    varying = tuple(varying_axes(x) for x in b)
+    tied = tuple(v == varying_axes(a) for v in varying)
     return _after(a, list(b), tied, varying) if any(tied) else a
 
 
@@ -260,7 +260,7 @@ def _after_bwd(
     cts = []
     for o, t, axes in zip(outline, tied, varying, strict=True):
         z = jnp.zeros(o.shape, o.dtype)
-        cts.append(z + zero.astype(o.dtype) if t else _to_varying(z, axes))
+        cts.append(z + zero.astype(o.dtype) if t else mark_varying(z, axes))
     return ct, cts
 
 

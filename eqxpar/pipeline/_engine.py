@@ -61,11 +61,12 @@ from jax.sharding import PartitionSpec
 
 from .._errors import DivisibilityError, PlanError
 from .._fsdp import gather_weights, gathers_of, kept_axes
-from .._grad_common import LossFunction, mark_varying, reduce_gradient, split_microbatches
+from .._grad_common import LossFunction, reduce_gradient, split_microbatches
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._step_layout import StepLayout
+from .._varying import mark_varying, varying_axes
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._builtin import schedule
 from ._loss import PipelineLoss
@@ -87,15 +88,6 @@ from ._schedule import Schedule
 from ._split_backward import split_pull_back
 
 PIPE = "pipe"
-
-
-def _varying(x: Any) -> frozenset[str]:
-    return frozenset(x.manual_axis_type.varying)
-
-
-def _vma(x: Any) -> frozenset[str]:
-    """The manual axes a traced array varies along."""
-    return frozenset(jax.typeof(x).mat.varying)
 
 
 def _int32(*indices: Any) -> tuple[jax.Array, ...]:
@@ -337,7 +329,7 @@ class Packing:
         offsets: dict[tuple, int] = {}
         layout = []
         for leaf in outlines:
-            key = (jnp.dtype(leaf.dtype).name, tuple(sorted(_varying(leaf))))
+            key = (jnp.dtype(leaf.dtype).name, tuple(sorted(varying_axes(leaf))))
             start = offsets.get(key, 0)
             layout.append((key, start, leaf.shape))
             offsets[key] = start + math.prod(leaf.shape)
@@ -432,7 +424,7 @@ class Device:
                 "PipelineLoss.first must return one array, the activations the stack maps to the same "
                 f"shape; got {first_out} from first and {act} from the stack."
             )
-        self.act, self.act_axes = act, _varying(act) | _varying(first_out) | local
+        self.act, self.act_axes = act, varying_axes(act) | varying_axes(first_out) | local
         loss_type = jax.eval_shape(
             lambda r, c, b: self.stage(r, c, self.zeros_act(), b, False, True), self.rest, chunk0, mb0
         )
@@ -441,8 +433,8 @@ class Device:
                 f"PipelineLoss.last must return a scalar loss (the mean over the micro-batch), got shape "
                 f"{loss_type.shape}."
             )
-        self.loss_type, self.loss_axes = loss_type, _varying(loss_type) | local
-        self.loss_varies = _varying(loss_type)
+        self.loss_type, self.loss_axes = loss_type, varying_axes(loss_type) | local
+        self.loss_varies = varying_axes(loss_type)
 
     def _vjp(self, first: bool, last: bool, chunk: Any, x: Any, mb: Any) -> tuple:
         """`(stage output, pull-back leaves, their treedef, indices of the kept
@@ -466,7 +458,7 @@ class Device:
         kept = tuple(
             i
             for i, leaf in enumerate(leaves)
-            if eqx.is_array(leaf) and id(leaf) not in known and PIPE in _vma(leaf)
+            if eqx.is_array(leaf) and id(leaf) not in known and PIPE in varying_axes(leaf)
         )
         return out, leaves, treedef, kept
 

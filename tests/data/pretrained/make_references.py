@@ -28,8 +28,13 @@ HERE = pathlib.Path(__file__).parent
 VOCAB = 64
 # Shared by the Llama-shaped models: grouped-query attention (4 query heads, 2 kv).
 SMALL = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
 )
 CONFIGS = {
     # Llama 2: RMSNorm eps 1e-5, untied head.
@@ -37,16 +42,28 @@ CONFIGS = {
     # Llama 3.1's rope scaling, with an original context short enough (16) that
     # it moves frequencies of this tiny head_dim: some kept, some blended, some divided.
     "llama3_rope": tf.LlamaConfig(
-        **SMALL, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        **SMALL,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ),
     "mistral": tf.MistralConfig(**SMALL, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
     # Qwen2: biases on Q, K and V only; eps 1e-6; tied embeddings.
     "qwen2": tf.Qwen2Config(**SMALL, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0),
     "mixtral": tf.MixtralConfig(
-        **{**SMALL, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
-        rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
+        **{**SMALL, "intermediate_size": 32},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
     ),
     # GPT-2: learned positions, fused c_attn, Conv1D (in, out) weights, gelu_new, tied head.
     "gpt2": tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, n_positions=32, n_inner=64),
@@ -63,9 +80,15 @@ def main() -> None:
             # logits well above float32 noise; norm scales near 1, biases nonzero.
             for pname, p in model.named_parameters():
                 if "norm" in pname or "ln_" in pname:
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p) if pname.endswith("weight") else 0.1 * torch.randn_like(p))
+                    p.copy_(
+                        1.0 + 0.1 * torch.randn_like(p)
+                        if pname.endswith("weight")
+                        else 0.1 * torch.randn_like(p)
+                    )
                 else:
-                    p.copy_(0.3 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / p.shape[-1] ** 0.5)
+                    p.copy_(
+                        0.3 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / p.shape[-1] ** 0.5
+                    )
             logits = model(torch.from_numpy(tokens).long()).logits.float().numpy()
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
