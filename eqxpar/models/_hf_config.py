@@ -198,40 +198,47 @@ def _check(config: GPTConfig, kind: str, wanted: dict[str, Any]) -> None:
 
 def config_to_hf(config: GPTConfig, kind: str, dtype_name: str) -> dict[str, Any]:
     """The Hugging Face config dict of `config` written as architecture `kind`."""
-    c = config
     if kind not in ARCHITECTURES:
         raise PretrainedError(f"save_pretrained(model_type={kind!r}): expected one of {ARCHITECTURES}.")
     head = {"architectures": [_CLASSES[kind]], "model_type": kind, "torch_dtype": dtype_name}
     if kind == "gpt2":
-        _check(
-            c,
-            kind,
-            dict(
-                activation="gelu",
-                norm="layer",
-                rotary=False,
-                learned_positions=True,
-                use_bias=True,
-                fused_qkv=True,
-                qkv_bias=None,
-                moe_every=0,
-            ),
-        )
-        return {
-            **head,
-            "vocab_size": c.vocab_size,
-            "n_embd": c.d_model,
-            "n_head": c.num_heads,
-            "n_layer": c.num_layers,
-            "n_inner": c.d_hidden,
-            "n_positions": c.max_seq_len,
-            "layer_norm_epsilon": 1e-5 if c.norm_eps is None else c.norm_eps,
-            "activation_function": "gelu_new",
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "tie_word_embeddings": c.tied,
-        }
+        return {**head, **_gpt2_fields(config)}
+    return {**head, **_llama_family_fields(config, kind)}
+
+
+def _gpt2_fields(c: GPTConfig) -> dict[str, Any]:
+    _check(
+        c,
+        "gpt2",
+        dict(
+            activation="gelu",
+            norm="layer",
+            rotary=False,
+            learned_positions=True,
+            use_bias=True,
+            fused_qkv=True,
+            qkv_bias=None,
+            moe_every=0,
+        ),
+    )
+    return {
+        "vocab_size": c.vocab_size,
+        "n_embd": c.d_model,
+        "n_head": c.num_heads,
+        "n_layer": c.num_layers,
+        "n_inner": c.d_hidden,
+        "n_positions": c.max_seq_len,
+        "layer_norm_epsilon": 1e-5 if c.norm_eps is None else c.norm_eps,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": c.tied,
+    }
+
+
+def _llama_family_fields(c: GPTConfig, kind: str) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2 and Mixtral: one layout, each with its own checks."""
     _check(
         c, kind, dict(activation="swiglu", norm="rms", rotary=True, learned_positions=False, fused_qkv=False)
     )
@@ -243,7 +250,6 @@ def config_to_hf(config: GPTConfig, kind: str, dtype_name: str) -> dict[str, Any
     if kind in ("mistral", "mixtral"):
         _check(c, kind, dict(use_bias=False))
     out = {
-        **head,
         "vocab_size": c.vocab_size,
         "hidden_size": c.d_model,
         "intermediate_size": c.d_hidden,
@@ -257,19 +263,8 @@ def config_to_hf(config: GPTConfig, kind: str, dtype_name: str) -> dict[str, Any
         "rope_theta": c.rotary_base,
         "tie_word_embeddings": c.tied,
         "attention_dropout": 0.0,
+        "rope_scaling": _rope_scaling_fields(c.rotary_scaling),
     }
-    s = c.rotary_scaling
-    out["rope_scaling"] = (
-        None
-        if s is None
-        else {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_positions,
-        }
-    )
     if kind == "llama":
         out.update(attention_bias=c.use_bias, mlp_bias=c.use_bias)
     if kind in ("mistral", "mixtral", "qwen2"):
@@ -284,3 +279,15 @@ def config_to_hf(config: GPTConfig, kind: str, dtype_name: str) -> dict[str, Any
             router_jitter_noise=0.0,
         )
     return out
+
+
+def _rope_scaling_fields(s: Any) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_positions,
+    }
