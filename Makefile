@@ -11,7 +11,7 @@ PYTHON_BIN := $(shell $(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/nu
 	$(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null)
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-newest docs bench bench-quick install clean lint release-check
+.PHONY: demo test test-slow test-newest docs bench bench-quick install clean lint release-check
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON_BIN)" || { echo "make: no Python found for PYTHON=$(PYTHON); install it or pass PYTHON=/path/to/python" >&2; exit 1; }
@@ -28,6 +28,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow" $(TESTS)
+
+# The cases kept out of `make test` for time (marked slow): the deep plan fuzz.
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 -m slow $(TESTS)
 
 # What CI runs on the other end of the supported range (see .ci/run): each strategy's
 # parity tests, the collective-byte tests, x64, README and docs.

@@ -75,7 +75,7 @@ def write(directory: pathlib.Path) -> None:
     print(f"wrote {directory}: {len(shapes)} tensors, {total / 1e9:.2f} GB")
 
 
-def load(directory: pathlib.Path) -> None:
+def load(directory: pathlib.Path, json_path: pathlib.Path | None) -> None:
     import eqxpar.distributed as dist
 
     dist.initialize()
@@ -102,9 +102,44 @@ def load(directory: pathlib.Path) -> None:
         f"{local / 1e6:.0f} MB of {sum(sizes) / 1e6:.0f} MB + the largest tensor {max(sizes) / 1e6:.0f} MB); "
         f"anonymous after the load {anonymous / 1e6:.0f} MB"
     )
+    if json_path is not None:
+        _record(json_path, [before, peak, anonymous, local], total=sum(sizes), largest=max(sizes))
     # The contract: never the whole model on one host, never a second copy of its half.
     if peak - before >= sum(sizes) or anonymous - before >= 2 * local:
         raise SystemExit(f"process {jax.process_index()}: the load held more than its share")
+
+
+def _record(path: pathlib.Path, mine: list[int], *, total: int, largest: int) -> None:
+    """Every process's figures, written by process 0 into the benchmark JSON (key
+    "pretrained_load"; the records `benchmarks.run` writes stay as they are)."""
+    import json
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    rows = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.int64)))
+    if jax.process_index() != 0:
+        return
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data["pretrained_load"] = {
+        "command": "python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py "
+        f"--load DIR --json {path}",
+        "model_bytes": total,
+        "largest_tensor_bytes": largest,
+        "processes": [
+            dict(
+                rss_before=int(b),
+                peak=int(p),
+                growth=int(p - b),
+                anonymous_after=int(a),
+                shards=int(s),
+                growth_over_shards_plus_largest=round(float(p - b) / float(s + largest), 3),
+            )
+            for b, p, a, s in rows
+        ],
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":
@@ -114,5 +149,6 @@ if __name__ == "__main__":
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", type=pathlib.Path)
     group.add_argument("--load", type=pathlib.Path)
+    parser.add_argument("--json", type=pathlib.Path, help="with --load: record the figures in this JSON")
     args = parser.parse_args()
-    write(args.write) if args.write else load(args.load)
+    write(args.write) if args.write else load(args.load, args.json)

@@ -41,7 +41,10 @@ Design:
   few distinct model shapes keep compilation, nearly all of the cost, small;
   the workers share a compilation cache and cache models and references.
 
-Knobs (environment): `EQXPAR_FUZZ_EXAMPLES` (default 300), `EQXPAR_FUZZ_SEED`
+Two runs: `test_plan_fuzz` in `make test` (150 examples) and `test_plan_fuzz_deep`,
+marked `slow`, in `make test-slow` and CI (600 more, from the next seed).
+Knobs (environment): `EQXPAR_FUZZ_EXAMPLES` (default 150),
+`EQXPAR_FUZZ_DEEP_EXAMPLES` (default 600), `EQXPAR_FUZZ_SEED`
 (default 0), `EQXPAR_FUZZ_WORKERS` (default 2), `EQXPAR_FUZZ_REPORT` (write every
 result as JSON to this path), `EQXPAR_FUZZ_SHRINK=1` (see above),
 `EQXPAR_FUZZ_RUN_TIMEOUT` (seconds a compiled step may run, default 20) and
@@ -70,7 +73,8 @@ WORKER = pathlib.Path(__file__).with_name("_fuzz_worker.py")
 ROOT = WORKER.parent.parent
 PREFIX = "@@FUZZ "
 
-EXAMPLES = int(os.environ.get("EQXPAR_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("EQXPAR_FUZZ_EXAMPLES", "150"))
+DEEP_EXAMPLES = int(os.environ.get("EQXPAR_FUZZ_DEEP_EXAMPLES", "600"))
 SEED = int(os.environ.get("EQXPAR_FUZZ_SEED", "0"))
 WORKERS = max(1, int(os.environ.get("EQXPAR_FUZZ_WORKERS", "2")))
 RUN_TIMEOUT = float(os.environ.get("EQXPAR_FUZZ_RUN_TIMEOUT", "20"))
@@ -640,14 +644,14 @@ def _command(spec, flag="--spec", env=None):
     return f"{prefix}.venv/bin/python tests/_fuzz_worker.py {flag} {spec_json}"
 
 
-def summarise(spec_list, results, wall):
+def summarise(spec_list, results, wall, *, seed_value=SEED):
     outcomes = collections.Counter(r["outcome"] for r in results)
     ran = sum(
         1 for r in results if r["outcome"] in ("ok", "mismatch") or r.get("phase") in ("reference", "compare")
     )
     faulted = sum(1 for s in spec_list if "fault" in s)
     lines = [
-        f"plan fuzz: {len(results)} examples (seed {SEED}, {WORKERS} workers) in {wall:.1f} s",
+        f"plan fuzz: {len(results)} examples (seed {seed_value}, {WORKERS} workers) in {wall:.1f} s",
         f"  outcomes: {dict(sorted(outcomes.items()))}",
         f"  ran a step and compared with one device: {ran} ({ran / max(1, len(results)):.0%}); "
         f"with a deliberate fault: {faulted}",
@@ -698,12 +702,12 @@ def report_findings(spec_list, results, env=None):
 # --- The test ----------------------------------------------------------------------------------
 
 
-def _generate(n):
+def _generate(n, seed_value=SEED):
     found = []
 
     # Hypothesis repeats itself (early examples especially): draw three times as
     # many and keep the first n distinct ones.
-    @seed(SEED)
+    @seed(seed_value)
     @settings(
         max_examples=3 * n,
         deadline=None,
@@ -728,6 +732,17 @@ def _generate(n):
 
 
 def test_plan_fuzz(request, tmp_path):
+    _fuzz(request, tmp_path, EXAMPLES, SEED)
+
+
+@pytest.mark.slow
+def test_plan_fuzz_deep(request, tmp_path):
+    # `make test-slow` (CI runs it): four times the examples, drawn from the next
+    # seed, so that together with the default run 750 distinct plans are tried.
+    _fuzz(request, tmp_path, DEEP_EXAMPLES, SEED + 1)
+
+
+def _fuzz(request, tmp_path, examples, seed_value):
     # The workers share one compilation cache (this test's temporary directory,
     # or EQXPAR_FUZZ_CACHE_DIR to keep it between runs, e.g. while fixing a bug).
     cache_dir = os.environ.get("EQXPAR_FUZZ_CACHE_DIR") or tmp_path
@@ -735,20 +750,20 @@ def test_plan_fuzz(request, tmp_path):
     if SHRINK:
         _shrink(env)
         return
-    spec_list = _generate(EXAMPLES)
+    spec_list = _generate(examples, seed_value)
     start = time.perf_counter()
     pool = Pool(WORKERS, env)
     results = pool.run_all(spec_list)
     wall = time.perf_counter() - start
-    summary, ran = summarise(spec_list, results, wall)
+    summary, ran = summarise(spec_list, results, wall, seed_value=seed_value)
     classes, details = report_findings(spec_list, results, env)
     if REPORT:
         pathlib.Path(REPORT).write_text(
             json.dumps({"summary": summary, "specs": spec_list, "results": results}, indent=1)
         )
     print(summary)
-    if len(spec_list) < EXAMPLES:
-        pytest.fail(f"only {len(spec_list)} distinct examples generated, wanted {EXAMPLES}")
+    if len(spec_list) < examples:
+        pytest.fail(f"only {len(spec_list)} distinct examples generated, wanted {examples}")
     if classes:
         pytest.fail(f"{summary}\n{len(classes)} finding classes:\n{details}", pytrace=False)
     if ran * 3 < len(results):
