@@ -7,6 +7,7 @@ as in an automatic step.
 """
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Collection
 from typing import Any
@@ -55,6 +56,44 @@ def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str])
                         f"weight the spec {spec}, over manual axis {axis!r}. Use mode='auto' for "
                         f"such weights, or Plan(manual_axes=...) without {axis!r}."
                     )
+
+
+def _check_foreign_tensor_splits(model: PyTree, specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
+    # eqxpar.nn layers know what to do with a shard of the tensor axis; equinox's
+    # own layers (eqx.nn.Linear, eqx.nn.MLP, ...) compute on whole weights, so a
+    # weight of theirs split over a manual tensor axis would fail deep inside the
+    # loss with a shape error (or compute on a fragment).
+    tensor = plan.tensor_axis
+    if tensor not in manual_axes or plan.mesh.shape.get(tensor, 1) <= 1:
+        return
+
+    def walk(node: Any, spec: Any, path: str) -> None:
+        if isinstance(node, eqx.Module) and type(spec) is type(node):
+            foreign = type(node).__module__.split(".")[0] == "equinox"
+            for field in dataclasses.fields(node):
+                value, sub = getattr(node, field.name, None), getattr(spec, field.name, None)
+                where = f"{path}.{field.name}" if path else field.name
+                if foreign and eqx.is_array(value) and isinstance(sub, PartitionSpec):
+                    if any(tensor in mesh_axis_names(e) for e in sub):
+                        raise PlanError(
+                            f"the plan's rules give {where} (shape {tuple(value.shape)}, a field of "
+                            f"equinox's {type(node).__qualname__}) the spec {sub}, which splits it over "
+                            f"the manual tensor axis {tensor!r}; inside the manual region it would "
+                            f"arrive as one device's shard, but equinox's layers compute on whole "
+                            f"weights (expected a spec without {tensor!r}). Leave it unsplit over "
+                            f"{tensor!r} (narrow the rule), use eqxpar.nn layers (ColumnLinear, "
+                            f"RowLinear, MLP) for tensor parallelism, or use mode='auto'."
+                        )
+                else:
+                    walk(value, sub, where)
+        elif isinstance(node, (list, tuple)) and isinstance(spec, (list, tuple)) and len(node) == len(spec):
+            for i, (n, sp) in enumerate(zip(node, spec, strict=True)):
+                walk(n, sp, f"{path}[{i}]")
+        elif isinstance(node, dict) and isinstance(spec, dict):
+            for k, n in node.items():
+                walk(n, spec.get(k), f"{path}[{k!r}]")
+
+    walk(model, specs, "")
 
 
 def _sequence_split(layout: StepLayout) -> bool:
@@ -184,6 +223,7 @@ def manual_gradients(
     `updates` specs (one reduction of the gradient bytes per step)."""
     plan = layout.plan
     _check_manual_specs(layout.params, plan, layout.manual_axes)
+    _check_foreign_tensor_splits(model, layout.params, plan, layout.manual_axes)
     value, aux, grads = filter_shard_map(
         functools.partial(_per_device, loss, layout),
         plan,

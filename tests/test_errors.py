@@ -162,6 +162,22 @@ def test_manual_mode_rejects_weights_split_over_a_non_batch_axis():
         step(state, regression_batches(1, d_in=8, d_out=8)[0])
 
 
+def test_manual_mode_rejects_equinox_layer_weights_split_over_tensor():
+    # eqx.nn.Linear computes on whole weights: a rule splitting its weight over a
+    # manual tensor axis is a plan error, not a dot_general shape error (plan fuzz).
+    model = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4),
+        rules=ByPath([(r"weight$", P(None, "tensor"))], strict=False),
+        mode="manual",
+        manual_axes=("data", "tensor"),
+    )
+    state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan)
+    with pytest.raises(eqxpar.PlanError, match=r"layers\[0\]\.weight .*equinox's Linear.*P\(None, 'tensor'\)"):
+        step(state, regression_batches(1, d_in=8, d_out=4)[0])
+
+
 def test_filter_shard_map_wrong_number_of_specs():
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
     f = eqxpar.filter_shard_map(lambda a, b: a, plan, in_specs=(P(),), out_specs=P())

@@ -1,5 +1,6 @@
 """Misusing a tensor-parallel layer raises an eqxpar error naming the value and the fix."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -44,6 +45,24 @@ def test_whole_weights_inside_a_manual_region():
     with (
         plan,
         pytest.raises(eqxpar.PlanError, match=r"inside a shard_map over 'tensor' but its weight is whole"),
+    ):
+        f(mlp, jnp.ones((2, 4, 8)))
+
+
+def test_bias_not_split_like_its_weight_inside_a_manual_region():
+    # Rules that split MLP.w_in over tensor but leave b_in whole: the bias must be
+    # split like the dimension it adds to (found by the plan fuzz, under a pipeline).
+    mlp = nn.MLP(8, 16, key=jax.random.key(0))
+    plan = manual_plan()
+    specs = eqx.tree_at(
+        lambda m: (m.w_in, m.w_out), jax.tree.map(lambda _: P(), mlp), (P(None, None, "tensor"), P("tensor", None))
+    )
+    f = eqxpar.filter_shard_map(
+        lambda m, x: m(x), plan, in_specs=(specs, P()), out_specs=P(), axis_names={"tensor"}
+    )
+    with (
+        plan,
+        pytest.raises(eqxpar.PlanError, match=r"MLP.b_in \(shape \(1, 16\)\): MLP.w_in is split.*MEGATRON"),
     ):
         f(mlp, jnp.ones((2, 4, 8)))
 

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._errors import PlanError
 from .._param import param
 from ._context import tensor_context
-from ._matmul import check_split, column_matmul, lift, row_matmul
+from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
 
 
 def _normal(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int, dtype) -> Array:
@@ -58,6 +58,7 @@ class ColumnLinear(eqx.Module):
     def __call__(self, x: Float[Array, "batch seq_in in_features"]) -> Float[Array, "batch seq_out features"]:
         ctx = tensor_context(self.axis)
         check_split(self.weight.shape[1], self.out_features, ctx, what="ColumnLinear.weight (out_features)")
+        check_bias(self.bias, self.out_features, ctx, what="ColumnLinear.bias", like="ColumnLinear.weight", split=True)
         (y,) = column_matmul(x, [self.weight], ctx)
         return y if self.bias is None else y + lift(self.bias, y.ndim)
 
@@ -100,6 +101,7 @@ class RowLinear(eqx.Module):
     ) -> Float[Array, "batch seq_out out_features"]:
         ctx = tensor_context(self.axis)
         check_split(self.weight.shape[0], self.in_features, ctx, what="RowLinear.weight (in_features)")
+        check_bias(self.bias, self.out_features, ctx, what="RowLinear.bias", like="RowLinear.weight", split=False)
         y = row_matmul(x, self.weight, ctx)
         return y if self.bias is None else y + lift(self.bias, y.ndim)
 
@@ -156,6 +158,8 @@ class MLP(eqx.Module):
         ctx = tensor_context(self.axis)
         check_split(self.w_in.shape[2], self.d_hidden, ctx, what="MLP.w_in (d_hidden)")
         check_split(self.w_out.shape[0], self.d_hidden, ctx, what="MLP.w_out (d_hidden)")
+        check_bias(self.b_in, self.d_hidden, ctx, what="MLP.b_in", like="MLP.w_in", split=True)
+        check_bias(self.b_out, self.d_model, ctx, what="MLP.b_out", like="MLP.w_out", split=False)
         (h,) = column_matmul(x, [self.w_in], ctx)  # (batch, seq, n_in, hidden)
         if self.b_in is not None:
             h = h + lift(self.b_in, h.ndim)

@@ -56,6 +56,34 @@ def check_split(actual: int, full: int, ctx: TensorContext, *, what: str) -> Non
     raise PlanError(f"{what}: expected {expected} entries along the split dimension, got {actual}.")
 
 
+def check_bias(
+    bias: jax.Array | None, full: int, ctx: TensorContext, *, what: str, like: str, split: bool, dim: int = -1
+) -> None:
+    """Check a bias is split over the tensor axis like the weight dimension it adds
+    to: `split=True` (a column-parallel output: `full / size` entries inside a
+    manual region) or `split=False` (a row-parallel output: whole, `full`)."""
+    if bias is None:
+        return
+    actual = bias.shape[dim]
+    expected = full // max(ctx.size, 1) if (split and ctx.manual) else full
+    if actual == expected:
+        return
+    if split:
+        how = (
+            f"{like} is split over {ctx.axis!r} along the dimension this bias adds to ({expected} of "
+            f"{full} entries on each device) but the bias has {actual}. Split the bias the same way "
+            f"(its {full}-entry dimension over {ctx.axis!r}, as the weight's), e.g. a rule for the "
+            f"bias's path next to the weight's in rules.ByPath; eqxpar.rules.MEGATRON does."
+        )
+    else:
+        how = (
+            f"{like}'s output is whole ({full} entries, summed over {ctx.axis!r}) but the bias has "
+            f"{actual} on this device. Leave the bias whole (replicated over {ctx.axis!r}); "
+            f"eqxpar.rules.MEGATRON does."
+        )
+    raise PlanError(f"{what} (shape {tuple(bias.shape)}): {how}")
+
+
 def _check_seq(x: jax.Array, ctx: TensorContext, *, what: str) -> None:
     if x.ndim < 3:
         raise PlanError(

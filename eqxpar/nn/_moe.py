@@ -18,7 +18,7 @@ from .._trace_notes import TraceNotes
 from .._varying import varying_axes
 from ._context import tensor_context
 from ._linear import MLP, _normal
-from ._matmul import check_split, lift
+from ._matmul import check_bias, check_split, lift
 
 _SCORES = ("softmax", "sigmoid")
 
@@ -440,6 +440,8 @@ class MoE(eqx.Module):
             )
         check_split(self.w_in.shape[2], self.hidden, ctx, what="MoE.w_in (hidden)")
         check_split(self.w_out.shape[1], self.hidden, ctx, what="MoE.w_out (hidden)")
+        check_bias(self.b_in, self.hidden, ctx, what="MoE.b_in", like="MoE.w_in", split=True)
+        check_bias(self.b_gate, self.hidden, ctx, what="MoE.b_gate", like="MoE.w_gate", split=True)
         ep, manual = self._expert_split()
         # The aux statistics are summed over the manual axes the tokens differ
         # along (the batch's, the sequence's under context parallelism).
