@@ -232,10 +232,17 @@ class TinyLM(eqx.Module):
         self.head = nn.Unembed(d, vocab, key=k[2])
 
 
+def _lm_last(m, h, tokens):
+    # As eqxpar's GPT and the docs do: the head says whether its logits are a
+    # vocabulary shard (rules that keep "vocab" whole make them the whole row).
+    logits = m.head(m.norm(h))
+    return jnp.mean(nn.cross_entropy(logits, tokens[:, 1:], vocab_split=m.head.vocab_split()))
+
+
 LM_PIPELINE_LOSS = PipelineLoss(
     first=lambda m, tokens: m.embed(tokens[:, :-1]),
     stack=lambda m: m.blocks,
-    last=lambda m, h, tokens: jnp.mean(nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:])),
+    last=_lm_last,
 )
 
 
