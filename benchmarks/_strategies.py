@@ -226,9 +226,8 @@ def _pipelined(
     16p micro-batches of the same size; `remat_sweep`: under every remat policy (what the
     kept residuals cost)."""
     p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
-    (plan, step), (g_plan, g_step) = (
-        _pipeline(key, s, m, c, tensor, optim, "none") for s, c in ((schedule, v), ("gpipe", 1))
-    )
+    plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none")
+    g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
     to_model = _workload.pipeline_model
     baseline = None
     if schedule != "gpipe" or tensor:  # pp_gpipe is the baseline itself
