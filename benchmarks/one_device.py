@@ -267,10 +267,14 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int, *, unrolled: bo
     }
 
 
-def _layer_value_and_grad(layer: Any, x: jax.Array, ct: jax.Array, kwargs: dict) -> tuple:
-    """`((loss, gradients), output)` of `layer(x, **kwargs)` against cotangent `ct`."""
+def _attention_grads_and_output(
+    path: str, dtype: Any, dropout: float, x: jax.Array, ct: jax.Array, kwargs: dict
+):
+    """The gradients (pulled back from `ct`) and output of `nn.Attention` by `path` in `dtype`."""
+    layer = nn.Attention(512, 8, attention=path, dropout=dropout, key=jax.random.key(0))
+    layer = jax.tree.map(lambda w: w.astype(dtype), layer)
     call = lambda layer, x, kwargs: layer(x, **kwargs)  # noqa: E731
-    grads = eqx.filter_jit(eqx.filter_value_and_grad(weighted_sum(call, ct)))(layer, x, kwargs)
+    _, grads = eqx.filter_jit(eqx.filter_value_and_grad(weighted_sum(call, ct)))(layer, x, kwargs)
     return grads, eqx.filter_jit(call)(layer, x, kwargs)
 
 
@@ -290,17 +294,9 @@ def attention_agreement(quick: bool, reps: int) -> dict:
             ("segment_ids", {"segment_ids": segments}, 0.0),
             ("dropout", {"key": jax.random.key(3)}, 0.1),
         ):
-            layers = {
-                path: nn.Attention(512, 8, attention=path, dropout=rate, key=jax.random.key(0))
-                for path in ("dense", "blockwise", "auto")
-            }
-            layers = {
-                path: jax.tree.map(lambda w, t=dtype: w.astype(t), layer) for path, layer in layers.items()
-            }
-
-            (_, want_grads), want_out = _layer_value_and_grad(layers["dense"], x, ct, kwargs)
+            want_grads, want_out = _attention_grads_and_output("dense", dtype, rate, x, ct, kwargs)
             for path in ("blockwise", "auto"):
-                (_, grads), out = _layer_value_and_grad(layers[path], x, ct, kwargs)
+                grads, out = _attention_grads_and_output(path, dtype, rate, x, ct, kwargs)
                 row = {"dtype": jnp.dtype(dtype).name, "case": case, "path": path, "seq": seq}
                 row |= {
                     "out_rel_err": norm_rel_err(out, want_out),
