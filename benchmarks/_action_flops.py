@@ -1,14 +1,6 @@
 """Matrix-multiply FLOPs of one pipeline action on one device, compiled apart from
 any pipeline: the per-action costs a schedule table is priced at to say what the
-engine's program should run (`pipeline_table_flops`).
-
-A stage's forward (`F`, keeping its residuals), backward from them (`B`), and the
-two halves the engine splits that backward into for zero-bubble (`I`: the input
-cotangent and what the weight half needs of it; `W`: the weight cotangents), each
-`jax.jit`-compiled on one micro-batch and counted with
-`eqxpar.inspect.matmul_flops`; then the same of the last stage, whose actions also
-run the model's head and loss: their difference is what the head adds
-(`simulate(..., last_stage=...)`)."""
+engine's program should run (`pipeline_table_flops`)."""
 
 import dataclasses
 import functools

@@ -96,11 +96,6 @@ def timed_steps(
     }
 
 
-def median_times(sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int) -> dict[str, float]:
-    """Median wall seconds of `timed` steps per side (`timed_steps`)."""
-    return {name: t["step_time_s"] for name, t in timed_steps(sides, warm=warm, timed=timed).items()}
-
-
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     """Per-device argument and temporary bytes of a compiled step."""
     m = compiled.memory_analysis()

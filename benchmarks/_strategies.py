@@ -72,8 +72,7 @@ class Strategy:
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
         """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide
-        it), seq 1024 on a context axis, every second block a mixture of 8 experts
-        (top 2) on an expert axis."""
+        it), seq 1024 on a context axis, a mixture of experts on an expert axis."""
         if self.mesh.get("expert", 1) > 1:
             return dataclasses.replace(cfg, moe_every=2, experts=8, top_k=2)
         if self.mesh.get("context", 1) > 1:
@@ -96,20 +95,23 @@ def _gspmd(model: Any, optim: Any, plan: eqxpar.Plan) -> Callable:
     return lambda batches: BaselineRunner(step(), batches)
 
 
+def _replicated(
+    model: Any, optim: Any, loss_fn: Callable, devices: list, axis: str, batch_spec: P
+) -> JitStep:
+    # Auto, as eqxpar's meshes: JAX infers no Explicit sharding for ragged_dot (MoE).
+    mesh = jax.make_mesh((len(devices),), (axis,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=batch_spec)
+
+
 def single_device(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
     """The workload's `jax.jit` step of the whole batch on one device."""
-    # Auto, as eqxpar's meshes: JAX infers no Explicit sharding for ragged_dot (MoE).
-    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
-    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=P())
+    return _replicated(model, optim, loss_fn, jax.devices()[:1], "x", P())
 
 
 def data_parallel(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
     """The workload's `jax.jit` step, data parallel over every device: the pipeline
     records' reference (the same total work when a pipeline recomputes nothing)."""
-    mesh = jax.make_mesh(
-        (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()
-    )
-    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=P("data"))
+    return _replicated(model, optim, loss_fn, jax.devices(), "data", P("data"))
 
 
 def _sharded(model: Any, optim: Any, mesh: dict, cfg, contract=STANDARD, **options: Any) -> Setup:
@@ -172,62 +174,29 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
 
 @functools.cache
 def _pipeline(
-    mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim: Any, remat: str = "none"
+    mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim: Any, remat: str
 ) -> tuple:
     """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: the records of a
     mesh share (and compile) one GPipe step."""
     rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_VOCAB_RULES if tensor else None)
     options = {"rules": rules, "schedule": schedule, "microbatches": microbatches, "chunks": chunks}
-    options["remat"] = remat
-    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options)
+    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options, remat=remat)
     return plan, eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
 
 
-def _memory_sweep(at: Callable, runner: Any, cfg: _workload.Config, m: int, counts: Sequence[int]) -> list:
-    """Temp and argument bytes of the step `at(k) -> (plan, step)` compiled (never run)
-    at `counts` micro-batches of the same size (the global batch grows with them)."""
-    lowered = []
-    for k in counts:
-        plan, step = at(k)
-        batch = _workload.make_batches(1, dataclasses.replace(cfg, batch=cfg.batch * k // m))[0]
-        lowered.append(step.lower(runner.state, eqxpar.shard_batch(batch, plan)))
+def _compiled_memory(lowered: Sequence[Any]) -> list[dict]:
+    """`memory` of each lowered step, compiled (never run) for its memory only."""
     # The compiles share the cores: XLA compiles without the GIL.
     with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:
-        compiled = pool.map(lambda low: low.compile(compiler_options=MEMORY_ONLY), lowered)
-        return [{"microbatches": k, **memory(c)} for k, c in zip(counts, compiled, strict=True)]
-
-
-def _remat_memory(
-    key: tuple, schedule: str, m: int, v: int, tensor: bool, optim: Any, runner: Any, cfg
-) -> list:
-    """Temp bytes of the step compiled (never run) under each remat policy: the
-    engine keeps each stage forward's residuals (by the policy) except under "full",
-    which recomputes the stage forward in its backward actions."""
-    points = []
-    batch = _workload.make_batches(1, cfg)[0]
-    for remat in REMAT_POLICIES:
-        plan, step = _pipeline(key, schedule, m, v, tensor, optim, remat)
-        compiled = step.lower(runner.state, eqxpar.shard_batch(batch, plan)).compile(
-            compiler_options=MEMORY_ONLY
-        )
-        points.append({"remat": remat, **memory(compiled)})
-    return points
+        return list(pool.map(lambda low: memory(low.compile(compiler_options=MEMORY_ONLY)), lowered))
 
 
 def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: Any, mesh: dict) -> dict:
-    """The step's matmul FLOPs per device in lockstep (`eqxpar.inspect.matmul_flops`:
-    tick loops weighted by trip count, each tick at its costliest action) against two
-    references:
-
-    - the data-parallel `jax.jit` step's on the same devices divided by 1 - the
-      schedule's lockstep bubble (unit costs: F 1, B 2, I and W 1 each): what the
-      pipeline would run recomputing nothing, its stages and its actions' halves
-      equal. The ratio is what it recomputes, plus the head on the last stage and
-      the input half costing more than the weight half (`flops_over_reference`);
-    - the table priced at each action's own FLOPs, compiled on one device apart
-      from any pipeline (`_action_flops`): what the program runs if it runs the
-      table in lockstep and nothing more (`flops_over_table`; its lockstep bubble
-      at those costs, `lockstep_bubble_fraction_at_flops`)."""
+    """The step's matmul FLOPs per device in lockstep (`eqxpar.inspect.matmul_flops`)
+    against the data-parallel `jax.jit` step's over 1 - the lockstep bubble (what the
+    pipeline runs recomputing nothing, its actions at unit costs: `flops_over_reference`)
+    and against the table priced at each action's own FLOPs (`_action_flops`: what the
+    program runs if it runs the table and nothing more, `flops_over_table`)."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
     bubble = sched.lockstep_bubble_fraction
@@ -250,24 +219,15 @@ def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: 
 
 
 def _pipelined(
-    model,
-    optim,
-    mesh: dict,
-    cfg,
-    *,
-    schedule: str,
-    chunks=1,
-    tensor=False,
-    contract=None,
-    sweep=True,
-    remat_sweep=False,
+    model, optim, mesh, cfg, *, schedule, contract, chunks=1, tensor=False, sweep=True, remat_sweep=False
 ):
     """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against
-    the GPipe step of the same model on the same mesh. `remat_sweep`: also the temp
-    bytes under every remat policy (what the kept residuals cost)."""
+    the GPipe step of the same model on the same mesh. `sweep`: the temp bytes at 8p and
+    16p micro-batches of the same size; `remat_sweep`: under every remat policy (what the
+    kept residuals cost)."""
     p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
-    at = lambda k: _pipeline(key, schedule, k, v, tensor, optim)  # noqa: E731
-    (plan, step), (g_plan, g_step) = at(m), _pipeline(key, "gpipe", m, 1, tensor, optim)
+    plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none")
+    g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
     to_model = _workload.pipeline_model
     baseline = None
     if schedule != "gpipe" or tensor:  # pp_gpipe is the baseline itself
@@ -275,8 +235,15 @@ def _pipelined(
     sched = eqxpar.pipeline.schedule(schedule, stages=p, microbatches=m, chunks=v)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
+        def lowered(k: int = m, remat: str = "none") -> Any:
+            # `k` micro-batches of the same size: the global batch grows with them.
+            at, step = _pipeline(key, schedule, k, v, tensor, optim, remat)
+            batch = _workload.make_batches(1, dataclasses.replace(cfg, batch=cfg.batch * k // m))[0]
+            return step.lower(runner.state, eqxpar.shard_batch(batch, at))
+
         counts = (8 * p, 16 * p) if sweep else ()
-        return {
+        swept = _compiled_memory([lowered(k) for k in counts])
+        fields = {
             **{"schedule": schedule, "microbatches": m, "chunks": v, "ticks": sched.ticks},
             "bubble_fraction": sched.bubble_fraction,
             "lockstep_bubble_fraction": sched.lockstep_bubble_fraction,
@@ -285,13 +252,16 @@ def _pipelined(
             ),
             **_flops(compiled, eqx_model, optim, cfg, sched, mesh),
             "memory_sweep": [{"microbatches": m, **memory(compiled)}]
-            + _memory_sweep(at, runner, cfg, m, counts),
-            **(
-                {"remat_memory": _remat_memory(key, schedule, m, v, tensor, optim, runner, cfg)}
-                if remat_sweep
-                else {}
-            ),
+            + [{"microbatches": k, **mem} for k, mem in zip(counts, swept, strict=True)],
         }
+        if remat_sweep:
+            # The engine keeps each stage forward's residuals (by the policy) except
+            # under "full", which recomputes the stage forward in its backward actions.
+            remats = _compiled_memory([lowered(remat=remat) for remat in REMAT_POLICIES])
+            fields["remat_memory"] = [
+                {"remat": r, **mem} for r, mem in zip(REMAT_POLICIES, remats, strict=True)
+            ]
+        return fields
 
     what = "the 3D step with the GPipe schedule" if tensor else "the GPipe step"
     dp = "jax.jit data-parallel step of the same model on the same devices (no pipeline)"
@@ -303,7 +273,7 @@ def _pipelined(
         convert=functools.partial(to_model, stages=p, chunks=v),
         baseline_name=f"eqxpar {what} of the same model on the same mesh ({m} micro-batches)",
         extra=extra,
-        contract={"parity_max_rel_err": 1e-5, **(contract or {})},
+        contract={"parity_max_rel_err": 1e-5, **contract},
         references={"data_parallel": (dp, data_parallel)},
     )
 
@@ -311,13 +281,11 @@ def _pipelined(
 def _context(
     model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options: Any
 ) -> Setup:
-    """Context parallelism (the sequence split over `context`) on the workload at a long
-    sequence. No `jax.jit` step splits a sequence by itself, so no baseline: held to the
-    minimum. The ring re-sends keys and values in the backward pass (it keeps one block,
-    not all `n`), a bound of its own: the minimum plus one more pass of the K/V
-    all-gather. `extra` also compiles (never runs) the step at seq 1k / 2k / 4k on
-    context 1 / 2 / 4 (cp_tp: 1k / 2k on context 1 / 2, beside data 2 x tensor 2): the
-    per-device memory as both grow together."""
+    """Context parallelism at a long sequence. No `jax.jit` step splits a sequence by
+    itself, so no baseline: held to the minimum; the ring, which re-sends keys and values
+    in the backward pass (it keeps one block, not all `n`), to the minimum plus one more
+    pass of the K/V all-gather. Also the per-device memory as sequence and context grow
+    together (`_context_memory`)."""
     setup = _sharded(model, optim, mesh, cfg, contract=contract, mode="manual", **options)
     ring = setup.plan.context_attention in (None, "ring")
 
@@ -336,7 +304,7 @@ def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict
     """Temp bytes of the step compiled at `c` times `cfg`'s sequence on context `c` in
     (1, 2, 4) (those the devices hold beside `mesh`'s other axes), the batch as `cfg`'s:
     the same tokens per device at every point."""
-    points = []
+    points, lowered = [], []
     others = math.prod(n for axis, n in mesh.items() if axis != "context")
     for c in [c for c in (1, 2, 4) if c * others <= jax.device_count()]:
         point = dataclasses.replace(cfg, seq_len=cfg.seq_len * c)
@@ -349,10 +317,9 @@ def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict
         gpt = dataclasses.replace(_workload.gpt_config(point), attention="auto")
         model = eqx.filter_jit(eqxpar.models.GPT)(gpt, key=jax.random.key(0))
         state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
-        batch = eqxpar.shard_batch(_workload.make_batches(1, point)[0], plan)
-        compiled = step.lower(state, batch).compile(compiler_options=MEMORY_ONLY)
-        points.append({"context": c, "seq_len": point.seq_len, "devices": plan.mesh.size, **memory(compiled)})
-    return points
+        lowered.append(step.lower(state, eqxpar.shard_batch(_workload.make_batches(1, point)[0], plan)))
+        points.append({"context": c, "seq_len": point.seq_len, "devices": plan.mesh.size})
+    return [{**point, **mem} for point, mem in zip(points, _compiled_memory(lowered), strict=True)]
 
 
 def _expert(
@@ -394,18 +361,17 @@ _TP = {"data": 2, "tensor": 4}
 _DFT = {"data": 2, "fsdp": 2, "tensor": 2}
 
 
-def _pp(schedule: str, wire: float, mesh: dict = _PP, **options: Any) -> Strategy:
-    # Held to `wire` x the minimum: the engine sends from the devices with
-    # something due only, on every tick.
-    # And the program runs its table, nothing more (no forward recomputed, each
-    # loop position one action per device): its lockstep FLOPs within 1 % of the
-    # table's priced at each action's own FLOPs.
-    options["contract"] = {
-        "wire_over_min_max": wire,
-        "flops_over_table_max": 1.01,
-        **options.get("contract", {}),
-    }
-    return Strategy(_pipelined, mesh, {"schedule": schedule, **options})
+def _pp(
+    schedule: str, wire: float, flops: float, mesh: dict = _PP, contract=None, **options: Any
+) -> Strategy:
+    """Held to `wire` x the minimum (the engine sends from the devices with something
+    due only, on every tick), to `flops` x the data-parallel step's FLOPs over 1 - the
+    lockstep bubble, and to the table's FLOPs at each action's own within 1 %: the
+    program runs its table, nothing more (no forward recomputed, each loop position one
+    action per device)."""
+    contract = {"wire_over_min_max": wire, "flops_over_table_max": 1.01, **(contract or {})}
+    contract["flops_over_reference_max"] = flops
+    return Strategy(_pipelined, mesh, {"schedule": schedule, "contract": contract, **options})
 
 
 _FSDP = {"rules": eqxpar.rules.FSDP(axis="fsdp")}
@@ -428,11 +394,11 @@ _CP_ALLGATHER = {"wire_over_min_max": 1.05, **_CP_PARITY}
 #: and per-device memory flat as sequence and context grow together (the all-gather
 #: keeps every device's keys and values for the backward pass: recorded, not held).
 _CP_RING = {"wire_over_ring_bound_max": 1.05, **_CP_PARITY, "context_temp_growth_max": 0.10}
+_CP = {"data": 2, "context": 4}
 _CP_TP = {"data": 2, "context": 2, "tensor": 2}
 #: Expert parallelism: parity as every record; wire bytes within 5 % of the dropless
 #: bound (the minimum with the routed all-to-alls `n` times over, plus the ids).
 _EP = {"wire_over_dropless_bound_max": 1.05, "parity_max_rel_err": 1e-5}
-_CP_TP_OPTIONS = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
 
 #: name -> strategy, in the order they are run and reported.
 STRATEGIES: dict[str, Strategy] = {
@@ -456,32 +422,18 @@ STRATEGIES: dict[str, Strategy] = {
     # forwards and weight halves, and lockstep charges the input half.
     # Wire: a tick sends from the devices with something due only, so every
     # pipeline moves the least (held to 1.01x; 3d's excess is its tensor sums).
-    "pp_gpipe": _pp("gpipe", 1.01, contract={"temp_growth_min": 0.10, "flops_over_reference_max": 1.05}),
-    "pp_1f1b": _pp(
-        "1f1b",
-        1.01,
-        contract={**_FLAT, "step_ratio_max": 1.0, "flops_over_reference_max": 1.05},
-        remat_sweep=True,
-    ),
-    "pp_interleaved": _pp(
-        "interleaved",
-        1.01,
-        chunks=2,
-        contract={**_FLAT, "step_ratio_max": 1.05, "flops_over_reference_max": 1.05},
-    ),
+    "pp_gpipe": _pp("gpipe", 1.01, 1.05, contract={"temp_growth_min": 0.10}),
+    "pp_1f1b": _pp("1f1b", 1.01, 1.05, contract={**_FLAT, "step_ratio_max": 1.0}, remat_sweep=True),
+    "pp_interleaved": _pp("interleaved", 1.01, 1.05, chunks=2, contract={**_FLAT, "step_ratio_max": 1.05}),
     # Zero-bubble's backward is split (`pipeline._split_backward`): its halves
     # share one forward, and neither re-runs it; its CPU step time is recorded,
     # not held (see BENCHMARKS.md).
-    "pp_zero_bubble": _pp(
-        "zero_bubble",
-        1.01,
-        contract={**_FLAT, "bubble_below": "pp_1f1b", "flops_over_reference_max": 1.08},
+    "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "cp": Strategy(_context, _CP, {"contract": _CP_RING}),
+    "cp_allgather": Strategy(_context, _CP, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
+    "cp_tp": Strategy(
+        _context, _CP_TP, {"rules": _workload.TENSOR_RULES, "sequence_parallel": True, "contract": _CP_RING}
     ),
-    "cp": Strategy(_context, {"data": 2, "context": 4}, {"contract": _CP_RING}),
-    "cp_allgather": Strategy(
-        _context, {"data": 2, "context": 4}, {"context_attention": "allgather", "contract": _CP_ALLGATHER}
-    ),
-    "cp_tp": Strategy(_context, _CP_TP, {**_CP_TP_OPTIONS, "contract": _CP_RING}),
     "ep": Strategy(_expert, {"expert": 4, "data": 2}, {"rules": eqxpar.rules.EXPERT, "contract": _EP}),
     "ep_tp": Strategy(
         _expert,
@@ -492,12 +444,5 @@ STRATEGIES: dict[str, Strategy] = {
     # whole, the head is 15.4 % of the last stage's tensor-split matmuls, and
     # every tick that stage runs costs that much more (FLOPs 1.095x; split,
     # 1.029x, for activation sums of the embedding and head: wire 1.088 -> 1.095x).
-    "3d": _pp(
-        "1f1b",
-        1.10,
-        {"pipe": 2, "data": 2, "tensor": 2},
-        tensor=True,
-        sweep=False,
-        contract={"flops_over_reference_max": 1.05},
-    ),
+    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -10,38 +10,39 @@ The Markdown section "## Plan advisor: predicted against measured" is written
 (or replaced) just before "## Tables".
 """
 
-import os
+import argparse
+import contextlib
+import io
+import json
+import pathlib
+import sys
+import time
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        "--xla_force_host_platform_device_count=8",
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-    ]
-).strip()
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import eqxpar  # noqa: E402
+import eqxpar
 from eqxpar._advise._analysis import analyse, outline  # noqa: E402
 from eqxpar._advise._predict import predict  # noqa: E402
 
-from . import _workload  # noqa: E402
-from ._strategies import MEMORY_ONLY, STRATEGIES  # noqa: E402
+from . import _workload, report
+from ._strategies import MEMORY_ONLY, STRATEGIES
 
 TITLE = "## Plan advisor: predicted against measured"
 TOLERANCE = 0.10
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+#: The predicted / measured pairs of every record.
+MEASURES = ("argument_bytes", "temp_bytes", "wire_bytes")
+
+
+def _errors(pairs: dict) -> dict:
+    """`what -> {predicted, measured, error}` of `pairs`: `what -> (predicted, measured)`."""
+    return {
+        w: {"predicted": p, "measured": m, "error": p / m - 1.0 if m else 0.0} for w, (p, m) in pairs.items()
+    }
 
 
 def compare(name: str) -> dict:
@@ -59,38 +60,21 @@ def compare(name: str) -> dict:
     compiled = lowered.compile(compiler_options=MEMORY_ONLY)
     memory = eqxpar.inspect.memory_report(compiled)
     stats = eqxpar.inspect.collective_stats(compiled)
-    shapes = outline(model)
-    params = eqx.filter(
-        shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
-    )
-    opt = eqx.filter_eval_shape(optim.init, params)
-    tokens = outline(batch)
-    prediction = predict(
-        setup.plan,
-        shapes,
-        opt,
-        tokens,
-        setup.loss_fn,
-        analyse(shapes, setup.loss_fn, tokens),
-        eqxpar.DEVICE_PROFILES["cpu"],
-    )
+    shapes, tokens = outline(model), outline(batch)
+    is_param = lambda x: isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    opt = eqx.filter_eval_shape(optim.init, eqx.filter(shapes, is_param))
+    analysis = analyse(shapes, setup.loss_fn, tokens)
+    cpu = eqxpar.DEVICE_PROFILES["cpu"]
+    prediction = predict(setup.plan, shapes, opt, tokens, setup.loss_fn, analysis, cpu)
     pairs = {
         "argument_bytes": (prediction.argument_bytes, memory.argument_bytes),
         "temp_bytes": (prediction.temp_bytes, memory.temp_bytes),
         "wire_bytes": (prediction.total_wire_bytes, stats.total_wire_bytes),
     }
     record = {"strategy": name, "mesh": strategy.mesh, "compile_s": time.perf_counter() - start}
-    for what, (p, m) in pairs.items():
-        record[what] = {"predicted": p, "measured": m, "error": p / m - 1.0 if m else 0.0}
+    record |= _errors(pairs)
     record["wire_bytes_by_kind"] = {"predicted": prediction.wire_bytes, "measured": stats.wire_bytes}
     print(name, {k: round(record[k]["error"], 4) for k in pairs}, flush=True)
-    return record
-
-
-def _errors(name: str, pairs: dict) -> dict:
-    record = {"plan": name}
-    for what, (p, m) in pairs.items():
-        record[what] = {"predicted": p, "measured": m, "error": p / m - 1.0 if m else 0.0}
     return record
 
 
@@ -101,9 +85,9 @@ def _check_every(advice, label: str) -> list[dict]:
     for i, candidate in enumerate(advice.candidates):
         start = time.perf_counter()
         c = advice.compare(i)
-        pairs = {"argument_bytes": c.argument_bytes, "temp_bytes": c.temp_bytes, "wire_bytes": c.wire_bytes}
-        record = {**_errors(candidate.name, pairs), "compile_s": time.perf_counter() - start}
-        print(label, candidate.name, {k: round(record[k]["error"], 4) for k in pairs}, flush=True)
+        errors = _errors({w: getattr(c, w) for w in MEASURES})
+        record = {"plan": candidate.name, **errors, "compile_s": time.perf_counter() - start}
+        print(label, candidate.name, {k: round(record[k]["error"], 4) for k in MEASURES}, flush=True)
         records.append(record)
     return records
 
@@ -143,17 +127,12 @@ def rankings(counts=(8, 64, 512), top: int = 8) -> list[dict]:
     80 GB), pipelines included."""
     cfg = _workload.CONFIG
     model = eqx.filter_eval_shape(_workload.make_model, cfg)
+    optim, pipeline = _workload.make_optimizer(cfg), _workload.PIPELINE_LOSS
     out = []
     for n in counts:
         batch = jax.ShapeDtypeStruct((cfg.batch * max(1, n // 8), cfg.seq_len + 1), jnp.int32)
         advice = eqxpar.advise(
-            model,
-            _workload.loss_fn,
-            _workload.make_optimizer(cfg),
-            batch,
-            devices=n,
-            device="h100",
-            pipeline_loss=_workload.PIPELINE_LOSS,
+            model, _workload.loss_fn, optim, batch, devices=n, device="h100", pipeline_loss=pipeline
         )
         rows = [
             {
@@ -174,36 +153,28 @@ def _err(r: dict, what: str) -> str:
     return f"{r[what]['predicted']:,} / {r[what]['measured']:,} ({e:+.1%}){mark}"
 
 
-def _every_table(title: str, intro: list[str], records: list[dict]) -> list[str]:
-    """A Markdown table of every candidate's predicted / measured bytes."""
-    lines = [
-        "",
-        title,
-        "",
-        *intro,
-        "",
-        "| plan | arguments | temporaries | wire bytes |",
-        "|---|---|---|---|",
-    ]
-    for r in records:
-        lines.append(
-            f"| {r['plan']} | {_err(r, 'argument_bytes')} | {_err(r, 'temp_bytes')} | {_err(r, 'wire_bytes')} |"
-        )
-    bad = {
-        w: [r["plan"] for r in records if abs(r[w]["error"]) > TOLERANCE]
-        for w in ("argument_bytes", "temp_bytes", "wire_bytes")
-    }
-    return lines + [
+def _table(records: list[dict], name: str, head: tuple, first) -> list[str]:
+    """A Markdown table of each record's predicted / measured bytes after its cells
+    `first(record)` under `head`, and the records outside the tolerance by `name`."""
+    rows = [[*first(r), *(_err(r, w) for w in MEASURES)] for r in records]
+    table = report.markdown_table((*head, "arguments", "temporaries", "wire bytes"), rows)
+    bad = {w: [r[name] for r in records if abs(r[w]["error"]) > TOLERANCE] for w in MEASURES}
+    return [
+        table,
         "",
         "Outside 10 %: " + "; ".join(f"{w}: {', '.join(v) or 'none'}" for w, v in bad.items()) + ".",
     ]
 
 
+def _every_table(title: str, intro: list[str], records: list[dict]) -> list[str]:
+    """A section of every candidate's predicted / measured bytes."""
+    return ["", title, "", *intro, "", *_table(records, "plan", ("plan",), lambda r: [r["plan"]])]
+
+
 def markdown(
     records: list[dict], ranks: list[dict], demo_records: list[dict], moe_records: list[dict]
 ) -> str:
-    err = _err
-
+    mesh = lambda r: [r["strategy"], " x ".join(f"{a}={n}" for a, n in r["mesh"].items())]  # noqa: E731
     lines = [
         TITLE,
         "",
@@ -222,21 +193,7 @@ def markdown(
         "rows and their dispatch buffers. Wire bytes are `minimum_comm` plus eqxpar's known",
         "overheads (pipelines: a boundary buffer each way on the ticks the engine sends).",
         "",
-        "| record | mesh | arguments | temporaries | wire bytes |",
-        "|---|---|---|---|---|",
-    ]
-    for r in records:
-        mesh = " x ".join(f"{a}={n}" for a, n in r["mesh"].items())
-        lines.append(
-            f"| {r['strategy']} | {mesh} | {err(r, 'argument_bytes')} | {err(r, 'temp_bytes')} | {err(r, 'wire_bytes')} |"
-        )
-    bad = {
-        w: [r["strategy"] for r in records if abs(r[w]["error"]) > TOLERANCE]
-        for w in ("argument_bytes", "temp_bytes", "wire_bytes")
-    }
-    lines += [
-        "",
-        "Outside 10 %: " + "; ".join(f"{w}: {', '.join(v) or 'none'}" for w, v in bad.items()) + ".",
+        *_table(records, "strategy", ("record", "mesh"), mesh),
     ]
     lines += _every_table(
         "### The demo's GPT: every candidate",
@@ -265,18 +222,25 @@ def markdown(
         "**64 and 512 devices: predicted only**, on placeholder meshes (nothing can be compiled",
         "for them here). Step times are predictions with communication not overlapped.",
     ]
+    head = ("#", "plan", "memory / device", "wire bytes / device", "step (predicted)")
     for rank in ranks:
+        rows = [
+            [
+                str(i),
+                row["plan"],
+                f"{row['memory_bytes']:,}",
+                f"{row['wire_bytes']:,}",
+                f"{row['step_time_s'] * 1e3:.3g} ms",
+            ]
+            for i, row in enumerate(rank["top"])
+        ]
+        plans = f"{rank['candidates']} plans fit; top {len(rank['top'])}"
         lines += [
             "",
-            f"{rank['devices']} devices (batch {rank['batch']}, {rank['candidates']} plans fit; top {len(rank['top'])}):",
+            f"{rank['devices']} devices (batch {rank['batch']}, {plans}):",
             "",
-            "| # | plan | memory / device | wire bytes / device | step (predicted) |",
-            "|---|---|---|---|---|",
+            report.markdown_table(head, rows),
         ]
-        for i, row in enumerate(rank["top"]):
-            lines.append(
-                f"| {i} | {row['plan']} | {row['memory_bytes']:,} | {row['wire_bytes']:,} | {row['step_time_s'] * 1e3:.3g} ms |"
-            )
     return "\n".join(lines) + "\n\n"
 
 

@@ -1,20 +1,8 @@
 """Measurements on one device, the inputs of the predictions the distributed records
 cannot make on simulated CPU devices (benchmarks/README.md):
 
-- `rates`: dense matmul FLOP/s (bf16 and float32) and memory copy bandwidth.
-- `attention`: one causal attention (batch 1, 8 heads, head dim 64) forward and
-  forward + backward at growing sequence lengths: time and compiled temp memory of
-  `nn.blockwise_attention`, of cuDNN's fused kernel (GPU) and of XLA's dense softmax.
-- `grouped_matmul`: the expert matmul of a mixture-of-experts layer, dropless with
-  `lax.ragged_dot` against every expert on every token and against capacity-padded
-  per-expert batches, forward and forward + backward.
-- `stage_actions`: one pipeline stage's per-action times, the costs a schedule
-  simulation takes: F (forward), F_keep (forward keeping residuals), B (backward from
-  residuals: input and weight gradients), I (input gradient only), W (weight gradient
-  only: two separate pull-backs, W re-running the chain of activation cotangents),
-  I_split and W_split (the engine's zero-bubble halves: one backward split in two,
-  `eqxpar/pipeline/_split_backward.py`), B_recompute (forward again, then backward);
-  of a stage of two blocks, of the same unrolled, and of a chunk of one block.
+`SECTIONS`, each function's docstring says what it measures (BENCHMARKS.md, "One
+device", reads the results).
 
     python -m benchmarks.one_device [--quick] [--only rates,attention] --json PATH
     python -m benchmarks.one_device --render JSON [JSON ...] --markdown BENCHMARKS.md
@@ -74,6 +62,11 @@ def weighted_sum(fn: Callable, ct: Any) -> Callable:
     return loss
 
 
+def _error(error: Exception) -> str:
+    """A path that does not run here is recorded, not fatal."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
+
 def rates(quick: bool, reps: int) -> dict:
     """Dense matmul FLOP/s in bf16 and float32 (XLA's default precision) and the copy
     bandwidth (bytes read + written per second) of `2 * x` on a large array."""
@@ -96,15 +89,11 @@ def rates(quick: bool, reps: int) -> dict:
 
 
 def _attention_paths(on_gpu: bool) -> dict[str, Callable]:
-    paths = {"blockwise": lambda q, k, v: nn.blockwise_attention(q, k, v, causal=True, block_size=512)}
+    dot_product = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    paths = {"blockwise": functools.partial(nn.blockwise_attention, causal=True, block_size=512)}
     if on_gpu:
-        paths["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation="cudnn"
-        )
-    paths["xla_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="xla"
-    )
-    return paths
+        paths["cudnn"] = functools.partial(dot_product, implementation="cudnn")
+    return {**paths, "xla_dense": functools.partial(dot_product, implementation="xla")}
 
 
 def attention(quick: bool, reps: int) -> dict:
@@ -131,17 +120,16 @@ def attention(quick: bool, reps: int) -> dict:
                 if seq <= (dense_max if name == "xla_dense" else any_max):
                     out = jax.jit(fn)(q, k, v)
                     reference = out if reference is None else reference
-                    row["max_abs_diff_vs_blockwise"] = float(
-                        jnp.max(jnp.abs(out.astype(jnp.float32) - reference))
-                    )
+                    diff = jnp.max(jnp.abs(out.astype(jnp.float32) - reference))
+                    row["max_abs_diff_vs_blockwise"] = float(diff)
                     row["fwd_s"] = timed(jax.jit(fn), q, k, v, reps=reps)
                     row["fwd_bwd_s"] = timed(jax.jit(fwd_bwd), q, k, v, reps=reps)
                     # Causal: half the (seq x seq) scores; forward 2 matmuls, backward 5.
                     flops = 4 * 8 * seq * seq * 64 / 2
                     row["fwd_tflops"] = flops / row["fwd_s"] / 1e12
                     row["fwd_bwd_tflops"] = 3.5 * flops / row["fwd_bwd_s"] / 1e12
-            except Exception as error:  # noqa: BLE001 - a path that does not run here is recorded, not fatal
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            except Exception as error:  # noqa: BLE001
+                row["error"] = _error(error)
             rows.append(row)
             print(f"  attention {row}", flush=True)
     return {"batch": 1, "heads": 8, "head_dim": 64, "causal": True, "rows": rows}
@@ -166,18 +154,15 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
     balanced = jnp.bincount(assign, length=experts).astype(jnp.int32)
     skewed = jnp.zeros((experts,), jnp.int32).at[0].set(rows_n)
 
-    def ragged(x, w, sizes):
-        return jax.lax.ragged_dot(x, w, sizes)
-
-    def dense(x, w, sizes):
-        del sizes
+    def dense(x, w, group_sizes):
+        del group_sizes
         out = jnp.zeros((rows_n, hidden), dtype)
         for e in range(experts):
             out = out + jnp.where((assign == e)[:, None], x @ w[e], 0).astype(dtype)
         return out
 
-    def padded(x, w, sizes):
-        del sizes
+    def padded(x, w, group_sizes):
+        del group_sizes
         # The rows laid out as `experts` buffers of `capacity` (the layout, not the
         # dispatch, is what is timed: the compute of capacity-based routing).
         xp = jnp.pad(x, ((0, experts * capacity - rows_n), (0, 0)))
@@ -186,30 +171,23 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
     flops = 2 * rows_n * d * hidden
     rows = []
     for name, fn, sizes in (
-        ("ragged_dot", ragged, balanced),
-        ("ragged_dot_one_expert", ragged, skewed),
+        ("ragged_dot", jax.lax.ragged_dot, balanced),
+        ("ragged_dot_one_expert", jax.lax.ragged_dot, skewed),
         ("dense_every_expert", dense, balanced),
         ("capacity_padded_1.25", padded, balanced),
     ):
         row: dict[str, Any] = {"path": name, "dtype": jnp.dtype(dtype).name}
-        loss = weighted_sum(functools.partial(fn, sizes=sizes), 1.0)
+        loss = weighted_sum(functools.partial(fn, group_sizes=sizes), 1.0)
         try:
             row["fwd_s"] = timed(jax.jit(fn), x, w, sizes, reps=reps)
             row["fwd_bwd_s"] = timed(jax.jit(jax.grad(loss, argnums=(0, 1))), x, w, reps=reps)
             row["fwd_useful_tflops"] = flops / row["fwd_s"] / 1e12
             row["fwd_bwd_useful_tflops"] = 3 * flops / row["fwd_bwd_s"] / 1e12
         except Exception as error:  # noqa: BLE001
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            row["error"] = _error(error)
         rows.append(row)
         print(f"  grouped_matmul {row}", flush=True)
-    sizes = {
-        "tokens": tokens,
-        "top_k": top_k,
-        "d": d,
-        "hidden": hidden,
-        "experts": experts,
-        "capacity": capacity,
-    }
+    sizes = dict(tokens=tokens, top_k=top_k, d=d, hidden=hidden, experts=experts, capacity=capacity)
     return {**sizes, "rows": rows}
 
 
@@ -228,11 +206,16 @@ STAGES = {
     "wide_unrolled": (dataclasses.replace(_WIDE, layers=2), 4, True),
     "wide_chunk": (dataclasses.replace(_WIDE, layers=1), 4, False),
 }
+#: A stage's actions: F forward, F_keep forward keeping its residuals, B backward from
+#: them, I and W the input and weight gradients alone (two pull-backs: W re-runs the
+#: chain of activation cotangents), I_split and W_split the engine's zero-bubble halves
+#: (one backward split in two, `eqxpar/pipeline/_split_backward.py`), B_recompute
+#: forward again, then backward.
+ACTIONS = ("F", "F_keep", "B", "I", "W", "I_split", "W_split", "B_recompute")
 
 
 def stage_actions(quick: bool, reps: int) -> dict:
-    """Per-action seconds of one pipeline stage (two GPT blocks, scanned and unrolled)
-    and of a chunk of it (one block) on one micro-batch."""
+    """Per-action seconds (`ACTIONS`) of each of `STAGES` on one micro-batch."""
     out = {}
     for name, (cfg, micro, unrolled) in STAGES.items():
         if quick and not name.startswith("workload"):
@@ -240,6 +223,10 @@ def stage_actions(quick: bool, reps: int) -> dict:
         out[name] = _stage_actions(cfg, micro, reps, unrolled=unrolled)
         print(f"  stage_actions {name} {out[name]['seconds']}", flush=True)
     return out
+
+
+def _run_stage(static: Any, params: Any, x: jax.Array) -> jax.Array:
+    return eqx.combine(params, static)(x)
 
 
 def _stage_actions(cfg: _workload.Config, micro: int, reps: int, *, unrolled: bool) -> dict:
@@ -255,36 +242,34 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int, *, unrolled: bo
     engine = {
         k: (jax.jit(fn), args) for k, (fn, args) in _action_flops.engine_actions(stage, params, x, ct).items()
     }
-    both = engine["B"][1][0]
+    pullback, both = engine["B"][0], engine["B"][1][0]
     _, input_only = jax.jit(lambda p, x: jax.vjp(lambda x: stage(p, x), x))(params, x)
     _, weight_only = jax.jit(lambda p, x: jax.vjp(lambda p: stage(p, x), p))(params, x)
-    pullback = engine["B"][0]
     recompute = jax.jit(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))
-    times = {
-        "F": timed(jax.jit(stage), params, x, reps=reps),
-        "F_keep": timed(engine["F"][0], *engine["F"][1], reps=reps),
-        "B": timed(pullback, both, ct, reps=reps),
-        "I": timed(pullback, input_only, ct, reps=reps),
-        "W": timed(pullback, weight_only, ct, reps=reps),
-        "B_recompute": timed(recompute, params, x, ct, reps=reps),
-        "I_split": timed(engine["I"][0], *engine["I"][1], reps=reps),
-        "W_split": timed(engine["W"][0], *engine["W"][1], reps=reps),
+    calls = {
+        "F": (jax.jit(stage), params, x),
+        "F_keep": (engine["F"][0], *engine["F"][1]),
+        "B": (pullback, both, ct),
+        "I": (pullback, input_only, ct),
+        "W": (pullback, weight_only, ct),
+        "B_recompute": (recompute, params, x, ct),
+        "I_split": (engine["I"][0], *engine["I"][1]),
+        "W_split": (engine["W"][0], *engine["W"][1]),
     }
-    residual_bytes = sum(a.nbytes for a in jax.tree.leaves(both)) - sum(
-        a.nbytes for a in jax.tree.leaves(params)
-    )
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))  # noqa: E731
     return {
         "config": dataclasses.asdict(cfg),
         "micro_batch": micro,
         "unrolled": unrolled,
-        "seconds": times,
-        "residual_bytes_beyond_params": int(residual_bytes),
+        "seconds": {k: timed(*call, reps=reps) for k, call in calls.items()},
+        "residual_bytes_beyond_params": int(nbytes(both) - nbytes(params)),
     }
 
 
 def _rel(got: Any, want: Any) -> float:
     """||got - want|| / ||want|| over the whole tree as one vector (a leaf whose exact
-    gradient is zero, the key bias's, holds only rounding: judged leafwise, it says nothing)."""
+    gradient is zero, the key bias's, holds only rounding: judged leafwise, it says nothing).
+    As `_measure.norm_rel_err`, but the recorded figures divide before the square root."""
     pairs = [
         (np.asarray(a, np.float64), np.asarray(b, np.float64))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
@@ -292,15 +277,15 @@ def _rel(got: Any, want: Any) -> float:
     return math.sqrt(sum(np.sum((a - b) ** 2) for a, b in pairs) / sum(np.sum(b**2) for _, b in pairs))
 
 
-def _call_layer(layer: Any, x: jax.Array, kwargs: dict) -> jax.Array:
-    return layer(x, **kwargs)
-
-
-def _layer_value_and_grad(layer: Any, x: jax.Array, ct: jax.Array, kwargs: dict) -> tuple:
-    """`((loss, gradients), output)` of `layer(x, **kwargs)` against cotangent `ct`."""
-    loss = weighted_sum(_call_layer, ct)
-    grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(layer, x, kwargs)
-    return grads, eqx.filter_jit(_call_layer)(layer, x, kwargs)
+def _attention_grads_and_output(
+    path: str, dtype: Any, dropout: float, x: jax.Array, ct: jax.Array, kwargs: dict
+):
+    """The gradients (pulled back from `ct`) and output of `nn.Attention` by `path` in `dtype`."""
+    layer = nn.Attention(512, 8, attention=path, dropout=dropout, key=jax.random.key(0))
+    layer = jax.tree.map(lambda w: w.astype(dtype), layer)
+    call = lambda layer, x, kwargs: layer(x, **kwargs)  # noqa: E731
+    _, grads = eqx.filter_jit(eqx.filter_value_and_grad(weighted_sum(call, ct)))(layer, x, kwargs)
+    return grads, eqx.filter_jit(call)(layer, x, kwargs)
 
 
 def attention_agreement(quick: bool, reps: int) -> dict:
@@ -319,19 +304,14 @@ def attention_agreement(quick: bool, reps: int) -> dict:
             ("segment_ids", {"segment_ids": segments}, 0.0),
             ("dropout", {"key": jax.random.key(3)}, 0.1),
         ):
-            layers = {
-                path: nn.Attention(512, 8, attention=path, dropout=rate, key=jax.random.key(0))
-                for path in ("dense", "blockwise", "auto")
-            }
-            layers = {
-                path: jax.tree.map(lambda w, t=dtype: w.astype(t), layer) for path, layer in layers.items()
-            }
-
-            (_, want_grads), want_out = _layer_value_and_grad(layers["dense"], x, ct, kwargs)
+            want_grads, want_out = _attention_grads_and_output("dense", dtype, rate, x, ct, kwargs)
             for path in ("blockwise", "auto"):
-                (_, grads), out = _layer_value_and_grad(layers[path], x, ct, kwargs)
+                grads, out = _attention_grads_and_output(path, dtype, rate, x, ct, kwargs)
                 row = {"dtype": jnp.dtype(dtype).name, "case": case, "path": path, "seq": seq}
-                row |= {"out_rel_err": _rel(out, want_out), "grads_rel_err": _rel(grads, want_grads)}
+                row |= {
+                    "out_rel_err": _rel(out, want_out),
+                    "grads_rel_err": _rel(grads, want_grads),
+                }
                 rows.append(row)
                 print(f"  attention_agreement {row}", flush=True)
     shape = (1, 4 * seq, 8, 64)
@@ -347,10 +327,6 @@ def attention_agreement(quick: bool, reps: int) -> dict:
     }
 
 
-def _run_stage(static: Any, params: Any, x: jax.Array) -> jax.Array:
-    return eqx.combine(params, static)(x)
-
-
 SECTIONS = {
     "rates": rates,
     "attention": attention,
@@ -363,97 +339,84 @@ BEGIN = "<!-- one-device tables (python -m benchmarks.one_device --render): edit
 END = "<!-- end of one-device tables -->"
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.3f}"
+def _cell(r: dict, key: str, spec: str, scale: float = 1.0, missing: str = "-") -> str:
+    return format(scale * r[key], spec) if r.get(key) is not None else missing
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+def _ms(r: dict, key: str) -> str:
+    return _cell(r, key, ".3f", 1e3)
+
+
+def _stage(name: str, stage: dict) -> str:
+    c = stage["config"]
+    blocks = f"{c['layers']} block{'s' * (c['layers'] > 1)}{' unrolled' * stage.get('unrolled', False)}"
+    return f"{name}: {blocks}, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
 
 
 def render(files: list[dict]) -> str:
     """Markdown tables of one or more JSONs written by this module (one per device)."""
-    out = []
-    rates_rows = [
-        [
-            f["device_kind"],
-            f"{r['matmul_bf16_tflops']:.1f}",
-            f"{r['matmul_f32_tflops']:.1f}",
-            f"{r['copy_gbytes_per_s']:.0f}",
-            f"{r['read_gbytes_per_s']:.0f}" if "read_gbytes_per_s" in r else "-",
+
+    def rows(section: str, cells: Callable) -> list[list]:
+        return [
+            [f["device_kind"], *cells(f[section], r)]
+            for f in files
+            for r in f.get(section, {}).get("rows", [])
         ]
+
+    rates = [
+        [f["device_kind"], *(_cell(r, k, ".1f") for k in ("matmul_bf16_tflops", "matmul_f32_tflops"))]
+        + [_cell(r, k, ".0f") for k in ("copy_gbytes_per_s", "read_gbytes_per_s")]
         for f in files
         if "matmul_n" in (r := f.get("rates", {}))
     ]
-    head = [
-        "device",
-        "matmul bf16 TFLOP/s",
-        "matmul f32 TFLOP/s",
-        "copy GB/s (read + write)",
-        "sum GB/s (read)",
-    ]
-    out += ["#### Rates", _table(head, rates_rows)]
-    rows = []
-    for f in files:
-        for r in f.get("attention", {}).get("rows", []):
-            temp = f"{r['temp_bytes_fwd_bwd'] / MiB:,.0f}" if "temp_bytes_fwd_bwd" in r else "-"
-            flops = f"{r['fwd_bwd_tflops']:.3g}" if "fwd_bwd_tflops" in r else "-"
-            row = [
-                f["device_kind"],
-                r["dtype"],
-                r["seq"],
-                r["path"],
-                _ms(r.get("fwd_s")),
-                _ms(r.get("fwd_bwd_s")),
-            ]
-            rows.append([*row, flops, temp])
-    head = ["device", "dtype", "seq", "path", "fwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s", "temp MiB (fwd+bwd)"]
-    out += ["#### Attention (batch 1, 8 heads, head dim 64, causal)", _table(head, rows)]
-    rows = []
-    for f in files:
-        g = f.get("grouped_matmul", {})
-        size = f"{g.get('tokens')} tokens x top-{g.get('top_k')}, d {g.get('d')} -> {g.get('hidden')}, {g.get('experts')} experts"
-        for r in g.get("rows", []):
-            flops = (
-                f"{r['fwd_bwd_useful_tflops']:.3g}" if "fwd_bwd_useful_tflops" in r else r.get("error", "-")
-            )
-            rows.append(
-                [f["device_kind"], size, r["path"], _ms(r.get("fwd_s")), _ms(r.get("fwd_bwd_s")), flops]
-            )
-    head = ["device", "size", "path", "fwd ms", "fwd+bwd ms", "useful fwd+bwd TFLOP/s"]
-    out += ["#### Grouped expert matmul", _table(head, rows)]
-    rows = []
-    for f in files:
-        for name, stage in f.get("stage_actions", {}).items():
-            if "seconds" not in stage:
-                continue
-            c, t = stage["config"], stage["seconds"]
-            blocks = (
-                f"{c['layers']} block{'s' * (c['layers'] > 1)}{' unrolled' * stage.get('unrolled', False)}"
-            )
-            size = f"{name}: {blocks}, d {c['d_model']}, {stage['micro_batch']} x {c['seq_len']} tokens"
-            rows.append([f["device_kind"], size, *(_ms(t.get(k)) for k in ACTIONS)])
-    out += ["#### One pipeline stage's actions (ms)", _table(["device", "stage", *ACTIONS], rows)]
-    rows = [
-        [
-            f["device_kind"],
-            r["dtype"],
-            r["seq"],
-            r["case"],
-            r["path"],
-            f"{r['out_rel_err']:.1e}",
-            f"{r['grads_rel_err']:.1e}",
-        ]
+    stages = [
+        [f["device_kind"], _stage(name, stage), *(_ms(stage["seconds"], k) for k in ACTIONS)]
         for f in files
-        for r in f.get("attention_agreement", {}).get("rows", [])
+        for name, stage in f.get("stage_actions", {}).items()
+        if "seconds" in stage
     ]
-    head = ["device", "dtype", "seq", "case", "path", "output rel err", "gradients rel err"]
-    out += ["#### `nn.Attention` against its dense path (2-norm relative error)", _table(head, rows)]
-    return "\n\n".join(out)
-
-
-ACTIONS = ("F", "F_keep", "B", "I", "W", "I_split", "W_split", "B_recompute")
+    grouped = "{tokens} tokens x top-{top_k}, d {d} -> {hidden}, {experts} experts"
+    tables = {
+        "Rates": (
+            ["matmul bf16 TFLOP/s", "matmul f32 TFLOP/s", "copy GB/s (read + write)", "sum GB/s (read)"],
+            rates,
+        ),
+        "Attention (batch 1, 8 heads, head dim 64, causal)": (
+            ["dtype", "seq", "path", "fwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s", "temp MiB (fwd+bwd)"],
+            rows(
+                "attention",
+                lambda _, r: [
+                    *(r["dtype"], r["seq"], r["path"], _ms(r, "fwd_s"), _ms(r, "fwd_bwd_s")),
+                    *(_cell(r, "fwd_bwd_tflops", ".3g"), _cell(r, "temp_bytes_fwd_bwd", ",.0f", 1 / MiB)),
+                ],
+            ),
+        ),
+        "Grouped expert matmul": (
+            ["size", "path", "fwd ms", "fwd+bwd ms", "useful fwd+bwd TFLOP/s"],
+            rows(
+                "grouped_matmul",
+                lambda g, r: [
+                    *(grouped.format(**g), r["path"], _ms(r, "fwd_s"), _ms(r, "fwd_bwd_s")),
+                    _cell(r, "fwd_bwd_useful_tflops", ".3g", missing=r.get("error", "-")),
+                ],
+            ),
+        ),
+        "One pipeline stage's actions (ms)": (["stage", *ACTIONS], stages),
+        "`nn.Attention` against its dense path (2-norm relative error)": (
+            ["dtype", "seq", "case", "path", "output rel err", "gradients rel err"],
+            rows(
+                "attention_agreement",
+                lambda _, r: [
+                    *(r[k] for k in ("dtype", "seq", "case", "path")),
+                    *(f"{r[k]:.1e}" for k in ("out_rel_err", "grads_rel_err")),
+                ],
+            ),
+        ),
+    }
+    return "\n\n".join(
+        f"#### {title}\n\n{report.markdown_table(['device', *head], body, rule=' --- |')}"
+        for title, (head, body) in tables.items()
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,30 +1,14 @@
 """Predicted pipeline step times from one stage's measured per-action times.
 
-For `p` in {4, 8} stages and `m = 4p` micro-batches, every schedule table
-(`gpipe`, `1f1b`, `interleaved` with 2 chunks, `zero_bubble` (ZB-H1), and the
-V-placement tables `zb_v` and `dualpipe_v`) is simulated with
-`eqxpar.pipeline.simulate`, free-running and lockstep, from the per-action times
-of `benchmarks/one_device.py`'s `stage_actions` (results/one_device_h200.json: an
-H200; results/one_device_cpu.json: this project's CPU), under two engine models:
-
-- `recompute` (`Plan(remat="full")`): the engine keeps only a stage's input, so
-  its backward re-runs the forward: F = F, B = B_recompute, and zero-bubble's I
-  and W each = their measured time + F (each re-runs the forward).
-- `residuals kept` (every other remat policy, the default): the forward keeps its
-  residuals (F = F_keep) and B is as measured; I and W are the engine's split
-  backward's halves (`I_split`, `W_split`: together one backward pass) where the
-  source measured them, else two separate pull-backs (`I`, `W`: W re-runs the
-  chain of activation cotangents, as the engine did before the split).
-
-The `1f1b` and `interleaved` tables are the engine's, with fused ticks (a forward
-and a backward in one tick: lockstep charges a tick both).
-
-A chunk (interleaved, ZB-V, DualPipeV: 2 per device) holds half a stage's layers;
-its actions take what `stage_actions` measured on one block (`NAME_chunk`) where
-the source has that, else half the stage's time (a launch-bound GPU does not halve
-a stage's time by halving its layers). No communication time (`send
-= 0`): the prediction is the schedule's bubble under measured action costs, not a
-network model. CPU-only, seconds:
+For `p` in {4, 8} stages and `m = 4p` micro-batches, every schedule table of
+`SCHEDULES` is simulated with `eqxpar.pipeline.simulate`, free-running and lockstep,
+from the per-action times of `benchmarks/one_device.py`'s `stage_actions` (`SOURCES`),
+under two engine models (`engine_costs`): `recompute` (`Plan(remat="full")`) and
+`residuals kept` (every other remat policy). A chunk (2 per device) takes what
+`stage_actions` measured on one block where the source has that, else half the stage's
+time. No communication time: the prediction is the schedule's bubble under measured
+action costs, not a network model (BENCHMARKS.md, "Predicted pipeline step"). CPU-only,
+seconds:
 
     python -m benchmarks.pipeline_prediction [--json benchmarks/results/pipeline_prediction.json]
                                              [--markdown BENCHMARKS.md]
@@ -37,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from eqxpar.pipeline import schedule, simulate
+
+from . import report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: (results file, label). The H100's file (`one_device_gpu.json`) was measured before
@@ -58,7 +44,11 @@ END = "<!-- end of pipeline prediction table -->"
 
 
 def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
-    """Per-action times of one whole stage under an engine model (see the module doc)."""
+    """Per-action times of one whole stage under an engine model. `recompute`: the
+    engine keeps only a stage's input, so its backward re-runs the forward (B =
+    B_recompute; zero-bubble's I and W each re-run it, + F). `residuals kept`: the
+    forward keeps its residuals (F = F_keep); I and W are the engine's split backward's
+    halves where the source measured them, else two separate pull-backs."""
     if model == "recompute":
         f = seconds["F"]
         return {"F": f, "B": seconds["B_recompute"], "I": seconds["I"] + f, "W": seconds["W"] + f}
@@ -136,18 +126,10 @@ def predict(sources: Sequence[tuple[str, dict]]) -> list[dict[str, Any]]:
                         base = base or sim
                         rows.append(
                             {
-                                "device": device,
-                                "device_kind": data["device_kind"],
-                                "stage": stage,
-                                "model": model,
-                                "stages": p,
-                                "microbatches": m,
-                                "schedule": name,
-                                "chunks": chunks,
-                                "free_s": sim.free_s,
-                                "lockstep_s": sim.lockstep_s,
-                                "work_s": sim.work_s,
-                                "bubble": sim.bubble_fraction,
+                                **{"device": device, "device_kind": data["device_kind"], "stage": stage},
+                                **{"model": model, "stages": p, "microbatches": m, "schedule": name},
+                                **{"chunks": chunks, "free_s": sim.free_s, "lockstep_s": sim.lockstep_s},
+                                **{"work_s": sim.work_s, "bubble": sim.bubble_fraction},
                                 "lockstep_bubble": sim.lockstep_bubble_fraction,
                                 "speedup_free": sim.speedup_over(base),
                                 "speedup_lockstep": sim.speedup_over(base, lockstep=True),
@@ -165,28 +147,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """The table: per (device, stage, model, p) GPipe's predicted step and every
     schedule's speed-up over it, free-running / lockstep."""
     head = ["device", "stage", "engine", "p", "GPipe step free / lockstep", *(t for _, _, t in SCHEDULES[1:])]
-    lines = [head, ["---"] * len(head)]
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         groups.setdefault((r["device"], r["stage"], r["model"], r["stages"]), {})[r["schedule"]] = r
-    for (device, stage, model, p), by in groups.items():
-        g = by["gpipe"]
-        cells = [
+    lines = []
+    for key, by in groups.items():
+        gpipe = f"{_time(by['gpipe']['free_s'])} / {_time(by['gpipe']['lockstep_s'])}"
+        speedups = (
             f"{by[n]['speedup_free']:.2f} / {by[n]['speedup_lockstep']:.2f}" for n, _, _ in SCHEDULES[1:]
-        ]
-        lines.append([device, stage, model, p, f"{_time(g['free_s'])} / {_time(g['lockstep_s'])}", *cells])
-    table = "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+        )
+        lines.append([*key, gpipe, *speedups])
+    table = report.markdown_table(head, lines, rule=" --- |")
     title = "#### Predicted pipeline step (m = 4p, no communication time): speed-up over GPipe, free-running / lockstep"
     return f"{title}\n\n{table}"
-
-
-def splice(path: pathlib.Path, text: str) -> None:
-    """Write `text` between BEGIN and END in `path` (the markers must be there)."""
-    page = path.read_text()
-    if BEGIN not in page or END not in page:
-        raise SystemExit(f"{path}: add the lines\n{BEGIN}\n{END}\nwhere the table goes.")
-    head, rest = page.split(BEGIN, 1)
-    path.write_text(head + BEGIN + "\n\n" + text + "\n\n" + END + rest.split(END, 1)[1])
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -216,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         }
         args.json.write_text(json.dumps({"assumptions": assumptions, "rows": rows}, indent=1) + "\n")
     if args.markdown:
-        splice(args.markdown, table)
+        report.splice(args.markdown, table, begin=BEGIN, end=END)
     return rows
 
 

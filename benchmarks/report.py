@@ -32,9 +32,11 @@ def mesh(axes: dict[str, int]) -> str:
     return " × ".join(f"{k} {v}" for k, v in axes.items()) or "1 device"
 
 
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, rule: str = "---|") -> str:
+    """`rule`: a column's cell of the line under the header (the one-device and pipeline
+    prediction tables write " --- |")."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + rule * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, cells)) + " |" for cells in rows])
 
 
 COLUMNS = ("strategy", "mesh", "step time (s)", "ratio to baseline", "comm MB total", "min MB", "wire MB")

@@ -57,7 +57,8 @@ def measure_point(sweep, strategy, mesh: dict, cfg, model, optim, batches, *, wa
     eqx_model = setup.convert(model)
     runner = _measure.EqxparRunner(setup.step, setup.plan, eqx_model, optim, batches)
     other = single if single is not None else setup.baseline(batches)
-    median = _measure.median_times({"eqxpar": runner, "reference": other}, warm=warm, timed=timed)
+    steps = _measure.timed_steps({"eqxpar": runner, "reference": other}, warm=warm, timed=timed)
+    median = {side: t["step_time_s"] for side, t in steps.items()}
     least = setup.minimum(eqx_model, cfg)
     record = {"sweep": sweep, "strategy": strategy, "mesh": {k: v for k, v in mesh.items() if v > 1}}
     record.update(devices=math.prod(mesh.values()), d_model=cfg.d_model, params=_workload.param_count(model))
