@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 import eqxpar
 from eqxpar.models import gpt_first, gpt_last
-from eqxpar.pipeline._split_backward import split_pull_back as _halves
+from eqxpar.pipeline._split_backward import split_pull_back
 
 from . import _workload
 
@@ -23,7 +23,7 @@ def engine_actions(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> di
     (pulled back from `seed`), `I` and `W` that backward's input and weight halves
     (`eqxpar/pipeline/_split_backward.py`: together they run it once)."""
     _, pull = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
-    halves, inputs = _halves(*jax.tree.flatten(pull), seed, first=False)
+    halves, inputs = split_pull_back(*jax.tree.flatten(pull), seed, first=False)
     stash = jax.jit(lambda *a: halves.input_half(a))(*inputs)[1]
     return {
         "F": (lambda p, x: jax.vjp(stage, p, x), (params, x)),

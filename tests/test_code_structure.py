@@ -1,0 +1,251 @@
+"""The code's stated interfaces, read from its source (AST), so that they hold
+without anyone remembering them:
+
+- no module imports an underscore name (a function, class, constant or module)
+  from another package's modules: what one package needs from another lives in a
+  module that exports it under a public name (a module that says it is shared,
+  such as `eqxpar/pipeline/_program.py`). Packages: `eqxpar` (its top-level
+  modules), each subpackage `eqxpar.<name>`, and `tests`, `benchmarks`,
+  `examples`;
+- no import cycle among eqxpar's modules, function-local imports included (a
+  package's `__init__` importing its own modules is not one);
+- no function in `eqxpar/` has more than 80 lines of code (its docstring aside);
+- `benchmarks/` does not grow (see `MAX_BENCHMARK_LINES`).
+"""
+
+import ast
+import pathlib
+import sys
+from collections import defaultdict
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TREES = ("eqxpar", "tests", "benchmarks", "examples")
+MAX_FUNCTION_LINES = 80
+# The goal is 2,000 lines with every record, sweep and plot kept; until then the
+# limit is what there is (2,815 after the last cut, plus the checkpoint-loading
+# benchmark), so that the benchmarks can only shrink.
+MAX_BENCHMARK_LINES = 2969
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for tree in TREES for p in sorted((ROOT / tree).rglob("*.py"))}
+
+
+def _package(module: str) -> str:
+    """`eqxpar.pipeline._engine` -> `eqxpar.pipeline`; `eqxpar._plan` -> `eqxpar`;
+    `tests.test_x` -> `tests`."""
+    parts = module.split(".")
+    if parts[0] != "eqxpar" or len(parts) == 1:
+        return parts[0]
+    if len(parts) > 2 or (ROOT / "eqxpar" / parts[1]).is_dir():
+        return "eqxpar." + parts[1]
+    return "eqxpar"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _source_of(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module a `from ... import` reads from."""
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str):
+    """`(imported module, imported name or None, line)` for every import of an eqxpar
+    module in `module`, at any depth (function-local imports included), and the
+    names bound to eqxpar modules (for attribute uses)."""
+    tree = ast.parse(MODULES[module].read_text())
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _source_of(module, node)
+            if not source.startswith("eqxpar"):
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in MODULES:  # `from eqxpar.pipeline import _engine`: a module
+                    found.append((full, None, node.lineno, alias.name))
+                    aliases[alias.asname or alias.name] = full
+                else:
+                    found.append((source, alias.name, node.lineno, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("eqxpar"):
+                    found.append((alias.name, None, node.lineno, alias.name.rsplit(".", 1)[-1]))
+                    aliases[alias.asname or alias.name] = alias.name
+    uses = [
+        (aliases[node.value.id], node.attr, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+    ]
+    return found, uses
+
+
+def private_imports_across_packages() -> list[str]:
+    found = []
+    for module in MODULES:
+        imports, uses = _imports(module)
+        where = f"{MODULES[module].relative_to(ROOT)}"
+        for target, name, line, last in imports:
+            if _package(target) == _package(module):
+                continue
+            if name is not None and _is_private(name):
+                found.append(f"{where}:{line} imports {name} from {target}")
+            elif name is None and any(_is_private(part) for part in target.split(".")[1:]):
+                # A private module itself, bound to a name, from another package.
+                if _is_private(last) or module.startswith(("tests", "benchmarks", "examples")):
+                    found.append(f"{where}:{line} imports the private module {target}")
+        for target, attr, line in uses:
+            if _is_private(attr) and _package(target) != _package(module):
+                found.append(f"{where}:{line} uses {target}.{attr}")
+    return found
+
+
+def import_cycles() -> list[list[str]]:
+    edges = defaultdict(set)
+    for module in MODULES:
+        if not module.startswith("eqxpar"):
+            continue
+        for target, name, _, _ in _imports(module)[0]:
+            full = f"{target}.{name}" if name else target
+            target = full if full in MODULES else target
+            # A package importing its own modules (its public names) is not a cycle.
+            if target in MODULES and not target.startswith(module + "."):
+                edges[module].add(target)
+    # Tarjan's strongly connected components.
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(m for m in MODULES if m.startswith("eqxpar")):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    lines = function.end_lineno - function.lineno + 1
+    first = function.body[0]
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def long_functions() -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} has {_code_lines(node)} lines"
+        for path in sorted((ROOT / "eqxpar").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and _code_lines(node) > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_private_import_across_packages():
+    found = private_imports_across_packages()
+    assert not found, (
+        "Names that start with an underscore are private to their package. Move what "
+        "another package needs into a module that says it is shared and give it a "
+        "public name:\n" + "\n".join(found)
+    )
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, f"import cycles (function-local imports included): {cycles}"
+
+
+def test_functions_stay_short():
+    found = long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines of code:\n" + "\n".join(found)
+
+
+def test_benchmarks_stay_small():
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "benchmarks").rglob("*.py"))
+    assert lines <= MAX_BENCHMARK_LINES, f"benchmarks/ has {lines} lines, more than {MAX_BENCHMARK_LINES}"
+
+
+# The checks themselves, on code written to break each rule.
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """A scratch tree with eqxpar/a/_m.py, eqxpar/b/_n.py and eqxpar/_top.py, read in
+    place of the repository's."""
+    for name in ("eqxpar/__init__.py", "eqxpar/a/__init__.py", "eqxpar/b/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+
+    def write(files: dict[str, str]):
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
+        modules = {_module_name_in(tmp_path, p): p for p in sorted(tmp_path.rglob("*.py"))}
+        monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+        monkeypatch.setattr(sys.modules[__name__], "MODULES", modules)
+
+    return write
+
+
+def _module_name_in(root: pathlib.Path, path: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_checks_catch_what_they_forbid(scratch):
+    scratch(
+        {
+            "eqxpar/a/_m.py": "def _helper(): pass\ndef shared(): pass\n",
+            "eqxpar/b/_n.py": (
+                "from ..a._m import _helper, shared\nfrom ..a import _m\ndef f():\n    return _m._helper()\n"
+            ),
+            "eqxpar/_top.py": "def g():\n    from .b._n import f\n",
+            "eqxpar/b/_o.py": "from .._top import g\n",
+            "eqxpar/b/_p.py": "from ._n import f\n" + "def long():\n" + "    x = 1\n" * 81,
+        }
+    )
+    # The public name and a package importing its own module pass; the rest do not.
+    assert sorted(line.split(" ", 1)[1] for line in private_imports_across_packages()) == [
+        "imports _helper from eqxpar.a._m",
+        "imports the private module eqxpar.a._m",
+        "uses eqxpar.a._m._helper",
+    ]
+    assert import_cycles() == []
+    scratch({"eqxpar/_top.py": "def g():\n    from .b._o import x\n"})
+    assert import_cycles() == [["eqxpar._top", "eqxpar.b._o"]]
+    assert [line.split(" ", 1)[1] for line in long_functions()] == ["long has 82 lines"]
