@@ -58,7 +58,9 @@ def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str])
                     )
 
 
-def _check_foreign_tensor_splits(model: PyTree, specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
+def _check_foreign_tensor_splits(
+    model: PyTree, specs: PyTree, plan: Plan, manual_axes: Collection[str]
+) -> None:
     # eqxpar.nn layers know what to do with a shard of the tensor axis; equinox's
     # own layers (eqx.nn.Linear, eqx.nn.MLP, ...) compute on whole weights, so a
     # weight of theirs split over a manual tensor axis would fail deep inside the

@@ -174,7 +174,9 @@ def test_manual_mode_rejects_equinox_layer_weights_split_over_tensor():
     )
     state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(mse_loss, optax.sgd(0.1), plan)
-    with pytest.raises(eqxpar.PlanError, match=r"layers\[0\]\.weight .*equinox's Linear.*P\(None, 'tensor'\)"):
+    with pytest.raises(
+        eqxpar.PlanError, match=r"layers\[0\]\.weight .*equinox's Linear.*P\(None, 'tensor'\)"
+    ):
         step(state, regression_batches(1, d_in=8, d_out=4)[0])
 
 

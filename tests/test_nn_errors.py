@@ -55,7 +55,9 @@ def test_bias_not_split_like_its_weight_inside_a_manual_region():
     mlp = nn.MLP(8, 16, key=jax.random.key(0))
     plan = manual_plan()
     specs = eqx.tree_at(
-        lambda m: (m.w_in, m.w_out), jax.tree.map(lambda _: P(), mlp), (P(None, None, "tensor"), P("tensor", None))
+        lambda m: (m.w_in, m.w_out),
+        jax.tree.map(lambda _: P(), mlp),
+        (P(None, None, "tensor"), P("tensor", None)),
     )
     f = eqxpar.filter_shard_map(
         lambda m, x: m(x), plan, in_specs=(specs, P()), out_specs=P(), axis_names={"tensor"}

@@ -207,10 +207,20 @@ class Attention(eqx.Module):
             check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
             check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
             q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx, split_dim=1)
-        check_bias(self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0)
+        check_bias(
+            self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0
+        )
         for name in ("bk", "bv"):
             b = getattr(self, name)
-            check_bias(b, self.num_kv_heads, ctx, what=f"Attention.{name}", like="the key/value weight", split=True, dim=0)
+            check_bias(
+                b,
+                self.num_kv_heads,
+                ctx,
+                what=f"Attention.{name}",
+                like="the key/value weight",
+                split=True,
+                dim=0,
+            )
         check_bias(self.bo, self.d_model, ctx, what="Attention.bo", like="Attention.wo", split=False)
         if self.bq is not None:
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)

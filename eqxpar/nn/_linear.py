@@ -58,7 +58,14 @@ class ColumnLinear(eqx.Module):
     def __call__(self, x: Float[Array, "batch seq_in in_features"]) -> Float[Array, "batch seq_out features"]:
         ctx = tensor_context(self.axis)
         check_split(self.weight.shape[1], self.out_features, ctx, what="ColumnLinear.weight (out_features)")
-        check_bias(self.bias, self.out_features, ctx, what="ColumnLinear.bias", like="ColumnLinear.weight", split=True)
+        check_bias(
+            self.bias,
+            self.out_features,
+            ctx,
+            what="ColumnLinear.bias",
+            like="ColumnLinear.weight",
+            split=True,
+        )
         (y,) = column_matmul(x, [self.weight], ctx)
         return y if self.bias is None else y + lift(self.bias, y.ndim)
 
@@ -101,7 +108,9 @@ class RowLinear(eqx.Module):
     ) -> Float[Array, "batch seq_out out_features"]:
         ctx = tensor_context(self.axis)
         check_split(self.weight.shape[0], self.in_features, ctx, what="RowLinear.weight (in_features)")
-        check_bias(self.bias, self.out_features, ctx, what="RowLinear.bias", like="RowLinear.weight", split=False)
+        check_bias(
+            self.bias, self.out_features, ctx, what="RowLinear.bias", like="RowLinear.weight", split=False
+        )
         y = row_matmul(x, self.weight, ctx)
         return y if self.bias is None else y + lift(self.bias, y.ndim)
 
