@@ -234,9 +234,11 @@ class TinyLM(eqx.Module):
 
 def _lm_last(m, h, tokens):
     # As eqxpar's GPT and the docs do: the head says whether its logits are a
-    # vocabulary shard (rules that keep "vocab" whole make them the whole row).
-    logits = m.head(m.norm(h))
-    return jnp.mean(nn.cross_entropy(logits, tokens[:, 1:], vocab_split=m.head.vocab_split()))
+    # vocabulary shard (rules that keep "vocab" whole make them the whole row, and
+    # under sequence parallelism this device's sequence block: average the blocks).
+    split = m.head.vocab_split()
+    per_token = nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:], vocab_split=split)
+    return jnp.mean(per_token) if split else nn.sequence_mean(per_token)
 
 
 LM_PIPELINE_LOSS = PipelineLoss(
