@@ -64,9 +64,10 @@ def _source_of(module: str, node: ast.ImportFrom) -> str:
 
 
 def _imports(module: str):
-    """`(imported module, imported name or None, line)` for every import of an eqxpar
-    module in `module`, at any depth (function-local imports included), and the
-    names bound to eqxpar modules (for attribute uses)."""
+    """Every import of an eqxpar module in `module`, at any depth (function-local
+    imports included), as `(module imported from, name or None for a module itself,
+    line, the name as written)`; and every attribute use `(module, attribute, line)`
+    of a name bound to an eqxpar module."""
     tree = ast.parse(MODULES[module].read_text())
     found, aliases = [], {}
     for node in ast.walk(tree):
