@@ -9,6 +9,8 @@ from jax.sharding import PartitionSpec as P
 import eqxpar
 from eqxpar import nn
 
+from ._helpers import assert_trees_close
+
 
 def manual_plan(tp=4, **options):
     return eqxpar.Plan(
@@ -98,6 +100,30 @@ def test_sequence_split_activations_given_to_cross_entropy():
         ),
     ):
         f(jnp.ones((2, 8, 8)), jnp.zeros((2, 8), jnp.int32))
+
+
+def test_cross_entropy_refuses_whole_vocabulary_logits_read_as_a_shard():
+    # The default vocab_split=True on logits every tensor device holds whole (rules
+    # that keep "vocab" whole) added log(tensor) to the loss (found by the plan fuzz).
+    plan = manual_plan(tp=2)
+    labels = jnp.zeros((4, 8), jnp.int32)
+
+    def per_token(logits_spec, **kwargs):
+        return eqxpar.filter_shard_map(
+            lambda z, y: nn.cross_entropy(z, y, **kwargs),
+            plan,
+            in_specs=(logits_spec, P("data")),
+            out_specs=P("data"),
+            axis_names={"data", "tensor"},
+        )
+
+    logits = jax.random.normal(jax.random.key(0), (4, 8, 8))
+    with plan, pytest.raises(eqxpar.SpecError, match=r"same on every device of the manual axis 'tensor'"):
+        per_token(P("data"))(logits, labels)
+    with plan:
+        whole = per_token(P("data"), vocab_split=False)(logits, labels)
+        split = per_token(P("data", None, "tensor"))(logits, labels)
+    assert_trees_close(whole, split)
 
 
 def test_overlap_needs_sequence_parallel():

@@ -14,6 +14,7 @@ from .._param import param
 from .._plan import current_plan
 from .._rules import mesh_axis_names
 from .._specs import partition_specs
+from .._varying import varying_axes
 from ._context import TensorContext, tensor_context
 from ._linear import _normal
 from ._matmul import check_split, column_matmul
@@ -238,6 +239,18 @@ def cross_entropy(
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     if not ctx.manual:
         return optax.softmax_cross_entropy_with_integer_labels(ctx.constrain(logits, None, ctx.axis), labels)
+    if ctx.size > 1 and ctx.axis not in varying_axes(logits) and varying_axes(labels):
+        # JAX tracks what varies here (the labels do), and the logits are the same on
+        # every device of the axis: the whole vocabulary, not a shard. Summing their
+        # exponentials over the axis would add log(n) to every token's loss.
+        raise SpecError(
+            f"cross_entropy: the logits {logits.shape} are the same on every device of the manual "
+            f"axis {ctx.axis!r} (size {ctx.size}), so they hold the whole vocabulary, but "
+            "vocab_split=True reads them as one device's shard. Pass the head's own answer, "
+            'vocab_split=head.vocab_split() (False where the plan\'s rules keep "vocab" whole), '
+            "and average a whole-vocabulary loss under sequence parallelism with "
+            "eqxpar.nn.sequence_mean, as eqxpar.models.lm_loss does."
+        )
     columns = logits.shape[-1]
     # The max only stabilises the exponentials; it cancels in the loss, so it
     # needs no gradient (and pmax has no transpose).
