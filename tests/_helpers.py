@@ -480,12 +480,12 @@ def context_attention_fn(n, *, causal, load_balanced, impl, block_size=4, segmen
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def run_example(script: str, args, *, xla_flags: str | None = None) -> subprocess.CompletedProcess:
+def run_example(script: str, args) -> subprocess.CompletedProcess:
     """Run `examples/<script>` with `args` in a fresh interpreter, compiled as the
     suite compiles (tests/_compile_flags.py); the example sets its own device count,
-    so the test's XLA_FLAGS are replaced by those and `xla_flags`."""
+    so the test's XLA_FLAGS are replaced by those."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = suite_xla_flags(*([xla_flags] if xla_flags else []))
+    env["XLA_FLAGS"] = suite_xla_flags()
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
         cwd=ROOT,

@@ -132,9 +132,9 @@ class TensorFiles:
         """The shape and dtype of every tensor in `file`, read from its header once."""
         if file not in self._headers:
             with self._open_file(file) as opened:
+                slices = {name: opened.get_slice(name) for name in opened.keys()}
                 self._headers[file] = {
-                    name: (tuple(opened.get_slice(name).get_shape()), opened.get_slice(name).get_dtype())
-                    for name in opened.keys()
+                    name: (tuple(part.get_shape()), part.get_dtype()) for name, part in slices.items()
                 }
         return self._headers[file]
 
