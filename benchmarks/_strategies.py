@@ -1,11 +1,12 @@
-"""The one registry of benchmarked strategies, used by `benchmarks.run` and `benchmarks.scaling`:
-a `Strategy` builds a `Setup` (plan, step, baseline, contract) for a model, config and mesh."""
+"""The one registry of benchmarked strategies (`STRATEGIES`, used by `benchmarks.run`,
+`scaling` and `advise`): a `Strategy` builds a `Setup` (plan, step, baseline,
+contract) for a model, config and mesh."""
 
 import concurrent.futures
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -25,14 +26,13 @@ SAME_SHARDINGS = "hand-written jax.jit step with the same shardings"
 #: hand-written step's; loss and gradients within float32 rounding of one device.
 STANDARD = {"wire_over_min_max": 1.05, "wire_le_baseline": True, "parity_max_rel_err": 1e-5}
 #: bf16 compute against the same casts on one device: bf16 keeps 8 significant bits
-#: (unit roundoff 2^-8 = 3.9e-3) and the two sides round different intermediates, so
-#: they agree to a few roundings (2.5 and 5 roundoffs here, on the loss and on the
-#: gradient as one vector); a wrong cast or a missing reduction is off by O(1).
+#: (unit roundoff 3.9e-3) and the two sides round different intermediates, so they
+#: agree to a few roundings (2.5 and 5 here, on the loss and on the gradient as one
+#: vector); a wrong cast or a missing reduction is off by O(1).
 BF16_CONTRACT = {"wire_over_moved_min_max": 1.05, "wire_le_baseline": True}
 BF16_CONTRACT.update(parity_loss_max_rel_err=1e-2, parity_grads_norm_max_rel_err=2e-2)
-#: Compiler options for a program compiled only to read its `memory_analysis()`:
-#: buffer assignment runs before LLVM, so skipping LLVM's optimisations gives the
-#: same bytes (tested) in less time.
+#: Options for a program compiled only for its `memory_analysis()`: buffer assignment
+#: runs before LLVM, so skipping LLVM's optimisations gives the same bytes (tested) sooner.
 MEMORY_ONLY = {"xla_backend_optimization_level": 0}
 
 
@@ -40,11 +40,10 @@ MEMORY_ONLY = {"xla_backend_optimization_level": 0}
 class Setup:
     plan: eqxpar.Plan
     step: Any
-    #: `(batches) -> runner` of the baseline (`_measure`), built only where it is
-    #: measured (it copies the weights).
+    #: `(batches) -> runner` of the baseline (`_measure`), built only where measured (it copies the weights).
     baseline: Callable[[Any], Any] | None
-    # A pipeline runs the workload with its blocks reordered: `convert` maps the
-    # workload model (and, a pure re-layout, its gradients) to it; its loss is `loss_fn`.
+    # A pipeline runs the workload with its blocks reordered: `convert` maps the model
+    # (and, a pure re-layout, its gradients) to it; its loss is `loss_fn`.
     loss_fn: Callable = _workload.loss_fn
     convert: Callable[[Any], Any] = lambda model: model
     #: The single-device reference's loss on the workload (parity, trajectory).
@@ -72,11 +71,11 @@ class Strategy:
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
         """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide
-        it), seq 1024 on a context axis, a mixture of experts on an expert axis."""
+        it), an 8x longer sequence (the same tokens per step) on a context axis, a
+        mixture of experts on an expert axis."""
         if self.mesh.get("expert", 1) > 1:
             return dataclasses.replace(cfg, moe_every=2, experts=8, top_k=2)
         if self.mesh.get("context", 1) > 1:
-            # An 8x longer sequence (1024 for the workload), the same tokens per step.
             return dataclasses.replace(cfg, seq_len=8 * cfg.seq_len, batch=cfg.batch // 8)
         return dataclasses.replace(cfg, layers=8) if self.mesh.get("pipe") == 4 else cfg
 
@@ -84,23 +83,10 @@ class Strategy:
         return self.kind(model, optim, mesh or self.mesh, cfg, **self.options)
 
 
-def _gspmd(model: Any, optim: Any, plan: eqxpar.Plan) -> Callable:
-    """`(batches) -> runner` of the workload under `jax.jit` with the shardings of the
-    plan's step: parameters as the layout places them, the optimizer state as its
-    updates (ZeRO-1's split)."""
-    layout = eqxpar.train.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
-    state = opt_specs(optim, model, layout.updates)
-    kwargs = {"param_specs": layout.params, "opt_state_specs": state, "batch_spec": plan.batch_spec}
-    step = functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **kwargs)
-    return lambda batches: BaselineRunner(step(), batches)
-
-
-def _replicated(
-    model: Any, optim: Any, loss_fn: Callable, devices: list, axis: str, batch_spec: P
-) -> JitStep:
+def _replicated(model: Any, optim: Any, loss_fn: Callable, devices: list, axis: str, spec: P) -> JitStep:
     # Auto, as eqxpar's meshes: JAX infers no Explicit sharding for ragged_dot (MoE).
     mesh = jax.make_mesh((len(devices),), (axis,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=batch_spec)
+    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=spec)
 
 
 def single_device(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
@@ -115,47 +101,43 @@ def data_parallel(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn)
 
 
 def _sharded(model: Any, optim: Any, mesh: dict, cfg, contract=STANDARD, **options: Any) -> Setup:
-    """A plan of `options` on `mesh` against `jax.jit` with the same shardings."""
+    """A plan of `options` on `mesh` against `jax.jit` with the shardings of the plan's
+    step (`StepLayout`: parameters as placed, the optimizer state as its updates)."""
     plan = eqxpar.Plan(eqxpar.make_mesh(**mesh), **options)
+    layout = eqxpar.train.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
+    specs = {"param_specs": layout.params, "opt_state_specs": opt_specs(optim, model, layout.updates)}
+    jit_step = functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **specs)
+    baseline = lambda batches: BaselineRunner(jit_step(batch_spec=plan.batch_spec), batches)  # noqa: E731
     step = eqxpar.train.make_step(_workload.loss_fn, optim, plan)
-    return Setup(plan=plan, step=step, baseline=_gspmd(model, optim, plan), contract=dict(contract))
+    return Setup(plan=plan, step=step, baseline=baseline, contract=dict(contract))
 
 
 def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_options: Any) -> Setup:
-    """Tensor parallelism, Megatron layout with the vocabulary whole; automatic TP is held
-    to `jax.jit` TP's speed, sequence parallelism to a hand-written shard_map step's."""
+    """Tensor parallelism, Megatron layout with the vocabulary whole. Automatic TP is held
+    to GSPMD's bytes give or take the scalars eqxpar's step adds (loss, gradient norm)
+    and to its speed. Sequence parallelism moves 1.65 % more than Megatron without it
+    (the replicated weights' gradients, computed on sequence blocks, are summed over
+    `tensor` too), GSPMD's layout here: held to the minimum and to a hand-written
+    shard_map step's speed."""
     setup = _sharded(model, optim, mesh, cfg, rules=_workload.TENSOR_RULES, **plan_options)
-    # Held to GSPMD's bytes give or take the scalars eqxpar's step adds (loss,
-    # gradient norm). Sequence parallelism moves 1.65 % more than Megatron without it
-    # (the replicated weights' gradients, computed on sequence blocks, are summed over
-    # `tensor` too), which is GSPMD's layout here: held to the minimum instead.
     wire = {"wire_over_min_max": 1.05, "parity_max_rel_err": 1e-5}
     if setup.plan.mode == "auto":
         contract = {**wire, "wire_le_baseline_plus_bytes": 1024, "step_ratio_max": 1.05}
         return dataclasses.replace(setup, contract=contract)
     what = "hand-written shard_map TP + sequence parallel (benchmarks/_handwritten_sp.py)"
-    handwritten = functools.partial(_handwritten_sp.HandwrittenSP, mesh=setup.plan.mesh)
-    references = {"handwritten_sp": (what, handwritten)}
+    references = {
+        "handwritten_sp": (what, functools.partial(_handwritten_sp.HandwrittenSP, mesh=setup.plan.mesh))
+    }
     if not plan_options.get("tp_overlap"):
         references["single_device"] = ("jax.jit step of the whole batch on one device", single_device)
     contract = {**wire, "step_ratio_max": 0.9, "step_ratio_vs_handwritten_sp_max": 1.25}
     return dataclasses.replace(setup, contract=contract, references=references)
 
 
-def mixed_precision(loss_fn: Callable, dtype: Any) -> Callable:
-    """`loss_fn` with `Plan(compute_dtype=)`'s casts: floating weights cast inside the
-    differentiated function, the loss back to float32."""
-
-    def cast(x: Any) -> Any:
-        floating = eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
-        return x.astype(dtype) if floating and x.dtype != dtype else x
-
-    return lambda model, batch: loss_fn(jax.tree.map(cast, model), batch).astype(jnp.float32)
-
-
 def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: Any) -> Setup:
-    """A plan computing in bfloat16, against the same casts on one device and the float32
-    `jax.jit` step; its wire bytes against the minimum in the dtype XLA:CPU moves."""
+    """A plan computing in bfloat16, against the same casts on one device (floating
+    weights cast inside the differentiated function, the loss back to float32) and the
+    float32 `jax.jit` step; its wire bytes against the minimum in the dtype XLA:CPU moves."""
     setup = _sharded(model, optim, mesh, cfg, compute_dtype=jnp.bfloat16, contract=BF16_CONTRACT, **options)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
@@ -167,15 +149,17 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
             "collective_dtypes": eqxpar.inspect.collective_stats(compiled).dtypes,
         }
 
-    reference = mixed_precision(_workload.loss_fn, jnp.bfloat16)
+    def cast(x: Any) -> Any:
+        floating = eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(jnp.bfloat16) if floating and x.dtype != jnp.bfloat16 else x
+
+    reference = lambda m, batch: _workload.loss_fn(jax.tree.map(cast, m), batch).astype(jnp.float32)  # noqa: E731
     name = SAME_SHARDINGS + ", float32 (no casts)"
     return dataclasses.replace(setup, reference_loss_fn=reference, baseline_name=name, extra=extra)
 
 
 @functools.cache
-def _pipeline(
-    mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim: Any, remat: str
-) -> tuple:
+def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim, remat: str):
     """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: the records of a
     mesh share (and compile) one GPipe step."""
     rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_VOCAB_RULES if tensor else None)
@@ -184,19 +168,18 @@ def _pipeline(
     return plan, eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
 
 
-def _compiled_memory(lowered: Sequence[Any]) -> list[dict]:
-    """`memory` of each lowered step, compiled (never run) for its memory only."""
-    # The compiles share the cores: XLA compiles without the GIL.
+def _compiled_memory(lowered: list[Any]) -> list[dict]:
+    """`memory` of each lowered step, compiled (never run) for its memory only, in
+    threads (XLA compiles without the GIL)."""
     with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:
         return list(pool.map(lambda low: memory(low.compile(compiler_options=MEMORY_ONLY)), lowered))
 
 
 def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: Any, mesh: dict) -> dict:
-    """The step's matmul FLOPs per device in lockstep (`eqxpar.inspect.matmul_flops`)
-    against the data-parallel `jax.jit` step's over 1 - the lockstep bubble (what the
-    pipeline runs recomputing nothing, its actions at unit costs: `flops_over_reference`)
-    and against the table priced at each action's own FLOPs (`_action_flops`: what the
-    program runs if it runs the table and nothing more, `flops_over_table`)."""
+    """The step's matmul FLOPs per device in lockstep against the data-parallel `jax.jit`
+    step's over 1 - the lockstep bubble (what the pipeline runs recomputing nothing, at
+    unit costs: `flops_over_reference`), and against the table priced at each action's
+    own FLOPs (`_action_flops`: the table and nothing more, `flops_over_table`)."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
     bubble = sched.lockstep_bubble_fraction
@@ -224,14 +207,15 @@ def _pipelined(
     """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against
     the GPipe step of the same model on the same mesh. `sweep`: the temp bytes at 8p and
     16p micro-batches of the same size; `remat_sweep`: under every remat policy (what the
-    kept residuals cost)."""
+    kept residuals cost: the engine keeps each stage forward's residuals by the policy,
+    except under "full", which recomputes the forward in its backward actions)."""
     p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
     plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none")
     g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
-    to_model = _workload.pipeline_model
-    baseline = None
-    if schedule != "gpipe" or tensor:  # pp_gpipe is the baseline itself
-        baseline = lambda batches: EqxparRunner(g_step, g_plan, to_model(model, stages=p), optim, batches)  # noqa: E731
+
+    def gpipe(batches: Any) -> EqxparRunner:
+        return EqxparRunner(g_step, g_plan, _workload.pipeline_model(model, stages=p), optim, batches)
+
     sched = eqxpar.pipeline.schedule(schedule, stages=p, microbatches=m, chunks=v)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
@@ -242,7 +226,10 @@ def _pipelined(
             return step.lower(runner.state, eqxpar.shard_batch(batch, at))
 
         counts = (8 * p, 16 * p) if sweep else ()
-        swept = _compiled_memory([lowered(k) for k in counts])
+        swept = [
+            {"microbatches": k, **mem}
+            for k, mem in zip(counts, _compiled_memory([lowered(k) for k in counts]), strict=True)
+        ]
         fields = {
             **{"schedule": schedule, "microbatches": m, "chunks": v, "ticks": sched.ticks},
             "bubble_fraction": sched.bubble_fraction,
@@ -251,12 +238,9 @@ def _pipelined(
                 schedule, stages=p, microbatches=m, chunks=v
             ),
             **_flops(compiled, eqx_model, optim, cfg, sched, mesh),
-            "memory_sweep": [{"microbatches": m, **memory(compiled)}]
-            + [{"microbatches": k, **mem} for k, mem in zip(counts, swept, strict=True)],
+            "memory_sweep": [{"microbatches": m, **memory(compiled)}, *swept],
         }
         if remat_sweep:
-            # The engine keeps each stage forward's residuals (by the policy) except
-            # under "full", which recomputes the stage forward in its backward actions.
             remats = _compiled_memory([lowered(remat=remat) for remat in REMAT_POLICIES])
             fields["remat_memory"] = [
                 {"remat": r, **mem} for r, mem in zip(REMAT_POLICIES, remats, strict=True)
@@ -268,9 +252,9 @@ def _pipelined(
     return Setup(
         plan=plan,
         step=step,
-        baseline=baseline,
+        baseline=gpipe if schedule != "gpipe" or tensor else None,  # pp_gpipe is the baseline itself
         loss_fn=_workload.PIPELINE_LOSS,
-        convert=functools.partial(to_model, stages=p, chunks=v),
+        convert=functools.partial(_workload.pipeline_model, stages=p, chunks=v),
         baseline_name=f"eqxpar {what} of the same model on the same mesh ({m} micro-batches)",
         extra=extra,
         contract={"parity_max_rel_err": 1e-5, **contract},
@@ -279,7 +263,7 @@ def _pipelined(
 
 
 def _context(
-    model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options: Any
+    model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options
 ) -> Setup:
     """Context parallelism at a long sequence. No `jax.jit` step splits a sequence by
     itself, so no baseline: held to the minimum; the ring, which re-sends keys and values
@@ -322,15 +306,12 @@ def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict
     return [{**point, **mem} for point, mem in zip(points, _compiled_memory(lowered), strict=True)]
 
 
-def _expert(
-    model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options: Any
-) -> Setup:
+def _expert(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options) -> Setup:
     """Expert parallelism on the workload with every second block a mixture of experts.
     No `jax.jit` step dispatches tokens to experts by itself, so no baseline. The
-    minimum counts four all-to-alls of the routed activations per MoE layer; a
-    dropless step with static shapes sends `n` times them (room for every
-    assignment of a device going to one other) plus the expert ids: held to that
-    bound, and recorded against the minimum."""
+    minimum counts four all-to-alls of the routed activations per MoE layer; a dropless
+    step with static shapes sends `n` times them (room for every assignment of a device
+    going to one other) plus the expert ids: held to that bound, recorded against the minimum."""
     setup = _sharded(model, optim, mesh, cfg, contract=contract, **options)
     n = setup.plan.expert_size
 
@@ -338,32 +319,22 @@ def _expert(
         least = setup.minimum(eqx_model, cfg)
         routed = sum(w for part, (_, w) in least.parts.items() if part.startswith("MoE"))
         # Per MoE layer one all-to-all of the ids, one int32 per row of the buffers.
-        layers = cfg.layers // cfg.moe_every
         tokens = cfg.batch * cfg.seq_len // setup.plan.batch_size_multiple
-        ids = layers * (n - 1) * tokens * cfg.top_k * 4
+        ids = cfg.layers // cfg.moe_every * (n - 1) * tokens * cfg.top_k * 4
         is_moe = lambda x: isinstance(x, eqxpar.nn.MoE)  # noqa: E731
         moes = [m for m in jax.tree.leaves(runner.state.model, is_leaf=is_moe) if is_moe(m)]
         experts = [x for m in moes for x in (m.w_in, m.w_gate, m.w_out) if x is not None]
-        held = sum(x.addressable_shards[0].data.nbytes for x in experts)
         return {
             "comm_wire_bytes_routed_min": routed,
             "comm_wire_bytes_dropless_bound": least.total_wire_bytes + (n - 1) * routed + ids,
             "expert_weight_bytes": sum(x.nbytes for x in experts),
-            "expert_weight_bytes_per_device": held,
+            "expert_weight_bytes_per_device": sum(x.addressable_shards[0].data.nbytes for x in experts),
         }
 
     return dataclasses.replace(setup, baseline=None, extra=extra)
 
 
-_PP = {"pipe": 4, "data": 2}
-_FLAT = {"temp_growth_max": 0.10}
-_TP = {"data": 2, "tensor": 4}
-_DFT = {"data": 2, "fsdp": 2, "tensor": 2}
-
-
-def _pp(
-    schedule: str, wire: float, flops: float, mesh: dict = _PP, contract=None, **options: Any
-) -> Strategy:
+def _pp(schedule: str, wire: float, flops: float, mesh=None, contract=None, **options: Any) -> Strategy:
     """Held to `wire` x the minimum (the engine sends from the devices with something
     due only, on every tick), to `flops` x the data-parallel step's FLOPs over 1 - the
     lockstep bubble, and to the table's FLOPs at each action's own within 1 %: the
@@ -371,19 +342,21 @@ def _pp(
     action per device)."""
     contract = {"wire_over_min_max": wire, "flops_over_table_max": 1.01, **(contract or {})}
     contract["flops_over_reference_max"] = flops
-    return Strategy(_pipelined, mesh, {"schedule": schedule, "contract": contract, **options})
+    options = {"schedule": schedule, "contract": contract, **options}
+    return Strategy(_pipelined, mesh or {"pipe": 4, "data": 2}, options)
 
 
+_FLAT = {"temp_growth_max": 0.10}
+_TP, _DFT = {"data": 2, "tensor": 4}, {"data": 2, "fsdp": 2, "tensor": 2}
 _FSDP = {"rules": eqxpar.rules.FSDP(axis="fsdp")}
-# Automatic FSDP *is* the GSPMD step: held to that step's bytes, give or take the
-# scalars eqxpar's step adds (loss, gradient norm). FSDP's own contract is the manual plan's.
+# Automatic FSDP *is* the GSPMD step: held to its bytes, give or take the scalars
+# eqxpar's step adds (loss, gradient norm). FSDP's own contract is the manual plan's.
 _AUTO_FSDP = {"wire_le_baseline_plus_bytes": 1024, "parity_max_rel_err": 1e-5}
 _FSDP_TP = {"rules": _workload.TENSOR_FSDP_RULES, "mode": "manual", "sequence_parallel": True}
-
-#: Parity under context parallelism: the loss and the gradient as one vector within
-#: 1e-5 of one device; leafwise 2e-5, because the attention key bias's exact gradient
-#: is zero (softmax ignores it) and its rounding, summed over the context axis in
-#: another order, reaches 1.1e-5 of the leafwise floor (every other leaf ~1e-6).
+#: Context parallelism: the loss and the gradient as one vector within 1e-5 of one
+#: device; leafwise 2e-5, because the attention key bias's exact gradient is zero
+#: (softmax ignores it) and its rounding, summed over the context axis in another
+#: order, reaches 1.1e-5 of the leafwise floor (every other leaf ~1e-6).
 _CP_PARITY = {
     "parity_loss_max_rel_err": 1e-5,
     "parity_grads_norm_max_rel_err": 1e-5,
@@ -394,10 +367,9 @@ _CP_ALLGATHER = {"wire_over_min_max": 1.05, **_CP_PARITY}
 #: and per-device memory flat as sequence and context grow together (the all-gather
 #: keeps every device's keys and values for the backward pass: recorded, not held).
 _CP_RING = {"wire_over_ring_bound_max": 1.05, **_CP_PARITY, "context_temp_growth_max": 0.10}
-_CP = {"data": 2, "context": 4}
-_CP_TP = {"data": 2, "context": 2, "tensor": 2}
-#: Expert parallelism: parity as every record; wire bytes within 5 % of the dropless
-#: bound (the minimum with the routed all-to-alls `n` times over, plus the ids).
+_CP, _CP_TP = {"data": 2, "context": 4}, {"data": 2, "context": 2, "tensor": 2}
+#: Expert parallelism: wire bytes within 5 % of the dropless bound (the minimum with
+#: the routed all-to-alls `n` times over, plus the ids).
 _EP = {"wire_over_dropless_bound_max": 1.05, "parity_max_rel_err": 1e-5}
 
 #: name -> strategy, in the order they are run and reported.
@@ -415,19 +387,18 @@ STRATEGIES: dict[str, Strategy] = {
     "dp_fsdp_tp": Strategy(_sharded, _DFT, _FSDP_TP),
     "dp_fsdp_tp_bf16": Strategy(_bf16, _DFT, _FSDP_TP),
     # Lockstep FLOPs: the head sits on the last stage, 7.7 % of a 2-layer stage's
-    # matmuls (15.4 % of an interleaved 1-layer chunk's); see `_flops`. Interleaved
-    # splits its last p - 1 last-stage backwards into the last device's closing idle
-    # ticks, which takes part of that off; zero-bubble's ticks also pair an input
-    # half (the attention's activation gradients: 8 % over a forward) with others'
-    # forwards and weight halves, and lockstep charges the input half.
-    # Wire: a tick sends from the devices with something due only, so every
-    # pipeline moves the least (held to 1.01x; 3d's excess is its tensor sums).
+    # matmuls (15.4 % of an interleaved 1-layer chunk's). Interleaved splits its last
+    # p - 1 last-stage backwards into the last device's closing idle ticks, which takes
+    # part of that off; zero-bubble's ticks also pair an input half (the attention's
+    # activation gradients: 8 % over a forward) with others' forwards and weight
+    # halves, and lockstep charges the input half. Wire: a tick sends from the devices
+    # with something due only, so every pipeline moves the least (3d's excess is its
+    # tensor sums).
     "pp_gpipe": _pp("gpipe", 1.01, 1.05, contract={"temp_growth_min": 0.10}),
     "pp_1f1b": _pp("1f1b", 1.01, 1.05, contract={**_FLAT, "step_ratio_max": 1.0}, remat_sweep=True),
     "pp_interleaved": _pp("interleaved", 1.01, 1.05, chunks=2, contract={**_FLAT, "step_ratio_max": 1.05}),
-    # Zero-bubble's backward is split (`pipeline._split_backward`): its halves
-    # share one forward, and neither re-runs it; its CPU step time is recorded,
-    # not held (see BENCHMARKS.md).
+    # Zero-bubble's backward is split (`pipeline._split_backward`): its halves share
+    # one forward, and neither re-runs it; its CPU step time is recorded, not held.
     "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
     "cp": Strategy(_context, _CP, {"contract": _CP_RING}),
     "cp_allgather": Strategy(_context, _CP, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
@@ -441,8 +412,8 @@ STRATEGIES: dict[str, Strategy] = {
         {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP},
     ),
     # 3D splits the vocabulary over `tensor` too (`_workload.TENSOR_VOCAB_RULES`):
-    # whole, the head is 15.4 % of the last stage's tensor-split matmuls, and
-    # every tick that stage runs costs that much more (FLOPs 1.095x; split,
-    # 1.029x, for activation sums of the embedding and head: wire 1.088 -> 1.095x).
+    # whole, the head is 15.4 % of the last stage's tensor-split matmuls, and every
+    # tick that stage runs costs that much more (FLOPs 1.095x; split, 1.029x, for
+    # activation sums of the embedding and head: wire 1.088 -> 1.095x).
     "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -1,10 +1,7 @@
 """Measure every registered strategy on the workload, write JSON (and Markdown tables),
-and check every record's contract: exits non-zero when one fails (benchmarks/README.md).
+and exit non-zero when a record breaks its contract (benchmarks/README.md).
 
     python -m benchmarks.run [--quick] [--only dp,dp_manual] --json PATH [--markdown PATH]
-
-With --only and an existing --json, the other records of that file are kept (and the
-contracts checked over all of them).
 """
 
 import functools
@@ -24,22 +21,18 @@ from . import _measure, _workload, contracts, report
 from ._measure import BaselineRunner, EqxparRunner, max_rel_err, norm_rel_err
 from ._strategies import STRATEGIES, single_device
 
-# (warm-up steps, timed steps) per side. The first warm-up step compiles; compiles,
-# not the timed steps, are most of --quick's wall time.
-QUICK = (1, 2)
-FULL = (5, 30)
+# (warm-up steps, timed steps) per side; the first warm-up step compiles.
+QUICK, FULL = (1, 2), (5, 30)
 
 
 class References:
-    """Single-device runs of the plain workload, shared (cached) by the records of a
-    process: `model(cfg)`, and `run(cfg, loss_fn, steps)`: the loss and gradients on the
-    first batch, and the parameters and last loss after `steps` steps of
-    `_strategies.single_device`."""
+    """Single-device runs of the workload, cached for the records of a process:
+    `run(cfg, loss_fn, steps)` is the loss and gradients on the first batch, and the
+    parameters and last loss after `steps` steps of `_strategies.single_device`."""
 
     def __init__(self, optim: Any, steps: int):
         self.optim = optim
         self.model = functools.cache(_workload.make_model)
-        #: `batches(cfg)`: the steps' batches of `cfg`'s shape (one list per shape).
         self.batches = functools.cache(lambda cfg: _workload.make_batches(steps, cfg))
         self.run = functools.cache(self._run)
 
@@ -52,11 +45,9 @@ class References:
         return (*first, step.params, losses[-1])
 
     def parity(self, setup: Any, runner: EqxparRunner, cfg: _workload.Config) -> dict:
-        """Parity of the step (the contract): the loss and gradients of its first call
-        against one device at the same weights and batch (mapped by `setup.convert`).
-        Separately, the trajectory after the same steps: AdamW divides each gradient
-        element by its own running scale, so reduction-order rounding (~1e-7 on
-        gradients) grows to ~1e-4 on parameters whose gradients are tiny."""
+        """The loss and gradients of the step's first call against one device at the same
+        weights and batch (mapped by `setup.convert`), and the trajectory after the same
+        steps (README.md, "What a record holds")."""
         ref_loss, ref_grads, ref_params, ref_last_loss = self.run(cfg, setup.reference_loss_fn, runner.done)
         convert = lambda tree: eqx.filter(setup.convert(tree), eqx.is_inexact_array)  # noqa: E731
         ref_grads, ref_params = convert(ref_grads), convert(ref_params)
@@ -113,8 +104,8 @@ def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> 
 
 
 def _merged(old: dict, new: dict) -> dict:
-    """`old`'s JSON with `new`'s records (an --only run) replacing or joining its own,
-    in the registry's order; `updates` says which command measured which records."""
+    """`old`'s JSON with `new`'s records (an --only run) in the registry's order;
+    `updates` says which command measured which records."""
     records = {r["strategy"]: r for r in old["records"]} | {r["strategy"]: r for r in new["records"]}
     update = {"command": new["command"], "records": [r["strategy"] for r in new["records"]]}
     # An earlier update whose records were all measured again says nothing any more.
