@@ -53,7 +53,8 @@ class Throughput:
       whose `peak(dtype)` is the per-device peak. For `"cpu"` (no published peak)
       that is the measured matmul rate: `peak_is_measured` says so.
     - `devices`: devices the step runs on (default `jax.device_count()`, every
-      process's).
+      process's). Simulated CPU devices share one CPU, whose whole measured rate
+      is the `"cpu"` profile's: pass 1 there.
     - `dtype`: the dtype the matmuls run in (default `"bfloat16"`).
     - `warmup`: ticks not counted, from the first (default 1: the compiling step).
     - `clock`: seconds since some fixed point (default `time.perf_counter`).
