@@ -45,7 +45,9 @@ def test_peaks_are_dense_and_the_measured_rates_are_unchanged():
                 assert profile.peak(dtype) >= rate, (profile.name, dtype)
     # No published peak: the measured rates.
     cpu = eqxpar.DEVICE_PROFILES["cpu"]
-    assert cpu.peak_flops_per_s is None and cpu.peak("bfloat16") == cpu.flops("bfloat16")
+    assert cpu.peak_flops_per_s is None and cpu.peak(jnp.bfloat16) == cpu.flops("bfloat16") != cpu.flops(
+        "float32"
+    )
 
 
 def test_peak_errors_name_the_fix():

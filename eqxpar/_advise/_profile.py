@@ -120,9 +120,9 @@ class DeviceProfile:
         eqxpar.DEVICE_PROFILES["h100"].peak("bfloat16")  # 989.4e12 (dense; 1979e12 is sparse)
         ```
         """
-        if self.peak_flops_per_s is None:
-            return self.flops(dtype)
         name = _dtype_name(dtype)
+        if self.peak_flops_per_s is None:
+            return self.flops(name)
         if name not in self.peak_flops_per_s:
             raise PlanError(
                 f"DeviceProfile(name={self.name!r}).peak({name!r}): no peak for {name!r}; the profile "
@@ -157,7 +157,7 @@ class DeviceProfile:
 #: H100 SXM: 989.4 TFLOP/s bf16 and fp16 (the sheet's 1,979 is with 2:4
 #: sparsity), 1,978.9 fp8, 494.7 TF32. float32 takes TF32's peak: JAX's default
 #: matmul precision runs float32 matmuls on the tensor cores as TF32 (the measured
-#: 358 TFLOP/s is five times the 66.9 TFLOP/s of the non-tensor float32 units,
+#: 358 TFLOP/s is over five times the 66.9 TFLOP/s of the non-tensor float32 units,
 #: which only `precision="highest"` uses). TPU v5p: 459 TFLOP/s bf16; no float32
 #: peak is published, so none is listed. "cpu": no published peak; `peak` gives
 #: the measured rates.
