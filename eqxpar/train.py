@@ -1,9 +1,11 @@
 """Typed train-step builders: `TrainState`, `init`, `make_step`, `make_value_and_grad`,
-and the `StepLayout` they resolve."""
+and the `StepLayout` they resolve; `Throughput`, a training loop's tokens per second
+and MFU."""
 
 from ._step import Step as Step
 from ._step import make_step as make_step
 from ._step import make_value_and_grad as make_value_and_grad
 from ._step_layout import StepLayout as StepLayout
+from ._throughput import Throughput as Throughput
 from ._train_state import TrainState as TrainState
 from ._train_state import init as init

@@ -18,7 +18,8 @@ under any plan; the flags choose it:
 It prints where every array lives and what one step communicates
 (`eqxpar.inspect.sharding_table` / `comm_report`), a progress bar with
 periodic evaluation, the final evaluation loss beside the unigram entropy of the
-text (the loss of a model that ignores context), and a sample of generated text.
+text (the loss of a model that ignores context), the training throughput (tokens/s
+and MFU, `eqxpar.train.Throughput`) and a sample of generated text.
 The loss curve goes to `<out>/loss.png` and the sample to `<out>/sample.txt`.
 """
 
@@ -43,7 +44,7 @@ from _model import PIPELINE_LOSS  # noqa: E402
 from _text import CharData  # noqa: E402
 
 import eqxpar  # noqa: E402
-from eqxpar.models import GPT, GPTConfig, generate, lm_loss  # noqa: E402
+from eqxpar.models import GPT, GPTConfig, flops_per_token, generate, lm_loss  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,6 +171,20 @@ def gpt_config(args: argparse.Namespace, data: CharData, **more) -> GPTConfig:
     )
 
 
+def print_throughput(meter: eqxpar.train.Throughput) -> None:
+    """Tokens/s and MFU over the steps after the first (which compiles)."""
+    if not meter.steps:
+        print(f"throughput: no step timed (the first, {meter.warmup_seconds[0]:.1f} s, compiles)")
+        return
+    s = meter.summary()
+    against = "measured matmul rate" if meter.peak_is_measured else "dense peak"
+    print(
+        f"throughput: {s['tokens_per_s']:,.0f} tokens/s, {s['model_flops_per_s'] / 1e9:.2f} model GFLOP/s, "
+        f"MFU {s['mfu']:.2%} of {meter.devices} x the {meter.profile.name} profile's {against} "
+        f"({meter.peak_flops_per_s / 1e12:.2f} TFLOP/s); first step {meter.warmup_seconds[0]:.1f} s"
+    )
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -233,6 +248,16 @@ def main(argv=None) -> dict:
         data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
     )
     train_losses, evals = [], []
+    # Tokens/s and MFU. The "cpu" profile has no published peak, so MFU here is
+    # against the measured float32 matmul rate (the demo computes in float32) of
+    # the whole CPU: the 8 simulated devices share it, so the hardware is 1 device.
+    meter = eqxpar.train.Throughput(
+        tokens_per_step=args.batch_size * args.seq_len,
+        flops_per_token=flops_per_token(config, seq_len=args.seq_len),
+        device="cpu",
+        devices=1,
+        dtype="float32",
+    )
 
     def recording_step(state, batch):
         state, metrics = step(state, batch)
@@ -240,17 +265,20 @@ def main(argv=None) -> dict:
         # and with many steps queued (asynchronous dispatch) their collectives can
         # stall waiting for each other until XLA aborts. One step at a time costs
         # almost nothing here (a step is far longer than its dispatch).
+        meter.tick(metrics["loss"])
         train_losses.append(float(metrics["loss"]))
         return state, metrics
 
     def recording_eval(model):
         value = float(evaluate(model, eval_batch))
         evals.append((len(train_losses), value))
+        meter.start()  # the evaluation is not training time
         return value
 
     state = train(recording_step, state, next_batch, recording_eval, steps=args.steps, every=args.eval_every)
     final = evals[-1][1]
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {entropy:.3f})")
+    print_throughput(meter)
 
     prompt = "Python "
     ids = generate(
@@ -272,7 +300,8 @@ def main(argv=None) -> dict:
     if save_curve(out / "loss.png", train_losses, evals, entropy, title):
         print(f"loss curve: {out / 'loss.png'}")
     print(f"total time {time.perf_counter() - start:.0f} s")
-    return {"final_eval_loss": final, "unigram_entropy": entropy, "sample": sample}
+    throughput = meter.summary() if meter.steps else None
+    return {"final_eval_loss": final, "unigram_entropy": entropy, "sample": sample, "throughput": throughput}
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ PRINTS = {
     "pipeline_parallel.py": ["bubble"],
     "hybrid_3d.py": ["bubble"],
     "long_context.py": ["over context=", "collectives per step"],
-    "demo.py": ["step 2: loss", "sample:\nPython "],
+    "demo.py": ["step 2: loss", "sample:\nPython ", "tokens/s, ", "MFU", "measured matmul rate"],
     "vision_transformer.py": ["step 2: loss", "held-out accuracy", "mesh data 4 x tensor 2; plan mode"],
 }
 

@@ -1,8 +1,11 @@
-"""Device profiles: the rates a step-time prediction divides work by."""
+"""Device profiles: the rates a step-time prediction divides work by, and the peaks
+MFU divides by (shared: `eqxpar.train.Throughput` reads them)."""
 
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from .._errors import PlanError
 
@@ -21,6 +24,18 @@ class DeviceProfile:
     - `inter_node_bytes_per_s`: bytes per second one device sends across nodes.
     - `devices_per_node`: devices that share the fast intra-node links.
     - `memory_bytes`: device memory, the default budget of `eqxpar.advise`.
+    - `peak_flops_per_s`: dtype name -> the vendor's *dense* peak matmul FLOP/s, the
+      denominator of model FLOPs utilisation (`peak`, `eqxpar.train.Throughput`);
+      default None: no published peak, and `peak` answers with the measured
+      `flops_per_s` instead. Each peak must be at least the measured rate of its
+      dtype (a rate above the peak means one of them is wrong).
+
+    `flops_per_s` is what the advisor predicts step times with; `peak_flops_per_s`
+    is only for MFU. The trap in spec sheets: NVIDIA lists tensor-core rates "with
+    sparsity" (2:4 structured sparsity, which dense training does not use), twice
+    the dense rate. An H100 SXM does 989 TFLOP/s of dense bf16, not the 1,979 its
+    sheet shows first (and 1,979 is also its dense fp8 rate); an MFU computed
+    against 1,979 reads half what it is. Take the dense figure.
 
     Build your own for other hardware; `PROFILES` holds eqxpar's.
 
@@ -29,6 +44,7 @@ class DeviceProfile:
         name="my-gpu", flops_per_s={"float32": 100e12, "bfloat16": 400e12},
         hbm_bytes_per_s=2e12, intra_node_bytes_per_s=300e9,
         inter_node_bytes_per_s=25e9, devices_per_node=4, memory_bytes=48 * 2**30,
+        peak_flops_per_s={"bfloat16": 500e12},  # dense, from the spec sheet
     )
     ```
     """
@@ -40,6 +56,7 @@ class DeviceProfile:
     inter_node_bytes_per_s: float
     devices_per_node: int
     memory_bytes: int
+    peak_flops_per_s: Mapping[str, float] | None = None
 
     def __post_init__(self):
         rates = dict(self.flops_per_s)
@@ -58,11 +75,61 @@ class DeviceProfile:
             )
         # A plain dict, frozen by convention: the profile is a value.
         object.__setattr__(self, "flops_per_s", rates)
+        if self.peak_flops_per_s is not None:
+            object.__setattr__(self, "peak_flops_per_s", self._checked_peaks(rates))
+
+    def _checked_peaks(self, rates: dict[str, float]) -> dict[str, float]:
+        peaks = dict(self.peak_flops_per_s)
+        if not peaks or any(not isinstance(p, int | float) or not (p > 0) for p in peaks.values()):
+            raise PlanError(
+                f"DeviceProfile(peak_flops_per_s={peaks!r}): expected positive dense peak FLOP/s per "
+                "dtype name, e.g. {'bfloat16': 989.4e12}, or None where no peak is published."
+            )
+        for dtype, peak in peaks.items():
+            if dtype in rates and rates[dtype] > peak:
+                raise PlanError(
+                    f"DeviceProfile(name={self.name!r}): the measured {dtype} rate "
+                    f"flops_per_s[{dtype!r}]={rates[dtype]:.4g} is above its peak "
+                    f"peak_flops_per_s[{dtype!r}]={peak:.4g}. A peak is the most the hardware can "
+                    "do: check both figures (is the peak the rate of the precision the matmuls "
+                    "actually run in, e.g. TF32 for float32 on tensor cores?)."
+                )
+        return peaks
 
     def flops(self, dtype: Any) -> float:
         """Matmul FLOP/s for arrays of `dtype` (float32's rate for dtypes not listed)."""
         name = getattr(dtype, "name", str(dtype))
         return self.flops_per_s.get(name, self.flops_per_s["float32"])
+
+    def peak(self, dtype: Any) -> float:
+        """The dense peak matmul FLOP/s for arrays of `dtype`: the denominator of MFU.
+
+        **Arguments:**
+
+        - `dtype`: a dtype (`jnp.bfloat16`) or its name (`"bfloat16"`; `"tfloat32"`
+          where a profile lists it).
+
+        **Returns:** `peak_flops_per_s[name]`; for a profile with no peaks
+        (`peak_flops_per_s=None`, as `"cpu"`), the measured `flops(dtype)`, so an
+        MFU reads against what the hardware was measured to reach.
+
+        Raises `PlanError` for a dtype the profile's peaks do not list (float32's
+        peak is not bfloat16's, so none is guessed).
+
+        ```python
+        eqxpar.DEVICE_PROFILES["h100"].peak("bfloat16")  # 989.4e12 (dense; 1979e12 is sparse)
+        ```
+        """
+        name = _dtype_name(dtype)
+        if self.peak_flops_per_s is None:
+            return self.flops(name)
+        if name not in self.peak_flops_per_s:
+            raise PlanError(
+                f"DeviceProfile(name={self.name!r}).peak({name!r}): no peak for {name!r}; the profile "
+                f"lists {sorted(self.peak_flops_per_s)}. Pass the dtype the step's matmuls run in, "
+                "or build a DeviceProfile whose peak_flops_per_s has it."
+            )
+        return self.peak_flops_per_s[name]
 
     def link(self, group: int, stride: int) -> float:
         """Bytes per second per device of a collective over `group` devices whose
@@ -85,6 +152,15 @@ class DeviceProfile:
 #: (benchmarks/results/one_device_cpu.json: 0.29 TFLOP/s f32, 0.26 bf16, 8.3 GB/s
 #: copy); the 8 devices share the host's memory, so a collective moves at the
 #: copy rate; 8 GiB of memory per device.
+#:
+#: Peaks (`peak_flops_per_s`, for MFU only), dense, from the vendors' sheets.
+#: H100 SXM: 989.4 TFLOP/s bf16 and fp16 (the sheet's 1,979 is with 2:4
+#: sparsity), 1,978.9 fp8, 494.7 TF32. float32 takes TF32's peak: JAX's default
+#: matmul precision runs float32 matmuls on the tensor cores as TF32 (the measured
+#: 358 TFLOP/s is over five times the 66.9 TFLOP/s of the non-tensor float32 units,
+#: which only `precision="highest"` uses). TPU v5p: 459 TFLOP/s bf16; no float32
+#: peak is published, so none is listed. "cpu": no published peak; `peak` gives
+#: the measured rates.
 PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile(
         name="h100",
@@ -94,6 +170,14 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_node_bytes_per_s=50e9,
         devices_per_node=8,
         memory_bytes=80 * 10**9,
+        peak_flops_per_s={
+            "bfloat16": 989.4e12,
+            "float16": 989.4e12,
+            "float8_e4m3fn": 1978.9e12,
+            "float8_e5m2": 1978.9e12,
+            "tfloat32": 494.7e12,
+            "float32": 494.7e12,
+        },
     ),
     "tpu_v5p": DeviceProfile(
         name="tpu_v5p",
@@ -103,6 +187,7 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_node_bytes_per_s=600e9 / 4,
         devices_per_node=64,
         memory_bytes=95 * 10**9,
+        peak_flops_per_s={"bfloat16": 459e12},
     ),
     "cpu": DeviceProfile(
         name="cpu",
@@ -114,6 +199,16 @@ PROFILES: dict[str, DeviceProfile] = {
         memory_bytes=8 * 2**30,
     ),
 }
+
+
+def _dtype_name(dtype: Any) -> str:
+    """ "bfloat16" for `jnp.bfloat16`, `np.dtype("bfloat16")` or the string itself."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
 
 
 def as_profile(device: Any) -> DeviceProfile:

@@ -7,7 +7,8 @@ turned into one executable), `_hlo` (collective counts and bytes read from
 compiled HLO), `_minimum` (the theoretical minimum of communication of a plan),
 `_report` (`comm_report`: the two side by side), `_memory` (`memory_report`),
 `_flops` (`matmul_flops`: matmul FLOPs per device, loops weighted) and
-`_layout` (text and PNG pictures of an array's layout over the devices).
+`_layout` (text and PNG pictures of an array's layout over the devices) and
+`_trace` (`trace`: a profiler trace of a few steps).
 """
 
 from ._flops import matmul_flops as matmul_flops
@@ -25,3 +26,4 @@ from ._report import comm_report as comm_report
 from ._table import Row as Row
 from ._table import ShardingTable as ShardingTable
 from ._table import sharding_table as sharding_table
+from ._trace import trace as trace

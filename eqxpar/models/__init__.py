@@ -13,6 +13,8 @@ parallelism, and manual tensor-parallel steps.
 """
 
 from .._errors import PretrainedError as PretrainedError
+from ._flops import flops_per_token as flops_per_token
+from ._flops import transformer_flops_per_token as transformer_flops_per_token
 from ._gpt import GPT as GPT
 from ._gpt import GPTConfig as GPTConfig
 from ._gpt import MoEGroup as MoEGroup
