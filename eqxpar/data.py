@@ -10,3 +10,7 @@ state, metrics = step(state, batch)
 from .runtime._data import ShardedIterator as ShardedIterator
 from .runtime._data import global_batch as global_batch
 from .runtime._data import process_slice as process_slice
+from .runtime._grain import GrainSampler as GrainSampler
+from .runtime._grain import grain_loader as grain_loader
+from .runtime._grain import grain_sampler as grain_sampler
+from .runtime._token_file import TokenFile as TokenFile
