@@ -4,6 +4,8 @@
 it = eqxpar.data.ShardedIterator((x, y), plan, batch_size=64, seed=0)
 batch = eqxpar.data.global_batch(next(it), plan)      # global arrays, batch_spec
 state, metrics = step(state, batch)
+tokens = eqxpar.data.TokenFile("train.bin", seq_len=1024, dtype=np.uint16)   # on disk, memory-mapped
+it = eqxpar.data.ShardedIterator(tokens, plan, batch_size=64, seed=0)        # reads only this process's rows
 ```
 """
 
