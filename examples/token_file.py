@@ -15,9 +15,9 @@ uint16 file first.
     python examples/token_file.py --loader grain                 # the same batches through grain
 
 `--measure` reads batches without a model and prints, per process, tokens read per
-second, the resident memory (anonymous and file-backed pages apart: the mapped
-file's pages count as file-backed, and the kernel drops them when memory runs
-short) and a hash of every global batch; `--make-file PATH --gb 2` writes a
+second, the resident memory (anonymous and file-backed pages apart: pages of the
+mapped file would count as file-backed; TokenFile unmaps each row's once read)
+and a hash of every global batch; `--make-file PATH --gb 2` writes a
 random uint16 token file of that size to measure on:
 
     python examples/token_file.py --make-file /tmp/tokens.bin --gb 2

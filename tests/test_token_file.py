@@ -7,6 +7,7 @@ devices through eqxpar.launch and compares their batches and what each read.
 
 import importlib.util
 import json
+import os
 import pickle
 import sys
 import textwrap
@@ -60,7 +61,6 @@ def test_npy_file_and_pickling_reopen_the_file(tmp_path):
     tokens = TokenFile(path, seq_len=16)
     assert tokens.dtype == np.uint32 and len(tokens) == 31
     np.testing.assert_array_equal(tokens[2], ids[32:49])
-    assert isinstance(tokens._tokens, np.memmap)  # mapped, not loaded
     # A grain worker gets the path, not the data, and maps the file itself.
     blob = pickle.dumps(tokens)
     assert len(blob) < 500
@@ -101,6 +101,12 @@ def test_bad_files_and_arguments_name_the_fix(tmp_path):
     np.save(tmp_path / "ids.npy", np.zeros(100, np.uint16))
     with pytest.raises(BatchError, match=r"says its ids are uint16.*Leave dtype out"):
         TokenFile(tmp_path / "ids.npy", seq_len=8, dtype=np.uint32)
+    cut = tmp_path / "cut.npy"
+    cut.write_bytes((tmp_path / "ids.npy").read_bytes()[:-10])
+    with pytest.raises(BatchError, match=r"promises 100 ids of uint16.*cut short"):
+        TokenFile(cut, seq_len=8)
+    with pytest.raises(BatchError, match=r"not a \.npy file eqxpar can map"):
+        TokenFile(raw.rename(tmp_path / "raw.npy"), seq_len=8)
     # Ids int32 cannot hold are refused when read (the file is never scanned whole).
     big = TokenFile(
         _write(tmp_path, [1, 2, 2**31 + 5, 3, 4], np.uint32, "big.bin"), seq_len=2, dtype=np.uint32
@@ -110,6 +116,31 @@ def test_bad_files_and_arguments_name_the_fix(tmp_path):
     negative = TokenFile(_write(tmp_path, [1, -2, 3], np.int16, "neg.bin"), seq_len=2, dtype=np.int16)
     with pytest.raises(BatchError, match="read ids from -2 to 3"):
         negative.read([0])
+
+
+def _rss_kb(kind):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(kind + ":"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_reading_keeps_no_part_of_the_file_resident(tmp_path):
+    # 64 MiB of ids, read in a random order: the rows' pages are unmapped once
+    # copied, so neither the file-backed nor the anonymous memory grows with it.
+    path = tmp_path / "big.bin"
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f:
+        for _ in range(8):
+            rng.integers(0, 60_000, size=1 << 22, dtype=np.uint16).tofile(f)
+    tokens = TokenFile(path, seq_len=1024, dtype=np.uint16)
+    tokens.read([0])
+    before = {kind: _rss_kb(kind) for kind in ("RssFile", "RssAnon")}
+    order = rng.permutation(len(tokens))
+    for start in range(0, 16_000, 500):  # 16,000 of 32,767 sequences, about half the file
+        rows = tokens.read(order[start : start + 500])
+    assert rows.shape == (500, 1025)
+    grew = {kind: _rss_kb(kind) - before[kind] for kind in before}
+    assert grew["RssFile"] < 4096 and grew["RssAnon"] < 8192, grew
 
 
 def _tokens(tmp_path, n=2000, seq_len=9):

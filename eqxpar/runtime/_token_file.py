@@ -8,6 +8,7 @@ tokens, the `(batch, seq + 1)` rows `eqxpar.models.lm_loss` takes, so each proce
 reads only the sequences of its own rows.
 """
 
+import mmap
 import operator
 import os
 from collections.abc import Sequence
@@ -45,30 +46,46 @@ def _check_dtype(dtype: Any, path: str) -> np.dtype:
     return dt
 
 
-def _open_npy(path: str, dtype: Any) -> np.ndarray:
-    try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        raise BatchError(
-            f"TokenFile({path!r}): cannot memory-map this .npy file ({e}). Save the token ids "
-            "as one integer array: np.save(path, ids.astype(np.uint16))."
-        ) from None
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise BatchError(
-            f"TokenFile({path!r}): the .npy file holds a {tokens.dtype} array of shape "
-            f"{tokens.shape}; expected one flat integer array of token ids. Save "
-            "ids.reshape(-1) with an integer dtype (np.uint16 or np.uint32)."
-        )
-    if dtype is not None and _check_dtype(dtype, path) != tokens.dtype:
-        raise BatchError(
-            f"TokenFile({path!r}, dtype={np.dtype(dtype)}): the .npy file says its ids are "
-            f"{tokens.dtype}. Leave dtype out for a .npy file (its header has it) or pass "
-            f"dtype=np.{tokens.dtype}."
-        )
-    return tokens
+# madvise is missing on Windows; there the mapping takes the OS's defaults.
+_ADVISE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_RANDOM") and hasattr(mmap, "MADV_DONTNEED")
 
 
-def _open_raw(path: str, dtype: Any) -> np.ndarray:
+def _npy_layout(path: str, dtype: Any) -> tuple[np.dtype, int, int]:
+    """The ids' dtype, the byte offset of the first and their count, from a .npy header."""
+    fix = "Save the token ids as one flat integer array: np.save(path, ids.astype(np.uint16))."
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dt = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dt = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f".npy format version {version} is not 1.0 or 2.0")
+        except ValueError as e:
+            raise BatchError(f"TokenFile({path!r}): not a .npy file eqxpar can map ({e}). {fix}") from None
+        offset = f.tell()
+    if len(shape) != 1 or dt.kind not in "iu":
+        raise BatchError(
+            f"TokenFile({path!r}): the .npy file holds a {dt} array of shape {shape}; expected one "
+            f"flat integer array of token ids. {fix}"
+        )
+    if dtype is not None and _check_dtype(dtype, path) != dt:
+        raise BatchError(
+            f"TokenFile({path!r}, dtype={np.dtype(dtype)}): the .npy file says its ids are {dt}. "
+            f"Leave dtype out for a .npy file (its header has it) or pass dtype=np.{dt}."
+        )
+    size = os.path.getsize(path)
+    if size < offset + shape[0] * dt.itemsize:
+        raise BatchError(
+            f"TokenFile({path!r}): the header promises {shape[0]} ids of {dt}, but the file is "
+            f"{size} bytes, too short for them: it was cut short. Write it again."
+        )
+    return dt, offset, shape[0]
+
+
+def _raw_layout(path: str, dtype: Any) -> tuple[np.dtype, int, int]:
+    """The ids' dtype, offset 0 and their count, from a raw file's size."""
     if dtype is None:
         raise BatchError(
             f"TokenFile({path!r}): a raw token file does not record its dtype. Pass "
@@ -82,10 +99,7 @@ def _open_raw(path: str, dtype: Any) -> np.ndarray:
             f"{dt.itemsize} ({dt}'s size), so it was not written as {dt}. Pass the dtype it was "
             "written with (nanoGPT's train.bin is np.uint16), or fix a truncated file."
         )
-    if size == 0:
-        # np.memmap refuses an empty file; the length check below names the fix.
-        return np.zeros((0,), dt)
-    return np.memmap(path, dtype=dt, mode="r")
+    return dt, 0, size // dt.itemsize
 
 
 class TokenFile:
@@ -93,7 +107,9 @@ class TokenFile:
 
     The file is memory-mapped, never read whole: a sequence's tokens are read
     when it is asked for, so a process reads only its own rows and a file far
-    larger than memory trains as well as a small one. Sequence `i` is tokens
+    larger than memory trains as well as a small one. The mapping is read
+    without read-ahead and each row's pages are unmapped once copied, so the
+    process's resident memory does not grow with the part of the file read. Sequence `i` is tokens
     `[i * seq_len, i * seq_len + seq_len + 1)`: consecutive sequences share one
     token, so every token but the first is a target exactly once, and the last
     `(tokens - 1) % seq_len` tokens are left out.
@@ -134,10 +150,18 @@ class TokenFile:
                 f"TokenFile({self._path!r}): no such file. Pass the path of a token file "
                 "(raw ids such as nanoGPT's train.bin, or a .npy array)."
             )
-        if self._path.endswith(".npy"):
-            self._tokens = _open_npy(self._path, dtype)
-        else:
-            self._tokens = _open_raw(self._path, dtype)
+        layout = _npy_layout if self._path.endswith(".npy") else _raw_layout
+        dt, self._offset, count = layout(self._path, dtype)
+        self._map: mmap.mmap | None = None
+        self._tokens = np.zeros((0,), dt)
+        if count:  # mmap refuses an empty file; the length check below names the fix
+            with open(self._path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if _ADVISE:
+                # Rows are read in a random order: reading ahead of each would bring
+                # in (and map) far more of the file than the rows.
+                self._map.madvise(mmap.MADV_RANDOM)
+            self._tokens = np.frombuffer(self._map, dt, count=count, offset=self._offset)
         need = self._seq_len + 1
         if self._tokens.shape[0] < need:
             raise BatchError(
@@ -190,10 +214,24 @@ class TokenFile:
             )
         return rows.astype(_OUT, copy=False)
 
+    def _copy(self, i: SupportsIndex, out: np.ndarray) -> None:
+        start = self._index(i) * self._seq_len
+        out[...] = self._tokens[start : start + self._seq_len + 1]
+        if _ADVISE:
+            # Unmap the pages just copied. They stay in the page cache, which the
+            # kernel frees when memory runs short, but no longer count as this
+            # process's memory: mapped pages would pile up, step after step, to
+            # the whole file.
+            first = self._offset + start * self.dtype.itemsize
+            aligned = first - first % mmap.PAGESIZE
+            end = first + out.nbytes
+            self._map.madvise(mmap.MADV_DONTNEED, aligned, end - aligned)
+
     def __getitem__(self, i: SupportsIndex) -> Int[np.ndarray, " seq_plus_1"]:
         """Sequence `i`: `seq_len + 1` int32 ids (a grain data source's record)."""
-        start = self._index(i) * self._seq_len
-        return self._checked(np.array(self._tokens[start : start + self._seq_len + 1]))
+        out = np.empty((self._seq_len + 1,), self.dtype)
+        self._copy(i, out)
+        return self._checked(out)
 
     def read(self, indices: Sequence[int] | np.ndarray) -> Int[np.ndarray, "rows seq_plus_1"]:
         """The sequences at `indices`, stacked: shape `(len(indices), seq_len + 1)`, int32.
@@ -207,12 +245,11 @@ class TokenFile:
         keys = np.asarray(indices).reshape(-1)
         out = np.empty((keys.shape[0], self._seq_len + 1), self._tokens.dtype)
         for row, i in enumerate(keys.tolist()):
-            start = self._index(i) * self._seq_len
-            out[row] = self._tokens[start : start + self._seq_len + 1]
+            self._copy(i, out[row])
         return self._checked(out)
 
     def __getstate__(self) -> dict[str, Any]:
-        # A pickled memmap carries its data; a TokenFile carries its path, and the
+        # A mapping cannot be pickled; a TokenFile carries its path, and the
         # unpickled copy (a grain worker) maps the file again.
         return {"path": self._path, "seq_len": self._seq_len, "dtype": self._dtype_arg}
 
