@@ -78,14 +78,25 @@ def text_file() -> tuple[str, int]:
     return path, data.padded_vocab_size(8)
 
 
-def memory() -> dict[str, int]:
-    """This process's resident memory in kB: anonymous, file-backed, and its peak."""
-    fields = {}
+def memory(path: str) -> dict[str, int]:
+    """This process's resident memory in kB: anonymous, file-backed, its peak, and the
+    part of the file-backed memory that is pages of the token file at `path`."""
+    fields = {"TokenFile": 0}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
             if key in ("RssAnon", "RssFile", "VmHWM"):
                 fields[key] = int(value.split()[0])
+    # The shared libraries' pages are file-backed too (and page in as JAX runs), so
+    # the token file's own share is read from its mapping in smaps.
+    target, inside = os.path.realpath(path), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                inside = head[-1] == target
+            elif inside and head[0] == "Rss:":
+                fields["TokenFile"] += int(head[1])
     return fields
 
 
@@ -102,7 +113,7 @@ def measure(tokens: eqxpar.data.TokenFile, plan: eqxpar.Plan, args) -> None:
     batches = make_batches(tokens, plan, args)
     rows = eqxpar.data.process_slice(args.batch_size, plan)
     digests, read_s, feed_s = [], 0.0, 0.0
-    before = memory()  # the libraries' mapped files count as RssFile too
+    before = memory(tokens.path)
     for _ in range(args.steps):
         start = time.perf_counter()
         local = next(batches)
@@ -115,13 +126,14 @@ def measure(tokens: eqxpar.data.TokenFile, plan: eqxpar.Plan, args) -> None:
             [np.frombuffer(hashlib.blake2b(r.tobytes(), digest_size=8).digest(), np.uint8) for r in local]
         )
     read = args.steps * local.size
-    mem = memory()
+    mem = memory(tokens.path)
     grew = {k: (mem[k] - before[k]) / 1024 for k in ("RssAnon", "RssFile")}
     dist.log(
         f"rows {rows.start}:{rows.stop} of {args.batch_size}: {read / read_s:,.0f} tokens/s read, "
         f"{read / (read_s + feed_s):,.0f} tokens/s read + global_batch; RssAnon {mem['RssAnon'] / 1024:.0f} MiB "
         f"(+{grew['RssAnon']:.0f} while reading), RssFile {mem['RssFile'] / 1024:.0f} MiB "
-        f"(+{grew['RssFile']:.0f}), peak RSS {mem['VmHWM'] / 1024:.0f} MiB; "
+        f"(+{grew['RssFile']:.0f}; the token file's pages {mem['TokenFile'] / 1024:.1f} MiB), "
+        f"peak RSS {mem['VmHWM'] / 1024:.0f} MiB; "
         f"file {os.path.getsize(tokens.path) / 2**20:,.0f} MiB"
     )
     everyone = multihost_utils.process_allgather(np.stack([np.stack(d) for d in digests], axis=1), tiled=True)

@@ -217,20 +217,22 @@ class TokenFile:
     def _copy(self, i: SupportsIndex, out: np.ndarray) -> None:
         start = self._index(i) * self._seq_len
         out[...] = self._tokens[start : start + self._seq_len + 1]
-        if _ADVISE:
-            # Unmap the pages just copied. They stay in the page cache, which the
-            # kernel frees when memory runs short, but no longer count as this
-            # process's memory: mapped pages would pile up, step after step, to
-            # the whole file.
-            first = self._offset + start * self.dtype.itemsize
-            aligned = first - first % mmap.PAGESIZE
-            end = first + out.nbytes
-            self._map.madvise(mmap.MADV_DONTNEED, aligned, end - aligned)
+
+    def _release(self) -> None:
+        # Unmap the pages just copied. They stay in the page cache, which the
+        # kernel frees when memory runs short, but no longer count as this
+        # process's memory: mapped pages would pile up, step after step, to the
+        # whole file. The whole mapping goes, not the rows' pages: a fault maps
+        # more than the page asked for (Linux's fault-around, and page-cache
+        # folios of up to megabytes mapped whole).
+        if _ADVISE and self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def __getitem__(self, i: SupportsIndex) -> Int[np.ndarray, " seq_plus_1"]:
         """Sequence `i`: `seq_len + 1` int32 ids (a grain data source's record)."""
         out = np.empty((self._seq_len + 1,), self.dtype)
         self._copy(i, out)
+        self._release()
         return self._checked(out)
 
     def read(self, indices: Sequence[int] | np.ndarray) -> Int[np.ndarray, "rows seq_plus_1"]:
@@ -246,6 +248,7 @@ class TokenFile:
         out = np.empty((keys.shape[0], self._seq_len + 1), self._tokens.dtype)
         for row, i in enumerate(keys.tolist()):
             self._copy(i, out[row])
+        self._release()
         return self._checked(out)
 
     def __getstate__(self) -> dict[str, Any]:
