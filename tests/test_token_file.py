@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import pickle
+import subprocess
 import sys
 import textwrap
 
@@ -205,13 +206,21 @@ def test_data_state_round_trips_through_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(next(resumed), next(it))
 
 
-def _shard_rows(sampler, steps):
-    """The record keys a grain DataLoader asks this shard's sampler for, one row per step."""
+def _shard_rows(sampler, steps, workers=0):
+    """The record keys a grain DataLoader with `workers` worker processes takes from
+    this shard's sampler, one row per batch it yields: worker w takes the shard's
+    records w, w + W, w + 2W, ... and batches them, and the loader yields the
+    workers' batches in turn."""
     count = sampler.shard_options.shard_count
     index = sampler.shard_options.shard_index
     local = sampler.local_batch_size
-    keys = [sampler[k * count + index].record_key for k in range(steps * local)]
-    return np.asarray(keys).reshape(steps, local)
+    w_count = max(workers, 1)
+    out = []
+    for step in range(steps):
+        batch, worker = divmod(step, w_count)
+        records = [worker + w_count * j for j in range(batch * local, (batch + 1) * local)]
+        out.append([sampler[k * count + index].record_key for k in records])
+    return np.asarray(out)
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -220,15 +229,26 @@ def test_grain_sampler_order_does_not_depend_on_the_shard_count(shuffle):
     reference = ShardedIterator(np.arange(100), _plan(), batch_size=16, seed=11, shuffle=shuffle)
     steps = 14  # past the end of the first epoch (6 steps of 16 out of 100)
     want = np.stack([reference.global_indices(s) for s in range(steps)])
-    for count in (1, 2, 4, 8, 16):
+    for count, workers in ((1, 0), (2, 0), (4, 0), (8, 0), (16, 0), (1, 3), (2, 2), (4, 5)):
         shards = [
             _shard_rows(
-                GrainSampler(100, batch_size=16, shard_index=i, shard_count=count, seed=11, shuffle=shuffle),
+                GrainSampler(
+                    100,
+                    batch_size=16,
+                    shard_index=i,
+                    shard_count=count,
+                    seed=11,
+                    shuffle=shuffle,
+                    worker_count=workers,
+                ),
                 steps,
+                workers,
             )
             for i in range(count)
         ]
-        np.testing.assert_array_equal(np.concatenate(shards, axis=1), want, err_msg=f"{count} shards")
+        np.testing.assert_array_equal(
+            np.concatenate(shards, axis=1), want, err_msg=f"{count} shards, {workers} workers"
+        )
     # Started at a step, it continues where a run from step 0 was.
     later = GrainSampler(100, batch_size=16, shard_index=1, shard_count=2, seed=11, shuffle=shuffle, step=9)
     np.testing.assert_array_equal(_shard_rows(later, 5), want[9:14, 8:16])
@@ -258,6 +278,42 @@ def test_grain_loader_yields_the_iterator_batches(tmp_path):
     assert len(sampler) == (2 * 13 - 3) * 16
     with pytest.raises(IndexError, match="out of range"):
         sampler[len(sampler)]
+
+
+_WORKERS = """
+import gc, sys
+import numpy as np
+import eqxpar, eqxpar.data
+
+if __name__ == "__main__":
+    tokens = eqxpar.data.TokenFile(sys.argv[1], seq_len=9, dtype=np.uint16)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2))
+    reference = eqxpar.data.ShardedIterator(tokens, plan, batch_size=16, seed=2)
+    loader = iter(eqxpar.data.grain_loader(tokens, plan, batch_size=16, seed=2, worker_count=2))
+    same = all((next(loader) == next(reference)).all() for _ in range(7))
+    del loader  # stops grain's workers now, not during the interpreter's shutdown
+    gc.collect()
+    print("same" if same else "different")
+"""
+
+
+def test_grain_loader_with_worker_processes_yields_the_iterator_batches(tmp_path):
+    # Worker processes each batch their own records, which the sampler accounts
+    # for; run apart, as grain's workers and shared memory outlive a test's checks.
+    pytest.importorskip("grain")
+    _tokens(tmp_path)
+    script = tmp_path / "workers.py"
+    script.write_text(_WORKERS)
+    env = {**os.environ, "XLA_FLAGS": suite_xla_flags("--xla_force_host_platform_device_count=8")}
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "train.bin")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "same", result.stdout
 
 
 def test_grain_errors_and_missing_grain(monkeypatch):

@@ -34,8 +34,10 @@ def _grain() -> ModuleType:
 class GrainSampler:
     """A grain sampler that yields `ShardedIterator`'s order, one process's rows at a time.
 
-    grain's `DataLoader` asks a sampler for record `g * shard_count + shard_index`
-    as this shard's `g`-th record. `GrainSampler` answers so that the loader,
+    grain's `DataLoader` asks a sampler for index `k * shard_count + shard_index`
+    as this shard's `k`-th record, and with `W` worker processes hands worker `w`
+    the records `k = w + W * j`, each worker batching its own and the loader
+    taking their batches in turn. `GrainSampler` answers so that the loader,
     batching `local_batch_size` records (`grain.transforms.Batch`), yields this
     process's rows of each global batch of `batch_size`: step `t`'s global batch
     is the records `ShardedIterator(..., batch_size, seed, shuffle)` puts at step
@@ -58,6 +60,8 @@ class GrainSampler:
       ["step"]`, or the number of batches a run took before it was saved.
     - `num_epochs`: stop after this many epochs (counted from step 0); `None` runs
       forever.
+    - `worker_count`: the `DataLoader`'s `worker_count`, which decides which
+      records make up each batch.
 
     ```python
     sampler = eqxpar.data.GrainSampler(len(tokens), batch_size=64, shard_index=0,
@@ -79,6 +83,7 @@ class GrainSampler:
         shuffle: bool = True,
         step: int = 0,
         num_epochs: int | None = None,
+        worker_count: int = 0,
     ):
         where = "GrainSampler"
         self._records = check_int(num_records, "num_records", 1, where)
@@ -104,6 +109,7 @@ class GrainSampler:
         self._step = check_int(step, "step", 0, where)
         self._epochs = None if num_epochs is None else check_int(num_epochs, "num_epochs", 1, where)
         self._local = self._batch_size // self._count
+        self._workers = check_int(worker_count, "worker_count", 0, where)
 
     @property
     def local_batch_size(self) -> int:
@@ -118,12 +124,15 @@ class GrainSampler:
         )
 
     def _global_position(self, index: int) -> tuple[int, int]:
-        # grain's index g is this shard's record g // shard_count; its row within
-        # the global batch of step `step + k // local` is the shard's block plus
-        # k % local.
-        local, shard = divmod(index, self._count)
-        step, row = divmod(local, self._local)
-        return self._step + step, shard * self._local + row
+        # Index `index` is this shard's record k = index // shard_count; worker
+        # w = k % W makes the j-th batch (j = k // W // local) of its records, which
+        # the loader yields as batch j * W + w; its row is the shard's block plus
+        # the record's place in that batch.
+        k, shard = divmod(index, self._count)
+        workers = max(self._workers, 1)
+        j, worker = divmod(k, workers)
+        batch, row = divmod(j, self._local)
+        return self._step + batch * workers + worker, shard * self._local + row
 
     def __len__(self) -> int:
         if self._epochs is None:
@@ -147,7 +156,7 @@ class GrainSampler:
         return (
             f"GrainSampler(num_records={self._records}, batch_size={self._batch_size}, "
             f"shard_index={self._index}, shard_count={self._count}, seed={self._order.seed}, "
-            f"shuffle={self._order.shuffle}, step={self._step}{epochs})"
+            f"shuffle={self._order.shuffle}, step={self._step}{epochs}, worker_count={self._workers})"
         )
 
 
@@ -160,6 +169,7 @@ def grain_sampler(
     shuffle: bool = True,
     step: int = 0,
     num_epochs: int | None = None,
+    worker_count: int = 0,
 ) -> GrainSampler:
     """This process's `GrainSampler`: its shard is its rows of the global batch.
 
@@ -191,6 +201,7 @@ def grain_sampler(
         shuffle=shuffle,
         step=step,
         num_epochs=num_epochs,
+        worker_count=worker_count,
     )
 
 
@@ -224,7 +235,9 @@ def grain_loader(
     - `plan`, `batch_size`, `seed`, `shuffle`, `step`, `num_epochs`: as
       `grain_sampler`.
     - `operations`: grain transformations applied to each record before batching.
-    - `worker_count`: grain worker processes (0: load in this process).
+    - `worker_count`: grain worker processes (0: load in this process). grain
+      reads an absl flag when it starts them, so outside an absl app the flags
+      are marked parsed (keeping their defaults).
 
     **Returns:** a `grain.DataLoader`; iterating it gives this process's rows.
 
@@ -237,8 +250,24 @@ def grain_loader(
     ```
     """
     grain = _grain()
+    workers = check_int(worker_count, "worker_count", 0, "grain_loader")
+    if workers:
+        # grain (0.2.18) reads one of its absl flags when it starts workers,
+        # which fails outside an absl app (flags never parsed); they keep their
+        # defaults, as they would under absl.app.run with no flags given.
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
     sampler = grain_sampler(
-        len(source), plan, batch_size=batch_size, seed=seed, shuffle=shuffle, step=step, num_epochs=num_epochs
+        len(source),
+        plan,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        step=step,
+        num_epochs=num_epochs,
+        worker_count=workers,
     )
     return grain.DataLoader(
         data_source=source,
@@ -248,5 +277,5 @@ def grain_loader(
             *operations,
             grain.transforms.Batch(batch_size=sampler.local_batch_size, drop_remainder=True),
         ],
-        worker_count=check_int(worker_count, "worker_count", 0, "grain_loader"),
+        worker_count=workers,
     )
