@@ -108,11 +108,13 @@ class TokenFile:
     The file is memory-mapped, never read whole: a sequence's tokens are read
     when it is asked for, so a process reads only its own rows and a file far
     larger than memory trains as well as a small one. The mapping is read
-    without read-ahead and each row's pages are unmapped once copied, so the
-    process's resident memory does not grow with the part of the file read. Sequence `i` is tokens
-    `[i * seq_len, i * seq_len + seq_len + 1)`: consecutive sequences share one
-    token, so every token but the first is a target exactly once, and the last
-    `(tokens - 1) % seq_len` tokens are left out.
+    without read-ahead and unmapped after each read, so the process's resident
+    memory does not grow with the part of the file it has read.
+
+    Sequence `i` is tokens `[i * seq_len, i * seq_len + seq_len + 1)`:
+    consecutive sequences share one token, so every token but the first is a
+    target exactly once, and the last `(tokens - 1) % seq_len` tokens are left
+    out.
 
     It is the dataset of `eqxpar.data.ShardedIterator` (whose batches are then
     `(local rows, seq_len + 1)` int32 arrays, `eqxpar.models.lm_loss`'s format)
