@@ -2,7 +2,8 @@
 once per entry of their plan table (examples/_plans.py), each printing what it
 should. Their flags build exactly the table's plans, and the FSDP and hybrid plans
 split the parameters and optimizer state as they say (checked on shapes only,
-nothing compiled)."""
+nothing compiled). examples/token_file.py trains from a token file, resumes, and
+measures reading one."""
 
 import importlib
 import itertools
@@ -215,3 +216,24 @@ def test_hybrid_plans(flags, expected):
         assert getattr(plan, name) == value, name
     params, together = _per_device_fraction(plan)
     assert 1 / 4 <= params <= 1.25 / 4 and 1 / 4 <= together <= 1.25 / 4
+
+
+def test_token_file_trains_resumes_and_measures(tmp_path):
+    # No --data: the script writes Python's docs as a uint16 token file. Two steps
+    # then a resume to four print the loss an uninterrupted run to four prints.
+    small = ["--batch-size", "8", "--seq-len", "16", "--d-model", "32"]
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "2"]
+    first = run_example("token_file.py", ["--steps", "2", *small, *ckpt])
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_example("token_file.py", ["--steps", "4", "--resume", *small, *ckpt])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 2" in resumed.stdout
+    straight = run_example("token_file.py", ["--steps", "4", *small])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    loss = re.search(r"step 4: loss ([0-9.]+)", straight.stdout)
+    assert loss and f"step 4: loss {loss.group(1)}" in resumed.stdout, (straight.stdout, resumed.stdout)
+    measured = run_example("token_file.py", ["--steps", "3", "--measure", *small])
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    # Per-process lines are logged (stderr); the hashes are printed once (stdout).
+    assert re.search(r"tokens/s read.*the token file's pages 0\.0 MiB", measured.stderr), measured.stderr
+    assert "global batch hashes" in measured.stdout

@@ -4,9 +4,9 @@ In a multi-process run each process holds only some devices, so each feeds only
 the rows of the global batch that land on its devices. `process_slice` says which
 rows those are, `global_batch` assembles the processes' rows into one global
 array, and `ShardedIterator` picks the rows of each step's global batch from an
-in-memory dataset, so that the global batch at step `t` is the same whatever the
-number of processes: a run on 2 processes x 4 devices sees the same data as one on
-1 process x 8 devices.
+in-memory dataset or a `TokenFile` on disk, so that the global batch at step `t`
+is the same whatever the number of processes: a run on 2 processes x 4 devices
+sees the same data as one on 1 process x 8 devices.
 """
 
 import json
@@ -20,6 +20,7 @@ from jaxtyping import ArrayLike, PyTree
 from .._errors import BatchError, PlanError
 from .._plan import Plan
 from .._specs import is_array_like
+from ._token_file import TokenFile
 
 
 def _check_plan(plan: Any, where: str) -> None:
@@ -148,14 +149,70 @@ def global_batch(local: PyTree[ArrayLike], plan: Plan) -> PyTree[jax.Array]:
     return jax.tree.unflatten(treedef, out)
 
 
-def _check_int(value: Any, name: str, low: int) -> int:
+def check_int(value: Any, name: str, low: int, where: str = "ShardedIterator") -> int:
+    """`value` as an int, or a `BatchError` naming it when it is not an integer >= `low`."""
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
-        raise BatchError(f"ShardedIterator: {name}={value!r} is not valid; expected an integer >= {low}.")
+        raise BatchError(f"{where}: {name}={value!r} is not valid; expected an integer >= {low}.")
     return int(value)
 
 
+class EpochOrder:
+    """The order of a dataset's examples in each epoch: a permutation seeded by
+    `(seed, epoch)` alone, or the dataset order. Shared by `ShardedIterator` and
+    the grain sampler (`_grain.py`), so that both give the same batches.
+
+    The last epoch's order is kept: a step needs one slice of it, and computing a
+    permutation of millions of sequences every step would cost more than reading
+    the batch.
+    """
+
+    def __init__(self, examples: int, *, seed: int, shuffle: bool):
+        self.examples, self.seed, self.shuffle = examples, seed, shuffle
+        self._epoch: int | None = None
+        self._order = np.zeros((0,), np.int64)
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.examples)
+            else:
+                order = np.arange(self.examples)
+            order.setflags(write=False)
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    def batch(self, step: int, batch_size: int) -> np.ndarray:
+        """Indices of step `step`'s global batch of `batch_size` (last partial batch dropped)."""
+        epoch, position = divmod(step, self.examples // batch_size)
+        return self(epoch)[position * batch_size : (position + 1) * batch_size]
+
+
+def _dataset_size(data: Any) -> int:
+    if isinstance(data, TokenFile):
+        return len(data)
+    sizes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
+        where = jax.tree_util.keystr(path) or "<root>"
+        if not is_array_like(leaf) or len(leaf.shape) == 0:
+            raise BatchError(
+                f"ShardedIterator: dataset leaf {where} is not an array with a leading "
+                "example dimension. Pass a pytree of arrays of shape (examples, ...), or an "
+                "eqxpar.data.TokenFile."
+            )
+        sizes.add(leaf.shape[0])
+    if not sizes:
+        raise BatchError("ShardedIterator: the dataset has no array leaves.")
+    if len(sizes) > 1:
+        raise BatchError(
+            f"ShardedIterator: the dataset's leaves have different example counts "
+            f"{sorted(sizes)}; every leaf must have one row per example."
+        )
+    (size,) = sizes
+    return size
+
+
 class ShardedIterator:
-    """This process's rows of each step's global batch, from an in-memory dataset.
+    """This process's rows of each step's global batch, from memory or a file on disk.
 
     Step `t`'s global batch is the `batch_size` examples at positions
     `[i * batch_size, (i + 1) * batch_size)` of epoch `e`'s permutation of the
@@ -168,10 +225,15 @@ class ShardedIterator:
     save `get_state()` with a checkpoint and `set_state(...)` on resume to
     continue with exactly the batches an uninterrupted run would have seen.
 
+    With a `TokenFile` as its dataset the examples are the file's sequences, and
+    each step reads from disk only this process's rows: an int32 array of shape
+    `(rows, seq_len + 1)`, the batch `eqxpar.models.lm_loss` takes.
+
     **Arguments:**
 
-    - `data`: a pytree of arrays sharing their leading (example) dimension; every
-      process holds the same dataset.
+    - `data`: a pytree of arrays sharing their leading (example) dimension (every
+      process holds the same dataset), or an `eqxpar.data.TokenFile` (every
+      process maps the same file).
     - `plan`: the plan whose `batch_spec` splits the batch.
     - `batch_size`: rows in the global batch (a multiple of
       `plan.batch_size_multiple`, at most the dataset size).
@@ -184,12 +246,14 @@ class ShardedIterator:
     for _ in range(steps):
         state, metrics = train_step(state, eqxpar.data.global_batch(next(it), plan))
     saved = it.get_state()                        # {"step": steps, "seed": 0}
+    tokens = eqxpar.data.ShardedIterator(eqxpar.data.TokenFile("train.bin", seq_len=1024,
+                                         dtype=np.uint16), plan, batch_size=64, seed=0)
     ```
     """
 
     def __init__(
         self,
-        data: PyTree[ArrayLike],
+        data: PyTree[ArrayLike] | TokenFile,
         plan: Plan,
         *,
         batch_size: int,
@@ -198,41 +262,29 @@ class ShardedIterator:
         step: int = 0,
     ):
         _check_plan(plan, "ShardedIterator")
-        leaves = jax.tree.leaves(data)
-        sizes = set()
-        for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
-            where = jax.tree_util.keystr(path) or "<root>"
-            if not is_array_like(leaf) or len(leaf.shape) == 0:
-                raise BatchError(
-                    f"ShardedIterator: dataset leaf {where} is not an array with a leading "
-                    "example dimension. Pass a pytree of arrays of shape (examples, ...)."
-                )
-            sizes.add(leaf.shape[0])
-        if not leaves:
-            raise BatchError("ShardedIterator: the dataset has no array leaves.")
-        if len(sizes) > 1:
-            raise BatchError(
-                f"ShardedIterator: the dataset's leaves have different example counts "
-                f"{sorted(sizes)}; every leaf must have one row per example."
-            )
-        (self._examples,) = sizes
-        self._batch_size = _check_int(batch_size, "batch_size", 1)
+        self._examples = _dataset_size(data)
+        self._batch_size = check_int(batch_size, "batch_size", 1)
         if self._batch_size > self._examples:
             raise BatchError(
                 f"ShardedIterator: batch_size={batch_size} is larger than the dataset "
                 f"({self._examples} examples). Use a batch size of at most {self._examples}."
             )
         self._rows = process_slice(self._batch_size, plan)
-        # Held as numpy once, so each step only gathers rows.
-        self._data = jax.tree.map(np.asarray, data)
-        self._shuffle = bool(shuffle)
-        self._seed = _check_int(seed, "seed", 0)
-        self._step = _check_int(step, "step", 0)
+        # Arrays are held as numpy once, so each step only gathers rows; a token
+        # file stays on disk and each step reads its rows.
+        self._data = data if isinstance(data, TokenFile) else jax.tree.map(np.asarray, data)
+        self._order = EpochOrder(self._examples, seed=check_int(seed, "seed", 0), shuffle=bool(shuffle))
+        self._step = check_int(step, "step", 0)
 
     @property
     def steps_per_epoch(self) -> int:
         """Global batches per pass over the dataset."""
         return self._examples // self._batch_size
+
+    @property
+    def rows(self) -> slice:
+        """This process's rows of each global batch (`process_slice(batch_size, plan)`)."""
+        return self._rows
 
     @property
     def step(self) -> int:
@@ -242,20 +294,15 @@ class ShardedIterator:
     def global_indices(self, step: int) -> np.ndarray:
         """Dataset indices of step `step`'s whole global batch, in batch order.
 
-        For data too large to hold on every process: load only
-        `global_indices(step)[process_slice(batch_size, plan)]` yourself.
+        The rows `next()` yields for that step are
+        `global_indices(step)[it.rows]`. For a dataset in a format of your own:
+        load only those examples yourself.
 
         ```python
-        rows = it.global_indices(it.step)[eqxpar.data.process_slice(64, plan)]
+        mine = it.global_indices(it.step)[it.rows]
         ```
         """
-        step = _check_int(step, "step", 0)
-        epoch, position = divmod(step, self.steps_per_epoch)
-        if self._shuffle:
-            order = np.random.default_rng([self._seed, epoch]).permutation(self._examples)
-        else:
-            order = np.arange(self._examples)
-        return order[position * self._batch_size : (position + 1) * self._batch_size]
+        return self._order.batch(check_int(step, "step", 0), self._batch_size)
 
     def __iter__(self) -> Iterator[PyTree[np.ndarray]]:
         return self
@@ -263,6 +310,8 @@ class ShardedIterator:
     def __next__(self) -> PyTree[np.ndarray]:
         indices = self.global_indices(self._step)[self._rows]
         self._step += 1
+        if isinstance(self._data, TokenFile):
+            return self._data.read(indices)
         return jax.tree.map(lambda leaf: leaf[indices], self._data)
 
     def get_state(self) -> dict[str, int]:
@@ -272,7 +321,7 @@ class ShardedIterator:
         manager.save(step, state, data_state=it.get_state())
         ```
         """
-        return {"step": self._step, "seed": self._seed}
+        return {"step": self._step, "seed": self._order.seed}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from a state `get_state()` returned (in this or another run).
@@ -289,9 +338,11 @@ class ShardedIterator:
                 f"ShardedIterator.set_state({state!r}): expected a dict with exactly the keys "
                 "'step' and 'seed', as returned by get_state()."
             )
-        step = _check_int(state["step"], "step", 0)
-        seed = _check_int(state["seed"], "seed", 0)
-        self._step, self._seed = step, seed
+        step = check_int(state["step"], "step", 0)
+        seed = check_int(state["seed"], "seed", 0)
+        if seed != self._order.seed:
+            self._order = EpochOrder(self._examples, seed=seed, shuffle=self._order.shuffle)
+        self._step = step
 
     def __repr__(self) -> str:
         return f"ShardedIterator({json.dumps(self.get_state())}, batch_size={self._batch_size}, rows={self._rows})"
