@@ -14,7 +14,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -24,7 +23,7 @@ import eqxpar.launch
 from eqxpar.distributed import DistributedError
 
 from ._compile_flags import suite_xla_flags
-from ._helpers import assert_params_close, assert_trees_close
+from ._helpers import StreamedRun, assert_params_close, assert_processes_gone, assert_trees_close
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "_multihost_script.py"
@@ -34,19 +33,6 @@ def _script(tmp_path, name, body):
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers signal 0; it is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_run_passes_rank_environment_and_prefixes_output(tmp_path, capsys):
@@ -83,11 +69,7 @@ def _assert_gone(tmp_path, ranks):
     """The processes and grandchildren listed in tmp_path/pids<rank> are all dead."""
     for rank in ranks:
         pids = [int(p) for p in (tmp_path / f"pids{rank}").read_text().split()]
-        # Dead, but maybe not yet reaped by init: polled briefly, not slept on.
-        deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), f"rank {rank} or its child survived"
+        assert_processes_gone(pids, f"rank {rank} or its child")
 
 
 # Every rank starts a grandchild, records both pids, and waits for the others' records.
@@ -237,34 +219,6 @@ def test_command_line(tmp_path, capsys):
     assert "processes=0" in capsys.readouterr().err
 
 
-class _Run:
-    """A subprocess whose output lines are collected, with arrival times, as they come."""
-
-    def __init__(self, command, env):
-        self.start = time.monotonic()
-        self.proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-        self.proc.stdout.close()
-
-    def wait(self, timeout=300):
-        code = self.proc.wait(timeout)
-        self.end = time.monotonic()
-        self.reader.join(10)
-        return code
-
-    @property
-    def output(self):
-        return "\n".join(line for _, line in self.lines)
-
-
 def _launch(n, devices, *args):
     return [sys.executable, "-m", "eqxpar.launch", "-n", str(n), "--devices-per-process", str(devices)] + [
         "--timeout",
@@ -291,20 +245,20 @@ def test_two_processes_match_one_and_a_killed_run_resumes_exactly(tmp_path):
     # Three independent runs at once: 1 x 8 without the launcher, 2 x 4 through
     # it, and a 2 x 4 run whose rank 1 dies by SIGKILL after step 4 (its last
     # checkpoint is step 3).
-    single = _Run(
+    single = StreamedRun(
         [sys.executable, str(ROOT / "examples" / "multihost.py"), *common, *files("single")]
         + ["--params-out", str(tmp_path / "single.npz")],
         env,
     )
-    multi = _Run(
+    multi = StreamedRun(
         _launch(2, 4, "--", *common, *files("multi"), "--params-out", str(tmp_path / "multi.npz")), env
     )
-    killed = _Run(
+    killed = StreamedRun(
         _launch(2, 4, "--die-after-step", "4", "--die-rank", "1", "--", *common, *files("killed")), env
     )
     killed_code = killed.wait()
     # Resumed from its step-3 checkpoint (while the other two still run).
-    resumed = _Run(
+    resumed = StreamedRun(
         _launch(
             2, 4, "--", *common, *files("killed"), "--resume", "--params-out", str(tmp_path / "resumed.npz")
         ),

@@ -259,14 +259,15 @@ def run(
                 child_env(rank, processes, devices_per_process, coordinator, env, restart_count=restart)
                 for rank in range(processes)
             ]
-            code, failure = _attempt(command, environments, lock, limits, term)
-            if failure is None or term.received.is_set():
+            code, failures = _attempt(command, environments, lock, limits, term)
+            if not failures or term.received.is_set():
                 return code
             if restart < max_restarts:
+                causes = ", ".join(f"rank {rank} {_describe(status)}" for rank, status in failures)
                 _say(
                     lock,
-                    f"restart {restart + 1} of {max_restarts}: rank {failure[0]} {_describe(failure[1])}; "
-                    f"starting all {processes} process(es) again.",
+                    f"restart {restart + 1} of {max_restarts}: {causes}; starting all {processes} "
+                    "process(es) again.",
                 )
         if max_restarts:
             _say(lock, f"all {max_restarts} restart(s) used; the last failure's status is {code}.")
@@ -342,10 +343,10 @@ def _attempt(
     lock: threading.Lock,
     limits: _Limits,
     term: _Termination,
-) -> tuple[int, tuple[int, int] | None]:
-    """Start one process per environment and watch them: `(exit code, failure)`, where
-    `failure` is the `(rank, status)` that ended a failed run (None: success, timeout
-    or termination, none of which is restarted)."""
+) -> tuple[int, list[tuple[int, int]]]:
+    """Start one process per environment and watch them: `(exit code, failures)`, where
+    `failures` are the `(rank, status)` that ended a failed run, the cause first
+    (empty: success, timeout or termination, none of which is restarted)."""
     children: list[_Child] = []
     try:
         for rank, child_environment in enumerate(environments):
@@ -358,14 +359,14 @@ def _attempt(
 
 def _watch(
     children: list[_Child], lock: threading.Lock, limits: _Limits, term: _Termination
-) -> tuple[int, tuple[int, int] | None]:
+) -> tuple[int, list[tuple[int, int]]]:
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     for child in children:
         threading.Thread(target=lambda c=child: exits.put((c.rank, c.proc.wait())), daemon=True).start()
     codes: dict[int, int] = {}
     while True:
         if term.received.is_set():
-            return _terminate(children, exits, codes, lock, limits.grace), None
+            return _terminate(children, exits, codes, lock, limits.grace), []
         try:
             rank, code = exits.get(timeout=_POLL_S)
         except queue.Empty:
@@ -376,7 +377,7 @@ def _watch(
                     f"the {len(children)} processes did not finish within {limits.timeout:g} s; "
                     "killed them all. Raise the timeout or look for a hang.",
                 )
-                return 124, None
+                return 124, []
             continue
         codes[rank] = code
         if code == 0:
@@ -384,13 +385,13 @@ def _watch(
                 # Whatever the processes left running (a server they started,
                 # say) goes with them.
                 _stop(children)
-                return 0, None
+                return 0, []
             continue
         failures = _gather_failures(rank, code, exits)
         rank, code = _cause(failures)
         _stop(children)
         _report(children[rank], code, children, failures, lock)
-        return _exit_code(code), (rank, code)
+        return _exit_code(code), [(rank, code)] + [f for f in failures if f[0] != rank]
 
 
 def _gather_failures(rank: int, code: int, exits: "queue.Queue[tuple[int, int]]") -> list[tuple[int, int]]:
