@@ -11,6 +11,7 @@ run with SIGKILL and resumes it from its checkpoint.
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -154,6 +155,86 @@ def test_a_rank_failing_after_initialize_stops_the_run(tmp_path, kind, rank, sta
     _assert_gone(tmp_path, (0, 1))
 
 
+# Each run of each rank records its restart count, coordinator and pid; rank
+# `restart % 2` of the first two runs fails (status 5, then 6) while the other waits.
+_RESTARTS = """
+import os, sys, time
+rank, restart = int(os.environ["EQXPAR_PROCESS_ID"]), int(os.environ["EQXPAR_RESTART_COUNT"])
+here = os.path.dirname(__file__)
+with open(os.path.join(here, f"run{restart}-{rank}"), "w") as f:
+    f.write(f"{os.getpid()} {os.environ['EQXPAR_COORDINATOR']}")
+if restart < 2:
+    if rank == restart % 2:
+        time.sleep(0.3)
+        print(f"run {restart} failing", flush=True)
+        sys.exit(5 + restart)
+    time.sleep(600)
+print(f"run {restart} done", flush=True)
+"""
+
+
+def test_max_restarts_restarts_the_whole_job(tmp_path, capsys):
+    script = _script(tmp_path, "restarts.py", _RESTARTS)
+    assert eqxpar.launch.run(script, processes=2, max_restarts=2, timeout=120) == 0
+    out, err = capsys.readouterr()
+    assert "eqxpar.launch: restart 1 of 2: rank 0 exited with status 5; starting all 2 process(es)" in err
+    assert "eqxpar.launch: restart 2 of 2: rank 1 exited with status 6; starting all 2 process(es)" in err
+    assert "[rank 0] run 2 done" in out and "[rank 1] run 2 done" in out
+    records = {f.name: f.read_text().split() for f in tmp_path.glob("run*-*")}
+    assert sorted(records) == [f"run{r}-{k}" for r in range(3) for k in range(2)]
+    # A fresh coordinator port for each run, the same for the ranks of one run.
+    coordinators = [{records[f"run{r}-{k}"][1] for k in range(2)} for r in range(3)]
+    assert all(len(c) == 1 for c in coordinators) and len(set.union(*coordinators)) == 3
+    assert_processes_gone([int(pid) for pid, _ in records.values()], "a rank of an earlier run")
+
+    # Restarts spent: the last failure's status.
+    for f in tmp_path.glob("run*-*"):
+        f.unlink()
+    assert eqxpar.launch.run(script, processes=2, max_restarts=1, timeout=120) == 6
+    err = capsys.readouterr().err
+    assert "restart 1 of 1: rank 0 exited with status 5" in err
+    assert (
+        "eqxpar.launch: rank 1 (pid" in err and "all 1 restart(s) used; the last failure's status is 6" in err
+    )
+    assert_processes_gone([int(f.read_text().split()[0]) for f in tmp_path.glob("run*-*")])
+
+
+# Rank 0 exits 0 on SIGTERM; rank 1 ignores it, as a process would that never saves.
+_TERMINATED = """
+import os, signal, sys, time
+rank = int(os.environ["EQXPAR_PROCESS_ID"])
+here = os.path.dirname(__file__)
+if rank == 0:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(here, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_the_grace_period_kept(tmp_path):
+    script = _script(tmp_path, "terminated.py", _TERMINATED)
+    command = [sys.executable, "-m", "eqxpar.launch", "-n", "2", "--grace-period", "2", "--max-restarts", "3"]
+    run = StreamedRun([*command, "--timeout", "120", str(script)], dict(os.environ))
+    run.wait_for_line("[rank 0] ready")
+    run.wait_for_line("[rank 1] ready")
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM, run.output
+    # Rank 1 got its 2 s, then SIGKILL; nothing was restarted.
+    assert 2 <= run.end - sent < 20
+    assert "SIGTERM received: forwarded to the 2 running process(es); waiting up to 2 s" in run.output
+    assert (
+        "eqxpar.launch: stopped by SIGTERM: rank 0 exited with status 0; rank(s) 1 did not exit "
+        "within 2 s and were killed (SIGKILL)."
+    ) in run.output
+    assert "restart" not in run.output
+    assert_processes_gone([int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)])
+
+
 def test_a_platform_set_by_the_user_is_kept(tmp_path, capsys, monkeypatch):
     script = _script(
         tmp_path,
@@ -195,6 +276,10 @@ def test_timeout_and_bad_arguments(tmp_path, capsys):
         eqxpar.launch.run(sleeper, processes=0)
     with pytest.raises(DistributedError, match=r"devices_per_process=-4"):
         eqxpar.launch.run(sleeper, processes=1, devices_per_process=-4)
+    with pytest.raises(DistributedError, match=r"max_restarts=-1.*>= 0"):
+        eqxpar.launch.run(sleeper, processes=1, max_restarts=-1)
+    with pytest.raises(DistributedError, match=r"grace_period=-1.*>= 0"):
+        eqxpar.launch.run(sleeper, processes=1, grace_period=-1)
     with pytest.raises(DistributedError, match=r"missing\.py' does not exist"):
         eqxpar.launch.run(tmp_path / "missing.py", processes=1)
     with pytest.raises(

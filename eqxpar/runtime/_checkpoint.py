@@ -16,7 +16,7 @@ import os
 import pathlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -120,7 +120,7 @@ class CheckpointManager:
         max_to_keep: int | None = 3,
         keep_every: int | None = None,
         async_save: bool = True,
-        on_save_error: Literal["raise", "warn"] = "raise",
+        on_save_error: str = "raise",
     ):
         ocp = _orbax()
         _check_retention(max_to_keep, keep_every)
