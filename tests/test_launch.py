@@ -199,15 +199,18 @@ def test_max_restarts_restarts_the_whole_job(tmp_path, capsys):
     assert_processes_gone([int(f.read_text().split()[0]) for f in tmp_path.glob("run*-*")])
 
 
-# Rank 0 exits 0 on SIGTERM; rank 1 ignores it, as a process would that never saves.
+# On SIGTERM, rank k does what argv[k + 1] says: exit 0 (having saved, say), exit 7
+# (failing to), or nothing (ignoring it, as a process would that never saves).
 _TERMINATED = """
 import os, signal, sys, time
 rank = int(os.environ["EQXPAR_PROCESS_ID"])
 here = os.path.dirname(__file__)
-if rank == 0:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-else:
+action = sys.argv[1 + rank]
+if action == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    status = int(action.removeprefix("exit"))
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.2 * status), os._exit(status)))
 with open(os.path.join(here, f"pid{rank}"), "w") as f:
     f.write(str(os.getpid()))
 print("ready", flush=True)
@@ -215,24 +218,37 @@ time.sleep(600)
 """
 
 
-def test_sigterm_to_the_launcher_is_forwarded_and_the_grace_period_kept(tmp_path):
+@pytest.mark.parametrize(
+    "actions,grace,report",
+    [
+        (["exit0", "ignore"], 2, "rank 0 exited with status 0; rank(s) 1 did not exit within 2 s"),
+        (
+            ["exit0", "ignore", "exit7"],
+            60,
+            "rank 0 exited with status 0, rank 2 exited with status 7; rank(s) 1 were still "
+            "running after rank 2 failed",
+        ),
+    ],
+)
+def test_sigterm_to_the_launcher_is_forwarded_and_the_grace_period_kept(tmp_path, actions, grace, report):
     script = _script(tmp_path, "terminated.py", _TERMINATED)
-    command = [sys.executable, "-m", "eqxpar.launch", "-n", "2", "--grace-period", "2", "--max-restarts", "3"]
-    run = StreamedRun([*command, "--timeout", "120", str(script)], dict(os.environ))
-    run.wait_for_line("[rank 0] ready")
-    run.wait_for_line("[rank 1] ready")
+    command = [sys.executable, "-m", "eqxpar.launch", "-n", str(len(actions)), "--grace-period", str(grace)]
+    command += ["--max-restarts", "3", "--timeout", "120", str(script), *actions]
+    run = StreamedRun(command, dict(os.environ))
+    for rank in range(len(actions)):
+        run.wait_for_line(f"[rank {rank}] ready")
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
-    assert run.wait(60) == 128 + signal.SIGTERM, run.output
-    # Rank 1 got its 2 s, then SIGKILL; nothing was restarted.
-    assert 2 <= run.end - sent < 20
-    assert "SIGTERM received: forwarded to the 2 running process(es); waiting up to 2 s" in run.output
+    assert run.wait(90) == 128 + signal.SIGTERM, run.output
+    # Rank 1 got its grace period, or less once a peer failed; then SIGKILL.
+    assert (2 if grace == 2 else 0) <= run.end - sent < 20
     assert (
-        "eqxpar.launch: stopped by SIGTERM: rank 0 exited with status 0; rank(s) 1 did not exit "
-        "within 2 s and were killed (SIGKILL)."
-    ) in run.output
-    assert "restart" not in run.output
-    assert_processes_gone([int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)])
+        f"SIGTERM received: forwarded to the {len(actions)} running process(es); waiting up to {grace} s"
+        in (run.output)
+    )
+    assert f"eqxpar.launch: stopped by SIGTERM: {report} and were killed (SIGKILL)." in run.output
+    assert "restart" not in run.output  # a job told to stop is not restarted
+    assert_processes_gone([int((tmp_path / f"pid{rank}").read_text()) for rank in range(len(actions))])
 
 
 def test_a_platform_set_by_the_user_is_kept(tmp_path, capsys, monkeypatch):

@@ -423,6 +423,7 @@ def _terminate(
     for child in running:
         child.kill(signal.SIGTERM)
     deadline = time.monotonic() + grace
+    failed = None
     while len(codes) < len(children) and time.monotonic() < deadline:
         try:
             rank, code = exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
@@ -431,19 +432,21 @@ def _terminate(
         codes[rank] = code
         if code != 0:
             # Its peers may now wait on it in a collective: no use waiting for them.
+            failed = rank
             time.sleep(_SETTLE_S)
             while not exits.empty():
                 other = exits.get()
                 codes[other[0]] = other[1]
             break
-    late = [c.rank for c in children if c.rank not in codes]
+    late = ", ".join(str(c.rank) for c in children if c.rank not in codes)
     _stop(children, term_grace=0.0)
     ended = ", ".join(f"rank {c.rank} {_describe(codes[c.rank])}" for c in children if c.rank in codes)
-    killed = (
-        f"; rank(s) {', '.join(map(str, late))} did not exit within {grace:g} s and were killed (SIGKILL)"
-        if late
-        else ""
+    why = (
+        f"did not exit within {grace:g} s"
+        if failed is None
+        else f"were still running after rank {failed} failed"
     )
+    killed = f"; rank(s) {late} {why} and were killed (SIGKILL)" if late else ""
     _say(lock, f"stopped by SIGTERM: {ended or 'no process exited by itself'}{killed}.")
     return 128 + signal.SIGTERM
 
