@@ -5,6 +5,7 @@ import eqxpar.distributed as dist
 dist.initialize()                    # reads eqxpar.launch's environment, or Slurm/MPI/k8s
 dist.print_once("only process 0 prints this")
 dist.log("every process logs this, as [rank k/n] ...")
+guard = dist.PreemptionGuard()       # with initialize(preemption_service=True): stop on SIGTERM
 ```
 """
 
@@ -18,3 +19,5 @@ from .runtime._distributed import print_once as print_once
 from .runtime._distributed import process_count as process_count
 from .runtime._distributed import process_index as process_index
 from .runtime._distributed import rank_prefix as rank_prefix
+from .runtime._distributed import restart_count as restart_count
+from .runtime._preemption import PreemptionGuard as PreemptionGuard

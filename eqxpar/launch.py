@@ -6,7 +6,10 @@ or, from Python, `eqxpar.launch.run("train.py", ["--steps", "10"], processes=2,
 devices_per_process=4)`. The script calls `eqxpar.distributed.initialize()`, which
 reads the coordinator, process count and id the launcher passes in the
 environment. Output lines are prefixed `[rank k]`; if any process fails, the
-others are killed and the launcher exits non-zero, naming the failing rank.
+others are killed and the launcher exits non-zero, naming the failing rank, or,
+with `--max-restarts N`, starts the whole job again (up to N times). SIGTERM to
+the launcher is forwarded to the processes, which get `--grace-period` seconds
+(default 30) to save and exit.
 """
 
 import sys

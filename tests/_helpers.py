@@ -5,6 +5,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -494,3 +496,64 @@ def run_example(script: str, args) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers signal 0; it is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_processes_gone(pids: Iterable[int], what: str = "a process") -> None:
+    """Every process of `pids` is dead, polled for up to 5 s (init may not have reaped it yet)."""
+    pids = list(pids)
+    deadline = time.monotonic() + 5
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if process_alive(p)], f"{what} survived"
+
+
+class StreamedRun:
+    """A subprocess whose output lines (stdout and stderr together) are collected,
+    with arrival times, as they come."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        self.proc.stdout.close()
+
+    def wait(self, timeout: float = 300) -> int:
+        code = self.proc.wait(timeout)
+        self.end = time.monotonic()
+        self.reader.join(10)
+        return code
+
+    def wait_for_line(self, text: str, timeout: float = 120) -> None:
+        """Block until a line containing `text` arrives (AssertionError if the run ends
+        or `timeout` seconds pass first)."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for _, line in list(self.lines)):
+            assert self.proc.poll() is None, f"ended before {text!r}:\n{self.output[-4000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output[-4000:]}"
+            time.sleep(0.02)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)

@@ -121,6 +121,79 @@ def test_async_save_survives_donated_steps_and_keeps_last_k(tmp_path):
     assert data_state is None
 
 
+def test_keep_every_keeps_multiples_beside_the_latest(tmp_path):
+    state = {"w": jnp.arange(8.0)}
+    with CheckpointManager(tmp_path, max_to_keep=2, keep_every=4) as manager:
+        for i in range(1, 11):
+            manager.save(i, state)
+    assert CheckpointManager(tmp_path).all_steps() == [4, 8, 9, 10]
+    with pytest.raises(CheckpointError, match=r"keep_every=0.*>= 1"):
+        CheckpointManager(tmp_path, keep_every=0)
+    with pytest.raises(CheckpointError, match=r"keep_every=5, max_to_keep=None.*kept already"):
+        CheckpointManager(tmp_path, max_to_keep=None, keep_every=5)
+
+
+def _inject_save_failures(monkeypatch, *, in_background=(), in_save=()):
+    """Make orbax fail saving some steps: `in_background`, where the files are
+    finalised in the background thread (disk full); `in_save`, in `save` itself
+    (the step directory cannot be made)."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    commit = async_checkpointer._on_commit_callback
+    save = ocp.CheckpointManager.save
+
+    def failing_commit(tmpdir, *args, **kwargs):
+        if int(tmpdir.get_final().name) in in_background:
+            raise OSError(28, "No space left on device")
+        return commit(tmpdir, *args, **kwargs)
+
+    def failing_save(self, step, *args, **kwargs):
+        if step in in_save:
+            raise PermissionError(13, "Permission denied")
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(async_checkpointer, "_on_commit_callback", failing_commit)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing_save)
+
+
+def test_a_failed_save_is_logged_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    _inject_save_failures(monkeypatch, in_background=(3, 6), in_save=(5,))
+    manager = CheckpointManager(tmp_path, max_to_keep=None, on_save_error="warn")
+    for i in range(1, 7):
+        manager.save(i, {"w": jnp.full(8, float(i))}, data_state={"step": i})
+    manager.wait()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "eqxpar.checkpoint"]
+    assert [w.split(" was not saved")[0] for w in warnings] == [
+        "[rank 0/1] checkpoint step 3",
+        "[rank 0/1] checkpoint step 5",
+        "[rank 0/1] checkpoint step 6",
+    ]
+    assert "OSError: [Errno 28] No space left on device" in warnings[0]
+    assert "PermissionError: [Errno 13] Permission denied" in warnings[1]
+    assert "latest complete checkpoint (now step 4)" in warnings[2]
+    # The failed saves are not checkpoints: the latest complete one is restored.
+    assert manager.all_steps() == [1, 2, 4]
+    restored, data_state = manager.restore(like={"w": jnp.zeros(8)})
+    assert data_state == {"step": 4}
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full(8, 4.0))
+    manager.save(7, {"w": jnp.zeros(8)})  # and saving goes on
+    manager.close()
+    assert CheckpointManager(tmp_path).all_steps() == [1, 2, 4, 7]
+
+
+def test_a_failed_background_save_raises_by_default(tmp_path, monkeypatch):
+    _inject_save_failures(monkeypatch, in_background=(2,))
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"w": jnp.ones(8)})
+    manager.save(2, {"w": jnp.ones(8)})  # returns: the failure comes in the background
+    with pytest.raises(CheckpointError, match=r"writing checkpoint step 2 to .* failed: OSError"):
+        manager.wait()
+    assert manager.latest_step() == 1
+    with pytest.raises(CheckpointError, match=r"on_save_error='ignore'.*'raise', 'warn'"):
+        CheckpointManager(tmp_path, on_save_error="ignore")
+
+
 def test_restore_onto_another_mesh(tmp_path):
     source = _fsdp_plan(fsdp=8)
     state, optimizer = _state(source)

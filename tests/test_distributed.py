@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import pytest
 
 import eqxpar.distributed as dist
@@ -77,6 +78,50 @@ def test_initialize_after_the_backend_started_says_so(alone):
     # pytest's process already runs JAX computations (conftest), as a notebook might.
     with pytest.raises(DistributedError, match=r"after JAX started its backend.*very start"):
         dist.initialize("127.0.0.1:12345", 2, 0, initialization_timeout=1)
+
+
+def test_restart_count_reads_the_launcher_then_slurm(alone):
+    alone.delenv("EQXPAR_RESTART_COUNT", raising=False)
+    alone.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert dist.restart_count() == 0
+    alone.setenv("SLURM_RESTART_COUNT", "4")
+    assert dist.restart_count() == 4
+    alone.setenv("EQXPAR_RESTART_COUNT", "2")  # the launcher's, first
+    assert dist.restart_count() == 2
+    alone.setenv("EQXPAR_RESTART_COUNT", "-1")
+    with pytest.raises(DistributedError, match=r"EQXPAR_RESTART_COUNT=-1 is negative"):
+        dist.restart_count()
+    alone.setenv("EQXPAR_RESTART_COUNT", "once")
+    with pytest.raises(DistributedError, match=r"EQXPAR_RESTART_COUNT='once' is not an integer"):
+        dist.restart_count()
+
+
+def test_preemption_guard_alone_stops_on_sigterm(alone):
+    before = signal.getsignal(signal.SIGTERM)
+    with dist.PreemptionGuard() as guard:
+        assert not guard.should_stop(1) and not guard.should_stop(2)
+        with pytest.raises(DistributedError, match=r"should_stop\(step=2\) after step 2.*increasing"):
+            guard.should_stop(2)
+        with pytest.raises(DistributedError, match=r"step=-3.*>= 0"):
+            guard.should_stop(-3)
+        os.kill(os.getpid(), signal.SIGTERM)  # caught: the test goes on
+        assert guard.should_stop(3) and guard.stop_step == 3
+        assert guard.should_stop(4) and guard.stop_step == 3  # stays stopped
+        assert "stop_step=3" in repr(guard)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_preemption_guard_needs_the_preemption_service_in_a_run(alone):
+    # As if initialize() had joined a run without preemption_service=True (which
+    # pytest's process, whose backend runs, cannot do).
+    alone.setattr(jax.distributed, "is_initialized", lambda: True)
+    previous = jax.config.jax_enable_preemption_service
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        with pytest.raises(DistributedError, match=r"initialize\(preemption_service=True\)"):
+            dist.PreemptionGuard()
+    finally:
+        jax.config.update("jax_enable_preemption_service", previous)
 
 
 def test_rank_aware_printing_and_logging(alone, capsys, caplog):

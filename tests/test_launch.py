@@ -11,10 +11,10 @@ run with SIGKILL and resumes it from its checkpoint.
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -24,7 +24,7 @@ import eqxpar.launch
 from eqxpar.distributed import DistributedError
 
 from ._compile_flags import suite_xla_flags
-from ._helpers import assert_params_close, assert_trees_close
+from ._helpers import StreamedRun, assert_params_close, assert_processes_gone, assert_trees_close
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "_multihost_script.py"
@@ -34,19 +34,6 @@ def _script(tmp_path, name, body):
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers signal 0; it is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_run_passes_rank_environment_and_prefixes_output(tmp_path, capsys):
@@ -83,11 +70,7 @@ def _assert_gone(tmp_path, ranks):
     """The processes and grandchildren listed in tmp_path/pids<rank> are all dead."""
     for rank in ranks:
         pids = [int(p) for p in (tmp_path / f"pids{rank}").read_text().split()]
-        # Dead, but maybe not yet reaped by init: polled briefly, not slept on.
-        deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), f"rank {rank} or its child survived"
+        assert_processes_gone(pids, f"rank {rank} or its child")
 
 
 # Every rank starts a grandchild, records both pids, and waits for the others' records.
@@ -172,6 +155,102 @@ def test_a_rank_failing_after_initialize_stops_the_run(tmp_path, kind, rank, sta
     _assert_gone(tmp_path, (0, 1))
 
 
+# Each run of each rank records its restart count, coordinator and pid; rank
+# `restart % 2` of the first two runs fails (status 5, then 6) while the other waits.
+_RESTARTS = """
+import os, sys, time
+rank, restart = int(os.environ["EQXPAR_PROCESS_ID"]), int(os.environ["EQXPAR_RESTART_COUNT"])
+here = os.path.dirname(__file__)
+with open(os.path.join(here, f"run{restart}-{rank}"), "w") as f:
+    f.write(f"{os.getpid()} {os.environ['EQXPAR_COORDINATOR']}")
+if restart < 2:
+    if rank == restart % 2:
+        time.sleep(0.3)
+        print(f"run {restart} failing", flush=True)
+        sys.exit(5 + restart)
+    time.sleep(600)
+print(f"run {restart} done", flush=True)
+"""
+
+
+def test_max_restarts_restarts_the_whole_job(tmp_path, capsys):
+    script = _script(tmp_path, "restarts.py", _RESTARTS)
+    assert eqxpar.launch.run(script, processes=2, max_restarts=2, timeout=120) == 0
+    out, err = capsys.readouterr()
+    assert "eqxpar.launch: restart 1 of 2: rank 0 exited with status 5; starting all 2 process(es)" in err
+    assert "eqxpar.launch: restart 2 of 2: rank 1 exited with status 6; starting all 2 process(es)" in err
+    assert "[rank 0] run 2 done" in out and "[rank 1] run 2 done" in out
+    records = {f.name: f.read_text().split() for f in tmp_path.glob("run*-*")}
+    assert sorted(records) == [f"run{r}-{k}" for r in range(3) for k in range(2)]
+    # A fresh coordinator port for each run, the same for the ranks of one run.
+    coordinators = [{records[f"run{r}-{k}"][1] for k in range(2)} for r in range(3)]
+    assert all(len(c) == 1 for c in coordinators) and len(set.union(*coordinators)) == 3
+    assert_processes_gone([int(pid) for pid, _ in records.values()], "a rank of an earlier run")
+
+    # Restarts spent: the last failure's status.
+    for f in tmp_path.glob("run*-*"):
+        f.unlink()
+    assert eqxpar.launch.run(script, processes=2, max_restarts=1, timeout=120) == 6
+    err = capsys.readouterr().err
+    assert "restart 1 of 1: rank 0 exited with status 5" in err
+    assert (
+        "eqxpar.launch: rank 1 (pid" in err and "all 1 restart(s) used; the last failure's status is 6" in err
+    )
+    assert_processes_gone([int(f.read_text().split()[0]) for f in tmp_path.glob("run*-*")])
+
+
+# On SIGTERM, rank k does what argv[k + 1] says: exit 0 (having saved, say), exit 7
+# (failing to), or nothing (ignoring it, as a process would that never saves).
+_TERMINATED = """
+import os, signal, sys, time
+rank = int(os.environ["EQXPAR_PROCESS_ID"])
+here = os.path.dirname(__file__)
+action = sys.argv[1 + rank]
+if action == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    status = int(action.removeprefix("exit"))
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.2 * status), os._exit(status)))
+with open(os.path.join(here, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    "actions,grace,report",
+    [
+        (["exit0", "ignore"], 2, "rank 0 exited with status 0; rank(s) 1 did not exit within 2 s"),
+        (
+            ["exit0", "ignore", "exit7"],
+            60,
+            "rank 0 exited with status 0, rank 2 exited with status 7; rank(s) 1 were still "
+            "running after rank 2 failed",
+        ),
+    ],
+)
+def test_sigterm_to_the_launcher_is_forwarded_and_the_grace_period_kept(tmp_path, actions, grace, report):
+    script = _script(tmp_path, "terminated.py", _TERMINATED)
+    command = [sys.executable, "-m", "eqxpar.launch", "-n", str(len(actions)), "--grace-period", str(grace)]
+    command += ["--max-restarts", "3", "--timeout", "120", str(script), *actions]
+    run = StreamedRun(command, dict(os.environ))
+    for rank in range(len(actions)):
+        run.wait_for_line(f"[rank {rank}] ready")
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(90) == 128 + signal.SIGTERM, run.output
+    # Rank 1 got its grace period, or less once a peer failed; then SIGKILL.
+    assert (2 if grace == 2 else 0) <= run.end - sent < 20
+    assert (
+        f"SIGTERM received: forwarded to the {len(actions)} running process(es); waiting up to {grace} s"
+        in (run.output)
+    )
+    assert f"eqxpar.launch: stopped by SIGTERM: {report} and were killed (SIGKILL)." in run.output
+    assert "restart" not in run.output  # a job told to stop is not restarted
+    assert_processes_gone([int((tmp_path / f"pid{rank}").read_text()) for rank in range(len(actions))])
+
+
 def test_a_platform_set_by_the_user_is_kept(tmp_path, capsys, monkeypatch):
     script = _script(
         tmp_path,
@@ -213,6 +292,10 @@ def test_timeout_and_bad_arguments(tmp_path, capsys):
         eqxpar.launch.run(sleeper, processes=0)
     with pytest.raises(DistributedError, match=r"devices_per_process=-4"):
         eqxpar.launch.run(sleeper, processes=1, devices_per_process=-4)
+    with pytest.raises(DistributedError, match=r"max_restarts=-1.*>= 0"):
+        eqxpar.launch.run(sleeper, processes=1, max_restarts=-1)
+    with pytest.raises(DistributedError, match=r"grace_period=-1.*>= 0"):
+        eqxpar.launch.run(sleeper, processes=1, grace_period=-1)
     with pytest.raises(DistributedError, match=r"missing\.py' does not exist"):
         eqxpar.launch.run(tmp_path / "missing.py", processes=1)
     with pytest.raises(
@@ -235,34 +318,6 @@ def test_command_line(tmp_path, capsys):
         eqxpar.launch.main(["-n", "0", str(script)])
     assert info.value.code == 2
     assert "processes=0" in capsys.readouterr().err
-
-
-class _Run:
-    """A subprocess whose output lines are collected, with arrival times, as they come."""
-
-    def __init__(self, command, env):
-        self.start = time.monotonic()
-        self.proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-        self.proc.stdout.close()
-
-    def wait(self, timeout=300):
-        code = self.proc.wait(timeout)
-        self.end = time.monotonic()
-        self.reader.join(10)
-        return code
-
-    @property
-    def output(self):
-        return "\n".join(line for _, line in self.lines)
 
 
 def _launch(n, devices, *args):
@@ -291,20 +346,20 @@ def test_two_processes_match_one_and_a_killed_run_resumes_exactly(tmp_path):
     # Three independent runs at once: 1 x 8 without the launcher, 2 x 4 through
     # it, and a 2 x 4 run whose rank 1 dies by SIGKILL after step 4 (its last
     # checkpoint is step 3).
-    single = _Run(
+    single = StreamedRun(
         [sys.executable, str(ROOT / "examples" / "multihost.py"), *common, *files("single")]
         + ["--params-out", str(tmp_path / "single.npz")],
         env,
     )
-    multi = _Run(
+    multi = StreamedRun(
         _launch(2, 4, "--", *common, *files("multi"), "--params-out", str(tmp_path / "multi.npz")), env
     )
-    killed = _Run(
+    killed = StreamedRun(
         _launch(2, 4, "--die-after-step", "4", "--die-rank", "1", "--", *common, *files("killed")), env
     )
     killed_code = killed.wait()
     # Resumed from its step-3 checkpoint (while the other two still run).
-    resumed = _Run(
+    resumed = StreamedRun(
         _launch(
             2, 4, "--", *common, *files("killed"), "--resume", "--params-out", str(tmp_path / "resumed.npz")
         ),

@@ -6,7 +6,8 @@ The public modules are `eqxpar.launch`, `eqxpar.distributed`, `eqxpar.data` and
 public names in one place:
 
 - `_launch`: `run` and `free_port` (`python -m eqxpar.launch` is the command line);
-- `_distributed`: `initialize`, process-aware printing and logging;
+- `_distributed`: `initialize`, `restart_count`, process-aware printing and logging;
+- `_preemption`: `PreemptionGuard`, stopping every process at the same step on SIGTERM;
 - `_data`: `ShardedIterator`, `global_batch`, `process_slice`;
 - `_token_file`: `TokenFile`, token ids on disk read as sequences;
 - `_grain`: `GrainSampler`, `grain_sampler`, `grain_loader` (grain is imported
@@ -31,10 +32,12 @@ from ._distributed import print_once as print_once
 from ._distributed import process_count as process_count
 from ._distributed import process_index as process_index
 from ._distributed import rank_prefix as rank_prefix
+from ._distributed import restart_count as restart_count
 from ._grain import GrainSampler as GrainSampler
 from ._grain import grain_loader as grain_loader
 from ._grain import grain_sampler as grain_sampler
 from ._launch import free_port as free_port
 from ._launch import run as run
+from ._preemption import PreemptionGuard as PreemptionGuard
 from ._token_file import TokenFile as TokenFile
 from ._xla_flags import supported_xla_flags as supported_xla_flags

@@ -11,6 +11,7 @@ position.
 """
 
 import json
+import logging
 import os
 import pathlib
 from collections.abc import Callable, Sequence
@@ -27,12 +28,15 @@ from jaxtyping import PyTree
 from .._errors import EqxparError
 from .._plan import Plan
 from .._train_state import specs_of
+from ._distributed import get_logger
 
 _FORMAT = "eqxpar.checkpoint"
 _VERSION = 1
 _ARRAYS = "state"
 _META = "eqxpar"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_ON_SAVE_ERROR = ("raise", "warn")
+_LOGGER = logging.getLogger("eqxpar.checkpoint")
 
 
 class CheckpointError(EqxparError):
@@ -86,8 +90,18 @@ class CheckpointManager:
       filesystem all processes share).
     - `max_to_keep`: keep the newest this many complete checkpoints (None: keep
       all). Incomplete step directories are not counted, nor deleted.
+    - `keep_every`: also keep, for good, every checkpoint whose step is a
+      multiple of this (None: only the newest `max_to_keep`). Needs `max_to_keep`.
     - `async_save`: write in a background thread; `save` returns once the arrays
       are copied off the devices (so the next train step may overwrite them).
+    - `on_save_error`: what a save that fails does, whether it fails in `save`
+      itself (say, the directory cannot be written) or in the background (the
+      disk fills up): `"raise"` a `CheckpointError` (from `save`, or, for a
+      background failure, from the next `save`, `wait`, `restore` or `close`),
+      or `"warn"`: log a warning naming the step and the error (logger
+      `eqxpar.checkpoint`, with the process's `[rank k/n]`) and go on, so that
+      training continues. A failed save leaves no complete checkpoint, so
+      `restore` still loads the latest complete one.
 
     ```python
     manager = eqxpar.checkpoint.CheckpointManager("ckpt", max_to_keep=3)
@@ -99,14 +113,25 @@ class CheckpointManager:
     ```
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        on_save_error: str = "raise",
+    ):
         ocp = _orbax()
-        if max_to_keep is not None and (
-            not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool) or max_to_keep < 1
-        ):
+        _check_retention(max_to_keep, keep_every)
+        if on_save_error not in _ON_SAVE_ERROR:
             raise CheckpointError(
-                f"CheckpointManager(max_to_keep={max_to_keep!r}): expected an integer >= 1 or None."
+                f"CheckpointManager(on_save_error={on_save_error!r}): expected one of {_ON_SAVE_ERROR}: "
+                "'raise' to stop on a failed save, 'warn' to log it and go on."
             )
+        self._on_save_error = on_save_error
+        # The step whose background save may still be running (and fail).
+        self._pending: int | None = None
         self._directory = pathlib.Path(directory).absolute()
         if self._directory.exists() and not self._directory.is_dir():
             raise CheckpointError(
@@ -116,7 +141,9 @@ class CheckpointManager:
         options = ocp.CheckpointManagerOptions(
             # orbax's own max_to_keep would count incomplete step directories too,
             # and delete complete checkpoints to make room for them.
-            preservation_policy=None if max_to_keep is None else _KeepLatest(self._directory, max_to_keep),
+            preservation_policy=None
+            if max_to_keep is None
+            else _KeepLatest(self._directory, max_to_keep, keep_every),
             enable_async_checkpointing=bool(async_save),
             create=True,
             # Leftovers of saves that crashed midway are never loadable; drop them.
@@ -182,7 +209,9 @@ class CheckpointManager:
         - `data_state`: a JSON-serialisable dict, e.g. `iterator.get_state()`.
 
         **Raises:** `CheckpointError` for a bad step, a step already saved, a
-        state without arrays or a `data_state` JSON cannot hold.
+        state without arrays or a `data_state` JSON cannot hold; and, with
+        `on_save_error="raise"`, when this save, or the previous one in the
+        background, fails (with `"warn"`, a failed save is logged instead).
 
         ```python
         manager.save(int(state.step), state, data_state=iterator.get_state())
@@ -234,26 +263,54 @@ class CheckpointManager:
         meta = {"format": _FORMAT, "version": _VERSION, "leaves": records, "data_state": data_json}
         ocp = self._ocp
         args = ocp.args.Composite(**{_ARRAYS: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)})
-        _guard(
-            lambda: self._manager.save(step, args=args, force=True),
-            f"saving checkpoint step {step} to {str(self._directory)!r}",
-            _WRITE_FIX.format(directory=str(self._directory)),
-        )
+        # The previous save's background failure, if any, is its own step's to report.
+        self.wait()
+        try:
+            _guard(
+                lambda: self._manager.save(step, args=args, force=True),
+                f"saving checkpoint step {step} to {str(self._directory)!r}",
+                _WRITE_FIX.format(directory=str(self._directory)),
+            )
+        except CheckpointError as e:
+            self._failed(step, e)
+            return
+        self._pending = step
 
     def wait(self) -> None:
         """Block until every started save is written and visible.
 
-        **Raises:** `CheckpointError` if a background save failed.
+        **Raises:** `CheckpointError` if a background save failed (with
+        `on_save_error="warn"`, the failure is logged instead).
 
         ```python
         manager.save(step, state)
         manager.wait()               # the files of `step` are now complete
         ```
         """
-        _guard(
-            self._manager.wait_until_finished,
-            f"writing checkpoints to {str(self._directory)!r}",
-            _WRITE_FIX.format(directory=str(self._directory)),
+        step, self._pending = self._pending, None
+        try:
+            _guard(
+                self._manager.wait_until_finished,
+                f"writing checkpoint step {step} to {str(self._directory)!r}",
+                _WRITE_FIX.format(directory=str(self._directory)),
+            )
+        except CheckpointError as e:
+            self._failed(step, e)
+
+    def _failed(self, step: int | None, error: CheckpointError) -> None:
+        """A save of `step` failed: raise, or log it and go on (`on_save_error`)."""
+        if self._on_save_error == "raise":
+            raise error
+        try:
+            latest = self.latest_step()
+        except Exception:  # a directory that cannot even be listed must not stop training either
+            latest = "unknown"
+        get_logger(_LOGGER).warning(
+            "checkpoint step %s was not saved; training goes on, and restore() loads the latest "
+            "complete checkpoint (now step %s). %s",
+            step,
+            latest,
+            error,
         )
 
     def restore(
@@ -383,6 +440,18 @@ _WRITE_FIX = (
 )
 
 
+def _check_retention(max_to_keep: int | None, keep_every: int | None) -> None:
+    for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise CheckpointError(f"CheckpointManager({name}={value!r}): expected an integer >= 1 or None.")
+    if keep_every is not None and max_to_keep is None:
+        raise CheckpointError(
+            f"CheckpointManager(keep_every={keep_every}, max_to_keep=None): with max_to_keep=None "
+            "every checkpoint is kept already. Give max_to_keep (the newest to keep) with "
+            "keep_every, or drop keep_every."
+        )
+
+
 def _is_complete(step_dir: pathlib.Path) -> bool:
     """Whether `step_dir` holds both non-empty parts of an eqxpar checkpoint.
 
@@ -395,16 +464,18 @@ def _is_complete(step_dir: pathlib.Path) -> bool:
 
 
 class _KeepLatest:
-    """orbax preservation policy: keep the newest `n` complete checkpoints.
+    """orbax preservation policy: keep the newest `n` complete checkpoints, and every
+    one whose step is a multiple of `every` (when given).
 
     Incomplete step directories are neither counted nor deleted (they may be a
     copy still under way; deleting them is the user's call). orbax asks when a
     save starts, so the step being saved, which has no directory yet, counts.
     """
 
-    def __init__(self, directory: pathlib.Path, n: int):
+    def __init__(self, directory: pathlib.Path, n: int, every: int | None = None):
         self.directory = directory
         self.n = n
+        self.every = every
 
     def _counts(self, step: int) -> bool:
         path = self.directory / str(step)
@@ -413,7 +484,10 @@ class _KeepLatest:
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
         counted = [self._counts(info.step) for info in checkpoints]
         kept = sorted(info.step for info, ok in zip(checkpoints, counted, strict=True) if ok)[-self.n :]
-        return [not ok or info.step in kept for info, ok in zip(checkpoints, counted, strict=True)]
+        return [
+            not ok or info.step in kept or (self.every is not None and info.step % self.every == 0)
+            for info, ok in zip(checkpoints, counted, strict=True)
+        ]
 
 
 def _guard(fn: Callable[[], Any], doing: str, fix: str) -> Any:

@@ -19,6 +19,10 @@ from .._errors import EqxparError
 ENV_COORDINATOR = "EQXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "EQXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "EQXPAR_PROCESS_ID"
+#: How many times `eqxpar.launch --max-restarts` restarted the job before this run.
+ENV_RESTART_COUNT = "EQXPAR_RESTART_COUNT"
+# Slurm's count of a requeued job's restarts, read when the launcher's is absent.
+_SLURM_RESTART_COUNT = "SLURM_RESTART_COUNT"
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 # Where initialize() started the run, to tell a repeated call apart from a conflicting one.
@@ -120,9 +124,10 @@ def initialize(
     - `initialization_timeout`: seconds to wait for all processes to connect.
     - `heartbeat_timeout_seconds`: seconds after which a silent peer counts as dead.
     - `preemption_service`: start JAX's preemption service, which catches SIGTERM
-      so that `jax.experimental.multihost_utils.reached_preemption_sync_point`
-      can make every process save and stop at the same step. With it, SIGTERM
-      no longer stops the process by itself.
+      so that `eqxpar.distributed.PreemptionGuard` (on
+      `jax.experimental.multihost_utils.reached_preemption_sync_point`) can make
+      every process save and stop at the same step. With it, SIGTERM no longer
+      stops the process by itself: the training loop must ask the guard.
 
     **Returns:** True when this process is part of a multi-process run (now or
     from an earlier call), False when it runs alone.
@@ -350,6 +355,37 @@ def process_count() -> int:
     if jax.distributed.is_initialized():
         return jax.process_count()
     return _int_from_env(ENV_NUM_PROCESSES) or 1
+
+
+def restart_count() -> int:
+    """How many times this job was restarted before this run (0 on its first run).
+
+    `python -m eqxpar.launch --max-restarts N` starts the whole job again when a
+    process fails, and tells each process how many restarts came before
+    (`EQXPAR_RESTART_COUNT`, as torchrun's `TORCHELASTIC_RESTART_COUNT`). Without
+    it, Slurm's `SLURM_RESTART_COUNT` (set in a requeued job) is read; with
+    neither, 0. Safe to call before `initialize()`.
+
+    **Returns:** the number of restarts, `>= 0`.
+
+    **Raises:** `DistributedError` when the variable is set to something other
+    than a whole number `>= 0`.
+
+    ```python
+    if eqxpar.distributed.restart_count() > 0:
+        eqxpar.distributed.print_once("restarted; resuming from the latest checkpoint")
+    ```
+    """
+    for name in (ENV_RESTART_COUNT, _SLURM_RESTART_COUNT):
+        value = _int_from_env(name)
+        if value is not None:
+            if value < 0:
+                raise DistributedError(
+                    f"environment variable {name}={value} is negative; a restart count is a "
+                    "whole number >= 0 (eqxpar.launch sets it for you), or unset it."
+                )
+            return value
+    return 0
 
 
 def is_main_process() -> bool:

@@ -2,7 +2,9 @@
 
 JAX peers of a dead process block in their next collective until the coordinator's
 heartbeat gives up (100 s by default), so the launcher watches its children itself:
-the first one to exit non-zero gets every other one killed at once.
+the first one to exit non-zero gets every other one killed at once, and then, with
+restarts left, the whole job starts again. SIGTERM to the launcher is passed on to
+the children, which get a grace period to save a checkpoint and exit.
 """
 
 import collections
@@ -16,13 +18,23 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from ._distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, DistributedError
+from ._distributed import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
+    DistributedError,
+)
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _TAIL_LINES = 20
-# After SIGTERM, how long a child may take to exit before it gets SIGKILL.
+#: Seconds the processes get to save and exit after a SIGTERM the launcher forwards
+#: (Slurm's default KillWait, and Kubernetes' default terminationGracePeriodSeconds).
+DEFAULT_GRACE_PERIOD_S = 30.0
+# After a failure elsewhere, how long a child may take to exit after SIGTERM before
+# it gets SIGKILL.
 _TERM_GRACE_S = 3.0
 _POLL_S = 0.05
 # How long to wait, after a failure, for near-simultaneous failures of its peers.
@@ -47,7 +59,13 @@ def _xla_flags(existing: str, devices_per_process: int) -> str:
 
 
 def child_env(
-    rank: int, processes: int, devices_per_process: int, coordinator: str, extra: Mapping[str, str] | None
+    rank: int,
+    processes: int,
+    devices_per_process: int,
+    coordinator: str,
+    extra: Mapping[str, str] | None,
+    *,
+    restart_count: int = 0,
 ) -> dict[str, str]:
     """The environment of process `rank`: the launcher's own, plus the run's settings.
 
@@ -63,6 +81,8 @@ def child_env(
     - `rank`, `processes`, `devices_per_process`: this process's place in the run.
     - `coordinator`: `"host:port"` of process 0's coordinator.
     - `extra`: environment variables to set on top of the launcher's own.
+    - `restart_count`: how many times the job was restarted before this run
+      (`EQXPAR_RESTART_COUNT`, read by `eqxpar.distributed.restart_count()`).
 
     **Returns:** the environment, as a new dict.
 
@@ -75,6 +95,7 @@ def child_env(
     env[ENV_COORDINATOR] = coordinator
     env[ENV_NUM_PROCESSES] = str(processes)
     env[ENV_PROCESS_ID] = str(rank)
+    env[ENV_RESTART_COUNT] = str(restart_count)
     platforms = env.get("JAX_PLATFORMS", "").strip()
     if platforms in ("", "cpu"):
         # Nothing chosen (or the CPU): simulate the devices on the CPU.
@@ -156,13 +177,15 @@ def run(
     timeout: float | int | None = None,
     env: Mapping[str, str] | None = None,
     python: str | None = None,
+    max_restarts: int = 0,
+    grace_period: float | int = DEFAULT_GRACE_PERIOD_S,
 ) -> int:
     """Run `python script args...` as `processes` JAX processes on this machine.
 
     Each process gets `EQXPAR_COORDINATOR` (127.0.0.1 and a free port),
-    `EQXPAR_NUM_PROCESSES` and `EQXPAR_PROCESS_ID`, read by
-    `eqxpar.distributed.initialize()`. With no `JAX_PLATFORMS` set it also gets
-    `JAX_PLATFORMS=cpu` and
+    `EQXPAR_NUM_PROCESSES`, `EQXPAR_PROCESS_ID` and `EQXPAR_RESTART_COUNT`, read
+    by `eqxpar.distributed.initialize()` and `restart_count()`. With no
+    `JAX_PLATFORMS` set it also gets `JAX_PLATFORMS=cpu` and
     `XLA_FLAGS=--xla_force_host_platform_device_count=<devices_per_process>`
     (simulated devices); a platform that is set (`JAX_PLATFORMS=cuda`) is kept,
     and each process gets its own `devices_per_process` local devices (see
@@ -175,6 +198,19 @@ def run(
     and left running (their process groups) is killed once they are done, after
     a failure or a success.
 
+    With `max_restarts=N`, a failure then starts the whole job again, all
+    processes, on a fresh coordinator port, up to N times, each restart written
+    to standard error with the rank and cause (`eqxpar.launch: restart 1 of 3:
+    rank 1 exited with status 3`). The script resumes from its latest
+    checkpoint (see `eqxpar.checkpoint`); `restart_count()` tells it how many
+    restarts came before.
+
+    SIGTERM to the launcher (a scheduler's preemption notice; only while `run`
+    runs in the main thread) is forwarded to every process's group, and the
+    processes get `grace_period` seconds to save and exit (see
+    `eqxpar.distributed.PreemptionGuard`) before SIGKILL. Such a run is not
+    restarted, and ends with 143 (128 + SIGTERM), as a program SIGTERM stopped.
+
     **Arguments:**
 
     - `script`: path of the Python script to run.
@@ -182,25 +218,25 @@ def run(
     - `processes`: number of processes (>= 1).
     - `devices_per_process`: devices of each process (>= 1): simulated CPU
       devices, or its share of this host's GPUs when `JAX_PLATFORMS` names one.
-    - `timeout`: seconds after which all processes are killed (None: no limit).
+    - `timeout`: seconds after which all processes are killed (None: no limit);
+      it bounds the whole run, restarts included.
     - `env`: extra environment variables for every process.
     - `python`: the interpreter (default: the one running the launcher).
+    - `max_restarts`: how many times to start the job again after a failure
+      (>= 0; 0: never).
+    - `grace_period`: seconds the processes have to exit after a forwarded
+      SIGTERM (>= 0).
 
-    **Returns:** 0 when every process exits with 0; otherwise the failing
-    process's exit code (128 + signal number for a signal), or 124 on timeout.
+    **Returns:** 0 when every process exits with 0; otherwise the last failing
+    process's exit code (128 + signal number for a signal), 124 on timeout, or
+    143 after SIGTERM to the launcher.
 
     ```python
-    code = eqxpar.launch.run("train.py", ["--steps", "10"], processes=2, devices_per_process=4)
+    code = eqxpar.launch.run("train.py", ["--steps", "10"], processes=2, devices_per_process=4,
+                             max_restarts=3)
     ```
     """
-    for name, value in (("processes", processes), ("devices_per_process", devices_per_process)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise DistributedError(f"launch.run({name}={value!r}): expected an integer >= 1.")
-    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-        raise DistributedError(
-            f"launch.run(timeout={timeout!r}): expected a positive number of seconds or None."
-        )
-    timeout = None if timeout is None else float(timeout)
+    _validate_run(processes, devices_per_process, timeout, max_restarts, grace_period)
     script = os.fspath(script)
     if not os.path.isfile(script):
         raise DistributedError(
@@ -211,61 +247,208 @@ def run(
         raise DistributedError(
             f"launch.run(args={args!r}): expected a sequence of arguments, e.g. {shlex.split(args)!r}."
         )
-    coordinator = f"127.0.0.1:{free_port()}"
     command = [python or sys.executable, script, *args]
     lock = threading.Lock()
+    limits = _Limits(
+        start=time.monotonic(), timeout=None if timeout is None else float(timeout), grace=float(grace_period)
+    )
+    with _Termination() as term:
+        for restart in range(max_restarts + 1):
+            coordinator = f"127.0.0.1:{free_port()}"
+            environments = [
+                child_env(rank, processes, devices_per_process, coordinator, env, restart_count=restart)
+                for rank in range(processes)
+            ]
+            code, failures = _attempt(command, environments, lock, limits, term)
+            if not failures or term.received.is_set():
+                return code
+            if restart < max_restarts:
+                causes = ", ".join(f"rank {rank} {_describe(status)}" for rank, status in failures)
+                _say(
+                    lock,
+                    f"restart {restart + 1} of {max_restarts}: {causes}; starting all {processes} "
+                    "process(es) again.",
+                )
+        if max_restarts:
+            _say(lock, f"all {max_restarts} restart(s) used; the last failure's status is {code}.")
+        return code
+
+
+def _validate_run(
+    processes: int, devices_per_process: int, timeout: Any, max_restarts: int, grace_period: Any
+) -> None:
+    for name, value, low in (
+        ("processes", processes, 1),
+        ("devices_per_process", devices_per_process, 1),
+        ("max_restarts", max_restarts, 0),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise DistributedError(f"launch.run({name}={value!r}): expected an integer >= {low}.")
+    if timeout is not None and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0
+    ):
+        raise DistributedError(
+            f"launch.run(timeout={timeout!r}): expected a positive number of seconds or None."
+        )
+    if not isinstance(grace_period, int | float) or isinstance(grace_period, bool) or not grace_period >= 0:
+        raise DistributedError(
+            f"launch.run(grace_period={grace_period!r}): expected a number of seconds >= 0 "
+            f"(default {DEFAULT_GRACE_PERIOD_S:g})."
+        )
+
+
+class _Limits(NamedTuple):
+    start: float  # when the run (its first attempt) started, time.monotonic()
+    timeout: float | None  # seconds the whole run may take
+    grace: float  # seconds the processes have to exit after a forwarded SIGTERM
+
+
+class _Termination:
+    """SIGTERM to the launcher, recorded (not acted on) while `run` runs in the main thread.
+
+    The default action would end the launcher at once and orphan its processes,
+    which would then lose their chance to save: instead `_watch` forwards the
+    signal to them and gives them the grace period.
+    """
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> "_Termination":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received.set()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            # A handler installed from C reads as None; the default is the closest.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+
+
+def _say(lock: threading.Lock, message: str) -> None:
+    with lock:
+        sys.stderr.write(f"eqxpar.launch: {message}\n")
+        sys.stderr.flush()
+
+
+def _attempt(
+    command: list[str],
+    environments: list[dict[str, str]],
+    lock: threading.Lock,
+    limits: _Limits,
+    term: _Termination,
+) -> tuple[int, list[tuple[int, int]]]:
+    """Start one process per environment and watch them: `(exit code, failures)`, where
+    `failures` are the `(rank, status)` that ended a failed run, the cause first
+    (empty: success, timeout or termination, none of which is restarted)."""
     children: list[_Child] = []
-    start = time.monotonic()
     try:
-        for rank in range(processes):
-            children.append(
-                _Child(rank, command, child_env(rank, processes, devices_per_process, coordinator, env), lock)
-            )
-        return _watch(children, lock, start=start, timeout=timeout)
+        for rank, child_environment in enumerate(environments):
+            children.append(_Child(rank, command, child_environment, lock))
+        return _watch(children, lock, limits, term)
     except BaseException:
         _stop(children)
         raise
 
 
-def _watch(children: list[_Child], lock: threading.Lock, *, start: float, timeout: float | None) -> int:
+def _watch(
+    children: list[_Child], lock: threading.Lock, limits: _Limits, term: _Termination
+) -> tuple[int, list[tuple[int, int]]]:
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     for child in children:
         threading.Thread(target=lambda c=child: exits.put((c.rank, c.proc.wait())), daemon=True).start()
-    finished = 0
+    codes: dict[int, int] = {}
     while True:
+        if term.received.is_set():
+            return _terminate(children, exits, codes, lock, limits.grace), []
         try:
             rank, code = exits.get(timeout=_POLL_S)
         except queue.Empty:
-            if timeout is not None and time.monotonic() - start > timeout:
+            if limits.timeout is not None and time.monotonic() - limits.start > limits.timeout:
                 _stop(children)
-                with lock:
-                    sys.stderr.write(
-                        f"eqxpar.launch: the {len(children)} processes did not finish within "
-                        f"{timeout:g} s; killed them all. Raise the timeout or look for a hang.\n"
-                    )
-                    sys.stderr.flush()
-                return 124
+                _say(
+                    lock,
+                    f"the {len(children)} processes did not finish within {limits.timeout:g} s; "
+                    "killed them all. Raise the timeout or look for a hang.",
+                )
+                return 124, []
             continue
+        codes[rank] = code
         if code == 0:
-            finished += 1
-            if finished == len(children):
+            if len(codes) == len(children):
                 # Whatever the processes left running (a server they started,
                 # say) goes with them.
                 _stop(children)
-                return 0
+                return 0, []
             continue
-        # A crash often makes its peers fail a moment later (broken connections).
-        failures = [(rank, code)]
-        time.sleep(_SETTLE_S)
-        while not exits.empty():
-            other = exits.get()
-            if other[1] != 0:
-                failures.append(other)
+        failures = _gather_failures(rank, code, exits)
         rank, code = _cause(failures)
-        child = children[rank]
         _stop(children)
-        _report(child, code, children, failures, lock)
-        return _exit_code(code)
+        _report(children[rank], code, children, failures, lock)
+        return _exit_code(code), [(rank, code)] + [f for f in failures if f[0] != rank]
+
+
+def _gather_failures(rank: int, code: int, exits: "queue.Queue[tuple[int, int]]") -> list[tuple[int, int]]:
+    # A crash often makes its peers fail a moment later (broken connections).
+    failures = [(rank, code)]
+    time.sleep(_SETTLE_S)
+    while not exits.empty():
+        other = exits.get()
+        if other[1] != 0:
+            failures.append(other)
+    return failures
+
+
+def _terminate(
+    children: list[_Child],
+    exits: "queue.Queue[tuple[int, int]]",
+    codes: dict[int, int],
+    lock: threading.Lock,
+    grace: float,
+) -> int:
+    """Forward SIGTERM to the running processes, give them `grace` seconds to exit,
+    kill what is left; report how each ended. Returns 128 + SIGTERM."""
+    running = [c for c in children if c.rank not in codes]
+    _say(
+        lock,
+        f"SIGTERM received: forwarded to the {len(running)} running process(es); waiting up to "
+        f"{grace:g} s for them to save and exit.",
+    )
+    for child in running:
+        child.kill(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    failed = None
+    while len(codes) < len(children) and time.monotonic() < deadline:
+        try:
+            rank, code = exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            continue
+        codes[rank] = code
+        if code != 0:
+            # Its peers may now wait on it in a collective: no use waiting for them.
+            failed = rank
+            time.sleep(_SETTLE_S)
+            while not exits.empty():
+                other = exits.get()
+                codes[other[0]] = other[1]
+            break
+    late = ", ".join(str(c.rank) for c in children if c.rank not in codes)
+    _stop(children, term_grace=0.0)
+    ended = ", ".join(f"rank {c.rank} {_describe(codes[c.rank])}" for c in children if c.rank in codes)
+    why = (
+        f"did not exit within {grace:g} s"
+        if failed is None
+        else f"were still running after rank {failed} failed"
+    )
+    killed = f"; rank(s) {late} {why} and were killed (SIGKILL)" if late else ""
+    _say(lock, f"stopped by SIGTERM: {ended or 'no process exited by itself'}{killed}.")
+    return 128 + signal.SIGTERM
 
 
 def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
@@ -280,11 +463,12 @@ def _cause(failures: list[tuple[int, int]]) -> tuple[int, int]:
     return killed[0] if killed else failures[0]
 
 
-def _stop(children: list[_Child]) -> None:
+def _stop(children: list[_Child], *, term_grace: float = _TERM_GRACE_S) -> None:
     alive = [c for c in children if c.proc.poll() is None]
-    for child in alive:
-        child.kill(signal.SIGTERM)
-    deadline = time.monotonic() + _TERM_GRACE_S
+    if term_grace > 0:
+        for child in alive:
+            child.kill(signal.SIGTERM)
+    deadline = time.monotonic() + term_grace
     for child in alive:
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
@@ -317,7 +501,8 @@ def _report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: `python -m eqxpar.launch -n N [--devices-per-process D] [--timeout S] script.py [args...]`.
+    """Command line: `python -m eqxpar.launch -n N [--devices-per-process D] [--timeout S]
+    [--max-restarts R] [--grace-period G] script.py [args...]`.
 
     **Returns:** the exit code of `run` (0 when every process succeeded).
 
@@ -331,7 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m eqxpar.launch",
         description="Run a JAX script as N processes on this machine (simulated CPU devices "
         "unless JAX_PLATFORMS names another platform), "
-        "streaming their output; if one fails, all are stopped.",
+        "streaming their output; if one fails, all are stopped (and, with --max-restarts, "
+        "started again). SIGTERM is forwarded to the processes, which get --grace-period "
+        "seconds to save and exit.",
     )
     parser.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
     parser.add_argument(
@@ -341,22 +528,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="devices per process: simulated CPU devices, or GPUs with JAX_PLATFORMS=cuda (default 1)",
     )
     parser.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start the whole job again after a failure, up to this many times (default 0)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_PERIOD_S,
+        help="seconds the processes have to exit after a forwarded SIGTERM, before SIGKILL "
+        f"(default {DEFAULT_GRACE_PERIOD_S:g})",
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     options = parser.parse_args(argv)
-
-    def terminated(signum: int, frame: object) -> None:
-        # Unwind through run(), which kills the children, instead of orphaning them.
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminated)
     try:
+        # run() itself handles SIGTERM: it forwards it to the processes.
         return run(
             options.script,
             options.args,
             processes=options.processes,
             devices_per_process=options.devices_per_process,
             timeout=options.timeout,
+            max_restarts=options.max_restarts,
+            grace_period=options.grace_period,
         )
     except DistributedError as e:
         parser.error(str(e))
