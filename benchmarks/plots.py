@@ -93,9 +93,8 @@ def plot_pipeline_memory(records: Sequence[dict[str, Any]], path: pathlib.Path) 
     for name, points in sweeps:
         ax.plot([m for m, _ in points], [t / MiB for _, t in points], marker="o", label=name)
     _log2_x(ax, sorted({m for _, points in sweeps for m, _ in points}), "micro-batches per step")
-    ax.set(
-        ylabel="temp MiB per device", ylim=(0, None), title="Pipeline activation memory against micro-batches"
-    )
+    ax.set(ylabel="temp MiB per device", ylim=(0, None))
+    ax.set_title("Pipeline activation memory against micro-batches")
     ax.legend()
     fig.savefig(path, dpi=110)
     return True
@@ -118,9 +117,7 @@ _LINES = (
 )
 
 
-def plot_sweep(
-    records: Sequence[dict[str, Any]], path: pathlib.Path, *, x: str, xlabel: str, title: str
-) -> bool:
+def plot_sweep(records: Sequence[dict], path: pathlib.Path, *, x: str, xlabel: str, title: str) -> bool:
     """A scaling sweep against `x` (log 2): per-device memory, wire bytes beside the
     minimum (and `jax.jit`'s), and the step-time ratio, one colour per strategy."""
     if not records:
@@ -137,10 +134,9 @@ def plot_sweep(
     for ax in axes:
         _log2_x(ax, sorted({r[x] for r in records}), xlabel)
         ax.legend(fontsize=7)
-    axes[0].set_yscale("log")
+    axes[0].set(yscale="log", ylabel="MiB per device (memory_analysis)", title="Per-device memory")
     if min(r["comm_wire_bytes_total"] for r in records) > 0:  # a one-device point moves 0 bytes: no log
         axes[1].set_yscale("log")
-    axes[0].set(ylabel="MiB per device (memory_analysis)", title="Per-device memory")
     axes[1].set(ylabel="MB sent per device per step (ring)", title="Collective wire bytes (dotted: minimum)")
     axes[2].axhline(1.0, color="black", linewidth=1, linestyle="--")
     axes[2].set(ylim=(0, None), ylabel="step time / reference step time")
