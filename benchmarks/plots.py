@@ -2,8 +2,7 @@
 
     python -m benchmarks.plots [--json benchmarks/results/quick.json] [--out benchmarks/results]
 
-From `benchmarks.run`'s records: `comm.png`, `step_ratio.png` and `pipeline_memory.png`;
-from `benchmarks.scaling`'s: `scaling_devices.png` and `scaling_width.png` (`plot_sweep`).
+draws `PLOTS` of `benchmarks.run`'s records; `plot_sweep` draws `benchmarks.scaling`'s.
 """
 
 import argparse
@@ -31,6 +30,14 @@ def _bars(ax: Any, records: Sequence[dict], ylabel: str, title: str) -> None:
     ax.set_xticks(range(len(records)), [r["strategy"] for r in records], rotation=30, ha="right")
     ax.set(ylabel=ylabel, title=title)
     ax.grid(axis="y", alpha=0.3)
+
+
+def _log2_x(ax: Any, ticks: Sequence[int], xlabel: str) -> None:
+    ax.set_xscale("log", base=2)  # micro-batches, devices, widths: powers of two
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set(xlabel=xlabel)
+    ax.grid(alpha=0.3)
 
 
 def plot_comm(records: Sequence[dict[str, Any]], path: pathlib.Path) -> bool:
@@ -85,42 +92,32 @@ def plot_pipeline_memory(records: Sequence[dict[str, Any]], path: pathlib.Path) 
     fig, (ax,) = figure()
     for name, points in sweeps:
         ax.plot([m for m, _ in points], [t / MiB for _, t in points], marker="o", label=name)
-    ticks = sorted({m for _, points in sweeps for m, _ in points})
-    ax.set_xscale("log", base=2)  # micro-batches: powers of two
-    ax.minorticks_off()
-    ax.set_xticks(ticks, [f"{m:g}" for m in ticks])
-    ax.set(xlabel="micro-batches per step", ylabel="temp MiB per device", ylim=(0, None))
+    _log2_x(ax, sorted({m for _, points in sweeps for m, _ in points}), "micro-batches per step")
+    ax.set(ylabel="temp MiB per device", ylim=(0, None))
     ax.set_title("Pipeline activation memory against micro-batches")
     ax.legend()
-    ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110)
     return True
 
 
 #: PNG name -> plot of `benchmarks.run`'s records.
-PLOTS = {
-    "comm.png": plot_comm,
-    "step_ratio.png": plot_step_ratio,
-    "pipeline_memory.png": plot_pipeline_memory,
-}
+PLOTS = {"comm.png": plot_comm, "step_ratio.png": plot_step_ratio}
+PLOTS["pipeline_memory.png"] = plot_pipeline_memory
 # DP's and FSDP's wire bytes coincide: the larger marker under the smaller keeps both visible.
 _STYLES = {"dp": ("tab:blue", "o", 9), "fsdp_manual": ("tab:orange", "s", 5), "tp": ("tab:green", "^", 6)}
-#: (field, axis index, line, unit, label suffix) of the sweep plot's lines.
+#: (field, axis index, line, unit, label suffix, keywords: else the strategy's marker) of
+#: the sweep plot's lines.
 _LINES = (
-    ("mem_argument_bytes", 0, "-", MiB, ": arguments"),
-    ("mem_temp_bytes", 0, "--", MiB, ": temp"),
-    ("comm_wire_bytes_total", 1, "-", MB, ": eqxpar"),
-    ("comm_wire_bytes_min", 1, ":", MB, ": minimum"),
-    ("comm_wire_bytes_baseline", 1, "x", MB, ": jax.jit"),
-    ("step_time_ratio", 2, "-", 1.0, ""),
+    ("mem_argument_bytes", 0, "-", MiB, ": arguments", None),
+    ("mem_temp_bytes", 0, "--", MiB, ": temp", None),
+    ("comm_wire_bytes_total", 1, "-", MB, ": eqxpar", None),
+    ("comm_wire_bytes_min", 1, ":", MB, ": minimum", {"linewidth": 3, "alpha": 0.5}),
+    ("comm_wire_bytes_baseline", 1, "x", MB, ": jax.jit", {"markersize": 9}),
+    ("step_time_ratio", 2, "-", 1.0, "", None),
 )
-#: Line style -> its keywords (else the strategy's marker): jax.jit's points, the minimum.
-_LINE_STYLES = {"x": {"markersize": 9}, ":": {"linewidth": 3, "alpha": 0.5}}
 
 
-def plot_sweep(
-    records: Sequence[dict[str, Any]], path: pathlib.Path, *, x: str, xlabel: str, title: str
-) -> bool:
+def plot_sweep(records: Sequence[dict], path: pathlib.Path, *, x: str, xlabel: str, title: str) -> bool:
     """A scaling sweep against `x` (log 2): per-device memory, wire bytes beside the
     minimum (and `jax.jit`'s), and the step-time ratio, one colour per strategy."""
     if not records:
@@ -129,24 +126,17 @@ def plot_sweep(
     for strategy in dict.fromkeys(r["strategy"] for r in records):
         rows = sorted((r for r in records if r["strategy"] == strategy), key=lambda r: r[x])
         colour, marker, size = _STYLES.get(strategy, (None, "D", 5))
-        for field, i, line, unit, suffix in _LINES:
-            points = [(r[x], r[field] / unit) for r in rows if r.get(field) is not None]
-            style = _LINE_STYLES.get(line, {"marker": marker, "markersize": size})
-            if points:
+        for field, i, line, unit, suffix, style in _LINES:
+            if points := [(r[x], r[field] / unit) for r in rows if r.get(field) is not None]:
                 xs, ys = zip(*points, strict=True)
+                style = style or {"marker": marker, "markersize": size}
                 axes[i].plot(xs, ys, line, color=colour, label=strategy + suffix, **style)
-    xs = sorted({r[x] for r in records})
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(v) for v in xs])
-        ax.minorticks_off()
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
+        _log2_x(ax, sorted({r[x] for r in records}), xlabel)
         ax.legend(fontsize=7)
-    axes[0].set_yscale("log")
+    axes[0].set(yscale="log", ylabel="MiB per device (memory_analysis)", title="Per-device memory")
     if min(r["comm_wire_bytes_total"] for r in records) > 0:  # a one-device point moves 0 bytes: no log
         axes[1].set_yscale("log")
-    axes[0].set(ylabel="MiB per device (memory_analysis)", title="Per-device memory")
     axes[1].set(ylabel="MB sent per device per step (ring)", title="Collective wire bytes (dotted: minimum)")
     axes[2].axhline(1.0, color="black", linewidth=1, linestyle="--")
     axes[2].set(ylim=(0, None), ylabel="step time / reference step time")

@@ -1,21 +1,19 @@
-"""Host memory of `eqxpar.models.from_pretrained` under a plan, per process.
-
-Writes a random Llama-shaped checkpoint of at least 1 GB (float32 safetensors,
-one tensor at a time), then loads it under `fsdp=8` as 2 processes x 4 devices:
+"""Host memory of `eqxpar.models.from_pretrained` under a plan, per process (benchmarks/README.md):
 
     python benchmarks/pretrained_load.py --write /tmp/big-llama
     python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py --load /tmp/big-llama
 
-Each process prints its resident memory before the load, its peak during the load
-(VmHWM), the peak's growth, and what a sharded load needs at least: its half of
-the model (its 4 devices' shards, held in host memory on the CPU backend) plus
-the largest tensor (the biggest block read at once: each read maps its file and
-unmaps it after, so the file's pages are resident for one read only). It fails
-if a process's peak grew by the whole model, or its anonymous memory by twice its
-shards.
+`--write` writes a Llama-shaped float32 checkpoint of over 1 GB; `--load` loads it under
+`fsdp=8` as 2 processes x 4 devices. Each process prints its resident memory before the load,
+its peak during it (VmHWM), the peak's growth, and what a sharded load needs at least: its
+half of the model (its 4 devices' shards, in host memory on the CPU backend) plus the largest
+tensor (the biggest block read at once: each read maps its file and unmaps it after). It fails
+if a process's peak grew by the whole model, or its anonymous memory by twice its shards.
 """
 
 import argparse
+import json
+import math
 import pathlib
 
 
@@ -27,52 +25,30 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def config():
-    from eqxpar.models import GPTConfig
+def _tensor_bytes(directory: pathlib.Path) -> list[int]:
+    """Each float32 tensor's bytes, as the checkpoint's safetensors headers give its shape."""
+    from safetensors import safe_open
 
-    # 4 x 218 MB of blocks + 262 MB of embedding: 1.13 GB in float32.
-    return GPTConfig(
-        vocab_size=32000,
-        d_model=2048,
-        num_heads=16,
-        num_layers=4,
-        d_hidden=5632,
-        tied=True,
-        norm_eps=1e-5,
-        max_seq_len=4096,
-    )
+    sizes = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "numpy") as f:
+            sizes += [math.prod(f.get_slice(name).get_shape()) * 4 for name in f.keys()]
+    return sizes
 
 
 def write(directory: pathlib.Path) -> None:
-    import json
-
-    import equinox as eqx
+    # The library's public writer (one tensor at a time), not its private `_hf_*` helpers, on a
+    # model built in memory: 1.1 GB, room enough on any host that runs the load.
     import jax
-    import numpy as np
 
-    from eqxpar.models import GPT
-    from eqxpar.models._hf_config import config_to_hf
-    from eqxpar.models._hf_files import write_safetensors
-    from eqxpar.models._hf_layout import layout
+    from eqxpar.models import GPT, GPTConfig, save_pretrained
 
-    c = config()
-    abstract = eqx.filter_eval_shape(GPT, c, key=jax.random.key(0))
-    shapes = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        source = layout(c, "llama")[jax.tree_util.keystr(path)]
-        for _, name in source.names(leaf.shape):
-            shapes[name] = source.tensor_shape
-    rng = np.random.default_rng(0)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config_to_hf(c, "llama", "float32")))
-    tensors = [(name, shape, np.float32) for name, shape in shapes.items()]
-    write_safetensors(
-        directory / "model.safetensors",
-        tensors,
-        lambda name: rng.standard_normal(shapes[name], np.float32) * 0.02,
-    )
-    total = sum(int(np.prod(s)) * 4 for s in shapes.values())
-    print(f"wrote {directory}: {len(shapes)} tensors, {total / 1e9:.2f} GB")
+    # 4 x 218 MB of blocks + 262 MB of embedding: 1.13 GB in float32.
+    sizes = dict(vocab_size=32000, d_model=2048, num_heads=16, num_layers=4, d_hidden=5632)
+    config = GPTConfig(**sizes, tied=True, norm_eps=1e-5, max_seq_len=4096)
+    save_pretrained(GPT(config, key=jax.random.key(0)), directory)
+    tensors = _tensor_bytes(directory)
+    print(f"wrote {directory}: {len(tensors)} tensors, {sum(tensors) / 1e9:.2f} GB")
 
 
 def load(directory: pathlib.Path, json_path: pathlib.Path | None) -> None:
@@ -80,40 +56,35 @@ def load(directory: pathlib.Path, json_path: pathlib.Path | None) -> None:
 
     dist.initialize()
     import jax
-    import numpy as np
 
     import eqxpar
     from eqxpar.models import from_pretrained
-    from eqxpar.models._hf_files import TensorFiles
 
-    files = TensorFiles(directory)
-    sizes = [int(np.prod(files.shape(n))) * 4 for n in files.names()]
+    sizes = _tensor_bytes(directory)
+    total, largest = sum(sizes), max(sizes)
     plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(min_size=1))
     before = _status("VmRSS")
     model = from_pretrained(directory, plan)
     jax.block_until_ready(jax.tree.leaves(model))
     peak = _status("VmHWM")
     local = sum(s.data.nbytes for leaf in jax.tree.leaves(model) for s in leaf.addressable_shards)
-    bound = local + max(sizes)
     anonymous = _status("RssAnon")
     print(
         f"process {jax.process_index()}: RSS before load {before / 1e6:.0f} MB, peak {peak / 1e6:.0f} MB, "
-        f"growth {(peak - before) / 1e6:.0f} MB ({(peak - before) / bound:.2f} x its shards "
-        f"{local / 1e6:.0f} MB of {sum(sizes) / 1e6:.0f} MB + the largest tensor {max(sizes) / 1e6:.0f} MB); "
+        f"growth {(peak - before) / 1e6:.0f} MB ({(peak - before) / (local + largest):.2f} x its shards "
+        f"{local / 1e6:.0f} MB of {total / 1e6:.0f} MB + the largest tensor {largest / 1e6:.0f} MB); "
         f"anonymous after the load {anonymous / 1e6:.0f} MB"
     )
     if json_path is not None:
-        _record(json_path, [before, peak, anonymous, local], total=sum(sizes), largest=max(sizes))
+        _record(json_path, [before, peak, anonymous, local], total=total, largest=largest)
     # The contract: never the whole model on one host, never a second copy of its half.
-    if peak - before >= sum(sizes) or anonymous - before >= 2 * local:
+    if peak - before >= total or anonymous - before >= 2 * local:
         raise SystemExit(f"process {jax.process_index()}: the load held more than its share")
 
 
 def _record(path: pathlib.Path, mine: list[int], *, total: int, largest: int) -> None:
     """Every process's figures, written by process 0 into the benchmark JSON (key
     "pretrained_load"; the records `benchmarks.run` writes stay as they are)."""
-    import json
-
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -122,20 +93,17 @@ def _record(path: pathlib.Path, mine: list[int], *, total: int, largest: int) ->
     if jax.process_index() != 0:
         return
     data = json.loads(path.read_text()) if path.exists() else {}
+    command = "python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py"
     data["pretrained_load"] = {
-        "command": "python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py "
-        f"--load DIR --json {path}",
+        "command": f"{command} --load DIR --json {path}",
         "model_bytes": total,
         "largest_tensor_bytes": largest,
         "processes": [
-            dict(
-                rss_before=int(b),
-                peak=int(p),
-                growth=int(p - b),
-                anonymous_after=int(a),
-                shards=int(s),
-                growth_over_shards_plus_largest=round(float(p - b) / float(s + largest), 3),
-            )
+            {"rss_before": int(b), "peak": int(p), "growth": int(p - b), "anonymous_after": int(a)}
+            | {
+                "shards": int(s),
+                "growth_over_shards_plus_largest": round(float(p - b) / float(s + largest), 3),
+            }
             for b, p, a, s in rows
         ],
     }
