@@ -81,6 +81,10 @@ def _follow(eqn: Any, dims: frozenset[int]) -> frozenset[int] | None:
         return frozenset(kept.index(d) for d in dims if d in kept)
     if name == "reshape":
         return _reshape_dims(tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]), dims)
+    if name == "concatenate" and params["dimension"] not in dims:
+        # Weights joined along a whole dimension (`column_matmul`'s Q, K and V in
+        # automatic mode) keep their split.
+        return dims
     return None
 
 

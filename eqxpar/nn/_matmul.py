@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from .._collectives import all_gather, all_gather_matmul, matmul_reduce_scatter, psum_scatter
 from .._errors import DivisibilityError, PlanError
+from .._varying import mark_varying, varying_axes
 from ._context import TensorContext
 from ._sequence import check_sequence_splits
 
@@ -106,6 +107,8 @@ def column_matmul(
     _check_seq(x, ctx, what="column-parallel layer input")
     if not ctx.manual:
         x = ctx.constrain(x, ctx.seq(), None)
+        if len(weights) > 1 and ctx.size > 1:
+            return _joined_column_matmul(x, weights, ctx, split_dim)
         outs = []
         for w in weights:
             y = jnp.tensordot(x, w, axes=1)
@@ -116,6 +119,12 @@ def column_matmul(
             outs.append(ctx.constrain(y, *entries))
         return outs
     if not ctx.sequence_parallel:
+        if len(weights) > 1 and any(ctx.axis in varying_axes(w) for w in weights):
+            # One cast of the shared input to varying: its transpose sums the input's
+            # cotangent over the axis once for all weights. Left to JAX, each product
+            # casts `x` on its own, and the backward pass all-reduces it once per weight
+            # (three times for separate Q, K and V).
+            x = mark_varying(x, (ctx.axis,))
         return [jnp.tensordot(x, w, axes=1) for w in weights]
     # One gather (or one ring) for all weights: concatenate the local shards.
     flat = [w.reshape(w.shape[0], -1) for w in weights]
@@ -129,6 +138,35 @@ def column_matmul(
         part = jax.lax.slice_in_dim(y, start, start + f.shape[1], axis=2)
         outs.append(part.reshape(*y.shape[:2], *w.shape[1:]))
         start += f.shape[1]
+    return outs
+
+
+def _joined_column_matmul(
+    x: jax.Array, weights: Sequence[jax.Array], ctx: TensorContext, split_dim: int
+) -> list[jax.Array]:
+    """Automatic mode, several weights on one input: one product with the weights
+    joined. Each weight `(d_in, ..., split, ...)` is laid out as `(d_in, n, rest)`,
+    its split dimension's `n` device blocks first, and the blocks joined along `rest`,
+    so every device's columns stay its own. Apart, each product's input gradient is
+    summed over the axis on its own (three all-reduces for separate Q, K and V);
+    joined, there is one."""
+    n, flat = ctx.size, []
+    for w in weights:
+        d = split_dim % w.ndim
+        blocks = w.reshape(*w.shape[:d], n, w.shape[d] // n, *w.shape[d + 1 :])
+        flat.append(jnp.moveaxis(blocks, d, 1).reshape(w.shape[0], n, -1))
+    y = ctx.constrain(jnp.tensordot(x, jnp.concatenate(flat, axis=2), axes=1), ctx.seq(), ctx.axis, None)
+    outs, start = [], 0
+    for w, f in zip(weights, flat, strict=True):
+        d = split_dim % w.ndim
+        part = jax.lax.slice_in_dim(y, start, start + f.shape[2], axis=3)
+        start += f.shape[2]
+        before, after = w.shape[1:d], w.shape[d + 1 :]
+        part = part.reshape(*y.shape[:3], *before, w.shape[d] // n, *after)
+        part = jnp.moveaxis(part, 2, 1 + d).reshape(*y.shape[:2], *w.shape[1:])
+        entries: list[str | None] = [None] * w.ndim
+        entries[d] = ctx.axis
+        outs.append(ctx.constrain(part, *entries))
     return outs
 
 

@@ -16,6 +16,9 @@ from .._param import stacked
 from .._plan import current_plan
 from .._varying import mark_varying, varying_axes
 
+#: The collectives that sum over devices (`lax.psum` and `lax.psum_scatter`'s primitives).
+_SUMS = frozenset({"psum", "psum_invariant", "reduce_scatter"})
+
 
 def _checkpoint(fn: Callable, policy: str) -> Callable:
     if policy == "none":
@@ -33,6 +36,11 @@ def _checkpoint(fn: Callable, policy: str) -> Callable:
         # Never keep a gathered weight (a dot of two weights would be one).
         if prim.name == "all_gather":
             return False
+        # A matmul summed over devices (a row-parallel layer's output) is kept like
+        # the matmul: recomputing it in the backward pass would run its all-reduce or
+        # reduce-scatter a second time.
+        if policy == "dots" and prim.name in _SUMS:
+            return True
         return base(prim, *args, **params)
 
     return jax.checkpoint(fn, policy=policy_fn, prevent_cse=False)
