@@ -96,12 +96,15 @@ class CheckpointManager:
       are copied off the devices (so the next train step may overwrite them).
     - `on_save_error`: what a save that fails does, whether it fails in `save`
       itself (say, the directory cannot be written) or in the background (the
-      disk fills up): `"raise"` a `CheckpointError` (from `save`, or, for a
-      background failure, from the next `save`, `wait`, `restore` or `close`),
-      or `"warn"`: log a warning naming the step and the error (logger
-      `eqxpar.checkpoint`, with the process's `[rank k/n]`) and go on, so that
-      training continues. A failed save leaves no complete checkpoint, so
-      `restore` still loads the latest complete one.
+      disk fills up). `"warn"` (default): log a warning naming the step and the
+      error (logger `eqxpar.checkpoint`, with the process's `[rank k/n]`) and go
+      on, so that a long run survives a passing fault; a failed save leaves no
+      complete checkpoint, so `restore` still loads the latest complete one. A
+      failure before this manager has completed any save still raises: that is
+      a set-up error (a path that cannot be written), which a run should not
+      carry on without checkpoints. `"raise"`: always raise a `CheckpointError`
+      (from `save`, or, for a background failure, from the next `save`, `wait`,
+      `restore` or `close`).
 
     ```python
     manager = eqxpar.checkpoint.CheckpointManager("ckpt", max_to_keep=3)
@@ -120,7 +123,7 @@ class CheckpointManager:
         max_to_keep: int | None = 3,
         keep_every: int | None = None,
         async_save: bool = True,
-        on_save_error: str = "raise",
+        on_save_error: str = "warn",
     ):
         ocp = _orbax()
         _check_retention(max_to_keep, keep_every)
@@ -132,6 +135,8 @@ class CheckpointManager:
         self._on_save_error = on_save_error
         # The step whose background save may still be running (and fail).
         self._pending: int | None = None
+        # Whether a save of this manager has completed (a failure before one raises).
+        self._saved_once = False
         self._directory = pathlib.Path(directory).absolute()
         if self._directory.exists() and not self._directory.is_dir():
             raise CheckpointError(
@@ -211,7 +216,8 @@ class CheckpointManager:
         **Raises:** `CheckpointError` for a bad step, a step already saved, a
         state without arrays or a `data_state` JSON cannot hold; and, with
         `on_save_error="raise"`, when this save, or the previous one in the
-        background, fails (with `"warn"`, a failed save is logged instead).
+        background, fails (with `"warn"`, a failed save is logged instead, once
+        a save of this manager has completed).
 
         ```python
         manager.save(int(state.step), state, data_state=iterator.get_state())
@@ -280,7 +286,8 @@ class CheckpointManager:
         """Block until every started save is written and visible.
 
         **Raises:** `CheckpointError` if a background save failed (with
-        `on_save_error="warn"`, the failure is logged instead).
+        `on_save_error="warn"`, once a save has completed, the failure is logged
+        instead).
 
         ```python
         manager.save(step, state)
@@ -296,10 +303,12 @@ class CheckpointManager:
             )
         except CheckpointError as e:
             self._failed(step, e)
+            return
+        self._saved_once = self._saved_once or step is not None
 
     def _failed(self, step: int | None, error: CheckpointError) -> None:
         """A save of `step` failed: raise, or log it and go on (`on_save_error`)."""
-        if self._on_save_error == "raise":
+        if self._on_save_error == "raise" or not self._saved_once:
             raise error
         try:
             latest = self.latest_step()
