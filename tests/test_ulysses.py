@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import eqxpar
@@ -153,8 +154,8 @@ def _temp_bytes(c: int, seq: int) -> int:
 def test_temp_memory_is_flat_as_sequence_and_context_grow():
     # The same tokens per device at every point: each device attends over the
     # whole sequence for heads / n heads, tile by tile.
-    temps = [_temp_bytes(c, 64 * c) for c in (1, 2, 4)]
-    assert max(temps) <= 1.25 * min(temps), temps
+    one, two, four = (_temp_bytes(c, 64 * c) for c in (1, 2, 4))
+    assert four <= 1.1 * two and two <= 1.1 * one, (one, two, four)
 
 
 def test_all_to_all_native_and_as_permutes():
@@ -170,19 +171,21 @@ def test_all_to_all_native_and_as_permutes():
         return eqxpar.collectives.all_to_all(x, axis_name="context", split_axis=2, concat_axis=1)
 
     for sizes, kind in [({"context": 4}, "all-to-all"), ({"data": 2, "context": 4}, "collective-permute")]:
-        batch = "data" if "data" in sizes else None
+        mesh = eqxpar.make_mesh(**sizes)
+        # `data` (when there) automatic: the batch stays split over it.
+        split = jax.device_put(x, NamedSharding(mesh, P("data" if "data" in sizes else None, "context")))
         f = jax.jit(
             jax.shard_map(
                 exchange,
-                mesh=eqxpar.make_mesh(**sizes),
-                in_specs=P(batch, "context"),
-                out_specs=P(batch, None, "context"),
+                mesh=mesh,
+                in_specs=P(None, "context"),
+                out_specs=P(None, None, "context"),
                 axis_names={"context"},
             )
         )
-        np.testing.assert_array_equal(f(x), x)
-        np.testing.assert_array_equal(jax.jit(jax.grad(lambda x, f=f: jnp.sum(f(x) * cot)))(x), cot)
-        stats = collective_stats(f.lower(x).compile())
+        np.testing.assert_array_equal(f(split), x)
+        np.testing.assert_array_equal(jax.jit(jax.grad(lambda x, f=f: jnp.sum(f(x) * cot)))(split), cot)
+        stats = collective_stats(f.lower(split).compile())
         assert stats.count[kind] > 0 and stats.count["all-gather"] == 0, stats.count
 
 
