@@ -674,13 +674,11 @@ def _reorder(x: Array, order: list[int], axis: int = 1) -> Array:
     return jnp.concatenate([lax.slice_in_dim(x, c * size, (c + 1) * size, axis=axis) for c in order], axis)
 
 
-def ulysses_kv_heads(heads: int, kv_heads: int, n: int) -> int:
-    """Key/value heads Ulysses moves over `n` devices for `heads` query heads of
-    `kv_heads` key/value heads: `lcm(kv_heads, n)`, each key/value head repeated
-    that over `kv_heads` times when `n` does not divide `kv_heads` (grouped-query
-    attention with fewer key/value heads than devices). Every device then holds
-    whole query groups with their key/value heads, and receives the least a
-    device needs: the whole sequence of the key/value heads its query heads read."""
+def _ulysses_kv_heads(heads: int, kv_heads: int, n: int) -> int:
+    # The key/value heads Ulysses moves: lcm(kv_heads, n), each head repeated when
+    # n does not divide kv_heads (grouped-query, fewer key/value heads than devices).
+    # Every device then holds whole query groups with the key/value heads they read,
+    # and receives what it must: the whole sequence of those heads.
     return math.lcm(kv_heads, n) if heads % n == 0 else kv_heads
 
 
@@ -704,7 +702,7 @@ def _ulysses(q, k, v, seg, axis, causal, load_balanced, block, rate, seed, head_
     # chunk order, which the causal mask and dropout need back in global order.
     order = _chunk_order(n, load_balanced) if positional and load_balanced else None
     inverse = None if order is None else sorted(range(len(order)), key=order.__getitem__)
-    hkv = ulysses_kv_heads(hq, k.shape[2], n)
+    hkv = _ulysses_kv_heads(hq, k.shape[2], n)
     if hkv != k.shape[2]:
         # Fewer key/value heads than devices: repeat each so that every device gets
         # the heads its query heads read (query head i reads i // (hq / hkv) either way).
