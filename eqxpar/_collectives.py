@@ -10,6 +10,8 @@ where it is called (a full `jax.shard_map`, or a partial-manual one whose
   reduce-scatter (the cheap one), not an all-reduce. In a partial-manual region
   where an automatic axis splits something, they run as plain `ppermute` rings
   (same bytes): XLA would otherwise gather the automatically split dimensions.
+- `all_to_all`: tiled all-to-all (a `ppermute` per other device in a
+  partial-manual region, for the same reason).
 - `all_gather_mean_grad`: a gather whose backward pass averages the per-device
   gradients instead of summing them (FSDP weight shards).
 - `all_gather_matmul` / `matmul_reduce_scatter`: the collective matmuls of
@@ -222,6 +224,73 @@ def psum_scatter(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> S
     if _automatic_axes_split():
         return _ring_psum_scatter(mark_varying(x, {axis_name}), axis_name, axis)
     return lax.psum_scatter(x, axis_name, scatter_dimension=axis, tiled=True)
+
+
+def all_to_all(
+    x: Shaped[Array, "..."], *, axis_name: str, split_axis: int, concat_axis: int
+) -> Shaped[Array, "..."]:
+    """Tiled all-to-all: cut `x` into `n` blocks along `split_axis`, send block `j`
+    to device `j`, and concatenate the blocks received along `concat_axis` in the
+    order of the devices that sent them.
+
+    Each device sends `(n-1)/n` of `x`. Its transpose under autodiff is the
+    all-to-all back (`split_axis` and `concat_axis` swapped). In a partial-manual
+    region where an automatic axis splits something it runs as `n-1` `ppermute`s
+    (same bytes): XLA would otherwise gather the automatically split dimensions
+    first (as for `all_gather`).
+
+    **Arguments:**
+
+    - `x`: this device's array.
+    - `axis_name`: the manual mesh axis to exchange over.
+    - `split_axis`: the dimension cut into `n` blocks, one per device; its size
+      must be divisible by `n`.
+    - `concat_axis`: the dimension the received blocks are concatenated along.
+
+    **Returns:** `x.shape` with dimension `split_axis` divided by `n` and then
+    dimension `concat_axis` multiplied by `n`; block `j` along `concat_axis` is
+    device `j`'s block for this device.
+
+    **Raises:** `SpecError` if an axis is out of range, `DivisibilityError` if
+    `n` does not divide `x.shape[split_axis]`, `AxisNameError` if `axis_name` is
+    not a manual axis here.
+
+    ```python
+    # (batch, seq/n, heads, d) per device -> (batch, seq, heads/n, d): Ulysses
+    by_heads = eqxpar.collectives.all_to_all(q, axis_name="context", split_axis=2, concat_axis=1)
+    ```
+    """
+    n = _axis_size(axis_name, "all_to_all")
+    split_axis = _check_axis(split_axis, x.ndim, x.shape, "all_to_all")
+    concat_axis = _check_axis(concat_axis, x.ndim, x.shape, "all_to_all")
+    _check_divisible(x, split_axis, n, axis_name, "all_to_all")
+    x = mark_varying(x, {axis_name})
+    if n == 1:
+        return x
+    if _automatic_axes_split():
+        return _ring_all_to_all(x, axis_name, split_axis, concat_axis)
+    return lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
+
+
+def _ring_all_to_all(x: Array, axis_name: str, split_axis: int, concat_axis: int) -> Array:
+    # Shift s (1 .. n-1): every device i sends its block for device i+s there.
+    # Device `me` receives device me-s's block for it, which goes to position me-s.
+    n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    size = x.shape[split_axis] // n
+
+    def block(j: Array) -> Array:
+        return lax.dynamic_slice_in_dim(x, (j % n) * size, size, split_axis)
+
+    own = block(me)
+    shape = list(own.shape)
+    shape[concat_axis] *= n
+    out = mark_varying(jnp.zeros(shape, x.dtype), varying_axes(x))
+    width = own.shape[concat_axis]
+    out = lax.dynamic_update_slice_in_dim(out, own, me * width, concat_axis)
+    for s in range(1, n):
+        received = lax.ppermute(block(me + s), axis_name, [(i, (i + s) % n) for i in range(n)])
+        out = lax.dynamic_update_slice_in_dim(out, received, ((me - s) % n) * width, concat_axis)
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -39,12 +39,33 @@ def context_size() -> int:
 
 
 def context_attention_impl() -> str:
-    """The plan's `context_attention`; by default `"ring"`, or `"allgather"` in a
-    pipeline (see `Plan(context_attention=...)`)."""
+    """The plan's `context_attention` (`"ring"`, `"allgather"` or `"ulysses"`); by
+    default `"ring"`, or `"allgather"` in a pipeline (see `Plan(context_attention=...)`)."""
     plan = current_plan()
     if plan is None or plan.context_attention is None:
         return "allgather" if plan is not None and plan.schedule is not None else "ring"
     return plan.context_attention
+
+
+def check_ulysses_heads(num_heads: int, tensor: int, n: int, where: str) -> None:
+    """Raise, naming the fixes, when the `n` devices of the `context` axis cannot
+    split the query heads left on each of `tensor` tensor devices under
+    `Plan(context_attention="ulysses")` (every device attends to heads / n of them
+    over the whole sequence)."""
+    local = num_heads // tensor
+    if local % n == 0:
+        return
+    split = (
+        f"the {tensor} devices of the tensor axis leave {local} query heads per device, and "
+        if tensor > 1
+        else ""
+    )
+    raise PlanError(
+        f"{where}: num_heads={num_heads} under Plan(context_attention='ulysses'): {split}Ulysses splits "
+        f"{'those' if tensor > 1 else 'the query heads'} over the {n} devices of {CONTEXT_AXIS!r}, which "
+        f"needs a multiple of {n}. Use num_heads a multiple of {n * tensor}, a {CONTEXT_AXIS!r} axis whose "
+        f"size divides {local}, or context_attention='ring' / 'allgather' (no condition on the heads)."
+    )
 
 
 @contextlib.contextmanager

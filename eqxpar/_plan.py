@@ -29,7 +29,7 @@ REMAT_POLICIES = ("none", "dots", "inputs", "full")
 
 #: How attention moves keys and values under context parallelism
 #: (`Plan(context_attention=...)`, `eqxpar.nn.context_attention`).
-CONTEXT_ATTENTION = ("ring", "allgather")
+CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")
 
 #: Pipeline schedules (`eqxpar.pipeline.schedule`, `Plan(schedule=...)`).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -69,9 +69,17 @@ class Plan:
     - `context_attention`: how attention moves keys and values when the mesh's
       `context` axis is larger than 1 (context parallelism): `"ring"` (the
       default: `ppermute` around the ring, each transfer overlapping a block's
-      compute; not in pipelines) or `"allgather"` (one gather of K/V per layer;
+      compute; not in pipelines), `"allgather"` (one gather of K/V per layer;
       the default in pipelines, whose stages run in branches where a ring's
-      permutes, which rendezvous across every device on XLA:CPU, would hang). Context
+      permutes, which rendezvous across every device on XLA:CPU, would hang) or
+      `"ulysses"` (all-to-alls turn the sequence split of q, k, v into a split of
+      the heads, attention runs over the whole sequence for `heads / n` heads,
+      and an all-to-all brings the output back: `8 (n-1)/n` of a local q's bytes
+      per layer against the ring's `6 (n-1)` for multi-head attention, but every
+      device's query heads, after any tensor split, must be a multiple of the
+      `context` size (the step raises a `PlanError` naming the fix otherwise),
+      key/value heads fewer than that are repeated, and a tensor axis must be
+      manual: `mode="manual"`). Context
       parallelism itself needs no flag: a `context` axis of size `n > 1` splits
       the sequence of every activation into `n` load-balanced parts (device `i`
       holds chunks `i` and `2n-1-i` of `2n`). The step runs manual over
@@ -204,6 +212,7 @@ class Plan:
         _check_context(mesh, batch_axes, manual_axes, context_attention, schedule)
         _check_expert_manual(mesh, manual_axes)
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
+        _check_ulysses(mesh, context_attention, mode, manual_axes, tensor_axis)
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
         microbatches, chunks = _check_pipeline(schedule, microbatches, chunks, mesh)
@@ -530,6 +539,22 @@ def _check_context(
             "parallelism passes keys and values between its devices by hand, so the step is always "
             f"manual over it. Add {CONTEXT_AXIS!r} to manual_axes."
         )
+
+
+def _check_ulysses(mesh: Mesh, impl: Any, mode: Mode | None, manual_axes: Any, tensor_axis: str) -> None:
+    t = int(mesh.shape.get(tensor_axis, 1))
+    if impl != "ulysses" or t == 1 or mode is None:
+        return
+    if mode == "manual" and (manual_axes is None or tensor_axis in manual_axes):
+        return
+    raise PlanError(
+        f"Plan(context_attention='ulysses', mode={mode!r}"
+        f"{'' if manual_axes is None else f', manual_axes={manual_axes!r}'}): Ulysses splits each "
+        f"device's attention heads over {CONTEXT_AXIS!r} by hand, and here the compiler splits the "
+        f"heads over the automatic tensor axis {tensor_axis!r} (size {t}) too, which the all-to-all "
+        f"cannot cut by hand. Use mode='manual' (with {tensor_axis!r} among manual_axes), or "
+        "context_attention='ring' / 'allgather'."
+    )
 
 
 def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -> tuple[int, int]:

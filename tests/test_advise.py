@@ -62,6 +62,13 @@ def test_gpt_families_and_placeholder_meshes_above_the_device_count():
     )
     families = {c.layout.family for c in advice.candidates}
     assert {"data parallel", "FSDP", "tensor + sequence parallel", "context (ring)"} <= families
+    # Ulysses where the context size divides the 4 heads; skipped, naming why, where not.
+    ulysses = {c.layout.name for c in (*advice.candidates, *advice.rejected) if "ulysses" in c.layout.family}
+    assert "context (ulysses): data=16 x context=4" in ulysses
+    assert any(
+        name == "context (ulysses): data=8 x context=8" and "num_heads=4" in why
+        for name, why in advice.skipped
+    )
     with pytest.raises(eqxpar.PlanError, match="64 devices"):
         advice.check(1)
 

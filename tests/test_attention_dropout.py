@@ -1,5 +1,5 @@
 """Dropout on the attention probabilities: for one key the dense, blockwise
-(several tilings) and context-parallel (ring and all-gather, both layouts) paths
+(several tilings) and context-parallel (ring, all-gather and Ulysses, both layouts) paths
 drop the same probabilities, forward and gradients, causal or not, grouped-query;
 the kept fraction is 1 - rate; no key or rate 0 is exactly no dropout; a
 TransformerBlock with heads split over a manual tensor axis equals one device."""
@@ -46,7 +46,7 @@ def test_every_path_drops_the_same_probabilities(causal):
             nn.blockwise_attention, causal=causal, block_size=block, dropout=RATE, key=KEY
         )
         assert_trees_close(output_and_grads(blockwise, args, cot), ref, atol=ATTENTION_ATOL)
-    for impl, load_balanced in (("ring", True), ("allgather", True), ("ring", False)):
+    for impl, load_balanced in (("ring", True), ("allgather", True), ("ring", False), ("ulysses", True)):
         assert_trees_close(
             output_and_grads(
                 context_attention_fn(

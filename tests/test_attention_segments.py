@@ -1,6 +1,6 @@
 """Segment ids (packed sequences, padding): blockwise attention equals dense,
 forward and gradients (causal or not, grouped-query, padded key blocks, with a
-mask too); context attention, ring and all-gather, equals dense single-device
+mask too); context attention, ring, all-gather and Ulysses, equals dense single-device
 attention over the whole sequence in both layouts; `nn.Attention` and stacked
 `nn.TransformerBlock`s given the whole sequence's ids under context plans (with
 tensor and sequence parallelism) equal one device; bad ids raise eqxpar errors."""
@@ -62,7 +62,7 @@ def test_blockwise_segments_and_mask_combine():
     )
 
 
-@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("impl", ["ring", "allgather", "ulysses"])
 @pytest.mark.parametrize(("causal", "load_balanced"), [(True, True), (True, False), (False, True)])
 def test_context_attention_equals_dense(impl, causal, load_balanced):
     n, seq = 4, 48

@@ -1,4 +1,4 @@
-"""eqxpar.nn.context_attention: ring and all-gather context-parallel attention equal
+"""eqxpar.nn.context_attention: ring, all-gather and Ulysses context-parallel attention equal
 dense attention of the whole sequence, forward and backward, for both layouts,
 causal or not, with grouped-query heads; the ring moves exactly the bytes its
 docstring states; the layout helpers agree with each other; bad input raises
@@ -48,7 +48,7 @@ def _inputs(kv_heads, seed=0):
 CASES = [
     (n, impl, causal, lb)
     for n in (2, 4)
-    for impl in ("ring", "allgather")
+    for impl in ("ring", "allgather", "ulysses")
     for causal, lb in ((True, True), (True, False), (False, True))
 ] + [(1, "ring", True, True)]
 
@@ -176,7 +176,7 @@ def test_outside_shard_map_is_a_plan_error():
         ((B, S // 2, 2, D), {}, eqxpar.SpecError, r"do not match"),
         ((B, S, 2, D + 1), {}, eqxpar.SpecError, r"do not match"),
         ((B, S, 3, D), {}, eqxpar.SpecError, r"4 query heads are not a multiple of 3"),
-        ((B, S, 2, D), {"impl": "ulysses"}, eqxpar.PlanError, r"impl='ulysses'.*'ring', 'allgather'"),
+        ((B, S, 2, D), {"impl": "tree"}, eqxpar.PlanError, r"impl='tree'.*'ring', 'allgather', 'ulysses'"),
         ((B, S, 2, D), {"block_size": 0}, eqxpar.PlanError, r"block_size=0"),
     ],
 )

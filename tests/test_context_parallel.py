@@ -235,8 +235,8 @@ def test_layout_is_manual_over_context_in_every_mode(gpts):
 def test_plan_errors():
     with pytest.raises(eqxpar.PlanError, match=r"context_attention='ring'.*make_mesh\(context=n\)"):
         eqxpar.Plan(eqxpar.make_mesh(data=8), context_attention="ring")
-    with pytest.raises(eqxpar.PlanError, match=r"expected one of \('ring', 'allgather'\)"):
-        eqxpar.Plan(eqxpar.make_mesh(context=8), context_attention="ulysses")
+    with pytest.raises(eqxpar.PlanError, match=r"expected one of \('ring', 'allgather', 'ulysses'\)"):
+        eqxpar.Plan(eqxpar.make_mesh(context=8), context_attention="tree")
     with pytest.raises(eqxpar.PlanError, match=r"splits the batch over 'context'.*Drop it"):
         eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), batch_axes=("data", "context"))
     with pytest.raises(eqxpar.PlanError, match=r"leaves out 'context'.*Add 'context' to manual_axes"):

@@ -199,7 +199,8 @@ def advise(
 
     Families: data parallel, ZeRO-1, FSDP, HSDP; with eqxpar tensor-parallel
     layers tensor + sequence parallel and FSDP x tensor; with `pipeline_loss` 1F1B
-    pipelines (x tensor); with attention context parallelism (ring); with MoE
+    pipelines (x tensor); with attention context parallelism (ring, and Ulysses
+    where the context size divides the heads); with MoE
     layers expert parallelism. Sizes the model's dimensions or the batch do not
     divide are skipped (`Advice.skipped`), as are sequence-parallel plans for a
     model with MoE layers (the layer refuses them). Device counts above this machine's are

@@ -58,5 +58,8 @@ def layouts(n: int, *, tensor: bool, pipeline: bool, context: bool, expert: bool
             yield Layout("pipeline 1F1B", sizes, {**options, "microbatches": 4 * p})
     for c in _divisors(n)[1:] if context else []:
         yield Layout("context (ring)", {"data": n // c, "context": c}, {"mode": "manual"})
+        # Skipped (the heads' check names why) where c does not divide the heads.
+        ulysses = {"mode": "manual", "context_attention": "ulysses"}
+        yield Layout("context (ulysses)", {"data": n // c, "context": c}, ulysses)
     for e in _divisors(n)[1:] if expert else []:
         yield Layout("expert", {"data": n // e, "expert": e}, {"rules": _rules.EXPERT})

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import keystr
 
-from .._context_split import record_keys
+from .._context_split import check_ulysses_heads, record_keys
 from .._errors import EqxparError, PlanError
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from .._plan import Plan
@@ -300,7 +300,8 @@ def _note(plan: Plan, items: list[Item]) -> str:
     if plan.schedule is not None:
         what.append(f"pipeline over pipe={sizes.get(PIPE, 1)}: the busiest stage's boundaries")
     if plan.context_size > 1:
-        what.append(f"context parallel over {CONTEXT_AXIS}={plan.context_size}: attention keys and values")
+        moved = "q, k, v and outputs" if plan.context_attention == "ulysses" else "keys and values"
+        what.append(f"context parallel over {CONTEXT_AXIS}={plan.context_size}: attention {moved}")
     if plan.expert_size > 1:
         what.append(f"expert parallel over {EXPERT_AXIS}={plan.expert_size}: routed activations")
     devices = _axes_text(batch, sizes) or "1 device"
@@ -364,7 +365,12 @@ def minimum_comm(
       all-reduce also runs over `context`; every attention layer's keys and
       values reach the other `n-1` devices (an all-gather's wire bytes, compute
       dtype) and their gradients come back (a reduce-scatter's); activations
-      and tensor sums are `1/n` per device.
+      and tensor sums are `1/n` per device. Under
+      `context_attention="ulysses"` instead: every attention layer's q, k, v go
+      from sequence-split to head-split by all-to-all and its output comes
+      back by another, forward, and the four transposes run backward, each
+      sending `(n-1)/n` of this device's part (key/value heads repeated to
+      `lcm(kv_heads, n)` when fewer than `n` share a device).
     - **Expert parallelism** (`n` devices of the `expert` axis): experts split
       over it are neither gathered nor reduced over it; every `eqxpar.nn.MoE`
       layer sends this device's routed activations (`tokens * top_k` rows of
@@ -476,7 +482,11 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     if not keys or not layers:
         return []
     k = keys[0]
-    kv_split = plan.mesh.shape.get(plan.tensor_axis, 1) if _kv_split(plan, params) else 1
+    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    kv_split = t if _heads_split(plan, params, "wk") else 1
+    if plan.context_attention == "ulysses":
+        q_split = t if _heads_split(plan, params, "wq") else 1
+        return _ulysses_items(plan, params, k, (q_split, kv_split), layers, moved)
     whole = 2 * aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
     part = f"attention keys and values over {CONTEXT_AXIS}={n}"
     return [
@@ -485,10 +495,35 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     ]
 
 
-def _kv_split(plan: Plan, params: Any) -> bool:
-    # Whether the rules split the key/value heads over the tensor axis.
+def _ulysses_items(
+    plan: Plan, params: Any, k: Any, splits: tuple[int, int], layers: int, moved: Any
+) -> list[Item]:
+    """Ulysses over `n` devices: per attention layer, this device's sequence part of
+    q, k, v (key/value heads repeated to `lcm(kv heads, n)` when fewer) goes to
+    head-split by all-to-all and the output comes back by another, forward; the
+    backward pass runs the four transposed. An all-to-all sends `(n-1)/n` of it."""
+    n = plan.context_size
+    q_split, kv_split = splits
+    heads = {a.num_heads for a in attention_layers(params)}
+    for h in heads:
+        check_ulysses_heads(h, q_split, n, "minimum_comm")
+    b, s, kv_heads, d = k.shape
+    hkv = kv_heads // kv_split
+    hkv = math.lcm(hkv, n)
+    itemsize = jnp.dtype(_first(_first(moved, plan.compute_dtype), k.dtype)).itemsize
+    tokens = b * s // (plan.batch_size_multiple * n)
+    # One layer's q, output, k and v (as moved) on this device; every layer has the
+    # first layer's shapes (the keys recorded are the first attention call's).
+    size = tokens * d * itemsize * (2 * max(heads) // q_split + 2 * hkv)
+    part = f"attention queries, keys, values and outputs over {CONTEXT_AXIS}={n}"
+    return [Item(f"{part}: all-to-all, forward and backward", "all-to-all", n, size, 2 * layers)]
+
+
+def _heads_split(plan: Plan, params: Any, weight: str) -> bool:
+    # Whether the rules split the query ("wq") or key/value ("wk") heads over the
+    # tensor axis (a fused QKV weight splits both).
     for attention in attention_layers(partition_specs(params, plan)):
-        spec = attention.wk if attention.wqkv is None else attention.wqkv
+        spec = getattr(attention, weight) if attention.wqkv is None else attention.wqkv
         if spec is not None and any(plan.tensor_axis in mesh_axis_names(e) for e in spec):
             return True
     return False

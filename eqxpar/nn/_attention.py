@@ -5,7 +5,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._context_split import check_context_split, context_attention_impl, context_size, note_keys
+from .._context_split import (
+    check_context_split,
+    check_ulysses_heads,
+    context_attention_impl,
+    context_size,
+    note_keys,
+)
 from .._errors import DivisibilityError, PlanError, SpecError
 from .._mesh import CONTEXT_AXIS
 from .._param import param
@@ -70,7 +76,9 @@ class Attention(eqx.Module):
     Under context parallelism (a `context` mesh axis larger than 1) each device
     holds its load-balanced part of the sequence: attention runs
     `eqxpar.nn.context_attention` over `context` (the plan's `context_attention`:
-    ring or all-gather of keys and values), rotary angles at the tokens' global
+    ring or all-gather of keys and values, or Ulysses' all-to-alls, which need
+    the query heads on each device, after any tensor split, to be a multiple of
+    the `context` size), rotary angles at the tokens' global
     positions, and `mask` is not supported (use `segment_ids`).
     - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
     - `qkv_bias`: biases on the query, key and value projections only (Qwen2's
@@ -270,6 +278,9 @@ class Attention(eqx.Module):
                 "padding and packed sequences with segment_ids=(batch, seq) ids (split like the "
                 "tokens), use the causal flag (causal=True / False), or a mesh without a context axis."
             )
+        impl = context_attention_impl()
+        if impl == "ulysses":
+            check_ulysses_heads(self.num_heads, self.num_heads // q.shape[2], context_size(), "Attention")
         if segment_ids is not None:
             # This device's chunks of the ids, cut exactly as the activations were.
             segment_ids = split_context(segment_ids)
@@ -278,7 +289,7 @@ class Attention(eqx.Module):
             k,
             v,
             causal=self.causal,
-            impl=context_attention_impl(),
+            impl=impl,
             segment_ids=segment_ids,
             block_size=self.attention_block,
             **drop,

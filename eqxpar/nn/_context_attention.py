@@ -1,5 +1,6 @@
 """Context-parallel attention: the sequence split over a mesh axis, keys and values
-moving between the devices (ring attention) or gathered once.
+moving between the devices (ring attention) or gathered once, or the sequence
+split traded for a head split by all-to-all (Ulysses).
 
 Inside a manual region (`jax.shard_map`) over `axis` (default `"context"`), every
 device holds one chunk of the sequence: its queries, keys and values.
@@ -29,6 +30,14 @@ Implementations:
 - `"allgather"`: gather all keys and values once (tiled `all_gather`), then attend
   locally with the right global positions; the backward pass reduce-scatters dK/dV
   (the transpose of the gather).
+- `"ulysses"`: all-to-alls turn q, k, v (this device's chunk, every head) into the
+  whole sequence for `heads / n` heads (key/value heads repeated to
+  `lcm(kv_heads, n)` first when `n` does not divide them); the chunks arrive in
+  layout order and are put back in global order (static slices); attention runs
+  as a scan over query pieces, each folding only the key blocks at or before it
+  under a causal mask (custom VJP, the same tiles as the ring); the output is put
+  back in layout order and returned to the sequence split by one more all-to-all.
+  The backward pass is the four all-to-alls transposed.
 
 Dropout on the probabilities (`dropout`, `key`) keeps each by a hash of (seed,
 batch row, global head, global query position, global key position), the mask
@@ -42,6 +51,7 @@ each ring step after the first does half of a full tile on every device.
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -49,7 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from .._collectives import all_gather
+from .._collectives import all_gather, all_to_all
 from .._errors import DivisibilityError, PlanError, SpecError
 from .._varying import mark_varying, varying_axes
 from ._blockwise import (
@@ -63,7 +73,7 @@ from ._blockwise import (
     segment_allowed,
 )
 
-_IMPLS = ("ring", "allgather")
+_IMPLS = ("ring", "allgather", "ulysses")
 
 # ---------------------------------------------------------------------------
 # Layout
@@ -299,11 +309,12 @@ def _trips(nb: int, needed: Array | bool) -> Array | int:
 
 def _fwd_tiles(
     state, qg: Array, k: Array, v: Array, qs: _Seg, ks: _Seg, causal: bool, block: int,
-    qseg=None, kseg=None, rows=None, rate=0.0, needed: Array | bool = True,
+    qseg=None, kseg=None, rows=None, rate=0.0, needed: Array | bool = True, trips: Array | None = None,
 ):  # fmt: skip
     """Fold the keys `k`, `v` of segment `ks` into the online softmax `state` =
     (acc, max, sum) of the (pre-scaled, grouped) queries `qg` of segment `qs`
-    (none of them where the traced `needed` is False)."""
+    (none of them where the traced `needed` is False; only the first `trips`
+    blocks when given)."""
     block = min(block, ks.length)
     kb, nb = _kv_blocks(k, block)
     vb, _ = _kv_blocks(v, block)
@@ -319,16 +330,16 @@ def _fwd_tiles(
         s = jnp.where(allowed, s, jnp.finfo(s.dtype).min)
         return fold_tile(state, s, allowed, vj, drop_at(j))
 
-    return lax.fori_loop(0, _trips(nb, needed), step, state)
+    return lax.fori_loop(0, _trips(nb, needed) if trips is None else trips, step, state)
 
 
 def _bwd_tiles(
     grads, qg, do, lse, delta, k, v, qs: _Seg, ks: _Seg, causal: bool, block: int,
-    qseg=None, kseg=None, rows=None, rate=0.0, needed: Array | bool = True,
+    qseg=None, kseg=None, rows=None, rate=0.0, needed: Array | bool = True, trips: Array | None = None,
 ):  # fmt: skip
     """Add the gradients of the tiles of (`qs`, `ks`) to `grads` = (dq, dk, dv):
     dq for the queries of `qs` (pre-scaled), dk and dv for the keys of `ks` (nothing
-    where the traced `needed` is False)."""
+    where the traced `needed` is False; only the first `trips` blocks when given)."""
     dq, dk, dv = grads
     length = ks.length
     block = min(block, length)
@@ -362,7 +373,8 @@ def _bwd_tiles(
 
         return dq, add(dk, dkj), add(dv, dvj)
 
-    dq, dk, dv = lax.fori_loop(0, _trips(nb, needed), step, (dq, jnp.pad(dk, pad), jnp.pad(dv, pad)))
+    trips = _trips(nb, needed) if trips is None else trips
+    dq, dk, dv = lax.fori_loop(0, trips, step, (dq, jnp.pad(dk, pad), jnp.pad(dv, pad)))
     return dq, dk[:, :length], dv[:, :length]
 
 
@@ -575,6 +587,148 @@ def _gathered_bwd(axis, causal, load_balanced, block, rate, res, dout):
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 # ---------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence-split to head-split and back
+# ---------------------------------------------------------------------------
+
+
+def _piece(length: int, local: int, block: int) -> int:
+    """The length of Ulysses' query pieces and key blocks over the whole sequence
+    (`length`): the largest divisor of it up to `block_size` and half the local
+    chunk (`local`). A tile is one piece by one block, so tiles stay the ring's
+    size or smaller as sequence and context grow together, and the causal mask
+    skips all but the diagonal's share of the blocks above it."""
+    limit = max(1, min(block, local // 2 or 1))
+    return max(p for p in range(1, limit + 1) if length % p == 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _whole(q, k, v, seg, rows, causal, piece, rate):
+    return _whole_fwd(q, k, v, seg, rows, causal, piece, rate)[0]
+
+
+def _piece_inputs(i, piece, qg, seg, rows):
+    # Query piece i of the pre-scaled queries, their segment ids and dropout rows.
+    start = i * piece
+    cut = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=piece)
+    return _Seg(0, piece, start), cut(qg, axis=1), _cut(seg, cut, 1), _cut(rows, cut, 3)
+
+
+def _cut(x, cut, axis):
+    return None if x is None else cut(x, axis=axis)
+
+
+def _whole_fwd(q, k, v, seg, rows, causal, piece, rate):
+    """Attention over the whole, globally ordered sequence of this device's heads:
+    a scan over query pieces, each folding the key blocks up to its own (causal:
+    the later ones run no trip) or all of them, one tile at a time."""
+    b, length, hq, d = q.shape
+    qg = _grouped(q, k.shape[2])
+    keys = _Seg(0, length, 0)
+
+    def step(_, i):
+        qs, qgi, qseg, ri = _piece_inputs(i, piece, qg, seg, rows)
+        state = _init_state(qgi, [_Seg(0, piece, 0)])[0]
+        trips = i + 1 if causal else None
+        acc, m, total = _fwd_tiles(
+            state, qgi, k, v, qs, keys, causal, piece, qseg, seg, ri, rate, trips=trips
+        )
+        return None, (acc / total[..., None], m + jnp.log(total))
+
+    _, (o, lse) = lax.scan(step, None, jnp.arange(length // piece))
+    # (pieces, b, hkv, g, piece[, d]) -> (b, hkv, g, seq[, d]), as `_finish` gives.
+    o = jnp.moveaxis(o, 0, 3).reshape(*o.shape[1:4], length, d)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(*lse.shape[1:4], length)
+    out = o.transpose(0, 3, 1, 2, 4).reshape(b, length, hq, d).astype(q.dtype)
+    return out, (q, k, v, seg, rows, o, lse)
+
+
+def _whole_bwd(causal, piece, rate, res, dout):
+    q, k, v, seg, rows, o, lse = res
+    length = q.shape[1]
+    qg, do, delta = _bwd_setup(q, o, dout, k.shape[2])
+    keys = _Seg(0, length, 0)
+    acc = accumulation_dtype(k.dtype)
+
+    def step(dkv, i):
+        qs, qgi, qseg, ri = _piece_inputs(i, piece, qg, seg, rows)
+        cut = functools.partial(lax.dynamic_slice_in_dim, start_index=i * piece, slice_size=piece)
+        grads = (jnp.zeros_like(qgi), *dkv)
+        dq, dk, dv = _bwd_tiles(
+            grads, qgi, cut(do, axis=1), cut(lse, axis=3), cut(delta, axis=3), k, v, qs, keys, causal, piece,
+            qseg, seg, ri, rate, trips=i + 1 if causal else None,
+        )  # fmt: skip
+        return (dk, dv), dq
+
+    zeros = (jnp.zeros_like(k, dtype=acc), jnp.zeros_like(v, dtype=acc))
+    (dk, dv), dq = lax.scan(step, zeros, jnp.arange(length // piece))
+    dq = jnp.moveaxis(dq, 0, 1).reshape(qg.shape)
+    return _dq_out(dq, q), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_whole.defvjp(_whole_fwd, _whole_bwd)
+
+
+def _reorder(x: Array, order: list[int], axis: int = 1) -> Array:
+    # Static slices, concatenated: chunk `order[i]` of `x` becomes chunk i.
+    size = x.shape[axis] // len(order)
+    return jnp.concatenate([lax.slice_in_dim(x, c * size, (c + 1) * size, axis=axis) for c in order], axis)
+
+
+def _ulysses_kv_heads(heads: int, kv_heads: int, n: int) -> int:
+    # The key/value heads Ulysses moves: lcm(kv_heads, n), each head repeated when
+    # n does not divide kv_heads (grouped-query, fewer key/value heads than devices).
+    # Every device then holds whole query groups with the key/value heads they read,
+    # and receives what it must: the whole sequence of those heads.
+    return math.lcm(kv_heads, n) if heads % n == 0 else kv_heads
+
+
+def _check_ulysses_heads(hq: int, n: int, axis: str) -> None:
+    if hq % n:
+        raise DivisibilityError(
+            f"context_attention(impl='ulysses'): this device's {hq} query heads do not split over the "
+            f"{n} devices of mesh axis {axis!r}: Ulysses gives each device heads / {n} of them for the "
+            f"whole sequence. Use a number of heads (per device, after any tensor split) that is a "
+            f"multiple of {n}, a {axis!r} axis whose size divides {hq}, or impl='ring' / 'allgather'."
+        )
+
+
+def _ulysses(q, k, v, seg, axis, causal, load_balanced, block, rate, seed, head_offset):
+    """Sequence-split q, k, v -> head-split over the whole sequence by all-to-all,
+    attention there (`_whole`), and the output back to sequence-split."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    b, _, hq, _ = q.shape
+    positional = causal or rate > 0
+    # The all-to-all concatenates the devices' chunks in device order: the layout's
+    # chunk order, which the causal mask and dropout need back in global order.
+    order = _chunk_order(n, load_balanced) if positional and load_balanced else None
+    inverse = None if order is None else sorted(range(len(order)), key=order.__getitem__)
+    hkv = _ulysses_kv_heads(hq, k.shape[2], n)
+    if hkv != k.shape[2]:
+        # Fewer key/value heads than devices: repeat each so that every device gets
+        # the heads its query heads read (query head i reads i // (hq / hkv) either way).
+        k, v = (jnp.repeat(x, hkv // x.shape[2], axis=2) for x in (k, v))
+
+    def to_heads(x):
+        x = all_to_all(x, axis_name=axis, split_axis=2, concat_axis=1)
+        return x if inverse is None else _reorder(x, inverse)
+
+    qf, kf, vf = (to_heads(x) for x in (q, k, v))
+    seg_all = None
+    if seg is not None:
+        seg_all = all_gather(seg, axis_name=axis, axis=1)
+        seg_all = seg_all if inverse is None else _reorder(seg_all, inverse)
+    rows = None
+    if rate > 0:
+        heads = hq // n
+        offset = head_offset + me * heads
+        rows = dropout_rows(seed, b, heads, hkv // n, offset, jnp.arange(qf.shape[1]))
+    piece = _piece(qf.shape[1], q.shape[1], block)
+    out = _whole(qf, kf, vf, seg_all, rows, causal, piece, rate)
+    out = out if order is None else _reorder(out, order)
+    return all_to_all(out, axis_name=axis, split_axis=1, concat_axis=2)
+
+
+# ---------------------------------------------------------------------------
 # Public entry point
 # ---------------------------------------------------------------------------
 
@@ -605,7 +759,10 @@ def context_attention(
     positions `<=` the query's. Accumulation is float32 (float64 for float64 inputs);
     the output has `q`'s dtype.
     Temp memory, forward and backward, is one tile, `O(batch x heads x seq x
-    block_size)`, plus one visiting K/V block (ring) or all `n` blocks (allgather).
+    block_size)`, plus one visiting K/V block (ring) or all `n` blocks (allgather);
+    Ulysses holds the whole sequence for `heads / n` heads (q, k, v, output: the
+    bytes of the local ones) and a tile of `heads / n` heads, a query piece and a
+    key block, each of at most `min(block_size, seq / 2)` positions.
 
     Communication per device, with `B` the bytes of the local `k` plus `v`:
 
@@ -617,6 +774,11 @@ def context_attention(
     - `impl="allgather"`: forward one all-gather of K and V (`(n-1) B` on a ring);
       backward one reduce-scatter each of dK, dV (`(n-1) B`), with `n B` of gathered
       K/V kept for the backward pass.
+    - `impl="ulysses"`: forward all-to-alls of q, k, v and the output, backward
+      of their cotangents, each sending `(n-1)/n` of the local array: `2 (n-1)/n
+      (2 Q + B')`, with `Q` the bytes of `q` and `B'` those of `k` plus `v` after
+      the key/value heads are repeated to `lcm(kv_heads, n)`. Needs `heads`
+      divisible by `n`.
 
     **Arguments:**
 
@@ -624,15 +786,15 @@ def context_attention(
     - `k`, `v`: `(batch, seq, kv_heads, head_dim)`, this device's keys/values.
     - `causal`: mask keys after the query (by global position).
     - `axis`: the manual mesh axis that splits the sequence.
-    - `impl`: `"ring"` or `"allgather"`.
+    - `impl`: `"ring"`, `"allgather"` or `"ulysses"`.
     - `load_balanced`: the layout (only matters for `causal`): device `i` holds chunks
       `i` and `2n-1-i` of `2n` (True) or contiguous block `i` (False).
     - `segment_ids`: optional `(batch, seq)` integers, this device's chunk of the
       global ids in the same layout as `q` (`context_layout` them like `q`): query
       `i` reads key `j` only when their ids are equal (packed sequences, padding as
       its own id), ANDed with `causal`. They travel with the keys (ring: one more
-      small `ppermute` per step; allgather: one more `all_gather`), int32 next to
-      K/V's `heads x head_dim` floats per token.
+      small `ppermute` per step; allgather and ulysses: one more `all_gather`),
+      int32 next to K/V's `heads x head_dim` floats per token.
     - `block_size`: keys per tile of the local online softmax.
     - `dropout`, `key`: dropout on the attention probabilities (rate in `[0, 1)`;
       applied only with a `key`, the same on every device, or each device's own
@@ -647,7 +809,8 @@ def context_attention(
     **Raises:** `PlanError` outside a manual region over `axis`, for an unknown
     `impl` or a non-positive `block_size`; `SpecError` for mismatched shapes or
     heads, or `segment_ids` of the wrong shape; `DivisibilityError` for an odd
-    local length with `load_balanced` and `causal`.
+    local length with `load_balanced` and `causal`, or (ulysses) `heads` that `n`
+    does not divide.
 
     ```python
     mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -667,8 +830,10 @@ def context_attention(
     rate = rate if key is not None else 0.0
     if (causal or rate > 0) and load_balanced:
         _check_even(q.shape[1], "context_attention")
+    if impl == "ulysses":
+        _check_ulysses_heads(q.shape[2], lax.axis_size(axis), axis)
     rows = None
-    if rate > 0:
+    if rate > 0 and impl != "ulysses":
         # Per query row: the hash of (seed, batch row, global head, global position).
         b, length, hq, _ = q.shape
         qpos = context_positions(length, axis=axis, load_balanced=load_balanced)
@@ -682,6 +847,9 @@ def context_attention(
     seg, rows = (None if x is None else mark_varying(x, vma) for x in (segment_ids, rows))
     if impl == "ring":
         return _ring(q, k, v, seg, rows, axis, causal, load_balanced, int(block_size), rate)
+    if impl == "ulysses":
+        seed = dropout_seed(key) if rate > 0 else None
+        return _ulysses(q, k, v, seg, axis, causal, load_balanced, int(block_size), rate, seed, head_offset)
     k_all = all_gather(k, axis_name=axis, axis=1)
     v_all = all_gather(v, axis_name=axis, axis=1)
     seg_all = None if seg is None else all_gather(seg, axis_name=axis, axis=1)
