@@ -276,7 +276,8 @@ def _context(
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
         least = setup.minimum(eqx_model, cfg)
         kv = sum(w for part, (_, w) in least.parts.items() if "all-gather" in part and "context" in part)
-        fields = {"context_attention": "ring" if ring else "allgather", "comm_wire_bytes_kv_gather_min": kv}
+        impl = setup.plan.context_attention or "ring"
+        fields = {"context_attention": impl, "comm_wire_bytes_kv_gather_min": kv}
         if ring:
             fields["comm_wire_bytes_ring_bound"] = least.total_wire_bytes + kv
         return {**fields, "context_memory": _context_memory(optim, cfg, mesh, options)}
@@ -363,6 +364,8 @@ _CP_PARITY = {
     "parity_max_rel_err": 2e-5,
 }
 _CP_ALLGATHER = {"wire_over_min_max": 1.05, **_CP_PARITY}
+#: Ulysses: the all-to-alls at the minimum, memory flat as sequence and context grow.
+_CP_ULYSSES = {**_CP_ALLGATHER, "context_temp_growth_max": 0.10}
 #: The ring: within 5 % of the minimum plus the backward pass's second K/V all-gather,
 #: and per-device memory flat as sequence and context grow together (the all-gather
 #: keeps every device's keys and values for the backward pass: recorded, not held).
@@ -402,6 +405,7 @@ STRATEGIES: dict[str, Strategy] = {
     "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
     "cp": Strategy(_context, _CP, {"contract": _CP_RING}),
     "cp_allgather": Strategy(_context, _CP, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
+    "cp_ulysses": Strategy(_context, _CP, {"context_attention": "ulysses", "contract": _CP_ULYSSES}),
     "cp_tp": Strategy(
         _context, _CP_TP, {"rules": _workload.TENSOR_RULES, "sequence_parallel": True, "contract": _CP_RING}
     ),
