@@ -62,7 +62,11 @@ def _apply(
     if layout.sliced_update:
         model = shard(model, layout.plan, specs=layout.params)
     return TrainState(
-        model=model, opt_state=opt_state, step=state.step + 1, key=state.key, skipped_steps=state.skipped_steps
+        model=model,
+        opt_state=opt_state,
+        step=state.step + 1,
+        key=state.key,
+        skipped_steps=state.skipped_steps,
     )
 
 

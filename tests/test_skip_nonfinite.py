@@ -128,7 +128,9 @@ def case(mode: str) -> Case:
         model = TinyGPT(key=jax.random.key(0))
         return Case(plan, model, with_probes(weighted_cross_entropy, leaf), _tokens, _nan_weight, leaf)
     assert mode == "pipeline_1f1b"
-    plan = eqxpar.Plan(eqxpar.make_mesh(pipe=2, data=2), rules=stage_rules(None), schedule="1f1b", microbatches=4)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=2), rules=stage_rules(None), schedule="1f1b", microbatches=4
+    )
     model = reorder(Tiny(4, key=jax.random.key(2)), stages=2, chunks=1)
     core = lambda seed: _regression(seed, rows=16, d_in=3, d_out=2)  # noqa: E731
     return Case(plan, model, pipeline_loss(), core, _nan_in_row, lambda m: m.w_out)

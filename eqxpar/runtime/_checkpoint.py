@@ -315,7 +315,10 @@ class CheckpointManager:
             # Saved before TrainState counted skipped steps: none were skipped.
             # Placed from host data, which any process may do for a replicated value.
             records = [*records, {"path": leaves[-1][0]}]
-            arrays = {**arrays, _name(len(records) - 1): jax.device_put(np.zeros((), np.int32), shardings[-1])}
+            arrays = {
+                **arrays,
+                _name(len(records) - 1): jax.device_put(np.zeros((), np.int32), shardings[-1]),
+            }
         return _rebuild(like, records, arrays), meta.get("data_state")
 
     def _complete_step(self, step: int | None, steps: list[int]) -> int:
@@ -458,7 +461,9 @@ def _check_matches(records: list[dict[str, Any]], leaves: list[tuple[str, Any]],
             )
 
 
-def _predates_skipped_steps(like: PyTree, records: list[dict[str, Any]], leaves: list[tuple[str, Any]]) -> bool:
+def _predates_skipped_steps(
+    like: PyTree, records: list[dict[str, Any]], leaves: list[tuple[str, Any]]
+) -> bool:
     """Whether the checkpoint holds a `TrainState` saved before it had
     `skipped_steps` (its last field, so its last array leaf): every array of
     `like` but that one."""
