@@ -67,7 +67,7 @@ class SkipMonitor:
     """Stop a run that keeps skipping: raise `eqxpar.NonFiniteError` once
     `max_consecutive` steps in a row were skipped for a non-finite loss or gradient.
 
-    A step built with `make_step(..., skip_nonfinite=True)` (the default) leaves the
+    A step built with `make_step(..., skip_nonfinite=True)` leaves the
     state unchanged on such a step, so a run whose every batch gives NaN would go on
     without training. Call the monitor with each step's metrics; it reads the
     step's `skipped` flag, which waits for that step to finish (as reading the loss

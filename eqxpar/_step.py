@@ -356,7 +356,7 @@ def make_step(
     donate: bool = True,
     has_aux: bool = False,
     # Any: checked below, with an eqxpar error that names the value.
-    skip_nonfinite: Any = True,
+    skip_nonfinite: Any = False,
 ) -> Step:
     """Build the compiled training step for `plan`.
 
@@ -392,22 +392,26 @@ def make_step(
     - `donate`: donate the input state's buffers to the output state.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
     - `skip_nonfinite`: skip a step whose loss or gradient norm is NaN or inf
-      (default True): the parameters and the optimizer state, optax's counters
+      (default False): the parameters and the optimizer state, optax's counters
       included, stay exactly as they were; `state.step` still advances (it counts
       the batches consumed) and `state.skipped_steps` counts the skip (it lives in
       the state, so checkpoints keep it). The same under every plan and with
-      `accumulate` (a NaN in one micro-batch skips the whole step). The default
-      lets a long run finish unattended past a bad batch, which would otherwise
-      turn every parameter into NaN, while the metrics still show the NaN loss and
-      the skip; use `eqxpar.train.SkipMonitor` to stop a run that keeps skipping.
-      Its cost is one select per parameter and optimizer-state array, fused into
-      the update, and the update then waits for the gradient norm. The check is on
+      `accumulate` (a NaN in one micro-batch skips the whole step). It lets a long
+      run go on unattended past a bad batch, which would otherwise turn most
+      parameters into NaN, while the metrics still show the NaN loss and the skip;
+      use `eqxpar.train.SkipMonitor` to stop a run that keeps skipping. Its cost is
+      one select per parameter and optimizer-state array, fused into the update,
+      and the update then waits for the gradient norm. That wait changes how
+      XLA:CPU orders a step's collectives, and an automatic FSDP step over a
+      scanned stack on 8 simulated CPU devices was seen to hang with it (two
+      all-gathers entered in different orders by different devices), which is why
+      it is not yet the default. The check is on
       the loss and the global gradient norm (summed in float32: a norm beyond
       ~1.8e19 counts as non-finite). `optax.apply_if_finite(optimizer, n)` is the
       alternative inside the optimizer: it checks the gradients only (not the
       loss), keeps its counters in the optimizer state, and after `n` consecutive
       bad steps applies the non-finite update anyway. `False`: no check, and a
-      non-finite gradient reaches the optimizer as before.
+      non-finite gradient reaches the optimizer.
 
     **Returns:** a `Step`; `step(state, batch) -> (state, metrics)` with metrics
     `{"loss", "grad_norm", "learning_rate" (when exposed), "aux" (with has_aux;

@@ -258,15 +258,12 @@ def test_moe_data_parallel_gathers_the_routed_rows():
     assert abs(predicted.temp_bytes / measured - 1) <= 0.10, (predicted.temp_bytes, measured)
 
 
-@pytest.mark.parametrize("remat, tolerance", [("dots", 0.10), ("full", 0.16)])
+@pytest.mark.parametrize("remat, tolerance", [("dots", 0.10), ("full", 0.15)])
 def test_pipeline_temp_under_remat_policies(remat, tolerance):
     # The slots hold what the policy keeps ("full": nothing; each backward
     # recomputes its stage), and a backward recomputes what it dropped, about
     # one layer's residuals without remat (counting the whole stage's, "full"
     # was 30 % over; counting residuals without the policy, "dots" 95 %).
-    # "full" measured 14.0 % under the compile, 15.5 % since make_step skips
-    # non-finite steps by default (the update waits for the gradient norm:
-    # 1,310,224 -> 1,334,480 temp bytes; "dots" is unchanged).
     model, loss = _gqa_gpt(), _pipeline_loss()
     tokens = jax.random.randint(jax.random.key(1), (32, 33), 0, 64)
     plan = eqxpar.Plan(

@@ -124,7 +124,7 @@ def test_async_save_survives_donated_steps_and_keeps_last_k(tmp_path):
 def test_skipped_steps_survive_save_and_restore(tmp_path):
     plan = _fsdp_plan(fsdp=8)
     state, optimizer = _state(plan)
-    step = eqxpar.train.make_step(mse_loss, optimizer, plan)
+    step = eqxpar.train.make_step(mse_loss, optimizer, plan, skip_nonfinite=True)
     good = regression_batches(1)[0]
     bad = (good[0].copy(), good[1])
     bad[0][5, 2] = np.nan

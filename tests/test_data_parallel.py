@@ -132,7 +132,7 @@ def test_state_sharding_is_stable_and_step_compiles_once(mode):
     assert compiles == []
     assert shardings(state) == after_init
     assert float(metrics["learning_rate"]) == pytest.approx(1e-2 * (1 - 9 / 10))
-    assert set(metrics) == {"loss", "grad_norm", "learning_rate", "skipped", "skipped_steps"}
+    assert set(metrics) == {"loss", "grad_norm", "learning_rate"}
 
 
 def test_has_aux_and_loss_with_key():

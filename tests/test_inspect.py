@@ -73,11 +73,9 @@ def test_fsdp_comm_report_counts_gathers_and_gradient_reduction(fsdp):
     m = report.measured
     # XLA:CPU gathers each sharded weight once (keeping it for the backward) and
     # all-reduces the full gradients before slicing out each shard (it makes no
-    # reduce-scatter), with three f32 scalars: the loss and the gradient-norm
-    # partial sums of the two sharded gradients. The update waits for that norm
-    # (make_step's skip_nonfinite), and XLA's combiner then groups these bytes in
-    # three all-reduces, not two (the same bytes; two with skip_nonfinite=False).
-    assert m.count == {"all-gather": 2, "all-reduce": 3}
+    # reduce-scatter); the second all-reduce carries f32 scalars: the loss and
+    # the gradient-norm partial sums of the two sharded gradients.
+    assert m.count == {"all-gather": 2, "all-reduce": 2}
     assert m.bytes == {"all-gather": FSDP_SHARDED, "all-reduce": FSDP_SHARDED + FSDP_REPLICATED + 3 * F32}
     assert m.wire_bytes["all-gather"] == 7 * FSDP_SHARDED // 8
     # The minimum: gather once (the gathered weights kept for the backward pass, as

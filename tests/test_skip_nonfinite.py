@@ -159,7 +159,7 @@ def steps(mode: str) -> tuple:
     c = case(mode)
     make = functools.partial(eqxpar.train.make_step, c.loss, OPTIMIZER, c.plan, accumulate=c.accumulate)
     initial = eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1))
-    return make(), make(skip_nonfinite=False), initial
+    return make(skip_nonfinite=True), make(), initial
 
 
 def copy(state):
@@ -242,6 +242,7 @@ def test_skipped_metrics_and_validation():
     assert metrics["skipped"].dtype == jnp.bool_ and metrics["skipped_steps"].dtype == jnp.int32
     _, metrics = no_skip(copy(initial), batch(c, 0))
     assert set(metrics) == {"loss", "grad_norm", "learning_rate"}
+    assert "skipped" not in metrics  # the default: no check
     with pytest.raises(eqxpar.PlanError, match=r"skip_nonfinite=1\b.*True or False"):
         eqxpar.train.make_step(mse_loss, OPTIMIZER, c.plan, skip_nonfinite=1)
 
