@@ -38,6 +38,9 @@ from ._errors import (
     MeshError as MeshError,
 )
 from ._errors import (
+    NonFiniteError as NonFiniteError,
+)
+from ._errors import (
     PipelineScheduleError as PipelineScheduleError,
 )
 from ._errors import (

@@ -47,6 +47,11 @@ class PipelineScheduleError(PlanError):
     """
 
 
+class NonFiniteError(EqxparError):
+    """A training run keeps producing a non-finite loss or gradient: raised by
+    `eqxpar.train.SkipMonitor` after too many consecutive skipped steps."""
+
+
 class UnusedAxisWarning(UserWarning):
     """A mesh axis larger than 1 splits nothing: neither the batch nor any weight.
 

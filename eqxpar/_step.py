@@ -16,6 +16,7 @@ from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
+from ._nonfinite import gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
 from ._sharding import check_batch, shard, split_by
 from ._step_layout import StepLayout, manual_axes_of
@@ -48,8 +49,8 @@ def _gradients(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyT
 
 def _apply(
     optimizer: optax.GradientTransformation, layout: StepLayout, state: TrainState, grads: PyTree
-) -> tuple[TrainState, Array | None]:
-    """The optimizer update: the new state, and the learning rate when exposed."""
+) -> TrainState:
+    """The optimizer update: the new state."""
     model = state.model
     if layout.sliced_update:
         # ZeRO-1: update this device's slice of every parameter (slicing a
@@ -60,8 +61,13 @@ def _apply(
     model = eqx.apply_updates(model, updates)
     if layout.sliced_update:
         model = shard(model, layout.plan, specs=layout.params)
-    new_state = TrainState(model=model, opt_state=opt_state, step=state.step + 1, key=state.key)
-    return new_state, _learning_rate(opt_state)
+    return TrainState(
+        model=model,
+        opt_state=opt_state,
+        step=state.step + 1,
+        key=state.key,
+        skipped_steps=state.skipped_steps,
+    )
 
 
 def _train_step(
@@ -70,11 +76,23 @@ def _train_step(
     layout: StepLayout,
     state: TrainState,
     batch: PyTree,
+    *,
+    skip_nonfinite: bool,
 ) -> tuple[TrainState, Metrics]:
     key = jax.random.fold_in(state.key, state.step)
+    # Every implementation (automatic, manual, pipeline; accumulated or not) ends
+    # here with the global loss and gradients, so the check and the update below
+    # are one code path for every plan.
     value, aux, grads = _gradients(loss, layout, state.model, batch, key)
-    new_state, lr = _apply(optimizer, layout, state, grads)
-    metrics: Metrics = {"loss": value, "grad_norm": optax.tree.norm(grads)}
+    grad_norm = gradient_norm(grads)
+    new_state = _apply(optimizer, layout, state, grads)
+    metrics: Metrics = {"loss": value, "grad_norm": grad_norm}
+    if skip_nonfinite:
+        finite = is_finite_step(value, grad_norm)
+        new_state = keep_unless_finite(state, new_state, finite)
+        metrics["skipped"] = jnp.logical_not(finite)
+        metrics["skipped_steps"] = new_state.skipped_steps
+    lr = _learning_rate(new_state.opt_state)
     if lr is not None:
         metrics["learning_rate"] = lr
     if loss.has_aux:
@@ -99,6 +117,7 @@ class Step:
         *,
         donate: bool,
         accumulate: int,
+        skip_nonfinite: bool,
     ):
         #: The loss function the step differentiates (read by `eqxpar.inspect`).
         self.loss_fn = loss.fn
@@ -106,6 +125,7 @@ class Step:
         self._plan = plan
         self._donate = donate
         self._accumulate = accumulate
+        self._skip_nonfinite = skip_nonfinite
         self._cache: dict[Any, tuple[Callable, PyTree]] = {}
 
     def layout(self, state: TrainState) -> StepLayout:
@@ -142,7 +162,9 @@ class Step:
         def step(dynamic, batch):
             with plan:
                 state = eqx.combine(dynamic, static)
-                new_state, metrics = _train_step(self._loss, self._optimizer, layout, state, batch)
+                new_state, metrics = _train_step(
+                    self._loss, self._optimizer, layout, state, batch, skip_nonfinite=self._skip_nonfinite
+                )
             new_dynamic, new_static = eqx.partition(new_state, eqx.is_array)
             if jax.tree.structure(new_static) != static_def:
                 raise PlanError(
@@ -333,6 +355,8 @@ def make_step(
     accumulate: int = 1,
     donate: bool = True,
     has_aux: bool = False,
+    # Any: checked below, with an eqxpar error that names the value.
+    skip_nonfinite: Any = False,
 ) -> Step:
     """Build the compiled training step for `plan`.
 
@@ -367,11 +391,34 @@ def make_step(
       `accumulate=k` moves the bytes of `accumulate=1`.
     - `donate`: donate the input state's buffers to the output state.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
+    - `skip_nonfinite`: skip a step whose loss or gradient norm is NaN or inf
+      (default False): the parameters and the optimizer state, optax's counters
+      included, stay exactly as they were; `state.step` still advances (it counts
+      the batches consumed) and `state.skipped_steps` counts the skip (it lives in
+      the state, so checkpoints keep it). The same under every plan and with
+      `accumulate` (a NaN in one micro-batch skips the whole step). It lets a long
+      run go on unattended past a bad batch, which would otherwise turn most
+      parameters into NaN, while the metrics still show the NaN loss and the skip;
+      use `eqxpar.train.SkipMonitor` to stop a run that keeps skipping. Its cost is
+      one select per parameter and optimizer-state array, fused into the update,
+      and the update then waits for the gradient norm. That wait changes how
+      XLA:CPU orders a step's collectives, and an automatic FSDP step over a
+      scanned stack on 8 simulated CPU devices was seen to hang with it (two
+      all-gathers entered in different orders by different devices), which is why
+      it is not yet the default. The check is on
+      the loss and the global gradient norm (summed in float32: a norm beyond
+      ~1.8e19 counts as non-finite). `optax.apply_if_finite(optimizer, n)` is the
+      alternative inside the optimizer: it checks the gradients only (not the
+      loss), keeps its counters in the optimizer state, and after `n` consecutive
+      bad steps applies the non-finite update anyway. `False`: no check, and a
+      non-finite gradient reaches the optimizer.
 
     **Returns:** a `Step`; `step(state, batch) -> (state, metrics)` with metrics
     `{"loss", "grad_norm", "learning_rate" (when exposed), "aux" (with has_aux;
     stacked over micro-batches when accumulate > 1, averaged over data-parallel
-    devices in manual mode)}`. Every batch leaf has a leading batch dimension.
+    devices in manual mode), "skipped" (bool: this step was skipped) and
+    "skipped_steps" (the state's running count) with skip_nonfinite}`. Every batch
+    leaf has a leading batch dimension.
 
     **Warns:** `eqxpar.AccumulationWarning` when the batch is split into
     micro-batches (`accumulate > 1`, or a pipeline's) and the model is an MoE
@@ -387,9 +434,11 @@ def make_step(
     ```
     """
     _validate(loss_fn, plan, accumulate, has_aux, "make_step")
+    if not isinstance(skip_nonfinite, bool):
+        raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
     _warn_cpu_collective_order(plan, accumulate)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
-    return Step(loss, optimizer, plan, donate=donate, accumulate=accumulate)
+    return Step(loss, optimizer, plan, donate=donate, accumulate=accumulate, skip_nonfinite=skip_nonfinite)
 
 
 def make_value_and_grad(

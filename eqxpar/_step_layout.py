@@ -194,17 +194,17 @@ class StepLayout:
 
     def state_specs(self, state: Any) -> Any:
         """`state` (a `TrainState` or its outline) with a PartitionSpec at every
-        array leaf: the model's and optimizer's from this layout, step and key
-        replicated."""
+        array leaf: the model's and optimizer's from this layout, the step, key
+        and skipped-step count replicated."""
         if self.opt_state is None:
             raise PlanError(
                 "this StepLayout was resolved without an optimizer state; build it with "
                 "StepLayout.of_state(state, plan)."
             )
         return eqx.tree_at(
-            lambda s: (s.model, s.opt_state, s.step, s.key),
+            lambda s: (s.model, s.opt_state, s.step, s.key, s.skipped_steps),
             state,
-            (self.params, self.opt_state, PartitionSpec(), PartitionSpec()),
+            (self.params, self.opt_state, PartitionSpec(), PartitionSpec(), PartitionSpec()),
             is_leaf=lambda x: x is None,
         )
 

@@ -66,12 +66,19 @@ class TrainState(eqx.Module):
     - `step`: the number of completed steps (int32 scalar).
     - `key`: a PRNG key; a loss function that takes `key=` receives
       `jax.random.fold_in(key, step)` each step, so runs are reproducible.
+    - `skipped_steps`: how many of those steps a step built with
+      `make_step(..., skip_nonfinite=True)` skipped for a non-finite loss or
+      gradient (int32 scalar; default 0). A skipped step advances `step` but not
+      the parameters or optimizer state, so `step - skipped_steps` updates were
+      applied. Saved and restored with the rest of the state.
     """
 
     model: PyTree
     opt_state: PyTree
     step: Int[Array, ""]
     key: PRNGKeyArray
+    # A default keeps states built by hand with the four fields above valid.
+    skipped_steps: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.zeros((), jnp.int32))
 
 
 def init(
@@ -92,7 +99,7 @@ def init(
     - `plan`: the plan giving mesh and rules.
     - `key`: a PRNG key stored in the state (keyword-only).
 
-    **Returns:** a `TrainState` with `step == 0`.
+    **Returns:** a `TrainState` with `step == 0` and `skipped_steps == 0`.
 
     ```python
     state = eqxpar.train.init(model, optax.adamw(1e-3), plan, key=jax.random.key(0))
@@ -119,10 +126,11 @@ def init(
     # Built from host values: a key made by jax.random.key lives on one local
     # device, which device_put cannot place on a mesh spanning several processes.
     step = jax.device_put(np.zeros((), np.int32), replicated)
+    skipped_steps = jax.device_put(np.zeros((), np.int32), replicated)
     if not isinstance(key, jax.core.Tracer):  # traced (eval_shape, jit): nothing to place
         key_data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
         key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
-    return TrainState(model=model, opt_state=opt_state, step=step, key=key)
+    return TrainState(model=model, opt_state=opt_state, step=step, key=key, skipped_steps=skipped_steps)
 
 
 def specs_of(tree: PyTree, plan: Plan) -> PyTree:

@@ -1,7 +1,8 @@
 """Typed train-step builders: `TrainState`, `init`, `make_step`, `make_value_and_grad`,
-and the `StepLayout` they resolve; `Throughput`, a training loop's tokens per second
-and MFU."""
+the `StepLayout` they resolve; `Throughput`, a training loop's tokens per second
+and MFU; and `SkipMonitor` for steps skipped as non-finite."""
 
+from ._nonfinite import SkipMonitor as SkipMonitor
 from ._step import Step as Step
 from ._step import make_step as make_step
 from ._step import make_value_and_grad as make_value_and_grad

@@ -207,6 +207,53 @@ def test_a_failed_save_is_logged_by_default_once_a_save_has_completed(tmp_path, 
         CheckpointManager(tmp_path, on_save_error="ignore")
 
 
+def test_skipped_steps_survive_save_and_restore(tmp_path):
+    plan = _fsdp_plan(fsdp=8)
+    state, optimizer = _state(plan)
+    step = eqxpar.train.make_step(mse_loss, optimizer, plan, skip_nonfinite=True)
+    good = regression_batches(1)[0]
+    bad = (good[0].copy(), good[1])
+    bad[0][5, 2] = np.nan
+    state, _ = step(state, good)
+    state, metrics = step(state, bad)
+    assert bool(metrics["skipped"]) and int(state.skipped_steps) == 1
+    saved = _host(state)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(int(state.step), state)
+    model = eqx.nn.MLP(16, 4, 64, 2, key=jax.random.key(9))
+    abstract = eqx.filter_eval_shape(eqxpar.train.init, model, optimizer, plan, key=jax.random.key(3))
+    restored, _ = CheckpointManager(tmp_path).restore(like=abstract, plan=plan)
+    assert int(restored.step) == 2 and int(restored.skipped_steps) == 1
+    _assert_bitwise_equal(_host(restored), saved)
+    # The count goes on from the restored value.
+    restored, metrics = step(restored, bad)
+    assert int(metrics["skipped_steps"]) == int(restored.skipped_steps) == 2
+
+
+class _StateBeforeSkippedSteps(eqx.Module):
+    """A `TrainState` as saved before it counted skipped steps: the same paths."""
+
+    model: object
+    opt_state: object
+    step: jax.Array
+    key: jax.Array
+
+
+def test_restores_a_train_state_saved_before_skipped_steps(tmp_path):
+    plan = _fsdp_plan(fsdp=8)
+    state, _ = _state(plan)
+    old = _StateBeforeSkippedSteps(state.model, state.opt_state, state.step, state.key)
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(0, old)
+    restored, _ = CheckpointManager(tmp_path).restore(like=state, plan=plan)
+    assert int(restored.skipped_steps) == 0 and restored.skipped_steps.sharding.spec == P()
+    _assert_bitwise_equal(_host(restored), [*_host(old), np.zeros((), np.int32)])
+    # Only a TrainState's missing count is filled in; any other missing leaf still fails.
+    n = len(_host(old))
+    with pytest.raises(CheckpointError, match=rf"holds {n} arrays but `like` has {n + 1}\."):
+        CheckpointManager(tmp_path).restore(like=(old, state.step), plan=plan)
+
+
 def test_restore_onto_another_mesh(tmp_path):
     source = _fsdp_plan(fsdp=8)
     state, optimizer = _state(source)

@@ -46,8 +46,9 @@ from ._profile import DeviceProfile
 #: optimizer update holds about this share of the updated parameters' bytes in
 #: temporaries beside the gradients (AdamW's new moments are written in place).
 UPDATE_SHARE = 0.6
-#: The step counter (int32) and PRNG key (two uint32) a `TrainState` also passes.
-STATE_SCALARS = 12
+#: The step counter and skipped-step count (int32 each) and PRNG key (two uint32)
+#: a `TrainState` also passes.
+STATE_SCALARS = 16
 
 
 def placeholder_mesh(sizes: dict[str, int]) -> Mesh:

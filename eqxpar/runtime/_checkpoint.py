@@ -27,7 +27,7 @@ from jaxtyping import PyTree
 
 from .._errors import EqxparError
 from .._plan import Plan
-from .._train_state import specs_of
+from .._train_state import TrainState, specs_of
 from ._distributed import get_logger
 
 _FORMAT = "eqxpar.checkpoint"
@@ -365,8 +365,10 @@ class CheckpointManager:
         meta = self._read_meta(step, where, fix)
         leaves = _array_leaves(like)
         records = meta["leaves"]
-        _check_matches(records, leaves, where)
-        target = _restore_target(records, _target_shardings(like, plan, leaves))
+        legacy = _predates_skipped_steps(like, records, leaves)
+        _check_matches(records, leaves[:-1] if legacy else leaves, where)
+        shardings = _target_shardings(like, plan, leaves)
+        target = _restore_target(records, shardings[: len(records)])
         ocp = self._ocp
         arrays = _guard(
             lambda: self._manager.restore(
@@ -375,6 +377,14 @@ class CheckpointManager:
             f"reading the arrays of checkpoint {str(where)!r}",
             fix,
         )
+        if legacy:
+            # Saved before TrainState counted skipped steps: none were skipped.
+            # Placed from host data, which any process may do for a replicated value.
+            records = [*records, {"path": leaves[-1][0]}]
+            arrays = {
+                **arrays,
+                _name(len(records) - 1): jax.device_put(np.zeros((), np.int32), shardings[-1]),
+            }
         return _rebuild(like, records, arrays), meta.get("data_state")
 
     def _complete_step(self, step: int | None, steps: list[int]) -> int:
@@ -532,6 +542,18 @@ def _check_matches(records: list[dict[str, Any]], leaves: list[tuple[str, Any]],
                 f"and dtype {saved[2]}, but `like` has {wanted[0]} with shape {wanted[1]} and dtype "
                 f"{wanted[2]}. {fix}"
             )
+
+
+def _predates_skipped_steps(
+    like: PyTree, records: list[dict[str, Any]], leaves: list[tuple[str, Any]]
+) -> bool:
+    """Whether the checkpoint holds a `TrainState` saved before it had
+    `skipped_steps` (its last field, so its last array leaf): every array of
+    `like` but that one."""
+    if not isinstance(like, TrainState) or len(records) != len(leaves) - 1 or not leaves:
+        return False
+    path = leaves[-1][0]
+    return path == ".skipped_steps" and all(r.get("path") != path for r in records)
 
 
 def _restore_target(records: list[dict[str, Any]], shardings: list[Sharding]) -> dict[str, Any]:
