@@ -155,7 +155,8 @@ def _joined_column_matmul(
         d = split_dim % w.ndim
         blocks = w.reshape(*w.shape[:d], n, w.shape[d] // n, *w.shape[d + 1 :])
         flat.append(jnp.moveaxis(blocks, d, 1).reshape(w.shape[0], n, -1))
-    y = ctx.constrain(jnp.tensordot(x, jnp.concatenate(flat, axis=2), axes=1), ctx.seq(), ctx.axis, None)
+    # The output holds the whole sequence (as each product apart does): its heads are split.
+    y = ctx.constrain(jnp.tensordot(x, jnp.concatenate(flat, axis=2), axes=1), None, ctx.axis, None)
     outs, start = [], 0
     for w, f in zip(weights, flat, strict=True):
         d = split_dim % w.ndim
