@@ -29,7 +29,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -m "not slow" $(TESTS)
 
-# The cases kept out of `make test` for time (marked slow): the deep plan fuzz.
+# The cases kept out of `make test` for time (marked slow): the deep plan fuzz, the
+# random-fault restart trials, the preemption runs and the costliest compile checks.
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -m slow $(TESTS)
 

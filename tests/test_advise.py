@@ -129,7 +129,8 @@ def _compare(model, loss, plan, tokens):
     return p, compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+# zero_bubble in make test-slow: 40 s of compiles, and 1f1b checks the same counting.
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zero_bubble", marks=pytest.mark.slow)])
 def test_pipeline_temp_counts_the_kept_residual_slots(schedule):
     # The engine keeps each stage forward's residuals in `buffers.residuals` slots:
     # the prediction counts them (per slot: one virtual stage's vjp residuals, traced).
@@ -188,6 +189,7 @@ def _gqa_gpt():
     return eqxpar.models.GPT(cfg, key=jax.random.key(0))
 
 
+@pytest.mark.slow  # 50 s of compiles: in make test-slow (CI runs it)
 def test_pipeline_temp_follows_the_tick_live_set_across_layouts():
     # 1F1B with and without tensor parallelism, two and four stages: the
     # prediction is within 10 % of the compile for each, and its error is about

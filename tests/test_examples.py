@@ -218,6 +218,7 @@ def test_hybrid_plans(flags, expected):
     assert 1 / 4 <= params <= 1.25 / 4 and 1 / 4 <= together <= 1.25 / 4
 
 
+@pytest.mark.slow  # three runs of the script; tests/test_token_file.py covers the reading
 def test_token_file_trains_resumes_and_measures(tmp_path):
     # No --data: the script writes Python's docs as a uint16 token file. Two steps
     # then a resume to four print the loss an uninterrupted run to four prints.

@@ -128,6 +128,7 @@ def _assert_saved_at_one_step(run, directory):
     return step
 
 
+@pytest.mark.slow  # three 2-process runs: in make test-slow (CI runs it)
 def test_sigterm_to_the_launcher_or_to_one_rank_saves_every_rank_at_one_step_and_reruns_resume(
     run_env, uninterrupted, tmp_path
 ):
