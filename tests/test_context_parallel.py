@@ -45,6 +45,11 @@ BATCH, SEQ = 8, 32  # 2 x 8 chunks of 2 tokens at context 8
 tokens = functools.partial(lm_tokens, batch=BATCH, seq=SEQ)
 
 
+def _ulysses(mode="manual", **sizes_and_options):
+    sizes = {a: sizes_and_options.pop(a) for a in ("data", "context", "tensor") if a in sizes_and_options}
+    return eqxpar.Plan(eqxpar.make_mesh(**sizes), mode=mode, context_attention="ulysses", **sizes_and_options)
+
+
 PLANS = [
     ("ring-manual", "rotary-gqa", lambda: eqxpar.Plan(eqxpar.make_mesh(context=4, data=2), mode="manual")),
     ("ring-auto", "learned-positions", lambda: eqxpar.Plan(eqxpar.make_mesh(context=4, data=2))),
@@ -75,6 +80,22 @@ PLANS = [
             eqxpar.make_mesh(fsdp=2, context=4), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"
         ),
     ),
+    # Ulysses: 4 query heads over 4 devices, 2 key/value heads, each repeated twice.
+    ("ulysses-gqa-data", "rotary-gqa", lambda: _ulysses(data=2, context=4)),
+    # Fused QKV, heads 2 per tensor device, split over context 2; sequence parallel.
+    (
+        "ulysses-tensor-sp",
+        "learned-positions",
+        lambda: _ulysses(data=2, context=2, tensor=2, rules=eqxpar.rules.MEGATRON, sequence_parallel=True),
+    ),
+    # One key/value head per tensor device, repeated for the 2 context devices.
+    (
+        "ulysses-gqa-tensor",
+        "rotary-gqa",
+        lambda: _ulysses(data=2, context=2, tensor=2, rules=eqxpar.rules.MEGATRON),
+    ),
+    # Automatic mode: `data` stays automatic, the all-to-alls run as ppermutes.
+    ("ulysses-auto", "learned-positions", lambda: _ulysses(mode="auto", data=2, context=4)),
 ]
 
 

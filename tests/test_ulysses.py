@@ -1,11 +1,13 @@
 """Ulysses context parallelism, `Plan(context_attention="ulysses")`: the sequence-split
 q, k, v become head-split by all-to-all, attention runs on the whole sequence for
 heads / n heads, and the output goes back by all-to-all. The GPT's loss and
-gradients equal one device's (grouped-query heads repeated when fewer than the
-context size, with and without tensor parallelism, automatic mode, a pipeline) over
-training steps; the step's collectives are all-to-alls moving `minimum_comm`'s
-bytes; temp memory stays flat as sequence and context grow together;
-`eqxpar.collectives.all_to_all` itself; head counts the axis cannot split raise."""
+gradients equal one device's over training steps and through a pipeline (the
+single-step cases, grouped-query heads repeated when fewer than the context size,
+with and without tensor parallelism and in automatic mode, are in
+tests/test_context_parallel.py's `PLANS`); the step's collectives are all-to-alls
+moving `minimum_comm`'s bytes; temp memory stays flat as sequence and context grow
+together; `eqxpar.collectives.all_to_all` itself; head counts the axis cannot split
+raise."""
 
 import dataclasses
 
@@ -40,34 +42,9 @@ def _plan(mode="manual", **sizes_and_options):
     return eqxpar.Plan(eqxpar.make_mesh(**sizes), mode=mode, context_attention="ulysses", **sizes_and_options)
 
 
-PLANS = [
-    # 4 query heads over 4 devices, 2 key/value heads: each repeated twice.
-    ("gqa-data", "rotary-gqa", lambda: _plan(data=2, context=4)),
-    # Fused QKV, heads 2 per tensor device, split over context 2; sequence parallel.
-    (
-        "tensor-sp",
-        "learned-positions",
-        lambda: _plan(data=2, context=2, tensor=2, rules=eqxpar.rules.MEGATRON, sequence_parallel=True),
-    ),
-    # One key/value head per tensor device, repeated for the 2 context devices.
-    ("gqa-tensor", "rotary-gqa", lambda: _plan(data=2, context=2, tensor=2, rules=eqxpar.rules.MEGATRON)),
-    # Automatic mode: `data` stays automatic, the all-to-alls run as ppermutes.
-    ("auto", "learned-positions", lambda: _plan(mode="auto", data=2, context=4)),
-]
-
-
 @pytest.fixture(scope="module")
 def gpts():
     return {name: eqx.filter_jit(GPT)(c, key=jax.random.key(0)) for name, c in CONFIGS.items()}
-
-
-@pytest.mark.parametrize("config,make_plan", [p[1:] for p in PLANS], ids=[p[0] for p in PLANS])
-def test_gpt_matches_single_device(gpts, config, make_plan):
-    model, batch = gpts[config], tokens(1)
-    loss, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan())(model, batch)
-    ref_loss, ref_grads = value_and_grad_on_one_device(model, lm_loss, batch)
-    assert_trees_close(float(loss), float(ref_loss))
-    assert_trees_close_to_scale(grads, ref_grads)
 
 
 def test_training_steps_match_single_device(gpts):
