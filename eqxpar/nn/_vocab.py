@@ -17,6 +17,7 @@ from .._specs import partition_specs
 from .._varying import varying_axes
 from ._context import TensorContext, tensor_context
 from ._linear import _normal
+from ._lookup import automatic_batch_shards, take_rows
 from ._matmul import check_split, column_matmul
 from ._sequence import check_sequence_splits, split_context, split_sequence, split_tensor_sequence
 
@@ -69,11 +70,17 @@ class Embedding(eqx.Module):
         if not split:
             # Splitting the ids, not the looked-up rows: the backward pass then sums
             # table-sized gradients over the axis rather than (batch, seq, d_model).
-            return jnp.take(self.weight, split_tensor_sequence(ids, axis=self.axis), axis=0)
+            return take_rows(
+                self.weight,
+                split_tensor_sequence(ids, axis=self.axis),
+                batch_shards=automatic_batch_shards(ctx.batch_axes),
+            )
         rows = self.weight.shape[0]
         local = ids - jax.lax.axis_index(ctx.axis) * rows
         inside = (local >= 0) & (local < rows)
-        found = jnp.take(self.weight, jnp.clip(local, 0, rows - 1), axis=0)
+        found = take_rows(
+            self.weight, jnp.clip(local, 0, rows - 1), batch_shards=automatic_batch_shards(ctx.batch_axes)
+        )
         partial = jnp.where(inside[..., None], found, jnp.zeros((), found.dtype))
         if ctx.sequence_parallel:
             check_sequence_splits(ids.shape[1], ctx, "Embedding")
