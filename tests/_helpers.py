@@ -1,6 +1,8 @@
 """Small models, data and a single-device reference run shared by the tests."""
 
+import dataclasses
 import functools
+import importlib
 import os
 import pathlib
 import subprocess
@@ -20,6 +22,7 @@ from jaxtyping import Array, Float
 
 import eqxpar
 from eqxpar import nn
+from eqxpar.models import GPTConfig
 
 from ._compile_flags import suite_xla_flags
 
@@ -557,3 +560,204 @@ class StreamedRun:
     @property
     def output(self) -> str:
         return "\n".join(line for _, line in self.lines)
+
+
+# --- Models and data more than one test file uses ---------------------------------
+
+# Two small GPTs: SwiGLU, RMSNorm, tied embeddings, grouped-query attention (8 query,
+# 4 key/value heads); and GELU, LayerNorm, an untied head and biases everywhere.
+GPT_CONFIGS = {
+    "swiglu-tied-gqa": GPTConfig(
+        vocab_size=32, d_model=32, num_heads=8, num_kv_heads=4, num_layers=2, d_hidden=64, max_seq_len=16
+    ),
+    "gelu-untied": GPTConfig(
+        vocab_size=32,
+        d_model=32,
+        num_heads=4,
+        num_layers=2,
+        d_hidden=64,
+        activation="gelu",
+        norm="layer",
+        tied=False,
+        use_bias=True,
+        max_seq_len=16,
+    ),
+}
+# GPT-2 style: learned positions (no rotary), fused QKV, GELU, LayerNorm, biases,
+# untied head; the options the benchmark workload needs, on a small model.
+GPT2_STYLE = dataclasses.replace(
+    GPT_CONFIGS["gelu-untied"], rotary=False, learned_positions=True, fused_qkv=True
+)
+
+# The context-parallel tests' GPTs: sequences of 32 tokens, 2 x 8 chunks of 2 tokens at
+# context 8.
+CONTEXT_CONFIGS = {
+    # Rotary positions, SwiGLU, grouped-query heads (4 query, 2 key/value).
+    "rotary-gqa": GPTConfig(
+        vocab_size=32, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_hidden=64, max_seq_len=32
+    ),
+    "learned-positions": dataclasses.replace(GPT2_STYLE, max_seq_len=32),
+}
+CONTEXT_BATCH, CONTEXT_SEQ = 8, 32
+context_tokens = functools.partial(lm_tokens, batch=CONTEXT_BATCH, seq=CONTEXT_SEQ)
+
+
+class Encoder(eqx.Module):
+    """Token embedding, two encoder (non-causal) blocks, both poolings and a small head."""
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+    norm: nn.LayerNorm
+    head: jax.Array
+
+    def __init__(self, key, *, vocab=32, d=16, heads=4, hidden=32):
+        k = jax.random.split(key, 3)
+        self.embed = nn.Embedding(vocab, d, key=k[0])
+        self.blocks = nn.Stacked(
+            lambda kk: nn.TransformerBlock(d, heads, hidden, causal=False, key=kk), depth=2, key=k[1]
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = jax.random.normal(k[2], (2 * d, 3)) / np.sqrt(d)
+
+    def __call__(self, ids):
+        h = self.norm(self.blocks(self.embed(ids)))
+        pooled = jnp.concatenate([nn.mean_pool(h), nn.first_token(h)], axis=-1)
+        return pooled @ self.head
+
+
+def encoder_loss(model, batch):
+    ids, targets = batch
+    return jnp.mean(jnp.square(model(ids) - targets))
+
+
+# TinyGPT's sizes: its tokens are (TINY_GPT_BATCH, TINY_GPT_SEQ + 1) ids below TINY_GPT_VOCAB.
+TINY_GPT_VOCAB, TINY_GPT_SEQ, TINY_GPT_BATCH = 64, 16, 8
+
+
+class TinyGPT(eqx.Module):
+    """Vocabulary-parallel embedding and head around two tensor-parallel blocks."""
+
+    embed: nn.Embedding
+    blocks: list[nn.TransformerBlock]
+    norm: nn.LayerNorm
+    head: nn.Unembed
+
+    def __init__(self, *, key, d=32, heads=8, hidden=64):
+        k = jax.random.split(key, 4)
+        self.embed = nn.Embedding(TINY_GPT_VOCAB, d, key=k[0])
+        self.blocks = [
+            nn.TransformerBlock(d, heads, hidden, key=k[1]),
+            nn.TransformerBlock(d, heads, hidden, activation="swiglu", norm="rms", fused_qkv=True, key=k[2]),
+        ]
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Unembed(d, TINY_GPT_VOCAB, key=k[3])
+
+    def __call__(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+MOE_D, MOE_HIDDEN, MOE_EXPERTS, MOE_SEQ = 16, 32, 8, 4
+
+
+class MoEModel(eqx.Module):
+    """An input projection, then the MoE layer: the projection's gradient needs
+    the dispatch's transpose too."""
+
+    proj: jax.Array
+    moe: nn.MoE
+
+    def __init__(self, **kw):
+        self.proj = jnp.eye(MOE_D) + 0.1 * jax.random.normal(jax.random.key(7), (MOE_D, MOE_D))
+        kw.setdefault("use_bias", True)
+        self.moe = nn.MoE(MOE_D, MOE_HIDDEN, MOE_EXPERTS, key=jax.random.key(11), **kw)
+        names = [n for n in ("b_in", "b_gate", "b_out") if getattr(self.moe, n) is not None]
+        for name, k in zip(names, jax.random.split(jax.random.key(5), len(names)), strict=True):
+            old = getattr(self.moe, name)
+            self.moe = eqx.tree_at(
+                lambda m, n=name: getattr(m, n), self.moe, 0.1 * jax.random.normal(k, old.shape)
+            )
+
+    def __call__(self, x):
+        return self.moe(x @ self.proj)
+
+
+def moe_batches(n, batch=16):
+    return sequence_regression_batches(n, batch, seq=MOE_SEQ, dim=MOE_D)
+
+
+EXAMPLES = ROOT / "examples"
+
+
+def example(name: str):
+    """The example module `name`, imported in this process (the test session already
+    has 8 devices) for its plans: nothing is compiled."""
+    # The examples import their siblings by name, as when run as scripts.
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return importlib.import_module(name.removesuffix(".py"))
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+# The pipeline tests' regression model: TINY_IN features in, TINY_OUT out, blocks of
+# width TINY_D; PIPELINE_ROWS rows per micro-batch.
+TINY_IN, TINY_D, TINY_OUT, PIPELINE_ROWS = 3, 8, 2, 2
+
+
+class TinyBlock(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def __init__(self, key, d=TINY_D):
+        self.w = jax.random.normal(key, (d, d)) / np.sqrt(d)
+        self.b = 0.1 * jax.random.normal(jax.random.fold_in(key, 1), (d,))
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w + self.b[None, :])
+
+
+class Tiny(eqx.Module):
+    """A linear input layer, a stack of residual blocks, a linear head."""
+
+    w_in: jax.Array
+    blocks: nn.Stacked
+    w_out: jax.Array
+
+    def __init__(self, depth, *, key, d=TINY_D, unroll=1):
+        k = jax.random.split(key, 3)
+        self.w_in = jax.random.normal(k[0], (TINY_IN, d))
+        self.blocks = nn.Stacked(lambda kk: TinyBlock(kk, d), depth=depth, unroll=unroll, key=k[1])
+        self.w_out = jax.random.normal(k[2], (d, TINY_OUT)) / np.sqrt(d)
+
+
+def tiny_loss():
+    return eqxpar.pipeline.PipelineLoss(
+        first=lambda m, batch: batch[0] @ m.w_in,
+        stack=lambda m: m.blocks,
+        last=lambda m, h, batch: jnp.mean((h @ m.w_out - batch[1]) ** 2),
+    )
+
+
+def regression_batch(n, seed=0):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n, TINY_IN)), jax.random.normal(ky, (n, TINY_OUT))
+
+
+def pipeline_plan(name, *, pipe, microbatches, chunks=1, data=1, tensor=1, rules=None, **kwargs):
+    mesh = eqxpar.make_mesh(pipe=pipe, data=data, tensor=tensor)
+    return eqxpar.Plan(
+        mesh,
+        rules=eqxpar.pipeline.stage_rules(rules),
+        schedule=name,
+        microbatches=microbatches,
+        chunks=chunks,
+        **kwargs,
+    )
+
+
+def reorder(tree, *, stages, chunks, forward=True):
+    convert = eqxpar.pipeline.to_pipeline_order if forward else eqxpar.pipeline.from_pipeline_order
+    return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=chunks))

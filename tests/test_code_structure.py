@@ -10,7 +10,9 @@ without anyone remembering them:
 - no import cycle among eqxpar's modules, function-local imports included (a
   package's `__init__` importing its own modules is not one);
 - no function in `eqxpar/` has more than 80 lines of code (its docstring aside);
-- `benchmarks/` does not grow (see `MAX_BENCHMARK_LINES`).
+- `benchmarks/` does not grow (see `MAX_BENCHMARK_LINES`);
+- no test file imports from another test file: what several share lives in
+  `tests/_helpers.py` (or `conftest.py`).
 """
 
 import ast
@@ -192,6 +194,29 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles (function-local imports included): {cycles}"
 
 
+def imports_between_test_files() -> list[str]:
+    """`from .test_x import ...` (or `tests.test_x`) in a module under `tests/`."""
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith("tests"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                source = _source_of(module, node)
+            elif isinstance(node, ast.Import):
+                source = " ".join(alias.name for alias in node.names)
+            else:
+                continue
+            if any(part.startswith("test_") for part in source.replace(" ", ".").split(".")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {source}")
+    return found
+
+
+def test_no_test_file_imports_another():
+    found = imports_between_test_files()
+    assert not found, "move what they share into tests/_helpers.py:\n" + "\n".join(found)
+
+
 def test_functions_stay_short():
     found = long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines of code:\n" + "\n".join(found)
@@ -250,3 +275,7 @@ def test_the_checks_catch_what_they_forbid(scratch):
     scratch({"eqxpar/_top.py": "def g():\n    from .b._o import x\n"})
     assert import_cycles() == [["eqxpar._top", "eqxpar.b._o"]]
     assert [line.split(" ", 1)[1] for line in long_functions()] == ["long has 82 lines"]
+    (ROOT / "tests").mkdir()
+    scratch({"tests/__init__.py": "", "tests/_helpers.py": "", "tests/test_a.py": "x = 1\n"})
+    scratch({"tests/test_b.py": "from ._helpers import x\nfrom .test_a import x\n"})
+    assert [line.split(" ", 1)[1] for line in imports_between_test_files()] == ["imports tests.test_a"]

@@ -5,9 +5,6 @@ tensor (with sequence parallelism inside), context x FSDP and context x pipeline
 non-causal encoders with pooling; training steps; the bytes attention moves; bad
 plans and inputs raise eqxpar errors."""
 
-import dataclasses
-import functools
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,31 +15,22 @@ import pytest
 import eqxpar
 from eqxpar import nn
 from eqxpar.inspect import collective_stats
-from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
+from eqxpar.models import GPT, gpt_first, gpt_last, lm_loss
 
 from ._helpers import (
+    CONTEXT_BATCH,
+    CONTEXT_CONFIGS,
+    CONTEXT_SEQ,
+    Encoder,
     assert_trees_close,
     assert_trees_close_to_scale,
-    lm_tokens,
+    context_tokens,
+    encoder_loss,
     train_checked,
     value_and_grad_on_one_device,
 )
-from .test_models import GPT2_STYLE
-from .test_nn_layers_any_model import Encoder, encoder_loss
 
-CONFIGS = {
-    # Rotary positions, SwiGLU, grouped-query heads (4 query, 2 key/value).
-    "rotary-gqa": GPTConfig(
-        vocab_size=32, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_hidden=64, max_seq_len=32
-    ),
-    # GPT-2 style (learned positions, GELU, LayerNorm, biases, untied head, fused QKV),
-    # as tests/test_models.py builds it, at this file's sequence length.
-    "learned-positions": dataclasses.replace(GPT2_STYLE, max_seq_len=32),
-}
-BATCH, SEQ = 8, 32  # 2 x 8 chunks of 2 tokens at context 8
-
-
-tokens = functools.partial(lm_tokens, batch=BATCH, seq=SEQ)
+CONFIGS, BATCH, SEQ, tokens = CONTEXT_CONFIGS, CONTEXT_BATCH, CONTEXT_SEQ, context_tokens
 
 
 def _ulysses(mode="manual", **sizes_and_options):

@@ -5,11 +5,8 @@ split the parameters and optimizer state as they say (checked on shapes only,
 nothing compiled). examples/token_file.py trains from a token file, resumes, and
 measures reading one."""
 
-import importlib
 import itertools
-import pathlib
 import re
-import sys
 
 import equinox as eqx
 import jax
@@ -19,21 +16,7 @@ import pytest
 
 import eqxpar
 
-from ._helpers import run_example
-
-EXAMPLES = str(pathlib.Path(__file__).parent.parent / "examples")
-
-
-def example(name: str):
-    """The example module `name`, imported in this process (the test session already
-    has 8 devices) for its plans: nothing is compiled."""
-    # The examples import their siblings by name, as when run as scripts.
-    sys.path.insert(0, EXAMPLES)
-    try:
-        return importlib.import_module(name.removesuffix(".py"))
-    finally:
-        sys.path.remove(EXAMPLES)
-
+from ._helpers import example, run_example
 
 PLANS = example("_plans").PLANS
 

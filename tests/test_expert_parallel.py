@@ -21,42 +21,24 @@ import eqxpar
 from eqxpar import nn
 
 from ._helpers import (
+    MOE_D,
+    MOE_EXPERTS,
+    MOE_HIDDEN,
+    MOE_SEQ,
+    MoEModel,
     assert_trees_close,
     assert_trees_close_to_scale,
+    moe_batches,
     moe_regression_loss,
     reference_run,
     run_steps,
-    sequence_regression_batches,
     train_checked,
 )
 
-D, H, E, SEQ = 16, 32, 8, 4
+D, H, E, SEQ = MOE_D, MOE_HIDDEN, MOE_EXPERTS, MOE_SEQ
 
 
-class MoEModel(eqx.Module):
-    """An input projection, then the MoE layer: the projection's gradient needs
-    the dispatch's transpose too."""
-
-    proj: jax.Array
-    moe: nn.MoE
-
-    def __init__(self, **kw):
-        self.proj = jnp.eye(D) + 0.1 * jax.random.normal(jax.random.key(7), (D, D))
-        kw.setdefault("use_bias", True)
-        self.moe = nn.MoE(D, H, E, key=jax.random.key(11), **kw)
-        names = [n for n in ("b_in", "b_gate", "b_out") if getattr(self.moe, n) is not None]
-        for name, k in zip(names, jax.random.split(jax.random.key(5), len(names)), strict=True):
-            old = getattr(self.moe, name)
-            self.moe = eqx.tree_at(
-                lambda m, n=name: getattr(m, n), self.moe, 0.1 * jax.random.normal(k, old.shape)
-            )
-
-    def __call__(self, x):
-        return self.moe(x @ self.proj)
-
-
-def batches(n, batch=16):
-    return sequence_regression_batches(n, batch, seq=SEQ, dim=D)
+batches = moe_batches
 
 
 CASES = {

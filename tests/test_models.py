@@ -19,6 +19,8 @@ from eqxpar import models, nn
 from eqxpar.models import GPT, GPTConfig, MLPClassifier, generate, gpt_first, gpt_last, lm_loss
 
 from ._helpers import (
+    GPT2_STYLE,
+    GPT_CONFIGS,
     assert_trees_close,
     assert_trees_close_to_scale,
     lm_tokens,
@@ -27,25 +29,7 @@ from ._helpers import (
     value_and_grad_on_one_device,
 )
 
-CONFIGS = {
-    # SwiGLU, RMSNorm, tied embeddings, grouped-query attention (8 query, 4 kv heads).
-    "swiglu-tied-gqa": GPTConfig(
-        vocab_size=32, d_model=32, num_heads=8, num_kv_heads=4, num_layers=2, d_hidden=64, max_seq_len=16
-    ),
-    # GELU, LayerNorm, untied head, biases everywhere.
-    "gelu-untied": GPTConfig(
-        vocab_size=32,
-        d_model=32,
-        num_heads=4,
-        num_layers=2,
-        d_hidden=64,
-        activation="gelu",
-        norm="layer",
-        tied=False,
-        use_bias=True,
-        max_seq_len=16,
-    ),
-}
+CONFIGS = GPT_CONFIGS
 BATCH, SEQ = 8, 8  # tokens are (BATCH, SEQ + 1): SEQ predicted positions
 
 
@@ -300,9 +284,6 @@ def test_models_namespace():
         assert getattr(models, name).__doc__
 
 
-# GPT-2 style: learned positions (no rotary), fused QKV, GELU, LayerNorm, biases,
-# untied head; the options the benchmark workload needs, on a small model.
-GPT2_STYLE = dataclasses.replace(CONFIGS["gelu-untied"], rotary=False, learned_positions=True, fused_qkv=True)
 GPT2_PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
 
 # (id, plan factory, loss): sequence parallelism splits the position table with the

@@ -22,8 +22,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPT, GPTConfig, MoEGroup, gpt_first, gpt_last, lm_loss
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, lm_tokens, train_checked
-from .test_examples import example
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, example, lm_tokens, train_checked
 
 D, HEADS, HIDDEN, E, BATCH, SEQ, VOCAB = 16, 2, 32, 4, 2, 8, 32
 

@@ -10,7 +10,7 @@ import pytest
 import eqxpar
 from eqxpar import nn
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale
+from ._helpers import Encoder, assert_trees_close, assert_trees_close_to_scale, encoder_loss
 
 D, HEADS, HIDDEN, BATCH, SEQ, VOCAB = 16, 4, 32, 4, 8, 32
 
@@ -186,34 +186,6 @@ def test_pooling_on_one_device():
     h = jax.random.normal(jax.random.key(0), (BATCH, SEQ, D))
     assert_trees_close(nn.mean_pool(h), jnp.mean(h, axis=1))
     np.testing.assert_array_equal(nn.first_token(h), h[:, 0])
-
-
-class Encoder(eqx.Module):
-    """Token embedding, two encoder blocks, both poolings and a small head."""
-
-    embed: nn.Embedding
-    blocks: nn.Stacked
-    norm: nn.LayerNorm
-    head: jax.Array
-
-    def __init__(self, key):
-        k = jax.random.split(key, 3)
-        self.embed = nn.Embedding(VOCAB, D, key=k[0])
-        self.blocks = nn.Stacked(
-            lambda kk: nn.TransformerBlock(D, HEADS, HIDDEN, causal=False, key=kk), depth=2, key=k[1]
-        )
-        self.norm = nn.LayerNorm(D)
-        self.head = jax.random.normal(k[2], (2 * D, 3)) / np.sqrt(D)
-
-    def __call__(self, ids):
-        h = self.norm(self.blocks(self.embed(ids)))
-        pooled = jnp.concatenate([nn.mean_pool(h), nn.first_token(h)], axis=-1)
-        return pooled @ self.head
-
-
-def encoder_loss(model, batch):
-    ids, targets = batch
-    return jnp.mean(jnp.square(model(ids) - targets))
 
 
 def test_pooling_under_sequence_parallelism_matches_one_device():

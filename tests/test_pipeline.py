@@ -14,61 +14,19 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_pipeline_order
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale, reference_run, run_steps
-
-D_IN, D, D_OUT, ROWS = 3, 8, 2, 2
-
-
-class Block(eqx.Module):
-    w: jax.Array
-    b: jax.Array
-
-    def __init__(self, key, d=D):
-        self.w = jax.random.normal(key, (d, d)) / np.sqrt(d)
-        self.b = 0.1 * jax.random.normal(jax.random.fold_in(key, 1), (d,))
-
-    def __call__(self, x):
-        return x + jnp.tanh(x @ self.w + self.b[None, :])
-
-
-class Tiny(eqx.Module):
-    """A linear input layer, a stack of residual blocks, a linear head."""
-
-    w_in: jax.Array
-    blocks: nn.Stacked
-    w_out: jax.Array
-
-    def __init__(self, depth, *, key, d=D, unroll=1):
-        k = jax.random.split(key, 3)
-        self.w_in = jax.random.normal(k[0], (D_IN, d))
-        self.blocks = nn.Stacked(lambda kk: Block(kk, d), depth=depth, unroll=unroll, key=k[1])
-        self.w_out = jax.random.normal(k[2], (d, D_OUT)) / np.sqrt(d)
-
-
-def tiny_loss():
-    return PipelineLoss(
-        first=lambda m, batch: batch[0] @ m.w_in,
-        stack=lambda m: m.blocks,
-        last=lambda m, h, batch: jnp.mean((h @ m.w_out - batch[1]) ** 2),
-    )
-
-
-def regression_batch(n, seed=0):
-    kx, ky = jax.random.split(jax.random.key(seed))
-    return jax.random.normal(kx, (n, D_IN)), jax.random.normal(ky, (n, D_OUT))
-
-
-def pipeline_plan(name, *, pipe, microbatches, chunks=1, data=1, tensor=1, rules=None, **kwargs):
-    mesh = eqxpar.make_mesh(pipe=pipe, data=data, tensor=tensor)
-    return eqxpar.Plan(
-        mesh, rules=stage_rules(rules), schedule=name, microbatches=microbatches, chunks=chunks, **kwargs
-    )
-
-
-def reorder(tree, *, stages, chunks, forward=True):
-    convert = to_pipeline_order if forward else from_pipeline_order
-    return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=chunks))
-
+from ._helpers import (
+    PIPELINE_ROWS,
+    TINY_D,
+    Tiny,
+    assert_trees_close,
+    assert_trees_close_to_scale,
+    pipeline_plan,
+    reference_run,
+    regression_batch,
+    reorder,
+    run_steps,
+    tiny_loss,
+)
 
 # (schedule, chunks, stages, micro-batches per stage): a Latin square, so every
 # schedule meets every stage count and every micro-batch multiple, and every stage
@@ -88,7 +46,7 @@ def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
     microbatches = per_stage * stages
     loss = tiny_loss()
     model = Tiny(stages * chunks, key=jax.random.key(stages + 10 * chunks))
-    batch = regression_batch(ROWS * microbatches)
+    batch = regression_batch(PIPELINE_ROWS * microbatches)
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
 
     plan = pipeline_plan(name, pipe=stages, microbatches=microbatches, chunks=chunks)
@@ -107,7 +65,7 @@ def test_pipeline_runs_an_unrolled_stack(name, chunks):
     # scan says `unroll`); zero-bubble's split scans keep that setting.
     stages, microbatches, loss = 2, 4, tiny_loss()
     model = Tiny(2 * stages * chunks, key=jax.random.key(3), unroll=True)
-    batch = regression_batch(ROWS * microbatches)
+    batch = regression_batch(PIPELINE_ROWS * microbatches)
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
     plan = pipeline_plan(name, pipe=stages, microbatches=microbatches, chunks=chunks)
     step = eqxpar.train.make_value_and_grad(loss, plan)
@@ -429,7 +387,7 @@ def test_pipeline_rejects_weights_split_over_pipe_outside_the_stack():
     plan = pipeline_plan("gpipe", pipe=2, microbatches=2, rules=rules)
     with pytest.raises(eqxpar.PlanError, match="only the layer axis"):
         eqxpar.train.make_value_and_grad(tiny_loss(), plan)(
-            Tiny(2, key=jax.random.key(0), d=D), regression_batch(8)
+            Tiny(2, key=jax.random.key(0), d=TINY_D), regression_batch(8)
         )
 
 
@@ -443,7 +401,7 @@ def test_mixed_precision_under_every_schedule(name, chunks):
     stages, microbatches = 2, 4
     loss = tiny_loss()
     model = Tiny(stages * chunks, key=jax.random.key(3))
-    batch = regression_batch(2 * ROWS * microbatches)
+    batch = regression_batch(2 * PIPELINE_ROWS * microbatches)
 
     def cast_loss(m, b):
         m = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, m)

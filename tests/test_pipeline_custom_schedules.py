@@ -13,8 +13,7 @@ import pytest
 import eqxpar
 from eqxpar.pipeline import Schedule, check_table, schedule, validate
 
-from ._helpers import assert_trees_close
-from .test_pipeline import Tiny, regression_batch, reorder, tiny_loss
+from ._helpers import Tiny, assert_trees_close, regression_batch, reorder, tiny_loss
 
 FWD, BWD, INP, WGT = 1, 2, 3, 4
 IDLE = (-1, -1, 0)  # an idle cell

@@ -22,12 +22,10 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, stage_rules
 
-from ._helpers import assert_trees_close, mse_loss
-from .test_pipeline import Tiny, reorder
-from .test_tp_step import BATCH as TP_ROWS
-from .test_tp_step import SEQ as TP_SEQ
-from .test_tp_step import VOCAB as TP_VOCAB
-from .test_tp_step import TinyGPT
+from ._helpers import TINY_GPT_BATCH as TP_ROWS
+from ._helpers import TINY_GPT_SEQ as TP_SEQ
+from ._helpers import TINY_GPT_VOCAB as TP_VOCAB
+from ._helpers import Tiny, TinyGPT, assert_trees_close, mse_loss, reorder
 
 KINDS = ("nan_row", "inf_loss", "nan_grad")
 

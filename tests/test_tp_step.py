@@ -13,6 +13,10 @@ import eqxpar
 from eqxpar import nn
 
 from ._helpers import (
+    TINY_GPT_BATCH,
+    TINY_GPT_SEQ,
+    TINY_GPT_VOCAB,
+    TinyGPT,
     assert_trees_close,
     assert_trees_close_to_scale,
     cross_entropy_loss,
@@ -20,32 +24,7 @@ from ._helpers import (
     run_steps,
 )
 
-VOCAB, D, HEADS, HIDDEN, SEQ, BATCH = 64, 32, 8, 64, 16, 8
-
-
-class TinyGPT(eqx.Module):
-    """Vocabulary-parallel embedding and head around two tensor-parallel blocks."""
-
-    embed: nn.Embedding
-    blocks: list[nn.TransformerBlock]
-    norm: nn.LayerNorm
-    head: nn.Unembed
-
-    def __init__(self, *, key):
-        k = jax.random.split(key, 4)
-        self.embed = nn.Embedding(VOCAB, D, key=k[0])
-        self.blocks = [
-            nn.TransformerBlock(D, HEADS, HIDDEN, key=k[1]),
-            nn.TransformerBlock(D, HEADS, HIDDEN, activation="swiglu", norm="rms", fused_qkv=True, key=k[2]),
-        ]
-        self.norm = nn.LayerNorm(D)
-        self.head = nn.Unembed(D, VOCAB, key=k[3])
-
-    def __call__(self, ids):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+VOCAB, SEQ, BATCH = TINY_GPT_VOCAB, TINY_GPT_SEQ, TINY_GPT_BATCH
 
 
 def batches(n):

@@ -25,6 +25,9 @@ from eqxpar.inspect import collective_stats
 from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
 
 from ._helpers import (
+    CONTEXT_CONFIGS as CONFIGS,
+)
+from ._helpers import (
     assert_trees_close,
     assert_trees_close_to_scale,
     context_attention_fn,
@@ -32,7 +35,7 @@ from ._helpers import (
     train_checked,
     value_and_grad_on_one_device,
 )
-from .test_context_parallel import CONFIGS, tokens
+from ._helpers import context_tokens as tokens
 
 
 def _plan(mode="manual", **sizes_and_options):

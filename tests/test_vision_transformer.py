@@ -13,8 +13,9 @@ import pytest
 
 import eqxpar
 
-from ._helpers import assert_trees_close, assert_trees_close_to_scale
-from .test_examples import PLANS, example
+from ._helpers import assert_trees_close, assert_trees_close_to_scale, example
+
+PLANS = example("_plans").PLANS
 
 vit = example("vision_transformer")
 

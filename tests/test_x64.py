@@ -15,10 +15,17 @@ import pytest
 import eqxpar
 from eqxpar.models import GPT, GPTConfig, lm_loss
 
-from ._helpers import assert_trees_close_to_scale, moe_regression_loss
-from .test_expert_parallel import MoEModel
-from .test_expert_parallel import batches as moe_batches
-from .test_pipeline import Tiny, pipeline_plan, regression_batch, reorder, tiny_loss
+from ._helpers import (
+    MoEModel,
+    Tiny,
+    assert_trees_close_to_scale,
+    moe_batches,
+    moe_regression_loss,
+    pipeline_plan,
+    regression_batch,
+    reorder,
+    tiny_loss,
+)
 
 # float64 sums in a different order differ in the last bits (measured: 2e-15 of
 # each leaf's scale); 1e-10 is far below any float32 step in the computation.
