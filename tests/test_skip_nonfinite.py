@@ -13,6 +13,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 import pytest
@@ -22,7 +23,9 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, stage_rules
 
-from ._helpers import assert_trees_close, mse_loss
+from ._helpers import assert_trees_close, cross_entropy_loss, mse_loss
+from .test_fsdp import FSDP_ONLY, StackedLM
+from .test_fsdp import batches as fsdp_batches
 from .test_pipeline import Tiny, reorder
 from .test_tp_step import BATCH as TP_ROWS
 from .test_tp_step import SEQ as TP_SEQ
@@ -281,3 +284,51 @@ def test_train_state_built_by_hand_counts_from_zero():
     c = case("dp")
     state, metrics = steps("dp")[0](state, batch(c, 0, "nan_row"))
     assert int(state.skipped_steps) == 1 and bool(metrics["skipped"])
+
+
+def _fsdp_stack_step(mode: str):
+    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY, mode=mode)
+    loss = with_probes(cross_entropy_loss, lambda m: m.norm.weight)
+    state = eqxpar.train.init(StackedLM(key=jax.random.key(0)), OPTIMIZER, plan, key=jax.random.key(1))
+    return eqxpar.train.make_step(loss, OPTIMIZER, plan, skip_nonfinite=True), state
+
+
+def _fsdp_stack_batch(seed: int, kind: str | None = None):
+    core = fsdp_batches(seed + 1)[seed]
+    rows = len(core[0])
+    flag = np.full(rows, 1.0 if kind == "nan_grad" else 0.0, np.float32)
+    return core, np.zeros(rows, np.float32), flag
+
+
+CPU_OVERLAP_FIXED = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) >= (0, 12)
+
+
+@pytest.mark.skipif(CPU_OVERLAP_FIXED, reason="the refusal applies to jaxlib < 0.12")
+def test_automatic_fsdp_on_xla_cpu_before_jaxlib_0_12_is_refused():
+    # An automatic FSDP step over a scanned stack hung on XLA:CPU with the check
+    # (see eqxpar/_step.py _check_cpu_skip_nonfinite): refused before it compiles.
+    step, state = _fsdp_stack_step("auto")
+    with pytest.raises(
+        eqxpar.PlanError, match=r"XLA:CPU with jaxlib .*\['fsdp'\].*mode='auto'.*apply_if_finite"
+    ):
+        step(state, _fsdp_stack_batch(0))
+    # The same plan with the gathers by hand skips a bad batch.
+    step, state = _fsdp_stack_step("manual")
+    state, _ = step(state, _fsdp_stack_batch(0))
+    before = trained(state)
+    state, metrics = step(state, _fsdp_stack_batch(1, "nan_grad"))
+    assert bool(metrics["skipped"]) and np.isnan(float(metrics["grad_norm"]))
+    assert_bit_identical(trained(state), before)
+
+
+@pytest.mark.skipif(not CPU_OVERLAP_FIXED, reason="jaxlib < 0.12 refuses this step on XLA:CPU")
+def test_automatic_fsdp_over_a_scanned_stack_skips():
+    step, state = _fsdp_stack_step("auto")
+    state, metrics = step(state, _fsdp_stack_batch(0))
+    assert not bool(metrics["skipped"])
+    before = trained(state)
+    state, metrics = step(state, _fsdp_stack_batch(1, "nan_grad"))
+    assert bool(metrics["skipped"]) and np.isnan(float(metrics["grad_norm"]))
+    assert_bit_identical(trained(state), before)
+    state, metrics = step(state, _fsdp_stack_batch(2))
+    assert not bool(metrics["skipped"]) and int(state.skipped_steps) == 1
