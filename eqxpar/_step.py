@@ -462,11 +462,13 @@ def make_step(
       parameters into NaN, while the metrics still show the NaN loss and the skip;
       use `eqxpar.train.SkipMonitor` to stop a run that keeps skipping. Its cost is
       one select per parameter and optimizer-state array, fused into the update,
-      and the update then waits for the gradient norm. That wait changes how
-      XLA:CPU orders a step's collectives, and an automatic FSDP step over a
-      scanned stack on 8 simulated CPU devices was seen to hang with it (two
-      all-gathers entered in different orders by different devices), which is why
-      it is not yet the default. The check is on
+      and the update then waits for the gradient norm. On XLA:CPU before jaxlib
+      0.12 a plan whose parameters are sharded over an axis the compiler
+      partitions (automatic FSDP or tensor parallelism) raises `PlanError` at
+      the first call: such a step over a scanned stack hung there (XLA:CPU let
+      a weight gather start while the stack's loop of gathers ran, and the
+      devices' waiting collectives held every thread of its pool); use jaxlib
+      >= 0.12, `mode="manual"`, or `optax.apply_if_finite`. The check is on
       the loss and the global gradient norm (summed in float32: a norm beyond
       ~1.8e19 counts as non-finite). `optax.apply_if_finite(optimizer, n)` is the
       alternative inside the optimizer: it checks the gradients only (not the
