@@ -8,7 +8,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jaxlib
 import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
@@ -17,7 +16,7 @@ from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
-from ._nonfinite import gradient_norm, is_finite_step, keep_unless_finite
+from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
 from ._sharding import check_batch, shard, split_by
 from ._step_layout import StepLayout, manual_axes_of
@@ -156,8 +155,6 @@ class Step:
         plan = self._plan
         _warn_batch_statistics(state.model, plan, self._accumulate, stacklevel=4)
         layout = self.layout(state)
-        if self._skip_nonfinite:
-            _check_cpu_skip_nonfinite(layout)
         state_shardings = layout.shardings(layout.state_specs(dynamic))
         batch_sharding = plan.sharding(layout.batch)
         replicated = plan.sharding(PartitionSpec())
@@ -182,6 +179,8 @@ class Step:
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,) if self._donate else (),
         )
+        if self._skip_nonfinite:
+            check_cpu_skip_nonfinite(layout, lambda: jax.make_jaxpr(step)(dynamic, batch))
         self._cache[cache_key] = (jitted, static)
         return self._cache[cache_key]
 
@@ -282,64 +281,6 @@ def _check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) ->
         "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
         "collectives as float32 anyway)."
     )
-
-
-#: The first jaxlib whose XLA:CPU ran the skipping automatic-FSDP step without a hang.
-_CPU_OVERLAP_FIXED_JAXLIB = (0, 12)
-
-
-def _jaxlib_version() -> tuple[int, int]:
-    major, minor = (int(part) for part in jaxlib.__version__.split(".")[:2])
-    return major, minor
-
-
-def _check_cpu_skip_nonfinite(layout: StepLayout) -> None:
-    """Refuse `skip_nonfinite=True` where XLA:CPU before jaxlib 0.12 was seen to hang:
-    a step whose parameters are sharded over an axis the compiler partitions
-    (automatic FSDP or tensor parallelism), so that GSPMD gathers them.
-
-    XLA:CPU runs a device's operations concurrently as their buffers allow, and
-    orders two collectives only by a scheduling edge: the later one may start once
-    the earlier one has *started*. A collective after a scanned stack (the gather of
-    the final norm's weight) can so start while the stack's loop, whose body
-    gathers each layer's weights, still runs. Each in-process collective holds a
-    thread of the CPU client's pool while it waits for the other devices, and once
-    every thread is held the loops cannot go on: the process aborts after a 40 s
-    rendezvous timeout. Whether the later collective waits for the loop comes down
-    to buffer assignment (a temporary buffer the two happen to share orders them),
-    which the check's select on the old state changes. It was seen with 8 devices
-    and a pool of up to 8 threads on jaxlib 0.10.2; jaxlib 0.12 ran the same step
-    with a pool of one.
-    """
-    plan = layout.plan
-    if plan.mesh.devices.flat[0].platform != "cpu" or _jaxlib_version() >= _CPU_OVERLAP_FIXED_JAXLIB:
-        return
-    specs = jax.tree.leaves(layout.params, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    named = {a for s in specs if isinstance(s, PartitionSpec) for e in s for a in _axes_of(e)}
-    gathered = sorted(
-        (a for a in named if plan.mesh.shape[a] > 1 and a not in layout.manual_axes),
-        key=plan.mesh.axis_names.index,
-    )
-    if not gathered:
-        return
-    raise PlanError(
-        f"make_step(..., skip_nonfinite=True): on XLA:CPU with jaxlib {jaxlib.__version__}, this plan "
-        f"shards parameters over {gathered}, which the compiler partitions (mode={plan.mode!r}), "
-        "and such a step can hang and abort the process: XLA:CPU before jaxlib 0.12 may start a "
-        "later weight gather while a scanned stack's loop of gathers still runs, and the devices' "
-        "waiting collectives then hold every thread of its pool. Use jaxlib >= 0.12, or "
-        "mode='manual' (eqxpar issues the gathers; its FSDP steps skip without a hang), or drop "
-        "skip_nonfinite and wrap the "
-        "optimizer in optax.apply_if_finite(optimizer, max_consecutive_errors) (it checks the "
-        "gradients, not the loss)."
-    )
-
-
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    # A PartitionSpec entry: None, an axis name, or a tuple of axis names.
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _microbatches(plan: Plan, accumulate: int) -> int:
@@ -463,9 +404,9 @@ def make_step(
       use `eqxpar.train.SkipMonitor` to stop a run that keeps skipping. Its cost is
       one select per parameter and optimizer-state array, fused into the update,
       and the update then waits for the gradient norm. On XLA:CPU before jaxlib
-      0.12 a plan whose parameters are sharded over an axis the compiler
-      partitions (automatic FSDP or tensor parallelism) raises `PlanError` at
-      the first call: such a step over a scanned stack hung there (XLA:CPU let
+      0.12 a step that loops (a scanned stack, `accumulate > 1`) over parameters
+      sharded over an axis the compiler partitions (automatic FSDP or tensor
+      parallelism) raises `PlanError` at the first call: such a step hung there (XLA:CPU let
       a weight gather start while the stack's loop of gathers ran, and the
       devices' waiting collectives held every thread of its pool); use jaxlib
       >= 0.12, `mode="manual"`, or `optax.apply_if_finite`. The check is on

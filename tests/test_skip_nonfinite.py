@@ -319,6 +319,24 @@ def test_automatic_fsdp_on_xla_cpu_before_jaxlib_0_12_is_refused():
     state, metrics = step(state, _fsdp_stack_batch(1, "nan_grad"))
     assert bool(metrics["skipped"]) and np.isnan(float(metrics["grad_norm"]))
     assert_bit_identical(trained(state), before)
+    # So does automatic FSDP over a model without a loop (the hang needs one).
+    c = dataclasses.replace(
+        case("fsdp_manual"), plan=eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(min_size=64))
+    )
+    layout = eqxpar.train.StepLayout.of_state(
+        eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1)), c.plan
+    )
+    assert any(
+        s is not None and "fsdp" in s
+        for s in jax.tree.leaves(layout.params, is_leaf=lambda s: isinstance(s, jax.P))
+    )
+    step = eqxpar.train.make_step(c.loss, OPTIMIZER, c.plan, skip_nonfinite=True)
+    state = eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1))
+    state, _ = step(state, batch(c, 0))
+    before = trained(state)
+    state, metrics = step(state, batch(c, 1, "nan_row"))
+    assert bool(metrics["skipped"])
+    assert_bit_identical(trained(state), before)
 
 
 @pytest.mark.skipif(not CPU_OVERLAP_FIXED, reason="jaxlib < 0.12 refuses this step on XLA:CPU")
