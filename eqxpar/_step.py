@@ -406,10 +406,10 @@ def make_step(
       and the update then waits for the gradient norm. On XLA:CPU before jaxlib
       0.12 a step that loops (a scanned stack, `accumulate > 1`) over parameters
       sharded over an axis the compiler partitions (automatic FSDP or tensor
-      parallelism) raises `PlanError` at the first call: such a step hung there (XLA:CPU let
-      a weight gather start while the stack's loop of gathers ran, and the
-      devices' waiting collectives held every thread of its pool); use jaxlib
-      >= 0.12, `mode="manual"`, or `optax.apply_if_finite`. The check is on
+      parallelism) raises `PlanError` at its first call: such a step hung there
+      (XLA:CPU let a weight gather start while the stack's loop of gathers ran,
+      and the devices' waiting collectives held every thread of its pool); use
+      jaxlib >= 0.12, `mode="manual"`, or `optax.apply_if_finite`. The check is on
       the loss and the global gradient norm (summed in float32: a norm beyond
       ~1.8e19 counts as non-finite). `optax.apply_if_finite(optimizer, n)` is the
       alternative inside the optimizer: it checks the gradients only (not the
