@@ -3,7 +3,9 @@ finite leaves the parameters and optimizer state bit for bit as they were, under
 data parallelism (with and without accumulation), manual FSDP, tensor + sequence
 parallelism and a 1F1B pipeline; the metrics flag it and the state counts it; the
 next good step trains as if the bad batch had never come; `skip_nonfinite=False`
-keeps the old behaviour. Also `SkipMonitor` and the option's validation."""
+keeps the old behaviour. Also `SkipMonitor` and the option's validation, and
+automatic FSDP over a scanned stack: refused on XLA:CPU before jaxlib 0.12 (where
+it hung), skipping from 0.12."""
 
 import dataclasses
 import functools
