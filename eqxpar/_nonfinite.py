@@ -2,16 +2,21 @@
 (`make_step(..., skip_nonfinite=True)`), and `SkipMonitor`, which stops a run that
 keeps skipping."""
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import optax
 from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, PyTree
 
 from ._errors import NonFiniteError, PlanError
+from ._step_layout import StepLayout
 from ._train_state import TrainState
 
 
@@ -60,6 +65,80 @@ def keep_unless_finite(old: TrainState, new: TrainState, finite: Bool[Array, ""]
         step=new.step,
         key=new.key,
         skipped_steps=old.skipped_steps + jnp.logical_not(finite).astype(old.skipped_steps.dtype),
+    )
+
+
+#: The first jaxlib whose XLA:CPU ran the skipping automatic-FSDP step without a hang.
+_CPU_OVERLAP_FIXED_JAXLIB = (0, 12)
+
+
+def _jaxlib_version() -> tuple[int, int]:
+    major, minor = (int(part) for part in jaxlib.__version__.split(".")[:2])
+    return major, minor
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    # A PartitionSpec entry: None, an axis name, or a tuple of axis names.
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _has_loop(jaxpr: jcore.Jaxpr) -> bool:
+    # A scan or while loop anywhere in `jaxpr`, its sub-jaxprs (jit, remat,
+    # custom derivatives, shard_map, cond branches) included.
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while"):
+            return True
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                if isinstance(inner, jcore.Jaxpr) and _has_loop(inner):
+                    return True
+    return False
+
+
+def check_cpu_skip_nonfinite(layout: StepLayout, step_jaxpr: Callable[[], jcore.ClosedJaxpr]) -> None:
+    """Refuse `skip_nonfinite=True` where XLA:CPU before jaxlib 0.12 was seen to hang:
+    a step with a loop (a scanned stack, accumulation) whose parameters are sharded
+    over an axis the compiler partitions (automatic FSDP or tensor parallelism), so
+    that GSPMD gathers them inside the loop and after it. `step_jaxpr` traces the
+    step; it is called only when the rest holds.
+
+    XLA:CPU runs a device's operations concurrently as their buffers allow, and
+    orders two collectives only by a scheduling edge: the later one may start once
+    the earlier one has *started*. A collective after a scanned stack (the gather of
+    the final norm's weight) can so start while the stack's loop, whose body
+    gathers each layer's weights, still runs. Each in-process collective holds a
+    thread of the CPU client's pool while it waits for the other devices, and once
+    every thread is held the loops cannot go on: the process aborts after a 40 s
+    rendezvous timeout. Whether the later collective waits for the loop comes down
+    to buffer assignment (a temporary buffer the two happen to share orders them),
+    which the check's select on the old state changes. It was seen with 8 devices
+    and a pool of up to 8 threads on jaxlib 0.10.2; jaxlib 0.12 ran the same step
+    with a pool of one, and steps without a loop ran on 0.10.2.
+    """
+    plan = layout.plan
+    if plan.mesh.devices.flat[0].platform != "cpu" or _jaxlib_version() >= _CPU_OVERLAP_FIXED_JAXLIB:
+        return
+    specs = jax.tree.leaves(layout.params, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    named = {a for s in specs if isinstance(s, PartitionSpec) for e in s for a in _axes_of(e)}
+    gathered = sorted(
+        (a for a in named if plan.mesh.shape[a] > 1 and a not in layout.manual_axes),
+        key=plan.mesh.axis_names.index,
+    )
+    if not gathered or not _has_loop(step_jaxpr().jaxpr):
+        return
+    raise PlanError(
+        f"make_step(..., skip_nonfinite=True): on XLA:CPU with jaxlib {jaxlib.__version__}, this step "
+        f"loops (a scanned stack, or accumulate > 1) over parameters sharded over {gathered}, which "
+        f"the compiler partitions (mode={plan.mode!r}), and such a step can hang and abort the "
+        "process: XLA:CPU before jaxlib 0.12 may start a later weight gather while the loop's "
+        "gathers still run, and the devices' waiting collectives then hold every thread of its "
+        "pool. Use jaxlib >= 0.12, or mode='manual' (eqxpar issues the gathers; its FSDP steps "
+        "skip without a hang), or drop skip_nonfinite and wrap the optimizer in "
+        "optax.apply_if_finite(optimizer, max_consecutive_errors) (it checks the gradients, not "
+        "the loss)."
     )
 
 

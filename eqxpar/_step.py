@@ -16,7 +16,7 @@ from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
-from ._nonfinite import gradient_norm, is_finite_step, keep_unless_finite
+from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
 from ._sharding import check_batch, shard, split_by
 from ._step_layout import StepLayout, manual_axes_of
@@ -179,6 +179,8 @@ class Step:
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,) if self._donate else (),
         )
+        if self._skip_nonfinite:
+            check_cpu_skip_nonfinite(layout, lambda: jax.make_jaxpr(step)(dynamic, batch))
         self._cache[cache_key] = (jitted, static)
         return self._cache[cache_key]
 
@@ -401,11 +403,13 @@ def make_step(
       parameters into NaN, while the metrics still show the NaN loss and the skip;
       use `eqxpar.train.SkipMonitor` to stop a run that keeps skipping. Its cost is
       one select per parameter and optimizer-state array, fused into the update,
-      and the update then waits for the gradient norm. That wait changes how
-      XLA:CPU orders a step's collectives, and an automatic FSDP step over a
-      scanned stack on 8 simulated CPU devices was seen to hang with it (two
-      all-gathers entered in different orders by different devices), which is why
-      it is not yet the default. The check is on
+      and the update then waits for the gradient norm. On XLA:CPU before jaxlib
+      0.12 a step that loops (a scanned stack, `accumulate > 1`) over parameters
+      sharded over an axis the compiler partitions (automatic FSDP or tensor
+      parallelism) raises `PlanError` at its first call: such a step hung there
+      (XLA:CPU let a weight gather start while the stack's loop of gathers ran,
+      and the devices' waiting collectives held every thread of its pool); use
+      jaxlib >= 0.12, `mode="manual"`, or `optax.apply_if_finite`. The check is on
       the loss and the global gradient norm (summed in float32: a norm beyond
       ~1.8e19 counts as non-finite). `optax.apply_if_finite(optimizer, n)` is the
       alternative inside the optimizer: it checks the gradients only (not the

@@ -761,3 +761,39 @@ def pipeline_plan(name, *, pipe, microbatches, chunks=1, data=1, tensor=1, rules
 def reorder(tree, *, stages, chunks, forward=True):
     convert = eqxpar.pipeline.to_pipeline_order if forward else eqxpar.pipeline.from_pipeline_order
     return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=chunks))
+
+
+# FSDP over the `embed` dimension only.
+FSDP_ONLY = eqxpar.rules.Logical({"embed": "fsdp"})
+STACKED_LM_VOCAB, STACKED_LM_SEQ, STACKED_LM_BATCH = 64, 16, 8
+
+
+class StackedLM(eqx.Module):
+    """Vocabulary-parallel embedding and head around a scanned stack of blocks."""
+
+    embed: nn.Embedding
+    blocks: nn.Stacked
+    norm: nn.LayerNorm
+    head: nn.Unembed
+
+    def __init__(self, *, key, d=32, heads=4, hidden=64, depth=2):
+        k = jax.random.split(key, 3)
+        self.embed = nn.Embedding(STACKED_LM_VOCAB, d, key=k[0])
+        self.blocks = nn.Stacked(
+            lambda kk: nn.TransformerBlock(d, heads, hidden, activation="swiglu", norm="rms", key=kk),
+            depth=depth,
+            key=k[1],
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Unembed(d, STACKED_LM_VOCAB, key=k[2])
+
+    def __call__(self, ids):
+        return self.head(self.norm(self.blocks(self.embed(ids))))
+
+
+def stacked_lm_batches(n):
+    """`n` (inputs, targets) batches of `StackedLM`'s tokens."""
+    out = []
+    for t in token_batches(n, batch=STACKED_LM_BATCH, seq=STACKED_LM_SEQ + 1, vocab=STACKED_LM_VOCAB, seed=3):
+        out.append((t[:, :-1], t[:, 1:]))
+    return out

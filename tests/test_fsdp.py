@@ -19,6 +19,9 @@ from eqxpar import nn
 from eqxpar.inspect import collective_stats
 
 from ._helpers import (
+    FSDP_ONLY,
+    STACKED_LM_SEQ,
+    StackedLM,
     TinyTransformer,
     assert_trees_close,
     assert_trees_close_to_scale,
@@ -26,48 +29,21 @@ from ._helpers import (
     lm_loss,
     reference_run,
     run_steps,
+    stacked_lm_batches,
     token_batches,
 )
 
-VOCAB, D, HEADS, HIDDEN, SEQ, BATCH, DEPTH = 64, 32, 4, 64, 16, 8, 2
+D, HEADS, HIDDEN, SEQ, DEPTH = 32, 4, 64, STACKED_LM_SEQ, 2  # StackedLM's defaults
 STEPS = 5
 # Momentum SGD: an optimizer state to shard, and (unlike Adam's sign-like first
 # steps) updates that do not magnify last-bit gradient differences.
 OPTIM = optax.sgd(0.1, momentum=0.9)
 
 
-class StackedLM(eqx.Module):
-    """Vocabulary-parallel embedding and head around a scanned stack of blocks."""
-
-    embed: nn.Embedding
-    blocks: nn.Stacked
-    norm: nn.LayerNorm
-    head: nn.Unembed
-
-    def __init__(self, *, key):
-        k = jax.random.split(key, 3)
-        self.embed = nn.Embedding(VOCAB, D, key=k[0])
-        self.blocks = nn.Stacked(
-            lambda kk: nn.TransformerBlock(D, HEADS, HIDDEN, activation="swiglu", norm="rms", key=kk),
-            depth=DEPTH,
-            key=k[1],
-        )
-        self.norm = nn.LayerNorm(D)
-        self.head = nn.Unembed(D, VOCAB, key=k[2])
-
-    def __call__(self, ids):
-        return self.head(self.norm(self.blocks(self.embed(ids))))
-
-
-def batches(n):
-    out = []
-    for t in token_batches(n, batch=BATCH, seq=SEQ + 1, vocab=VOCAB, seed=3):
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
+batches = stacked_lm_batches
 
 
 MF = eqxpar.rules.MEGATRON_FSDP
-FSDP_ONLY = eqxpar.rules.Logical({"embed": "fsdp"})
 PLANS = {
     "fsdp_auto": lambda: eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY),
     "fsdp_manual": lambda: eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY, mode="manual"),

@@ -3,7 +3,9 @@ finite leaves the parameters and optimizer state bit for bit as they were, under
 data parallelism (with and without accumulation), manual FSDP, tensor + sequence
 parallelism and a 1F1B pipeline; the metrics flag it and the state counts it; the
 next good step trains as if the bad batch had never come; `skip_nonfinite=False`
-keeps the old behaviour. Also `SkipMonitor` and the option's validation."""
+keeps the old behaviour. Also `SkipMonitor` and the option's validation, and
+automatic FSDP over a scanned stack: refused on XLA:CPU before jaxlib 0.12 (where
+it hung), skipping from 0.12."""
 
 import dataclasses
 import functools
@@ -13,6 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 import pytest
@@ -22,10 +25,20 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.pipeline import PipelineLoss, stage_rules
 
+from ._helpers import (
+    FSDP_ONLY,
+    StackedLM,
+    Tiny,
+    TinyGPT,
+    assert_trees_close,
+    cross_entropy_loss,
+    mse_loss,
+    reorder,
+)
 from ._helpers import TINY_GPT_BATCH as TP_ROWS
 from ._helpers import TINY_GPT_SEQ as TP_SEQ
 from ._helpers import TINY_GPT_VOCAB as TP_VOCAB
-from ._helpers import Tiny, TinyGPT, assert_trees_close, mse_loss, reorder
+from ._helpers import stacked_lm_batches as fsdp_batches
 
 KINDS = ("nan_row", "inf_loss", "nan_grad")
 
@@ -279,3 +292,69 @@ def test_train_state_built_by_hand_counts_from_zero():
     c = case("dp")
     state, metrics = steps("dp")[0](state, batch(c, 0, "nan_row"))
     assert int(state.skipped_steps) == 1 and bool(metrics["skipped"])
+
+
+def _fsdp_stack_step(mode: str):
+    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=FSDP_ONLY, mode=mode)
+    loss = with_probes(cross_entropy_loss, lambda m: m.norm.weight)
+    state = eqxpar.train.init(StackedLM(key=jax.random.key(0)), OPTIMIZER, plan, key=jax.random.key(1))
+    return eqxpar.train.make_step(loss, OPTIMIZER, plan, skip_nonfinite=True), state
+
+
+def _fsdp_stack_batch(seed: int, kind: str | None = None):
+    core = fsdp_batches(seed + 1)[seed]
+    rows = len(core[0])
+    flag = np.full(rows, 1.0 if kind == "nan_grad" else 0.0, np.float32)
+    return core, np.zeros(rows, np.float32), flag
+
+
+CPU_OVERLAP_FIXED = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) >= (0, 12)
+
+
+@pytest.mark.skipif(CPU_OVERLAP_FIXED, reason="the refusal applies to jaxlib < 0.12")
+def test_automatic_fsdp_on_xla_cpu_before_jaxlib_0_12_is_refused():
+    # An automatic FSDP step over a scanned stack hung on XLA:CPU with the check
+    # (see eqxpar/_step.py _check_cpu_skip_nonfinite): refused before it compiles.
+    step, state = _fsdp_stack_step("auto")
+    with pytest.raises(
+        eqxpar.PlanError, match=r"XLA:CPU with jaxlib .*\['fsdp'\].*mode='auto'.*apply_if_finite"
+    ):
+        step(state, _fsdp_stack_batch(0))
+    # The same plan with the gathers by hand skips a bad batch.
+    step, state = _fsdp_stack_step("manual")
+    state, _ = step(state, _fsdp_stack_batch(0))
+    before = trained(state)
+    state, metrics = step(state, _fsdp_stack_batch(1, "nan_grad"))
+    assert bool(metrics["skipped"]) and np.isnan(float(metrics["grad_norm"]))
+    assert_bit_identical(trained(state), before)
+    # So does automatic FSDP over a model without a loop (the hang needs one).
+    c = dataclasses.replace(
+        case("fsdp_manual"), plan=eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(min_size=64))
+    )
+    layout = eqxpar.train.StepLayout.of_state(
+        eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1)), c.plan
+    )
+    assert any(
+        s is not None and "fsdp" in s
+        for s in jax.tree.leaves(layout.params, is_leaf=lambda s: isinstance(s, jax.P))
+    )
+    step = eqxpar.train.make_step(c.loss, OPTIMIZER, c.plan, skip_nonfinite=True)
+    state = eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1))
+    state, _ = step(state, batch(c, 0))
+    before = trained(state)
+    state, metrics = step(state, batch(c, 1, "nan_row"))
+    assert bool(metrics["skipped"])
+    assert_bit_identical(trained(state), before)
+
+
+@pytest.mark.skipif(not CPU_OVERLAP_FIXED, reason="jaxlib < 0.12 refuses this step on XLA:CPU")
+def test_automatic_fsdp_over_a_scanned_stack_skips():
+    step, state = _fsdp_stack_step("auto")
+    state, metrics = step(state, _fsdp_stack_batch(0))
+    assert not bool(metrics["skipped"])
+    before = trained(state)
+    state, metrics = step(state, _fsdp_stack_batch(1, "nan_grad"))
+    assert bool(metrics["skipped"]) and np.isnan(float(metrics["grad_norm"]))
+    assert_bit_identical(trained(state), before)
+    state, metrics = step(state, _fsdp_stack_batch(2))
+    assert not bool(metrics["skipped"]) and int(state.skipped_steps) == 1
