@@ -1,6 +1,8 @@
 """The collective counter reads result bytes from HLO text and weights loop bodies
 by their trip count; wire bytes follow each collective's replica-group size."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -166,6 +168,37 @@ def test_a_conditional_counts_its_heaviest_branch_only():
     stats = collective_stats(g.lower(jnp.zeros((8, 128)), jnp.int32(0)).compile())
     assert stats.count["all-reduce"] == 3, stats.count
     assert stats.bytes["all-reduce"] == 3 * 8 * 128 * 4, stats.bytes
+
+
+def test_a_pipeline_tick_counts_each_devices_own_branch():
+    # Two ticks, as the pipeline engine names them: in the first, the devices at
+    # pipe position 0 sum 4 KiB over `tensor` and those at 1 idle; in the second the
+    # other way round. Each device sums once per iteration, not twice.
+    def tick(c, stage_that_sums):
+        branches = [lambda c: jax.lax.psum(c, "tensor"), lambda c: c]
+        index = jnp.where(jax.lax.axis_index("pipe") == stage_that_sums, 0, 1)
+        by_position = "_".join("0" if k == stage_that_sums else "1" for k in range(2))
+        # partition // 4 % 2 is the position along pipe of the (pipe 2, tensor 4) mesh
+        with jax.named_scope(f"eqxpar_tick_s4_b{by_position}"):
+            return jax.lax.switch(index, branches, c)
+
+    def f(x):
+        def body(carry, _):
+            return tick(tick(carry, 0), 1), None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    mesh = jax.make_mesh((2, 4), ("pipe", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    text = g.lower(jnp.zeros((8, 128))).compile().as_text()
+    assert "eqxpar_tick_s4_b0_1" in text and "eqxpar_tick_s4_b1_0" in text
+    stats = collective_stats(text)
+    assert stats.count["all-reduce"] == 3, stats.count
+    assert stats.bytes["all-reduce"] == 3 * 8 * 128 * 4
+    assert stats.wire_bytes["all-reduce"] == 3 * 2 * 3 * 8 * 128 * 4 // 4
+    # Unnamed, each tick counts its costliest branch: an upper bound, twice that.
+    unnamed = re.sub(r"eqxpar_tick_s4_b\d_\d", "tick", text)
+    assert collective_stats(unnamed).count["all-reduce"] == 6
 
 
 def test_dtypes_name_what_each_kind_moves():

@@ -196,8 +196,10 @@ def test_comm_report_shows_the_minimum_of_tensor_and_pipeline_plans(tensor_paral
     assert report.minimum.bytes["collective-permute"] == 4 * micro
     # Its stage's layer (of 2) for every micro-batch, 4 sums each over tensor=2.
     assert report.minimum.parts["tensor-parallel activation sums (forward)"] == (2 * 4 * micro, 2 * 4 * micro)
-    # The engine sends on every tick and recomputes the stage forward: more.
-    assert report.measured.total_wire_bytes >= report.minimum.total_wire_bytes
+    # Each device counts its own branch of each tick (a stage idling in a fill or
+    # drain tick sums nothing there): the engine moves its minimum, give or take the
+    # scalars the step adds. Counted at each tick's costliest branch it was 1.10x.
+    assert 1.0 <= report.wire_ratio_to_minimum <= 1.01, text
 
 
 def test_pipeline_minimum_by_hand():

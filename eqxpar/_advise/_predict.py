@@ -27,7 +27,7 @@ from ..inspect._jaxpr_walk import (
     with_key,
 )
 from ..inspect._tally import sum_items
-from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 from ..pipeline._program import (
     RES_READ,
     RES_WRITE,
@@ -331,20 +331,6 @@ def _engine_sends(sched: Any) -> int:
     return max(sent.values(), default=0)
 
 
-def _engine_ticks(sched: Any) -> dict[str, int]:
-    """Ticks in which some device runs a forward (`"forward"`) and a
-    backward-direction action (`"backward"`): the engine's loop positions hold
-    one branch per device on every iteration (`tick_loops`), so each tick is counted
-    at what it runs."""
-    actions: dict[int, set[bool]] = defaultdict(set)
-    for tick, _, _, _, action in sched.entries():
-        actions[tick].add(action == FORWARD)
-    return {
-        "forward": sum(True in held for held in actions.values()),
-        "backward": sum(False in held for held in actions.values()),
-    }
-
-
 def _pipeline_memory(
     plan: Plan, sched: Any, params: Any, batch: Any, loss: Any, layout: StepLayout, grads: int
 ) -> tuple[int, int]:
@@ -491,8 +477,8 @@ def _wire(
     plan: Plan, params: Any, batch: Any, loss: Any, analysis: Analysis, profile: DeviceProfile
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """Wire bytes by kind and by axes: `minimum_comm` plus what eqxpar's
-    implementations move beyond it (pipelines send on every tick of a run of
-    ticks that sends, idle or not; ring attention re-sends keys and values;
+    implementations move beyond it (a pipeline's boundary sends as its engine
+    makes them; ring attention re-sends keys and values;
     dropless expert parallelism sends `n` times the routed rows plus their ids;
     automatic FSDP gathers twice and all-reduces)."""
     moved = jnp.float32 if profile.name == "cpu" and plan.compute_dtype is not None else None
@@ -508,30 +494,22 @@ def _wire(
         by_axis[axes] += int(w)
 
     p, m, v = plan.mesh.shape.get("pipe", 1), plan.microbatches, plan.chunks
-    ticks = sent = None
+    sent = None
     if plan.schedule is not None:
-        sched = _schedule(plan)
-        ticks, sent = _engine_ticks(sched), _engine_sends(sched)
+        sent = _engine_sends(_schedule(plan))
     ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
     repeats = _repeated_sums(plan, params, loss, batch, moved)
     if repeats:
-        # Per-weight backward sums (see `_repeated_sums`): a pipeline tick runs
-        # them as it runs its other tensor sums.
-        add(
-            "all-reduce",
-            (plan.tensor_axis,),
-            repeats * ticks["backward"] / m if ticks is not None else repeats,
-        )
+        # Per-weight backward sums (see `_repeated_sums`); in a pipeline each device
+        # runs them in its own backwards only, as it runs its other tensor sums
+        # (`collective_stats` counts each device's own branch of a tick).
+        add("all-reduce", (plan.tensor_axis,), repeats)
     for part, (_, w) in least.parts.items():
         kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
-        if ticks is not None and part.startswith("pipeline stage boundaries"):
+        if sent is not None and part.startswith("pipeline stage boundaries"):
             # The engine sends a boundary buffer each way on the ticks it sends on, idle or not.
             sends = 2 * m * v if p > 2 else m * (2 * v - 1)
             add(kind, axes, w * sent / sends)
-        elif ticks is not None and part.startswith("tensor-parallel"):
-            # A tick runs its run's heaviest branch's tensor sums: the forward ones
-            # on the ticks of runs with a forward, the backward ones with a backward.
-            add(kind, axes, w * ticks["backward" if "backward" in part else "forward"] / m)
         elif ring and "keys and values" in part:
             # The ring passes K/V blocks forward and again in the backward pass,
             # and their gradients back: all as permutes.

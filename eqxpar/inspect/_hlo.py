@@ -8,7 +8,14 @@ loops multiply, and computations called from several places count once per call.
 A conditional (`lax.cond` / `lax.switch`) counts only its branch that moves the
 most wire bytes: each device runs one branch per execution, so summing them would
 count, e.g., every action of a pipeline tick at once. That is an upper bound where
-devices take cheaper branches.
+devices take cheaper branches. Except where the program says which device runs
+which branch: eqxpar's pipeline engine names each tick's switch
+`eqxpar_tick_s{stride}_b{i_0}_{i_1}...` (the devices at position k along `pipe`,
+`partition // stride % pipe`, run branch `i_k` on every iteration). There each
+device counts the branch it runs, and the counts are the busiest device's (the
+one with the most wire bytes outside collective-permutes); in a tick where one
+stage runs a forward with its tensor-parallel sums and another idles, only the
+first sums.
 
 Result bytes say how big a collective is, not what it costs: an all-reduce over 2
 devices and one over 64 have the same result but move different amounts. So each
@@ -81,6 +88,8 @@ _GROUPS_MESH = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# A pipeline tick's switch (eqxpar/pipeline/_engine.py, `tick_scope`).
+_TICK = re.compile(r"eqxpar_tick_s(\d+)_b(\d+(?:_\d+)*)")
 
 
 @dataclasses.dataclass
@@ -204,6 +213,7 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
         num_devices = _module_devices(text)
     acc = _tally()
     _Walk(computations, num_devices).visit(entry, 1, 0, False, acc)
+    _add_busiest_device(acc)
     if acc.sends:  # the busiest device's permutes
         acc.wire["collective-permute"] += max(acc.sends.values())
     dtypes: dict[str, set[str]] = {}
@@ -239,10 +249,38 @@ class _Tally(NamedTuple):
     dtypes: Counter
     # Collective-permute bytes each device sends, by device id.
     sends: Counter
+    # What each device adds in the conditionals whose branch per device is known.
+    devices: dict
 
 
 def _tally() -> _Tally:
-    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter())
+    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), {})
+
+
+def _merge(into: _Tally, part: _Tally, device: int | None = None) -> None:
+    """Add `part` to `into`; with `device`, `part`'s own per-device counts of that
+    device too (the branch that device runs), else all of them as they are."""
+    for total, counts in zip(into[:6], part[:6], strict=True):
+        total.update(counts)
+    for d, extra in part.devices.items():
+        if device is None:
+            _merge(into.devices.setdefault(d, _tally()), extra)
+        elif d == device:
+            _merge(into, extra)
+
+
+def _add_busiest_device(acc: _Tally) -> None:
+    """Add to `acc` the per-device counts of the device that moves the most wire
+    bytes in them (collective-permutes aside: those are counted per sender, and
+    each device's own sends are added to its count)."""
+    if not acc.devices:
+        return
+    for d, extra in acc.devices.items():
+        acc.sends[d] += extra.sends[d]
+    busiest = max(acc.devices.values(), key=lambda t: (sum(t.wire.values()), sum(t.bytes.values())))
+    for total, counts in zip(acc[:5], busiest[:5], strict=True):
+        total.update(counts)
+    acc.devices.clear()
 
 
 def _sources(line: str) -> set[int] | None:
@@ -331,6 +369,11 @@ class _Walk:
             sub = _tally()
             self.visit(callee, weight, depth + 1, looped, sub)
             taken.append(sub)
+        chosen = self._branch_per_device(line, len(taken))
+        if chosen is not None:
+            for device, branch in enumerate(chosen):
+                _merge(acc.devices.setdefault(device, _tally()), taken[branch], device)
+            return
         heaviest = max(
             taken,
             key=lambda sub: (
@@ -338,8 +381,18 @@ class _Walk:
                 sum(sub.bytes.values()),
             ),
         )
-        for total, part in zip(acc, heaviest, strict=True):
-            total.update(part)
+        _merge(acc, heaviest)
+
+    def _branch_per_device(self, line: str, branches: int) -> list[int] | None:
+        """The branch each device runs, by device id, where the conditional's name
+        says (a pipeline tick); else None."""
+        tick = _TICK.search(line)
+        if tick is None or self.num_devices is None:
+            return None
+        stride, by_position = int(tick.group(1)), [int(b) for b in tick.group(2).split("_")]
+        if max(by_position) >= branches or stride < 1:
+            return None  # not the switch the name was given to: count the heaviest
+        return [by_position[(d // stride) % len(by_position)] for d in range(self.num_devices)]
 
 
 def _group_size(line: str) -> int | None:

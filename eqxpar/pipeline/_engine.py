@@ -742,12 +742,40 @@ class Device:
             stores = (uses[RES_WRITE], uses[STASH_WRITE])
             local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
             bodies.append(
-                functools.partial(self._tick, local=local, forward=forward, backward=backward, uses=uses)
+                functools.partial(
+                    self._tick,
+                    local=local,
+                    forward=forward,
+                    backward=backward,
+                    uses=uses,
+                    scope=self._tick_scope(part[:, j, :, 0]),
+                )
             )
         return bodies
 
+    def _tick_scope(self, branches: np.ndarray) -> str:
+        """The name of a loop position's switch, saying which branch each device runs
+        (`branches`: `(iteration, pipe position)`, the same on every iteration), so
+        that `eqxpar.inspect.collective_stats` counts each device's own branch
+        rather than the costliest: `eqxpar_tick_s{stride}_b{i_0}_{i_1}...`, where a
+        device's position along `pipe` is its partition id // stride % pipe."""
+        if not (branches == branches[:1]).all():
+            return "eqxpar_tick"  # not expected (`tick_loops`); then the costliest counts
+        shape = self.engine.layout.plan.mesh.shape
+        names = list(shape)
+        stride = math.prod(shape[a] for a in names[names.index(PIPE) + 1 :])
+        return f"eqxpar_tick_s{stride}_b" + "_".join(str(int(b)) for b in branches[0])
+
     def _tick(
-        self, carry: tuple, row: jax.Array, *, local: list, forward: tuple, backward: tuple, uses: dict
+        self,
+        carry: tuple,
+        row: jax.Array,
+        *,
+        local: list,
+        forward: tuple,
+        backward: tuple,
+        uses: dict,
+        scope: str,
     ) -> tuple:
         """One tick: the device's branch of `local`, then the sends of the
         devices `forward` and `backward` name, each received value filed into
@@ -760,9 +788,10 @@ class Device:
         def slot(field):  # at most one of the tick's actions has a slot there
             return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
 
-        send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
-            row[0], local, (carry, row)
-        )
+        with jax.named_scope(scope):
+            send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
+                row[0], local, (carry, row)
+            )
         inputs, cots = carry[0], carry[1]
         # Every device runs the tick's sends, outside the branches (a
         # collective that only some devices reach would hang); the pairs
