@@ -511,9 +511,9 @@ def _wire(
             sends = 2 * m * v if p > 2 else m * (2 * v - 1)
             add(kind, axes, w * sent / sends)
         elif ring and "keys and values" in part:
-            # The ring passes K/V blocks forward and again in the backward pass,
-            # and their gradients back: all as permutes.
-            add("collective-permute", axes, 2 * w if kind == "all-gather" else w)
+            # The ring passes K/V blocks forward and again in the backward pass
+            # (the minimum's parts), and their gradients back: all as permutes.
+            add("collective-permute", axes, w)
         elif part.startswith("MoE") and plan.expert_size > 1:
             n = plan.expert_size
             d = analysis.routed.shape[1] if analysis.routed is not None else 1

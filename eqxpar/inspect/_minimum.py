@@ -489,10 +489,26 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
         return _ulysses_items(plan, params, k, (q_split, kv_split), layers, moved)
     whole = 2 * aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
     part = f"attention keys and values over {CONTEXT_AXIS}={n}"
-    return [
+    items = [
         Item(f"{part}: all-gather", "all-gather", n, whole, layers),
         Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers),
     ]
+    if plan.context_attention == "ring" or (plan.context_attention is None and plan.schedule is None):
+        # A ring holds one block of keys and values at a time, never all `n`: its
+        # backward pass needs every block again, so they pass around the ring once
+        # more ((n-1)/n of them, as the forward's gather). Passing the queries, output
+        # cotangents and query gradients instead would move more: three tensors of
+        # query heads against one of key/value heads.
+        items.append(
+            Item(
+                f"{part}: passed again in the backward (ring)",
+                "collective-permute",
+                n,
+                whole * (n - 1) // n,
+                layers,
+            )
+        )
+    return items
 
 
 def _ulysses_items(
