@@ -46,9 +46,8 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 
 class OwnStateStep:
-    """`step: (params, opt_state, batch) -> (params, opt_state, loss)` jitted on `mesh` with the
-    shardings of `specs`, `opt_specs` and `batch_spec`, holding its own (donated) copy of `params`
-    and their optimizer state."""
+    """`step(params, opt_state, batch)` jitted on `mesh` with the shardings of `specs`, `opt_specs`
+    and `batch_spec`, holding its own (donated) copy of `params` and their optimizer state."""
 
     def __init__(self, step, optim, params, mesh: Mesh, specs, opt_specs, batch_spec):
         state = (shardings(mesh, specs), shardings(mesh, opt_specs))
@@ -73,9 +72,8 @@ class OwnStateStep:
 
 
 class JitStep(OwnStateStep):
-    """A `jax.jit` train step of `loss_fn` on `model` (copied, never donated), parameters laid out by
-    `param_specs` (one spec, or a pytree), the optimizer state by `opt_state_specs` (default:
-    `param_specs`) and every batch leaf by `batch_spec`."""
+    """A `jax.jit` train step of `loss_fn` on `model` (copied), laid out by `param_specs` (one spec, or
+    a pytree), `opt_state_specs` (default: `param_specs`) and `batch_spec` (every batch leaf)."""
 
     def __init__(self, loss_fn, optim, model, mesh, *, param_specs, batch_spec, opt_state_specs=None):
         params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -234,8 +232,8 @@ def header(prog: str, argv: Sequence[str] | None, *, warm: int, timed: int) -> d
     }
 
 
-def write_json(path: pathlib.Path, data: dict[str, Any], indent: int = 2) -> None:
+def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
     """`data` as JSON into `path` (its folder made if missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")

@@ -120,8 +120,7 @@ def _err(r: dict, what: str) -> str:
 
 
 def _table(records: list[dict], name: str, head: tuple, first) -> str:
-    """Each record's predicted / measured bytes after its cells `first(record)` under
-    `head`, and the records outside the tolerance by `name`."""
+    """Each record's cells `first(record)` and predicted / measured bytes, and those outside the tolerance."""
     rows = [[*first(r), *(_err(r, w) for w in MEASURES)] for r in records]
     bad = {w: [r[name] for r in records if abs(r[w]["error"]) > TOLERANCE] for w in MEASURES}
     outside = "; ".join(f"{w}: {', '.join(v) or 'none'}" for w, v in bad.items())

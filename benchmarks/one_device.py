@@ -40,8 +40,7 @@ def timed(fn: Callable, *args: Any, reps: int) -> float:
 
 
 def weighted_sum(fn: Callable, ct: Any) -> Callable:
-    """`(*args, **kw) -> sum(fn(*args, **kw) * ct)` in float32: a scalar whose
-    gradient pulls the cotangent `ct` back through `fn`."""
+    """`sum(fn(*args, **kw) * ct)` in float32: its gradient pulls the cotangent `ct` back through `fn`."""
     return lambda *a, **kw: jnp.sum(fn(*a, **kw).astype(jnp.float32) * jnp.asarray(ct, jnp.float32))
 
 
