@@ -1,6 +1,4 @@
-"""Matrix-multiply FLOPs of one pipeline action on one device, compiled apart from
-any pipeline: the per-action costs a schedule table is priced at to say what the
-engine's program should run (`pipeline_table_flops`)."""
+"""Matmul FLOPs of one pipeline action on one device, compiled apart from any pipeline."""
 
 import dataclasses
 import functools
@@ -18,10 +16,7 @@ from . import _workload
 
 
 def engine_actions(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> dict[str, tuple]:
-    """The engine's actions of `stage(params, x)` on one device, each as `(function,
-    arguments)`: `F` the forward keeping its residuals, `B` the backward from them
-    (pulled back from `seed`), `I` and `W` that backward's input and weight halves
-    (`eqxpar/pipeline/_split_backward.py`: together they run it once)."""
+    """The engine's actions `F`, `B`, `I`, `W` of `stage(params, x)`, each `(function, arguments)`."""
     _, pull = jax.jit(lambda p, x: jax.vjp(stage, p, x))(params, x)
     halves, inputs = split_pull_back(*jax.tree.flatten(pull), seed, first=False)
     stash = jax.jit(lambda *a: halves.input_half(a))(*inputs)[1]
@@ -41,15 +36,10 @@ def _per_action(stage: Any, params: Any, x: jax.Array, seed: jax.Array) -> dict[
     }
 
 
-# Cached: the pipeline records of one mesh share their stage (same sizes, same
-# micro-batch), and each call compiles eight functions.
+# Cached: the pipeline records of one mesh share their stage; each call compiles eight functions.
 @functools.cache
 def action_flops(cfg: _workload.Config, *, layers: int, rows: int, tensor: int = 1) -> dict:
-    """Per-action matmul FLOPs of a virtual stage of `layers` blocks of the workload
-    on one micro-batch of `rows` sequences: `{"stage": {F, B, I, W}, "head": {F, B,
-    I, W}}` ("head": what the last stage's actions add). `tensor`: the stage's
-    matmuls are split over that many devices (every one: heads, hidden features
-    and the vocabulary), so a device runs that fraction."""
+    """`{"stage": {F, B, I, W}, "head": {...}}`: matmul FLOPs of a virtual stage on one micro-batch."""
     model = _workload.make_model(dataclasses.replace(cfg, layers=layers))
     tokens = _workload.make_batches(1, dataclasses.replace(cfg, batch=rows))[0]
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -71,8 +61,5 @@ def action_flops(cfg: _workload.Config, *, layers: int, rows: int, tensor: int =
 
 
 def pipeline_table_flops(schedule: Any, flops: dict) -> eqxpar.pipeline.Simulation:
-    """`schedule` priced at `action_flops`'s per-action FLOPs (`simulate` in FLOPs
-    rather than seconds): its `lockstep_s` is the FLOPs a device runs in lockstep,
-    each tick at its costliest device, if the program runs the table and nothing
-    more."""
+    """`schedule` priced at `action_flops`'s FLOPs: its `lockstep_s` is what a device runs in lockstep."""
     return eqxpar.pipeline.simulate(schedule, flops["stage"], last_stage=flops["head"])

@@ -1,12 +1,5 @@
-"""A hand-written sequence-parallel `jax.shard_map` step of the workload, without eqxpar
-(only its weights are read from the `eqxpar.models.GPT`):
-the bar `tp_sp` and `tp_overlap` are timed against in the same process.
-
-Each device holds the rows of its `data` index and the sequence block of its `tensor`
-index; per block, the normed sequence is all-gathered over `tensor` and the output and
-MLP-down products reduce-scattered back. Gradients from `jax.value_and_grad` inside the
-`shard_map` (`check_vma=True` places their reductions).
-"""
+"""A hand-written sequence-parallel `jax.shard_map` step of the workload without eqxpar, the bar
+`tp_sp` and `tp_overlap` are timed against (benchmarks/README.md)."""
 
 import math
 from typing import Any
@@ -22,7 +15,7 @@ from jaxtyping import Array, Float
 from eqxpar.models import GPT
 
 from . import _workload
-from ._baseline import OwnStateStep, opt_specs, train_step
+from ._measure import OwnStateStep, opt_specs, train_step
 
 _BLOCK_SPECS = {
     **dict.fromkeys(("ln1_w", "ln1_b", "b_out", "ln2_w", "ln2_b", "b_down"), P()),

@@ -1,4 +1,5 @@
-"""Measurements: interleaved step timing, collective bytes, memory, parity."""
+"""Measurements: the hand-written `jax.jit` steps eqxpar is measured against, interleaved
+step timing, collective bytes, memory, parity (benchmarks/README.md)."""
 
 import argparse
 import json
@@ -14,15 +15,81 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 import eqxpar
 
 from . import _workload
-from ._baseline import OwnStateStep
-from ._workload import ADAM_B1
+
+
+def train_step(loss_fn: Callable, optim: optax.GradientTransformation) -> Callable:
+    """`(params, opt_state, batch) -> (params, opt_state, loss)`: one optax step of `loss_fn`."""
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optim.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def shardings(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+
+
+class OwnStateStep:
+    """`step(params, opt_state, batch)` jitted on `mesh` with the shardings of `specs`, `opt_specs`
+    and `batch_spec`, holding its own (donated) copy of `params` and their optimizer state."""
+
+    def __init__(self, step, optim, params, mesh: Mesh, specs, opt_specs, batch_spec):
+        state = (shardings(mesh, specs), shardings(mesh, opt_specs))
+        self.batch_sharding = NamedSharding(mesh, batch_spec)
+        # Copy inside jit: fresh buffers owned by this step, created in their sharding.
+        place = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), optim.init(p)), out_shardings=state)
+        self.params, self.opt_state = place(params)
+        loss = NamedSharding(mesh, PartitionSpec())
+        in_out = {"in_shardings": (*state, self.batch_sharding), "out_shardings": (*state, loss)}
+        self.jitted = jax.jit(step, donate_argnums=(0, 1), **in_out)
+
+    def put_batch(self, batch: PyTree) -> PyTree:
+        return jax.device_put(batch, self.batch_sharding)
+
+    def __call__(self, batch: PyTree) -> jax.Array:
+        """One step on an already placed batch; returns the loss."""
+        self.params, self.opt_state, loss = self.jitted(self.params, self.opt_state, batch)
+        return loss
+
+    def compile(self, batch: PyTree) -> jax.stages.Compiled:
+        return self.jitted.lower(self.params, self.opt_state, batch).compile()
+
+
+class JitStep(OwnStateStep):
+    """A `jax.jit` train step of `loss_fn` on `model` (copied), laid out by `param_specs` (one spec, or
+    a pytree), `opt_state_specs` (default: `param_specs`) and `batch_spec` (every batch leaf)."""
+
+    def __init__(self, loss_fn, optim, model, mesh, *, param_specs, batch_spec, opt_state_specs=None):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        step = train_step(lambda p, batch: loss_fn(eqx.combine(p, static), batch), optim)
+        opt_state_specs = param_specs if opt_state_specs is None else opt_state_specs
+        super().__init__(step, optim, params, mesh, param_specs, opt_state_specs, batch_spec)
+
+
+def opt_specs(optim: optax.GradientTransformation, model: Any, param_specs: Any) -> Any:
+    """Optimizer-state specs mirroring `param_specs` (moments shaped like the parameters)."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    params_def = jax.tree.structure(params)
+    specs = jax.tree.unflatten(params_def, jax.tree.leaves(param_specs, is_leaf=is_spec))
+    is_params = lambda node: jax.tree.structure(node) == params_def  # noqa: E731
+    for_node = lambda node: specs if is_params(node) else PartitionSpec()  # noqa: E731
+    return jax.tree.map(for_node, jax.eval_shape(optim.init, params), is_leaf=is_params)
 
 
 class EqxparRunner:
@@ -51,8 +118,8 @@ class EqxparRunner:
 
 
 class BaselineRunner:
-    """Runs a hand-written step (`_baseline.OwnStateStep`) over the same batches, placed
-    in its own sharding, round and round (a reference may be shared by many points)."""
+    """Runs a hand-written step (`OwnStateStep`) over the same batches, placed in its own
+    sharding, round and round (a reference may be shared by many points)."""
 
     def __init__(self, step: OwnStateStep, batches: Sequence):
         self.step, self.done = step, 0
@@ -70,12 +137,8 @@ class BaselineRunner:
 def timed_steps(
     sides: dict[str, Callable[[], PyTree]], *, warm: int, timed: int
 ) -> dict[str, dict[str, float]]:
-    """Per side, medians over `timed` steps (after `warm` untimed steps per side) of
-    the wall seconds (`step_time_s`) and of what the process asked of the kernel
-    meanwhile (`resource.getrusage`): minor page faults (`step_minor_faults`) and
-    system CPU seconds (`step_system_cpu_s`). The sides take turns one step at a
-    time, so that the noise of shared CPU cores hits them alike: only ratios taken
-    in one process mean anything."""
+    """Per side, medians over `timed` steps (after `warm`) of the wall seconds, minor page faults
+    and system CPU seconds; the sides take turns one step at a time (benchmarks/README.md)."""
     seen: dict[str, list[tuple[float, float, float]]] = {name: [] for name in sides}
     for i in range(warm + timed):
         for name, side in sides.items():
@@ -87,13 +150,8 @@ def timed_steps(
                     (wall, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime)
                 )
     fields = ("step_time_s", "step_minor_faults", "step_system_cpu_s")
-    return {
-        name: {
-            field: statistics.median(column)
-            for field, column in zip(fields, zip(*steps, strict=True), strict=True)
-        }
-        for name, steps in seen.items()
-    }
+    columns = {name: zip(*steps, strict=True) for name, steps in seen.items()}
+    return {name: dict(zip(fields, map(statistics.median, c), strict=True)) for name, c in columns.items()}
 
 
 def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
@@ -103,8 +161,7 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 
 def step_fields(compiled: jax.stages.Compiled, least: eqxpar.inspect.Minimum) -> dict[str, Any]:
-    """A compiled step's collectives (result bytes, counts and wire bytes by kind that
-    occurs, and in all, per device) and memory beside the library's minimum `least`."""
+    """A compiled step's collectives (by kind, and in all) and memory beside the minimum `least`."""
     stats = eqxpar.inspect.collective_stats(compiled)
     kinds = [k for k in stats.count if stats.count[k]]
     by_kind = {"comm_bytes": stats.bytes, "comm_counts": stats.count, "comm_wire_bytes": stats.wire_bytes}
@@ -124,30 +181,21 @@ def _pairs(got: PyTree, want: PyTree) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def max_rel_err(got: PyTree, want: PyTree) -> float:
-    """Max over leaves of max|got - want| / max(max|want|, floor), `floor` 1e-3 of the
-    largest magnitude in the whole reference: a leaf whose exact value is zero (an
-    attention key bias: softmax ignores it) holds pure rounding, whose ratio to itself
-    says nothing; against a thousandth of the tree's scale it is judged as what it is."""
+    """Max over leaves of max|got - want| / max(max|want|, 1e-3 of the tree's largest magnitude)."""
     pairs = _pairs(got, want)
     floor = max(1e-3 * max(float(np.max(np.abs(b))) for _, b in pairs), 1e-30)
     return max(float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor)) for a, b in pairs)
 
 
 def norm_rel_err(got: PyTree, want: PyTree) -> float:
-    """||got - want|| / ||want|| over the whole tree: the gradient's error as one vector,
-    which leaves of pure rounding noise cannot dominate."""
+    """||got - want|| / ||want|| over the whole tree (the gradient's error as one vector)."""
     pairs = _pairs(got, want)
     diff = sum(float(np.sum((a - b) ** 2)) for a, b in pairs)
     return math.sqrt(diff) / max(math.sqrt(sum(float(np.sum(b**2)) for _, b in pairs)), 1e-30)
 
 
-def adam_gradients(opt_state: PyTree, *, b1: float = ADAM_B1) -> PyTree:
-    """The gradients of the first step, as float64 host arrays, from AdamW's state after it.
-
-    From zero, Adam's first moment after one step is `(1 - b1) * g` (one float32
-    multiply), so dividing by `1 - b1` gives the compiled step's own gradient to
-    within two roundings, with no second program to compile.
-    """
+def adam_gradients(opt_state: PyTree, *, b1: float = _workload.ADAM_B1) -> PyTree:
+    """The first step's gradients, as float64 host arrays, from AdamW's first moment `(1 - b1) * g`."""
     is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
     if len(found) != 1:
@@ -169,8 +217,7 @@ def parser(prog: str, doc: str, quick: tuple[int, int]) -> argparse.ArgumentPars
 
 
 def header(prog: str, argv: Sequence[str] | None, *, warm: int, timed: int) -> dict[str, Any]:
-    """What every benchmark JSON starts with: versions, devices, workload, timing, command
-    (printed); exits unless jax sees the 8 simulated devices."""
+    """What every benchmark JSON starts with (versions, devices, workload, timing, command)."""
     if jax.device_count() != 8:
         sys.exit(f"benchmarks need 8 devices, jax sees {jax.device_count()} (jax imported before?)")
     command = f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}"
@@ -186,6 +233,7 @@ def header(prog: str, argv: Sequence[str] | None, *, warm: int, timed: int) -> d
 
 
 def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    """`data` as JSON into `path` (its folder made if missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")

@@ -1,6 +1,4 @@
-"""The one registry of benchmarked strategies (`STRATEGIES`, used by `benchmarks.run`,
-`scaling` and `advise`): a `Strategy` builds a `Setup` (plan, step, baseline,
-contract) for a model, config and mesh."""
+"""The one registry of benchmarked strategies, `STRATEGIES` (benchmarks/README.md, "Strategies")."""
 
 import concurrent.futures
 import dataclasses
@@ -18,17 +16,13 @@ import eqxpar
 from eqxpar._plan import REMAT_POLICIES
 
 from . import _action_flops, _handwritten_sp, _workload, pipeline_prediction
-from ._baseline import JitStep, opt_specs
-from ._measure import BaselineRunner, EqxparRunner, memory
+from ._measure import BaselineRunner, EqxparRunner, JitStep, memory, opt_specs
 
 SAME_SHARDINGS = "hand-written jax.jit step with the same shardings"
 #: Most records: wire bytes within 5 % of the minimum and no more than the
 #: hand-written step's; loss and gradients within float32 rounding of one device.
 STANDARD = {"wire_over_min_max": 1.05, "wire_le_baseline": True, "parity_max_rel_err": 1e-5}
-#: bf16 compute against the same casts on one device: bf16 keeps 8 significant bits
-#: (unit roundoff 3.9e-3) and the two sides round different intermediates, so they
-#: agree to a few roundings (2.5 and 5 here, on the loss and on the gradient as one
-#: vector); a wrong cast or a missing reduction is off by O(1).
+#: bf16 against the same casts on one device: a few bf16 roundings (unit 3.9e-3) apart.
 BF16_CONTRACT = {"wire_over_moved_min_max": 1.05, "wire_le_baseline": True}
 BF16_CONTRACT.update(parity_loss_max_rel_err=1e-2, parity_grads_norm_max_rel_err=2e-2)
 #: Options for a program compiled only for its `memory_analysis()`: buffer assignment
@@ -70,9 +64,7 @@ class Strategy:
     options: dict = dataclasses.field(default_factory=dict)
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
-        """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide
-        it), an 8x longer sequence (the same tokens per step) on a context axis, a
-        mixture of experts on an expert axis."""
+        """The workload this record runs (8 layers on pipe 4, seq x 8 on context, MoE on expert)."""
         if self.mesh.get("expert", 1) > 1:
             return dataclasses.replace(cfg, moe_every=2, experts=8, top_k=2)
         if self.mesh.get("context", 1) > 1:
@@ -83,26 +75,21 @@ class Strategy:
         return self.kind(model, optim, mesh or self.mesh, cfg, **self.options)
 
 
-def _replicated(model: Any, optim: Any, loss_fn: Callable, devices: list, axis: str, spec: P) -> JitStep:
+def single_device(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn, *, axis="") -> JitStep:
+    """The workload's `jax.jit` step of the whole batch on one device (on every device over `axis`)."""
+    devices = jax.devices() if axis else jax.devices()[:1]
     # Auto, as eqxpar's meshes: JAX infers no Explicit sharding for ragged_dot (MoE).
-    mesh = jax.make_mesh((len(devices),), (axis,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=spec)
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((len(devices),), (axis or "x",), axis_types=auto, devices=devices)
+    return JitStep(loss_fn, optim, model, mesh, param_specs=P(), batch_spec=P(axis) if axis else P())
 
 
-def single_device(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
-    """The workload's `jax.jit` step of the whole batch on one device."""
-    return _replicated(model, optim, loss_fn, jax.devices()[:1], "x", P())
-
-
-def data_parallel(model: Any, optim: Any, loss_fn: Callable = _workload.loss_fn) -> JitStep:
-    """The workload's `jax.jit` step, data parallel over every device: the pipeline
-    records' reference (the same total work when a pipeline recomputes nothing)."""
-    return _replicated(model, optim, loss_fn, jax.devices(), "data", P("data"))
+#: The workload's `jax.jit` step, data parallel over every device (the pipelines' reference).
+data_parallel = functools.partial(single_device, axis="data")
 
 
 def _sharded(model: Any, optim: Any, mesh: dict, cfg, contract=STANDARD, **options: Any) -> Setup:
-    """A plan of `options` on `mesh` against `jax.jit` with the shardings of the plan's
-    step (`StepLayout`: parameters as placed, the optimizer state as its updates)."""
+    """A plan of `options` on `mesh` against `jax.jit` with the shardings of the plan's step."""
     plan = eqxpar.Plan(eqxpar.make_mesh(**mesh), **options)
     layout = eqxpar.train.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
     specs = {"param_specs": layout.params, "opt_state_specs": opt_specs(optim, model, layout.updates)}
@@ -113,12 +100,7 @@ def _sharded(model: Any, optim: Any, mesh: dict, cfg, contract=STANDARD, **optio
 
 
 def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_options: Any) -> Setup:
-    """Tensor parallelism, Megatron layout with the vocabulary whole. Automatic TP is held
-    to GSPMD's bytes give or take the scalars eqxpar's step adds (loss, gradient norm)
-    and to its speed. Sequence parallelism moves 1.65 % more than Megatron without it
-    (the replicated weights' gradients, computed on sequence blocks, are summed over
-    `tensor` too), GSPMD's layout here: held to the minimum and to a hand-written
-    shard_map step's speed."""
+    """Megatron tensor parallelism: automatic against GSPMD, manual against `_handwritten_sp`."""
     setup = _sharded(model, optim, mesh, cfg, rules=_workload.TENSOR_RULES, **plan_options)
     wire = {"wire_over_min_max": 1.05, "parity_max_rel_err": 1e-5}
     if setup.plan.mode == "auto":
@@ -135,9 +117,7 @@ def _tp(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **plan_option
 
 
 def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: Any) -> Setup:
-    """A plan computing in bfloat16, against the same casts on one device (floating
-    weights cast inside the differentiated function, the loss back to float32) and the
-    float32 `jax.jit` step; its wire bytes against the minimum in the dtype XLA:CPU moves."""
+    """A plan computing in bfloat16, against the same casts on one device and the float32 `jax.jit` step."""
     setup = _sharded(model, optim, mesh, cfg, compute_dtype=jnp.bfloat16, contract=BF16_CONTRACT, **options)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
@@ -160,8 +140,7 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
 
 @functools.cache
 def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim, remat: str):
-    """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: the records of a
-    mesh share (and compile) one GPipe step."""
+    """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: records share one GPipe step."""
     rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_VOCAB_RULES if tensor else None)
     options = {"rules": rules, "schedule": schedule, "microbatches": microbatches, "chunks": chunks}
     plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options, remat=remat)
@@ -169,26 +148,19 @@ def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor
 
 
 def _compiled_memory(lowered: list[Any]) -> list[dict]:
-    """`memory` of each lowered step, compiled (never run) for its memory only, in
-    threads (XLA compiles without the GIL)."""
+    """`memory` of each lowered step, compiled for it only, in threads (XLA compiles without the GIL)."""
     with concurrent.futures.ThreadPoolExecutor(len(lowered) or 1) as pool:
         return list(pool.map(lambda low: memory(low.compile(compiler_options=MEMORY_ONLY)), lowered))
 
 
 def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: Any, mesh: dict) -> dict:
-    """The step's matmul FLOPs per device in lockstep against the data-parallel `jax.jit`
-    step's over 1 - the lockstep bubble (what the pipeline runs recomputing nothing, at
-    unit costs: `flops_over_reference`), and against the table priced at each action's
-    own FLOPs (`_action_flops`: the table and nothing more, `flops_over_table`)."""
+    """The step's lockstep matmul FLOPs per device against the data-parallel step's and the table's."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
     bubble = sched.lockstep_bubble_fraction
-    per_action = _action_flops.action_flops(
-        cfg,
-        layers=cfg.layers // sched.virtual_stages,
-        rows=cfg.batch // (sched.microbatches * mesh.get("data", 1)),
-        tensor=mesh.get("tensor", 1),
-    )
+    rows = cfg.batch // (sched.microbatches * mesh.get("data", 1))
+    layers, tensor = cfg.layers // sched.virtual_stages, mesh.get("tensor", 1)
+    per_action = _action_flops.action_flops(cfg, layers=layers, rows=rows, tensor=tensor)
     table = _action_flops.pipeline_table_flops(sched, per_action)
     return {
         "flops_per_device": flops,
@@ -204,11 +176,7 @@ def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: 
 def _pipelined(
     model, optim, mesh, cfg, *, schedule, contract, chunks=1, tensor=False, sweep=True, remat_sweep=False
 ):
-    """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against
-    the GPipe step of the same model on the same mesh. `sweep`: the temp bytes at 8p and
-    16p micro-batches of the same size; `remat_sweep`: under every remat policy (what the
-    kept residuals cost: the engine keeps each stage forward's residuals by the policy,
-    except under "full", which recomputes the forward in its backward actions)."""
+    """`schedule` on `mesh`, 4p micro-batches, against GPipe; temp bytes at 8p, 16p and by remat."""
     p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
     plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none")
     g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
@@ -226,25 +194,22 @@ def _pipelined(
             return step.lower(runner.state, eqxpar.shard_batch(batch, at))
 
         counts = (8 * p, 16 * p) if sweep else ()
-        swept = [
-            {"microbatches": k, **mem}
-            for k, mem in zip(counts, _compiled_memory([lowered(k) for k in counts]), strict=True)
-        ]
+        swept = zip(counts, _compiled_memory([lowered(k) for k in counts]), strict=True)
+        speedup = pipeline_prediction.speedup_over_gpipe(schedule, stages=p, microbatches=m, chunks=v)
         fields = {
             **{"schedule": schedule, "microbatches": m, "chunks": v, "ticks": sched.ticks},
             "bubble_fraction": sched.bubble_fraction,
             "lockstep_bubble_fraction": sched.lockstep_bubble_fraction,
-            "predicted_speedup_over_gpipe": pipeline_prediction.speedup_over_gpipe(
-                schedule, stages=p, microbatches=m, chunks=v
-            ),
+            "predicted_speedup_over_gpipe": speedup,
             **_flops(compiled, eqx_model, optim, cfg, sched, mesh),
-            "memory_sweep": [{"microbatches": m, **memory(compiled)}, *swept],
+            "memory_sweep": [
+                {"microbatches": m, **memory(compiled)},
+                *({"microbatches": k, **x} for k, x in swept),
+            ],
         }
         if remat_sweep:
             remats = _compiled_memory([lowered(remat=remat) for remat in REMAT_POLICIES])
-            fields["remat_memory"] = [
-                {"remat": r, **mem} for r, mem in zip(REMAT_POLICIES, remats, strict=True)
-            ]
+            fields["remat_memory"] = [{"remat": r, **x} for r, x in zip(REMAT_POLICIES, remats, strict=True)]
         return fields
 
     what = "the 3D step with the GPipe schedule" if tensor else "the GPipe step"
@@ -265,20 +230,15 @@ def _pipelined(
 def _context(
     model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options
 ) -> Setup:
-    """Context parallelism at a long sequence. No `jax.jit` step splits a sequence by
-    itself, so no baseline: held to the minimum; the ring, which re-sends keys and values
-    in the backward pass (it keeps one block, not all `n`), to the minimum plus one more
-    pass of the K/V all-gather. Also the per-device memory as sequence and context grow
-    together (`_context_memory`)."""
+    """Context parallelism at a long sequence, held to the minimum (the ring: + a K/V all-gather)."""
     setup = _sharded(model, optim, mesh, cfg, contract=contract, mode="manual", **options)
-    ring = setup.plan.context_attention in (None, "ring")
 
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
         least = setup.minimum(eqx_model, cfg)
         kv = sum(w for part, (_, w) in least.parts.items() if "all-gather" in part and "context" in part)
         impl = setup.plan.context_attention or "ring"
         fields = {"context_attention": impl, "comm_wire_bytes_kv_gather_min": kv}
-        if ring:
+        if impl == "ring":
             fields["comm_wire_bytes_ring_bound"] = least.total_wire_bytes + kv
         return {**fields, "context_memory": _context_memory(optim, cfg, mesh, options)}
 
@@ -286,9 +246,7 @@ def _context(
 
 
 def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict) -> list:
-    """Temp bytes of the step compiled at `c` times `cfg`'s sequence on context `c` in
-    (1, 2, 4) (those the devices hold beside `mesh`'s other axes), the batch as `cfg`'s:
-    the same tokens per device at every point."""
+    """Temp bytes at `c` times `cfg`'s sequence on context `c` in (1, 2, 4): the same tokens per device."""
     points, lowered = [], []
     others = math.prod(n for axis, n in mesh.items() if axis != "context")
     for c in [c for c in (1, 2, 4) if c * others <= jax.device_count()]:
@@ -308,11 +266,7 @@ def _context_memory(optim: Any, cfg: _workload.Config, mesh: dict, options: dict
 
 
 def _expert(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contract: dict, **options) -> Setup:
-    """Expert parallelism on the workload with every second block a mixture of experts.
-    No `jax.jit` step dispatches tokens to experts by itself, so no baseline. The
-    minimum counts four all-to-alls of the routed activations per MoE layer; a dropless
-    step with static shapes sends `n` times them (room for every assignment of a device
-    going to one other) plus the expert ids: held to that bound, recorded against the minimum."""
+    """Expert parallelism, every second block a mixture of experts, held to the dropless bound."""
     setup = _sharded(model, optim, mesh, cfg, contract=contract, **options)
     n = setup.plan.expert_size
 
@@ -336,11 +290,7 @@ def _expert(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contra
 
 
 def _pp(schedule: str, wire: float, flops: float, mesh=None, contract=None, **options: Any) -> Strategy:
-    """Held to `wire` x the minimum (the engine sends from the devices with something
-    due only, on every tick), to `flops` x the data-parallel step's FLOPs over 1 - the
-    lockstep bubble, and to the table's FLOPs at each action's own within 1 %: the
-    program runs its table, nothing more (no forward recomputed, each loop position one
-    action per device)."""
+    """A pipeline held to `wire` x the minimum, `flops` x the reference's FLOPs and the table's within 1 %."""
     contract = {"wire_over_min_max": wire, "flops_over_table_max": 1.01, **(contract or {})}
     contract["flops_over_reference_max"] = flops
     options = {"schedule": schedule, "contract": contract, **options}
@@ -350,38 +300,27 @@ def _pp(schedule: str, wire: float, flops: float, mesh=None, contract=None, **op
 _FLAT = {"temp_growth_max": 0.10}
 _TP, _DFT = {"data": 2, "tensor": 4}, {"data": 2, "fsdp": 2, "tensor": 2}
 _FSDP = {"rules": eqxpar.rules.FSDP(axis="fsdp")}
-# Automatic FSDP *is* the GSPMD step: held to its bytes, give or take the scalars
-# eqxpar's step adds (loss, gradient norm). FSDP's own contract is the manual plan's.
+# Automatic FSDP *is* the GSPMD step: held to its bytes give or take eqxpar's scalars.
 _AUTO_FSDP = {"wire_le_baseline_plus_bytes": 1024, "parity_max_rel_err": 1e-5}
 _FSDP_TP = {"rules": _workload.TENSOR_FSDP_RULES, "mode": "manual", "sequence_parallel": True}
-#: Context parallelism: the loss and the gradient as one vector within 1e-5 of one
-#: device; leafwise 2e-5, because the attention key bias's exact gradient is zero
-#: (softmax ignores it) and its rounding, summed over the context axis in another
-#: order, reaches 1.1e-5 of the leafwise floor (every other leaf ~1e-6).
-_CP_PARITY = {
-    "parity_loss_max_rel_err": 1e-5,
-    "parity_grads_norm_max_rel_err": 1e-5,
-    "parity_max_rel_err": 2e-5,
-}
+_CP_PARITY = {"parity_loss_max_rel_err": 1e-5, "parity_grads_norm_max_rel_err": 1e-5}
+_CP_PARITY["parity_max_rel_err"] = 2e-5  # leafwise: the key bias's exact gradient is 0, its rounding summed
 _CP_ALLGATHER = {"wire_over_min_max": 1.05, **_CP_PARITY}
-#: Ulysses: the all-to-alls at the minimum, memory flat as sequence and context grow.
 _CP_ULYSSES = {**_CP_ALLGATHER, "context_temp_growth_max": 0.10}
-#: The ring: within 5 % of the minimum plus the backward pass's second K/V all-gather,
-#: and per-device memory flat as sequence and context grow together (the all-gather
-#: keeps every device's keys and values for the backward pass: recorded, not held).
 _CP_RING = {"wire_over_ring_bound_max": 1.05, **_CP_PARITY, "context_temp_growth_max": 0.10}
 _CP, _CP_TP = {"data": 2, "context": 4}, {"data": 2, "context": 2, "tensor": 2}
-#: Expert parallelism: wire bytes within 5 % of the dropless bound (the minimum with
-#: the routed all-to-alls `n` times over, plus the ids).
 _EP = {"wire_over_dropless_bound_max": 1.05, "parity_max_rel_err": 1e-5}
+_TP_SP = {"mode": "manual", "sequence_parallel": True}
+_TP_SEQ = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
+_EP_TP = {"expert": 2, "data": 2, "tensor": 2}
 
-#: name -> strategy, in the order they are run and reported.
+#: name -> strategy, in the order they are run and reported (the bounds: benchmarks/README.md).
 STRATEGIES: dict[str, Strategy] = {
     "dp": Strategy(_sharded, {"data": 8}),
     "dp_manual": Strategy(_sharded, {"data": 8}, {"mode": "manual"}),
     "tp": Strategy(_tp, _TP, {"mode": "auto"}),
-    "tp_sp": Strategy(_tp, _TP, {"mode": "manual", "sequence_parallel": True}),
-    "tp_overlap": Strategy(_tp, _TP, {"mode": "manual", "sequence_parallel": True, "tp_overlap": True}),
+    "tp_sp": Strategy(_tp, _TP, _TP_SP),
+    "tp_overlap": Strategy(_tp, _TP, {**_TP_SP, "tp_overlap": True}),
     "fsdp": Strategy(_sharded, {"fsdp": 8}, {**_FSDP, "contract": _AUTO_FSDP}),
     "fsdp_manual": Strategy(_sharded, {"fsdp": 8}, {**_FSDP, "mode": "manual"}),
     "zero1": Strategy(_sharded, {"data": 8}, {"zero1": True}),
@@ -389,35 +328,16 @@ STRATEGIES: dict[str, Strategy] = {
     "fsdp_tp": Strategy(_sharded, {"fsdp": 2, "tensor": 4}, _FSDP_TP),
     "dp_fsdp_tp": Strategy(_sharded, _DFT, _FSDP_TP),
     "dp_fsdp_tp_bf16": Strategy(_bf16, _DFT, _FSDP_TP),
-    # Lockstep FLOPs: the head sits on the last stage, 7.7 % of a 2-layer stage's
-    # matmuls (15.4 % of an interleaved 1-layer chunk's). Interleaved splits its last
-    # p - 1 last-stage backwards into the last device's closing idle ticks, which takes
-    # part of that off; zero-bubble's ticks also pair an input half (the attention's
-    # activation gradients: 8 % over a forward) with others' forwards and weight
-    # halves, and lockstep charges the input half. Wire: a tick sends from the devices
-    # with something due only, so every pipeline moves the least (3d's excess is its
-    # tensor sums).
     "pp_gpipe": _pp("gpipe", 1.01, 1.05, contract={"temp_growth_min": 0.10}),
     "pp_1f1b": _pp("1f1b", 1.01, 1.05, contract={**_FLAT, "step_ratio_max": 1.0}, remat_sweep=True),
     "pp_interleaved": _pp("interleaved", 1.01, 1.05, chunks=2, contract={**_FLAT, "step_ratio_max": 1.05}),
-    # Zero-bubble's backward is split (`pipeline._split_backward`): its halves share
-    # one forward, and neither re-runs it; its CPU step time is recorded, not held.
     "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
     "cp": Strategy(_context, _CP, {"contract": _CP_RING}),
     "cp_allgather": Strategy(_context, _CP, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
     "cp_ulysses": Strategy(_context, _CP, {"context_attention": "ulysses", "contract": _CP_ULYSSES}),
-    "cp_tp": Strategy(
-        _context, _CP_TP, {"rules": _workload.TENSOR_RULES, "sequence_parallel": True, "contract": _CP_RING}
-    ),
+    "cp_tp": Strategy(_context, _CP_TP, {**_TP_SEQ, "contract": _CP_RING}),
     "ep": Strategy(_expert, {"expert": 4, "data": 2}, {"rules": eqxpar.rules.EXPERT, "contract": _EP}),
-    "ep_tp": Strategy(
-        _expert,
-        {"expert": 2, "data": 2, "tensor": 2},
-        {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP},
-    ),
-    # 3D splits the vocabulary over `tensor` too (`_workload.TENSOR_VOCAB_RULES`):
-    # whole, the head is 15.4 % of the last stage's tensor-split matmuls, and every
-    # tick that stage runs costs that much more (FLOPs 1.095x; split, 1.029x, for
-    # activation sums of the embedding and head: wire 1.088 -> 1.095x).
+    "ep_tp": Strategy(_expert, _EP_TP, {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP}),
+    # 3D splits the vocabulary over `tensor` too (`_workload.TENSOR_VOCAB_RULES`).
     "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
 }

@@ -1,6 +1,4 @@
-"""The benchmark workload (benchmarks/README.md): `eqxpar.models.GPT` configured as a
-GPT-2-style decoder. It is the one model every record runs; a pipeline record only
-reorders its stacked blocks (`pipeline_model`)."""
+"""The benchmark workload, `eqxpar.models.GPT` configured GPT-2 style (benchmarks/README.md)."""
 
 import dataclasses
 
@@ -31,8 +29,7 @@ class Config:
     batch: int = 32
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
-    #: Mixture of experts (the `ep` records): every `moe_every`-th block routes each
-    #: token to `top_k` of `experts` expert MLPs of `mlp` hidden features. 0: dense.
+    #: Mixture of experts (the `ep` records): every `moe_every`-th block, `top_k` of `experts`. 0: dense.
     moe_every: int = 0
     experts: int = 0
     top_k: int = 2
@@ -42,27 +39,11 @@ CONFIG = Config()
 
 
 def gpt_config(cfg: Config = CONFIG) -> GPTConfig:
-    """GPT-2 style: learned positions, fused QKV with biases, LayerNorm, GELU, an
-    untied head, dense causal attention."""
-    return GPTConfig(
-        vocab_size=cfg.vocab,
-        d_model=cfg.d_model,
-        num_heads=cfg.heads,
-        num_layers=cfg.layers,
-        d_hidden=cfg.mlp,
-        max_seq_len=cfg.seq_len,
-        activation="gelu",
-        norm="layer",
-        tied=False,
-        rotary=False,
-        learned_positions=True,
-        use_bias=True,
-        fused_qkv=True,
-        attention="dense",
-        moe_every=cfg.moe_every,
-        experts=cfg.experts,
-        top_k=cfg.top_k,
-    )
+    """GPT-2 style: learned positions, fused QKV with biases, LayerNorm, GELU, untied head, dense."""
+    sizes = dict(vocab_size=cfg.vocab, d_model=cfg.d_model, num_heads=cfg.heads, num_layers=cfg.layers)
+    sizes |= dict(d_hidden=cfg.mlp, max_seq_len=cfg.seq_len, moe_every=cfg.moe_every, experts=cfg.experts)
+    style = dict(activation="gelu", norm="layer", tied=False, rotary=False, learned_positions=True)
+    return GPTConfig(**sizes, **style, use_bias=True, fused_qkv=True, attention="dense", top_k=cfg.top_k)
 
 
 def make_model(cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> GPT:
@@ -84,24 +65,20 @@ loss_fn = lm_loss
 #: The same loss in the three parts a pipeline runs.
 PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
 
-#: Megatron tensor parallelism with the vocabulary whole: with 512 ids, splitting
-#: the embedding and head would cost more activation traffic than it saves.
+#: Megatron tensor parallelism with the vocabulary whole (512 ids: splitting costs more than it saves).
 TENSOR_RULES = eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"})
 
 
 def _experts_only(leaf: eqxpar.rules.Leaf) -> P | None:
-    # The stacked experts of MoE blocks: split over `expert` alone, their hidden
-    # features whole (`TENSOR_RULES` would split them, by their "mlp" name).
+    # MoE blocks' stacked experts over `expert` alone (`TENSOR_RULES` would split their "mlp").
     if leaf.axes is None or "experts" not in leaf.axes:
         return None
     return P(*("expert" if a == "experts" else None for a in leaf.axes))
 
 
-#: Expert parallelism beside tensor parallelism: the experts over `expert`, the
-#: attention heads and the dense blocks' MLPs over `tensor`.
+#: Expert parallelism beside tensor parallelism: the experts over `expert`, the rest as `TENSOR_RULES`.
 EXPERT_TENSOR_RULES = (eqxpar.rules.Policy(_experts_only), TENSOR_RULES)
-#: `TENSOR_RULES` with the vocabulary split too: a pipeline's 3D record, whose
-#: last stage would otherwise run the whole head beside half a stage's layers.
+#: `TENSOR_RULES` with the vocabulary split too: the 3D record (else its last stage runs the whole head).
 TENSOR_VOCAB_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "vocab": "tensor"})
 #: `TENSOR_RULES` plus the model dimension of every weight split over `fsdp`.
 TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed": "fsdp"})
@@ -109,8 +86,7 @@ TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed":
 
 @eqx.filter_jit
 def pipeline_model(model: GPT, *, stages: int = 1, chunks: int = 1) -> GPT:
-    """`model` with its blocks in the pipeline order of `stages` x `chunks`. Only moves
-    arrays, so it also maps the model's gradients."""
+    """`model`'s blocks in the pipeline order of `stages` x `chunks` (moves arrays: maps gradients too)."""
     order = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=stages, chunks=chunks)
     return eqx.tree_at(lambda m: m.blocks, model, order)
 
@@ -121,8 +97,7 @@ def make_batches(n: int, cfg: Config = CONFIG) -> list[Batch]:
     return [jax.random.randint(k, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab) for k in keys]
 
 
-#: AdamW's first-moment decay, named: the harness reads the first step's gradients
-#: back from the first moment (`_measure.adam_gradients`).
+#: AdamW's first-moment decay: the harness reads the first gradients from it (`_measure.adam_gradients`).
 ADAM_B1 = 0.9
 
 

@@ -1,9 +1,6 @@
-"""The plan advisor against measurements (BENCHMARKS.md, "Plan advisor", says what each
-table holds): every benchmarked plan's and every plan the advisor ranks for the demo's
-GPT (dense and with experts) predicted beside its compiled step (never run), and the
-advisor's ranking for the workload at 8, 64 and 512 devices (predicted only above 8).
+"""The plan advisor against measurements (BENCHMARKS.md, "Plan advisor", says what each table holds).
 
-    python -m benchmarks.advise --json benchmarks/results/advise.json [--markdown BENCHMARKS.md]
+python -m benchmarks.advise --json benchmarks/results/advise.json [--markdown BENCHMARKS.md]
 """
 
 import argparse
@@ -51,9 +48,8 @@ def compare(name: str) -> dict:
     model, batch = setup.convert(model), _workload.make_batches(1, cfg)[0]
     state = eqxpar.train.init(model, optim, setup.plan, key=jax.random.key(0))
     start = time.perf_counter()
-    compiled = setup.step.lower(state, eqxpar.shard_batch(batch, setup.plan)).compile(
-        compiler_options=MEMORY_ONLY
-    )
+    lowered = setup.step.lower(state, eqxpar.shard_batch(batch, setup.plan))
+    compiled = lowered.compile(compiler_options=MEMORY_ONLY)
     memory, stats = eqxpar.inspect.memory_report(compiled), eqxpar.inspect.collective_stats(compiled)
     shapes, tokens = outline(model), outline(batch)
     is_param = lambda x: isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
@@ -82,9 +78,7 @@ def _check_every(advice, label: str) -> list[dict]:
 
 
 def demo(*, moe: bool = False) -> list[dict]:
-    """Every candidate the advisor ranks for `examples/demo.py`'s GPT (its default flags,
-    8 devices, the "cpu" profile): `examples/demo.py --advise`, or with `moe` every
-    second block a dropless mixture of 8 experts (top 2), built as the demo builds its GPT."""
+    """Every candidate the advisor ranks for `examples/demo.py`'s GPT (with `moe`, MoE every second block)."""
     sys.path.insert(0, str(EXAMPLES))
     import demo as script
 
@@ -126,8 +120,7 @@ def _err(r: dict, what: str) -> str:
 
 
 def _table(records: list[dict], name: str, head: tuple, first) -> str:
-    """Each record's predicted / measured bytes after its cells `first(record)` under
-    `head`, and the records outside the tolerance by `name`."""
+    """Each record's cells `first(record)` and predicted / measured bytes, and those outside the tolerance."""
     rows = [[*first(r), *(_err(r, w) for w in MEASURES)] for r in records]
     bad = {w: [r[name] for r in records if abs(r[w]["error"]) > TOLERANCE] for w in MEASURES}
     outside = "; ".join(f"{w}: {', '.join(v) or 'none'}" for w, v in bad.items())
@@ -146,20 +139,11 @@ def markdown(data: dict) -> str:
     ]
     head = ("#", "plan", "memory / device", "wire bytes / device", "step (predicted)")
     for rank in data["rankings"]:
-        rows = [
-            [
-                str(i),
-                r["plan"],
-                f"{r['memory_bytes']:,}",
-                f"{r['wire_bytes']:,}",
-                f"{r['step_time_s'] * 1e3:.3g} ms",
-            ]
-            for i, r in enumerate(rank["top"])
-        ]
+        cells = lambda r: [r["plan"], f"{r['memory_bytes']:,}", f"{r['wire_bytes']:,}"]  # noqa: E731
+        rows = [[str(i), *cells(r), f"{r['step_time_s'] * 1e3:.3g} ms"] for i, r in enumerate(rank["top"])]
         title = f"{rank['devices']} devices (batch {rank['batch']}, {rank['candidates']} plans fit; top {len(rows)})"
-        parts.append(
-            f"#### The advisor's ranking for the workload: {title}\n\n{report.markdown_table(head, rows)}"
-        )
+        table = report.markdown_table(head, rows)
+        parts.append(f"#### The advisor's ranking for the workload: {title}\n\n{table}")
     return "\n\n".join(parts)
 
 

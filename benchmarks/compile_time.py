@@ -1,11 +1,6 @@
-"""Compile time of the workload's scanned stack against its depth.
+"""Compile time of the workload's scanned stack against its depth (benchmarks/README.md).
 
-`eqxpar.nn.Stacked` runs its blocks with `lax.scan`, so the compiled program holds
-one block whatever the depth and compile time should stay flat: the workload's train
-step (data 8, AdamW) compiled for 4 and 32 blocks, and with `--unrolled` for a loss
-that calls the same blocks one by one in a Python loop.
-
-    python -m benchmarks.compile_time --json benchmarks/results/compile_time.json [--unrolled]
+python -m benchmarks.compile_time --json benchmarks/results/compile_time.json [--unrolled]
 """
 
 import argparse

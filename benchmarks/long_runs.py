@@ -1,9 +1,5 @@
-"""Long-run figures (BENCHMARKS.md, "Long runs"), each from the script that measures it:
-a token file larger than memory read under `data=8` by 1 process and by 2 x 4
-(`examples/token_file.py --measure`: tokens/s and resident memory per process, and
-whether both layouts made the same global batches), and a train step with an
-asynchronous checkpoint save in flight against one without, in one process
-(`tests/_long_run_script.py --measure-async-save`).
+"""Long-run figures (BENCHMARKS.md, "Long runs"), each from the script that measures it
+(`examples/token_file.py --measure`, `tests/_long_run_script.py --measure-async-save`).
 
     python -m benchmarks.long_runs --token-file /tmp/tokens.bin --json benchmarks/results/quick.json
 """
@@ -37,8 +33,7 @@ def _run(command: list[str]) -> str:
 
 
 def read_token_file(path: pathlib.Path, *, steps: int, layout: str, hashes: pathlib.Path) -> list[dict]:
-    """Each process's figures reading `steps` global batches of 256 x 1024 tokens from a
-    cold page cache, `layout` "1x8" or "2x4"."""
+    """Each process's figures reading `steps` batches of 256 x 1024 tokens cold, `layout` "1x8" or "2x4"."""
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: nothing of the file cached
     os.close(fd)
@@ -62,46 +57,20 @@ def main() -> None:
     parser.add_argument("--json", type=pathlib.Path, required=True, help="the JSON to record into")
     args = parser.parse_args()
     if not args.token_file.exists():
-        _run(
-            [
-                sys.executable,
-                "examples/token_file.py",
-                "--make-file",
-                str(args.token_file),
-                "--gb",
-                str(args.gb),
-            ]
-        )
+        make = ["examples/token_file.py", "--make-file", str(args.token_file), "--gb", str(args.gb)]
+        _run([sys.executable, *make])
     record = {"command": "python -m " + " ".join(["benchmarks.long_runs", *sys.argv[1:]])}
     record["token_file_bytes"] = args.token_file.stat().st_size
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in ("1x8", "2x4"):
-            hashes = pathlib.Path(tmp, layout)
-            record[f"read_{layout}"] = read_token_file(
-                args.token_file, steps=args.steps, layout=layout, hashes=hashes
-            )
-        record["same_global_batches"] = (
-            pathlib.Path(tmp, "1x8").read_text() == pathlib.Path(tmp, "2x4").read_text()
-        )
-    out = _run(
-        [
-            sys.executable,
-            "tests/_long_run_script.py",
-            "--measure-async-save",
-            "--width",
-            "1024",
-            "--repeats",
-            "40",
-        ]
-    )
-    busy, quiet, ratio = re.search(
-        r"median step ([\d.]+) ms .* ([\d.]+) ms without; ratio ([\d.]+)", out
-    ).groups()
-    record["async_save"] = {
-        "step_ms_save_in_flight": float(busy),
-        "step_ms": float(quiet),
-        "ratio": float(ratio),
-    }
+        hashes = {layout: pathlib.Path(tmp, layout) for layout in ("1x8", "2x4")}
+        for k, path in hashes.items():
+            record[f"read_{k}"] = read_token_file(args.token_file, steps=args.steps, layout=k, hashes=path)
+        record["same_global_batches"] = hashes["1x8"].read_text() == hashes["2x4"].read_text()
+    save = ["tests/_long_run_script.py", "--measure-async-save", "--width", "1024", "--repeats", "40"]
+    out = _run([sys.executable, *save])
+    found = re.search(r"median step ([\d.]+) ms .* ([\d.]+) ms without; ratio ([\d.]+)", out)
+    busy, quiet, ratio = map(float, found.groups())
+    record["async_save"] = {"step_ms_save_in_flight": busy, "step_ms": quiet, "ratio": ratio}
     print(json.dumps(record, indent=1))
     data = json.loads(args.json.read_text()) if args.json.exists() else {}
     args.json.write_text(json.dumps({**data, "long_runs": record}, indent=2) + "\n")

@@ -40,8 +40,7 @@ def timed(fn: Callable, *args: Any, reps: int) -> float:
 
 
 def weighted_sum(fn: Callable, ct: Any) -> Callable:
-    """`(*args, **kw) -> sum(fn(*args, **kw) * ct)` in float32: a scalar whose
-    gradient pulls the cotangent `ct` back through `fn`."""
+    """`sum(fn(*args, **kw) * ct)` in float32: its gradient pulls the cotangent `ct` back through `fn`."""
     return lambda *a, **kw: jnp.sum(fn(*a, **kw).astype(jnp.float32) * jnp.asarray(ct, jnp.float32))
 
 
@@ -57,8 +56,7 @@ def _row(section: str, rows: list, **row: Any) -> Iterator[dict]:
 
 
 def rates(quick: bool, reps: int) -> dict:
-    """Dense matmul FLOP/s in bf16 and float32 (XLA's default precision) and the copy
-    bandwidth (bytes read + written per second) of `2 * x` on a large array."""
+    """Dense matmul FLOP/s in bf16 and float32, and the copy (`2 * x`) and read (`sum`) bandwidths."""
     n = 2048 if quick else 8192
     out: dict[str, Any] = {"matmul_n": n}
     for name, dtype in (("bf16", jnp.bfloat16), ("f32", jnp.float32)):
@@ -74,15 +72,12 @@ def rates(quick: bool, reps: int) -> dict:
 
 
 def attention(quick: bool, reps: int) -> dict:
-    """Causal attention, batch 1, 8 heads, head dim 64: for each path and sequence,
-    forward and forward + backward time, temp bytes of forward + backward, and
-    the largest difference of the output from the blockwise path's."""
+    """Causal attention per path and sequence: times, temp bytes, difference from blockwise's output."""
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     seqs = [1024, 4096] if quick else ([4096, 8192, 16384, 32768] if on_gpu else [1024, 4096, 16384])
-    # XLA's dense path holds (heads x seq x seq) scores: run up to 16k on GPU (at 32k
-    # its backward needs 96 GiB); on CPU every path runs up to 4k, longer sequences
-    # are compiled for their memory only (seconds per call).
+    # XLA's dense path holds (heads x seq x seq) scores (96 GiB at 32k): longer
+    # sequences are compiled for their memory only.
     dense_max, any_max = (16384, 32768) if on_gpu else (4096, 4096)
     dot = functools.partial(jax.nn.dot_product_attention, is_causal=True)
     paths = {"blockwise": functools.partial(nn.blockwise_attention, causal=True, block_size=512)}
@@ -112,11 +107,7 @@ def attention(quick: bool, reps: int) -> dict:
 
 
 def grouped_matmul(quick: bool, reps: int) -> dict:
-    """Routed tokens (tokens x top-k rows, sorted by expert) times per-expert weights
-    `(experts, d, hidden)`: `lax.ragged_dot` on the exact groups (dropless), every
-    expert on every row with a mask (the dense loop), and capacity-padded batches of
-    1.25 x the mean group (what capacity dispatch computes); balanced routing, and
-    for ragged_dot also every row on one expert."""
+    """Routed rows times per-expert weights: `lax.ragged_dot`, a masked dense loop and capacity padding."""
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     # XLA:CPU runs ragged_dot as a loop (tens of seconds at the GPU's size): CPU sizes are small.
     small = quick or jax.default_backend() != "gpu"
@@ -134,8 +125,7 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
         return sum(masked, jnp.zeros((rows_n, hidden), dtype))
 
     def padded(x, w, group_sizes):
-        # The rows laid out as `experts` buffers of `capacity` (the layout, not the
-        # dispatch, is what is timed: the compute of capacity-based routing).
+        # The rows laid out as `experts` buffers of `capacity`: the compute, not the dispatch.
         xp = jnp.pad(x, ((0, experts * capacity - rows_n), (0, 0)))
         return jnp.einsum("ecd,edh->ech", xp.reshape(experts, capacity, d), w)
 
@@ -155,17 +145,13 @@ def grouped_matmul(quick: bool, reps: int) -> dict:
 
 
 _WIDE = dataclasses.replace(_workload.CONFIG, d_model=1024, heads=16, mlp=4096, seq_len=1024)
-#: The stages timed, `(config, micro-batch, unrolled)`: the workload's pipeline stage (pipe 4 of
-#: its 8-layer variant) and a wider one, each also unrolled and as a chunk of one block (what
-#: interleaved, ZB-V and DualPipeV run per action; BENCHMARKS.md, "A pipeline stage's actions").
+#: The stages timed, `(config, micro-batch, unrolled)` (BENCHMARKS.md, "A pipeline stage's actions").
 STAGES = {
     name + kind: (dataclasses.replace(cfg, layers=1 if kind == "_chunk" else 2), micro, kind == "_unrolled")
     for name, cfg, micro in (("workload", _workload.CONFIG, 1), ("wide", _WIDE, 4))
     for kind in ("", "_unrolled", "_chunk")
 }
-#: A stage's actions: F forward, F_keep keeping its residuals, B backward from them, I and W the
-#: input and weight gradients alone (two pull-backs: W re-runs the chain of activation
-#: cotangents), I_split and W_split the engine's zero-bubble halves, B_recompute F then B.
+#: A stage's actions (benchmarks/README.md, "One device").
 ACTIONS = ("F", "F_keep", "B", "I", "W", "I_split", "W_split", "B_recompute")
 
 
@@ -204,10 +190,7 @@ def _stage_actions(cfg: _workload.Config, micro: int, reps: int, *, unrolled: bo
 
 
 def attention_agreement(quick: bool, reps: int) -> dict:
-    """`nn.Attention`'s paths `auto` (cuDNN on GPU in bf16) and `blockwise` against its dense
-    path, plain, with segment ids (two packed sequences) and with attention dropout (the same
-    key): `_measure.norm_rel_err` of the output and of the gradients (inputs and weights).
-    Also the blockwise path's fwd+bwd time against its key block size."""
+    """`nn.Attention`'s `auto` and `blockwise` paths against dense; blockwise's time by block size."""
 
     def grads_and_output(path: str, dtype: Any, dropout: float, x: jax.Array, ct: jax.Array, kw: dict):
         layer = nn.Attention(512, 8, attention=path, dropout=dropout, key=jax.random.key(0))
@@ -241,9 +224,8 @@ def attention_agreement(quick: bool, reps: int) -> dict:
 SECTIONS = {f.__name__: f for f in (rates, attention, grouped_matmul, stage_actions, attention_agreement)}
 BEGIN = "<!-- one-device tables (python -m benchmarks.one_device --render): edit the prose outside them -->"
 END = "<!-- end of one-device tables -->"
-#: Section -> "table title|column|...": a column is `title=cell`, or `cell` where its title is
-#: its key; a cell `key` is the row's value as it is, `key:spec` the value formatted by `spec`
-#: (a format spec, or a unit of `_UNITS`: scaled, then formatted), "-" where the row has none.
+#: Section -> "title|column|...": a column is `title=key:spec` (`title=` and `:spec`, a format or a
+#: unit of `_UNITS`, optional), "-" where the row has no value.
 TABLES = {
     "rates": "Rates|matmul bf16 TFLOP/s=matmul_bf16_tflops:.1f|matmul f32 TFLOP/s=matmul_f32_tflops:.1f"
     "|copy GB/s (read + write)=copy_gbytes_per_s:.0f|sum GB/s (read)=read_gbytes_per_s:.0f",

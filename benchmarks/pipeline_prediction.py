@@ -1,10 +1,7 @@
-"""Predicted pipeline step times from one stage's measured per-action times.
+"""Predicted pipeline step times from one stage's measured per-action times (benchmarks/README.md).
 
-CPU-only, seconds; benchmarks/README.md says how, BENCHMARKS.md ("Predicted pipeline step")
-reads them.
-
-    python -m benchmarks.pipeline_prediction [--json benchmarks/results/pipeline_prediction.json]
-                                             [--markdown BENCHMARKS.md]
+python -m benchmarks.pipeline_prediction [--json benchmarks/results/pipeline_prediction.json]
+                                         [--markdown BENCHMARKS.md]
 """
 
 import argparse
@@ -19,8 +16,7 @@ from eqxpar.pipeline import Schedule, Simulation, schedule, simulate
 from . import report
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-#: (results file, label). The H100's file (`one_device_gpu.json`) was measured before
-#: the engine split its backward for zero-bubble, so it has no `I_split`/`W_split`.
+#: (results file, label). The H100's file predates the split backward (no `I_split`/`W_split`).
 SOURCES = (("one_device_h200.json", "H200"), ("one_device_cpu.json", "CPU"))
 STAGES = (4, 8)
 #: (schedule name, chunks, column title).
@@ -39,17 +35,15 @@ ASSUMPTIONS = {
     },
     "sources": {label: f"results/{name}" for name, label in SOURCES},
 }
-#: The stages a pipeline record's prediction is made from: the benchmark workload's
-#: own (2 blocks, one sequence per micro-batch; launch-bound on a GPU), and the wide
-#: one unrolled (compute-bound; its chunk, one block, runs in no loop either).
+#: The stages a pipeline record's prediction is made from: the workload's (launch-bound on a
+#: GPU) and the wide one unrolled (compute-bound; its one-block chunk runs in no loop either).
 RECORD_STAGES = ("workload", "wide_unrolled")
 BEGIN = "<!-- pipeline prediction table (python -m benchmarks.pipeline_prediction --markdown): edit the prose outside it -->"
 END = "<!-- end of pipeline prediction table -->"
 
 
 def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
-    """Per-action times of one whole stage under an engine model (`ASSUMPTIONS["models"]`;
-    with residuals kept, I and W are the engine's split backward's halves where measured)."""
+    """Per-action times of one whole stage under an engine model (`ASSUMPTIONS["models"]`)."""
     if model == "recompute":
         f = seconds["F"]
         return {"F": f, "B": seconds["B_recompute"], "I": seconds["I"] + f, "W": seconds["W"] + f}
@@ -58,8 +52,7 @@ def engine_costs(seconds: dict[str, float], model: str) -> dict[str, float]:
 
 
 def simulated(measured: dict, stage: str, model: str, table: Schedule) -> Simulation:
-    """`table` at the measured `stage`'s costs; a chunk's (`ASSUMPTIONS["chunk_cost"]`) are its
-    one-block chunk's (its block runs in no loop, whether the stage's are scanned or not)."""
+    """`table` at the measured `stage`'s costs (a chunk's: `ASSUMPTIONS["chunk_cost"]`)."""
     costs, n = engine_costs(measured[stage]["seconds"], model), table.chunks
     chunk = measured.get(f"{stage.removesuffix('_unrolled')}_chunk", {})
     if n > 1 and "seconds" in chunk and chunk["config"]["layers"] * n == measured[stage]["config"]["layers"]:
@@ -70,11 +63,7 @@ def simulated(measured: dict, stage: str, model: str, table: Schedule) -> Simula
 
 
 def speedup_over_gpipe(name: str, *, stages: int, microbatches: int, chunks: int) -> dict[str, dict]:
-    """What a pipeline record states of its schedule: per source and per stage of
-    `RECORD_STAGES` it measured, the predicted speed-up over GPipe (free-running and
-    lockstep) of `name` at this size, with residuals kept (the records'
-    `remat="none"`). The ratio depends on the actions' relative times only, so a
-    tensor-split stage (3d) takes them too."""
+    """Per source and stage of `RECORD_STAGES`, `name`'s predicted speed-up over GPipe, residuals kept."""
     out = {}
     for file, label in SOURCES:
         measured = json.loads((RESULTS / file).read_text())["stage_actions"]
@@ -111,8 +100,7 @@ def predict(sources: Sequence[tuple[str, dict]]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table: per (device, stage, model, p) GPipe's predicted step and every
-    schedule's speed-up over it, free-running / lockstep."""
+    """Per (device, stage, model, p) GPipe's predicted step and every schedule's speed-up over it."""
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         groups.setdefault((r["device"], r["stage"], r["model"], r["stages"]), {})[r["schedule"]] = r

@@ -1,8 +1,6 @@
 """PNGs of the benchmark JSONs. Imports no jax; needs matplotlib (`pip install -e .[examples]`).
 
-    python -m benchmarks.plots [--json benchmarks/results/quick.json] [--out benchmarks/results]
-
-draws `PLOTS` of `benchmarks.run`'s records; `plot_sweep` draws `benchmarks.scaling`'s.
+python -m benchmarks.plots [--json benchmarks/results/quick.json] [--out benchmarks/results]
 """
 
 import argparse
@@ -16,8 +14,7 @@ from .report import MB, MiB, ratio
 
 
 def figure(*, ncols: int = 1, size: tuple[float, float] = (8.0, 4.5)) -> tuple[Any, list]:
-    """A matplotlib `Figure` with `ncols` axes, built without pyplot: no global backend is
-    chosen (no GUI, nothing for `filterwarnings = error` to trip over); `savefig` uses Agg."""
+    """A matplotlib `Figure` with `ncols` axes, without pyplot (no global backend; `savefig` uses Agg)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -105,8 +102,7 @@ PLOTS = {"comm.png": plot_comm, "step_ratio.png": plot_step_ratio}
 PLOTS["pipeline_memory.png"] = plot_pipeline_memory
 # DP's and FSDP's wire bytes coincide: the larger marker under the smaller keeps both visible.
 _STYLES = {"dp": ("tab:blue", "o", 9), "fsdp_manual": ("tab:orange", "s", 5), "tp": ("tab:green", "^", 6)}
-#: (field, axis index, line, unit, label suffix, keywords: else the strategy's marker) of
-#: the sweep plot's lines.
+#: The sweep plot's lines: (field, axis, line, unit, label suffix, keywords: else the strategy's marker).
 _LINES = (
     ("mem_argument_bytes", 0, "-", MiB, ": arguments", None),
     ("mem_temp_bytes", 0, "--", MiB, ": temp", None),
@@ -118,8 +114,7 @@ _LINES = (
 
 
 def plot_sweep(records: Sequence[dict], path: pathlib.Path, *, x: str, xlabel: str, title: str) -> bool:
-    """A scaling sweep against `x` (log 2): per-device memory, wire bytes beside the
-    minimum (and `jax.jit`'s), and the step-time ratio, one colour per strategy."""
+    """A scaling sweep against `x` (log 2): memory, wire bytes beside the minimum, and the step-time ratio."""
     if not records:
         return False
     fig, axes = figure(ncols=3, size=(15.0, 4.6))

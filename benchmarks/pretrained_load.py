@@ -3,12 +3,9 @@
     python benchmarks/pretrained_load.py --write /tmp/big-llama
     python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py --load /tmp/big-llama
 
-`--write` writes a Llama-shaped float32 checkpoint of over 1 GB; `--load` loads it under
-`fsdp=8` as 2 processes x 4 devices. Each process prints its resident memory before the load,
-its peak during it (VmHWM), the peak's growth, and what a sharded load needs at least: its
-half of the model (its 4 devices' shards, in host memory on the CPU backend) plus the largest
-tensor (the biggest block read at once: each read maps its file and unmaps it after). It fails
-if a process's peak grew by the whole model, or its anonymous memory by twice its shards.
+`--write` writes a Llama-shaped float32 checkpoint of over 1 GB; `--load` loads it under `fsdp=8` as
+2 processes x 4 devices, and fails if a process's peak grew by the whole model, or its anonymous
+memory by twice its shards (benchmarks/README.md says what each process prints).
 """
 
 import argparse
@@ -37,8 +34,7 @@ def _tensor_bytes(directory: pathlib.Path) -> list[int]:
 
 
 def write(directory: pathlib.Path) -> None:
-    # The library's public writer (one tensor at a time), not its private `_hf_*` helpers, on a
-    # model built in memory: 1.1 GB, room enough on any host that runs the load.
+    # The library's public writer (one tensor at a time) on a model built in memory.
     import jax
 
     from eqxpar.models import GPT, GPTConfig, save_pretrained
@@ -83,8 +79,7 @@ def load(directory: pathlib.Path, json_path: pathlib.Path | None) -> None:
 
 
 def _record(path: pathlib.Path, mine: list[int], *, total: int, largest: int) -> None:
-    """Every process's figures, written by process 0 into the benchmark JSON (key
-    "pretrained_load"; the records `benchmarks.run` writes stay as they are)."""
+    """Every process's figures, written by process 0 into the benchmark JSON (key "pretrained_load")."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -94,26 +89,20 @@ def _record(path: pathlib.Path, mine: list[int], *, total: int, largest: int) ->
         return
     data = json.loads(path.read_text()) if path.exists() else {}
     command = "python -m eqxpar.launch -n 2 --devices-per-process 4 benchmarks/pretrained_load.py"
-    data["pretrained_load"] = {
-        "command": f"{command} --load DIR --json {path}",
-        "model_bytes": total,
-        "largest_tensor_bytes": largest,
-        "processes": [
-            {"rss_before": int(b), "peak": int(p), "growth": int(p - b), "anonymous_after": int(a)}
-            | {
-                "shards": int(s),
-                "growth_over_shards_plus_largest": round(float(p - b) / float(s + largest), 3),
-            }
-            for b, p, a, s in rows
-        ],
-    }
+    fields = ("rss_before", "peak", "growth", "anonymous_after", "shards")
+    processes = [
+        dict(zip(fields, map(int, (b, p, p - b, a, s)), strict=True))
+        | {"growth_over_shards_plus_largest": round(float(p - b) / float(s + largest), 3)}
+        for b, p, a, s in rows
+    ]
+    data["pretrained_load"] = {"command": f"{command} --load DIR --json {path}", "model_bytes": total}
+    data["pretrained_load"] |= {"largest_tensor_bytes": largest, "processes": processes}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", type=pathlib.Path)
     group.add_argument("--load", type=pathlib.Path)

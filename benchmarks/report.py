@@ -1,6 +1,5 @@
-"""Markdown tables of a benchmark JSON (from `benchmarks.run`), and `splice`, which puts
-generated tables between markers in a hand-written page (BENCHMARKS.md,
-benchmarks/SCALING.md) and leaves its prose alone. Imports no jax.
+"""Markdown tables of a benchmark JSON (from `benchmarks.run`), and `splice`, which writes
+tables between markers in a hand-written page and leaves its prose alone. Imports no jax.
 
     python -m benchmarks.report benchmarks/results/quick.json BENCHMARKS.md
 """
@@ -33,8 +32,7 @@ def mesh(axes: dict[str, int]) -> str:
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, rule: str = "---|") -> str:
-    """`rule`: a column's cell of the line under the header (the one-device and pipeline
-    prediction tables write " --- |")."""
+    """A Markdown table; `rule`: each column's cell of the line under the header."""
     lines = ["| " + " | ".join(columns) + " |", "|" + rule * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(map(str, cells)) + " |" for cells in rows])
 
@@ -129,8 +127,7 @@ def render(data: dict[str, Any]) -> str:
 
 
 def splice(path: pathlib.Path, tables: str, *, begin: str = BEGIN, end: str = END) -> None:
-    """Write `tables` between `begin` and `end` in `path`, keeping the text around them
-    (markers appended to a page that has none; the file created if missing)."""
+    """Write `tables` between `begin` and `end` in `path` (appended if missing), keeping the rest."""
     text = path.read_text() if path.exists() else ""
     if begin not in text or end not in text:
         text = text + ("\n" if text else "") + f"{begin}\n{end}\n"

@@ -26,9 +26,8 @@ QUICK, FULL = (1, 2), (5, 30)
 
 
 class References:
-    """Single-device runs of the workload, cached for the records of a process:
-    `run(cfg, loss_fn, steps)` is the loss and gradients on the first batch, and the
-    parameters and last loss after `steps` steps of `_strategies.single_device`."""
+    """Single-device runs, cached: `run(cfg, loss_fn, steps)` is the first batch's loss and
+    gradients, and the parameters and last loss after `steps` steps."""
 
     def __init__(self, optim: Any, steps: int):
         self.optim = optim
@@ -45,9 +44,7 @@ class References:
         return (*first, step.params, losses[-1])
 
     def parity(self, setup: Any, runner: EqxparRunner, cfg: _workload.Config) -> dict:
-        """The loss and gradients of the step's first call against one device at the same
-        weights and batch (mapped by `setup.convert`), and the trajectory after the same
-        steps (README.md, "What a record holds")."""
+        """The step's first loss and gradients, and its trajectory, against one device (README.md)."""
         ref_loss, ref_grads, ref_params, ref_last_loss = self.run(cfg, setup.reference_loss_fn, runner.done)
         convert = lambda tree: eqx.filter(setup.convert(tree), eqx.is_inexact_array)  # noqa: E731
         ref_grads, ref_params = convert(ref_grads), convert(ref_params)
@@ -83,8 +80,7 @@ def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> 
         "mesh": {k: int(v) for k, v in setup.plan.mesh.shape.items() if v > 1},
         "baseline": setup.baseline_name if base else None,
         "step_time_s": median["eqxpar"],
-        # On simulated CPU devices a step faults in its temporary memory anew on
-        # every run (BENCHMARKS.md): these say how much of a step time that is.
+        # Simulated CPU devices fault in their temp memory on every step (BENCHMARKS.md).
         "step_minor_faults": steps["eqxpar"]["step_minor_faults"],
         "step_system_cpu_s": steps["eqxpar"]["step_system_cpu_s"],
         "baseline_step_time_s": median.get("baseline"),
@@ -104,8 +100,7 @@ def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> 
 
 
 def _merged(old: dict, new: dict) -> dict:
-    """`old`'s JSON with `new`'s records (an --only run) in the registry's order;
-    `updates` says which command measured which records."""
+    """`old`'s JSON with `new`'s records (an --only run) in the registry's order, and its `updates`."""
     records = {r["strategy"]: r for r in old["records"]} | {r["strategy"]: r for r in new["records"]}
     update = {"command": new["command"], "records": [r["strategy"] for r in new["records"]]}
     # An earlier update whose records were all measured again says nothing any more.

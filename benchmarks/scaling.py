@@ -2,10 +2,6 @@
 
     python -m benchmarks.scaling --json benchmarks/results/scaling.json \
         [--png-dir benchmarks/results] [--markdown benchmarks/SCALING.md] [--quick]
-
-The strategies are the registry's on the sweep's mesh and width. Simulated devices
-share the host's cores, so more devices is no speed-up: each step time is a ratio to
-a reference timed in the same process, step by step.
 """
 
 import dataclasses
@@ -25,8 +21,7 @@ from . import _measure, _workload, plots, report
 from ._strategies import STRATEGIES, single_device
 
 # (warm-up steps, timed steps) per side; the first warm-up step compiles.
-QUICK = (2, 3)
-FULL = (3, 10)
+QUICK, FULL = (2, 3), (3, 10)
 #: strategy -> the meshes of the devices sweep (tp: tensor divides the 4 heads).
 DEVICE_SWEEP = {
     "dp": tuple({"data": n} for n in (1, 2, 4, 8)),
@@ -36,8 +31,7 @@ DEVICE_SWEEP = {
 #: strategy -> its mesh in the width sweep (8 devices each).
 WIDTH_MESH = {"dp": {"data": 8}, "fsdp_manual": {"fsdp": 8}, "tp": {"data": 2, "tensor": 4}}
 WIDTHS = (128, 256, 512)
-#: The width sweep under `--quick`: GSPMD's TP baseline recompiles for a minute per
-#: width on 2 cores (it reshuffles the heads of the fused QKV weight).
+#: The width sweep under `--quick`: GSPMD's TP baseline recompiles for a minute per width.
 WIDTH_QUICK = ("dp", "fsdp_manual")
 SINGLE_REFERENCE = "single-device jax.jit"
 SAME_SHARDINGS_REFERENCE = "jax.jit, same shardings"
@@ -49,9 +43,7 @@ def config(d_model: int) -> _workload.Config:
 
 
 def measure_point(sweep, strategy, mesh: dict, cfg, model, optim, batches, *, warm, timed, single=None):
-    """Compile, time and inspect one point. Timed against `single` (a single-device
-    reference) if given, else against the hand-written `jax.jit` step with the same
-    shardings, whose wire bytes and parameters after the same steps are recorded too."""
+    """One point, timed against `single` (one device) if given, else `jax.jit` with the same shardings."""
     started = time.perf_counter()
     setup = STRATEGIES[strategy](model, optim, cfg, mesh)
     eqx_model = setup.convert(model)
