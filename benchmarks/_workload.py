@@ -33,6 +33,11 @@ class Config:
     moe_every: int = 0
     experts: int = 0
     top_k: int = 2
+    #: Llama style (the `*_llama` records): separate Q/K/V with `kv_heads` key/value heads,
+    #: SwiGLU, RMSNorm, rotary positions, no biases; the head `tied` to the embedding or not.
+    llama: bool = False
+    kv_heads: int = 0
+    tied: bool = False
 
 
 CONFIG = Config()
@@ -43,7 +48,12 @@ def gpt_config(cfg: Config = CONFIG) -> GPTConfig:
     sizes = dict(vocab_size=cfg.vocab, d_model=cfg.d_model, num_heads=cfg.heads, num_layers=cfg.layers)
     sizes |= dict(d_hidden=cfg.mlp, max_seq_len=cfg.seq_len, moe_every=cfg.moe_every, experts=cfg.experts)
     style = dict(activation="gelu", norm="layer", tied=False, rotary=False, learned_positions=True)
-    return GPTConfig(**sizes, **style, use_bias=True, fused_qkv=True, attention="dense", top_k=cfg.top_k)
+    style |= dict(use_bias=True, fused_qkv=True)
+    if cfg.llama:
+        style = dict(
+            activation="swiglu", norm="rms", tied=cfg.tied, use_bias=False, num_kv_heads=cfg.kv_heads
+        )
+    return GPTConfig(**sizes, **style, attention="dense", top_k=cfg.top_k)
 
 
 def make_model(cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> GPT:

@@ -27,8 +27,9 @@ TREES = ("eqxpar", "tests", "benchmarks", "examples")
 MAX_FUNCTION_LINES = 80
 # The goal is 2,000 lines with every record, sweep and plot kept; until then the
 # limit is what there is (2,452 after the third cut, issue 37: the prose is in
-# benchmarks/README.md), so that the benchmarks can only shrink.
-MAX_BENCHMARK_LINES = 2452
+# benchmarks/README.md; then the four Llama-style records), so that the benchmarks
+# can only shrink.
+MAX_BENCHMARK_LINES = 2474
 
 
 def _module_name(path: pathlib.Path) -> str:
