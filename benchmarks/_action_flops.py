@@ -70,9 +70,8 @@ def action_flops(cfg: _workload.Config, *, layers: int, rows: int, tensor: int =
     }
 
 
-def pipeline_table_flops(schedule: Any, flops: dict) -> eqxpar.pipeline.Simulation:
-    """`schedule` priced at `action_flops`'s per-action FLOPs (`simulate` in FLOPs
-    rather than seconds): its `lockstep_s` is the FLOPs a device runs in lockstep,
-    each tick at its costliest device, if the program runs the table and nothing
-    more."""
-    return eqxpar.pipeline.simulate(schedule, flops["stage"], last_stage=flops["head"])
+def pipeline_table_flops(schedule: Any, flops: dict, layers=None) -> eqxpar.pipeline.Simulation:
+    """`schedule` priced at `action_flops`'s per-action FLOPs (`simulate` in FLOPs rather than seconds): its
+    `lockstep_s` is the FLOPs a device runs in lockstep, each tick at its costliest device, if the program
+    runs the table and nothing more (`layers`: `flops` are one layer's, times each stage's count)."""
+    return eqxpar.pipeline.simulate(schedule, flops["stage"], last_stage=flops["head"], stage_layers=layers)

@@ -70,13 +70,15 @@ class Strategy:
     options: dict = dataclasses.field(default_factory=dict)
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
-        """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide
-        it), an 8x longer sequence (the same tokens per step) on a context axis, a
-        mixture of experts on an expert axis."""
+        """The workload this record runs: 8 layers on pipe 4 (4 stages x 2 chunks divide it), an 8x longer
+        sequence (the same tokens per step) on a context axis, a mixture of experts on an expert axis; with
+        uneven stages (`layers`: Plan(stage_layers=...)) a head worth a layer (vocabulary 3,328)."""
         if self.mesh.get("expert", 1) > 1:
             return dataclasses.replace(cfg, moe_every=2, experts=8, top_k=2)
         if self.mesh.get("context", 1) > 1:
             return dataclasses.replace(cfg, seq_len=8 * cfg.seq_len, batch=cfg.batch // 8)
+        if layers := self.options.get("layers"):
+            return dataclasses.replace(cfg, vocab=3328, layers=sum(layers))
         return dataclasses.replace(cfg, layers=8) if self.mesh.get("pipe") == 4 else cfg
 
     def __call__(self, model: Any, optim: Any, cfg=_workload.CONFIG, mesh: dict | None = None) -> Setup:
@@ -159,12 +161,12 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
 
 
 @functools.cache
-def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim, remat: str):
+def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor, optim, remat, layers=None):
     """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: the records of a
-    mesh share (and compile) one GPipe step."""
+    mesh share (and compile) one GPipe step. `layers`: `Plan(stage_layers=...)`."""
     rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_VOCAB_RULES if tensor else None)
     options = {"rules": rules, "schedule": schedule, "microbatches": microbatches, "chunks": chunks}
-    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options, remat=remat)
+    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options, remat=remat, stage_layers=layers)
     return plan, eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
 
 
@@ -175,21 +177,20 @@ def _compiled_memory(lowered: list[Any]) -> list[dict]:
         return list(pool.map(lambda low: memory(low.compile(compiler_options=MEMORY_ONLY)), lowered))
 
 
-def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: Any, mesh: dict) -> dict:
-    """The step's matmul FLOPs per device in lockstep against the data-parallel `jax.jit`
-    step's over 1 - the lockstep bubble (what the pipeline runs recomputing nothing, at
-    unit costs: `flops_over_reference`), and against the table priced at each action's
-    own FLOPs (`_action_flops`: the table and nothing more, `flops_over_table`)."""
+def _flops(compiled: Any, model, optim, cfg: _workload.Config, sched: Any, mesh: dict, layers=None) -> dict:
+    """The step's matmul FLOPs per device in lockstep against the data-parallel `jax.jit` step's over 1 - the
+    lockstep bubble (what the pipeline runs recomputing nothing, at unit costs: `flops_over_reference`), and
+    against the table priced at each action's own FLOPs (`_action_flops`: `flops_over_table`)."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
     bubble = sched.lockstep_bubble_fraction
     per_action = _action_flops.action_flops(
         cfg,
-        layers=cfg.layers // sched.virtual_stages,
+        layers=1 if layers else cfg.layers // sched.virtual_stages,
         rows=cfg.batch // (sched.microbatches * mesh.get("data", 1)),
         tensor=mesh.get("tensor", 1),
     )
-    table = _action_flops.pipeline_table_flops(sched, per_action)
+    table = _action_flops.pipeline_table_flops(sched, per_action, layers)
     return {
         "flops_per_device": flops,
         "flops_reference": reference / (1 - bubble),
@@ -202,15 +203,15 @@ def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: 
 
 
 def _pipelined(
-    model, optim, mesh, cfg, *, schedule, contract, chunks=1, tensor=False, sweep=True, remat_sweep=False
+    model, optim, mesh, cfg, *, schedule, contract, chunks=1, tensor=False, remat_sweep=False, layers=None
 ):
-    """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against
-    the GPipe step of the same model on the same mesh. `sweep`: the temp bytes at 8p and
-    16p micro-batches of the same size; `remat_sweep`: under every remat policy (what the
-    kept residuals cost: the engine keeps each stage forward's residuals by the policy,
-    except under "full", which recomputes the forward in its backward actions)."""
+    """`schedule` on `mesh` with 4p micro-batches of the workload's batch, timed against the GPipe step of the
+    same model on the same mesh (not with `layers`: Plan(stage_layers=)). Temp bytes at 8p, 16p micro-batches
+    but in 3D; `remat_sweep`: under every remat policy (what the kept residuals cost: the engine keeps each
+    stage forward's residuals by the policy, except under "full", which recomputes the forward in its backward
+    actions)."""
     p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
-    plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none")
+    plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none", layers)
     g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
 
     def gpipe(batches: Any) -> EqxparRunner:
@@ -221,11 +222,11 @@ def _pipelined(
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
         def lowered(k: int = m, remat: str = "none") -> Any:
             # `k` micro-batches of the same size: the global batch grows with them.
-            at, step = _pipeline(key, schedule, k, v, tensor, optim, remat)
+            at, step = _pipeline(key, schedule, k, v, tensor, optim, remat, layers)
             batch = _workload.make_batches(1, dataclasses.replace(cfg, batch=cfg.batch * k // m))[0]
             return step.lower(runner.state, eqxpar.shard_batch(batch, at))
 
-        counts = (8 * p, 16 * p) if sweep else ()
+        counts = () if tensor else (8 * p, 16 * p)
         swept = [
             {"microbatches": k, **mem}
             for k, mem in zip(counts, _compiled_memory([lowered(k) for k in counts]), strict=True)
@@ -237,7 +238,7 @@ def _pipelined(
             "predicted_speedup_over_gpipe": pipeline_prediction.speedup_over_gpipe(
                 schedule, stages=p, microbatches=m, chunks=v
             ),
-            **_flops(compiled, eqx_model, optim, cfg, sched, mesh),
+            **_flops(compiled, eqx_model, optim, cfg, sched, mesh, layers),
             "memory_sweep": [{"microbatches": m, **memory(compiled)}, *swept],
         }
         if remat_sweep:
@@ -252,9 +253,9 @@ def _pipelined(
     return Setup(
         plan=plan,
         step=step,
-        baseline=gpipe if schedule != "gpipe" or tensor else None,  # pp_gpipe is the baseline itself
+        baseline=None if (schedule == "gpipe" and not tensor) or layers else gpipe,  # pp_gpipe: itself
         loss_fn=_workload.PIPELINE_LOSS,
-        convert=functools.partial(_workload.pipeline_model, stages=p, chunks=v),
+        convert=functools.partial(_workload.pipeline_model, stages=p, chunks=v, layers=layers),
         baseline_name=f"eqxpar {what} of the same model on the same mesh ({m} micro-batches)",
         extra=extra,
         contract={"parity_max_rel_err": 1e-5, **contract},
@@ -390,19 +391,20 @@ STRATEGIES: dict[str, Strategy] = {
     "dp_fsdp_tp": Strategy(_sharded, _DFT, _FSDP_TP),
     "dp_fsdp_tp_bf16": Strategy(_bf16, _DFT, _FSDP_TP),
     # Lockstep FLOPs: the head sits on the last stage, 7.7 % of a 2-layer stage's
-    # matmuls (15.4 % of an interleaved 1-layer chunk's). Interleaved splits its last
-    # p - 1 last-stage backwards into the last device's closing idle ticks, which takes
-    # part of that off; zero-bubble's ticks also pair an input half (the attention's
-    # activation gradients: 8 % over a forward) with others' forwards and weight
-    # halves, and lockstep charges the input half. Wire: a tick sends from the devices
-    # with something due only, so every pipeline moves the least (3d's excess is its
-    # tensor sums).
+    # matmuls (15.4 % of an interleaved 1-layer chunk's; interleaved moves its last p - 1
+    # last-stage backwards into the last device's closing idle ticks). Zero-bubble's ticks
+    # pair an input half (the attention's activation gradients: 8 % over a forward) with
+    # others' forwards and weight halves, and lockstep charges the input half.
     "pp_gpipe": _pp("gpipe", 1.01, 1.05, contract={"temp_growth_min": 0.10}),
     "pp_1f1b": _pp("1f1b", 1.01, 1.05, contract={**_FLAT, "step_ratio_max": 1.0}, remat_sweep=True),
     "pp_interleaved": _pp("interleaved", 1.01, 1.05, chunks=2, contract={**_FLAT, "step_ratio_max": 1.05}),
     # Zero-bubble's backward is split (`pipeline._split_backward`): its halves share
     # one forward, and neither re-runs it; its CPU step time is recorded, not held.
     "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "pp_gpipe_uneven": _pp("gpipe", 1.01, 1.03, layers=(4, 4, 4, 3)),
+    "pp_1f1b_uneven": _pp("1f1b", 1.01, 1.03, layers=(4, 4, 4, 3)),
+    "pp_interleaved_uneven": _pp("interleaved", 1.01, 1.03, chunks=2, layers=(2,) * 7 + (1,)),
+    "pp_zero_bubble_uneven": _pp("zero_bubble", 1.01, 1.08, layers=(4, 4, 4, 3)),
     "cp": Strategy(_context, _CP, {"contract": _CP_RING}),
     "cp_allgather": Strategy(_context, _CP, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
     "cp_ulysses": Strategy(_context, _CP, {"context_attention": "ulysses", "contract": _CP_ULYSSES}),
@@ -419,5 +421,5 @@ STRATEGIES: dict[str, Strategy] = {
     # whole, the head is 15.4 % of the last stage's tensor-split matmuls, and every
     # tick that stage runs costs that much more (FLOPs 1.095x; split, 1.029x, for
     # activation sums of the embedding and head: wire 1.088 -> 1.095x).
-    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
+    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True),
 }
