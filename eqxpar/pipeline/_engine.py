@@ -35,6 +35,13 @@ group share their `pipe` index, hence their schedule column, hence their branch.
   forward's residuals (under `"full"`, each recomputes the forward). The
   cotangent stays buffered from `I` to `W`.
 
+Uneven stages (`Plan(stage_layers=...)`): every device's chunks are stored in
+`max(stage_layers)` layer slots each (`to_pipeline_order`), and a branch's key
+holds its virtual stage's layer count: the branch slices its chunk to those
+layers before the stage runs, so the padding slots run nothing and their
+gradient sums stay zero; the residual and stash layouts are per (first, last,
+layer count) kind of stage.
+
 After the scan the gradients of everything outside the stack (computed on the
 first or last stage only) are summed over `pipe`, and all gradients over the
 data-parallel axes.
