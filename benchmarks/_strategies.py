@@ -178,9 +178,9 @@ def _compiled_memory(lowered: list[Any]) -> list[dict]:
 
 
 def _flops(compiled: Any, model, optim, cfg: _workload.Config, sched: Any, mesh: dict, layers=None) -> dict:
-    """The step's matmul FLOPs per device in lockstep against the data-parallel `jax.jit` step's over 1 - the
-    lockstep bubble (what the pipeline runs recomputing nothing, at unit costs: `flops_over_reference`), and
-    against the table priced at each action's own FLOPs (`_action_flops`: `flops_over_table`)."""
+    """The step's matmul FLOPs per device in lockstep against the data-parallel `jax.jit` step's (`model`:
+    unpadded) over 1 - the lockstep bubble (what the pipeline runs recomputing nothing, at unit costs:
+    `flops_over_reference`), and against the table at each action's own FLOPs (`flops_over_table`)."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
     bubble = sched.lockstep_bubble_fraction
@@ -238,7 +238,7 @@ def _pipelined(
             "predicted_speedup_over_gpipe": pipeline_prediction.speedup_over_gpipe(
                 schedule, stages=p, microbatches=m, chunks=v
             ),
-            **_flops(compiled, eqx_model, optim, cfg, sched, mesh, layers),
+            **_flops(compiled, model, optim, cfg, sched, mesh, layers),
             "memory_sweep": [{"microbatches": m, **memory(compiled)}, *swept],
         }
         if remat_sweep:
