@@ -60,6 +60,7 @@ def action_flops(cfg: _workload.Config, *, layers: int, rows: int, tensor: int =
     }
 
 
-def pipeline_table_flops(schedule: Any, flops: dict) -> eqxpar.pipeline.Simulation:
-    """`schedule` priced at `action_flops`'s FLOPs: its `lockstep_s` is what a device runs in lockstep."""
-    return eqxpar.pipeline.simulate(schedule, flops["stage"], last_stage=flops["head"])
+def pipeline_table_flops(schedule: Any, flops: dict, layers=None) -> eqxpar.pipeline.Simulation:
+    """`schedule` priced at `action_flops`'s FLOPs: its `lockstep_s` is what a device runs in lockstep
+    (`layers`: `flops` are one layer's, times each stage's count)."""
+    return eqxpar.pipeline.simulate(schedule, flops["stage"], last_stage=flops["head"], stage_layers=layers)

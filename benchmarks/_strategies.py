@@ -65,12 +65,15 @@ class Strategy:
     variant: dict = dataclasses.field(default_factory=dict)  # `_workload.Config` fields to replace
 
     def config(self, cfg: _workload.Config = _workload.CONFIG) -> _workload.Config:
-        """The workload this record runs (8 layers on pipe 4, seq x 8 on context, MoE on expert)."""
+        """The workload this record runs (8 layers on pipe 4, seq x 8 on context, MoE on expert; uneven
+        stages: a head worth a layer, vocabulary 3,328)."""
         cfg = dataclasses.replace(cfg, **self.variant)
         if self.mesh.get("expert", 1) > 1:
             return dataclasses.replace(cfg, moe_every=2, experts=8, top_k=2)
         if self.mesh.get("context", 1) > 1:
             return dataclasses.replace(cfg, seq_len=8 * cfg.seq_len, batch=cfg.batch // 8)
+        if layers := self.options.get("layers"):
+            return dataclasses.replace(cfg, vocab=3328, layers=sum(layers))
         return dataclasses.replace(cfg, layers=8) if self.mesh.get("pipe") == 4 else cfg
 
     def __call__(self, model: Any, optim: Any, cfg=_workload.CONFIG, mesh: dict | None = None) -> Setup:
@@ -143,11 +146,11 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
 
 
 @functools.cache
-def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor: bool, optim, remat: str):
+def _pipeline(mesh: tuple, schedule: str, microbatches: int, chunks: int, tensor, optim, remat, layers=None):
     """`(plan, step)` of `schedule` on `mesh` (sorted items), cached: records share one GPipe step."""
     rules = eqxpar.pipeline.stage_rules(_workload.TENSOR_VOCAB_RULES if tensor else None)
     options = {"rules": rules, "schedule": schedule, "microbatches": microbatches, "chunks": chunks}
-    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options, remat=remat)
+    plan = eqxpar.Plan(eqxpar.make_mesh(**dict(mesh)), **options, remat=remat, stage_layers=layers)
     return plan, eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
 
 
@@ -157,15 +160,15 @@ def _compiled_memory(lowered: list[Any]) -> list[dict]:
         return list(pool.map(lambda low: memory(low.compile(compiler_options=MEMORY_ONLY)), lowered))
 
 
-def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: Any, mesh: dict) -> dict:
-    """The step's lockstep matmul FLOPs per device against the data-parallel step's and the table's."""
+def _flops(compiled: Any, model, optim, cfg: _workload.Config, sched: Any, mesh: dict, layers=None) -> dict:
+    """The step's lockstep matmul FLOPs per device against the data-parallel step's (`model`: unpadded) and the table's."""
     dp = BaselineRunner(data_parallel(model, optim), _workload.make_batches(1, cfg)).compile()
     flops, reference = eqxpar.inspect.matmul_flops(compiled), eqxpar.inspect.matmul_flops(dp)
     bubble = sched.lockstep_bubble_fraction
     rows = cfg.batch // (sched.microbatches * mesh.get("data", 1))
-    layers, tensor = cfg.layers // sched.virtual_stages, mesh.get("tensor", 1)
-    per_action = _action_flops.action_flops(cfg, layers=layers, rows=rows, tensor=tensor)
-    table = _action_flops.pipeline_table_flops(sched, per_action)
+    layers_each, tensor = 1 if layers else cfg.layers // sched.virtual_stages, mesh.get("tensor", 1)
+    per_action = _action_flops.action_flops(cfg, layers=layers_each, rows=rows, tensor=tensor)
+    table = _action_flops.pipeline_table_flops(sched, per_action, layers)
     return {
         "flops_per_device": flops,
         "flops_reference": reference / (1 - bubble),
@@ -178,11 +181,11 @@ def _flops(compiled: Any, model: Any, optim: Any, cfg: _workload.Config, sched: 
 
 
 def _pipelined(
-    model, optim, mesh, cfg, *, schedule, contract, chunks=1, tensor=False, sweep=True, remat_sweep=False
+    model, optim, mesh, cfg, *, schedule, contract, chunks=1, tensor=False, remat_sweep=False, layers=None
 ):
-    """`schedule` on `mesh`, 4p micro-batches, against GPipe; temp bytes at 8p, 16p and by remat."""
+    """`schedule` on `mesh`, 4p micro-batches, against GPipe; temp bytes at 8p, 16p (not in 3D) and by remat."""
     p, v, m, key = mesh["pipe"], chunks, 4 * mesh["pipe"], tuple(sorted(mesh.items()))
-    plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none")
+    plan, step = _pipeline(key, schedule, m, v, tensor, optim, "none", layers)
     g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
 
     def gpipe(batches: Any) -> EqxparRunner:
@@ -193,11 +196,11 @@ def _pipelined(
     def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
         def lowered(k: int = m, remat: str = "none") -> Any:
             # `k` micro-batches of the same size: the global batch grows with them.
-            at, step = _pipeline(key, schedule, k, v, tensor, optim, remat)
+            at, step = _pipeline(key, schedule, k, v, tensor, optim, remat, layers)
             batch = _workload.make_batches(1, dataclasses.replace(cfg, batch=cfg.batch * k // m))[0]
             return step.lower(runner.state, eqxpar.shard_batch(batch, at))
 
-        counts = (8 * p, 16 * p) if sweep else ()
+        counts = () if tensor else (8 * p, 16 * p)
         swept = zip(counts, _compiled_memory([lowered(k) for k in counts]), strict=True)
         speedup = pipeline_prediction.speedup_over_gpipe(schedule, stages=p, microbatches=m, chunks=v)
         fields = {
@@ -205,7 +208,7 @@ def _pipelined(
             "bubble_fraction": sched.bubble_fraction,
             "lockstep_bubble_fraction": sched.lockstep_bubble_fraction,
             "predicted_speedup_over_gpipe": speedup,
-            **_flops(compiled, eqx_model, optim, cfg, sched, mesh),
+            **_flops(compiled, model, optim, cfg, sched, mesh, layers),
             "memory_sweep": [
                 {"microbatches": m, **memory(compiled)},
                 *({"microbatches": k, **x} for k, x in swept),
@@ -221,9 +224,9 @@ def _pipelined(
     return Setup(
         plan=plan,
         step=step,
-        baseline=gpipe if schedule != "gpipe" or tensor else None,  # pp_gpipe is the baseline itself
+        baseline=None if (schedule == "gpipe" and not tensor) or layers else gpipe,  # pp_gpipe: itself
         loss_fn=_workload.PIPELINE_LOSS,
-        convert=functools.partial(_workload.pipeline_model, stages=p, chunks=v),
+        convert=functools.partial(_workload.pipeline_model, stages=p, chunks=v, layers=layers),
         baseline_name=f"eqxpar {what} of the same model on the same mesh ({m} micro-batches)",
         extra=extra,
         contract={"parity_max_rel_err": 1e-5, **contract},
@@ -340,6 +343,10 @@ STRATEGIES: dict[str, Strategy] = {
     "pp_1f1b": _pp("1f1b", 1.01, 1.05, contract={**_FLAT, "step_ratio_max": 1.0}, remat_sweep=True),
     "pp_interleaved": _pp("interleaved", 1.01, 1.05, chunks=2, contract={**_FLAT, "step_ratio_max": 1.05}),
     "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "pp_gpipe_uneven": _pp("gpipe", 1.01, 1.03, layers=(4, 4, 4, 3)),
+    "pp_1f1b_uneven": _pp("1f1b", 1.01, 1.03, layers=(4, 4, 4, 3)),
+    "pp_interleaved_uneven": _pp("interleaved", 1.01, 1.03, chunks=2, layers=(2,) * 7 + (1,)),
+    "pp_zero_bubble_uneven": _pp("zero_bubble", 1.01, 1.08, layers=(4, 4, 4, 3)),
     "cp": Strategy(_context, _CP, {"contract": _CP_RING}),
     "cp_allgather": Strategy(_context, _CP, {"context_attention": "allgather", "contract": _CP_ALLGATHER}),
     "cp_ulysses": Strategy(_context, _CP, {"context_attention": "ulysses", "contract": _CP_ULYSSES}),
@@ -347,11 +354,11 @@ STRATEGIES: dict[str, Strategy] = {
     "ep": Strategy(_expert, {"expert": 4, "data": 2}, {"rules": eqxpar.rules.EXPERT, "contract": _EP}),
     "ep_tp": Strategy(_expert, _EP_TP, {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP}),
     # 3D splits the vocabulary over `tensor` too (`_workload.TENSOR_VOCAB_RULES`).
-    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True, sweep=False),
+    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True),
     "tp_llama": Strategy(_tp, _TP, {"mode": "manual"}, _LLAMA),
     "tp_sp_llama": Strategy(_tp, _TP, _TP_SP, _LLAMA_TIED),
     "tp_overlap_llama": Strategy(_tp, _TP, {**_TP_SP, "tp_overlap": True}, _LLAMA),
     "3d_llama": _pp(
-        "1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, variant=_LLAMA_TIED, tensor=True, sweep=False
+        "1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, variant=_LLAMA_TIED, tensor=True
     ),
 }

@@ -95,9 +95,9 @@ TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed":
 
 
 @eqx.filter_jit
-def pipeline_model(model: GPT, *, stages: int = 1, chunks: int = 1) -> GPT:
-    """`model`'s blocks in the pipeline order of `stages` x `chunks` (moves arrays: maps gradients too)."""
-    order = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=stages, chunks=chunks)
+def pipeline_model(model: GPT, *, stages: int = 1, chunks: int = 1, layers=None) -> GPT:
+    """`model`'s blocks in the pipeline order of `stages` x `chunks` (`layers`: Plan(stage_layers=)), also its grads."""
+    order = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=stages, chunks=chunks, stage_layers=layers)
     return eqx.tree_at(lambda m: m.blocks, model, order)
 
 

@@ -120,6 +120,16 @@ class Plan:
     - `microbatches`: micro-batches each pipeline step splits the batch into
       (pipeline plans only; gradient accumulation is `make_step(accumulate=...)`).
     - `chunks`: virtual stages per device (`schedule="interleaved"` only).
+    - `stage_layers`: layers per virtual stage, in pipeline order (virtual stage
+      `k` runs on device `k % pipe` as its chunk `k // pipe`): `pipe * chunks`
+      positive integers summing to the stack's depth, e.g. `(3, 4, 4, 3)` to give
+      the first and last stages, which also run the embedding and the head, a
+      layer less. None (default): `depth / (pipe * chunks)` layers each. Every
+      device stores `chunks * max(stage_layers)` layer slots (a device's arrays
+      must have one shape on every device), the slots a stage does not run
+      holding zeros that get zero gradients and cost no FLOPs: store the stack
+      with `eqxpar.pipeline.to_pipeline_order(stack, stages=, chunks=,
+      stage_layers=)` and read it back with `from_pipeline_order`.
     - `zero1`: ZeRO-1: parameters stay as the rules place them (typically
       replicated) while the optimizer state is split over `batch_axes`; each step
       reduce-scatters the gradients, updates the parameter shards and all-gathers
@@ -167,6 +177,7 @@ class Plan:
     schedule: Any  # str | eqxpar.pipeline.Schedule | None
     microbatches: int
     chunks: int
+    stage_layers: tuple[int, ...] | None
     zero1: bool
     param_dtype: Any
     compute_dtype: Any
@@ -191,6 +202,7 @@ class Plan:
         schedule: Any = None,
         microbatches: int = 1,
         chunks: int = 1,
+        stage_layers: Any = None,
         zero1: bool = False,
         param_dtype: Any = None,
         compute_dtype: Any = None,
@@ -216,6 +228,13 @@ class Plan:
         if remat not in REMAT_POLICIES:
             raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
         microbatches, chunks = _check_pipeline(schedule, microbatches, chunks, mesh)
+        if stage_layers is not None:
+            if schedule is None:
+                raise PlanError(
+                    f"Plan(stage_layers={stage_layers!r}) needs a pipeline schedule: set schedule= "
+                    f"one of {PIPELINE_SCHEDULES}, or leave stage_layers out."
+                )
+            stage_layers = checked_stage_layers(stage_layers, stages=mesh.shape["pipe"], chunks=chunks)
         values = dict(
             mesh=mesh,
             rules=rules,
@@ -231,6 +250,7 @@ class Plan:
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,
+            stage_layers=stage_layers,
             zero1=bool(zero1),
             param_dtype=_checked_dtype(param_dtype, "param_dtype"),
             compute_dtype=_checked_dtype(compute_dtype, "compute_dtype"),
@@ -639,6 +659,40 @@ def _check_schedule_object(schedule: Any, microbatches: int, chunks: int, mesh: 
                 f"{what} out (the table sets it) or pass {what}={own}."
             )
     return schedule.microbatches, schedule.chunks
+
+
+def checked_stage_layers(
+    stage_layers: Any, *, stages: int, chunks: int, depth: int | None = None
+) -> tuple[int, ...]:
+    """`stage_layers` (layers per virtual stage, `Plan(stage_layers=...)`) as a
+    tuple, checked: `stages * chunks` positive integers, summing to `depth`
+    when given. Shared with `eqxpar.pipeline` (its storage order and engine)."""
+    where = f"stage_layers={stage_layers!r}"
+    if isinstance(stage_layers, (str, bytes)) or not isinstance(stage_layers, Sequence):
+        raise PlanError(
+            f"{where}: expected a sequence of layers per virtual stage, one per stage x chunk "
+            f"({stages} x {chunks} = {stages * chunks} numbers), e.g. a layer less on the first and "
+            "last stages."
+        )
+    values = tuple(stage_layers)
+    bad = [a for a in values if not isinstance(a, int) or isinstance(a, bool) or a < 1]
+    if bad:
+        raise PlanError(
+            f"{where}: every virtual stage needs a positive integer number of layers, got {bad[0]!r}. "
+            "A stage of no layers would only pass its input on: give it a layer, or use fewer stages."
+        )
+    if len(values) != stages * chunks:
+        raise PlanError(
+            f"{where}: {len(values)} numbers, but the pipeline has {stages} stages x {chunks} chunks "
+            f"= {stages * chunks} virtual stages. Give one layer count per virtual stage, in pipeline "
+            "order (virtual stage k runs on device k % pipe as its chunk k // pipe)."
+        )
+    if depth is not None and sum(values) != depth:
+        raise PlanError(
+            f"{where}: the counts sum to {sum(values)}, but the stack has {depth} layers. Give counts "
+            f"that sum to {depth}."
+        )
+    return values
 
 
 def current_plan() -> Plan | None:

@@ -133,6 +133,36 @@ def test_pipeline_program_runs_its_table_at_each_actions_flops(name, chunks, rem
     assert ratio == pytest.approx(1.0, abs=0.01) if remat == "none" else ratio > 1.25, ratio
 
 
+@pytest.mark.parametrize(
+    ("name", "chunks", "layers"),
+    [("zero_bubble", 1, (2, 1)), pytest.param("interleaved", 2, (1, 2, 2, 1), marks=pytest.mark.slow)],
+)
+def test_uneven_stages_run_their_table_at_each_layers_flops(name, chunks, layers):
+    # Plan(stage_layers=...): each stage's branch runs its own layers, none of its
+    # chunk's padding slots, so the step runs the table priced at one layer's
+    # per-action FLOPs times each virtual stage's count (the pp_*_uneven records).
+    from benchmarks import _action_flops
+
+    cfg, p, m, data = dataclasses.replace(SMALL, layers=sum(layers)), 2, 4, 4
+    flops = _action_flops.action_flops(cfg, layers=1, rows=cfg.batch // (m * data))
+    mesh = eqxpar.make_mesh(pipe=p, data=data)
+    plan = eqxpar.Plan(
+        mesh,
+        rules=eqxpar.pipeline.stage_rules(),
+        schedule=name,
+        microbatches=m,
+        chunks=chunks,
+        stage_layers=layers,
+    )
+    optim = _workload.make_optimizer(cfg)
+    step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
+    model = _workload.pipeline_model(_workload.make_model(cfg), stages=p, chunks=chunks, layers=layers)
+    compiled = _measure.EqxparRunner(step, plan, model, optim, _workload.make_batches(1, cfg)).compile()
+    sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
+    table = _action_flops.pipeline_table_flops(sched, flops, layers)
+    assert eqxpar.inspect.matmul_flops(compiled) / table.lockstep_s == pytest.approx(1.0, abs=0.01)
+
+
 def test_first_step_gradients_read_back_from_adam():
     # The harness reads a step's gradients from AdamW's first moment after its first
     # call (the small records above check them against one device); only one step old.
@@ -241,6 +271,9 @@ def test_report_splices_tables_into_hand_written_prose(tmp_path):
 def test_strategy_configs():
     assert STRATEGIES["pp_1f1b"].config() == dataclasses.replace(_workload.CONFIG, layers=8)
     assert STRATEGIES["3d"].config() == STRATEGIES["dp"].config() == _workload.CONFIG
+    assert STRATEGIES["pp_interleaved_uneven"].config() == dataclasses.replace(
+        _workload.CONFIG, vocab=3328, layers=15
+    )
 
 
 def test_timed_steps_counts_the_page_faults_of_each_side():

@@ -17,10 +17,14 @@ from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_p
 from ._helpers import (
     PIPELINE_ROWS,
     TINY_D,
+    RecordedGradients,
     Tiny,
+    assert_steps_match_one_device,
     assert_trees_close,
     assert_trees_close_to_scale,
     pipeline_plan,
+    record_gradients,
+    recorded_gradients,
     reference_run,
     regression_batch,
     reorder,
@@ -85,6 +89,137 @@ def test_pipeline_order_round_trip_and_layout():
     back = from_pipeline_order(stored, stages=2, chunks=2)
     assert_trees_close(back, model.blocks, rtol=0, atol=0)
     assert_trees_close(to_pipeline_order(model.blocks, stages=4, chunks=1), model.blocks, rtol=0, atol=0)
+
+
+# --- Uneven stages: Plan(stage_layers=...) ---------------------------------------
+
+# (schedule, chunks, layers per virtual stage at pipe 4): fewer layers on the
+# first and last stages, as for a costly embedding and head; interleaved's eight
+# virtual stages differ among the middle ones too (its chunks' branches are keyed
+# by their own counts).
+UNEVEN = [
+    ("gpipe", 1, (1, 3, 3, 1)),
+    ("1f1b", 1, (2, 3, 2, 1)),
+    ("interleaved", 2, (1, 2, 3, 2, 2, 1, 2, 1)),
+    ("zero_bubble", 1, (1, 2, 3, 2)),
+]
+
+
+def reorder_uneven(tree, layers, *, chunks, forward=True):
+    convert = to_pipeline_order if forward else from_pipeline_order
+    return eqx.tree_at(
+        lambda m: m.blocks, tree, convert(tree.blocks, stages=4, chunks=chunks, stage_layers=layers)
+    )
+
+
+@pytest.mark.parametrize("name,chunks,layers", UNEVEN, ids=[f"{n}-v{v}" for n, v, _ in UNEVEN])
+def test_uneven_stages_train_like_one_device(name, chunks, layers):
+    # Three Adam steps: each step's loss and gradients equal one device's at the
+    # same parameters (rtol 1e-5), the update is applied once; the stored stack's
+    # padding slots get zero gradients, so they stay zero.
+    microbatches, optimizer, loss = 8, optax.adam(1e-2), tiny_loss()
+    model = Tiny(sum(layers), key=jax.random.key(len(layers)))
+    plan = pipeline_plan(name, pipe=4, microbatches=microbatches, chunks=chunks, stage_layers=layers)
+    recording = record_gradients(optimizer)
+    state = eqxpar.train.init(
+        reorder_uneven(model, layers, chunks=chunks), recording, plan, key=jax.random.key(0)
+    )
+    step = eqxpar.train.make_step(loss, recording, plan)
+    assert state.model.blocks.depth == 4 * chunks * max(layers)
+
+    def advance(batch):
+        nonlocal state
+        state, metrics = step(state, batch)
+        grads = recorded_gradients(state.opt_state)
+        plain = reorder_uneven(grads, layers, chunks=chunks, forward=False)
+        return (
+            reorder_uneven(state.model, layers, chunks=chunks, forward=False),
+            (RecordedGradients(plain),),
+            metrics["loss"],
+        )
+
+    batches = [regression_batch(PIPELINE_ROWS * microbatches, seed=i) for i in range(3)]
+    assert_steps_match_one_device(advance, model, optimizer, loss, batches)
+    padding = np.asarray(
+        eqxpar.pipeline.to_pipeline_order(
+            Tiny(sum(layers), key=jax.random.key(0)).blocks, stages=4, chunks=chunks, stage_layers=layers
+        ).blocks.b
+    )
+    padding = np.all(padding == 0, axis=1)
+    assert padding.sum() == 4 * chunks * max(layers) - sum(layers)
+    assert np.all(np.asarray(state.model.blocks.blocks.w)[padding] == 0)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_uneven_stages_under_remat_and_data_parallel(remat):
+    # Under "full" each backward recomputes its stage from the sliced layers.
+    layers, loss = (1, 2), tiny_loss()
+    model = Tiny(3, key=jax.random.key(5))
+    batch = regression_batch(PIPELINE_ROWS * 2 * 4)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
+    plan = pipeline_plan("1f1b", pipe=2, data=2, microbatches=4, stage_layers=layers, remat=remat)
+    stored = eqx.tree_at(
+        lambda m: m.blocks, model, to_pipeline_order(model.blocks, stages=2, chunks=1, stage_layers=layers)
+    )
+    value, grads = eqxpar.train.make_value_and_grad(loss, plan)(stored, batch)
+    grads = eqx.tree_at(
+        lambda m: m.blocks, grads, from_pipeline_order(grads.blocks, stages=2, chunks=1, stage_layers=layers)
+    )
+    assert_trees_close(float(value), float(ref_loss))
+    assert_trees_close(grads, ref_grads)
+
+
+def test_uneven_pipeline_order_layout_and_round_trip():
+    model = Tiny(5, key=jax.random.key(0))
+    layers = (1, 2, 1, 1)  # pipe 2 x chunks 2: device 0 runs stages 0 and 2, device 1 stages 1 and 3
+    stored = to_pipeline_order(model.blocks, stages=2, chunks=2, stage_layers=layers)
+    assert stored.depth == stored.blocks.w.shape[0] == 2 * 2 * 2
+    w, ref = np.asarray(stored.blocks.w), np.asarray(model.blocks.blocks.w)
+    # Rows: device 0 = [stage 0: layer 0, pad][stage 2: layer 3, pad], device 1 =
+    # [stage 1: layers 1, 2][stage 3: layer 4, pad].
+    for row, layer in {0: 0, 2: 3, 4: 1, 5: 2, 6: 4}.items():
+        np.testing.assert_array_equal(w[row], ref[layer])
+    assert not np.any(w[[1, 3, 7]])
+    back = from_pipeline_order(stored, stages=2, chunks=2, stage_layers=layers)
+    assert back.depth == 5
+    assert_trees_close(back, model.blocks, rtol=0, atol=0)
+    # Equal counts store as the even order does.
+    even = to_pipeline_order(Tiny(4, key=jax.random.key(0)).blocks, stages=2, chunks=2, stage_layers=(1,) * 4)
+    assert_trees_close(
+        even, to_pipeline_order(Tiny(4, key=jax.random.key(0)).blocks, stages=2, chunks=2), rtol=0, atol=0
+    )
+
+
+def test_uneven_stage_errors():
+    mesh = eqxpar.make_mesh(pipe=2)
+    cases = [
+        (
+            dict(schedule="1f1b", stage_layers=(1, 2, 1)),
+            r"3 numbers, but the pipeline has 2 stages x 1 chunks = 2",
+        ),
+        (dict(schedule="1f1b", stage_layers=(0, 3)), r"positive integer number of layers, got 0"),
+        (dict(schedule="1f1b", stage_layers=(1.5, 2)), r"got 1\.5"),
+        (dict(schedule="1f1b", stage_layers=3), r"expected a sequence of layers per virtual stage"),
+        (dict(stage_layers=(1, 2)), r"needs a pipeline schedule"),
+        (dict(schedule="interleaved", chunks=2, stage_layers=(1, 2)), r"2 stages x 2 chunks = 4"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(eqxpar.PlanError, match=match):
+            eqxpar.Plan(mesh, rules=stage_rules(), microbatches=4, **kwargs)
+    plan = pipeline_plan("1f1b", pipe=2, microbatches=4, stage_layers=[1, 3])
+    assert plan.stage_layers == (1, 3)
+    model, batch = Tiny(4, key=jax.random.key(0)), regression_batch(8)
+    # The stack not stored in the padded order: the error names the conversion.
+    with pytest.raises(
+        eqxpar.DivisibilityError,
+        match=r"6 layer slots, but the pipelined stack has 4 rows.*to_pipeline_order",
+    ):
+        eqxpar.train.make_value_and_grad(tiny_loss(), plan)(model, batch)
+    with pytest.raises(eqxpar.PlanError, match="sum to 5, but the stack has 4 layers"):
+        to_pipeline_order(model.blocks, stages=2, chunks=1, stage_layers=(2, 3))
+    stored = to_pipeline_order(model.blocks, stages=2, chunks=1, stage_layers=(1, 3))
+    with pytest.raises(eqxpar.PlanError, match="has 2 x 1 x 2 = 4 rows, this one 6"):
+        from_pipeline_order(stored, stages=2, chunks=1, stage_layers=(2, 2))
 
 
 # --- 3D hybrid: pipe 2 x data 2 x tensor 2, eqxpar.nn layers ------------------

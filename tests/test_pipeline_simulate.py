@@ -84,6 +84,28 @@ def test_last_stage_time_lands_on_the_last_virtual_stage(name, chunks):
     assert with_head.free_s > plain.free_s
 
 
+def test_stage_layers_scale_each_virtual_stage():
+    # GPipe p=2 m=2, stage 0 two layers, stage 1 one layer plus a head worth one:
+    # dev0's F [0,2] [2,4]; dev1's F [2,4] [4,6], B [6,10] [10,14]; dev0's B0
+    # [10,14], B1 [14,18]. Lockstep ticks 2, 2, 2, 4, 4, 4.
+    s = schedule("gpipe", stages=2, microbatches=2)
+    layer = {"F": 1.0, "B": 2.0}
+    sim = simulate(s, layer, last_stage=layer, stage_layers=(2, 1))
+    assert (sim.free_s, sim.lockstep_s, sim.work_s) == (18.0, 18.0, 24.0)
+    # Equal counts of 1 are the plain costs; a head worth a layer, balanced by a
+    # layer less on the last stage, brings lockstep back to the head-free bubble.
+    assert simulate(s, layer, stage_layers=(1, 1)) == simulate(s, layer)
+    s = schedule("1f1b", stages=4, microbatches=16)
+    balanced = simulate(s, layer, last_stage=layer, stage_layers=(4, 4, 4, 3))
+    assert balanced.lockstep_bubble_fraction == pytest.approx(s.lockstep_bubble_fraction)
+    even = simulate(s, layer, last_stage=layer, stage_layers=(4, 4, 4, 4))
+    assert even.lockstep_bubble_fraction > s.lockstep_bubble_fraction + 0.05
+    with pytest.raises(eqxpar.PlanError, match=r"3 numbers, but the pipeline has 4 stages x 1 chunks"):
+        simulate(s, layer, stage_layers=(1, 2, 1))
+    with pytest.raises(eqxpar.PlanError, match=r"positive integer number of layers, got 0"):
+        simulate(s, layer, stage_layers=(1, 2, 0, 1))
+
+
 # --- Agreement with the tables' bubble fractions ----------------------------------------
 
 

@@ -152,7 +152,7 @@ class Slots:
     """
 
     groups: dict[tuple[str, tuple[str, ...]], int]
-    leaves: dict[tuple[bool, bool], tuple[tuple[str, tuple[int, ...]], ...]]
+    leaves: dict[tuple, tuple[tuple[str, tuple[int, ...]], ...]]
     stash: dict[tuple[str, tuple[str, ...]], int]
     activation: jax.ShapeDtypeStruct
 

@@ -397,10 +397,8 @@ def _engine_runs(sched: Any) -> list[dict[str, bool]]:
                     "writes": slot_used(part, RES_WRITE),
                     "stash_reads": slot_used(part, STASH_READ),
                     "stash_writes": slot_used(part, STASH_WRITE),
-                    "forward": any(stores_residuals(kind, folded) for kind, _, _, folded in keys),
-                    "backward": any(
-                        kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for kind, _, _, _ in keys
-                    ),
+                    "forward": any(stores_residuals(key[0], key[3]) for key in keys),
+                    "backward": any(key[0] in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT) for key in keys),
                 }
             )
     return runs

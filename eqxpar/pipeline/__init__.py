@@ -27,7 +27,8 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 - `PipelineLoss(first, stack, last)`: the loss in three parts.
 - `stage_rules(*rules)`: rules that also split every stack's layers over `pipe`.
 - `to_pipeline_order` / `from_pipeline_order`: the storage order of interleaved
-  (several chunks per device) stacks.
+  (several chunks per device) stacks and of uneven ones (`Plan(stage_layers=...)`:
+  each chunk in `max(stage_layers)` slots, padded with zeros).
 """
 
 from .._plan import PIPELINE_SCHEDULES as SCHEDULES

@@ -35,6 +35,13 @@ group share their `pipe` index, hence their schedule column, hence their branch.
   forward's residuals (under `"full"`, each recomputes the forward). The
   cotangent stays buffered from `I` to `W`.
 
+Uneven stages (`Plan(stage_layers=...)`): every device's chunks are stored in
+`max(stage_layers)` layer slots each (`to_pipeline_order`), and a branch's key
+holds its virtual stage's layer count: the branch slices its chunk to those
+layers before the stage runs, so the padding slots run nothing and their
+gradient sums stay zero; the residual and stash layouts are per (first, last,
+layer count) kind of stage.
+
 After the scan the gradients of everything outside the stack (computed on the
 first or last stage only) are summed over `pipe`, and all gradients over the
 data-parallel axes.
@@ -113,6 +120,15 @@ def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
         buffer,
         value,
     )
+
+
+def _add_chunk(acc: jax.Array, g: jax.Array, *, chunk: jax.Array) -> jax.Array:
+    """`g`, a virtual stage's gradients, added to row `chunk` of the sums `acc`
+    (`(chunks, slots, ...)`); a stage of fewer layers than slots adds to its
+    first slots (the rest are padding)."""
+    row = lax.dynamic_index_in_dim(acc, chunk, 0, keepdims=False)
+    row = row + g if g.shape[0] == row.shape[0] else row.at[: g.shape[0]].add(g)
+    return lax.dynamic_update_index_in_dim(acc, row, chunk, 0)
 
 
 def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
@@ -200,7 +216,7 @@ class Engine:
 
     @functools.cached_property
     def program(self) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
-        return build_program(self.sched, self.keep)
+        return build_program(self.sched, self.keep, self.layout.plan.stage_layers)
 
     @property
     def keep(self) -> bool:
@@ -221,8 +237,18 @@ class Engine:
 
     def check_depth(self, model: Any) -> None:
         plan = self.layout.plan
-        p, v = plan.mesh.shape[PIPE], plan.chunks
+        p, v, layers = plan.mesh.shape[PIPE], plan.chunks, plan.stage_layers
         depth = self.parts.stack_of(model).depth
+        if layers is not None:
+            stored = p * v * max(layers)
+            if depth != stored:
+                raise DivisibilityError(
+                    f"Plan(stage_layers={layers}) stores {p} stages x {v} chunks x max(stage_layers) "
+                    f"= {stored} layer slots, but the pipelined stack has {depth} rows. Store the "
+                    f"{sum(layers)}-layer stack with eqxpar.pipeline.to_pipeline_order(stack, stages={p}, "
+                    f"chunks={v}, stage_layers={layers}) (from_pipeline_order reads it back)."
+                )
+            return
         if depth % (p * v):
             raise DivisibilityError(
                 f"the pipelined stack has depth {depth}, which does not split into {p} stages x "
@@ -322,10 +348,10 @@ class Packing:
     where each array sits."""
 
     def __init__(self):
-        self.layout: dict[tuple[bool, bool], list] = {}
+        self.layout: dict[tuple, list] = {}
         self.groups: dict[tuple, int] = {}
 
-    def add(self, kind: tuple[bool, bool], outlines: list) -> None:
+    def add(self, kind: tuple, outlines: list) -> None:
         offsets: dict[tuple, int] = {}
         layout = []
         for leaf in outlines:
@@ -345,7 +371,7 @@ class Packing:
             for (dtype, axes), size in sorted(self.groups.items())
         )
 
-    def pack(self, kind: tuple[bool, bool], arrays: list) -> tuple:
+    def pack(self, kind: tuple, arrays: list) -> tuple:
         """`kind`'s arrays as one vector per group."""
         parts: dict[tuple, list] = {key: [] for key in self.groups}
         for (key, _, _), leaf in zip(self.layout[kind], arrays, strict=True):
@@ -357,7 +383,7 @@ class Packing:
             out.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
         return tuple(out)
 
-    def load(self, buffers: tuple, kind: tuple[bool, bool], slot: jax.Array) -> list:
+    def load(self, buffers: tuple, kind: tuple, slot: jax.Array) -> list:
         """`kind`'s arrays read from slot `slot` of `buffers` (a buffer per group)."""
         by_key = dict(zip(sorted(self.groups), buffers, strict=True))
         return [
@@ -382,6 +408,13 @@ class Device:
         self.micro_batches = split_microbatches(engine.loss.compute(batch), self.m)
         self._resolve_types()
         self._resolve_residuals()
+
+    def layers_of(self, chunk: Any, layers: int | None) -> Any:
+        """The first `layers` slots of a chunk (`Plan(stage_layers=...)`: the
+        stage's layers; the slots after them are padding); None: all of them.
+        Sliced before the stage runs, so that the padding costs no FLOPs and,
+        outside the differentiated function, gets no gradient."""
+        return chunk if layers is None else jax.tree.map(lambda x: x[:layers], chunk)
 
     def assemble(self, rest: Any, chunk: Any) -> Any:
         full = eqx.combine(rest, self.static)
@@ -470,36 +503,32 @@ class Device:
         _, branch_keys = self.engine.program
         if not self.engine.keep:
             return
-        variants = sorted(
-            {
-                (f, la)
-                for keys in branch_keys
-                for kind, f, la, folded in keys
-                if stores_residuals(kind, folded)
-            }
-        )
-        split = sorted({(f, la) for keys in branch_keys for kind, f, la, _ in keys if kind == BACKWARD_INPUT})
+        # Per kind of stage: (first, last, layers).
+        variants = {
+            key[1:3] + key[4:] for keys in branch_keys for key in keys if stores_residuals(key[0], key[3])
+        }
+        split = {key[1:3] + key[4:] for keys in branch_keys for key in keys if key[0] == BACKWARD_INPUT}
         # Indexed as the branches index them, by a row of the program (which
         # varies along pipe), so that the residuals have the branches' types.
         at = lax.axis_index(PIPE) * 0
         mb0, chunk0 = _index(self.micro_batches, at), _index(self.blocks, at)
-        for first, last in variants:
+        for first, last, layers in sorted(variants, key=str):
 
             def kept_leaves(chunk, x, mb, first=first, last=last):
                 _, leaves, _, kept = self._vjp(first, last, chunk, x, mb)
                 return [leaves[i] for i in kept]
 
-            x0 = None if first else self.zeros_act()
-            self.residuals.add((first, last), jax.eval_shape(kept_leaves, chunk0, x0, mb0))
-        for first, last in split:
+            x0, chunk = (None if first else self.zeros_act()), self.layers_of(chunk0, layers)
+            self.residuals.add((first, last, layers), jax.eval_shape(kept_leaves, chunk, x0, mb0))
+        for first, last, layers in sorted(split, key=str):
 
             def stash(chunk, x, mb, first=first, last=last):
                 _, leaves, treedef, _ = self._vjp(first, last, chunk, x, mb)
                 halves, inputs = split_pull_back(leaves, treedef, self.seed(last, self.zeros_act()), first)
                 return halves.input_half(inputs)[1]
 
-            x0 = None if first else self.zeros_act()
-            self.stash.add((first, last), jax.eval_shape(stash, chunk0, x0, mb0))
+            x0, chunk = (None if first else self.zeros_act()), self.layers_of(chunk0, layers)
+            self.stash.add((first, last, layers), jax.eval_shape(stash, chunk, x0, mb0))
 
     def zeros_act(self) -> jax.Array:
         return mark_varying(jnp.zeros(self.act.shape, self.act.dtype), self.act_axes)
@@ -536,8 +565,7 @@ class Device:
     def _pull_back_kept(
         self,
         action: int,
-        first: bool,
-        last: bool,
+        kind: tuple,
         folded: bool,
         chunk: Any,
         x: Any,
@@ -558,10 +586,10 @@ class Device:
         removes it. `I` and `W` run the two halves of the pull-back
         (`_split_backward`): `I` the input cotangent's, storing the stash that
         `W`'s half, the weight cotangents', reads from the stash buffers
-        `stashed`."""
+        `stashed`. `kind`: `(first, last, layers)`, the stage's residual layout."""
+        first, last, _ = kind
         out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
         to_store = None
-        kind = (first, last)
         if stores_residuals(action, folded):
             to_store = self.residuals.pack(kind, [leaves[i] for i in kept])
         elif not (folded and action == BACKWARD):
@@ -618,6 +646,7 @@ class Device:
         first: bool,
         last: bool,
         folded: bool,
+        layers: int | None,
         fields: jax.Array,
         inputs: jax.Array,
         cots: jax.Array,
@@ -633,11 +662,12 @@ class Device:
         mb, chunk, in_slot, cot_slot = fields[0], fields[1], fields[2], fields[3]
         if action == IDLE:  # (a folded forward is idle: its backward runs it)
             return None, None, g_rest, g_blocks, loss_sum, None, None
-        mb_batch, chunk_params = _index(self.micro_batches, mb), _index(self.blocks, chunk)
+        mb_batch = _index(self.micro_batches, mb)
+        chunk_params = self.layers_of(_index(self.blocks, chunk), layers)
         x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
         if action == FORWARD and self.engine.keep:
             out, leaves, _, kept = self._vjp(first, last, chunk_params, x, mb_batch)
-            packed = self.residuals.pack((first, last), [leaves[i] for i in kept])
+            packed = self.residuals.pack((first, last, layers), [leaves[i] for i in kept])
             if last:  # the loss: nothing to send on
                 loss_sum = loss_sum + mark_varying(out, self.loss_axes)
                 return None, None, g_rest, g_blocks, loss_sum, packed, None
@@ -651,7 +681,16 @@ class Device:
         packed = stash = None
         if self.engine.keep:
             out, grads, dx, packed, stash = self._pull_back_kept(
-                action, first, last, folded, chunk_params, x, mb_batch, seed, stored, stashed, fields
+                action,
+                (first, last, layers),
+                folded,
+                chunk_params,
+                x,
+                mb_batch,
+                seed,
+                stored,
+                stashed,
+                fields,
             )
         else:
             out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
@@ -661,13 +700,7 @@ class Device:
         if grads is not None:
             g_r, g_c = grads
             g_rest = jax.tree.map(jnp.add, g_rest, g_r)
-            g_blocks = jax.tree.map(
-                lambda acc, g: lax.dynamic_update_index_in_dim(
-                    acc, lax.dynamic_index_in_dim(acc, chunk, 0, keepdims=False) + g, chunk, 0
-                ),
-                g_blocks,
-                g_c,
-            )
+            g_blocks = jax.tree.map(functools.partial(_add_chunk, chunk=chunk), g_blocks, g_c)
         return None, send_b, g_rest, g_blocks, loss_sum, packed, stash
 
     def run(self) -> tuple[jax.Array, Any, Any]:

@@ -1,7 +1,9 @@
 """Where a pipelined stack's layers live: the rule that splits them over `pipe`,
-and the storage order of interleaved (several chunks per device) stacks."""
+and the storage order of interleaved (several chunks per device) and uneven
+(`Plan(stage_layers=...)`) stacks. `stored_rows` is shared with the engine."""
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -10,6 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .._errors import DivisibilityError, PlanError
+from .._plan import checked_stage_layers
 from .._rules import Leaf, Rule, as_rules, mesh_axis_names
 from ..nn._stack import Stacked
 
@@ -82,60 +85,96 @@ def stage_rules(*rules: Any, axis: Any = "pipe") -> StageRules:
     return StageRules(rules, axis=axis)
 
 
-def _permutation(depth: int, stages: int, chunks: int) -> np.ndarray:
-    """`perm[r]` = the sequential layer stored at row `r` (pipeline order)."""
-    if depth % (stages * chunks):
-        raise DivisibilityError(
-            f"a stack of depth {depth} does not split into {stages} stages x {chunks} chunks; "
-            f"use a depth that is a multiple of {stages * chunks}."
-        )
-    per_chunk = depth // (stages * chunks)
-    rows = []
+def stored_rows(
+    depth: int, stages: int, chunks: int, stage_layers: Sequence[int] | None = None
+) -> np.ndarray:
+    """`rows[r]` = the sequential layer stored at row `r` (pipeline order), -1
+    for a padding slot: device `d` stores its chunks `0, 1, ...` one after the
+    other, each in `max(stage_layers)` slots (`depth / (stages * chunks)`
+    without `stage_layers`), virtual stage `k = c * stages + d`'s layers first.
+    Shared with the engine, which checks a stored stack's depth with it."""
+    if stage_layers is None:
+        if depth % (stages * chunks):
+            raise DivisibilityError(
+                f"a stack of depth {depth} does not split into {stages} stages x {chunks} chunks; "
+                f"use a depth that is a multiple of {stages * chunks}, or give the layers per "
+                "virtual stage (stage_layers=...)."
+            )
+        stage_layers = (depth // (stages * chunks),) * (stages * chunks)
+    stage_layers = checked_stage_layers(stage_layers, stages=stages, chunks=chunks, depth=depth)
+    starts = np.cumsum((0,) + stage_layers)
+    slots = max(stage_layers)
+    rows: list[int] = []
     for device in range(stages):
         for chunk in range(chunks):
-            start = (chunk * stages + device) * per_chunk
-            rows.extend(range(start, start + per_chunk))
+            k = chunk * stages + device
+            rows.extend(range(starts[k], starts[k + 1]))
+            rows.extend([-1] * (slots - stage_layers[k]))
     return np.asarray(rows)
 
 
-def _permute(stack: Stacked, order: np.ndarray) -> Stacked:
-    if not isinstance(stack, Stacked):
-        raise PlanError(f"expected an eqxpar.nn.Stacked (or its gradients), got {type(stack).__name__}.")
-    blocks = jax.tree.map(lambda x: x[order] if eqx.is_array(x) else x, stack.blocks)
-    return eqx.tree_at(lambda s: s.blocks, stack, blocks)
+def _with_blocks(stack: Stacked, blocks: Any, depth: int) -> Stacked:
+    """`stack` holding `blocks` (`depth` rows; `depth` is a static field, set as
+    `Stacked.from_blocks` sets it)."""
+    out = eqx.tree_at(lambda s: s.blocks, stack, blocks)
+    if depth != stack.depth:
+        object.__setattr__(out, "depth", depth)
+    return out
 
 
-def to_pipeline_order(stack: Stacked, *, stages: int, chunks: int) -> Stacked:
-    """Reorder a stack's layers from sequential order to the order an interleaved
-    pipeline stores them in.
+def to_pipeline_order(
+    stack: Stacked, *, stages: int, chunks: int, stage_layers: Sequence[int] | None = None
+) -> Stacked:
+    """Reorder a stack's layers from sequential order to the order a pipeline
+    stores them in.
 
     With `stages` devices and `chunks` chunks per device there are `stages *
-    chunks` virtual stages of `depth / (stages * chunks)` layers; virtual stage
-    `k` (sequential layers `k * n ... k * n + n - 1`) runs on device `k % stages`
-    as its chunk `k // stages`. The pipe axis splits the stored layer axis into
-    contiguous runs, so device `d` must store its chunks `0, 1, ...` one after
-    the other: stored row `d * (depth / stages) + c * n + j` holds sequential
-    layer `(c * stages + d) * n + j`. With `chunks == 1` this is the identity.
+    chunks` virtual stages of `n = depth / (stages * chunks)` layers; virtual
+    stage `k` (sequential layers `k * n ... k * n + n - 1`) runs on device `k %
+    stages` as its chunk `k // stages`. The pipe axis splits the stored layer
+    axis into contiguous runs, so device `d` must store its chunks `0, 1, ...`
+    one after the other: stored row `d * (depth / stages) + c * n + j` holds
+    sequential layer `(c * stages + d) * n + j`. With `chunks == 1` this is the
+    identity.
+
+    With `stage_layers` (`Plan(stage_layers=...)`: virtual stage `k` runs
+    `stage_layers[k]` layers) every chunk is stored in `n = max(stage_layers)`
+    slots, its stage's layers first and zeros after them: the stored stack has
+    `stages * chunks * n` rows.
 
     Works on the stack of a model, of its gradients or of its optimizer moments
     (any `Stacked`-shaped tree). `from_pipeline_order` undoes it.
 
-    **Arguments:** `stack`; keyword-only `stages` (size of `pipe`), `chunks`.
+    **Arguments:** `stack`; keyword-only `stages` (size of `pipe`), `chunks`,
+    `stage_layers` (default None: equal stages).
 
-    **Returns:** the stack with its layers permuted.
+    **Returns:** the stack with its layers permuted (and padded).
 
     ```python
     model = eqx.tree_at(lambda m: m.blocks, model,
                         eqxpar.pipeline.to_pipeline_order(model.blocks, stages=4, chunks=2))
     ```
     """
-    return _permute(stack, _permutation(_depth(stack), stages, chunks))
+    rows = stored_rows(_depth(stack), stages, chunks, stage_layers)
+    pad = rows < 0
+    take = np.maximum(rows, 0)
+
+    def store(x: Any) -> Any:
+        if not eqx.is_array(x):
+            return x
+        out = x[take]
+        return out.at[np.nonzero(pad)[0]].set(0) if pad.any() else out
+
+    return _with_blocks(stack, jax.tree.map(store, stack.blocks), len(rows))
 
 
-def from_pipeline_order(stack: Stacked, *, stages: int, chunks: int) -> Stacked:
-    """Undo `to_pipeline_order`: layers back in sequential order.
+def from_pipeline_order(
+    stack: Stacked, *, stages: int, chunks: int, stage_layers: Sequence[int] | None = None
+) -> Stacked:
+    """Undo `to_pipeline_order`: layers back in sequential order, padding dropped.
 
-    **Arguments:** `stack` (in pipeline order); keyword-only `stages`, `chunks`.
+    **Arguments:** `stack` (in pipeline order); keyword-only `stages`, `chunks`,
+    `stage_layers` (those it was stored with).
 
     **Returns:** the stack with layer `i` at row `i`.
 
@@ -143,11 +182,31 @@ def from_pipeline_order(stack: Stacked, *, stages: int, chunks: int) -> Stacked:
     blocks = eqxpar.pipeline.from_pipeline_order(model.blocks, stages=4, chunks=2)
     ```
     """
-    return _permute(stack, np.argsort(_permutation(_depth(stack), stages, chunks)))
+    stored = _depth(stack)
+    if stage_layers is None:
+        rows = stored_rows(stored, stages, chunks)
+    else:
+        layers = checked_stage_layers(stage_layers, stages=stages, chunks=chunks)
+        rows = stored_rows(sum(layers), stages, chunks, layers)
+        if len(rows) != stored:
+            raise PlanError(
+                f"from_pipeline_order(stage_layers={layers}): a stack stored with these stages has "
+                f"{stages} x {chunks} x {max(layers)} = {len(rows)} rows, this one {stored}. Pass the "
+                "stage_layers (and stages, chunks) it was stored with."
+            )
+    order = np.argsort(np.where(rows < 0, len(rows), rows), kind="stable")[: int((rows >= 0).sum())]
+    blocks = jax.tree.map(lambda x: x[order] if eqx.is_array(x) else x, stack.blocks)
+    return _with_blocks(stack, blocks, len(order))
+
+
+def _checked(stack: Any) -> Stacked:
+    if not isinstance(stack, Stacked):
+        raise PlanError(f"expected an eqxpar.nn.Stacked (or its gradients), got {type(stack).__name__}.")
+    return stack
 
 
 def _depth(stack: Stacked) -> int:
-    leaves = [x for x in jax.tree.leaves(stack.blocks) if eqx.is_array(x)]
+    leaves = [x for x in jax.tree.leaves(_checked(stack).blocks) if eqx.is_array(x)]
     if not leaves:
         raise PlanError("the stack holds no arrays; nothing to reorder.")
     return int(leaves[0].shape[0])

@@ -40,11 +40,14 @@ def slot_used(rows: np.ndarray, field: int) -> bool:
 
 
 #: (action, is first virtual stage, is last virtual stage, folded: the last
-#: stage's forward runs inside its backward)
-Key = tuple[int, bool, bool, bool]
+#: stage's forward runs inside its backward, layers the stage runs: None for
+#: all of its chunk's slots, a count where `Plan(stage_layers=...)` gives one)
+Key = tuple[int, bool, bool, bool, int | None]
 
 
-def build_program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
+def build_program(
+    sched: Schedule, keep: bool, stage_layers: tuple[int, ...] | None = None
+) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
     """Per (tick, device): branch index, receive-input slot, receive-cotangent
     slot, then for each of the tick's two actions (the second idle unless the
     schedule fuses them) micro-batch, chunk, input slot, cotangent slot, residual
@@ -57,10 +60,12 @@ def build_program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[K
     backward cost a forward more than the table says (GPipe's backward phase).
     It is folded where the schedule puts the two in one tick (`Buffers.folded`),
     and, when residuals are not kept (`keep=False`, remat "full"), always: every
-    backward then recomputes its forward anyway."""
+    backward then recomputes its forward anyway. With `stage_layers` (layers per
+    virtual stage) a key holds its stage's count, so that a branch runs its
+    stage's layers only; else None (the whole chunk)."""
     p, stages = sched.stages, sched.virtual_stages
     bufs = sched.buffers
-    idle: Key = (IDLE, False, False, False)
+    idle: Key = (IDLE, False, False, False, None)
     branches: list[tuple[Key, Key]] = [(idle, idle)]
     index: dict[tuple[Key, Key], int] = {branches[0]: 0}
     tables = (sched.table, sched.fused if sched.fused is not None else np.zeros_like(sched.table))
@@ -75,7 +80,7 @@ def build_program(sched: Schedule, keep: bool) -> tuple[np.ndarray, list[tuple[K
                 last = k == stages - 1
                 folded = last and (not keep or bool(bufs.folded[tick, device, i]))
                 if kind != IDLE and not (kind == FORWARD and folded):
-                    key = (kind, k == 0, last, folded)
+                    key = (kind, k == 0, last, folded, None if stage_layers is None else stage_layers[k])
                     slot = int(bufs.residual_slot[tick, device, i])
                     write, read = _residual_slots(kind, folded, slot)
                     if keep:

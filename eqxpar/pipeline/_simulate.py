@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import PipelineScheduleError
+from .._plan import checked_stage_layers
 from ._actions import ACTION_NAMES, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._schedule import Schedule
 from ._timeline import Simulation, run_times
@@ -77,6 +78,7 @@ def simulate(
     *,
     send: Any = 0.0,
     last_stage: Any = None,
+    stage_layers: Any = None,
 ) -> Simulation:
     """Predict the step time of `schedule` on its devices from per-action times.
 
@@ -103,12 +105,17 @@ def simulate(
       on top of `costs` (the model's head and loss, which run there), by the same
       keys, absent keys 0; default none. In lockstep a tick in which the last
       stage's device is the costliest lasts that much longer, on every device.
+    - `stage_layers`: keyword-only, layers per virtual stage (as
+      `Plan(stage_layers=...)`); `costs` are then one layer's times, and virtual
+      stage `k`'s actions take `stage_layers[k]` times them (`last_stage` is
+      still added once). Default None: every stage costs `costs`.
 
     **Returns:** a `Simulation` (`free_s`, `lockstep_s`, `work_s`, the bubble
     fractions, `speedup_over`).
 
     **Raises:** `PipelineScheduleError` for a missing, unknown, negative or
-    non-finite cost or send time.
+    non-finite cost or send time; `PlanError` for `stage_layers` that are not one
+    positive count per virtual stage.
 
     ```python
     import eqxpar
@@ -121,6 +128,10 @@ def simulate(
     # A head costing a tenth of a stage forward, on the last stage (its device runs
     # 1.1 F, 1.1 I, 1.1 W): lockstep 55.8, against 51 without.
     eqxpar.pipeline.simulate(zb_schedule, costs, last_stage={"F": 0.1, "I": 0.1, "W": 0.1})
+    # 15 layers, a head worth one: a layer less on the last stage balances it.
+    layer, head = {"F": 1.0, "B": 2.0}, {"F": 1.0, "B": 2.0}
+    one_f_one_b = eqxpar.pipeline.schedule("1f1b", stages=4, microbatches=16)
+    eqxpar.pipeline.simulate(one_f_one_b, layer, last_stage=head, stage_layers=(4, 4, 4, 3))
     ```
     """
     if not isinstance(schedule, Schedule):
@@ -133,4 +144,6 @@ def simulate(
     cost = _checked_times("costs", costs, used)
     extra = _checked_times("last_stage", {} if last_stage is None else last_stage, [])
     send = _checked_send(send)
-    return run_times(schedule, cost, extra, send)
+    if stage_layers is not None:
+        stage_layers = checked_stage_layers(stage_layers, stages=schedule.stages, chunks=schedule.chunks)
+    return run_times(schedule, cost, extra, send, stage_layers)

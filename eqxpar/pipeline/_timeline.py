@@ -73,16 +73,24 @@ class Simulation:
         )
 
 
-def run_times(schedule: Any, cost: dict[int, float], extra: dict[int, float], send: float) -> Simulation:
+def run_times(
+    schedule: Any,
+    cost: dict[int, float],
+    extra: dict[int, float],
+    send: float,
+    stage_layers: tuple[int, ...] | None = None,
+) -> Simulation:
     """The step times of `schedule` (a `Schedule`, which imports this module for
-    its bubble fractions) when an action of code `a` takes `cost[a]` seconds,
-    `extra[a]` more on the last virtual stage, and a send between devices `send`
-    seconds (see `simulate`)."""
+    its bubble fractions) when an action of code `a` takes `cost[a]` seconds
+    (times `stage_layers[k]` on virtual stage `k`, where given), `extra[a]` more
+    on the last virtual stage, and a send between devices `send` seconds (see
+    `simulate`)."""
     entries = schedule.entries()
     stages = schedule.virtual_stages
+    scale = (1,) * stages if stage_layers is None else stage_layers
 
     def time(kind: int, k: int) -> float:
-        return cost[kind] + (extra[kind] if k == stages - 1 else 0.0)
+        return cost[kind] * scale[k] + (extra[kind] if k == stages - 1 else 0.0)
 
     free = [0.0] * schedule.stages
     finish: dict[tuple[int, int, int], tuple[float, int]] = {}  # key -> (end, device)
