@@ -135,7 +135,12 @@ def test_pipeline_program_runs_its_table_at_each_actions_flops(name, chunks, rem
 
 @pytest.mark.parametrize(
     ("name", "chunks", "layers"),
-    [("zero_bubble", 1, (2, 1)), pytest.param("interleaved", 2, (1, 2, 2, 1), marks=pytest.mark.slow)],
+    # Both slow (20-150 s each on 2 cores): `make test-slow`. tests/test_pipeline.py's
+    # uneven parity cases run in `make test`.
+    [
+        pytest.param("zero_bubble", 1, (2, 1), marks=pytest.mark.slow),
+        pytest.param("interleaved", 2, (1, 2, 2, 1), marks=pytest.mark.slow),
+    ],
 )
 def test_uneven_stages_run_their_table_at_each_layers_flops(name, chunks, layers):
     # Plan(stage_layers=...): each stage's branch runs its own layers, none of its

@@ -134,6 +134,8 @@ def _resident_kb(path):
     return anon, mapped
 
 
+# Slow (40 s on 2 cores: a file large enough to see residency): `make test-slow`.
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc")
 def test_reading_keeps_no_part_of_the_file_resident(tmp_path):
     # 64 MiB of ids (in the page cache: just written), read in a random order:
