@@ -320,10 +320,8 @@ _TP_SP = {"mode": "manual", "sequence_parallel": True}
 _TP_SEQ = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
 _EP_TP = {"expert": 2, "data": 2, "tensor": 2}
 # Llama style: 8 query heads, 4 key/value heads (a multiple of the tensor size).
-_LLAMA, _LLAMA_TIED = (
-    {"llama": True, "heads": 8, "kv_heads": 4},
-    {"llama": True, "heads": 8, "kv_heads": 4, "tied": True},
-)
+_LLAMA = {"llama": True, "heads": 8, "kv_heads": 4}
+_LLAMA_TIED = {**_LLAMA, "tied": True}
 
 #: name -> strategy, in the order they are run and reported (the bounds: benchmarks/README.md).
 STRATEGIES: dict[str, Strategy] = {

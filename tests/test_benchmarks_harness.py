@@ -115,21 +115,7 @@ def test_pipeline_program_runs_its_table_at_each_actions_flops(name, chunks, rem
     stage, head = flops["stage"], flops["head"]
     assert stage["I"] + stage["W"] == stage["B"] and stage["I"] > stage["F"] > stage["W"] > 0
     assert head["F"] > 0 and head["I"] + head["W"] == head["B"]
-    plan = eqxpar.Plan(
-        eqxpar.make_mesh(pipe=p, data=data),
-        rules=eqxpar.pipeline.stage_rules(None),
-        schedule=name,
-        microbatches=m,
-        chunks=chunks,
-        remat=remat,
-    )
-    optim = _workload.make_optimizer(cfg)
-    step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
-    model = _workload.pipeline_model(_workload.make_model(cfg), stages=p, chunks=chunks)
-    compiled = _measure.EqxparRunner(step, plan, model, optim, _workload.make_batches(1, cfg)).compile()
-    sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
-    table = _action_flops.pipeline_table_flops(sched, flops)
-    ratio = eqxpar.inspect.matmul_flops(compiled) / table.lockstep_s
+    ratio = _program_over_table(cfg, flops, name, chunks, remat=remat)
     assert ratio == pytest.approx(1.0, abs=0.01) if remat == "none" else ratio > 1.25, ratio
 
 
@@ -148,24 +134,25 @@ def test_uneven_stages_run_their_table_at_each_layers_flops(name, chunks, layers
     # per-action FLOPs times each virtual stage's count (the pp_*_uneven records).
     from benchmarks import _action_flops
 
-    cfg, p, m, data = dataclasses.replace(SMALL, layers=sum(layers)), 2, 4, 4
+    cfg, m, data = dataclasses.replace(SMALL, layers=sum(layers)), 4, 4
     flops = _action_flops.action_flops(cfg, layers=1, rows=cfg.batch // (m * data))
-    mesh = eqxpar.make_mesh(pipe=p, data=data)
-    plan = eqxpar.Plan(
-        mesh,
-        rules=eqxpar.pipeline.stage_rules(),
-        schedule=name,
-        microbatches=m,
-        chunks=chunks,
-        stage_layers=layers,
-    )
+    assert _program_over_table(cfg, flops, name, chunks, layers=layers) == pytest.approx(1.0, abs=0.01)
+
+
+def _program_over_table(cfg, flops, name, chunks, *, remat="none", layers=None, p=2, m=4, data=4):
+    """The compiled pipeline step's lockstep matmul FLOPs over its table priced at
+    `flops` (pipe `p` x data `data`, `m` micro-batches; `layers`: Plan(stage_layers=))."""
+    from benchmarks import _action_flops
+
+    options = {"schedule": name, "microbatches": m, "chunks": chunks, "remat": remat, "stage_layers": layers}
+    plan = eqxpar.Plan(eqxpar.make_mesh(pipe=p, data=data), rules=eqxpar.pipeline.stage_rules(), **options)
     optim = _workload.make_optimizer(cfg)
     step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
     model = _workload.pipeline_model(_workload.make_model(cfg), stages=p, chunks=chunks, layers=layers)
     compiled = _measure.EqxparRunner(step, plan, model, optim, _workload.make_batches(1, cfg)).compile()
     sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
     table = _action_flops.pipeline_table_flops(sched, flops, layers)
-    assert eqxpar.inspect.matmul_flops(compiled) / table.lockstep_s == pytest.approx(1.0, abs=0.01)
+    return eqxpar.inspect.matmul_flops(compiled) / table.lockstep_s
 
 
 def test_first_step_gradients_read_back_from_adam():
