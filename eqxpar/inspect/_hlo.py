@@ -88,7 +88,7 @@ _GROUPS_MESH = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-# A pipeline tick's switch (eqxpar/pipeline/_engine.py, `tick_scope`).
+# A pipeline tick's switch, as the engine names it (eqxpar/pipeline/_engine.py, `Device._tick_scope`).
 _TICK = re.compile(r"eqxpar_tick_s(\d+)_b(\d+(?:_\d+)*)")
 
 
