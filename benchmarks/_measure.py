@@ -233,7 +233,8 @@ def header(prog: str, argv: Sequence[str] | None, *, warm: int, timed: int) -> d
 
 
 def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
-    """`data` as JSON into `path` (its folder made if missing)."""
+    """`data` as JSON into `path` (its folder made if missing; a numpy scalar as a number, else `str`)."""
+    plain = lambda x: x.item() if isinstance(x, np.generic) else str(x)  # noqa: E731
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(data, indent=2, default=plain) + "\n")
     print(f"wrote {path}")
