@@ -316,7 +316,7 @@ _CP, _CP_TP = {"data": 2, "context": 4}, {"data": 2, "context": 2, "tensor": 2}
 _EP = {"wire_over_dropless_bound_max": 1.05, "parity_max_rel_err": 1e-5}
 _TP_SP = {"mode": "manual", "sequence_parallel": True}
 _TP_SEQ = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
-_EP_TP = {"expert": 2, "data": 2, "tensor": 2}
+_EP_TP, _3D = {"expert": 2, "data": 2, "tensor": 2}, {"pipe": 2, "data": 2, "tensor": 2}
 # Llama style: 8 query heads, 4 key/value heads (a multiple of the tensor size).
 _LLAMA = {"llama": True, "heads": 8, "kv_heads": 4}
 _LLAMA_TIED = {**_LLAMA, "tied": True}
@@ -350,11 +350,9 @@ STRATEGIES: dict[str, Strategy] = {
     "ep": Strategy(_expert, {"expert": 4, "data": 2}, {"rules": eqxpar.rules.EXPERT, "contract": _EP}),
     "ep_tp": Strategy(_expert, _EP_TP, {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP}),
     # 3D splits the vocabulary over `tensor` too (`_workload.TENSOR_VOCAB_RULES`).
-    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True),
+    "3d": _pp("1f1b", 1.10, 1.05, _3D, tensor=True),
     "tp_llama": Strategy(_tp, _TP, {"mode": "manual"}, _LLAMA),
     "tp_sp_llama": Strategy(_tp, _TP, _TP_SP, _LLAMA_TIED),
     "tp_overlap_llama": Strategy(_tp, _TP, {**_TP_SP, "tp_overlap": True}, _LLAMA),
-    "3d_llama": _pp(
-        "1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, variant=_LLAMA_TIED, tensor=True
-    ),
+    "3d_llama": _pp("1f1b", 1.10, 1.05, _3D, variant=_LLAMA_TIED, tensor=True),
 }
