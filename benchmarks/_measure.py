@@ -41,16 +41,12 @@ def is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def shardings(mesh: Mesh, specs: Any) -> Any:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-
-
 class OwnStateStep:
     """`step(params, opt_state, batch)` jitted on `mesh` with the shardings of `specs`, `opt_specs`
     and `batch_spec`, holding its own (donated) copy of `params` and their optimizer state."""
 
     def __init__(self, step, optim, params, mesh: Mesh, specs, opt_specs, batch_spec):
-        state = (shardings(mesh, specs), shardings(mesh, opt_specs))
+        state = jax.tree.map(lambda s: NamedSharding(mesh, s), (specs, opt_specs), is_leaf=is_spec)
         self.batch_sharding = NamedSharding(mesh, batch_spec)
         # Copy inside jit: fresh buffers owned by this step, created in their sharding.
         place = jax.jit(lambda p: (jax.tree.map(jnp.copy, p), optim.init(p)), out_shardings=state)
@@ -233,7 +229,8 @@ def header(prog: str, argv: Sequence[str] | None, *, warm: int, timed: int) -> d
 
 
 def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
-    """`data` as JSON into `path` (its folder made if missing)."""
+    """`data` as JSON into `path` (its folder made if missing; a numpy scalar as a number, else `str`)."""
+    plain = lambda x: x.item() if isinstance(x, np.generic) else str(x)  # noqa: E731
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(data, indent=2, default=plain) + "\n")
     print(f"wrote {path}")

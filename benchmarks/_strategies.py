@@ -43,7 +43,7 @@ class Setup:
     #: The single-device reference's loss on the workload (parity, trajectory).
     reference_loss_fn: Callable = _workload.loss_fn
     baseline_name: str = SAME_SHARDINGS
-    #: `extra(compiled, eqx_model, runner) -> dict`: more fields for the record.
+    #: `extra(compiled, eqx_model, runner, least) -> dict`: more fields for the record (`least`: `minimum`'s).
     extra: Callable[..., dict] | None = None
     contract: dict = dataclasses.field(default_factory=lambda: dict(STANDARD))
     #: More steps timed with the two sides: name -> (description, `(model, optim) -> step`).
@@ -127,7 +127,7 @@ def _bf16(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, **options: 
     """A plan computing in bfloat16, against the same casts on one device and the float32 `jax.jit` step."""
     setup = _sharded(model, optim, mesh, cfg, compute_dtype=jnp.bfloat16, contract=BF16_CONTRACT, **options)
 
-    def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
+    def extra(compiled: Any, eqx_model: Any, runner: Any, least: Any) -> dict:
         # XLA:CPU moves the bf16 collectives as float32: the minimum in that dtype.
         moved = setup.minimum(eqx_model, cfg, moved_dtype=jnp.float32)
         return {
@@ -193,7 +193,7 @@ def _pipelined(
 
     sched = eqxpar.pipeline.schedule(schedule, stages=p, microbatches=m, chunks=v)
 
-    def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
+    def extra(compiled: Any, eqx_model: Any, runner: Any, least: Any) -> dict:
         def lowered(k: int = m, remat: str = "none") -> Any:
             # `k` micro-batches of the same size: the global batch grows with them.
             at, step = _pipeline(key, schedule, k, v, tensor, optim, remat, layers)
@@ -240,8 +240,7 @@ def _context(
     """Context parallelism at a long sequence, held to the minimum (the ring's has K/V passed twice)."""
     setup = _sharded(model, optim, mesh, cfg, contract=contract, mode="manual", **options)
 
-    def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
-        least = setup.minimum(eqx_model, cfg)
+    def extra(compiled: Any, eqx_model: Any, runner: Any, least: Any) -> dict:
         kv = sum(w for part, (_, w) in least.parts.items() if "all-gather" in part and "context" in part)
         impl = setup.plan.context_attention or "ring"
         fields = {"context_attention": impl, "comm_wire_bytes_kv_gather_min": kv}
@@ -275,8 +274,7 @@ def _expert(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contra
     setup = _sharded(model, optim, mesh, cfg, contract=contract, **options)
     n = setup.plan.expert_size
 
-    def extra(compiled: Any, eqx_model: Any, runner: Any) -> dict:
-        least = setup.minimum(eqx_model, cfg)
+    def extra(compiled: Any, eqx_model: Any, runner: Any, least: Any) -> dict:
         routed = sum(w for part, (_, w) in least.parts.items() if part.startswith("MoE"))
         # Per MoE layer one all-to-all of the ids, one int32 per row of the buffers.
         tokens = cfg.batch * cfg.seq_len // setup.plan.batch_size_multiple
@@ -318,7 +316,7 @@ _CP, _CP_TP = {"data": 2, "context": 4}, {"data": 2, "context": 2, "tensor": 2}
 _EP = {"wire_over_dropless_bound_max": 1.05, "parity_max_rel_err": 1e-5}
 _TP_SP = {"mode": "manual", "sequence_parallel": True}
 _TP_SEQ = {"rules": _workload.TENSOR_RULES, "sequence_parallel": True}
-_EP_TP = {"expert": 2, "data": 2, "tensor": 2}
+_EP_TP, _3D = {"expert": 2, "data": 2, "tensor": 2}, {"pipe": 2, "data": 2, "tensor": 2}
 # Llama style: 8 query heads, 4 key/value heads (a multiple of the tensor size).
 _LLAMA = {"llama": True, "heads": 8, "kv_heads": 4}
 _LLAMA_TIED = {**_LLAMA, "tied": True}
@@ -352,11 +350,9 @@ STRATEGIES: dict[str, Strategy] = {
     "ep": Strategy(_expert, {"expert": 4, "data": 2}, {"rules": eqxpar.rules.EXPERT, "contract": _EP}),
     "ep_tp": Strategy(_expert, _EP_TP, {"rules": _workload.EXPERT_TENSOR_RULES, "contract": _EP}),
     # 3D splits the vocabulary over `tensor` too (`_workload.TENSOR_VOCAB_RULES`).
-    "3d": _pp("1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, tensor=True),
+    "3d": _pp("1f1b", 1.10, 1.05, _3D, tensor=True),
     "tp_llama": Strategy(_tp, _TP, {"mode": "manual"}, _LLAMA),
     "tp_sp_llama": Strategy(_tp, _TP, _TP_SP, _LLAMA_TIED),
     "tp_overlap_llama": Strategy(_tp, _TP, {**_TP_SP, "tp_overlap": True}, _LLAMA),
-    "3d_llama": _pp(
-        "1f1b", 1.10, 1.05, {"pipe": 2, "data": 2, "tensor": 2}, variant=_LLAMA_TIED, tensor=True
-    ),
+    "3d_llama": _pp("1f1b", 1.10, 1.05, _3D, variant=_LLAMA_TIED, tensor=True),
 }

@@ -25,18 +25,6 @@ def _unrolled_loss(model, tokens):
     return gpt_last(model, h, tokens)
 
 
-def compile_seconds(depth: int, *, scanned: bool) -> float:
-    cfg = dataclasses.replace(_workload.CONFIG, layers=depth, batch=16)
-    plan, optim = eqxpar.Plan(eqxpar.make_mesh(data=8)), _workload.make_optimizer(cfg)
-    state = eqxpar.train.init(_workload.make_model(cfg), optim, plan, key=jax.random.key(1))
-    loss = _workload.loss_fn if scanned else _unrolled_loss
-    tokens = jnp.zeros((cfg.batch, cfg.seq_len + 1), jnp.int32)
-    lowered = eqxpar.train.make_step(loss, optim, plan).lower(state, tokens)
-    start = time.perf_counter()
-    lowered.compile()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=pathlib.Path, help="where to write the results")
@@ -45,7 +33,15 @@ def main() -> None:
     results: dict = {"command": "python -m benchmarks.compile_time"}
     for kind in ("scanned", "unrolled") if args.unrolled else ("scanned",):
         for depth in (4, 32):
-            results[f"{kind}_{depth}"] = seconds = compile_seconds(depth, scanned=kind == "scanned")
+            cfg = dataclasses.replace(_workload.CONFIG, layers=depth, batch=16)
+            plan, optim = eqxpar.Plan(eqxpar.make_mesh(data=8)), _workload.make_optimizer(cfg)
+            state = eqxpar.train.init(_workload.make_model(cfg), optim, plan, key=jax.random.key(1))
+            loss = _workload.loss_fn if kind == "scanned" else _unrolled_loss
+            tokens = jnp.zeros((cfg.batch, cfg.seq_len + 1), jnp.int32)
+            lowered = eqxpar.train.make_step(loss, optim, plan).lower(state, tokens)
+            start = time.perf_counter()
+            lowered.compile()
+            results[f"{kind}_{depth}"] = seconds = time.perf_counter() - start
             print(f"{kind}_{depth}: {seconds:.2f} s compile", flush=True)
         results[f"{kind}_ratio_32_to_4"] = ratio = results[f"{kind}_32"] / results[f"{kind}_4"]
         print(f"{kind} 32 / 4 blocks: {ratio:.2f}x (scanned: target < 1.5x)")

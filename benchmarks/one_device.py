@@ -12,9 +12,7 @@ import functools
 import json
 import math
 import pathlib
-import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +20,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from eqxpar import nn
 
@@ -31,12 +28,7 @@ from . import _action_flops, _measure, _workload, report
 
 def timed(fn: Callable, *args: Any, reps: int) -> float:
     """Median seconds of `fn(*args)` over `reps` calls after a compile and two warm-ups."""
-    times = []
-    for _ in range(3 + reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:])
+    return _measure.timed_steps({"fn": lambda: fn(*args)}, warm=3, timed=reps)["fn"]["step_time_s"]
 
 
 def weighted_sum(fn: Callable, ct: Any) -> Callable:
@@ -306,7 +298,6 @@ def main(argv: list[str] | None = None) -> dict:
     data |= {"jax": jax.__version__, "platform": device.platform, "device_kind": device.device_kind}
     data |= {"command": command, "reps": args.reps, "statistic": "median"}
     print(f"{command}\njax {jax.__version__} on {device.device_kind}", flush=True)
-    plain = lambda x: x.item() if isinstance(x, np.generic) else str(x)  # noqa: E731
     for name in names:
         print(name, flush=True)
         try:
@@ -314,9 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception:  # noqa: BLE001 - the other sections still run and are written
             data[name] = {"error": traceback.format_exc(limit=3)}
             print(data[name]["error"], flush=True)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2, default=plain) + "\n")
-    print(f"wrote {args.json}")
+        _measure.write_json(args.json, data)
     return data
 
 

@@ -74,6 +74,8 @@ def _reference_rows(r: dict) -> list[list[str]]:
 def _pipeline_row(r: dict) -> list[str]:
     wire, least = r["comm_wire_bytes_total"], r["comm_wire_bytes_min"]
     permute = r["comm_bytes"].get("collective-permute", 0)
+    # The predicted speed-up over GPipe of the H200's wide stage, free-running / lockstep.
+    got = r.get("predicted_speedup_over_gpipe", {}).get("H200", {}).get("wide_unrolled")
     return [
         *(r["strategy"], r["schedule"], f"{r['microbatches']} × {r['chunks']}", str(r["ticks"])),
         f"{r['bubble_fraction']:.3f} ({r['lockstep_bubble_fraction']:.3f})",
@@ -85,14 +87,8 @@ def _pipeline_row(r: dict) -> list[str]:
         fmt(r.get("flops_over_table"), ".4f"),
         fmt(r.get("lockstep_bubble_fraction_at_flops"), ".3f"),
         fmt(ratio(r["step_time_s"], r["baseline_step_time_s"]), ".3f"),
-        _predicted(r, "H200", "wide_unrolled"),
+        f"{got['free']:.2f} / {got['lockstep']:.2f}" if got else "—",
     ]
-
-
-def _predicted(r: dict, source: str, stage: str) -> str:
-    """The record's predicted speed-up over GPipe, free-running / lockstep."""
-    got = r.get("predicted_speedup_over_gpipe", {}).get(source, {}).get(stage)
-    return f"{got['free']:.2f} / {got['lockstep']:.2f}" if got else "—"
 
 
 _PARITY_COLUMNS = ("strategy", "loss rel err", "gradients max rel err", "gradients 2-norm rel err")

@@ -96,7 +96,7 @@ def measure(name: str, refs: References, *, warm: int, timed: int, cfg=None) -> 
             times["ratio_to_baseline"] = median[k] / median["baseline"]
         times["eqxpar_over_reference"] = median["eqxpar"] / median[k]
         record.setdefault("references", {})[k] = {"what": what, **times}
-    record.update(setup.extra(compiled, eqx_model, runner) if setup.extra else {})
+    record.update(setup.extra(compiled, eqx_model, runner, least) if setup.extra else {})
     return {**record, "contract": setup.contract, "wall_time_s": time.perf_counter() - started}
 
 

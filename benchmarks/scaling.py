@@ -126,27 +126,6 @@ def write_outputs(data: dict[str, Any], png_dir: pathlib.Path | None, markdown: 
     return written
 
 
-def _sweep(data: dict, sweeps: Sequence[str], quick: bool, *, warm: int, timed: int) -> None:
-    model, single = functools.cache(_workload.make_model), None
-    optim, batches = _workload.make_optimizer(), _workload.make_batches(warm + timed)
-    if "devices" in sweeps:
-        # One compiled single-device step serves every devices point, so it keeps
-        # training across points: its step time is the reference, its numbers are not.
-        single = _measure.BaselineRunner(single_device(model(_workload.CONFIG), optim), batches)
-        data["single_device"] = {"d_model": _workload.CONFIG.d_model, **_measure.memory(single.compile())}
-    # Every point, in the order they are measured.
-    points = [("devices", s, mesh, _workload.CONFIG) for s, meshes in DEVICE_SWEEP.items() for mesh in meshes]
-    widths = [(s, mesh, config(d_model)) for d_model in WIDTHS for s, mesh in WIDTH_MESH.items()]
-    points += [("width", s, mesh, cfg) for s, mesh, cfg in widths if not quick or s in WIDTH_QUICK]
-    for sweep, strategy, mesh, cfg in (point for point in points if point[0] in sweeps):
-        reference = single if sweep == "devices" else None
-        point = measure_point(
-            sweep, strategy, mesh, cfg, model(cfg), optim, batches, single=reference, warm=warm, timed=timed
-        )
-        data[f"{sweep}_sweep"].append(point)
-        print(" | ".join(row(point)) + f"  ({point['wall_s']:.0f} s)", flush=True)
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = _measure.parser("python -m benchmarks.scaling", __doc__, QUICK)
     parser.add_argument("--png-dir", type=pathlib.Path, help="also write scaling_{devices,width}.png")
@@ -161,7 +140,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     warm, timed = QUICK if args.quick else FULL
     data = {**_measure.header(parser.prog, argv, warm=warm, timed=timed), "cpu_count": os.cpu_count()}
     data.update(devices_sweep=[], width_sweep=[])
-    _sweep(data, sweeps, args.quick, warm=warm, timed=timed)
+    model, single = functools.cache(_workload.make_model), None
+    optim, batches = _workload.make_optimizer(), _workload.make_batches(warm + timed)
+    if "devices" in sweeps:
+        # One compiled single-device step serves every devices point, so it keeps
+        # training across points: its step time is the reference, its numbers are not.
+        single = _measure.BaselineRunner(single_device(model(_workload.CONFIG), optim), batches)
+        data["single_device"] = {"d_model": _workload.CONFIG.d_model, **_measure.memory(single.compile())}
+    # Every point, in the order they are measured.
+    points = [("devices", s, mesh, _workload.CONFIG) for s, meshes in DEVICE_SWEEP.items() for mesh in meshes]
+    widths = [(s, mesh, config(d_model)) for d_model in WIDTHS for s, mesh in WIDTH_MESH.items()]
+    points += [("width", s, mesh, cfg) for s, mesh, cfg in widths if not args.quick or s in WIDTH_QUICK]
+    for sweep, strategy, mesh, cfg in (point for point in points if point[0] in sweeps):
+        reference = single if sweep == "devices" else None
+        point = measure_point(
+            sweep, strategy, mesh, cfg, model(cfg), optim, batches, single=reference, warm=warm, timed=timed
+        )
+        data[f"{sweep}_sweep"].append(point)
+        print(" | ".join(row(point)) + f"  ({point['wall_s']:.0f} s)", flush=True)
     data["wall_time_s"] = time.perf_counter() - started
     _measure.write_json(args.json, data)
     for path in write_outputs(data, args.png_dir, args.markdown):

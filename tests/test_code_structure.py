@@ -27,9 +27,10 @@ TREES = ("eqxpar", "tests", "benchmarks", "examples")
 MAX_FUNCTION_LINES = 80
 # The goal is 2,000 lines with every record, sweep and plot kept; until then the
 # limit is what there is (2,452 after the third cut, issue 37: the prose is in
-# benchmarks/README.md; then the four Llama-style records), so that the benchmarks
-# can only shrink.
-MAX_BENCHMARK_LINES = 2485
+# benchmarks/README.md; then the four Llama-style records; 2,450 after the fourth:
+# one_device times with _measure.timed_steps, single-use helpers folded in; then
+# run.py's release of each record's executables), so that the benchmarks can only shrink.
+MAX_BENCHMARK_LINES = 2456
 
 
 def _module_name(path: pathlib.Path) -> str:
