@@ -26,13 +26,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Two workers, one per core of the smallest machine we test on; worksteal lets an idle
+# worker take the other's queued cases, so a long case late in the run leaves no core idle.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -m "not slow" $(TESTS)
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" $(TESTS)
 
 # The cases kept out of `make test` for time (marked slow): the deep plan fuzz, the
 # random-fault restart trials, the preemption runs and the costliest compile checks.
 test-slow: $(STAMP)
-	$(PY) -m pytest -n 2 -m slow $(TESTS)
+	$(PY) -m pytest -n 2 --dist worksteal -m slow $(TESTS)
 
 # What CI runs on the other end of the supported range (see .ci/run): each strategy's
 # parity tests, the collective-byte tests, x64, README and docs.
@@ -41,7 +43,7 @@ NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_ste
 	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
 	tests/test_accumulate_comm.py tests/test_docs.py tests/test_x64.py
 test-newest: $(STAMP)
-	$(PY) -m pytest -n 2 -m "not slow" $(NEWEST_TESTS)
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" $(NEWEST_TESTS)
 
 # The site (mkdocs.yml, docs/) into site/; the docs extra comes with the test extra.
 docs: $(STAMP)

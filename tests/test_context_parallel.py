@@ -122,7 +122,8 @@ def test_weight_used_after_the_sequence_mean_with_sequence_parallelism(gpts):
     assert_trees_close_to_scale(grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# 1f1b in make test-slow (25 s): gpipe runs the same context-in-pipeline path.
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_gpt_pipelined_with_context_matches_single_device(gpts, schedule):
     model, batch = gpts["rotary-gqa"], tokens(2)
     plan = eqxpar.Plan(

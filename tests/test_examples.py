@@ -75,7 +75,14 @@ DEMO_MESH = {
 }
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+# In make test-slow (25 s each on 2 cores): the interleaved pipeline example; the
+# engine's interleaved tables run in make test through tests/test_pipeline.py.
+SLOW_PLANS = {"pipeline/hybrid"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW_PLANS)) for n in PLANS]
+)
 def test_example_runs(name, tmp_path):
     entry = PLANS[name]
     args = [*entry.flags, *TINY[entry.script], *EXTRA.get(name, [])]

@@ -112,7 +112,14 @@ def reorder_uneven(tree, layers, *, chunks, forward=True):
     )
 
 
-@pytest.mark.parametrize("name,chunks,layers", UNEVEN, ids=[f"{n}-v{v}" for n, v, _ in UNEVEN])
+# interleaved in make test-slow (25 s): its branches keyed by layer count are the others'.
+UNEVEN_CASES = [
+    pytest.param(*case, id=f"{case[0]}-v{case[1]}", marks=[pytest.mark.slow] * (case[0] == "interleaved"))
+    for case in UNEVEN
+]
+
+
+@pytest.mark.parametrize("name,chunks,layers", UNEVEN_CASES)
 def test_uneven_stages_train_like_one_device(name, chunks, layers):
     # Three Adam steps: each step's loss and gradients equal one device's at the
     # same parameters (rtol 1e-5), the update is applied once; the stored stack's
@@ -300,7 +307,11 @@ def temp_bytes(name, microbatches, **kwargs):
     return compiled_step(name, microbatches, **kwargs).memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)])
+# interleaved in make test-slow (25 s): the benchmarks' pp_interleaved record holds it too.
+_INTERLEAVED_SLOW = pytest.param("interleaved", 2, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), _INTERLEAVED_SLOW, ("zero_bubble", 1)])
 def test_memory_flat_from_4p_to_16p_microbatches(name, chunks):
     # The issue's contract: temp bytes at m = 4p and 16p (same micro-batch size)
     # differ by < 10% for 1F1B and interleaved (zero-bubble too); p = 4 here.
