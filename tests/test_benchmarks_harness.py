@@ -237,6 +237,23 @@ def test_run_exits_non_zero_when_a_contract_fails(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "r.json").read_text())["records"] == [bad]
 
 
+def test_run_releases_each_records_executables(tmp_path, monkeypatch):
+    # XLA:CPU maps each executable's code in regions of its own: with every record's
+    # executables kept in jit's caches, the whole registry in one process passed
+    # Linux's 65,530 maps and crashed. Each record starts with the last one's released.
+    step = jax.jit(lambda x: x + 1)
+    cached = []
+
+    def measure(name, *args, **kwargs):
+        cached.append(step._cache_size())
+        step(jnp.float32(1))
+        return _record(name)
+
+    monkeypatch.setattr(run, "measure", measure)
+    run.main(["--only", "dp,dp_manual", "--quick", "--json", str(tmp_path / "r.json")])
+    assert cached == [0, 0]
+
+
 def test_report_splices_tables_into_hand_written_prose(tmp_path):
     pipe = _record(
         "pp_1f1b",
