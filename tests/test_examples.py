@@ -81,7 +81,7 @@ SLOW_PLANS = {"pipeline/hybrid"}
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW_PLANS)) for n in PLANS]
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_PLANS else n for n in PLANS]
 )
 def test_example_runs(name, tmp_path):
     entry = PLANS[name]

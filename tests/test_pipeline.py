@@ -114,7 +114,9 @@ def reorder_uneven(tree, layers, *, chunks, forward=True):
 
 # interleaved in make test-slow (25 s): its branches keyed by layer count are the others'.
 UNEVEN_CASES = [
-    pytest.param(*case, id=f"{case[0]}-v{case[1]}", marks=[pytest.mark.slow] * (case[0] == "interleaved"))
+    pytest.param(
+        *case, id=f"{case[0]}-v{case[1]}", marks=pytest.mark.slow if case[0] == "interleaved" else ()
+    )
     for case in UNEVEN
 ]
 
