@@ -189,7 +189,7 @@ def _pipelined(
     g_plan, g_step = _pipeline(key, "gpipe", m, 1, tensor, optim, "none")
 
     def gpipe(batches: Any) -> EqxparRunner:
-        return EqxparRunner(g_step, g_plan, _workload.pipeline_model(model, stages=p), optim, batches)
+        return EqxparRunner(g_step, g_plan, model, optim, batches)
 
     sched = eqxpar.pipeline.schedule(schedule, stages=p, microbatches=m, chunks=v)
 
@@ -226,7 +226,7 @@ def _pipelined(
         step=step,
         baseline=None if (schedule == "gpipe" and not tensor) or layers else gpipe,  # pp_gpipe: itself
         loss_fn=_workload.PIPELINE_LOSS,
-        convert=functools.partial(_workload.pipeline_model, stages=p, chunks=v, layers=layers),
+        convert=functools.partial(eqxpar.nn.in_plan_order, plan=plan),
         baseline_name=f"eqxpar {what} of the same model on the same mesh ({m} micro-batches)",
         extra=extra,
         contract={"parity_max_rel_err": 1e-5, **contract},

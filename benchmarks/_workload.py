@@ -94,13 +94,6 @@ TENSOR_VOCAB_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "vocab"
 TENSOR_FSDP_RULES = eqxpar.rules.Logical({**dict(TENSOR_RULES.mapping), "embed": "fsdp"})
 
 
-@eqx.filter_jit
-def pipeline_model(model: GPT, *, stages: int = 1, chunks: int = 1, layers=None) -> GPT:
-    """`model`'s blocks in the pipeline order of `stages` x `chunks` (`layers`: Plan(stage_layers=)), also its grads."""
-    order = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=stages, chunks=chunks, stage_layers=layers)
-    return eqx.tree_at(lambda m: m.blocks, model, order)
-
-
 def make_batches(n: int, cfg: Config = CONFIG) -> list[Batch]:
     """`n` deterministic synthetic batches."""
     keys = (jax.random.fold_in(jax.random.key(1), i) for i in range(n))

@@ -7,7 +7,7 @@ import equinox as eqx
 from jaxtyping import Array, PyTree
 
 from ._grad_common import LossFunction, accumulated_value_and_grad, specs_for, value_and_grad
-from ._sharding import shard
+from ._sharding import place_tree
 from ._step_layout import StepLayout
 
 
@@ -23,4 +23,4 @@ def automatic_gradients(
         value, aux, grads = value_and_grad(loss, params, static, batch, key)
     else:
         value, aux, grads = accumulated_value_and_grad(loss, params, static, batch, key, layout=layout)
-    return value, aux, shard(grads, plan, specs=specs_for(grads, layout.updates))
+    return value, aux, place_tree(grads, plan, specs=specs_for(grads, layout.updates))

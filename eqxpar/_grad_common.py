@@ -20,7 +20,7 @@ from jaxtyping import Array, PyTree
 
 from ._errors import PlanError
 from ._fsdp import Gather, layer_gathers, wire_dtype
-from ._sharding import shard
+from ._sharding import place_tree
 from ._step_layout import StepLayout
 from ._train_state import cast_floating
 from ._varying import varying_axes
@@ -190,7 +190,7 @@ def accumulated_value_and_grad(
             loss,
             params,
             static,
-            shard(mb, layout.plan, specs=layout.batch),
+            place_tree(mb, layout.plan, specs=layout.batch),
             jax.random.fold_in(key, index),
             prepare=prepare,
             allowed=allowed,

@@ -33,7 +33,7 @@ from ._grad_common import (
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map
-from ._sharding import shard
+from ._sharding import place_tree
 from ._step_layout import StepLayout
 from ._varying import mark_varying, varying_axes
 
@@ -235,5 +235,5 @@ def manual_gradients(
     )(model, batch, key)
     if layout.partial:
         # Automatic axes: gradients take their sharding there, as in auto mode.
-        grads = shard(grads, plan, specs=specs_for(grads, layout.updates))
+        grads = place_tree(grads, plan, specs=specs_for(grads, layout.updates))
     return value, aux, grads

@@ -10,9 +10,10 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._errors import AxisNameError, PlanError
+from ._errors import AxisNameError, DivisibilityError, PlanError
 from ._mesh import BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS
 from ._rules import Rule, as_rules, as_spec, mesh_axis_names
+from ._stack_order import StackOrder, pipeline_order
 from ._text import short
 
 # `with plan:` blocks nest per thread; the tokens to restore live beside the value.
@@ -127,9 +128,12 @@ class Plan:
       layer less. None (default): `depth / (pipe * chunks)` layers each. Every
       device stores `chunks * max(stage_layers)` layer slots (a device's arrays
       must have one shape on every device), the slots a stage does not run
-      holding zeros that get zero gradients and cost no FLOPs: store the stack
-      with `eqxpar.pipeline.to_pipeline_order(stack, stages=, chunks=,
-      stage_layers=)` and read it back with `from_pipeline_order`.
+      holding zeros that get zero gradients and cost no FLOPs. The plan owns
+      that storage order (`Plan.stack_order`): `eqxpar.train.init`,
+      `eqxpar.shard`, `from_pretrained(path, plan)` and a checkpoint restore
+      store a natural-order stack in it, and the stack records it, so that
+      `save_pretrained`, checkpoints and calling the model outside the pipeline
+      see the natural order again; no user code reorders layers.
     - `zero1`: ZeRO-1: parameters stay as the rules place them (typically
       replicated) while the optimizer state is split over `batch_axes`; each step
       reduce-scatters the gradients, updates the parameter shards and all-gathers
@@ -299,6 +303,27 @@ class Plan:
     def annotation(self, name: str) -> PartitionSpec | None:
         """The spec registered for annotation `name`, or None."""
         return self.annotation_specs.get(name)
+
+    def stack_order(self, depth: int) -> StackOrder | None:
+        """The order this plan stores a scanned stack of `depth` layers in (the
+        plan owns it: `train.init`, `eqxpar.shard`, `from_pretrained` and a
+        checkpoint restore apply it, and every way out undoes it): None for the
+        natural order (no pipeline, or one stage per device with equal stages),
+        else the pipeline's `StackOrder` (interleaved chunks, uneven
+        `stage_layers`). Raises `DivisibilityError` / `PlanError` where `depth`
+        does not fit the pipeline."""
+        if self.schedule is None:
+            return None
+        stages = self.mesh.shape["pipe"]
+        if self.stage_layers is not None:
+            checked_stage_layers(self.stage_layers, stages=stages, chunks=self.chunks, depth=depth)
+        elif depth % (stages * self.chunks):
+            raise DivisibilityError(
+                f"a stack of depth {depth} does not split into {stages} stages x {self.chunks} chunks "
+                f"of the plan's pipeline; use a depth that is a multiple of {stages * self.chunks}, or "
+                "give the layers per virtual stage (Plan(stage_layers=...))."
+            )
+        return pipeline_order(depth, stages=stages, chunks=self.chunks, stage_layers=self.stage_layers)
 
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """A `NamedSharding` of `spec` on this plan's mesh."""

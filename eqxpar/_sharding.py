@@ -9,6 +9,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 from ._errors import BatchError, PlanError
 from ._plan import Plan, current_plan
 from ._specs import check_spec, drop_axes, is_array_like, partition_specs
+from .nn._stack import in_plan_order
 
 
 def _manual_axes() -> frozenset[str]:
@@ -74,7 +75,10 @@ def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: bool =
     constraint inside jit (and only on the automatic axes inside `shard_map`).
 
     Non-array leaves (activation functions, static settings) are returned as they
-    are, so an Equinox model goes in and an Equinox model comes out.
+    are, so an Equinox model goes in and an Equinox model comes out. Every
+    `eqxpar.nn.Stacked` in `tree` is first stored in the order the plan runs it
+    in (`Plan.stack_order`; a pipeline's order for interleaved or uneven stages),
+    from whatever order it records, so no user code reorders layers.
 
     **Arguments:**
 
@@ -94,6 +98,18 @@ def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: bool =
     model = eqxpar.shard(model, plan)        # weights placed per the plan's rules
     ```
     """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"shard(..., plan={plan!r}): expected an eqxpar.Plan.")
+    tree = in_plan_order(tree, plan)
+    if specs is not None and not isinstance(specs, PartitionSpec):
+        specs = in_plan_order(specs, plan)
+    return place_tree(tree, plan, specs, copy=copy)
+
+
+def place_tree(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: bool = True) -> PyTree:
+    """`shard` without the layer order: `tree` placed as it is (the steps place
+    their model, gradients and optimizer state with it, already in the plan's
+    order). Arguments as `shard`."""
     if not isinstance(plan, Plan):
         raise PlanError(f"shard(..., plan={plan!r}): expected an eqxpar.Plan.")
     if specs is None:
@@ -211,7 +227,7 @@ def shard_batch(batch: PyTree, plan: Plan) -> PyTree:
     ```
     """
     check_batch(batch, plan)
-    return shard(batch, plan, specs=plan.batch_spec, copy=False)
+    return place_tree(batch, plan, specs=plan.batch_spec, copy=False)
 
 
 def annotate(x: ArrayLike, name: str) -> Array:

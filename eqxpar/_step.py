@@ -18,7 +18,7 @@ from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
-from ._sharding import check_batch, shard, split_by
+from ._sharding import check_batch, place_tree, split_by
 from ._step_layout import StepLayout, manual_axes_of
 from ._train_state import TrainState
 
@@ -55,12 +55,12 @@ def _apply(
     if layout.sliced_update:
         # ZeRO-1: update this device's slice of every parameter (slicing a
         # replicated array moves nothing), then gather the new parameters.
-        model = shard(model, layout.plan, specs=layout.updates)
+        model = place_tree(model, layout.plan, specs=layout.updates)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(model, updates)
     if layout.sliced_update:
-        model = shard(model, layout.plan, specs=layout.params)
+        model = place_tree(model, layout.plan, specs=layout.params)
     return TrainState(
         model=model,
         opt_state=opt_state,
@@ -196,7 +196,7 @@ class Step:
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         jitted, static, dynamic = self._prepare(state, batch)
-        batch = shard(batch, self._plan, specs=self._plan.batch_spec, copy=False)
+        batch = place_tree(batch, self._plan, specs=self._plan.batch_spec, copy=False)
         new_dynamic, metrics = jitted(dynamic, batch)
         return eqx.combine(new_dynamic, static), metrics
 
@@ -205,7 +205,7 @@ class Step:
         jitted, _, dynamic = self._prepare(state, batch)
         # Placed as `__call__` places it, so that `.compile()` is the executable
         # the step runs (jit caches by the inputs' shardings).
-        return jitted.lower(dynamic, shard(batch, self._plan, specs=self._plan.batch_spec, copy=False))
+        return jitted.lower(dynamic, place_tree(batch, self._plan, specs=self._plan.batch_spec, copy=False))
 
     def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
         """The compiled executable for `state` and `batch` (for HLO, memory, cost)."""
@@ -476,8 +476,8 @@ def make_value_and_grad(
     def compiled(model, batch, key):
         with plan:
             layout = StepLayout.resolve(plan, model, accumulate=accumulate)
-            model = shard(model, plan, specs=layout.params)
-            batch = shard(batch, plan, specs=layout.batch)
+            model = place_tree(model, plan, specs=layout.params)
+            batch = place_tree(batch, plan, specs=layout.batch)
             value, aux, grads = _gradients(loss, layout, model, batch, key)
         return ((value, aux), grads) if has_aux else (value, grads)
 

@@ -15,9 +15,10 @@ from ._errors import UnusedAxisWarning
 from ._mesh import CONTEXT_AXIS
 from ._plan import Plan
 from ._rules import mesh_axis_names
-from ._sharding import shard
+from ._sharding import place_tree
 from ._specs import partition_specs
 from ._step_layout import StepLayout
+from .nn._stack import in_plan_order
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
@@ -90,7 +91,10 @@ def init(
     state too large for one device never exists whole on one device; every moment
     gets the sharding of the parameter it mirrors (under `Plan(zero1=True)`, that
     plus a split over the batch axes), scalar counters are replicated. With
-    `Plan(param_dtype=...)` floating-point weights are cast to it first.
+    `Plan(param_dtype=...)` floating-point weights are cast to it first. Every
+    `eqxpar.nn.Stacked` is stored in the order the plan runs it in
+    (`Plan.stack_order`: a pipeline's order for interleaved or uneven stages), from
+    whatever order it records: pass the model in natural order, as built or loaded.
 
     **Arguments:**
 
@@ -112,13 +116,16 @@ def init(
     @eqx.filter_jit
     def place(model: Any) -> tuple[Any, Any]:
         with plan:
+            # The plan owns how stacks are stored (a pipeline's layer order): the
+            # model enters it here, from whatever order it records.
+            model = in_plan_order(model, plan)
             if plan.param_dtype is not None:
                 model = cast_floating(model, plan.param_dtype)
             opt_state = jax.eval_shape(optimizer.init, eqx.filter(model, eqx.is_array))
             layout = StepLayout.resolve(plan, model, opt_state)
-            model = shard(model, plan, specs=layout.params)
+            model = place_tree(model, plan, specs=layout.params)
             opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-            return model, shard(opt_state, plan, specs=layout.opt_state)
+            return model, place_tree(opt_state, plan, specs=layout.opt_state)
 
     _warn_unused_axes(model, plan)
     model, opt_state = place(model)

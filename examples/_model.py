@@ -92,24 +92,6 @@ def memory_summary(state, plan) -> str:
     return "\n".join(lines)
 
 
-def _layer_order(plan: eqxpar.Plan):
-    """`(to_pipeline, to_layers)`: a pipeline stores interleaved stacks in pipeline
-    order (device d's chunks one after the other); elsewhere both are the identity."""
-    if plan.schedule is None:
-        return (lambda model: model), (lambda model: model)
-    stages, chunks = plan.mesh.shape["pipe"], plan.chunks
-
-    def reorder(convert):
-        def apply(model):
-            blocks = convert(model.blocks, stages=stages, chunks=chunks)
-            return eqx.tree_at(lambda m: m.blocks, model, blocks)
-
-        return apply
-
-    pipeline = eqxpar.pipeline
-    return reorder(pipeline.to_pipeline_order), reorder(pipeline.from_pipeline_order)
-
-
 def run(
     plan: eqxpar.Plan,
     args: argparse.Namespace,
@@ -129,9 +111,9 @@ def run(
     mesh_text = " x ".join(f"{k}={v}" for k, v in plan.mesh.shape.items() if v > 1)
     print(f"mesh {mesh_text}, {args.layers} layers, vocab {vocab}, {len(data.ids):,} characters")
 
-    to_pipeline, to_layers = _layer_order(plan)
-    # Built under jit: one compilation for the whole initialisation.
-    model = to_pipeline(eqx.filter_jit(GPT)(char_config(args, vocab, **(style or {})), key=jax.random.key(0)))
+    # Built under jit: one compilation for the whole initialisation. In natural
+    # layer order: init stores the stack in the order the plan runs it in.
+    model = eqx.filter_jit(GPT)(char_config(args, vocab, **(style or {})), key=jax.random.key(0))
     optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     if show_table:
@@ -142,8 +124,9 @@ def run(
 
     step = eqxpar.train.make_step(PIPELINE_LOSS if plan.schedule else lm_loss, optimizer, plan)
     # The trained model holds ordinary (sharded) global arrays, so it evaluates
-    # under plain jit (in float32, layers in order) whatever the plan it trained under.
-    evaluate = eqx.filter_jit(lambda model, batch: lm_loss(to_layers(model), batch))
+    # under plain jit (in float32) whatever the plan it trained under: its stack
+    # records the order it is stored in and runs its layers in natural order.
+    evaluate = eqx.filter_jit(lm_loss)
     rng = np.random.default_rng(0)
     eval_batch = eqxpar.shard_batch(
         data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan

@@ -96,7 +96,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import eqxpar  # noqa: E402
 from eqxpar import nn, rules  # noqa: E402
-from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_pipeline_order  # noqa: E402
+from eqxpar.nn import in_natural_order  # noqa: E402
+from eqxpar.pipeline import PipelineLoss, stage_rules  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # as tests/conftest.py
 
@@ -471,15 +472,6 @@ def _to_f32(tree):
     )
 
 
-def _reorder(tree, plan, *, forward):
-    """Convert a model-shaped tree's stack to / from interleaved pipeline order."""
-    if plan.schedule is None or plan.chunks == 1 or not hasattr(tree, "blocks"):
-        return tree
-    convert = to_pipeline_order if forward else from_pipeline_order
-    stages = plan.mesh.shape["pipe"]
-    return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=plan.chunks))
-
-
 def _leaves_with_paths(tree):
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     return [(jax.tree_util.keystr(p), x) for p, x in flat if x is not None and eqx.is_array(x)]
@@ -591,10 +583,9 @@ def run_example(spec: dict, *, announce: bool = False) -> dict:
         try:
             phase("build")
             plan, model, loss_fn, batch = build(spec)
-            stored = _reorder(model, plan, forward=True)
             optim = optimizer()
             phase("init")
-            state = eqxpar.train.init(stored, optim, plan, key=jax.random.key(1))
+            state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))
             # Initial parameters as init placed (and cast) them, to host before the
             # step donates their buffers.
             init_params = _host(eqx.filter(state.model, eqx.is_inexact_array))
@@ -610,7 +601,7 @@ def run_example(spec: dict, *, announce: bool = False) -> dict:
             jax.block_until_ready((new_state, metrics))
             phase("reference")
             static = eqx.filter(state.model, eqx.is_inexact_array, inverse=True)
-            ref_model = _reorder(eqx.combine(_to_f32(init_params), static), plan, forward=False)
+            ref_model = in_natural_order(eqx.combine(_to_f32(init_params), static))
             kind = spec["model"]["kind"]
             ref_loss_fn = REFERENCE_LOSS.get((kind, spec["loss"]), REFERENCE_LOSS[kind])
             cache_key = json.dumps(
@@ -625,16 +616,16 @@ def run_example(spec: dict, *, announce: bool = False) -> dict:
             )
             ref_loss, ref_grads = reference(ref_loss_fn, ref_model, batch, cache_key)
             phase("compare")
-            captured = _reorder(new_state.opt_state[0], plan, forward=False)
+            captured = in_natural_order(new_state.opt_state[0])
             if spec.get("self_test") == "mismatch":  # the harness's own test: a wrong gradient
                 captured = jax.tree.map(lambda g: g * (1 + 1e-4), captured)
-            new_model = _reorder(new_state.model, plan, forward=False)
+            new_model = in_natural_order(new_state.model)
             report = compare(
                 plan,
                 metrics,
                 new_model,
                 captured,
-                _reorder(init_params, plan, forward=False),
+                in_natural_order(init_params),
                 ref_loss,
                 ref_grads,
             )
@@ -681,11 +672,6 @@ def snippet(spec: dict) -> str:
     plan_args = "".join(f", {k}={v}" for k, v in spec["plan"].items())
     mesh_args = ", ".join(f"{k}={v!r}" for k, v in spec["mesh"].items())
     seed = spec.get("seed", 0)
-    interleaved = (
-        "\n# interleaved: the stack is stored in pipeline order\nstored = W._reorder(model, plan, forward=True)"
-        if "interleaved" in spec["plan"].get("schedule", "")
-        else "\nstored = model"
-    )
     return f"""\
 import sys; sys.path.insert(0, ".")     # run from the repository root
 import tests._fuzz_worker as W          # sets XLA_FLAGS (8 CPU devices) before jax; test models
@@ -700,9 +686,9 @@ plan = eqxpar.Plan(mesh{plan_args})
 key, rng = jax.random.key({seed}), np.random.default_rng({1000 + seed})
 model = {model_source(spec["model"])}
 batch = {batch_source(spec)}
-loss_fn = {LOSS_SOURCE[(spec["model"]["kind"], spec["loss"])]}{interleaved}
+loss_fn = {LOSS_SOURCE[(spec["model"]["kind"], spec["loss"])]}
 optim = W.optimizer()                   # keeps the gradient in opt_state[0], then SGD
-state = eqxpar.train.init(stored, optim, plan, key=jax.random.key(1))
+state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))  # stores the stack in the plan's order
 step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate={spec.get("accumulate", 1)})
 state, metrics = step(state, batch)
 print("loss", float(metrics["loss"]), "one device", float(eqx.filter_value_and_grad(loss_fn)(model, batch)[0]))

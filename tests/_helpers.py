@@ -758,11 +758,6 @@ def pipeline_plan(name, *, pipe, microbatches, chunks=1, data=1, tensor=1, rules
     )
 
 
-def reorder(tree, *, stages, chunks, forward=True):
-    convert = eqxpar.pipeline.to_pipeline_order if forward else eqxpar.pipeline.from_pipeline_order
-    return eqx.tree_at(lambda m: m.blocks, tree, convert(tree.blocks, stages=stages, chunks=chunks))
-
-
 # FSDP over the `embed` dimension only.
 FSDP_ONLY = eqxpar.rules.Logical({"embed": "fsdp"})
 STACKED_LM_VOCAB, STACKED_LM_SEQ, STACKED_LM_BATCH = 64, 16, 8
@@ -797,3 +792,51 @@ def stacked_lm_batches(n):
     for t in token_batches(n, batch=STACKED_LM_BATCH, seq=STACKED_LM_SEQ + 1, vocab=STACKED_LM_VOCAB, seed=3):
         out.append((t[:, :-1], t[:, 1:]))
     return out
+
+
+# --- A pretrained model through every pipeline plan (tests/data/pipeline_journey) ---
+
+JOURNEY_DATA = pathlib.Path(__file__).parent / "data" / "pipeline_journey"
+# (schedule, chunks, stage_layers) over pipe 2 x data 4, two micro-batches, of the
+# 8-layer Llama there: each schedule with equal stages and with uneven ones.
+PIPELINE_JOURNEYS = {
+    "gpipe": ("gpipe", 1, None),
+    "1f1b": ("1f1b", 1, None),
+    "interleaved": ("interleaved", 2, None),
+    "zero_bubble": ("zero_bubble", 1, None),
+    "gpipe-uneven": ("gpipe", 1, (3, 5)),
+    "1f1b-uneven": ("1f1b", 1, (5, 3)),
+    "interleaved-uneven": ("interleaved", 2, (1, 3, 2, 2)),
+    "zero_bubble-uneven": ("zero_bubble", 1, (3, 5)),
+}
+
+
+def journey_plan(name: str) -> eqxpar.Plan:
+    schedule, chunks, layers = PIPELINE_JOURNEYS[name]
+    return pipeline_plan(schedule, pipe=2, data=4, microbatches=2, chunks=chunks, stage_layers=layers)
+
+
+def journey_tokens() -> np.ndarray:
+    return np.random.default_rng(1).integers(0, 64, size=(8, 9)).astype(np.int32)
+
+
+def journey_optimizer() -> optax.GradientTransformation:
+    # eps well above float32 noise: Adam's first step is g / (|g| + eps), which
+    # would turn a gradient entry's last-bit difference (another CPU's summation
+    # order) into a step of +-lr where |g| is tiny; here it stays at that noise.
+    return optax.adamw(1e-2, eps=1e-3)
+
+
+def journey_train(plan: eqxpar.Plan):
+    """The 8-layer Llama read into `plan` (`from_pretrained(path, plan)`), one AdamW
+    step on `journey_tokens()`: `(state, loss)`."""
+    model = eqxpar.models.from_pretrained(JOURNEY_DATA / "base", plan)
+    loss_fn = eqxpar.models.lm_loss
+    if plan.schedule is not None:
+        loss_fn = eqxpar.pipeline.PipelineLoss(
+            eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last
+        )
+    optim = journey_optimizer()
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    state, metrics = eqxpar.train.make_step(loss_fn, optim, plan)(state, journey_tokens())
+    return state, float(metrics["loss"])

@@ -41,7 +41,10 @@ def test_pipeline_loss_is_the_workloads():
     assert_trees_close(got_loss, loss)
     assert_trees_close_to_scale(got_grads, grads)
     model = _workload.make_model(dataclasses.replace(SMALL, layers=4))
-    reordered = _workload.pipeline_model(model, stages=2, chunks=2)
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2), rules=eqxpar.pipeline.stage_rules(), schedule="interleaved", chunks=2
+    )
+    reordered = eqxpar.nn.in_plan_order(model, plan)
     blocks = lambda m: jax.tree.leaves(eqx.filter(m.blocks, eqx.is_array))  # noqa: E731
     for got, want in zip(blocks(reordered), blocks(model), strict=True):
         assert sorted(map(bytes, np.asarray(got))) == sorted(map(bytes, np.asarray(want)))
@@ -151,7 +154,7 @@ def _program_over_table(cfg, flops, name, chunks, *, p, m, data, remat="none", l
     plan = eqxpar.Plan(eqxpar.make_mesh(pipe=p, data=data), rules=eqxpar.pipeline.stage_rules(), **options)
     optim = _workload.make_optimizer(cfg)
     step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
-    model = _workload.pipeline_model(_workload.make_model(cfg), stages=p, chunks=chunks, layers=layers)
+    model = _workload.make_model(cfg)  # natural order: init stores it in the plan's
     compiled = _measure.EqxparRunner(step, plan, model, optim, _workload.make_batches(1, cfg)).compile()
     sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
     table = _action_flops.pipeline_table_flops(sched, flops, layers)

@@ -27,7 +27,6 @@ from ._helpers import (
     recorded_gradients,
     reference_run,
     regression_batch,
-    reorder,
     run_steps,
     tiny_loss,
 )
@@ -54,11 +53,11 @@ def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
 
     plan = pipeline_plan(name, pipe=stages, microbatches=microbatches, chunks=chunks)
-    stored = reorder(model, stages=stages, chunks=chunks)
+    stored = eqxpar.shard(model, plan)
     value, grads = eqxpar.train.make_value_and_grad(loss, plan)(stored, batch)
     # The stack's gradients come out split over pipe like the layers.
     assert stages == 1 or grads.blocks.blocks.w.sharding.spec[0] == "pipe"
-    grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
+    grads = eqxpar.nn.in_natural_order(grads)
     assert_trees_close(float(value), float(ref_loss))
     assert_trees_close(grads, ref_grads)
 
@@ -73,10 +72,10 @@ def test_pipeline_runs_an_unrolled_stack(name, chunks):
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
     plan = pipeline_plan(name, pipe=stages, microbatches=microbatches, chunks=chunks)
     step = eqxpar.train.make_value_and_grad(loss, plan)
-    stored = reorder(model, stages=stages, chunks=chunks)
+    stored = eqxpar.shard(model, plan)
     value, grads = step(stored, batch)
     assert_trees_close(float(value), float(ref_loss))
-    assert_trees_close(reorder(grads, stages=stages, chunks=chunks, forward=False), ref_grads)
+    assert_trees_close(eqxpar.nn.in_natural_order(grads), ref_grads)
     assert stored.blocks.unroll == model.blocks.depth  # reordering keeps the setting
 
 
@@ -105,13 +104,6 @@ UNEVEN = [
 ]
 
 
-def reorder_uneven(tree, layers, *, chunks, forward=True):
-    convert = to_pipeline_order if forward else from_pipeline_order
-    return eqx.tree_at(
-        lambda m: m.blocks, tree, convert(tree.blocks, stages=4, chunks=chunks, stage_layers=layers)
-    )
-
-
 # interleaved in make test-slow (25 s): its branches keyed by layer count are the others'.
 UNEVEN_CASES = [
     pytest.param(
@@ -130,9 +122,7 @@ def test_uneven_stages_train_like_one_device(name, chunks, layers):
     model = Tiny(sum(layers), key=jax.random.key(len(layers)))
     plan = pipeline_plan(name, pipe=4, microbatches=microbatches, chunks=chunks, stage_layers=layers)
     recording = record_gradients(optimizer)
-    state = eqxpar.train.init(
-        reorder_uneven(model, layers, chunks=chunks), recording, plan, key=jax.random.key(0)
-    )
+    state = eqxpar.train.init(model, recording, plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(loss, recording, plan)
     assert state.model.blocks.depth == 4 * chunks * max(layers)
 
@@ -140,9 +130,9 @@ def test_uneven_stages_train_like_one_device(name, chunks, layers):
         nonlocal state
         state, metrics = step(state, batch)
         grads = recorded_gradients(state.opt_state)
-        plain = reorder_uneven(grads, layers, chunks=chunks, forward=False)
+        plain = eqxpar.nn.in_natural_order(grads)
         return (
-            reorder_uneven(state.model, layers, chunks=chunks, forward=False),
+            eqxpar.nn.in_natural_order(state.model),
             (RecordedGradients(plain),),
             metrics["loss"],
         )
@@ -218,17 +208,24 @@ def test_uneven_stage_errors():
     plan = pipeline_plan("1f1b", pipe=2, microbatches=4, stage_layers=[1, 3])
     assert plan.stage_layers == (1, 3)
     model, batch = Tiny(4, key=jax.random.key(0)), regression_batch(8)
-    # The stack not stored in the padded order: the error names the conversion.
+    # A stack not in the plan's order is refused, naming both orders and the fix.
     with pytest.raises(
-        eqxpar.DivisibilityError,
-        match=r"6 layer slots, but the pipelined stack has 4 rows.*to_pipeline_order",
+        eqxpar.PlanError,
+        match=r"stored in natural order, but this plan runs it in pipeline order \(2 stages x 1 chunks, "
+        r"stage_layers=\(1, 3\).*eqxpar.shard\(model, plan\)",
     ):
         eqxpar.train.make_value_and_grad(tiny_loss(), plan)(model, batch)
+    other = pipeline_plan("1f1b", pipe=2, microbatches=4, stage_layers=[3, 1])
+    with pytest.raises(eqxpar.PlanError, match=r"stage_layers=\(3, 1\).*runs it in .*stage_layers=\(1, 3\)"):
+        eqxpar.train.make_value_and_grad(tiny_loss(), plan)(eqxpar.shard(model, other), batch)
     with pytest.raises(eqxpar.PlanError, match="sum to 5, but the stack has 4 layers"):
         to_pipeline_order(model.blocks, stages=2, chunks=1, stage_layers=(2, 3))
     stored = to_pipeline_order(model.blocks, stages=2, chunks=1, stage_layers=(1, 3))
-    with pytest.raises(eqxpar.PlanError, match="has 2 x 1 x 2 = 4 rows, this one 6"):
+    with pytest.raises(eqxpar.PlanError, match=r"stored in pipeline order .*\(1, 3\).*not in natural order"):
         from_pipeline_order(stored, stages=2, chunks=1, stage_layers=(2, 2))
+    # Reordering is never applied twice: the stack records its order.
+    again = to_pipeline_order(stored, stages=2, chunks=1, stage_layers=(1, 3))
+    assert_trees_close(again, stored, rtol=0, atol=0)
 
 
 # --- 3D hybrid: pipe 2 x data 2 x tensor 2, eqxpar.nn layers ------------------
@@ -478,7 +475,7 @@ def test_bad_input_errors():
         eqxpar.train.make_value_and_grad(loss, interleaved)(model, batch)
     odd = pipeline_plan("interleaved", pipe=2, microbatches=3, chunks=2)
     with pytest.raises(eqxpar.PlanError, match="multiple of 2"):
-        eqxpar.train.make_value_and_grad(loss, odd)(model, regression_batch(6))
+        eqxpar.train.make_value_and_grad(loss, odd)(eqxpar.shard(model, odd), regression_batch(6))
     with pytest.raises(eqxpar.PlanError, match="accumulate"):
         eqxpar.train.make_value_and_grad(loss, plan, accumulate=2)(model, batch)
     not_stacked = PipelineLoss(loss.first, lambda m: m.w_in, loss.last)
@@ -560,10 +557,8 @@ def test_mixed_precision_under_every_schedule(name, chunks):
     plan = pipeline_plan(
         name, pipe=stages, data=2, microbatches=microbatches, chunks=chunks, compute_dtype=jnp.bfloat16
     )
-    value, grads = eqxpar.train.make_value_and_grad(loss, plan)(
-        reorder(model, stages=stages, chunks=chunks), batch
-    )
-    grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
+    value, grads = eqxpar.train.make_value_and_grad(loss, plan)(eqxpar.shard(model, plan), batch)
+    grads = eqxpar.nn.in_natural_order(grads)
     assert value.dtype == jnp.float32
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)))
     np.testing.assert_allclose(float(value), float(ref_loss), rtol=1e-2)

@@ -13,7 +13,7 @@ import pytest
 import eqxpar
 from eqxpar.pipeline import Schedule, check_table, schedule, validate
 
-from ._helpers import Tiny, assert_trees_close, regression_batch, reorder, tiny_loss
+from ._helpers import Tiny, assert_trees_close, regression_batch, tiny_loss
 
 FWD, BWD, INP, WGT = 1, 2, 3, 4
 IDLE = (-1, -1, 0)  # an idle cell
@@ -201,9 +201,9 @@ def _parity(sched, *, chunks=1):
     ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, batch)
     mesh = eqxpar.make_mesh(pipe=stages)
     plan = eqxpar.Plan(mesh, rules=eqxpar.pipeline.stage_rules(), schedule=sched)
-    stored = reorder(model, stages=stages, chunks=chunks)
+    stored = eqxpar.shard(model, plan)
     value, grads = eqxpar.train.make_value_and_grad(loss, plan)(stored, batch)
-    grads = reorder(grads, stages=stages, chunks=chunks, forward=False)
+    grads = eqxpar.nn.in_natural_order(grads)
     assert_trees_close(float(value), float(ref_loss))
     assert_trees_close(grads, ref_grads)
 

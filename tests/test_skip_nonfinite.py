@@ -33,7 +33,6 @@ from ._helpers import (
     assert_trees_close,
     cross_entropy_loss,
     mse_loss,
-    reorder,
 )
 from ._helpers import TINY_GPT_BATCH as TP_ROWS
 from ._helpers import TINY_GPT_SEQ as TP_SEQ
@@ -142,7 +141,7 @@ def case(mode: str) -> Case:
     plan = eqxpar.Plan(
         eqxpar.make_mesh(pipe=2, data=2), rules=stage_rules(None), schedule="1f1b", microbatches=4
     )
-    model = reorder(Tiny(4, key=jax.random.key(2)), stages=2, chunks=1)
+    model = Tiny(4, key=jax.random.key(2))
     core = lambda seed: _regression(seed, rows=16, d_in=3, d_out=2)  # noqa: E731
     return Case(plan, model, pipeline_loss(), core, _nan_in_row, lambda m: m.w_out)
 

@@ -23,7 +23,6 @@ from ._helpers import (
     moe_regression_loss,
     pipeline_plan,
     regression_batch,
-    reorder,
     tiny_loss,
 )
 
@@ -112,9 +111,9 @@ def test_pipeline_schedules_under_x64_match_one_device(x64, name, chunks, pipe, 
     batch = regression_batch(2 * microbatches * data)
     assert batch[0].dtype == jnp.float64
     plan = pipeline_plan(name, pipe=pipe, data=data, microbatches=microbatches, chunks=chunks)
-    stored = reorder(model, stages=pipe, chunks=chunks)
+    stored = eqxpar.shard(model, plan)
     value, grads = eqxpar.train.make_value_and_grad(tiny_loss(), plan)(stored, batch)
-    grads = reorder(grads, stages=pipe, chunks=chunks, forward=False)
+    grads = eqxpar.nn.in_natural_order(grads)
     assert_float64_close(value, grads, *one_device(tiny_loss(), model, batch))
 
 
@@ -122,7 +121,7 @@ def test_make_step_under_x64_keeps_float64_state(x64):
     plan = pipeline_plan("1f1b", pipe=2, data=2, microbatches=4)
     model = float64(Tiny(2, key=jax.random.key(0)))
     optim = optax.adamw(1e-3)
-    state = eqxpar.train.init(reorder(model, stages=2, chunks=1), optim, plan, key=jax.random.key(0))
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
     state, metrics = eqxpar.train.make_step(tiny_loss(), optim, plan)(state, regression_batch(16))
     assert metrics["loss"].dtype == jnp.float64
     assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))

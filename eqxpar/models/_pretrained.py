@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from .._errors import PretrainedError
 from .._plan import Plan
 from .._sharding import named_shardings
+from ..nn._stack import Stacked, in_natural_order, in_plan_order
 from ._gpt import GPT
 from ._hf_config import config_from_hf, config_to_hf, infer_model_type
 from ._hf_files import (
@@ -113,13 +114,30 @@ def from_pretrained(path: str | os.PathLike, plan: Plan | None = None, *, dtype:
     prefix = "transformer." if kind == "gpt2" and "transformer.wte.weight" in files.names() else ""
     abstract, leaves = _leaf_sources(config, kind, prefix)
     _check_tensors(files, leaves, kind)
-    shardings = None if plan is None else named_shardings(abstract, plan)
+    # The plan owns the layer order: a pipeline's stack is read straight into the
+    # rows it stores (each device still reads only its own layers' tensors).
+    stored = abstract if plan is None else in_plan_order(abstract, plan)
+    shardings = None if plan is None else named_shardings(stored, plan)
     device = SingleDeviceSharding(jax.local_devices()[0])
     arrays = []
     sharding_leaves = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
-    for (_, leaf, source), sharding in zip(leaves, sharding_leaves, strict=True):
-        arrays.append(_load_leaf(files, source, leaf, sharding or device, dtype))
-    return jax.tree.unflatten(jax.tree.structure(abstract), arrays)
+    for (_, leaf, source), sharding, rows in zip(leaves, sharding_leaves, _row_maps(stored), strict=True):
+        arrays.append(_load_leaf(files, source, leaf, sharding or device, dtype, rows))
+    return jax.tree.unflatten(jax.tree.structure(stored), arrays)
+
+
+def _row_maps(tree: Any) -> list[np.ndarray | None]:
+    """For every array leaf of `tree`: the natural layer each stored row holds
+    (-1: padding) where it is part of a stack stored in another order, else None."""
+
+    out: list[np.ndarray | None] = []
+    for node in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, Stacked)):
+        if isinstance(node, Stacked):
+            rows = None if node.order is None else node.order.rows()
+            out += [rows] * len(jax.tree.leaves(node))
+        else:
+            out.append(None)
+    return out
 
 
 def _stored_dtype(files: TensorFiles, source: Source, shape: tuple[int, ...]) -> Any:
@@ -130,17 +148,33 @@ def _stored_dtype(files: TensorFiles, source: Source, shape: tuple[int, ...]) ->
     return by_name[files.dtype_name(names[0][1])]
 
 
-def _load_leaf(files: TensorFiles, source: Source, leaf: Any, sharding: Any, dtype: Any) -> jax.Array:
-    shape = tuple(leaf.shape)
-    target = np.dtype(dtype) if dtype is not None else _stored_dtype(files, source, shape)
+def _load_leaf(
+    files: TensorFiles, source: Source, leaf: Any, sharding: Any, dtype: Any, rows: np.ndarray | None
+) -> jax.Array:
+    """`leaf` (natural order) read into `sharding`; with `rows`, stored in that
+    row order (`rows[r]`: the layer at stored row `r`, -1 a padding row of zeros)."""
+    natural = tuple(leaf.shape)
+    shape = natural if rows is None else (len(rows), *natural[1:])
+    target = np.dtype(dtype) if dtype is not None else _stored_dtype(files, source, natural)
     cache: dict[tuple, np.ndarray] = {}
+
+    def read(ranges: tuple) -> np.ndarray:
+        # Devices that hold the same block (replicas) share one read.
+        if ranges not in cache:
+            cache[ranges] = source.read(files, natural, ranges, target)
+        return cache[ranges]
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         ranges = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-        # Devices that hold the same block (replicas) share one read.
-        if ranges not in cache:
-            cache[ranges] = source.read(files, shape, ranges, target)
-        return cache[ranges]
+        if rows is None:
+            return read(ranges)
+        parts = [
+            read(((int(rows[r]), int(rows[r]) + 1), *ranges[1:]))
+            if rows[r] >= 0
+            else np.zeros([1, *(b - a for a, b in ranges[1:])], target)
+            for r in range(*ranges[0])
+        ]
+        return np.concatenate(parts)
 
     return jax.make_array_from_callback(shape, sharding, block)
 
@@ -216,6 +250,9 @@ def save_pretrained(
             f"save_pretrained(max_shard_bytes={max_shard_bytes!r}): expected a positive integer."
         )
     safetensors_module()
+    # Written in natural order whatever order a plan stores the stack in (the
+    # stack records it): layer i under the name of layer i.
+    model = in_natural_order(model)
     config = model.config
     kind = infer_model_type(config) if model_type is None else model_type
     flat = jax.tree_util.tree_flatten_with_path(model)[0]

@@ -33,6 +33,8 @@ from ._rotary import apply_rotary as apply_rotary
 from ._sequence import sequence_mean as sequence_mean
 from ._sequence import split_sequence as split_sequence
 from ._stack import Stacked as Stacked
+from ._stack import in_natural_order as in_natural_order
+from ._stack import in_plan_order as in_plan_order
 from ._vocab import Embedding as Embedding
 from ._vocab import Unembed as Unembed
 from ._vocab import cross_entropy as cross_entropy

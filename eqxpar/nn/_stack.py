@@ -8,12 +8,14 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
 from .._param import stacked
-from .._plan import current_plan
+from .._plan import Plan, current_plan
+from .._stack_order import StackOrder, describe_order
 from .._varying import mark_varying, varying_axes
 
 #: The collectives that sum over devices (`lax.psum` and `lax.psum_scatter`'s primitives).
@@ -94,6 +96,10 @@ class Stacked(eqx.Module):
     blocks: PyTree = stacked(leading=("layers",))
     depth: int = eqx.field(static=True)
     unroll: int = eqx.field(static=True, default=1)
+    # How the rows are stored: None is natural order (row i = layer i); a
+    # pipeline plan stores some stacks permuted and padded (`Plan.stack_order`).
+    # Recorded here so that every way out can give the natural order back.
+    order: StackOrder | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -108,6 +114,7 @@ class Stacked(eqx.Module):
         self.unroll = _layers_per_iteration(unroll, depth)
         self.blocks = eqx.filter_vmap(make_block)(jax.random.split(key, depth))
         self.depth = depth
+        self.order = None
 
     @classmethod
     def from_blocks(cls, blocks: Sequence[Any], *, unroll: int | bool = 1) -> "Stacked":
@@ -129,12 +136,63 @@ class Stacked(eqx.Module):
         object.__setattr__(obj, "blocks", eqx.combine(stacked_arrays, static))
         object.__setattr__(obj, "depth", len(blocks))
         object.__setattr__(obj, "unroll", _layers_per_iteration(unroll, len(blocks)))
+        object.__setattr__(obj, "order", None)
         return obj
 
+    @property
+    def layers(self) -> int:
+        """Number of layers (`depth` counts stored rows, padding included)."""
+        return self.depth if self.order is None else self.order.layers
+
     def __getitem__(self, index: int) -> Any:
-        """Block `index` as an ordinary module."""
+        """Block `index` (in the natural order, whatever the storage order) as an
+        ordinary module."""
+        if self.order is not None:
+            index = int(self.order.natural_rows()[index])
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
         return eqx.combine(jax.tree.map(lambda x: x[index], arrays), static)
+
+    def with_rows(self, blocks: PyTree) -> "Stacked":
+        """This stack (its settings) holding `blocks` instead, read as consecutive
+        layers in natural order (e.g. one pipeline stage's rows)."""
+        out = eqx.tree_at(lambda s: s.blocks, self, blocks, is_leaf=lambda x: x is None)
+        rows = [x.shape[0] for x in jax.tree.leaves(blocks) if hasattr(x, "shape") and x.ndim]
+        object.__setattr__(out, "depth", rows[0] if rows else self.depth)
+        object.__setattr__(out, "order", None)
+        return out
+
+    def stored_in(self, order: StackOrder | None) -> "Stacked":
+        """This stack's layers stored in `order` (None: natural order), from
+        whatever order they are stored in now: one gather of the rows (padding
+        rows are zeros). Works on a stack of weights, of their gradients, of
+        optimizer moments, of `jax.ShapeDtypeStruct`s or of PartitionSpecs (only
+        the arrays move)."""
+        if order == self.order:
+            return self
+        if order is not None and order.layers != self.layers:
+            raise PlanError(
+                f"a stack of {self.layers} layers cannot be stored in {order.describe()}, which holds "
+                f"{order.layers} layers. Build the plan's stage_layers for this stack."
+            )
+        current = np.arange(self.layers) if self.order is None else self.order.natural_rows()
+        target = np.arange(self.layers) if order is None else order.rows()
+        source = np.where(target >= 0, current[np.maximum(target, 0)], 0)
+        pad = np.nonzero(target < 0)[0]
+
+        def move(x: Any) -> Any:
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct((len(target), *x.shape[1:]), x.dtype)
+            if not eqx.is_array(x):
+                return x
+            out = x[source]
+            return out.at[pad].set(0) if len(pad) else out
+
+        out = eqx.tree_at(
+            lambda s: s.blocks, self, jax.tree.map(move, self.blocks), is_leaf=lambda x: x is None
+        )
+        object.__setattr__(out, "depth", len(target))
+        object.__setattr__(out, "order", order)
+        return out
 
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
         key = kwargs.pop("key", None)
@@ -145,6 +203,10 @@ class Stacked(eqx.Module):
         # the scanned body (one layer's weights whole at a time; the gather's
         # transpose reduce-scatters the gradient). Set by the step around the loss.
         gathers = layer_gathers_for(jax.tree.leaves(arrays))
+        if self.order is not None:
+            # Stored in a pipeline's order (e.g. a model taken out of a pipeline
+            # plan's state): run the layers in their natural order all the same.
+            arrays = jax.tree.map(lambda x: x[self.order.natural_rows()], arrays)
 
         if key is not None and not _accepts_key(self.blocks):
             key = None
@@ -206,8 +268,59 @@ class Stacked(eqx.Module):
         if policy == "full":
             run = _checkpoint(run, "inputs")
         if key is not None:
-            return run(x, (arrays, jax.random.split(key, self.depth)))
+            return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
+
+
+def _is_stack(x: Any) -> bool:
+    return isinstance(x, Stacked)
+
+
+def in_natural_order(tree: PyTree) -> PyTree:
+    """`tree` (a model, its gradients, an optimizer state or a train state) with
+    every `eqxpar.nn.Stacked` in it stored in natural order again: layer `i` at row
+    `i`, no padding. What `save_pretrained` and a checkpoint save write; a no-op
+    for stacks already in natural order.
+
+    **Arguments:** `tree`, any pytree.
+
+    **Returns:** the same structure, natural order recorded on every stack.
+
+    ```python
+    model = eqxpar.nn.in_natural_order(state.model)   # e.g. to compare with one device
+    ```
+    """
+    return jax.tree.map(lambda s: s.stored_in(None) if _is_stack(s) else s, tree, is_leaf=_is_stack)
+
+
+def in_plan_order(tree: PyTree, plan: Plan) -> PyTree:
+    """`tree` with every `eqxpar.nn.Stacked` in it stored in the order `plan`
+    stores it in (`Plan.stack_order`: a pipeline's order for interleaved or uneven
+    stages, else natural), from whatever order it is in now. `eqxpar.train.init`,
+    `eqxpar.shard`, `from_pretrained(path, plan)` and a checkpoint restore call
+    it; users do not need to.
+
+    **Arguments:** `tree`, any pytree; `plan`, the target `eqxpar.Plan`.
+
+    **Returns:** the same structure, the plan's order recorded on every stack.
+    """
+    return jax.tree.map(
+        lambda s: s.stored_in(plan.stack_order(s.layers)) if _is_stack(s) else s, tree, is_leaf=_is_stack
+    )
+
+
+def check_stack_order(stack: Stacked, plan: Plan) -> None:
+    """Raise `PlanError` unless `stack` is stored in the order `plan` runs it in.
+    Shared with the pipeline engine."""
+    wanted = plan.stack_order(stack.layers)
+    if stack.order != wanted:
+        raise PlanError(
+            f"the pipelined stack is stored in {describe_order(stack.order)}, but this plan runs it in "
+            f"{describe_order(wanted)}. Let eqxpar place the model: build the state with "
+            "eqxpar.train.init(model, optimizer, plan, ...), or pass the model through "
+            "eqxpar.shard(model, plan) (both store every stack in the plan's order); do not reorder "
+            "layers by hand."
+        )
 
 
 def _layers_per_iteration(unroll: int | bool, depth: int) -> int:

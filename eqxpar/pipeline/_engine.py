@@ -36,7 +36,7 @@ group share their `pipe` index, hence their schedule column, hence their branch.
   cotangent stays buffered from `I` to `W`.
 
 Uneven stages (`Plan(stage_layers=...)`): every device's chunks are stored in
-`max(stage_layers)` layer slots each (`to_pipeline_order`), and a branch's key
+`max(stage_layers)` layer slots each (the plan's stack order), and a branch's key
 holds its virtual stage's layer count: the branch slices its chunk to those
 layers before the stage runs, so the padding slots run nothing and their
 gradient sums stay zero; the residual and stash layouts are per (first, last,
@@ -66,7 +66,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from .._errors import DivisibilityError, PlanError
+from .._errors import PlanError
 from .._fsdp import gather_weights, gathers_of, kept_axes
 from .._grad_common import LossFunction, reduce_gradient, split_microbatches
 from .._plan import Plan
@@ -74,6 +74,7 @@ from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._step_layout import StepLayout
 from .._varying import mark_varying, varying_axes
+from ..nn._stack import check_stack_order
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._builtin import schedule
 from ._loss import PipelineLoss
@@ -236,25 +237,9 @@ class Engine:
         return self.parts.stack(tree).blocks
 
     def check_depth(self, model: Any) -> None:
-        plan = self.layout.plan
-        p, v, layers = plan.mesh.shape[PIPE], plan.chunks, plan.stage_layers
-        depth = self.parts.stack_of(model).depth
-        if layers is not None:
-            stored = p * v * max(layers)
-            if depth != stored:
-                raise DivisibilityError(
-                    f"Plan(stage_layers={layers}) stores {p} stages x {v} chunks x max(stage_layers) "
-                    f"= {stored} layer slots, but the pipelined stack has {depth} rows. Store the "
-                    f"{sum(layers)}-layer stack with eqxpar.pipeline.to_pipeline_order(stack, stages={p}, "
-                    f"chunks={v}, stage_layers={layers}) (from_pipeline_order reads it back)."
-                )
-            return
-        if depth % (p * v):
-            raise DivisibilityError(
-                f"the pipelined stack has depth {depth}, which does not split into {p} stages x "
-                f"{v} chunks = {p * v} equal virtual stages. Use a depth that is a multiple of "
-                f"{p * v}, or other pipe / chunks sizes."
-            )
+        """Refuse a stack not stored in the plan's order (`Plan.stack_order`): the
+        layers would run permuted, or the stages would be cut at the wrong rows."""
+        check_stack_order(self.parts.stack_of(model), self.layout.plan)
 
     def per_device(self, model: Any, batch: Any) -> tuple[jax.Array, Any]:
         params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -418,7 +403,12 @@ class Device:
 
     def assemble(self, rest: Any, chunk: Any) -> Any:
         full = eqx.combine(rest, self.static)
-        return eqx.tree_at(self.engine.blocks_of, full, eqx.combine(chunk, self.static_blocks))
+        # The chunk's rows are its stage's layers in order: a stack of its own.
+        return eqx.tree_at(
+            self.engine.parts.stack,
+            full,
+            replace_fn=lambda s: s.with_rows(eqx.combine(chunk, self.static_blocks)),
+        )
 
     def stage(
         self, rest: Any, chunk: Any, x: Any, mb_batch: Any, first: bool, last: bool, *, cast: bool = True

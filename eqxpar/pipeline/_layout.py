@@ -1,6 +1,6 @@
 """Where a pipelined stack's layers live: the rule that splits them over `pipe`,
 and the storage order of interleaved (several chunks per device) and uneven
-(`Plan(stage_layers=...)`) stacks. `stored_rows` is shared with the engine."""
+(`Plan(stage_layers=...)`) stacks, as low-level functions (the plan owns the order)."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 from .._errors import DivisibilityError, PlanError
 from .._plan import checked_stage_layers
 from .._rules import Leaf, Rule, as_rules, mesh_axis_names
+from .._stack_order import StackOrder, describe_order, pipeline_order
 from ..nn._stack import Stacked
 
 
@@ -91,8 +92,12 @@ def stored_rows(
     """`rows[r]` = the sequential layer stored at row `r` (pipeline order), -1
     for a padding slot: device `d` stores its chunks `0, 1, ...` one after the
     other, each in `max(stage_layers)` slots (`depth / (stages * chunks)`
-    without `stage_layers`), virtual stage `k = c * stages + d`'s layers first.
-    Shared with the engine, which checks a stored stack's depth with it."""
+    without `stage_layers`), virtual stage `k = c * stages + d`'s layers first."""
+    order = _order(depth, stages, chunks, stage_layers)
+    return np.arange(depth) if order is None else order.rows()
+
+
+def _order(depth: int, stages: int, chunks: int, stage_layers: Sequence[int] | None) -> StackOrder | None:
     if stage_layers is None:
         if depth % (stages * chunks):
             raise DivisibilityError(
@@ -100,33 +105,19 @@ def stored_rows(
                 f"use a depth that is a multiple of {stages * chunks}, or give the layers per "
                 "virtual stage (stage_layers=...)."
             )
-        stage_layers = (depth // (stages * chunks),) * (stages * chunks)
-    stage_layers = checked_stage_layers(stage_layers, stages=stages, chunks=chunks, depth=depth)
-    starts = np.cumsum((0,) + stage_layers)
-    slots = max(stage_layers)
-    rows: list[int] = []
-    for device in range(stages):
-        for chunk in range(chunks):
-            k = chunk * stages + device
-            rows.extend(range(starts[k], starts[k + 1]))
-            rows.extend([-1] * (slots - stage_layers[k]))
-    return np.asarray(rows)
-
-
-def _with_blocks(stack: Stacked, blocks: Any, depth: int) -> Stacked:
-    """`stack` holding `blocks` (`depth` rows; `depth` is a static field, set as
-    `Stacked.from_blocks` sets it)."""
-    out = eqx.tree_at(lambda s: s.blocks, stack, blocks)
-    if depth != stack.depth:
-        object.__setattr__(out, "depth", depth)
-    return out
+    else:
+        stage_layers = checked_stage_layers(stage_layers, stages=stages, chunks=chunks, depth=depth)
+    return pipeline_order(depth, stages=stages, chunks=chunks, stage_layers=stage_layers)
 
 
 def to_pipeline_order(
     stack: Stacked, *, stages: int, chunks: int, stage_layers: Sequence[int] | None = None
 ) -> Stacked:
-    """Reorder a stack's layers from sequential order to the order a pipeline
-    stores them in.
+    """The stack stored in the order a pipeline of `stages` x `chunks` stores it
+    in, that order recorded on it (`Stacked.order`). A low-level function: the
+    plan owns the order, and `eqxpar.train.init`, `eqxpar.shard`,
+    `from_pretrained(path, plan)` and a checkpoint restore apply it; no user code
+    needs to call this.
 
     With `stages` devices and `chunks` chunks per device there are `stages *
     chunks` virtual stages of `n = depth / (stages * chunks)` layers; virtual
@@ -143,7 +134,8 @@ def to_pipeline_order(
     `stages * chunks * n` rows.
 
     Works on the stack of a model, of its gradients or of its optimizer moments
-    (any `Stacked`-shaped tree). `from_pipeline_order` undoes it.
+    (any `Stacked`-shaped tree), from whatever order it is recorded in (so a
+    stack is never permuted twice). `from_pipeline_order` undoes it.
 
     **Arguments:** `stack`; keyword-only `stages` (size of `pipe`), `chunks`,
     `stage_layers` (default None: equal stages).
@@ -151,62 +143,46 @@ def to_pipeline_order(
     **Returns:** the stack with its layers permuted (and padded).
 
     ```python
-    model = eqx.tree_at(lambda m: m.blocks, model,
-                        eqxpar.pipeline.to_pipeline_order(model.blocks, stages=4, chunks=2))
+    stored = eqxpar.pipeline.to_pipeline_order(model.blocks, stages=4, chunks=2)
     ```
     """
-    rows = stored_rows(_depth(stack), stages, chunks, stage_layers)
-    pad = rows < 0
-    take = np.maximum(rows, 0)
-
-    def store(x: Any) -> Any:
-        if not eqx.is_array(x):
-            return x
-        out = x[take]
-        return out.at[np.nonzero(pad)[0]].set(0) if pad.any() else out
-
-    return _with_blocks(stack, jax.tree.map(store, stack.blocks), len(rows))
+    stack = _checked(stack)
+    return stack.stored_in(_order(stack.layers, stages, chunks, stage_layers))
 
 
 def from_pipeline_order(
     stack: Stacked, *, stages: int, chunks: int, stage_layers: Sequence[int] | None = None
 ) -> Stacked:
     """Undo `to_pipeline_order`: layers back in sequential order, padding dropped.
+    A low-level function: `eqxpar.nn.in_natural_order` does this for every stack
+    of any tree from the order recorded on it.
 
     **Arguments:** `stack` (in pipeline order); keyword-only `stages`, `chunks`,
-    `stage_layers` (those it was stored with).
+    `stage_layers` (those it was stored with; checked against the order the stack
+    records).
 
     **Returns:** the stack with layer `i` at row `i`.
 
     ```python
-    blocks = eqxpar.pipeline.from_pipeline_order(model.blocks, stages=4, chunks=2)
+    blocks = eqxpar.pipeline.from_pipeline_order(stored, stages=4, chunks=2)
     ```
     """
-    stored = _depth(stack)
-    if stage_layers is None:
-        rows = stored_rows(stored, stages, chunks)
-    else:
-        layers = checked_stage_layers(stage_layers, stages=stages, chunks=chunks)
-        rows = stored_rows(sum(layers), stages, chunks, layers)
-        if len(rows) != stored:
+    stack = _checked(stack)
+    if stack.order is not None:
+        given = _order(stack.order.layers, stages, chunks, stage_layers)
+        if given != stack.order:
             raise PlanError(
-                f"from_pipeline_order(stage_layers={layers}): a stack stored with these stages has "
-                f"{stages} x {chunks} x {max(layers)} = {len(rows)} rows, this one {stored}. Pass the "
-                "stage_layers (and stages, chunks) it was stored with."
+                f"from_pipeline_order(stages={stages}, chunks={chunks}, stage_layers={stage_layers}): "
+                f"the stack is stored in {stack.order.describe()}, not in {describe_order(given)}. "
+                "Pass the stages, chunks and stage_layers it was stored with, or call "
+                "eqxpar.nn.in_natural_order, which reads them from the stack."
             )
-    order = np.argsort(np.where(rows < 0, len(rows), rows), kind="stable")[: int((rows >= 0).sum())]
-    blocks = jax.tree.map(lambda x: x[order] if eqx.is_array(x) else x, stack.blocks)
-    return _with_blocks(stack, blocks, len(order))
+    return stack.stored_in(None)
 
 
 def _checked(stack: Any) -> Stacked:
     if not isinstance(stack, Stacked):
         raise PlanError(f"expected an eqxpar.nn.Stacked (or its gradients), got {type(stack).__name__}.")
-    return stack
-
-
-def _depth(stack: Stacked) -> int:
-    leaves = [x for x in jax.tree.leaves(_checked(stack).blocks) if eqx.is_array(x)]
-    if not leaves:
+    if not [x for x in jax.tree.leaves(stack.blocks) if eqx.is_array(x)]:
         raise PlanError("the stack holds no arrays; nothing to reorder.")
-    return int(leaves[0].shape[0])
+    return stack

@@ -31,9 +31,8 @@ class PipelineLoss(eqx.Module):
 
     Called as `loss(model, batch)` it is the plain sequential composition
     `last(model, stack(model)(first(model, batch)), batch)`: an ordinary loss
-    function for non-pipeline plans and for a single-device reference. (With
-    `chunks > 1` the stack is stored in pipeline order; see
-    `eqxpar.pipeline.from_pipeline_order` before calling it sequentially.)
+    function for non-pipeline plans and for a single-device reference (a stack
+    the plan stored in a pipeline's order runs its layers in natural order there).
 
     ```python
     loss = eqxpar.pipeline.PipelineLoss(

@@ -22,12 +22,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from .._errors import EqxparError
 from .._plan import Plan
 from .._train_state import TrainState, specs_of
+from ..nn._stack import Stacked, in_natural_order, in_plan_order
 from ._distributed import get_logger
 
 _FORMAT = "eqxpar.checkpoint"
@@ -245,7 +246,10 @@ class CheckpointManager:
                 f"CheckpointManager.save(data_state={data_state!r}): not JSON-serialisable ({e}). "
                 "Pass a dict of numbers and strings, e.g. ShardedIterator.get_state()."
             ) from e
-        leaves = _array_leaves(state)
+        # Stacks a plan stores in a pipeline's order are written in natural order
+        # (the order they record says how), so the files are the same under every
+        # plan and restore into any other.
+        leaves = _array_leaves(in_natural_order(state))
         if not leaves:
             raise CheckpointError(
                 "CheckpointManager.save: the state has no array leaves to save; pass the "
@@ -363,12 +367,21 @@ class CheckpointManager:
             "the right directory."
         )
         meta = self._read_meta(step, where, fix)
-        leaves = _array_leaves(like)
+        # Files hold every stack in natural order (see `save`); the target is
+        # `like` with its stacks in the order the plan stores them in.
+        target_like = (
+            like if plan is None or not isinstance(plan, Plan) else in_plan_order(_outline(like), plan)
+        )
+        natural_like = in_natural_order(_outline(target_like))
+        leaves = _array_leaves(natural_like)
         records = meta["leaves"]
         legacy = _predates_skipped_steps(like, records, leaves)
         _check_matches(records, leaves[:-1] if legacy else leaves, where)
-        shardings = _target_shardings(like, plan, leaves)
-        target = _restore_target(records, shardings[: len(records)])
+        shardings = _target_shardings(target_like, plan, _array_leaves(target_like))
+        reading = [
+            _whole_layers(s) if moved else s for s, moved in zip(shardings, _moved(target_like), strict=True)
+        ]
+        target = _restore_target(records, reading[: len(records)])
         ocp = self._ocp
         arrays = _guard(
             lambda: self._manager.restore(
@@ -385,7 +398,12 @@ class CheckpointManager:
                 **arrays,
                 _name(len(records) - 1): jax.device_put(np.zeros((), np.int32), shardings[-1]),
             }
-        return _rebuild(like, records, arrays), meta.get("data_state")
+        restored = _rebuild(natural_like, records, arrays)
+        if any(_moved(target_like)):
+            restored = _stored_as(restored, target_like, shardings)
+        else:
+            restored = _rebuild(target_like, records, arrays)
+        return restored, meta.get("data_state")
 
     def _complete_step(self, step: int | None, steps: list[int]) -> int:
         """`step`, checked to be a complete checkpoint; None gives the latest."""
@@ -577,6 +595,66 @@ def _rebuild(like: PyTree, records: list[dict[str, Any]], arrays: dict[str, Any]
     flat, treedef = jax.tree.flatten(like)
     it = iter(restored)
     return jax.tree.unflatten(treedef, [next(it) if _is_array(leaf) else leaf for leaf in flat])
+
+
+def _outline(tree: PyTree) -> PyTree:
+    """`tree` with its arrays as `jax.ShapeDtypeStruct`s (shardings kept), so that
+    reordering its stacks moves no data."""
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+            if _is_array(x)
+            else x
+        ),
+        tree,
+    )
+
+
+def _moved(tree: PyTree) -> list[bool]:
+    """For every array leaf of `tree`: whether it is part of a stack stored in an
+    order other than the natural one."""
+
+    def mark(node: Any) -> Any:
+        if isinstance(node, Stacked):
+            return jax.tree.map(lambda x: node.order is not None, node.blocks)
+        return False
+
+    marks = jax.tree.map(mark, tree, is_leaf=lambda n: isinstance(n, Stacked))
+    flat = jax.tree.leaves(tree)
+    return [m for x, m in zip(flat, jax.tree.leaves(marks), strict=True) if _is_array(x)]
+
+
+def _whole_layers(sharding: Sharding) -> Sharding:
+    """`sharding` with the leading (layer) dimension kept whole: a stack is read in
+    natural order, then stored in the plan's order."""
+    if not isinstance(sharding, NamedSharding):
+        raise CheckpointError(
+            f"CheckpointManager.restore: a stack stored in a pipeline's layer order needs a "
+            f"NamedSharding to restore into, got {sharding}. Pass plan=... (the target plan)."
+        )
+    spec = tuple(sharding.spec)
+    return NamedSharding(sharding.mesh, PartitionSpec(None, *spec[1:]))
+
+
+def _is_stack(node: Any) -> bool:
+    return isinstance(node, Stacked)
+
+
+@eqx.filter_jit
+def _stored_as_jit(restored: PyTree, orders: tuple, shardings: tuple[Sharding, ...]) -> PyTree:
+    it = iter(orders)
+    moved = jax.tree.map(lambda n: n.stored_in(next(it)) if _is_stack(n) else n, restored, is_leaf=_is_stack)
+    flat, treedef = jax.tree.flatten(moved)
+    placed = iter(shardings)
+    flat = [jax.lax.with_sharding_constraint(x, next(placed)) if _is_array(x) else x for x in flat]
+    return jax.tree.unflatten(treedef, flat)
+
+
+def _stored_as(restored: PyTree, target_like: PyTree, shardings: list[Sharding]) -> PyTree:
+    """`restored` (natural order) with every stack in `target_like`'s order, each
+    array in its target sharding."""
+    orders = tuple(n.order for n in jax.tree.leaves(target_like, is_leaf=_is_stack) if _is_stack(n))
+    return _stored_as_jit(restored, orders, tuple(shardings))
 
 
 def _target_shardings(like: PyTree, plan: Plan | None, leaves: list[tuple[str, Any]]) -> list[Sharding]:
