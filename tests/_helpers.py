@@ -816,8 +816,8 @@ def journey_plan(name: str) -> eqxpar.Plan:
     return pipeline_plan(schedule, pipe=2, data=4, microbatches=2, chunks=chunks, stage_layers=layers)
 
 
-def journey_tokens() -> np.ndarray:
-    return np.random.default_rng(1).integers(0, 64, size=(8, 9)).astype(np.int32)
+def journey_tokens() -> jax.Array:
+    return jnp.asarray(np.random.default_rng(1).integers(0, 64, size=(8, 9)).astype(np.int32))
 
 
 def journey_optimizer() -> optax.GradientTransformation:
