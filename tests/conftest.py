@@ -32,3 +32,31 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"needs 8 devices, have {jax.device_count()}")
         for item in items:
             item.add_marker(skip)
+
+
+#: Above this many memory maps a worker releases its compiled programs. XLA:CPU maps
+#: each executable's code in regions of its own and jit's caches keep them all, so a
+#: worker that compiles the suite's thousands of programs nears Linux's limit of
+#: 65,530 maps (`vm.max_map_count`), and LLVM then aborts the process while compiling
+#: ("Fatal Python error: Aborted" late in a run; seen once the suite grew by a few
+#: dozen compiles per worker). Tests do not share compiled programs, so dropping them
+#: costs nothing but the rare recompile.
+_MAPS_BEFORE_RELEASE = 30_000
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    yield
+    if _memory_maps() > _MAPS_BEFORE_RELEASE:
+        import gc
+
+        gc.collect()
+        jax.clear_caches()
