@@ -33,7 +33,8 @@ RATE = 0.3
 KEY = jax.random.key(7)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+# Non-causal in make test-slow (16 s on 2 cores): the causal case runs every path.
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_every_path_drops_the_same_probabilities(causal):
     args, cot = random_qkv(0, 32, 4, 2)
     dense = functools.partial(dense_attention, causal=causal, mask=None, dropout=RATE, key=KEY)

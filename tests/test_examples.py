@@ -75,9 +75,10 @@ DEMO_MESH = {
 }
 
 
-# In make test-slow (25 s each on 2 cores): the interleaved pipeline example; the
-# engine's interleaved tables run in make test through tests/test_pipeline.py.
-SLOW_PLANS = {"pipeline/hybrid"}
+# In make test-slow (25 s each on 2 cores): the interleaved pipeline example (the
+# engine's interleaved tables run in make test through tests/test_pipeline.py) and
+# the 1F1B one (pipeline/fsdp and pipeline/hybrid-fsdp run the same script).
+SLOW_PLANS = {"pipeline/hybrid", "pipeline/data"}
 
 
 @pytest.mark.parametrize(
