@@ -11,7 +11,7 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._errors import UnusedAxisWarning
+from ._errors import PlanError, UnusedAxisWarning
 from ._mesh import CONTEXT_AXIS
 from ._plan import Plan
 from ._rules import mesh_axis_names
@@ -128,7 +128,19 @@ def init(
             return model, place_tree(opt_state, plan, specs=layout.opt_state)
 
     _warn_unused_axes(model, plan)
-    model, opt_state = place(model)
+    try:
+        model, opt_state = place(model)
+    except ValueError as e:
+        if not any(words in str(e) for words in ("incompatible devices", "different devices")):
+            raise
+        # jit refuses arrays committed to other devices than the mesh's (a model
+        # loaded onto one device, e.g. from_pretrained(path) without a plan).
+        raise PlanError(
+            "eqxpar.train.init: the model holds arrays committed to devices outside the plan's mesh "
+            f"{dict(plan.mesh.shape)} (JAX: {str(e).splitlines()[0][:160]}). Load it straight into the "
+            "plan (eqxpar.models.from_pretrained(path, plan)), build it without placing it, or move it "
+            "first: jax.device_put(model, plan.sharding(PartitionSpec()))."
+        ) from e
     replicated = plan.sharding(PartitionSpec())
     # Built from host values: a key made by jax.random.key lives on one local
     # device, which device_put cannot place on a mesh spanning several processes.

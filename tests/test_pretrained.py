@@ -16,7 +16,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec
 
 import eqxpar
 from eqxpar.models import from_pretrained, lm_loss, save_pretrained
@@ -229,3 +231,18 @@ def test_bad_checkpoints_name_the_file_or_field(tmp_path):
 def test_import_eqxpar_does_not_import_safetensors():
     code = "import sys, eqxpar, eqxpar.models; assert 'safetensors' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ})
+
+
+def test_a_model_loaded_onto_one_device_is_refused_by_init_with_the_fix():
+    # from_pretrained(path) without a plan commits the arrays to one device; jit
+    # would refuse them with an opaque device-set error inside init.
+    model = from_pretrained(DATA / "llama")
+    plan = eqxpar.Plan(mesh(data=8))
+    with pytest.raises(
+        eqxpar.PlanError, match=r"committed to devices outside the plan's mesh.*from_pretrained\(path, plan\)"
+    ):
+        eqxpar.train.init(model, optax.adam(1e-3), plan, key=jax.random.key(0))
+    # The fix it names works.
+    placed = jax.device_put(model, plan.sharding(PartitionSpec()))
+    state = eqxpar.train.init(placed, optax.adam(1e-3), plan, key=jax.random.key(0))
+    same_arrays(state.model, model)
