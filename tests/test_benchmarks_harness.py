@@ -255,6 +255,19 @@ def test_run_releases_each_records_executables(tmp_path, monkeypatch):
     assert len(traces) == 2  # 1 if the first record's executable were still cached
 
 
+def test_a_full_run_keeps_the_entries_other_scripts_wrote(tmp_path, monkeypatch):
+    # benchmarks.long_runs and benchmarks/pretrained_load.py write their own entries
+    # into the same JSON; a run of the whole registry replaces only its own.
+    monkeypatch.setattr(run, "measure", lambda name, *args, **kwargs: _record(name))
+    path = tmp_path / "r.json"
+    foreign = {"long_runs": {"tokens_per_s": 9.21e6}, "pretrained_load": {"model_bytes": 1}}
+    path.write_text(json.dumps({"records": [], "updates": [{"records": ["dp"]}], **foreign}))
+    run.main(["--quick", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert {k: data[k] for k in foreign} == foreign
+    assert "updates" not in data and len(data["records"]) == len(run.STRATEGIES)
+
+
 def test_report_splices_tables_into_hand_written_prose(tmp_path):
     pipe = _record(
         "pp_1f1b",

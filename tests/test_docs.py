@@ -225,3 +225,37 @@ def test_license_and_typing_marker_ship():
 def test_readme_stays_short():
     # The README is the front page: long-form documentation lives in docs/.
     assert len(README.read_text().splitlines()) <= 200
+
+
+def test_figures_quoted_from_other_scripts_match_the_record():
+    # The entries benchmarks.long_runs and benchmarks/pretrained_load.py write into
+    # quick.json are quoted by BENCHMARKS.md and the long-runs guide: each figure
+    # quoted must be the recorded one, rounded as printed.
+    import json
+
+    data = json.loads((ROOT / "benchmarks" / "results" / "quick.json").read_text())
+    bench = (ROOT / "BENCHMARKS.md").read_text()
+    guide = (DOCS / "guides" / "long-runs.md").read_text()
+    runs = data["long_runs"]
+    one, two = runs["read_1x8"][0], runs["read_2x4"]
+    save = runs["async_save"]
+    quoted = [
+        f"{one['tokens_per_s'] / 1e6:.2f} M tokens/s read ({one['tokens_per_s_with_global_batch'] / 1e6:.2f} M",
+        f"{two[0]['tokens_per_s'] / 1e6:.2f} M and {two[1]['tokens_per_s'] / 1e6:.2f} M tokens/s per process",
+        f"peak RSS {one['peak_rss_mib']:.0f} MiB",
+        f"is {save['step_ms_save_in_flight']:.1f} ms, against\n  {save['step_ms']:.1f} ms without: {save['ratio']:.2f}x",
+    ]
+    for i, p in enumerate(data["pretrained_load"]["processes"]):
+        mb = {
+            k: f"{p[k] / 1e6:,.0f} MB" for k in ("rss_before", "peak", "growth", "shards", "anonymous_after")
+        }
+        quoted.append(
+            f"| {i} | {mb['rss_before']} | {mb['peak']} | {mb['growth']} | {mb['shards']} | "
+            f"{p['growth_over_shards_plus_largest']:.2f} | {mb['anonymous_after']} |"
+        )
+    for text in quoted:
+        assert text in bench, text
+    assert (
+        f"gave\n  {save['ratio']:.2f}x ({save['step_ms_save_in_flight']:.1f} ms against {save['step_ms']:.1f} ms"
+        in guide
+    )
