@@ -77,6 +77,13 @@ class Stacked(eqx.Module):
     split into one key per layer (`jax.random.split(key, depth)`, scanned with the
     layers) and block `i` gets `key=keys[i]` if its `__call__` takes `key`.
 
+    A pipeline plan may store the rows in its own order (`Plan.stack_order`:
+    interleaved chunks, uneven stages with padding rows); `order` records it (None:
+    natural order, row `i` = layer `i`), `depth` counts the stored rows and
+    `layers` the layers. Calling a stack stored that way, or indexing it, still
+    goes through the layers in natural order; `eqxpar.nn.in_natural_order` gives
+    the natural storage back.
+
     Blocks that return `(x, aux)` (an output whose structure is not the input's,
     a pair whose first part is) make the stack return `(y, aux)`, every leaf of
     `aux` stacked over a leading `depth` dimension (layer `i`'s at index `i`); only
