@@ -281,3 +281,22 @@ def test_the_checks_catch_what_they_forbid(scratch):
     scratch({"tests/__init__.py": "", "tests/_helpers.py": "", "tests/test_a.py": "x = 1\n"})
     scratch({"tests/test_b.py": "from ._helpers import x\nfrom .test_a import x\n"})
     assert [line.split(" ", 1)[1] for line in imports_between_test_files()] == ["imports tests.test_a"]
+
+
+def test_cases_skipped_at_one_end_of_the_jax_range_run_at_the_other():
+    # .ci/run runs the whole suite on the oldest JAX and NEWEST_TESTS on the newest:
+    # a file with cases skipped by jax/jaxlib version must be among NEWEST_TESTS, or
+    # its newest-JAX cases never run in CI.
+    import re
+
+    makefile = (ROOT / "Makefile").read_text()
+    listed = re.search(r"NEWEST_TESTS :=(.*?)\n\S", makefile, re.S).group(1)
+    gated = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("skipif"):
+                if re.search(r"jax(lib)?\b[^\"']*\d|jaxlib|jax version", ast.unparse(node), re.I):
+                    gated.append(f"tests/{path.name}")
+    assert gated, "no version-gated skip found: the check reads nothing"
+    missing = sorted({g for g in gated if g not in listed})
+    assert not missing, f"{missing} skip cases by JAX version but are not in the Makefile's NEWEST_TESTS"
