@@ -116,6 +116,8 @@ def render(data: dict[str, Any]) -> str:
     cells.append(fmt(data.get("wall_time_s"), ".0f"))
     cells += [str(data.get("timing", {}).get(k, "—")) for k in ("warm_steps", "timed_steps")]
     parts = ["### Run", "", markdown_table(run, [cells])]
+    for u in data.get("updates", []):  # records an --only run measured after the whole run
+        parts += ["", f"Re-measured alone after this run: {', '.join(u['records'])} (`{u['command']}`)."]
     for heading, columns, rows in SECTIONS:
         if chosen := [cells for r in data["records"] for cells in rows(r)]:
             parts += ["", f"### {heading}", "", markdown_table(columns, chosen)]

@@ -137,11 +137,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data["wall_time_s"] = time.perf_counter() - started
     if args.json.exists():  # a full run keeps what other scripts wrote (long_runs, pretrained_load)
         old = json.loads(args.json.read_text())
-        data = (
-            _merged(old, data)
-            if args.only
-            else {k: v for k, v in old.items() if k not in (*data, "updates")} | data
-        )
+        foreign = {k: v for k, v in old.items() if k not in (*data, "updates")}
+        data = _merged(old, data) if args.only else foreign | data
     _measure.write_json(args.json, data)
     if args.markdown is not None:
         report.splice(args.markdown, report.render(data))

@@ -29,8 +29,10 @@ MAX_FUNCTION_LINES = 80
 # limit is what there is (2,452 after the third cut, issue 37: the prose is in
 # benchmarks/README.md; then the four Llama-style records; 2,450 after the fourth:
 # one_device times with _measure.timed_steps, single-use helpers folded in; then
-# run.py's release of each record's executables), so that the benchmarks can only shrink.
-MAX_BENCHMARK_LINES = 2456
+# run.py's release of each record's executables; 2,453 once the plan stored pipeline
+# stacks itself, `_workload.pipeline_model` gone, a full run keeping other scripts'
+# entries and the report naming records re-measured alone), so that the benchmarks can only shrink.
+MAX_BENCHMARK_LINES = 2453
 
 
 def _module_name(path: pathlib.Path) -> str:
