@@ -154,7 +154,7 @@ def _program_over_table(cfg, flops, name, chunks, *, p, m, data, remat="none", l
     plan = eqxpar.Plan(eqxpar.make_mesh(pipe=p, data=data), rules=eqxpar.pipeline.stage_rules(), **options)
     optim = _workload.make_optimizer(cfg)
     step = eqxpar.train.make_step(_workload.PIPELINE_LOSS, optim, plan)
-    model = _workload.make_model(cfg)  # natural order: init stores it in the plan's
+    model = eqxpar.nn.in_plan_order(_workload.make_model(cfg), plan)  # the runner places it as given
     compiled = _measure.EqxparRunner(step, plan, model, optim, _workload.make_batches(1, cfg)).compile()
     sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
     table = _action_flops.pipeline_table_flops(sched, flops, layers)
