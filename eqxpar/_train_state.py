@@ -127,7 +127,9 @@ def init(
             opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
             return model, place_tree(opt_state, plan, specs=layout.opt_state)
 
-    _warn_unused_axes(model, plan)
+    # Checked on the model as the plan stores it: a stack of uneven pipeline stages
+    # has rows (padded per device) the pipe axis divides where its depth may not.
+    _warn_unused_axes(eqx.filter_eval_shape(lambda m: in_plan_order(m, plan), model), plan)
     try:
         model, opt_state = place(model)
     except ValueError as e:

@@ -126,6 +126,9 @@ def test_shard_and_gradients_keep_the_plans_order():
     assert stored.blocks.order == plan.stack_order(5) and stored.blocks.depth == 2 * 2 * 2
     assert_bit_identical(eqxpar.shard(stored, plan), stored)
     assert_bit_identical(in_natural_order(stored), model)
+    # train.init stores it so too (5 layers: the natural stack's depth is not a
+    # multiple of pipe=2; its stored rows are, and only they are split).
+    assert_bit_identical(eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(1)).model, stored)
     value, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(stored, batch)
     assert grads.blocks.order == stored.blocks.order
     ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, batch)
