@@ -238,7 +238,7 @@ def _lm_last(m, h, tokens):
     # vocabulary shard (rules that keep "vocab" whole make them the whole row, and
     # under sequence parallelism this device's sequence block: average the blocks).
     split = m.head.vocab_split()
-    per_token = nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:], vocab_split=split)
+    per_token = nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:], head=m.head)
     return jnp.mean(per_token) if split else nn.sequence_mean(per_token)
 
 

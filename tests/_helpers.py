@@ -125,7 +125,7 @@ def cross_entropy_loss(model, batch):
     """Mean `eqxpar.nn.cross_entropy` of `model(ids)` against `labels`, for a model
     called on the whole (batch, seq) array of ids; `batch` is (ids, labels)."""
     ids, labels = batch
-    return jnp.mean(nn.cross_entropy(model(ids), labels))
+    return jnp.mean(nn.cross_entropy(model(ids), labels, head=model.head))
 
 
 def moe_regression_loss(model, batch):

@@ -58,7 +58,7 @@ class Zoo(eqx.Module):
         h = h + self.mlp_swiglu(h)
         h = h + self.attn(h) + self.attn_fused(h) + self.attn_gqa(h)
         h = self.block(h)
-        return nn.cross_entropy(self.head(h), labels)
+        return nn.cross_entropy(self.head(h), labels, head=self.head)
 
 
 def make_plan(mode: str, tp: int) -> eqxpar.Plan:

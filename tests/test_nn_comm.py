@@ -75,7 +75,7 @@ def test_vocab_parallel_cross_entropy_moves_per_token_scalars(sequence_parallel)
     logits = jax.random.normal(jax.random.key(0), (BATCH, SEQ, VOCAB))
     labels = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
     f = eqxpar.filter_shard_map(
-        lambda z, y: nn.cross_entropy(z, y),
+        lambda z, y: nn.cross_entropy(z, y, vocab_split=True),
         p,
         in_specs=(P("data", None, "tensor"), P("data")),
         out_specs=P("data"),

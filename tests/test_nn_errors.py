@@ -87,7 +87,7 @@ def test_weight_shards_outside_a_manual_region():
 def test_sequence_split_activations_given_to_cross_entropy():
     plan = manual_plan(sequence_parallel=True)
     f = eqxpar.filter_shard_map(
-        lambda z, y: nn.cross_entropy(z, y),
+        lambda z, y: nn.cross_entropy(z, y, vocab_split=True),
         plan,
         in_specs=(P(None, "tensor", None), P()),
         out_specs=P(),
@@ -103,8 +103,9 @@ def test_sequence_split_activations_given_to_cross_entropy():
 
 
 def test_cross_entropy_refuses_whole_vocabulary_logits_read_as_a_shard():
-    # The default vocab_split=True on logits every tensor device holds whole (rules
-    # that keep "vocab" whole) added log(tensor) to the loss (found by the plan fuzz).
+    # vocab_split=True (once the default) on logits every tensor device holds whole
+    # (rules that keep "vocab" whole) added log(tensor) to the loss (found by the
+    # plan fuzz); without head= or vocab_split= a manual tensor axis now refuses.
     plan = manual_plan(tp=2)
     labels = jnp.zeros((4, 8), jnp.int32)
 
@@ -119,10 +120,12 @@ def test_cross_entropy_refuses_whole_vocabulary_logits_read_as_a_shard():
 
     logits = jax.random.normal(jax.random.key(0), (4, 8, 8))
     with plan, pytest.raises(eqxpar.SpecError, match=r"same on every device of the manual axis 'tensor'"):
-        per_token(P("data"))(logits, labels)
+        per_token(P("data"), vocab_split=True)(logits, labels)
+    with plan, pytest.raises(eqxpar.SpecError, match=r"'tensor' is manual here with 2 devices.*head=model.head"):
+        per_token(P("data", None, "tensor"))(logits, labels)
     with plan:
         whole = per_token(P("data"), vocab_split=False)(logits, labels)
-        split = per_token(P("data", None, "tensor"))(logits, labels)
+        split = per_token(P("data", None, "tensor"), vocab_split=True)(logits, labels)
     assert_trees_close(whole, split)
 
 

@@ -17,6 +17,7 @@ from eqxpar.pipeline import PipelineLoss, from_pipeline_order, stage_rules, to_p
 from ._helpers import (
     PIPELINE_ROWS,
     TINY_D,
+    TINY_IN,
     RecordedGradients,
     Tiny,
     assert_steps_match_one_device,
@@ -268,7 +269,7 @@ class TinyLM(eqx.Module):
 LM_LOSS = PipelineLoss(
     first=lambda m, tokens: m.embed(tokens[:, :-1]),
     stack=lambda m: m.blocks,
-    last=lambda m, h, tokens: jnp.mean(nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:])),
+    last=lambda m, h, tokens: jnp.mean(nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:], head=m.head)),
 )
 
 
@@ -288,6 +289,69 @@ def test_3d_hybrid_trains_like_one_device():
     losses, state = run_steps(step, state, batches)
     assert_trees_close(losses, ref_losses)
     assert_trees_close_to_scale(state.model, ref_model)
+
+
+# Rules that keep "vocab" whole: every tensor device holds the whole head, and its
+# logits the whole vocabulary (read as a shard they once lost log(tensor) a token).
+WHOLE_VOCAB = eqxpar.rules.Logical({"mlp": "tensor"})
+
+
+# 1F1B runs LM_LOSS with the vocabulary split in the 3D hybrid test above, and
+# without head= and with bfloat16 logits below; interleaved in make test-slow (its
+# last stage is 1F1B's).
+@pytest.mark.parametrize(
+    "name,chunks",
+    [("gpipe", 1), pytest.param("interleaved", 2, marks=pytest.mark.slow), ("zero_bubble", 1)],
+)
+def test_head_aware_loss_under_every_schedule(name, chunks):
+    # `cross_entropy(..., head=m.head)` in the last stage, pipe 2 x data 2 x tensor 2,
+    # with the head's vocabulary whole on every tensor device: its vocab_split()
+    # gives the loss the layout a default once got wrong.
+    rules = WHOLE_VOCAB
+    model = TinyLM(2 * chunks, key=jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(6), (8, SEQ + 1), 0, VOCAB)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(LM_LOSS))(model, tokens)
+    plan = pipeline_plan(name, pipe=2, data=2, tensor=2, microbatches=2, chunks=chunks, rules=rules)
+    value, grads = eqxpar.train.make_value_and_grad(LM_LOSS, plan)(eqxpar.shard(model, plan), tokens)
+    assert_trees_close(float(value), float(ref_loss))
+    assert_trees_close_to_scale(eqxpar.nn.in_natural_order(grads), ref_grads)
+
+
+def test_loss_without_its_head_in_a_tensor_pipeline_names_the_fix():
+    def last(m, h, tokens):
+        return jnp.mean(nn.cross_entropy(m.head(m.norm(h)), tokens[:, 1:]))
+
+    plan = pipeline_plan("1f1b", pipe=2, data=2, tensor=2, microbatches=2, rules=WHOLE_VOCAB)
+    step = eqxpar.train.make_value_and_grad(PipelineLoss(LM_LOSS.first, LM_LOSS.stack, last), plan)
+    with pytest.raises(eqxpar.SpecError, match=r"'tensor' is manual here with 2 devices.*head=model.head"):
+        step(TinyLM(2, key=jax.random.key(0)), jnp.zeros((8, SEQ + 1), jnp.int32))
+
+
+def test_bfloat16_logits_give_the_float32_loss_in_a_last_stage():
+    # Given bfloat16 logits (in the batch, so the same on both sides), the last
+    # stage's loss, vocabulary-split over tensor or whole, is their float32
+    # cross-entropy to float32 rounding, under Plan(compute_dtype=bfloat16).
+    keys = jax.random.split(jax.random.key(7), 3)
+    logits = (4 * jax.random.normal(keys[0], (8, SEQ, VOCAB))).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[1], (8, SEQ), 0, VOCAB)
+    x = jax.random.normal(keys[2], (8, TINY_IN))
+    expected = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels))
+
+    def last(m, h, batch):
+        _, z, y = batch
+        columns = VOCAB // 2
+        mine = jax.lax.dynamic_slice_in_dim(z, jax.lax.axis_index("tensor") * columns, columns, axis=-1)
+        split = jnp.mean(nn.cross_entropy(mine, y, vocab_split=True))
+        whole = jnp.mean(nn.cross_entropy(z, y, vocab_split=False))
+        assert split.dtype == whole.dtype == jnp.float32
+        return (split + whole) / 2 + 0 * jnp.mean(h).astype(jnp.float32)
+
+    loss = PipelineLoss(lambda m, batch: batch[0] @ m.w_in, lambda m: m.blocks, last)
+    plan = pipeline_plan("1f1b", pipe=2, data=2, tensor=2, microbatches=2, compute_dtype=jnp.bfloat16)
+    model = eqxpar.shard(Tiny(2, key=jax.random.key(8)), plan)
+    value, _ = eqxpar.train.make_value_and_grad(loss, plan)(model, (x, logits, labels))
+    assert value.dtype == jnp.float32
+    np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
 
 
 # --- Memory: compiled temp bytes ------------------------------------------------

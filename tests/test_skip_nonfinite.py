@@ -65,7 +65,7 @@ def weighted_cross_entropy(model, core):
     """Cross-entropy with a per-row weight (the float input row a NaN can spoil:
     token ids cannot hold one)."""
     ids, labels, weight = core
-    return jnp.mean(nn.cross_entropy(model(ids), labels) * weight[:, None])
+    return jnp.mean(nn.cross_entropy(model(ids), labels, head=model.head) * weight[:, None])
 
 
 def pipeline_loss() -> PipelineLoss:

@@ -194,7 +194,7 @@ class ScaledGPT(eqx.Module):
 
 def scaled_loss(model, batch):
     ids, labels = batch
-    return jnp.mean(nn.cross_entropy(model.gpt(ids), labels)) * model.scale
+    return jnp.mean(nn.cross_entropy(model.gpt(ids), labels, head=model.gpt.head)) * model.scale
 
 
 def test_sequence_parallel_weight_used_off_the_sequence_blocks():

@@ -567,8 +567,9 @@ def gpt_last(
 
 
 def _cross_entropy(model: GPT, h: Array, tokens: Array) -> Array:
-    split = (model.embed if model.head is None else model.head).vocab_split()
-    per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], vocab_split=split)
+    head = model.embed if model.head is None else model.head
+    split = head.vocab_split()
+    per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
     # A whole-vocabulary head under sequence parallelism scores only this device's
     # sequence block: average the blocks' means over the axis.
     return jnp.mean(per_token) if split else nn.sequence_mean(per_token)

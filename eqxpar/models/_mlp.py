@@ -88,12 +88,13 @@ class MLPClassifier(eqx.Module):
         """Mean softmax cross-entropy of `model` on `batch = (x, labels)`.
 
         The logits come out of a row-parallel layer whole (summed over the tensor
-        axis), so this is the ordinary cross-entropy in every mode.
+        axis), so this is the ordinary cross-entropy in every mode, in float32
+        whatever the compute dtype (float64 logits stay float64).
 
         **Arguments:** `model`; `batch`: `x` `(batch, in_features)` and integer
         `labels` `(batch,)`.
 
-        **Returns:** a float scalar, the mean over the batch (a valid `loss_fn` for
+        **Returns:** a float scalar (float32 at least), the mean over the batch (a valid `loss_fn` for
         `eqxpar.train.make_step`).
 
         ```python
@@ -101,4 +102,6 @@ class MLPClassifier(eqx.Module):
         ```
         """
         x, labels = batch
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(model(x), labels))
+        logits = model(x)
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))

@@ -94,7 +94,7 @@ class Embedding(eqx.Module):
         The rows are split over the tensor axis, so this is a column-parallel matmul
         with the vocabulary as output features: each device scores its own rows and
         the logits stay split over the vocabulary (never gathered; feed them to
-        `eqxpar.nn.cross_entropy`). Under sequence parallelism in manual mode the
+        `eqxpar.nn.cross_entropy` with `head=` this embedding). Under sequence parallelism in manual mode the
         input is this device's sequence block and is gathered first (or around a
         ring with `tp_overlap`), like `Unembed`'s. The weight's gradient collects
         both uses, lookup and head.
@@ -106,7 +106,7 @@ class Embedding(eqx.Module):
 
         ```python
         logits = model.embed.attend(model.norm(h))
-        loss = eqxpar.nn.cross_entropy(logits, labels).mean()
+        loss = eqxpar.nn.cross_entropy(logits, labels, head=model.embed).mean()
         ```
         """
         return _unembed(x, self.weight.T, self.vocab_split(), tensor_context(self.axis))
@@ -163,7 +163,7 @@ def _whole_rows(weight: Array, axis: str | None) -> Array:
 class Unembed(eqx.Module):
     """The output head: `(batch, seq', d_model) -> (batch, seq, vocab)` logits with the
     vocabulary split over the tensor axis (never gathered; feed them to
-    `eqxpar.nn.cross_entropy`). Where the plan's rules keep `"vocab"` whole, each
+    `eqxpar.nn.cross_entropy` with `head=` this layer, which tells it the split). Where the plan's rules keep `"vocab"` whole, each
     device computes all the logits of its own tokens: no collective, and under
     sequence parallelism the logits are this device's sequence block.
 
@@ -173,7 +173,7 @@ class Unembed(eqx.Module):
 
     ```python
     head = eqxpar.nn.Unembed(256, 50304, key=key)
-    loss = eqxpar.nn.cross_entropy(head(h), labels).mean()
+    loss = eqxpar.nn.cross_entropy(head(h), labels, head=head).mean()
     ```
     """
 
@@ -199,41 +199,68 @@ def cross_entropy(
     logits: Float[Array, "batch seq vocab"],
     labels: Int[Array, "_batch _seq"],
     *,
-    axis: str = "tensor",
-    vocab_split: bool = True,
+    head: "Unembed | Embedding | None" = None,
+    vocab_split: bool | None = None,
+    axis: str | None = None,
 ) -> Float[Array, "batch seq"]:
-    """Per-token softmax cross-entropy of vocabulary-split logits, without gathering them.
+    """Per-token softmax cross-entropy of an output head's logits, in float32,
+    without gathering a vocabulary split over the tensor axis.
 
-    In manual mode each device holds `vocab / n` logits per token: the maximum,
-    the sum of exponentials and the target's logit are each reduced over the axis as
-    one number per token, so the traffic is O(batch x seq), not O(batch x seq x
-    vocab). In automatic mode it is optax's cross-entropy on constrained logits.
+    Whether the logits are one device's vocabulary shard or the whole vocabulary
+    depends on the plan's rules, and the loss must know it: read as a shard, whole
+    logits lose `log(n)` per token. The head knows, so pass it: `head=` the layer
+    that produced the logits (an `Unembed`, or the `Embedding` whose `attend` did),
+    whose `vocab_split()` is read here. `vocab_split=` gives the answer directly.
+    Without either, the answer is derived where it cannot be wrong (automatic mode,
+    one device, a manual tensor axis of size 1) and a manual tensor axis of size
+    n > 1 raises `eqxpar.SpecError`.
 
-    With `vocab_split=False` (the head's `vocab_split()` is False: the plan's rules
-    keep the vocabulary whole) the logits hold every column and no collective is
-    issued; under sequence parallelism in manual mode they are this device's sequence
-    block, and the labels are split to match (reduce the result with
-    `eqxpar.nn.sequence_mean`).
+    Vocabulary split, in manual mode: each device holds `vocab / n` logits per
+    token; the maximum, the sum of exponentials and the target's logit are each
+    reduced over the axis as one number per token, so the traffic is O(batch x
+    seq), not O(batch x seq x vocab). In automatic mode it is optax's
+    cross-entropy on logits constrained to the split.
+
+    Whole vocabulary (the plan's rules keep `"vocab"` unsplit): no collective.
+    Under sequence parallelism in manual mode the logits are this device's
+    sequence block and the labels are split to match (reduce the result with
+    `eqxpar.nn.sequence_mean`, which is right in every layout).
 
     Under context parallelism the logits hold this device's part of the sequence;
     `labels` may be the whole sequence, which is split to match
     (`eqxpar.nn.split_sequence`), or already split.
 
-    **Arguments:** `logits` `(batch, seq, vocab or vocab / n)` (or `(batch, seq / n,
-    vocab)`, see above), integer `labels` `(batch, seq)`, keyword-only `axis` and
-    `vocab_split`.
+    Whatever the logits' dtype (bfloat16 under `Plan(compute_dtype=...)`), the
+    log-softmax, the target logit and the reductions over the axis run in float32
+    (float64 logits stay float64), as does the returned loss; the head's matmul
+    keeps the compute dtype.
 
-    **Returns:** the loss of every token, `(batch, seq)` (`(batch, seq / n)` for a
-    sequence block).
+    **Arguments:** `logits` `(batch, seq, vocab or vocab / n)` (or `(batch, seq / n,
+    vocab)`, see above), integer `labels` `(batch, seq)`; keyword-only `head`
+    (the layer whose output `logits` are), `vocab_split` (bool: the head's
+    `vocab_split()`), and `axis` (the mesh axis; default the head's, else
+    `"tensor"`).
+
+    **Returns:** the float32 loss of every token, `(batch, seq)` (`(batch, seq / n)`
+    for a sequence block).
+
+    **Raises:** `eqxpar.SpecError` in a manual region whose tensor axis has more
+    than one device when neither `head` nor `vocab_split` is given; when
+    `vocab_split` or `axis` contradicts `head`, or the logits' vocabulary width is
+    not what `head` produces here; when logits and labels disagree in (batch, seq).
 
     ```python
-    loss = eqxpar.nn.cross_entropy(head(h), targets).mean()
+    loss = eqxpar.nn.cross_entropy(model.head(h), targets, head=model.head).mean()
     ```
     """
+    axis, split = _resolve_split(logits, head, vocab_split, axis)
     ctx = tensor_context(axis)
+    # At least float32 whatever the compute dtype: a bfloat16 log-softmax and mean
+    # round the loss to 8 bits, differently for every plan's summation order.
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     # Whole label sequences are split as the logits' sequence was: over `context`,
     # then (a whole-vocabulary head under sequence parallelism) over the tensor axis.
-    blocks = ctx.size if not vocab_split and ctx.manual and ctx.sequence_parallel else 1
+    blocks = ctx.size if not split and ctx.manual and ctx.sequence_parallel else 1
     if context_size() * blocks > 1 and labels.shape[1:] == (logits.shape[1] * context_size() * blocks,):
         labels = split_sequence(labels, axis=axis) if blocks > 1 else split_context(labels)
     if logits.shape[:-1] != labels.shape:
@@ -242,7 +269,7 @@ def cross_entropy(
             "in (batch, seq). Under sequence parallelism the output head gathers the sequence: pass "
             "the head's logits, not a sequence-split activation, and the whole label sequence."
         )
-    if not vocab_split:
+    if not split:
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     if not ctx.manual:
         return optax.softmax_cross_entropy_with_integer_labels(ctx.constrain(logits, None, ctx.axis), labels)
@@ -253,10 +280,10 @@ def cross_entropy(
         raise SpecError(
             f"cross_entropy: the logits {logits.shape} are the same on every device of the manual "
             f"axis {ctx.axis!r} (size {ctx.size}), so they hold the whole vocabulary, but "
-            "vocab_split=True reads them as one device's shard. Pass the head's own answer, "
-            'vocab_split=head.vocab_split() (False where the plan\'s rules keep "vocab" whole), '
-            "and average a whole-vocabulary loss under sequence parallelism with "
-            "eqxpar.nn.sequence_mean, as eqxpar.models.lm_loss does."
+            "vocab_split=True reads them as one device's shard. Pass the layer that produced them, "
+            "head=<the Unembed, or the Embedding whose attend did> (its vocab_split() is False where "
+            "the plan's rules keep \"vocab\" whole), and average a whole-vocabulary loss under "
+            "sequence parallelism with eqxpar.nn.sequence_mean, as eqxpar.models.lm_loss does."
         )
     columns = logits.shape[-1]
     # The max only stabilises the exponentials; it cancels in the loss, so it
@@ -269,3 +296,56 @@ def cross_entropy(
     picked = jnp.take_along_axis(shifted, jnp.clip(local, 0, columns - 1)[..., None], axis=-1)[..., 0]
     target = jax.lax.psum(jnp.where(inside, picked, jnp.zeros((), picked.dtype)), ctx.axis)
     return jnp.log(total) - target
+
+
+def _resolve_split(
+    logits: Array, head: "Unembed | Embedding | None", vocab_split: bool | None, axis: str | None
+) -> tuple[str, bool]:
+    """`cross_entropy`'s mesh axis and whether its logits are a vocabulary shard:
+    the head's answer, the caller's, or (neither given) the one every layout agrees
+    on; never a default that a layout can make wrong."""
+    if head is not None:
+        if not callable(getattr(head, "vocab_split", None)) or not hasattr(head, "vocab_size"):
+            raise SpecError(
+                f"cross_entropy(head={type(head).__name__}): expected the layer that produced the "
+                "logits, an eqxpar.nn.Unembed or the eqxpar.nn.Embedding whose attend did (it "
+                "says whether its vocabulary is split). For another head pass vocab_split=<bool>."
+            )
+        if axis is not None and axis != head.axis:
+            raise SpecError(
+                f"cross_entropy: axis={axis!r}, but the head {type(head).__name__} splits its "
+                f"vocabulary over {head.axis!r}. Drop axis=; the head's axis is used."
+            )
+        split = head.vocab_split()
+        if vocab_split is not None and vocab_split != split:
+            raise SpecError(
+                f"cross_entropy: vocab_split={vocab_split}, but the head {type(head).__name__} says "
+                f"its logits are {'a vocabulary shard' if split else 'the whole vocabulary'} here "
+                f"(vocab_split()={split}). Drop vocab_split=; the head's answer is used."
+            )
+        ctx = tensor_context(head.axis)
+        expected = head.vocab_size // ctx.size if split and ctx.manual else head.vocab_size
+        if logits.shape[-1] != expected:
+            raise SpecError(
+                f"cross_entropy: the logits have {logits.shape[-1]} vocabulary columns, but the head "
+                f"{type(head).__name__} (vocab_size {head.vocab_size}) produces {expected} here "
+                f"({'split' if split else 'whole'} over {head.axis!r}). Pass the logits this head "
+                "returned, with head= that head."
+            )
+        return head.axis, split
+    axis = "tensor" if axis is None else axis
+    if vocab_split is not None:
+        return axis, bool(vocab_split)
+    ctx = tensor_context(axis)
+    if ctx.manual and ctx.size > 1:
+        raise SpecError(
+            f"cross_entropy: mesh axis {axis!r} is manual here with {ctx.size} devices, so the logits "
+            f"{logits.shape} may be one device's vocabulary shard or the whole vocabulary (the plan's "
+            f"rules decide), and the two readings differ by log({ctx.size}) per token. Pass the layer "
+            "that produced them: cross_entropy(logits, labels, head=model.head) (an Unembed, or the "
+            "Embedding whose attend did), or vocab_split=head.vocab_split()."
+        )
+    # Automatic mode: optax's loss is right whatever the logits' sharding. A manual
+    # axis of one device: "split" and "whole" are the same vocabulary, and the split
+    # path marks the result the same on every device.
+    return axis, ctx.manual

@@ -38,7 +38,9 @@ class PipelineLoss(eqx.Module):
     loss = eqxpar.pipeline.PipelineLoss(
         first=lambda m, batch: m.embed(batch[:, :-1]),
         stack=lambda m: m.blocks,
-        last=lambda m, h, batch: jnp.mean(eqxpar.nn.cross_entropy(m.head(m.norm(h)), batch[:, 1:])),
+        last=lambda m, h, batch: jnp.mean(
+            eqxpar.nn.cross_entropy(m.head(m.norm(h)), batch[:, 1:], head=m.head)
+        ),
     )
     step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
     ```
