@@ -44,7 +44,9 @@ def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
     and values between its devices by hand; so is an `expert` axis larger than 1,
     with every batch axis: mixture-of-experts layers send tokens between its
     devices by hand, and their data-dependent shuffles of tokens must see only
-    this device's (a batch axis left automatic would be gathered for them).
+    this device's (a batch axis left automatic would be gathered for them). Beside
+    a `context` axis larger than 1 and an automatic tensor axis larger than 1, the
+    batch axes are manual too (the compiler cannot partition that region).
     """
     if plan.schedule is not None:
         return frozenset(plan.mesh.axis_names)
@@ -55,7 +57,11 @@ def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
         axes += tuple(a for a in plan.batch_axes if a not in axes)
     if plan.context_size > 1 and CONTEXT_AXIS not in axes:
         axes += (CONTEXT_AXIS,)
-    if plan.expert_size > 1:
+    # XLA's partitioner aborts the process (a failed check on its device groups)
+    # on a region manual over `context` beside an automatic tensor axis and an
+    # automatic batch axis; manual over the batch axes too, the region compiles.
+    tensor_auto = plan.mesh.shape.get(plan.tensor_axis, 1) > 1 and plan.tensor_axis not in axes
+    if plan.expert_size > 1 or (plan.context_size > 1 and tensor_auto):
         axes += tuple(a for a in plan.batch_axes if a not in axes)
     return region_manual_axes(plan.mesh, axes) if axes else frozenset()
 
