@@ -6,7 +6,14 @@ each one this worker builds the mesh, plan, model and batch, runs
 `eqxpar.train.init`, `make_step`, compiles and runs ONE step, and compares the
 step's loss, gradients, gradient norm and updated parameters with a
 single-device `jax.value_and_grad` of the same loss at the same initial
-parameters. It reports one result per example:
+parameters. Where the spec says so it also: enters the model through
+`from_pretrained(path, plan)` (checked bit for bit against `from_pretrained(path)`
+in natural order); builds the step with `skip_nonfinite=True` and first runs it
+on a batch with a NaN (the state must stay bit for bit as it was); and after the
+step saves the state with `CheckpointManager`, restores it under the journey's
+plan (bit for bit the trained state in natural order) and runs one more step
+there, compared with one device from the trained parameters. It reports one
+result per example:
 
 - `ok`: the step ran and matched one device;
 - `eqxpar_error`: an `eqxpar.EqxparError` was raised (bad input, rejected cleanly);
@@ -83,6 +90,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
@@ -96,6 +104,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import eqxpar  # noqa: E402
 from eqxpar import nn, rules  # noqa: E402
+from eqxpar.checkpoint import CheckpointManager  # noqa: E402
 from eqxpar.nn import in_natural_order  # noqa: E402
 from eqxpar.pipeline import PipelineLoss, stage_rules  # noqa: E402
 
@@ -113,10 +122,9 @@ PREFIX = "@@FUZZ "
 #: Warnings eqxpar issues on purpose for plans the fuzz draws on purpose: an
 #: UnusedAxisWarning says a mesh axis splits nothing (e.g. tensor=4 for a model
 #: without logical axes); an AccumulationWarning says micro-batches make an MoE
-#: GPT's load-balance loss a mean of per-micro-batch values (the fuzz draws dense
-#: models only, so it does not arise; a spec adding MoE with `accumulate` would
-#: also need the comparison to allow it). Counted, not findings. Every other
-#: warning is a finding.
+#: GPT's load-balance loss a mean of per-micro-batch values (the fuzz draws MoE
+#: GPTs with `accumulate` > 1 without that loss, where the micro-batches are exact,
+#: so it does not arise). Counted, not findings. Every other warning is a finding.
 EXPECTED_WARNINGS = tuple(
     w
     for w in (getattr(eqxpar, "UnusedAxisWarning", None), getattr(eqxpar, "AccumulationWarning", None))
@@ -274,6 +282,9 @@ LOSSES = {
     ("lm", "plain"): lm_loss,
     ("gpt", "pipeline"): GPT_PIPELINE_LOSS,
     ("gpt", "plain"): eqxpar.models.lm_loss,
+    ("moe", "plain"): eqxpar.models.lm_loss,
+    ("pretrained", "pipeline"): GPT_PIPELINE_LOSS,
+    ("pretrained", "plain"): eqxpar.models.lm_loss,
 }
 
 #: The single-device reference's loss per model (or per (model, loss form) where
@@ -287,6 +298,8 @@ REFERENCE_LOSS = {
     "seq": seq_loss_naive,
     "lm": lm_loss,
     "gpt": eqxpar.models.lm_loss,
+    "moe": eqxpar.models.lm_loss,
+    "pretrained": eqxpar.models.lm_loss,
     ("seq", "pipeline_raw"): seq_loss_raw_reference,
 }
 
@@ -302,7 +315,24 @@ LOSS_SOURCE = {
     ("lm", "plain"): "W.lm_loss",
     ("gpt", "pipeline"): "W.GPT_PIPELINE_LOSS",
     ("gpt", "plain"): "eqxpar.models.lm_loss",
+    ("moe", "plain"): "eqxpar.models.lm_loss",
+    ("pretrained", "pipeline"): "W.GPT_PIPELINE_LOSS",
+    ("pretrained", "plain"): "eqxpar.models.lm_loss",
 }
+
+#: The tiny Hugging Face checkpoints a "pretrained" spec names (tests/data; written
+#: by transformers, see tests/test_pretrained.py): 2 layers each, and llama8, the
+#: 8-layer Llama of tests/test_pipeline_journeys.py, for pipelines.
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+PRETRAINED = {
+    name: os.path.join(_DATA, "pretrained", name)
+    for name in ("llama", "qwen2", "mistral", "gpt2", "llama3_rope", "mixtral")
+}
+PRETRAINED["llama8"] = os.path.join(_DATA, "pipeline_journey", "base")
+
+
+def pretrained_path(name: str) -> str:
+    return PRETRAINED[name]
 
 
 def model_source(m: dict) -> str:
@@ -319,13 +349,22 @@ def model_source(m: dict) -> str:
         return f"W.SeqMLP({m['d']}, {m['hidden']}, {m['depth']}, {m['activation']!r}, key=key)"
     if kind == "lm":
         return f"W.TinyLM({m['vocab']}, {m['d']}, {m['hidden']}, {m['depth']}, {m['activation']!r}, key=key)"
-    if kind == "gpt":
+    if kind in ("gpt", "moe"):
+        moe = ""
+        if kind == "moe":
+            moe = (
+                f", moe_every={m['moe_every']}, experts={m['experts']}, top_k={m['top_k']}, "
+                f"moe_score={m['score']!r}, num_shared_experts={m['shared']}, "
+                f"capacity_factor={m['capacity']!r}, load_balance_coef={m['load_balance']!r}"
+            )
         return (
             f"eqxpar.models.GPT(eqxpar.models.GPTConfig(vocab_size={m['vocab']}, d_model={m['d']}, "
             f"num_heads={m['heads']}, num_layers={m['depth']}, d_hidden={m['hidden']}, "
             f"num_kv_heads={m['kv_heads']!r}, activation={m['activation']!r}, norm={m['norm']!r}, "
-            f"tied={m['tied']!r}, max_seq_len={m['max_seq_len']}), key=key)"
+            f"tied={m['tied']!r}, max_seq_len={m['max_seq_len']}{moe}), key=key)"
         )
+    if kind == "pretrained":
+        return f"eqxpar.models.from_pretrained(W.pretrained_path({m['name']!r}))"
     raise ValueError(f"unknown model kind {kind!r}")
 
 
@@ -387,15 +426,16 @@ _REFERENCE: dict = {}
 _REFERENCE_RESULTS: dict = {}
 
 
-def reference(loss_fn, model, batch, cache_key=None):
+def reference(loss_fn, model, batch, cache_key=None, *, whole=False):
     """Loss and gradients on one device (plain jax.jit of `eqx.filter_value_and_grad`;
     no plan active), as host float64 values; cached under `cache_key` (the model,
     seed, batch, loss and param_dtype determine them).
 
-    Every loss here is an equal-weight mean over the batch's rows, so the batch's
-    loss and gradient are the means of each row's: the reference runs one row at
-    a time (summing in float64), which compiles once per model and sequence length
-    rather than once per batch size.
+    Every loss here but an MoE GPT's with a load-balance loss (`whole`: one call
+    on the whole batch) is an equal-weight mean over the batch's rows, so the
+    batch's loss and gradient are the means of each row's: the reference runs one
+    row at a time (summing in float64), which compiles once per model and sequence
+    length rather than once per batch size.
     """
     if cache_key is not None and cache_key in _REFERENCE_RESULTS:
         return _REFERENCE_RESULTS[cache_key]
@@ -406,13 +446,16 @@ def reference(loss_fn, model, batch, cache_key=None):
     model = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
     rows = jax.tree.leaves(batch)[0].shape[0]
     loss_sum, grad_sum = 0.0, None
-    for i in range(rows):
-        row = jax.tree.map(lambda x, i=i: jax.device_put(x[i : i + 1], device), batch)
+    # `whole`: a loss that is not a mean over rows runs on the whole batch.
+    for i in range(1 if whole else rows):
+        part = slice(None) if whole else slice(i, i + 1)
+        row = jax.tree.map(lambda x, part=part: jax.device_put(x[part], device), batch)
         loss, grads = fn(model, row)
         grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
         loss_sum += float(loss)
         grad_sum = grads if grad_sum is None else jax.tree.map(np.add, grad_sum, grads)
-    out = loss_sum / rows, jax.tree.map(lambda g: g / rows, grad_sum)
+    n = 1 if whole else rows
+    out = loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
     if cache_key is not None:
         _REFERENCE_RESULTS[cache_key] = out
     return out
@@ -564,75 +607,182 @@ def build_model(model_spec: dict, seed: int):
 
 
 def build(spec: dict):
-    """Mesh, plan, model, loss, batch from a spec (each may raise)."""
-    mesh = eqxpar.make_mesh(**spec["mesh"])
-    plan = eqxpar.Plan(mesh, **{k: _eval(v) for k, v in spec["plan"].items()})
+    """Mesh, plan, model, loss, batch from a spec (each may raise). A "pretrained"
+    model enters as users take one: read into the plan (its stack in the plan's
+    order, each device's blocks only)."""
+    plan = build_plan(spec)
     seed = spec.get("seed", 0)
-    model = build_model(spec["model"], seed)
+    if spec["model"]["kind"] == "pretrained":
+        model = eqxpar.models.from_pretrained(pretrained_path(spec["model"]["name"]), plan)
+    else:
+        model = build_model(spec["model"], seed)
     loss_fn = LOSSES[(spec["model"]["kind"], spec["loss"])]
-    batch = eval(batch_source(spec), {**NAMESPACE, "rng": np.random.default_rng(1000 + seed)})  # noqa: S307
-    return plan, model, loss_fn, batch
+    return plan, model, loss_fn, build_batch(spec, spec["batch"]["size"], 1000 + seed)
+
+
+def build_plan(layout: dict):
+    mesh = eqxpar.make_mesh(**layout["mesh"])
+    return eqxpar.Plan(mesh, **{k: _eval(v) for k, v in layout["plan"].items()})
+
+
+def build_batch(spec: dict, size: int, seed: int):
+    source = batch_source(dict(spec, batch=dict(spec["batch"], size=size)))
+    return eval(source, {**NAMESPACE, "rng": np.random.default_rng(seed)})  # noqa: S307
+
+
+def whole_batch_reference(spec: dict) -> bool:
+    """Whether the loss is not a mean of per-row losses: an MoE GPT's load-balance
+    loss multiplies two means over all the batch's tokens."""
+    m = spec["model"]
+    return m["kind"] == "moe" and m["load_balance"] != 0
+
+
+def _bits(tree) -> list:
+    """(path, host array) for every array leaf (PRNG keys as their key data)."""
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]
+    for path, x in flat:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append((jax.tree_util.keystr(path), np.asarray(jax.device_get(x))))
+    return out
+
+
+def assert_same_bits(got, want, what: str) -> None:
+    if [p for p, _ in got] != [p for p, _ in want]:
+        raise Mismatch(f"{what}: leaves differ: {[p for p, _ in got]} vs {[p for p, _ in want]}")
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            raise Mismatch(f"{what}: {path} is {a.dtype}{list(a.shape)}, not {b.dtype}{list(b.shape)}")
+        if not np.array_equal(a, b, equal_nan=True):
+            raise Mismatch(f"{what}: {path} differs (max|diff| {np.max(np.abs(a - b)):.3g})")
+
+
+def check_entry(spec: dict, model) -> None:
+    """`from_pretrained(path, plan)`, in natural order, holds the bits of
+    `from_pretrained(path)` (one device)."""
+    natural = build_model(spec["model"], spec.get("seed", 0))
+    assert_same_bits(
+        _bits(in_natural_order(model)), _bits(natural), "from_pretrained(path, plan) vs from_pretrained(path)"
+    )
+
+
+def poisoned_step(step, state, batch):
+    """A step on the batch with a NaN in its first input: skipped (the flag set,
+    the state's arrays bit for bit as they were, one skipped step counted)."""
+    x = np.array(batch[0])
+    x.flat[0] = np.nan
+    before = _bits((state.model, state.opt_state))
+    new_state, metrics = step(state, (x, *batch[1:]))
+    if not bool(metrics["skipped"]) or int(metrics["skipped_steps"]) != 1:
+        raise Mismatch(
+            f"skip_nonfinite: a batch with a NaN gave skipped={bool(metrics['skipped'])}, "
+            f"skipped_steps={int(metrics['skipped_steps'])}, loss {float(metrics['loss'])!r}"
+        )
+    assert_same_bits(_bits((new_state.model, new_state.opt_state)), before, "skip_nonfinite: a skipped step")
+    return new_state
+
+
+def step_and_compare(spec, phase, plan, state, step, batch, prefix=""):
+    """Compile and run `step` once from `state`, compare with one device at the
+    parameters it started from; returns (new state, report)."""
+    init_params = _host(eqx.filter(state.model, eqx.is_inexact_array))
+    phase(prefix + "compile")
+    lowered = step.lower(state, batch)
+    low_compute = plan.compute_dtype is not None and plan.compute_dtype == jnp.dtype(jnp.bfloat16)
+    hlo = lowered.as_text() if low_compute else ""
+    lowered.compile()
+    if spec.get("poison") and not prefix:
+        phase("poisoned run")
+        state = poisoned_step(step, state, batch)
+    phase(prefix + "run")
+    _self_test(spec.get("self_test"))
+    new_state, metrics = step(state, batch)
+    jax.block_until_ready((new_state, metrics))
+    phase(prefix + "reference")
+    static = eqx.filter(state.model, eqx.is_inexact_array, inverse=True)
+    ref_model = in_natural_order(eqx.combine(_to_f32(init_params), static))
+    kind = spec["model"]["kind"]
+    ref_loss_fn = REFERENCE_LOSS.get((kind, spec["loss"]), REFERENCE_LOSS[kind])
+    # The first step's reference depends on the model, seed, batch, loss and
+    # param_dtype only (cached); a journey's starts from trained parameters.
+    cache_key = None
+    if not prefix:
+        cache_key = json.dumps(
+            [spec["model"], spec.get("seed", 0), spec["batch"], str(plan.param_dtype), ref_loss_fn.__name__],
+            sort_keys=True,
+        )
+    ref_loss, ref_grads = reference(
+        ref_loss_fn, ref_model, batch, cache_key, whole=whole_batch_reference(spec)
+    )
+    phase(prefix + "compare")
+    captured = in_natural_order(new_state.opt_state[0])
+    if spec.get("self_test") == "mismatch":  # the harness's own test: a wrong gradient
+        captured = jax.tree.map(lambda g: g * (1 + 1e-4), captured)
+    report = compare(
+        plan,
+        metrics,
+        in_natural_order(new_state.model),
+        captured,
+        in_natural_order(init_params),
+        ref_loss,
+        ref_grads,
+    )
+    if low_compute and not _DOT_BF16.search(hlo):
+        raise Mismatch("compute_dtype=bfloat16, but no dot_general of the step is in bfloat16")
+    if spec.get("skip_nonfinite") and not prefix and bool(metrics["skipped"]):
+        raise Mismatch("skip_nonfinite: a step with a finite loss and gradient was skipped")
+    return new_state, report
+
+
+def journey(spec, phase, trained, optim, loss_fn) -> dict:
+    """Save the trained state, restore it under the journey's plan: bit for bit the
+    trained state in natural order; then (most journeys) one more step under that
+    plan, compared with one device from the trained parameters."""
+    j = spec["journey"]
+    phase("journey save")
+    want = _bits(in_natural_order(trained))
+    natural = build_model(spec["model"], spec.get("seed", 0))
+    with tempfile.TemporaryDirectory(prefix="eqxpar-fuzz-") as tmp:
+        with CheckpointManager(os.path.join(tmp, "checkpoints")) as manager:
+            manager.save(1, trained)
+            manager.wait()
+            phase("journey restore")
+            plan = build_plan(j)
+            like = eqx.filter_eval_shape(eqxpar.train.init, natural, optim, plan, key=jax.random.key(1))
+            restored, _ = manager.restore(like=like, plan=plan)
+    assert_same_bits(_bits(in_natural_order(restored)), want, "journey: restored under the second plan")
+    if not j["step"]:
+        return {"restored": "bit-identical"}
+    step = eqxpar.train.make_step(loss_fn, optim, plan)
+    batch = build_batch(spec, j["batch"]["size"], 2000 + spec.get("seed", 0))
+    _, report = step_and_compare(spec, phase, plan, restored, step, batch, prefix="journey ")
+    return {"restored": "bit-identical", **report}
 
 
 def run_example(spec: dict, *, announce: bool = False) -> dict:
     phase = Phases(announce)
     cpu = time.process_time()
-    result: dict = {"event": "result", "id": spec.get("id")}
+    result: dict = {"event": "result", "id": spec.get("id"), "compared": 0}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             phase("build")
             plan, model, loss_fn, batch = build(spec)
             optim = optimizer()
+            if spec["model"]["kind"] == "pretrained":
+                phase("entry")
+                check_entry(spec, model)
             phase("init")
             state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))
-            # Initial parameters as init placed (and cast) them, to host before the
-            # step donates their buffers.
-            init_params = _host(eqx.filter(state.model, eqx.is_inexact_array))
-            step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate=spec.get("accumulate", 1))
-            phase("compile")
-            lowered = step.lower(state, batch)
-            low_compute = plan.compute_dtype is not None and plan.compute_dtype == jnp.dtype(jnp.bfloat16)
-            hlo = lowered.as_text() if low_compute else ""
-            lowered.compile()
-            phase("run")
-            _self_test(spec.get("self_test"))
-            new_state, metrics = step(state, batch)
-            jax.block_until_ready((new_state, metrics))
-            phase("reference")
-            static = eqx.filter(state.model, eqx.is_inexact_array, inverse=True)
-            ref_model = in_natural_order(eqx.combine(_to_f32(init_params), static))
-            kind = spec["model"]["kind"]
-            ref_loss_fn = REFERENCE_LOSS.get((kind, spec["loss"]), REFERENCE_LOSS[kind])
-            cache_key = json.dumps(
-                [
-                    spec["model"],
-                    spec.get("seed", 0),
-                    spec["batch"],
-                    str(plan.param_dtype),
-                    ref_loss_fn.__name__,
-                ],
-                sort_keys=True,
-            )
-            ref_loss, ref_grads = reference(ref_loss_fn, ref_model, batch, cache_key)
-            phase("compare")
-            captured = in_natural_order(new_state.opt_state[0])
-            if spec.get("self_test") == "mismatch":  # the harness's own test: a wrong gradient
-                captured = jax.tree.map(lambda g: g * (1 + 1e-4), captured)
-            new_model = in_natural_order(new_state.model)
-            report = compare(
-                plan,
-                metrics,
-                new_model,
-                captured,
-                in_natural_order(init_params),
-                ref_loss,
-                ref_grads,
-            )
-            if low_compute:
-                if not _DOT_BF16.search(hlo):
-                    raise Mismatch("compute_dtype=bfloat16, but no dot_general of the step is in bfloat16")
-            result.update(outcome="ok", report=report)
+            extra = {"skip_nonfinite": True} if spec.get("skip_nonfinite") else {}
+            step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate=spec.get("accumulate", 1), **extra)
+            new_state, result["report"] = step_and_compare(spec, phase, plan, state, step, batch)
+            result["compared"] += 1
+            if "journey" in spec:
+                result["journey"] = journey(spec, phase, new_state, optim, loss_fn)
+                result["compared"] += spec["journey"]["step"]
+            result["outcome"] = "ok"
         except Mismatch as e:
             result.update(outcome="mismatch", type="Mismatch", message=str(e), phase=phase.name)
         except Exception as e:  # noqa: BLE001 (the point: classify every exception)
@@ -672,6 +822,33 @@ def snippet(spec: dict) -> str:
     plan_args = "".join(f", {k}={v}" for k, v in spec["plan"].items())
     mesh_args = ", ".join(f"{k}={v!r}" for k, v in spec["mesh"].items())
     seed = spec.get("seed", 0)
+    entry = "model"
+    if spec["model"]["kind"] == "pretrained":
+        entry = f"eqxpar.models.from_pretrained(W.pretrained_path({spec['model']['name']!r}), plan)"
+    skip = ", skip_nonfinite=True" if spec.get("skip_nonfinite") else ""
+    poison = ""
+    if spec.get("poison"):
+        poison = (
+            "x = np.array(batch[0]); x.flat[0] = np.nan   # skipped: the state stays as it was\n"
+            "state, metrics = step(state, (x, *batch[1:])); print('skipped', bool(metrics['skipped']))\n"
+        )
+    journey = ""
+    if "journey" in spec:
+        j = spec["journey"]
+        journey = f"""
+# Saved, then restored under another plan (the worker compares the restored state, in
+# natural order, bit for bit with this one; then trains a step under the new plan).
+import tempfile
+from eqxpar.checkpoint import CheckpointManager
+plan2 = eqxpar.Plan(eqxpar.make_mesh({", ".join(f"{k}={v!r}" for k, v in j["mesh"].items())}){"".join(f", {k}={v}" for k, v in j["plan"].items())})
+with tempfile.TemporaryDirectory() as tmp, CheckpointManager(tmp) as manager:
+    manager.save(1, state); manager.wait()
+    like = eqx.filter_eval_shape(eqxpar.train.init, model, optim, plan2, key=jax.random.key(1))
+    restored, _ = manager.restore(like=like, plan=plan2)
+batch2 = W.build_batch(W.json.loads({json.dumps(json.dumps(spec))}), {j["batch"]["size"]}, {2000 + seed})
+state2, metrics2 = eqxpar.train.make_step(loss_fn, optim, plan2)(restored, batch2)
+print("journey loss", float(metrics2["loss"]))
+"""
     return f"""\
 import sys; sys.path.insert(0, ".")     # run from the repository root
 import tests._fuzz_worker as W          # sets XLA_FLAGS (8 CPU devices) before jax; test models
@@ -688,11 +865,11 @@ model = {model_source(spec["model"])}
 batch = {batch_source(spec)}
 loss_fn = {LOSS_SOURCE[(spec["model"]["kind"], spec["loss"])]}
 optim = W.optimizer()                   # keeps the gradient in opt_state[0], then SGD
-state = eqxpar.train.init(model, optim, plan, key=jax.random.key(1))  # stores the stack in the plan's order
-step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate={spec.get("accumulate", 1)})
-state, metrics = step(state, batch)
+state = eqxpar.train.init({entry}, optim, plan, key=jax.random.key(1))  # stores the stack in the plan's order
+step = eqxpar.train.make_step(loss_fn, optim, plan, accumulate={spec.get("accumulate", 1)}{skip})
+{poison}state, metrics = step(state, batch)
 print("loss", float(metrics["loss"]), "one device", float(eqx.filter_value_and_grad(loss_fn)(model, batch)[0]))
-"""
+{journey}"""
 
 
 def serve() -> None:
