@@ -82,7 +82,8 @@ def evaluate(model: GPT, batch: jax.Array) -> tuple[jax.Array, eqxpar.nn.MoEAux]
     """The mean next-character cross-entropy (without the auxiliary losses that
     `lm_loss` adds) and the MoE blocks' aux, on one batch."""
     logits, aux = model.logits_and_aux(batch[:, :-1])
-    return jnp.mean(eqxpar.nn.cross_entropy(logits, batch[:, 1:])), aux
+    head = model.embed if model.head is None else model.head
+    return jnp.mean(eqxpar.nn.cross_entropy(logits, batch[:, 1:], head=head)), aux
 
 
 def print_load(aux: eqxpar.nn.MoEAux, when: str) -> None:

@@ -53,9 +53,6 @@ Design:
   coherent, and most of them run. The test also asserts that at least a third
   of all examples ran a step and were compared with one device (about half do),
   and that each of the draws above (`REQUIRED_DRAWS`) was compared at least once.
-- Known findings not fixed yet (`KNOWN_ABORT_ISSUE_44_S5`,
-  `KNOWN_OPAQUE_TENSOR_IN_BATCH_AXES`) are left out of the draws, each a named
-  constant to drop when its fix lands.
 - Tiny dimensions (widths 8-32, sequences 4-8, batches <= 48, depth <= 8) and
   few distinct model shapes keep compilation, nearly all of the cost, small;
   the workers share a compilation cache and cache models and references.
@@ -72,7 +69,6 @@ result as JSON to this path), `EQXPAR_FUZZ_SHRINK=1` (see above),
 
 import collections
 import json
-import math
 import os
 import pathlib
 import queue
@@ -604,79 +600,6 @@ def _apply_fault(draw, spec, fault, sizes, pipeline):
             plan["sequence_parallel"] = "True"
 
 
-#: Issue 44 section 5 (being fixed): in automatic mode, a step on
-#: `make_mesh(data=2, tensor=2, context=2)` under `rules.MEGATRON` with ring or
-#: all-gather attention aborts the process (an XLA check failure). The fuzz leaves
-#: exactly that combination out, so that `make test` stays green until the fix
-#: lands; then set this to None: the fuzz draws it again, and the fix's eqxpar
-#: error (or a step that matches one device) is a valid outcome.
-KNOWN_ABORT_ISSUE_44_S5 = {
-    "sizes": {"data": 2, "pipe": 1, "fsdp": 1, "expert": 1, "context": 2, "tensor": 2},
-    "rules": ("rules.MEGATRON",),
-    "context_attention": (None, "ring", "allgather"),  # None: ring, the default
-}
-
-#: Found by this fuzz (not fixed yet): batch_axes naming the tensor axis, with rules
-#: that split no weight over it (so the plan accepts it), and a model of eqxpar.nn
-#: tensor-parallel layers, which the compiler partitions over that axis (mode
-#: "auto", or "manual" with the tensor axis left automatic): the layers constrain
-#: their outputs to P((..., 'tensor'), ..., 'tensor') and JAX raises a
-#: DuplicateSpecError while tracing (any tensor size, 1 included), not an eqxpar
-#: error. Left out until eqxpar refuses the plan (or the layers run it); then set
-#: this to False.
-KNOWN_OPAQUE_TENSOR_IN_BATCH_AXES = True
-NN_LAYER_KINDS = ("classifier", "seq", "lm", "gpt", "moe", "pretrained")
-
-
-def _clean(source):
-    return source if source is None else source.strip("'\"")
-
-
-def _known_abort(spec):
-    """Whether the spec's plan, or its journey's, is the known abort above."""
-    known = KNOWN_ABORT_ISSUE_44_S5
-    if known is None:
-        return False
-    for layout in (spec, spec.get("journey")):
-        if not layout:
-            continue
-        plan, mesh = layout["plan"], layout["mesh"]
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < -1 or v == 0 for v in mesh.values()):
-            continue  # a faulty size: refused before any step
-        sizes = {a: mesh.get(a, 1) for a in AXES}
-        if list(sizes.values()).count(-1) == 1:  # "the rest" of the 8 devices
-            sizes = {a: v if v != -1 else 8 // -math.prod(sizes.values()) for a, v in sizes.items()}
-        if (
-            sizes == known["sizes"]
-            and _clean(plan.get("mode", "auto")) == "auto"
-            and "schedule" not in plan
-            and plan.get("rules") in known["rules"]
-            and _clean(plan.get("context_attention")) in known["context_attention"]
-        ):
-            return True
-    return False
-
-
-def _known_opaque(spec):
-    """Whether the spec's plan, or its journey's, is the known opaque error above."""
-    if not KNOWN_OPAQUE_TENSOR_IN_BATCH_AXES or spec["model"]["kind"] not in NN_LAYER_KINDS:
-        return False
-    for layout in (spec, spec.get("journey")):
-        if not layout:
-            continue
-        plan = {k: v.replace('"', "'") for k, v in layout["plan"].items()}
-        manual = _clean(plan.get("mode", "auto")) == "manual"
-        if (
-            "'tensor'" in plan.get("batch_axes", "")
-            and "tensor" not in plan.get("rules", "")
-            and "MEGATRON" not in plan.get("rules", "")
-            and "schedule" not in plan
-            and not (manual and "'tensor'" in plan.get("manual_axes", "'tensor'"))
-        ):
-            return True
-    return False
-
-
 def _new_draws(spec):
     """The dimensions beyond data / pipe / fsdp / tensor plans of random models that
     the spec draws (counted in the summary)."""
@@ -968,7 +891,7 @@ def _uncompared_draws(spec_list, results):
     return [d for d in REQUIRED_DRAWS if d not in compared]
 
 
-def summarise(spec_list, results, wall, *, seed_value=SEED, excluded=0):
+def summarise(spec_list, results, wall, *, seed_value=SEED):
     outcomes = collections.Counter(r["outcome"] for r in results)
     ran = sum(1 for r in results if _compared(r))
     faulted = sum(1 for s in spec_list if "fault" in s)
@@ -984,10 +907,6 @@ def summarise(spec_list, results, wall, *, seed_value=SEED, excluded=0):
         "  new draws (drawn / compared with one device): "
         + ", ".join(f"{k} {v}/{compared[k]}" for k, v in sorted(drawn.items())),
     ]
-    if excluded:
-        lines.append(
-            f"  left out as known findings (KNOWN_ABORT_ISSUE_44_S5, KNOWN_OPAQUE_TENSOR_IN_BATCH_AXES): {excluded}"
-        )
     expected = sum(len(r.get("expected_warnings", [])) for r in results)
     if expected:
         lines.append(f"  expected eqxpar warnings (UnusedAxisWarning): {expected}")
@@ -1053,20 +972,17 @@ def _generate(n, seed_value=SEED):
         found.append(spec)
 
     collect()
-    distinct, seen, excluded = [], set(), 0
+    distinct, seen = [], set()
     for spec in found:
         key = json.dumps(spec, sort_keys=True)
         if key in seen:
             continue
         seen.add(key)
-        if _known_abort(spec) or _known_opaque(spec):
-            excluded += 1
-            continue
         distinct.append(spec)
     unique = [distinct[i * len(distinct) // n] for i in range(min(n, len(distinct)))]
     for i, spec in enumerate(unique):
         spec["id"] = i
-    return unique, excluded
+    return unique
 
 
 def test_plan_fuzz(request, tmp_path):
@@ -1088,12 +1004,12 @@ def _fuzz(request, tmp_path, examples, seed_value):
     if SHRINK:
         _shrink(env)
         return
-    spec_list, excluded = _generate(examples, seed_value)
+    spec_list = _generate(examples, seed_value)
     start = time.perf_counter()
     pool = Pool(WORKERS, env)
     results = pool.run_all(spec_list)
     wall = time.perf_counter() - start
-    summary, ran = summarise(spec_list, results, wall, seed_value=seed_value, excluded=excluded)
+    summary, ran = summarise(spec_list, results, wall, seed_value=seed_value)
     classes, details = report_findings(spec_list, results, env)
     if REPORT:
         pathlib.Path(REPORT).write_text(

@@ -121,7 +121,10 @@ def test_cross_entropy_refuses_whole_vocabulary_logits_read_as_a_shard():
     logits = jax.random.normal(jax.random.key(0), (4, 8, 8))
     with plan, pytest.raises(eqxpar.SpecError, match=r"same on every device of the manual axis 'tensor'"):
         per_token(P("data"), vocab_split=True)(logits, labels)
-    with plan, pytest.raises(eqxpar.SpecError, match=r"'tensor' is manual here with 2 devices.*head=model.head"):
+    with (
+        plan,
+        pytest.raises(eqxpar.SpecError, match=r"'tensor' is manual here with 2 devices.*head=model.head"),
+    ):
         per_token(P("data", None, "tensor"))(logits, labels)
     with plan:
         whole = per_token(P("data"), vocab_split=False)(logits, labels)

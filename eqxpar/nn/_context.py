@@ -47,12 +47,27 @@ class TensorContext:
             # Inside another manual region (e.g. a pipeline stage): only the
             # automatic axes can still be constrained.
             return x
-        spec = PartitionSpec(self.batch_axes or None, *entries)
+        # A mesh axis the plan names among its batch axes already splits the batch
+        # (rules that split no weight over it make the tensor axis one more data
+        # axis): the layer's feature split leaves it out, since one axis cannot
+        # split two dimensions. The constraint only guides the compiler; the
+        # values are the same either way.
+        batch = tuple(self.batch_axes)
+        spec = PartitionSpec(batch or None, *(_without(entry, batch) for entry in entries))
         return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
 
     def seq(self) -> str | None:
         """The spec entry of the sequence dimension between blocks."""
         return self.axis if self.sequence_parallel else None
+
+
+def _without(entry: object, taken: tuple[str, ...]) -> object:
+    """A spec entry (None, an axis name or a tuple of them) without the axes in `taken`."""
+    if entry is None or not taken:
+        return entry
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(n for n in names if n not in taken)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def tensor_context(axis: str) -> TensorContext:

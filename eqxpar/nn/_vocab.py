@@ -282,7 +282,7 @@ def cross_entropy(
             f"axis {ctx.axis!r} (size {ctx.size}), so they hold the whole vocabulary, but "
             "vocab_split=True reads them as one device's shard. Pass the layer that produced them, "
             "head=<the Unembed, or the Embedding whose attend did> (its vocab_split() is False where "
-            "the plan's rules keep \"vocab\" whole), and average a whole-vocabulary loss under "
+            'the plan\'s rules keep "vocab" whole), and average a whole-vocabulary loss under '
             "sequence parallelism with eqxpar.nn.sequence_mean, as eqxpar.models.lm_loss does."
         )
     columns = logits.shape[-1]
