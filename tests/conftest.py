@@ -5,24 +5,11 @@ the first module pytest imports.
 """
 
 import os
-import shutil
-import tempfile
 
-# One JAX compilation cache for the run, shared by pytest's workers and the
-# subprocesses the tests start (examples, docs blocks, scripts). Tests trace their
-# own losses and wrappers, so jit's in-memory caches never match across them, yet
-# many compile the same XLA program (one-device references, the same plan's step in
-# several tests): the persistent cache, keyed by the program itself, compiles each
-# once. The controlling process makes it fresh and removes it after the run
-# (`pytest_unconfigure`), so no run reads another's programs; a directory the
-# caller set is used as given and kept. JAX reads these variables when it is
-# imported, below.
-_RUN_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
-    _RUN_CACHE = tempfile.mkdtemp(prefix="eqxpar-test-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
+# No persistent JAX compilation cache: the suite's programs are nearly all distinct
+# (each test traces its own loss and plan), so a cache would write every executable
+# and read almost none back; measured, it made tests/test_models.py 15 % slower.
+# A caller who sets JAX_COMPILATION_CACHE_DIR still gets one.
 # 8 simulated devices, each running its collectives in program order, compiled
 # cheaply: the flags, and why, are in tests/_compile_flags.py. Examples and scripts
 # the tests run as subprocesses inherit them, or take them from there.
@@ -42,13 +29,6 @@ import pytest  # noqa: E402
 # broadcasts instead of failing); dtype promotion stays "standard" because optax's
 # own update code mixes Python floats and int32 counters, which "strict" rejects.
 jax.config.update("jax_numpy_rank_promotion", "raise")
-
-
-def pytest_collection_modifyitems(config, items):
-    if jax.device_count() < 8:
-        skip = pytest.mark.skip(reason=f"needs 8 devices, have {jax.device_count()}")
-        for item in items:
-            item.add_marker(skip)
 
 
 #: Above this many memory maps a worker releases its compiled programs. XLA:CPU maps
@@ -79,6 +59,20 @@ def _release_compiled_programs():
         jax.clear_caches()
 
 
-def pytest_unconfigure(config):
-    if _RUN_CACHE is not None:
-        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
+#: Every node id collected in this process, before `-m` deselects any
+#: (tests/test_slow_cases.py reads it).
+COLLECTED: set[str] = set()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    from ._slow_cases import SLOW_CASES
+
+    if jax.device_count() < 8:
+        skip = pytest.mark.skip(reason=f"needs 8 devices, have {jax.device_count()}")
+        for item in items:
+            item.add_marker(skip)
+    for item in items:
+        COLLECTED.add(item.nodeid)
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)

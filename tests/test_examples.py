@@ -49,7 +49,7 @@ EXTRA = {
     "fsdp/hsdp": ["--mode", "manual", "--remat", "inputs"],
     "hybrid/partial": ["--sequence-parallel"],
     "hybrid/manual": ["--bf16", "--remat", "dots"],
-    "pipeline/fsdp": ["--schedule", "gpipe"],
+    "pipeline/fsdp": ["--schedule", "gpipe", "--microbatches", "2"],
     "pipeline/hybrid": ["--schedule", "interleaved", "--chunks", "2", "--layers", "4", "--microbatches", "4"],
     "pipeline/hybrid-fsdp": ["--schedule", "zero_bubble"],
     # A class token under sequence parallelism: 9 patches + 1 = 10 tokens over tensor 2.

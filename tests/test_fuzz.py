@@ -57,9 +57,9 @@ Design:
   few distinct model shapes keep compilation, nearly all of the cost, small;
   the workers share a compilation cache and cache models and references.
 
-Two runs: `test_plan_fuzz` in `make test` (100 examples) and `test_plan_fuzz_deep`,
+Two runs: `test_plan_fuzz` in `make test` (60 examples) and `test_plan_fuzz_deep`,
 marked `slow`, in `make test-slow` and CI (600 more, from the next seed).
-Knobs (environment): `EQXPAR_FUZZ_EXAMPLES` (default 100),
+Knobs (environment): `EQXPAR_FUZZ_EXAMPLES` (default 60),
 `EQXPAR_FUZZ_DEEP_EXAMPLES` (default 600), `EQXPAR_FUZZ_SEED`
 (default 0), `EQXPAR_FUZZ_WORKERS` (default 2), `EQXPAR_FUZZ_REPORT` (write every
 result as JSON to this path), `EQXPAR_FUZZ_SHRINK=1` (see above),
@@ -89,7 +89,7 @@ WORKER = pathlib.Path(__file__).with_name("_fuzz_worker.py")
 ROOT = WORKER.parent.parent
 PREFIX = "@@FUZZ "
 
-EXAMPLES = int(os.environ.get("EQXPAR_FUZZ_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("EQXPAR_FUZZ_EXAMPLES", "60"))
 DEEP_EXAMPLES = int(os.environ.get("EQXPAR_FUZZ_DEEP_EXAMPLES", "600"))
 SEED = int(os.environ.get("EQXPAR_FUZZ_SEED", "0"))
 WORKERS = max(1, int(os.environ.get("EQXPAR_FUZZ_WORKERS", "2")))
@@ -991,8 +991,8 @@ def test_plan_fuzz(request, tmp_path):
 
 @pytest.mark.slow
 def test_plan_fuzz_deep(request, tmp_path):
-    # `make test-slow` (CI runs it): four times the examples, drawn from the next
-    # seed, so that together with the default run 750 distinct plans are tried.
+    # `make test-slow` (CI runs it): ten times the examples, drawn from the next
+    # seed, so that together with the default run 660 distinct plans are tried.
     _fuzz(request, tmp_path, DEEP_EXAMPLES, SEED + 1)
 
 

@@ -1,0 +1,23 @@
+"""The registry of cases kept out of `make test` (tests/_slow_cases.py) names real
+cases, each beside a sibling that `make test` runs."""
+
+import pathlib
+
+from ._slow_cases import SLOW_CASES
+from .conftest import COLLECTED
+
+
+def test_every_slow_case_has_a_fast_sibling():
+    # Only the files this run collected can be checked (a run of one file collects
+    # that file's cases alone); `make test` collects them all.
+    files = {node.split("::")[0] for node in COLLECTED}
+    checked = 0
+    for case, sibling in SLOW_CASES.items():
+        if case.split("::")[0] not in files:
+            continue
+        assert pathlib.Path(case.split("::")[0]).name.startswith("test_"), case
+        assert case in COLLECTED, f"tests/_slow_cases.py names {case!r}, which is no test case (renamed?)"
+        assert sibling in COLLECTED, f"the sibling {sibling!r} of {case!r} is no test case"
+        assert sibling not in SLOW_CASES, f"the sibling {sibling!r} of {case!r} is kept out of make test too"
+        checked += 1
+    assert checked or not files & {c.split("::")[0] for c in SLOW_CASES}
