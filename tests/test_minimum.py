@@ -5,6 +5,7 @@ sequence parallel), against hand counts (tensor-parallel activations, pipeline
 boundaries), through comm_report for tensor-parallel and pipeline plans, and on
 model/plan combinations it cannot describe."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -199,6 +200,41 @@ def test_comm_report_shows_the_minimum_of_tensor_and_pipeline_plans(tensor_paral
     # Each device counts its own branch of each tick (a stage idling in a fill or
     # drain tick sums nothing there): the engine moves its minimum, give or take the
     # scalars the step adds. Counted at each tick's costliest branch it was 1.10x.
+    assert 1.0 <= report.wire_ratio_to_minimum <= 1.01, text
+
+
+@pytest.mark.parametrize(
+    "name,tensor",
+    # In make test-slow (50 s each on 2 cores); tests/test_pipeline.py holds the V's
+    # permutes to what the schedule moves in make test.
+    [
+        pytest.param("zb_v", 1, marks=pytest.mark.slow),
+        pytest.param("zb_v", 2, marks=pytest.mark.slow),
+        pytest.param("dualpipe_v", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_v_pipeline_moves_its_minimum(name, tensor):
+    # pipe 2 x data 2 (x tensor 2) in a V: device 0 runs stages 0 and 3 (the
+    # embedding and the head), device 1 stages 1 and 2, handing stage 1's
+    # activation and stage 2's cotangent over on the device. So each device sends
+    # 2 m micro-batch buffers (interleaved's end devices send 3 m), and the
+    # engine's permutes are that minimum (one lane each way, from the devices
+    # with something due), with the tensor sums of each device's own branches.
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=2, tensor=tensor),
+        rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON if tensor > 1 else None),
+        schedule=name,
+        microbatches=4,
+    )
+    batch = _tokens()
+    step, state, _ = _compiled(plan, TinyLM(layers=4, key=jax.random.key(0)), LM_LOSS, batch)
+    report = ei.comm_report(step, state, batch)
+    text = str(report)
+    micro = (BATCH // 2 // 4) * SEQ * D * F32
+    assert report.minimum.parts["pipeline stage boundaries"] == (2 * 4 * micro,) * 2, text
+    interleaved = dataclasses.replace(plan, schedule="interleaved")
+    low = ei.minimum_comm(interleaved, state.model, loss=LM_LOSS, batch=batch)
+    assert low.parts["pipeline stage boundaries"] == (3 * 4 * micro,) * 2
     assert 1.0 <= report.wire_ratio_to_minimum <= 1.01, text
 
 

@@ -466,7 +466,16 @@ def test_backward_reuses_the_forward_unless_remat_full(name, bound, lockstep):
 
 @pytest.mark.parametrize(
     ("name", "stages", "microbatches", "chunks"),
-    [("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("zero_bubble", 2, 4, 1), ("1f1b", 2, 8, 1)],
+    [
+        ("interleaved", 2, 4, 2),
+        ("interleaved", 4, 8, 2),
+        ("zero_bubble", 2, 4, 1),
+        ("1f1b", 2, 8, 1),
+        ("zb_v", 2, 4, 2),
+        # The V at pipe 4 (two inputs to a device in a tick) in make test-slow: 20-35 s.
+        pytest.param("zb_v", 4, 8, 2, marks=pytest.mark.slow),
+        pytest.param("dualpipe_v", 4, 8, 2, marks=pytest.mark.slow),
+    ],
 )
 def test_lockstep_flops_are_the_tables(name, stages, microbatches, chunks):
     """The program's lockstep FLOPs (`matmul_flops`: each loop position's switch
@@ -503,20 +512,37 @@ def test_permutes_run_where_due_outside_the_branches():
 
 
 @pytest.mark.parametrize(
-    ("name", "chunks"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+    ("name", "chunks"),
+    [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved", 2),
+        ("zero_bubble", 1),
+        ("zb_v", 2),
+        # In make test-slow (22 s on 2 cores): zb_v's V sends the same.
+        pytest.param("dualpipe_v", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_each_device_sends_only_what_it_must(name, chunks):
     """A tick sends from the devices with something due only (the engine's loops
     run repeating patterns of sends): the busiest device's permute bytes are
     what the schedule moves, one activation on from each virtual stage but the
-    last and one cotangent back from each but the first, per micro-batch."""
+    last and one cotangent back from each but the first, per micro-batch,
+    except where the stage it goes to runs on the same device (the V's turn:
+    stage p - 1 hands stage p its activation on device p - 1, which gets the
+    cotangent back there)."""
     p, m, rows, width = 4, 8, 16, 128
     compiled = compiled_step(name, m, stages=p, chunks=chunks, rows=rows, width=width)
+    sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
     stages = p * chunks
-    sends = [
-        m * sum((k < stages - 1) + (k > 0) for k in range(stages) if k % p == device) for device in range(p)
-    ]
+    device = {sched.stage_of(d, c): d for d in range(p) for c in range(chunks)}
+    sends = [0] * p
+    for k in range(stages):
+        for other in (k - 1, k + 1):
+            sends[device[k]] += m * (0 <= other < stages and device[other] != device[k])
     assert max(sends) == (4 * m if chunks == 2 else 2 * m)
+    if sched.placement == "v":  # the end devices: 2 m (interleaved's send 3 m)
+        assert sends[0] == sends[p - 1] == 2 * m
     stats = eqxpar.inspect.collective_stats(compiled)
     assert stats.wire_bytes["collective-permute"] == max(sends) * rows * width * 4, (stats.wire_bytes, sends)
 

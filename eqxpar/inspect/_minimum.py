@@ -279,9 +279,16 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
             f"minimum_comm(plan, model, loss={short(loss)}): a pipeline plan needs the "
             "eqxpar.pipeline.PipelineLoss the step runs, to find the stack and its input."
         )
+    from ..nn import in_natural_order
+
     p, v, m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
     # One micro-batch on one device of the batch axes, its part of the sequence.
     share = plan.batch_size_multiple * m * plan.context_size
+    # The stack traced in natural order: the traffic does not depend on the order
+    # it is stored in, and a stored order runs the layers through a gather of its
+    # rows, which hides the weights' split from the walk (interleaved, uneven and
+    # V stacks are stored so).
+    params = in_natural_order(params)
     model, data = compute_outline(plan, params), compute_outline(plan, batch)
     _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     boundary = sum(aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
