@@ -260,6 +260,31 @@ def test_pipeline_minimum_by_hand():
     assert low.parts["gradient all-reduce over data=2 x pipe=4"] == (rest, _ring_all_reduce(rest, 8))
 
 
+def test_v_pipeline_minimum_by_hand():
+    # pipe 4 x data 2 in a V, 8 micro-batches: device 0 runs stages 0 and 7 (an
+    # activation on, a cotangent back: 2 m), device 3 the turn (stages 3 and 4: a
+    # cotangent back and an activation on, the hand-over between them local: 2 m),
+    # the middle devices 4 m = 2 m v, as interleaved's; at pipe 2 every device 2 m.
+    model = eqx.filter_eval_shape(lambda: TinyLM(layers=8, key=jax.random.key(0)))
+    batch = jax.ShapeDtypeStruct((16, SEQ), jnp.int32), jax.ShapeDtypeStruct((16, SEQ), jnp.int32)
+    micro = (16 // 2 // 8) * SEQ * D * F32
+    for pipe, sends in ((4, 2 * 8 * 2), (2, 2 * 8)):
+        for name in ("zb_v", "dualpipe_v"):
+            plan = eqxpar.Plan(
+                eqxpar.make_mesh(pipe=pipe, data=2),
+                rules=eqxpar.pipeline.stage_rules(),
+                schedule=name,
+                microbatches=8,
+            )
+            low = ei.minimum_comm(plan, model, loss=LM_LOSS, batch=batch)
+            assert low.parts["pipeline stage boundaries"] == (sends * micro,) * 2, (pipe, name)
+    from eqxpar.inspect._minimum import boundary_sends
+
+    assert boundary_sends(4, 2, 8, "v") == [16, 32, 32, 16]
+    assert boundary_sends(4, 2, 8, "interleaved") == [24, 32, 32, 24]
+    assert boundary_sends(1, 2, 8, "v") == [0]
+
+
 class _ScaledMLP(eqx.Module):
     """A weight split over tensor that no matmul uses: only multiplied elementwise."""
 
