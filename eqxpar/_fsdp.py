@@ -95,6 +95,27 @@ def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int =
     return tuple(out)
 
 
+def added_splits(spec: PartitionSpec | None, out_spec: PartitionSpec | None, axes: Collection[str]) -> Gather:
+    """The `(dim, axes)` splits over the manual `axes` that `out_spec` (a ZeRO-1
+    update's spec) adds to `spec` (the parameter's): where each device keeps only
+    its slice of a gradient, reduce-scattered along `dim`.
+
+    Unlike `gathers_of`, an `expert` axis counts here: ZeRO-1 splits the update of
+    a weight replicated over `expert` (one outside the MoE layers) over it too, as
+    over every batch axis.
+    """
+    if out_spec is None:
+        return ()
+    base = list(spec or PartitionSpec())
+    out = []
+    for dim, entry in enumerate(out_spec):
+        before = set(mesh_axis_names(base[dim] if dim < len(base) else None))
+        added = tuple(a for a in mesh_axis_names(entry) if a in axes and a not in before)
+        if added:
+            out.append((dim, added))
+    return tuple(out)
+
+
 def kept_axes(spec: PartitionSpec | None) -> frozenset[str]:
     """The mesh axes `spec` splits that a step keeps split rather than gathers
     (`expert`): a gradient there is already whole, summed over nothing more."""

@@ -19,7 +19,7 @@ from jaxtyping import Array, PyTree
 
 from ._context_split import expect_split
 from ._errors import PlanError
-from ._fsdp import gather_whole, gathered_axes, gathers_of, prepare_model
+from ._fsdp import added_splits, gather_whole, gathered_axes, prepare_model
 from ._grad_common import (
     LossFunction,
     accumulated_value_and_grad,
@@ -163,7 +163,7 @@ def _reduce(
         return None
     axes, tensor = layout.reduced_axes, layout.plan.tensor_axis
     gathered = gathered_axes(spec, axes)
-    scatter = tuple((d, a) for d, a in gathers_of(out_spec, axes, where="gradient") if set(a) - gathered)
+    scatter = added_splits(spec, out_spec, axes)
     rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
     if merged and tensor not in gathered_axes(spec, (tensor,)):
         rest = rest + (tensor,)

@@ -5,6 +5,23 @@ the first module pytest imports.
 """
 
 import os
+import shutil
+import tempfile
+
+# One JAX compilation cache for the run, shared by pytest's workers and the
+# subprocesses the tests start (examples, docs blocks, scripts). Tests trace their
+# own losses and wrappers, so jit's in-memory caches never match across them, yet
+# many compile the same XLA program (one-device references, the same plan's step in
+# several tests): the persistent cache, keyed by the program itself, compiles each
+# once. The controlling process makes it fresh and removes it after the run
+# (`pytest_unconfigure`), so no run reads another's programs; a directory the
+# caller set is used as given and kept. JAX reads these variables when it is
+# imported, below.
+_RUN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    _RUN_CACHE = tempfile.mkdtemp(prefix="eqxpar-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # 8 simulated devices, each running its collectives in program order, compiled
 # cheaply: the flags, and why, are in tests/_compile_flags.py. Examples and scripts
@@ -60,3 +77,8 @@ def _release_compiled_programs():
 
         gc.collect()
         jax.clear_caches()
+
+
+def pytest_unconfigure(config):
+    if _RUN_CACHE is not None:
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)

@@ -32,6 +32,7 @@ from ._helpers import (
     moe_regression_loss,
     reference_run,
     run_steps,
+    token_batches,
     train_checked,
 )
 
@@ -316,3 +317,20 @@ def test_minimum_comm_counts_the_routed_activations(capacity_factor):
         minimum,
     )
     assert stats.wire_bytes["all-reduce"] >= minimum.wire_bytes["all-reduce"]
+
+
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_zero1_slices_dense_updates_over_the_expert_axis_too(mode):
+    # ZeRO-1 splits the update of a weight replicated over `expert` (here a GPT's
+    # dense MLP, 1024 elements per layer) over every batch axis, `expert` among
+    # them: its gradient must be reduce-scattered over `expert` as well (it was
+    # psummed whole and then read as a slice, 8x too large, before the fix).
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, expert=2), rules=eqxpar.rules.MEGATRON, mode=mode, zero1=True)
+    config = eqxpar.models.GPTConfig(
+        vocab_size=16, d_model=16, num_heads=4, num_layers=2, d_hidden=32, activation="swiglu"
+    )
+    model = eqxpar.models.GPT(config, key=jax.random.key(0))
+    state = eqxpar.train.init(model, optax.sgd(1e-1), plan, key=jax.random.key(1))
+    spec = eqxpar.train.StepLayout.of_state(state, plan).updates
+    assert "expert" in str(spec.blocks.blocks.mlp.w_in)
+    train_checked(plan, model, optax.adamw(1e-2), eqxpar.models.lm_loss, token_batches(2, batch=8, vocab=16))

@@ -151,7 +151,9 @@ def test_a_rank_failing_after_initialize_stops_the_run(tmp_path, kind, rank, sta
     assert f"[rank {rank}] failing by {kind}" in result.stdout
     if kind == "raise":
         assert "RuntimeError: rank broke: disk on fire" in result.stderr  # its traceback
-    assert elapsed < 30
+    # Stopped by the failure, not by the 90 s timeout a hang would reach: 37 s was
+    # seen with four jobs sharing 2 cores, so the bound leaves room for load.
+    assert elapsed < 75
     _assert_gone(tmp_path, (0, 1))
 
 

@@ -2,16 +2,18 @@
 (config.json + safetensors) read straight into a plan's sharding, and written
 back one tensor at a time."""
 
+import functools
 import json
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .._errors import PretrainedError
 from .._plan import Plan
@@ -191,9 +193,19 @@ def _host_part(x: jax.Array, combo: tuple[int, ...], enum: tuple[int, ...]) -> n
 
 def _replicated(x: jax.Array) -> jax.Array:
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        return jax.jit(lambda a: a, out_shardings=NamedSharding(sharding.mesh, PartitionSpec()))(x)
-    return x
+    if not isinstance(sharding, NamedSharding) or x.is_fully_addressable:
+        # This process holds every shard: `device_get` assembles the tensor on the
+        # host with no collective and nothing to compile. (Fully addressable or not
+        # is the same answer on every process, so all take part in a gather or none.)
+        return x
+    return _replicate_on(sharding.mesh)(x)
+
+
+@functools.cache
+def _replicate_on(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
+    # One jitted identity per mesh: its compiled programs are reused for every
+    # tensor of the same shape (a new jit per call compiled once per tensor).
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 @eqx.filter_jit
