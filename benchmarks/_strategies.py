@@ -339,6 +339,9 @@ STRATEGIES: dict[str, Strategy] = {
     "pp_1f1b": _pp("1f1b", 1.01, 1.05, contract={**_FLAT, "step_ratio_max": 1.0}, remat_sweep=True),
     "pp_interleaved": _pp("interleaved", 1.01, 1.05, chunks=2, contract={**_FLAT, "step_ratio_max": 1.05}),
     "pp_zero_bubble": _pp("zero_bubble", 1.01, 1.08, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    # The V placement: device d holds virtual stages d and 2p - 1 - d (two chunks).
+    "pp_zb_v": _pp("zb_v", 1.01, 1.10, chunks=2, contract={**_FLAT, "bubble_below": "pp_1f1b"}),
+    "pp_dualpipe_v": _pp("dualpipe_v", 1.01, 1.10, chunks=2, contract=_FLAT),
     "pp_gpipe_uneven": _pp("gpipe", 1.01, 1.03, layers=(4, 4, 4, 3)),
     "pp_1f1b_uneven": _pp("1f1b", 1.01, 1.03, layers=(4, 4, 4, 3)),
     "pp_interleaved_uneven": _pp("interleaved", 1.01, 1.03, chunks=2, layers=(2,) * 7 + (1,)),

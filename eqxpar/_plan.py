@@ -33,10 +33,13 @@ REMAT_POLICIES = ("none", "dots", "inputs", "full")
 CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")
 
 #: Pipeline schedules (`eqxpar.pipeline.schedule`, `Plan(schedule=...)`).
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
-#: Schedule tables `eqxpar.pipeline.schedule` builds for prediction only: their V
-#: placement (device d holds virtual stages d and 2p-1-d) is not the engine's.
-PREDICTION_SCHEDULES = ("zb_v", "dualpipe_v")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zb_v", "dualpipe_v")
+#: The schedules of a V placement: two chunks per device, device d holding
+#: virtual stages d and 2p-1-d (so device 0 runs both the first and the last).
+V_SCHEDULES = ("zb_v", "dualpipe_v")
+#: Schedule tables `eqxpar.pipeline.schedule` builds for prediction only, which
+#: the engine does not run: none (ZB-V and DualPipeV once were).
+PREDICTION_SCHEDULES: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -112,7 +115,9 @@ class Plan:
       `"full"` keeps the stage input only and recomputes the stage forward in
       each backward action.
     - `schedule`: run the step as a pipeline over mesh axis `pipe` with this
-      schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`, or an
+      schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`, `"zb_v"`,
+      `"dualpipe_v"` (the last two in a V placement: two chunks per device,
+      device `d` holding virtual stages `d` and `2 pipe - 1 - d`), or an
       `eqxpar.pipeline.Schedule` object such as a custom table from
       `Schedule.from_table` / `Schedule.from_orders`, whose stages must equal the
       `pipe` size and which then sets `microbatches` and `chunks`; see
@@ -120,9 +125,11 @@ class Plan:
       None (default): no pipeline.
     - `microbatches`: micro-batches each pipeline step splits the batch into
       (pipeline plans only; gradient accumulation is `make_step(accumulate=...)`).
-    - `chunks`: virtual stages per device (`schedule="interleaved"` only).
+    - `chunks`: virtual stages per device (`schedule="interleaved"`; `"zb_v"` and
+      `"dualpipe_v"` always run 2, implied when left out).
     - `stage_layers`: layers per virtual stage, in pipeline order (virtual stage
-      `k` runs on device `k % pipe` as its chunk `k // pipe`): `pipe * chunks`
+      `k` runs on device `k % pipe` as its chunk `k // pipe`; in a V placement
+      device `d` runs stages `d` and `2 pipe - 1 - d`): `pipe * chunks`
       positive integers summing to the stack's depth, e.g. `(3, 4, 4, 3)` to give
       the first and last stages, which also run the embedding and the head, a
       layer less. None (default): `depth / (pipe * chunks)` layers each. Every
@@ -323,7 +330,21 @@ class Plan:
                 f"of the plan's pipeline; use a depth that is a multiple of {stages * self.chunks}, or "
                 "give the layers per virtual stage (Plan(stage_layers=...))."
             )
-        return pipeline_order(depth, stages=stages, chunks=self.chunks, stage_layers=self.stage_layers)
+        return pipeline_order(
+            depth, stages=stages, chunks=self.chunks, stage_layers=self.stage_layers, placement=self.placement
+        )
+
+    @property
+    def placement(self) -> str | None:
+        """Where the pipeline's virtual stages run (`eqxpar._stack_order.PLACEMENTS`):
+        `"v"` for the V schedules (`"zb_v"`, `"dualpipe_v"`, or a `Schedule` of V
+        placement: device `d` holds stages `d` and `2 pipe - 1 - d`), `"loop"` for
+        the others (virtual stage `k` on device `k % pipe`); None without a pipeline."""
+        if self.schedule is None:
+            return None
+        if self.schedule in V_SCHEDULES or getattr(self.schedule, "placement", None) == "v":
+            return "v"
+        return "loop"
 
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """A `NamedSharding` of `spec` on this plan's mesh."""
@@ -624,13 +645,6 @@ def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -
 
     if isinstance(schedule, Schedule):
         return _check_schedule_object(schedule, microbatches, chunks, mesh)
-    if schedule in PREDICTION_SCHEDULES:
-        raise PlanError(
-            f"Plan(schedule={schedule!r}): {schedule!r} is a table for prediction only "
-            "(eqxpar.pipeline.schedule / simulate): it places two chunks per device in a V "
-            "(device d holds virtual stages d and 2p-1-d), and the engine runs Megatron's "
-            f"interleaved placement only. Use one of {PIPELINE_SCHEDULES}."
-        )
     if not isinstance(schedule, str) or schedule not in PIPELINE_SCHEDULES:
         raise PlanError(
             f"Plan(schedule={schedule!r}): unknown schedule; expected one of {PIPELINE_SCHEDULES}."
@@ -640,25 +654,43 @@ def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -
             f"Plan(schedule={schedule!r}) pipelines over mesh axis 'pipe', but the mesh has axes "
             f"{names}. Build the mesh with eqxpar.make_mesh(pipe=...)."
         )
+    if schedule in V_SCHEDULES:
+        return microbatches, _check_v(schedule, microbatches, chunks, mesh.shape["pipe"])
     if chunks > 1 and schedule != "interleaved":
         raise PlanError(
             f"Plan(schedule={schedule!r}, chunks={chunks}): only schedule='interleaved' runs several "
-            "chunks (virtual stages) per device. Use schedule='interleaved', or chunks=1."
+            "chunks (virtual stages) per device (and 'zb_v' and 'dualpipe_v' two, in a V). Use "
+            "schedule='interleaved', or chunks=1."
         )
     return microbatches, chunks
+
+
+def _check_v(schedule: str, microbatches: int, chunks: int, pipe: int) -> int:
+    """The chunks of a V schedule (always 2: 1, the option's default, means "not
+    given"), checked with its micro-batches."""
+    if chunks not in (1, 2):
+        raise PlanError(
+            f"Plan(schedule={schedule!r}, chunks={chunks}): {schedule!r} runs two chunks per device in "
+            "a V (device d holds virtual stages d and 2p-1-d). Leave chunks out or pass chunks=2."
+        )
+    if schedule == "dualpipe_v" and microbatches < 2 * pipe:
+        raise PlanError(
+            f"Plan(schedule='dualpipe_v', microbatches={microbatches}): DualPipeV needs at least 2 * "
+            f"pipe = {2 * pipe} micro-batches on pipe={pipe}. Use microbatches >= {2 * pipe}, or "
+            "schedule='zb_v'."
+        )
+    return 2
 
 
 def _check_schedule_object(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -> tuple[int, int]:
     from .pipeline._validate import validate  # imported here: see `_check_pipeline`
 
     names = tuple(mesh.axis_names)
-    if schedule.placement != "interleaved":
+    if schedule.placement == "v" and schedule.chunks != 2:
         raise PlanError(
-            f"Plan(schedule={schedule!r}): this table places virtual stages in a "
-            f"{schedule.placement!r} shape (device d holds stages d and 2p-1-d); it is a table for "
-            "prediction only (eqxpar.pipeline.simulate). The engine runs Megatron's interleaved "
-            "placement (virtual stage k on device k % pipe): build the table with "
-            "placement='interleaved'."
+            f"Plan(schedule={schedule!r}): a table of V placement runs two chunks per device (device "
+            f"d holds stages d and 2p-1-d), this one {schedule.chunks}. Build it with chunks=2, or "
+            "with placement='interleaved'."
         )
     # Every error of the table before anything compiles.
     validate(schedule)

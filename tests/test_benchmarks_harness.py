@@ -103,9 +103,15 @@ def test_small_record_meets_its_contract(name):
     json.dumps(record)  # JSON-ready
 
 
-# zero_bubble and interleaved in make test-slow (a minute of compiles between them
-# on 2 cores): 1f1b with remat runs the same table-against-FLOPs comparison.
-_SCHEDULES_SLOW = [("zero_bubble", 1, "none"), ("interleaved", 2, "none")]
+# zero_bubble, interleaved and the V schedules in make test-slow (a minute of
+# compiles between the first two on 2 cores): 1f1b with remat runs the same
+# table-against-FLOPs comparison.
+_SCHEDULES_SLOW = [
+    ("zero_bubble", 1, "none"),
+    ("interleaved", 2, "none"),
+    ("zb_v", 2, "none"),
+    ("dualpipe_v", 2, "none"),
+]
 
 
 @pytest.mark.parametrize(
@@ -135,6 +141,7 @@ def test_pipeline_program_runs_its_table_at_each_actions_flops(name, chunks, rem
     [
         pytest.param("zero_bubble", 1, (2, 1), marks=pytest.mark.slow),
         pytest.param("interleaved", 2, (1, 2, 2, 1), marks=pytest.mark.slow),
+        pytest.param("zb_v", 2, (2, 1, 1, 2), marks=pytest.mark.slow),
     ],
 )
 def test_uneven_stages_run_their_table_at_each_layers_flops(name, chunks, layers):

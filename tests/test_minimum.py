@@ -5,6 +5,7 @@ sequence parallel), against hand counts (tensor-parallel activations, pipeline
 boundaries), through comm_report for tensor-parallel and pipeline plans, and on
 model/plan combinations it cannot describe."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -202,6 +203,41 @@ def test_comm_report_shows_the_minimum_of_tensor_and_pipeline_plans(tensor_paral
     assert 1.0 <= report.wire_ratio_to_minimum <= 1.01, text
 
 
+@pytest.mark.parametrize(
+    "name,tensor",
+    # In make test-slow (50 s each on 2 cores); tests/test_pipeline.py holds the V's
+    # permutes to what the schedule moves in make test.
+    [
+        pytest.param("zb_v", 1, marks=pytest.mark.slow),
+        pytest.param("zb_v", 2, marks=pytest.mark.slow),
+        pytest.param("dualpipe_v", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_v_pipeline_moves_its_minimum(name, tensor):
+    # pipe 2 x data 2 (x tensor 2) in a V: device 0 runs stages 0 and 3 (the
+    # embedding and the head), device 1 stages 1 and 2, handing stage 1's
+    # activation and stage 2's cotangent over on the device. So each device sends
+    # 2 m micro-batch buffers (interleaved's end devices send 3 m), and the
+    # engine's permutes are that minimum (one lane each way, from the devices
+    # with something due), with the tensor sums of each device's own branches.
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=2, tensor=tensor),
+        rules=eqxpar.pipeline.stage_rules(eqxpar.rules.MEGATRON if tensor > 1 else None),
+        schedule=name,
+        microbatches=4,
+    )
+    batch = _tokens()
+    step, state, _ = _compiled(plan, TinyLM(layers=4, key=jax.random.key(0)), LM_LOSS, batch)
+    report = ei.comm_report(step, state, batch)
+    text = str(report)
+    micro = (BATCH // 2 // 4) * SEQ * D * F32
+    assert report.minimum.parts["pipeline stage boundaries"] == (2 * 4 * micro,) * 2, text
+    interleaved = dataclasses.replace(plan, schedule="interleaved")
+    low = ei.minimum_comm(interleaved, state.model, loss=LM_LOSS, batch=batch)
+    assert low.parts["pipeline stage boundaries"] == (3 * 4 * micro,) * 2
+    assert 1.0 <= report.wire_ratio_to_minimum <= 1.01, text
+
+
 def test_pipeline_minimum_by_hand():
     # pipe 4 x data 2, interleaved (2 chunks), 8 micro-batches: a middle device sends
     # 2 m v activations; stack gradients over data, the rest over pipe x data.
@@ -222,6 +258,31 @@ def test_pipeline_minimum_by_hand():
     rest = sum(math.prod(x.shape) * F32 for x in jax.tree.leaves(outside))
     assert low.parts["gradient all-reduce over data=2"] == (stack, stack)
     assert low.parts["gradient all-reduce over data=2 x pipe=4"] == (rest, _ring_all_reduce(rest, 8))
+
+
+def test_v_pipeline_minimum_by_hand():
+    # pipe 4 x data 2 in a V, 8 micro-batches: device 0 runs stages 0 and 7 (an
+    # activation on, a cotangent back: 2 m), device 3 the turn (stages 3 and 4: a
+    # cotangent back and an activation on, the hand-over between them local: 2 m),
+    # the middle devices 4 m = 2 m v, as interleaved's; at pipe 2 every device 2 m.
+    model = eqx.filter_eval_shape(lambda: TinyLM(layers=8, key=jax.random.key(0)))
+    batch = jax.ShapeDtypeStruct((16, SEQ), jnp.int32), jax.ShapeDtypeStruct((16, SEQ), jnp.int32)
+    micro = (16 // 2 // 8) * SEQ * D * F32
+    for pipe, sends in ((4, 2 * 8 * 2), (2, 2 * 8)):
+        for name in ("zb_v", "dualpipe_v"):
+            plan = eqxpar.Plan(
+                eqxpar.make_mesh(pipe=pipe, data=2),
+                rules=eqxpar.pipeline.stage_rules(),
+                schedule=name,
+                microbatches=8,
+            )
+            low = ei.minimum_comm(plan, model, loss=LM_LOSS, batch=batch)
+            assert low.parts["pipeline stage boundaries"] == (sends * micro,) * 2, (pipe, name)
+    from eqxpar.inspect._minimum import boundary_sends
+
+    assert boundary_sends(4, 2, 8, "v") == [16, 32, 32, 16]
+    assert boundary_sends(4, 2, 8, "interleaved") == [24, 32, 32, 24]
+    assert boundary_sends(1, 2, 8, "v") == [0]
 
 
 class _ScaledMLP(eqx.Module):

@@ -43,8 +43,25 @@ CASES = [
 ]
 
 
+# The V placement (two chunks per device, device d holding stages d and 2p-1-d):
+# at pipe 1 every hand-over is local; at pipe 2 and 4 a device gets two
+# activations (cotangents) in one tick, one from each side. DualPipeV needs
+# m >= 2p. (DualPipeV at pipe 4 in make test-slow: 25 s on 2 cores.)
+V_CASES = [
+    pytest.param("zb_v", 2, 1, 2, id="zb_v-p1-m2"),
+    pytest.param("zb_v", 2, 2, 2, id="zb_v-p2-m4"),
+    pytest.param("zb_v", 2, 4, 1, id="zb_v-p4-m4"),
+    pytest.param("dualpipe_v", 2, 2, 2, id="dualpipe_v-p2-m4"),
+    pytest.param("dualpipe_v", 2, 4, 2, id="dualpipe_v-p4-m8", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.parametrize(
-    "name,chunks,stages,per_stage", CASES, ids=[f"{n}-v{v}-p{p}-m{k * p}" for n, v, p, k in CASES]
+    "name,chunks,stages,per_stage",
+    [
+        *(pytest.param(*case, id=f"{case[0]}-v{case[1]}-p{case[2]}-m{case[3] * case[2]}") for case in CASES),
+        *V_CASES,
+    ],
 )
 def test_pipeline_matches_sequential(name, chunks, stages, per_stage):
     microbatches = per_stage * stages
@@ -93,7 +110,7 @@ def test_pipeline_order_round_trip_and_layout():
 
 # --- Uneven stages: Plan(stage_layers=...) ---------------------------------------
 
-# (schedule, chunks, layers per virtual stage at pipe 4): fewer layers on the
+# (schedule, chunks, layers per virtual stage at pipe 4 unless said): fewer layers on the
 # first and last stages, as for a costly embedding and head; interleaved's eight
 # virtual stages differ among the middle ones too (its chunks' branches are keyed
 # by their own counts).
@@ -102,13 +119,23 @@ UNEVEN = [
     ("1f1b", 1, (2, 3, 2, 1)),
     ("interleaved", 2, (1, 2, 3, 2, 2, 1, 2, 1)),
     ("zero_bubble", 1, (1, 2, 3, 2)),
+    # V: device 0 runs stages 0 and 7 (embedding and head), device 3 the turn (3, 4).
+    ("zb_v", 2, (1, 2, 3, 2, 2, 1, 2, 1)),
+    ("dualpipe_v", 2, (2, 1, 1, 2, 3, 1, 2, 1)),
+    # At pipe 2 (the length gives the stages): device 0 runs stages 0 and 3, device 1 the turn.
+    ("zb_v", 2, (2, 1, 1, 2)),
+    ("dualpipe_v", 2, (1, 2, 2, 1)),
 ]
 
 
-# interleaved in make test-slow (25 s): its branches keyed by layer count are the others'.
+# The eight virtual stages (interleaved, the V schedules at pipe 4) in make
+# test-slow (25-60 s): their branches keyed by layer count are the others'; the
+# V schedules at pipe 2 run in make test.
 UNEVEN_CASES = [
     pytest.param(
-        *case, id=f"{case[0]}-v{case[1]}", marks=pytest.mark.slow if case[0] == "interleaved" else ()
+        *case,
+        id=f"{case[0]}-v{case[1]}-p{len(case[2]) // case[1]}",
+        marks=pytest.mark.slow if len(case[2]) == 8 else (),
     )
     for case in UNEVEN
 ]
@@ -120,12 +147,14 @@ def test_uneven_stages_train_like_one_device(name, chunks, layers):
     # same parameters (rtol 1e-5), the update is applied once; the stored stack's
     # padding slots get zero gradients, so they stay zero.
     microbatches, optimizer, loss = 8, optax.adam(1e-2), tiny_loss()
+    pipe = len(layers) // chunks
     model = Tiny(sum(layers), key=jax.random.key(len(layers)))
-    plan = pipeline_plan(name, pipe=4, microbatches=microbatches, chunks=chunks, stage_layers=layers)
+    plan = pipeline_plan(name, pipe=pipe, microbatches=microbatches, chunks=chunks, stage_layers=layers)
     recording = record_gradients(optimizer)
     state = eqxpar.train.init(model, recording, plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(loss, recording, plan)
-    assert state.model.blocks.depth == 4 * chunks * max(layers)
+    assert state.model.blocks.depth == pipe * chunks * max(layers)
+    assert state.model.blocks.order == plan.stack_order(sum(layers))
 
     def advance(batch):
         nonlocal state
@@ -141,12 +170,10 @@ def test_uneven_stages_train_like_one_device(name, chunks, layers):
     batches = [regression_batch(PIPELINE_ROWS * microbatches, seed=i) for i in range(3)]
     assert_steps_match_one_device(advance, model, optimizer, loss, batches)
     padding = np.asarray(
-        eqxpar.pipeline.to_pipeline_order(
-            Tiny(sum(layers), key=jax.random.key(0)).blocks, stages=4, chunks=chunks, stage_layers=layers
-        ).blocks.b
+        eqxpar.nn.in_plan_order(Tiny(sum(layers), key=jax.random.key(0)), plan).blocks.blocks.b
     )
     padding = np.all(padding == 0, axis=1)
-    assert padding.sum() == 4 * chunks * max(layers) - sum(layers)
+    assert padding.sum() == pipe * chunks * max(layers) - sum(layers)
     assert np.all(np.asarray(state.model.blocks.blocks.w)[padding] == 0)
 
 
@@ -439,7 +466,16 @@ def test_backward_reuses_the_forward_unless_remat_full(name, bound, lockstep):
 
 @pytest.mark.parametrize(
     ("name", "stages", "microbatches", "chunks"),
-    [("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("zero_bubble", 2, 4, 1), ("1f1b", 2, 8, 1)],
+    [
+        ("interleaved", 2, 4, 2),
+        ("interleaved", 4, 8, 2),
+        ("zero_bubble", 2, 4, 1),
+        ("1f1b", 2, 8, 1),
+        ("zb_v", 2, 4, 2),
+        # The V at pipe 4 (two inputs to a device in a tick) in make test-slow: 20-35 s.
+        pytest.param("zb_v", 4, 8, 2, marks=pytest.mark.slow),
+        pytest.param("dualpipe_v", 4, 8, 2, marks=pytest.mark.slow),
+    ],
 )
 def test_lockstep_flops_are_the_tables(name, stages, microbatches, chunks):
     """The program's lockstep FLOPs (`matmul_flops`: each loop position's switch
@@ -476,20 +512,37 @@ def test_permutes_run_where_due_outside_the_branches():
 
 
 @pytest.mark.parametrize(
-    ("name", "chunks"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+    ("name", "chunks"),
+    [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved", 2),
+        ("zero_bubble", 1),
+        ("zb_v", 2),
+        # In make test-slow (22 s on 2 cores): zb_v's V sends the same.
+        pytest.param("dualpipe_v", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_each_device_sends_only_what_it_must(name, chunks):
     """A tick sends from the devices with something due only (the engine's loops
     run repeating patterns of sends): the busiest device's permute bytes are
     what the schedule moves, one activation on from each virtual stage but the
-    last and one cotangent back from each but the first, per micro-batch."""
+    last and one cotangent back from each but the first, per micro-batch,
+    except where the stage it goes to runs on the same device (the V's turn:
+    stage p - 1 hands stage p its activation on device p - 1, which gets the
+    cotangent back there)."""
     p, m, rows, width = 4, 8, 16, 128
     compiled = compiled_step(name, m, stages=p, chunks=chunks, rows=rows, width=width)
+    sched = eqxpar.pipeline.schedule(name, stages=p, microbatches=m, chunks=chunks)
     stages = p * chunks
-    sends = [
-        m * sum((k < stages - 1) + (k > 0) for k in range(stages) if k % p == device) for device in range(p)
-    ]
+    device = {sched.stage_of(d, c): d for d in range(p) for c in range(chunks)}
+    sends = [0] * p
+    for k in range(stages):
+        for other in (k - 1, k + 1):
+            sends[device[k]] += m * (0 <= other < stages and device[other] != device[k])
     assert max(sends) == (4 * m if chunks == 2 else 2 * m)
+    if sched.placement == "v":  # the end devices: 2 m (interleaved's send 3 m)
+        assert sends[0] == sends[p - 1] == 2 * m
     stats = eqxpar.inspect.collective_stats(compiled)
     assert stats.wire_bytes["collective-permute"] == max(sends) * rows * width * 4, (stats.wire_bytes, sends)
 

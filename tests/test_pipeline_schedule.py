@@ -150,7 +150,22 @@ def test_table_is_read_only():
         s.table[0, 0, 0] = 5
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+def _direction(sched, k, forward):
+    """Which way virtual stage `k` sends its activation (`forward`) or cotangent:
+    0 down (to the next device), 1 up, None nothing (none due, or the stage it
+    goes to runs on the same device: the V's turn, stages p - 1 and p)."""
+    p, last = sched.stages, sched.virtual_stages - 1
+    if (forward and k == last) or (not forward and k == 0):
+        return None
+    if sched.placement != "v":  # activations always go down, cotangents up
+        return 0 if forward else 1
+    if (forward and k == p - 1) or (not forward and k == p):
+        return None
+    chunk = k // p if forward else (k - 1) // p  # the chunk the value travels in
+    return 0 if forward == (chunk == 0) else 1
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zb_v", "dualpipe_v"])
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (4, 4), (4, 16), (8, 16)])
 @pytest.mark.parametrize("keep", [True, False])
 def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatches, keep):
@@ -158,20 +173,25 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
     branches: each tick once, in order, in a loop position whose sends are the
     tick's (a device sends an activation on at the end of a forward of any
     virtual stage but the last, and a cotangent back at the end of a backward or
-    input half of any but the first) and where each device runs the tick's
-    branch: a position's switch is counted at what its ticks run, so the
-    program's lockstep cost is the table's."""
+    input half of any but the first: down and up along pipe, or under a V down
+    in chunk 0 and up in chunk 1 for activations, the other way for cotangents,
+    and nothing at the V's turn) and where each device runs the tick's branch:
+    a position's switch is counted at what its ticks run, so the program's
+    lockstep cost is the table's."""
     from eqxpar.pipeline._program import build_program, senders, tick_loops
 
+    if name == "dualpipe_v" and microbatches < 2 * stages:
+        pytest.skip("DualPipeV needs 2 * stages micro-batches")
     chunks = 2 if name == "interleaved" else 1
     sched = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
     sends = senders(sched)
     due = [(set(), set()) for _ in range(sched.ticks)]
     for tick, device, _, k, kind in sched.entries():
-        if kind == FORWARD and k < sched.virtual_stages - 1:
-            due[tick][0].add(device)
-        if kind in (BACKWARD, BACKWARD_INPUT) and k > 0:
-            due[tick][1].add(device)
+        if kind == FORWARD or kind in (BACKWARD, BACKWARD_INPUT):
+            way = _direction(sched, k, kind == FORWARD)
+            if way is not None:
+                assert device not in due[tick][way]  # one value each way per tick
+                due[tick][way].add(device)
     assert [(set(f), set(b)) for f, b in sends] == due
     program = build_program(sched, keep)[0]
     covered = []
@@ -190,7 +210,9 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
         assert len(loops) < sched.ticks // 2
 
 
-@pytest.mark.parametrize("name,chunks", [("interleaved", 2), ("zero_bubble", 1), ("1f1b", 1)])
+@pytest.mark.parametrize(
+    "name,chunks", [("interleaved", 2), ("zero_bubble", 1), ("1f1b", 1), ("zb_v", 2), ("dualpipe_v", 2)]
+)
 @pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 16), (8, 16)])
 def test_residual_and_stash_slots_never_overlap(name, chunks, stages, microbatches):
     """Each kept residual set lives in its slot from the forward (a folded input
@@ -227,3 +249,30 @@ def test_residual_and_stash_slots_never_overlap(name, chunks, stages, microbatch
         assert bufs.stashes == min(stages - 1, microbatches)
     if name == "1f1b":
         assert bufs.stashes == 0
+
+
+@pytest.mark.parametrize("name", ["zb_v", "dualpipe_v"])
+def test_v_tables_deliver_along_lanes(name):
+    """A V placement delivers two activations (or two cotangents) to one device in
+    one tick, from the device before and the one after it: the buffers file them
+    along two lanes into different slots. At the V's turn (device p - 1) stage
+    p - 1 hands stage p its activation, and stage p hands p - 1 its cotangent, on
+    the device (the local lane), which no device sends."""
+    from eqxpar.pipeline._placement import DOWN, LOCAL, UP
+
+    p, m = 4, 8
+    s = schedule(name, stages=p, microbatches=m)
+    bufs = s.buffers
+    assert bufs.recv_input.shape == bufs.recv_cotangent.shape == (s.ticks, p, 3)
+    twice = 0
+    for received, count in ((bufs.recv_input, bufs.inputs), (bufs.recv_cotangent, bufs.cotangents)):
+        both = (received[..., DOWN] >= 0) & (received[..., UP] >= 0)
+        twice += int(both.sum())
+        assert (received[both][:, DOWN] != received[both][:, UP]).all()
+        assert received.max() < count
+        # Only device p - 1 hands over locally, once per micro-batch each way.
+        local = received[..., LOCAL] >= 0
+        assert local[:, : p - 1].sum() == 0 and local[:, p - 1].sum() == m
+        # Device 0's down lane brings nothing: nothing is before it (no wrap-around).
+        assert (received[:, 0, DOWN] < 0).all() and (received[:, p - 1, UP] < 0).all()
+    assert twice > 0

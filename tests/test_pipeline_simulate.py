@@ -228,18 +228,29 @@ def test_v_tables_validate_and_beat_1f1b():
     assert ofob.in_flight == 2 * p - 3
 
 
-def test_v_tables_render_and_are_refused_by_the_engine():
+def test_v_tables_render_and_plans_take_them():
     s = schedule("zb_v", stages=2, microbatches=4)
     assert "V placement" in str(s).splitlines()[0] and "placement='v'" in repr(s)
     mesh = eqxpar.make_mesh(pipe=2)
-    with pytest.raises(eqxpar.PlanError, match="table for prediction only"):
-        eqxpar.Plan(mesh, schedule="zb_v", microbatches=4)
-    with pytest.raises(eqxpar.PlanError, match="prediction only"):
-        eqxpar.Plan(mesh, schedule=s)
+    # Two chunks implied (or given as 2), stored in the V's order.
+    for name in ("zb_v", "dualpipe_v"):
+        for chunks in (1, 2):
+            plan = eqxpar.Plan(mesh, schedule=name, microbatches=4, chunks=chunks)
+            assert plan.chunks == 2 and plan.placement == "v"
+            assert plan.stack_order(8).placement == "v"
+    assert eqxpar.Plan(mesh, schedule="zero_bubble", microbatches=4).placement == "loop"
+    # A V table of the user's runs too, with its two chunks.
+    assert eqxpar.Plan(mesh, schedule=s).chunks == 2
+    with pytest.raises(eqxpar.PlanError, match=r"chunks=3\): 'zb_v' runs two chunks.*chunks=2"):
+        eqxpar.Plan(mesh, schedule="zb_v", microbatches=4, chunks=3)
+    with pytest.raises(eqxpar.PlanError, match=r"microbatches=3\): DualPipeV needs at least 2 \* pipe = 4"):
+        eqxpar.Plan(mesh, schedule="dualpipe_v", microbatches=3)
     with pytest.raises(eqxpar.PlanError, match="at least 2 \\* stages = 8"):
         schedule("dualpipe_v", stages=4, microbatches=6)
     with pytest.raises(eqxpar.PlanError, match="always runs two chunks"):
         schedule("zb_v", stages=4, microbatches=8, chunks=3)
+    assert eqxpar.pipeline.PREDICTION_SCHEDULES == ()
+    assert {"zb_v", "dualpipe_v"} <= set(eqxpar.pipeline.SCHEDULES)
 
 
 # --- Every built-in schedule, many sizes ---------------------------------------------------

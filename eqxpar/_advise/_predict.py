@@ -26,6 +26,7 @@ from ..inspect._jaxpr_walk import (
     trace_jaxpr,
     with_key,
 )
+from ..inspect._minimum import boundary_sends, pipeline_placement
 from ..inspect._tally import sum_items
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 from ..pipeline._program import (
@@ -506,7 +507,7 @@ def _wire(
         kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
         if sent is not None and part.startswith("pipeline stage boundaries"):
             # The engine sends a boundary buffer each way on the ticks it sends on, idle or not.
-            sends = 2 * m * v if p > 2 else m * (2 * v - 1)
+            sends = max(boundary_sends(p, v, m, pipeline_placement(plan)))
             add(kind, axes, w * sent / sends)
         elif ring and "keys and values" in part:
             # The ring passes K/V blocks forward and again in the backward pass

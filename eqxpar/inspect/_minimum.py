@@ -241,19 +241,37 @@ def _check_found(sums: list[TensorSum], plan: Plan) -> None:
         )
 
 
-def _boundary_sends(p: int, v: int, m: int) -> list[int]:
-    # Virtual stage k (device k % p) sends each micro-batch's activation on unless
-    # it is the last virtual stage, and its cotangent back unless it is the first.
-    if p == 1:
-        return [0]
-    return [m * (2 * v - (d == p - 1) - (d == 0)) for d in range(p)]
+def boundary_sends(p: int, v: int, m: int, placement: str = "interleaved") -> list[int]:
+    """Activations and cotangents each device sends in a step: virtual stage `k`
+    sends each micro-batch's activation on unless it is the last virtual stage,
+    and its cotangent back unless it is the first, unless the stage it hands
+    them to runs on the same device (a V's turn: stages `p - 1` and `p`; one
+    device), where nothing crosses a wire. Shared with `eqxpar._advise`."""
+    from ..pipeline._placement import device_of  # imported here: see `_pipeline_items`
+
+    sends = [0] * p
+    for k in range(p * v):
+        d = device_of(k, p, placement)
+        for other in (k - 1, k + 1):
+            if 0 <= other < p * v and device_of(other, p, placement) != d:
+                sends[d] += m
+    return sends
+
+
+def pipeline_placement(plan: Plan) -> str:
+    """The placement (`eqxpar.pipeline.PLACEMENTS`) of a pipeline plan's virtual
+    stages: `"v"` for the V schedules, else `"interleaved"`."""
+    return "v" if plan.placement == "v" else "interleaved"
 
 
 def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The busiest pipeline device's activation traffic: stage-boundary
     collective-permutes and, with the tensor axis, its stage's activation sums
     (and the embedding's on the first stage, the head's on the last)."""
+    # Imported here, as `boundary_sends` imports the placement: eqxpar.pipeline stays
+    # out of importing eqxpar.inspect.
     from ..pipeline._loss import PipelineLoss
+    from ..pipeline._placement import device_of
 
     _need(plan, loss, batch, f"pipelines a stack (schedule={plan.schedule!r})")
     if not isinstance(loss, PipelineLoss):
@@ -261,9 +279,16 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
             f"minimum_comm(plan, model, loss={short(loss)}): a pipeline plan needs the "
             "eqxpar.pipeline.PipelineLoss the step runs, to find the stack and its input."
         )
+    from ..nn import in_natural_order
+
     p, v, m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
     # One micro-batch on one device of the batch axes, its part of the sequence.
     share = plan.batch_size_multiple * m * plan.context_size
+    # The stack traced in natural order: the traffic does not depend on the order
+    # it is stored in, and a stored order runs the layers through a gather of its
+    # rows, which hides the weights' split from the walk (interleaved, uneven and
+    # V stacks are stored so).
+    params = in_natural_order(params)
     model, data = compute_outline(plan, params), compute_outline(plan, batch)
     _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     boundary = sum(aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
@@ -277,12 +302,15 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
         last = tensor_sums(plan, loss.last, (model, h, data), split, "loss.last", moved)
         _check_found(stack + first + last, plan)
     busiest: list[Item] = []
-    for d, sends in enumerate(_boundary_sends(p, v, m)):
+    placement = pipeline_placement(plan)
+    # The device of the last virtual stage: p - 1, or 0 in a V (the first's too).
+    head = device_of(p * v - 1, p, placement)
+    for d, sends in enumerate(boundary_sends(p, v, m, placement)):
         items = [Item("pipeline stage boundaries", "collective-permute", p, boundary, sends)]
         # The stack's layers are shared out over the stages; every micro-batch runs through them.
         items += sum_items(stack, t, per_device=share, repeat=(m, p))
         items += sum_items(first if d == 0 else [], t, per_device=share, repeat=(m, 1))
-        items += sum_items(last if d == p - 1 else [], t, per_device=share, repeat=(m, 1))
+        items += sum_items(last if d == head else [], t, per_device=share, repeat=(m, 1))
         if not busiest or sum(i.wire for i in items) > sum(i.wire for i in busiest):
             busiest = items
     return busiest
@@ -381,8 +409,11 @@ def minimum_comm(
       factor `c`, about `c` times.)
     - **Pipelines** (`p` stages, `v` chunks, `m` micro-batches): the busiest
       device's boundary collective-permutes, `m (2v - 1)` (end stages) or `2 m v`
-      micro-batch activations, plus its stage's tensor sums (`1/p` of the layers,
-      every micro-batch) and the embedding's or head's on the end stages.
+      micro-batch activations (in a V placement, `zb_v` and `dualpipe_v`, the
+      end devices `2m`: the V's turn on device `p - 1` hands its activation and
+      cotangent over on the device, and device 0 holds both end stages), plus
+      its stage's tensor sums (`1/p` of the layers, every micro-batch) and the
+      embedding's or head's on the devices of the end stages.
 
     Not counted: scalar reductions (loss, gradient-norm partial sums), a
     vocabulary-parallel cross-entropy's per-token statistics, and under sequence

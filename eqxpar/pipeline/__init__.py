@@ -16,8 +16,9 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 ```
 
 - `schedule(name, *, stages, microbatches, chunks=1) -> Schedule`: the tables
-  (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`; for prediction only,
-  in a V placement the engine does not run, `"zb_v"` and `"dualpipe_v"`) with
+  (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`, and in a V placement,
+  device `d` holding virtual stages `d` and `2p - 1 - d`, `"zb_v"` and
+  `"dualpipe_v"`) with
   their bubble fractions and buffer sizes; `save_schedule_png` draws one.
 - `Schedule.from_table(table, ...)` / `Schedule.from_orders(orders, ...)`: a
   user's schedule, checked by `validate` (raising `PipelineScheduleError` with

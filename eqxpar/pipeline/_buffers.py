@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import PipelineScheduleError
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+from ._placement import LANES, lane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,9 +20,13 @@ class Buffers:
     `inputs`/`cotangents`: number of slots. `input_slot[tick, device, i]`: the
     slot of the stage input the tick's action `i` reads (0: the table's, 1: the
     fused table's second action; -1: none); `cotangent_slot`: the same for the
-    cotangent; `recv_input[tick, device]`: the
-    slot the activation arriving at the end of that tick is written to (-1: none);
-    `recv_cotangent`: the same for an arriving cotangent. `residuals`: slots for
+    cotangent; `recv_input[tick, device, lane]`: the
+    slot the activation arriving along `lane` (`_placement.DOWN`: from the
+    previous device, `UP`: from the next one, `LOCAL`: handed over by the
+    device's own stage, as at a V's turn) at the end of that tick is written to
+    (-1: none); `recv_cotangent`: the same for an arriving cotangent. A V
+    placement can deliver two activations (or two cotangents) to one device in
+    one tick, one along each lane. `residuals`: slots for
     the residuals a stage's forward keeps for its backward actions;
     `residual_slot[tick, device, i]`: the slot action `i` at that tick writes them
     to (`F`; a folded `I`) or reads them from (`B`, `I`, `W`), -1 for none.
@@ -91,8 +97,8 @@ def allocate_buffers(schedule: Any) -> Buffers:
     shape = schedule.table.shape[:2]
     input_slot = np.full((*shape, 2), -1, np.int32)
     cot_slot = np.full((*shape, 2), -1, np.int32)
-    recv_input = np.full(shape, -1, np.int32)
-    recv_cot = np.full(shape, -1, np.int32)
+    recv_input = np.full((*shape, len(LANES)), -1, np.int32)
+    recv_cot = np.full((*shape, len(LANES)), -1, np.int32)
     res_slot = np.full((*shape, 2), -1, np.int32)
     stash_slot = np.full((*shape, 2), -1, np.int32)
     folded = np.zeros((*shape, 2), bool)
@@ -135,12 +141,28 @@ def allocate_buffers(schedule: Any) -> Buffers:
         count, in_where = assign(input_slot, device, ins, every)
         n_in = max(n_in, count)
         for (mb, k), slot in in_where.items():
-            # The activation sent at that tick by the previous device lands here.
-            recv_input[tick_of[(FORWARD, mb, k - 1)], device] = slot
+            # The activation sent at that tick by the previous stage lands here.
+            _receive(recv_input, tick_of[(FORWARD, mb, k - 1)], device, k - 1, k, slot, schedule)
         count, cot_where = assign(cot_slot, device, cots, (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
         n_cot = max(n_cot, count)
         for (mb, k), slot in cot_where.items():
-            recv_cot[cot_sent(mb, k + 1), device] = slot
+            _receive(recv_cot, cot_sent(mb, k + 1), device, k + 1, k, slot, schedule)
     return Buffers(
         n_in, n_cot, input_slot, cot_slot, recv_input, recv_cot, n_res, res_slot, folded, n_stash, stash_slot
     )
+
+
+def _receive(
+    target: np.ndarray, tick: int, device: int, source: int, k: int, slot: int, schedule: Any
+) -> None:
+    """Record that what virtual stage `source` sends virtual stage `k` (on
+    `device`) at the end of `tick` lands in `slot`, on the lane it travels."""
+    at = lane(source, k, schedule.stages, schedule.placement)
+    if target[tick, device, at] >= 0:
+        what = "activations" if source < k else "cotangents"
+        raise PipelineScheduleError(
+            f"{schedule!r}: tick {tick}, device {device}: two {what} arrive along one lane "
+            f"({LANES[at]}) at the end of the tick; a device sends one value each way per tick. "
+            "Put the actions that send them in different ticks."
+        )
+    target[tick, device, at] = slot

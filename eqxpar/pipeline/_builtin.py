@@ -4,7 +4,7 @@ per-device orders (`_orders`) and placed on ticks (`_ticks`)."""
 import functools
 
 from .._errors import PlanError
-from .._plan import PIPELINE_SCHEDULES, PREDICTION_SCHEDULES
+from .._plan import PIPELINE_SCHEDULES, V_SCHEDULES
 from ._orders import (
     orders_1f1b_fused,
     orders_dualpipe_v,
@@ -29,11 +29,11 @@ def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> S
       last virtual stage's last `stages - 1` backwards are split, their weight
       halves run while the last device would idle at the end),
       `"zero_bubble"` (ZB-H1: backward split into input- and weight-gradient
-      passes, the weight passes filling 1F1B's bubble at 1F1B's memory). For
-      prediction only (V placement, which the engine does not run): `"zb_v"`
-      (ZB-V: two chunks per device in a V, backward split, 1F1B's memory) and
-      `"dualpipe_v"` (DeepSeek's DualPipeV as a table; `microbatches >= 2 *
-      stages`).
+      passes, the weight passes filling 1F1B's bubble at 1F1B's memory). In a V
+      placement (two chunks per device, device `d` holding virtual stages `d`
+      and `2 stages - 1 - d`, so device 0 runs the first and the last):
+      `"zb_v"` (ZB-V: backward split, 1F1B's memory) and `"dualpipe_v"`
+      (DeepSeek's DualPipeV as a table; `microbatches >= 2 * stages`).
     - `stages`: devices along the `pipe` axis.
     - `microbatches`: micro-batches per step (for `"interleaved"` with
       `chunks > 1`, a multiple of `stages`).
@@ -51,13 +51,13 @@ def schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> S
     eqxpar.pipeline.schedule("zb_v", stages=4, microbatches=16).bubble_fraction
     ```
     """
-    names = PIPELINE_SCHEDULES + PREDICTION_SCHEDULES
+    names = PIPELINE_SCHEDULES
     if name not in names:
         raise PlanError(f"schedule(name={name!r}): unknown schedule; expected one of {names}.")
     for what, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"schedule({what}={value!r}): expected a positive integer.")
-    if name in PREDICTION_SCHEDULES:
+    if name in V_SCHEDULES:
         if chunks not in (1, 2):
             raise PlanError(
                 f"schedule({name!r}, chunks={chunks}): {name!r} always runs two chunks per device "

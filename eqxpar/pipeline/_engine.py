@@ -78,16 +78,21 @@ from ..nn._stack import check_stack_order
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._builtin import schedule
 from ._loss import PipelineLoss
+from ._placement import DOWN, LOCAL, UP
 from ._program import (
     FIELDS,
+    HEAD,
     RES_READ,
     RES_WRITE,
+    SEND_COTANGENT,
     SLOTS,
     STASH_READ,
     STASH_WRITE,
     Key,
     Loop,
     build_program,
+    recv_column,
+    send_column,
     slot_used,
     stores_residuals,
     tick_loops,
@@ -620,7 +625,7 @@ class Device:
         to_store = self.residuals.zeros() if stores[0] else ()
         to_stash = self.stash.zeros() if stores[1] else ()
         for i, key in enumerate(keys):
-            fields = row[3 + FIELDS * i : 3 + FIELDS * (i + 1)]
+            fields = row[HEAD + FIELDS * i : HEAD + FIELDS * (i + 1)]
             f, b, g_rest, g_blocks, loss_sum, st, sh = self._action(
                 *key, fields, inputs, cots, stored, stashed, g_rest, g_blocks, loss_sum
             )
@@ -753,7 +758,7 @@ class Device:
         branches its position runs; `part` (the loop's program rows, `(count,
         period, device, column)`) gets its branch column renumbered to match."""
         bodies = []
-        for j, (forward, backward) in enumerate(loop.sends):
+        for j, sends in enumerate(loop.sends):
             at = part[:, j]
             # A switch of one branch is inlined (by JAX): its slot reads are
             # then no longer ordered before the tick's slot writes by the
@@ -768,8 +773,7 @@ class Device:
                 functools.partial(
                     self._tick,
                     local=local,
-                    forward=forward,
-                    backward=backward,
+                    lanes=_lanes(at, sends),
                     uses=uses,
                     scope=self._tick_scope(part[:, j, :, 0]),
                 )
@@ -795,21 +799,20 @@ class Device:
         row: jax.Array,
         *,
         local: list,
-        forward: tuple,
-        backward: tuple,
+        lanes: dict,
         uses: dict,
         scope: str,
     ) -> tuple:
-        """One tick: the device's branch of `local`, then the sends of the
-        devices `forward` and `backward` name, each received value filed into
-        its slot."""
+        """One tick: the device's branch of `local`, then the sends along each
+        lane (`_lanes`: down and up from the devices they name, the hand-over
+        on the device itself), each received value filed into its slot."""
         p = self.p
         # What the tick's actions store is written into its slot here, after
         # the switch, in loop positions whose ticks store any (`uses`, per field).
         res, stash = carry[5], carry[6]
 
         def slot(field):  # at most one of the tick's actions has a slot there
-            return jnp.maximum(row[3 + field], row[3 + FIELDS + field])
+            return jnp.maximum(row[HEAD + field], row[HEAD + FIELDS + field])
 
         with jax.named_scope(scope):
             send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash = lax.switch(
@@ -819,15 +822,45 @@ class Device:
         # Every device runs the tick's sends, outside the branches (a
         # collective that only some devices reach would hang); the pairs
         # name the devices with something due.
-        if forward:
-            inputs = _write(inputs, row[1], lax.ppermute(send_f, PIPE, [(d, (d + 1) % p) for d in forward]))
-        if backward:
-            cots = _write(cots, row[2], lax.ppermute(send_b, PIPE, [(d, (d - 1) % p) for d in backward]))
+        for at, (devices, kinds, into_inputs, into_cots) in lanes.items():
+            if at == LOCAL:  # a hand-over on the device: its own outputs, no send
+                got_f, got_b = send_f, send_b
+            else:
+                if len(kinds) == 2:  # devices of this position send either kind this way
+                    value = jnp.where(row[send_column(at)] == SEND_COTANGENT, send_b, send_f)
+                else:
+                    value = send_b if SEND_COTANGENT in kinds else send_f
+                step = 1 if at == DOWN else -1
+                got_f = got_b = lax.ppermute(value, PIPE, [(d, (d + step) % p) for d in devices])
+            if into_inputs:
+                inputs = _write(inputs, row[recv_column(at, False)], got_f)
+            if into_cots:
+                cots = _write(cots, row[recv_column(at, True)], got_b)
         if uses[RES_WRITE]:
             res = tuple(_write(b, slot(RES_WRITE), v) for b, v in zip(res, to_store, strict=True))
         if uses[STASH_WRITE]:
             stash = tuple(_write(b, slot(STASH_WRITE), v) for b, v in zip(stash, to_stash, strict=True))
         return (inputs, cots, g_rest, g_blocks, loss_sum, res, stash)
+
+
+def _lanes(rows: np.ndarray, sends: tuple[tuple[int, ...], tuple[int, ...]]) -> dict:
+    """What a loop position moves along each lane, from its program rows `rows`
+    (`(iteration, device, column)`) and its senders `sends` (down, up): per lane
+    that carries anything, `(sending devices, kinds they send, whether an
+    activation arrives, whether a cotangent arrives)`; the local lane
+    (a V's turn) sends from no device."""
+    out = {}
+    for at in (DOWN, UP, LOCAL):
+        into = tuple(bool((rows[..., recv_column(at, c)] >= 0).any()) for c in (False, True))
+        if at == LOCAL:
+            if any(into):
+                out[at] = ((), frozenset(), *into)
+            continue
+        devices = sends[0] if at == DOWN else sends[1]
+        if devices:
+            column = rows[..., send_column(at)]
+            out[at] = (devices, frozenset(int(k) for k in column[column >= 0].flat), *into)
+    return out
 
 
 def pipeline_gradients(

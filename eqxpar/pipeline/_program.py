@@ -15,6 +15,7 @@ import numpy as np
 
 from .._errors import PipelineScheduleError
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
+from ._placement import DOWN, LANES, UP
 from ._schedule import Schedule
 
 
@@ -24,19 +25,36 @@ def stores_residuals(kind: int, folded: bool) -> bool:
     return (kind == FORWARD and not folded) or (kind == BACKWARD_INPUT and folded)
 
 
-#: Program columns: the branch, the receive-input and receive-cotangent slots,
-#: then per action of the tick (the table's, the fused table's) `FIELDS` values:
-#: micro-batch, chunk, input slot, cotangent slot, residual write and read slots,
-#: stash write and read slots (`_split_backward`: from a split backward's `I` to its `W`).
+#: Program columns: the branch; per lane (`_placement.DOWN`, `UP`, `LOCAL`) the
+#: slots an activation and a cotangent arriving along it at the end of the tick
+#: are written to (`recv_column`); per sending lane (`DOWN`, `UP`) what the
+#: device sends along it (`send_column`: `SEND_ACTIVATION`, `SEND_COTANGENT`, -1
+#: nothing); then per action of the tick (the table's, the fused table's) `FIELDS`
+#: values: micro-batch, chunk, input slot, cotangent slot, residual write and read
+#: slots, stash write and read slots (`_split_backward`: from a split backward's
+#: `I` to its `W`).
+HEAD = 1 + 2 * len(LANES) + 2
 FIELDS = 8
 RES_WRITE, RES_READ, STASH_WRITE, STASH_READ = 4, 5, 6, 7
 SLOTS = (RES_WRITE, RES_READ, STASH_WRITE, STASH_READ)
+SEND_ACTIVATION, SEND_COTANGENT = 0, 1
+
+
+def recv_column(at: int, cotangent: bool) -> int:
+    """The program column of the slot an activation (a cotangent) arriving along
+    lane `at` is written to."""
+    return 1 + 2 * at + int(cotangent)
+
+
+def send_column(at: int) -> int:
+    """The program column of what a device sends along lane `at` (`DOWN`, `UP`)."""
+    return 1 + 2 * len(LANES) + at
 
 
 def slot_used(rows: np.ndarray, field: int) -> bool:
     """Whether any action of the program rows `rows` (any leading shape) has a
     slot in column `field` (one of `SLOTS`)."""
-    return bool((rows[..., [3 + field, 3 + FIELDS + field]] >= 0).any())
+    return bool((rows[..., [HEAD + field, HEAD + FIELDS + field]] >= 0).any())
 
 
 #: (action, is first virtual stage, is last virtual stage, folded: the last
@@ -48,8 +66,8 @@ Key = tuple[int, bool, bool, bool, int | None]
 def build_program(
     sched: Schedule, keep: bool, stage_layers: tuple[int, ...] | None = None
 ) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
-    """Per (tick, device): branch index, receive-input slot, receive-cotangent
-    slot, then for each of the tick's two actions (the second idle unless the
+    """Per (tick, device): branch index, the receive slots of each lane, what
+    the device sends down and up (see `HEAD`), then for each of the tick's two actions (the second idle unless the
     schedule fuses them) micro-batch, chunk, input slot, cotangent slot, residual
     write and read slots, stash write and read slots; and the branch list, a pair
     of `Key`s per branch.
@@ -69,14 +87,15 @@ def build_program(
     branches: list[tuple[Key, Key]] = [(idle, idle)]
     index: dict[tuple[Key, Key], int] = {branches[0]: 0}
     tables = (sched.table, sched.fused if sched.fused is not None else np.zeros_like(sched.table))
-    prog = np.zeros(sched.table.shape[:2] + (3 + 2 * FIELDS,), np.int32)
+    prog = np.zeros(sched.table.shape[:2] + (HEAD + 2 * FIELDS,), np.int32)
+    sends = _send_kinds(sched)
     for tick in range(sched.ticks):
         for device in range(p):
             keys, fields, writes, reads = [], [], [], []
             for i, table in enumerate(tables):
                 mb, chunk, kind = (int(x) for x in table[tick, device])
                 key, write, read, stash_write, stash_read = idle, -1, -1, -1, -1
-                k = chunk * p + device
+                k = sched.stage_of(device, chunk) if kind != IDLE else -1
                 last = k == stages - 1
                 folded = last and (not keep or bool(bufs.folded[tick, device, i]))
                 if kind != IDLE and not (kind == FORWARD and folded):
@@ -112,12 +131,8 @@ def build_program(
             if pair not in index:
                 index[pair] = len(branches)
                 branches.append(pair)
-            prog[tick, device] = (
-                index[pair],
-                bufs.recv_input[tick, device],
-                bufs.recv_cotangent[tick, device],
-                *fields,
-            )
+            received = np.stack([bufs.recv_input[tick, device], bufs.recv_cotangent[tick, device]], axis=1)
+            prog[tick, device] = (index[pair], *received.reshape(-1), *sends[tick, device], *fields)
     return prog, branches
 
 
@@ -133,16 +148,39 @@ def _residual_slots(kind: int, folded: bool, slot: int) -> tuple[int, int]:
 
 
 def senders(sched: Schedule) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Per tick, the devices that send an activation on and those that send a
-    cotangent back at its end: the senders of what some device receives then."""
-    bufs, p = sched.buffers, sched.stages
+    """Per tick, the devices that send down (to the next device along `pipe`)
+    and those that send up (to the previous one) at its end: the senders of what
+    some device receives then along lane `DOWN` or `UP` (an activation or a
+    cotangent: under interleaved placement activations go down and cotangents
+    up; under a V each goes either way, by chunk). A hand-over on the device
+    itself (`LOCAL`, a V's turn) sends nothing."""
+    kinds = _send_kinds(sched)
     return [
-        (
-            tuple(sorted((d - 1) % p for d in range(p) if bufs.recv_input[tick, d] >= 0)),
-            tuple(sorted((d + 1) % p for d in range(p) if bufs.recv_cotangent[tick, d] >= 0)),
-        )
+        tuple(tuple(int(d) for d in np.nonzero(kinds[tick, :, at] >= 0)[0]) for at in (DOWN, UP))
         for tick in range(sched.ticks)
     ]
+
+
+def _send_kinds(sched: Schedule) -> np.ndarray:
+    """`(ticks, devices, 2)`: what each device sends down and up at the end of a
+    tick (`SEND_ACTIVATION`, `SEND_COTANGENT`, -1 nothing), from what the
+    neighbour it sends to receives along that lane."""
+    bufs, p = sched.buffers, sched.stages
+    kinds = np.full((sched.ticks, p, 2), -1, np.int32)
+    for at, step in ((DOWN, 1), (UP, -1)):
+        for d in range(p):
+            to = (d + step) % p
+            kinds[bufs.recv_input[:, to, at] >= 0, d, at] = SEND_ACTIVATION
+            kinds[bufs.recv_cotangent[:, to, at] >= 0, d, at] = SEND_COTANGENT
+    both = (bufs.recv_input[..., :2] >= 0) & (bufs.recv_cotangent[..., :2] >= 0)
+    if both.any():
+        tick, device, at = (int(x) for x in np.argwhere(both)[0])
+        raise PipelineScheduleError(
+            f"{sched!r}: tick {tick}, device {device} receives an activation and a cotangent along "
+            f"one lane ({LANES[at]}) at the end of the tick: its neighbour would send both the same "
+            "way at once (a fused tick of a V placement). Put the two actions in ticks of their own."
+        )
+    return kinds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,10 +43,11 @@ class Schedule:
       chunk, action)`, action codes `0` idle, `1` forward, `2` backward, `3`
       backward-input, `4` backward-weight (`ACTION_NAMES`); micro-batch and chunk
       are -1 where idle.
-    - `placement`: `"interleaved"` (virtual stage `chunk * stages + device`: the
-      engine's) or `"v"` (with two chunks, device `d` holds stages `d` and
-      `2 * stages - 1 - d`: ZB-V, DualPipeV; for prediction only). See
-      `stage_of`.
+    - `placement`: `"interleaved"` (virtual stage `chunk * stages + device`) or
+      `"v"` (with two chunks, device `d` holds stages `d` and `2 * stages - 1 -
+      d`: ZB-V, DualPipeV; the stage `stages - 1` hands stage `stages` its
+      activation on the device, and device 0 runs the first and the last
+      stage). The engine runs both. See `stage_of`.
     - `fused`: None, or a second table of the same shape: the action each device
       runs in a tick after `table`'s (idle where none). A fused tick pairs a
       forward with a backward-direction action (one send each way per tick
@@ -107,10 +108,12 @@ class Schedule:
           cotangent sent at the end of tick `t` is usable from tick `t + 1`.
         - `stages`, `microbatches`, `chunks`: the counts the table is for.
         - `name`: shown by `str()` and in errors.
-        - `placement`: `"interleaved"` (the engine's) or `"v"` (prediction only).
+        - `placement`: `"interleaved"` or `"v"` (two chunks per device, device
+          `d` holding virtual stages `d` and `2 * stages - 1 - d`).
 
         **Returns:** a read-only `Schedule`, accepted by `Plan(schedule=...)` when
-        its placement is `"interleaved"` and its stages equal the `pipe` size.
+        its stages equal the `pipe` size (and, in a V placement, it has two
+        chunks).
 
         **Raises:** `PipelineScheduleError` naming the tick and device of the first
         problem.

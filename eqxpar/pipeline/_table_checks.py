@@ -31,7 +31,7 @@ def check_counts(where: str, stages: Any, microbatches: Any, chunks: Any, placem
     if placement not in PLACEMENTS:
         raise PipelineScheduleError(
             f"{where}(placement={placement!r}): expected one of {PLACEMENTS} ('interleaved': virtual "
-            "stage chunk * stages + device, the engine's; 'v': device d holds stages d and 2p-1-d)."
+            "stage chunk * stages + device; 'v': device d holds stages d and 2p-1-d)."
         )
 
 
