@@ -59,12 +59,13 @@ _add(
         "interleaved-v1-p4-m8": "interleaved-v1-p2-m2",
         "interleaved-v2-p4-m16": "interleaved-v2-p2-m4",
         "zero_bubble-v1-p4-m4": "zero_bubble-v1-p2-m8",
+        "zb_v-p4-m4": "zb_v-p2-m4",
     },
 )
 _add("test_pipeline.py::test_uneven_stages_train_like_one_device", {"zero_bubble-v1": "1f1b-v1"})
 _add(
     "test_pipeline.py::test_each_device_sends_only_what_it_must",
-    {"interleaved-2": "1f1b-1", "zero_bubble-1": "gpipe-1"},
+    {"interleaved-2": "1f1b-1", "zero_bubble-1": "gpipe-1", "zb_v-2": "1f1b-1"},
 )
 _add("test_pipeline.py::test_memory_flat_from_4p_to_16p_microbatches", {"zero_bubble-1": "1f1b-1"})
 _add("test_pipeline.py::test_lockstep_flops_are_the_tables", {"interleaved-4-8-2": "interleaved-2-4-2"})

@@ -8,6 +8,8 @@ an action waits for the actions whose activation or cotangent it takes, sent at
 the end of their tick and usable from the next.
 """
 
+import typing
+
 #: Action codes in `Schedule.table[..., 2]`.
 IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = 0, 1, 2, 3, 4
 ACTION_NAMES = ("idle", "forward", "backward", "backward-input", "backward-weight")
@@ -20,6 +22,10 @@ COSTS = (0, 1, 2, 1, 1)
 Action = tuple[int, int, int]  # (action, micro-batch, chunk)
 
 
+# Hot: the schedule simulator calls these once per action and dependency
+# (millions of times over the suite); `no_type_check` keeps jaxtyping's
+# per-call signature binding off them.
+@typing.no_type_check
 def dependencies(action: Action, k: int, stages: int) -> list[tuple[int, int, int]]:
     """(action kinds, micro-batch, virtual stage) an action waits for, as
     (kind, mb, stage) with kind -1 meaning "B or I"."""
@@ -36,6 +42,7 @@ def dependencies(action: Action, k: int, stages: int) -> list[tuple[int, int, in
     return []
 
 
+@typing.no_type_check
 def done_key(kind: int, mb: int, k: int) -> tuple[int, int, int]:
     """The key an action's completion is recorded under: B and I both produce
     the cotangent the previous stage waits for, so both record kind -1."""

@@ -16,6 +16,8 @@ device along `pipe`, `d -> d + 1`), `UP` (to the previous one) and `LOCAL` (a
 hand-over on the device itself, which sends nothing).
 """
 
+import typing
+
 #: Where virtual stages live (see the module docstring).
 PLACEMENTS = ("interleaved", "v")
 
@@ -24,6 +26,11 @@ DOWN, UP, LOCAL = 0, 1, 2
 LANES = ("down", "up", "local")
 
 
+# Hot: the schedule simulator calls these once per action and dependency
+# (millions of times over the suite); `no_type_check` keeps jaxtyping's
+# per-call signature binding off them (the two prediction tests of
+# test_pipeline_simulate.py: 32 s -> 11 s).
+@typing.no_type_check
 def virtual_stage_of(device: int, chunk: int, p: int, placement: str) -> int:
     """Virtual stage of `chunk` on `device`."""
     if placement == "v" and chunk % 2:
@@ -31,12 +38,14 @@ def virtual_stage_of(device: int, chunk: int, p: int, placement: str) -> int:
     return chunk * p + device
 
 
+@typing.no_type_check
 def device_of(k: int, p: int, placement: str) -> int:
     """Device that runs virtual stage `k`."""
     chunk, r = divmod(k, p)
     return p - 1 - r if placement == "v" and chunk % 2 else r
 
 
+@typing.no_type_check
 def lane(source: int, target: int, p: int, placement: str) -> int:
     """The lane (`DOWN`, `UP` or `LOCAL`) along which virtual stage `source`
     hands virtual stage `target = source +- 1` its activation (`target > source`)

@@ -242,12 +242,14 @@ class Schedule:
         action before `fused`'s)."""
         out = []
         tables = (self.table,) if self.fused is None else (self.table, self.fused)
+        p, placement = self.stages, self.placement
         for tick in range(self.ticks):
             for device in range(self.stages):
                 for table in tables:
                     mb, chunk, kind = (int(x) for x in table[tick, device])
                     if kind != IDLE:
-                        out.append((tick, device, mb, self.stage_of(device, chunk), kind))
+                        # (not self.stage_of: a checked call per entry, in the simulator's loop)
+                        out.append((tick, device, mb, virtual_stage_of(device, chunk, p, placement), kind))
         return out
 
     @functools.cached_property
