@@ -62,7 +62,10 @@ _add(
         "zb_v-p4-m4": "zb_v-p2-m4",
     },
 )
-_add("test_pipeline.py::test_uneven_stages_train_like_one_device", {"zero_bubble-v1": "1f1b-v1"})
+_add(
+    "test_pipeline.py::test_uneven_stages_train_like_one_device",
+    {"zero_bubble-v1-p4": "1f1b-v1-p4", "dualpipe_v-v2-p2": "zb_v-v2-p2"},
+)
 _add(
     "test_pipeline.py::test_each_device_sends_only_what_it_must",
     {"interleaved-2": "1f1b-1", "zero_bubble-1": "gpipe-1", "zb_v-2": "1f1b-1"},
