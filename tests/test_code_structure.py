@@ -31,8 +31,9 @@ MAX_FUNCTION_LINES = 80
 # one_device times with _measure.timed_steps, single-use helpers folded in; then
 # run.py's release of each record's executables; 2,453 once the plan stored pipeline
 # stacks itself, `_workload.pipeline_model` gone, a full run keeping other scripts'
-# entries and the report naming records re-measured alone), so that the benchmarks can only shrink.
-MAX_BENCHMARK_LINES = 2453
+# entries and the report naming records re-measured alone; 2,456 with the two V
+# records, pp_zb_v and pp_dualpipe_v), so that the benchmarks can only shrink.
+MAX_BENCHMARK_LINES = 2456
 
 
 def _module_name(path: pathlib.Path) -> str:
