@@ -165,8 +165,16 @@ def _direction(sched, k, forward):
     return 0 if forward == (chunk == 0) else 1
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zb_v", "dualpipe_v"])
-@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (4, 4), (4, 16), (8, 16)])
+# DualPipeV needs 2 * stages micro-batches: its smaller sizes are no cases.
+_LOOP_CASES = [
+    (name, stages, microbatches)
+    for name in ["gpipe", "1f1b", "interleaved", "zero_bubble", "zb_v", "dualpipe_v"]
+    for stages, microbatches in [(2, 2), (2, 8), (4, 4), (4, 16), (8, 16)]
+    if name != "dualpipe_v" or microbatches >= 2 * stages
+]
+
+
+@pytest.mark.parametrize(("name", "stages", "microbatches"), _LOOP_CASES)
 @pytest.mark.parametrize("keep", [True, False])
 def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatches, keep):
     """The engine runs the ticks in loops over repeating patterns of sends and
@@ -180,8 +188,6 @@ def test_engine_loops_cover_the_ticks_with_their_sends(name, stages, microbatche
     lockstep cost is the table's."""
     from eqxpar.pipeline._program import build_program, senders, tick_loops
 
-    if name == "dualpipe_v" and microbatches < 2 * stages:
-        pytest.skip("DualPipeV needs 2 * stages micro-batches")
     chunks = 2 if name == "interleaved" else 1
     sched = schedule(name, stages=stages, microbatches=microbatches, chunks=chunks)
     sends = senders(sched)
