@@ -816,19 +816,6 @@ PIPELINE_JOURNEYS = {
     "dualpipe_v-uneven": ("dualpipe_v", 2, (3, 1, 2, 2), 4),
 }
 
-#: Journeys whose transformers reference (tests/data/pipeline_journey/trained.npz)
-#: has not been made yet (make_references.py needs torch and transformers, which
-#: this machine lacks): the reference of a plan that trains the same model the
-#: same step stands in until it is. Every plan's trained model equals the
-#: one-device step's to float32 noise (the journey test checks that first), and
-#: so do their references (the file's entries differ by 3e-6 at most).
-JOURNEY_REFERENCE_STAND_INS = {
-    "zb_v": "zero_bubble",
-    "dualpipe_v": "zero_bubble",
-    "zb_v-uneven": "zero_bubble-uneven",
-    "dualpipe_v-uneven": "zero_bubble-uneven",
-}
-
 
 def journey_plan(name: str) -> eqxpar.Plan:
     schedule, chunks, layers, *rest = PIPELINE_JOURNEYS[name]

@@ -24,7 +24,6 @@ from eqxpar.nn import in_natural_order
 
 from ._helpers import (
     JOURNEY_DATA,
-    JOURNEY_REFERENCE_STAND_INS,
     PIPELINE_JOURNEYS,
     Tiny,
     assert_trees_close,
@@ -113,9 +112,7 @@ def test_pretrained_model_trains_checkpoints_and_exports_under_a_pipeline(name, 
     logits = np.asarray(eqx.filter_jit(lambda m, t: m(t))(from_pretrained(tmp_path / "exported"), tokens))
     reference = np.load(JOURNEY_DATA / "trained.npz")
     np.testing.assert_array_equal(reference["tokens"], tokens)
-    # A reference not made yet: see JOURNEY_REFERENCE_STAND_INS.
-    made = name if name in reference else JOURNEY_REFERENCE_STAND_INS[name]
-    assert_trees_close_to_scale(logits, reference[made])
+    assert_trees_close_to_scale(logits, reference[name])
     assert_trees_close_to_scale(logits, np.asarray(trained(tokens)))
 
 
