@@ -67,6 +67,9 @@ class AccumulationWarning(UserWarning):
 
     Raised for MoE models whose load-balance loss is on (`GPTConfig(
     load_balance_coef != 0)`): that loss is a product of two batch statistics.
+    A model of your own says the same of its loss with a method
+    `batch_statistic_loss(self) -> tuple[str, str] | None` on any of its modules,
+    returning what the term is and how to avoid it (`eqxpar.models.GPT` has one).
     """
 
 

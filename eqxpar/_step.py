@@ -291,26 +291,23 @@ def _microbatches(plan: Plan, accumulate: int) -> int:
 
 def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stacklevel: int) -> None:
     """Warn (`AccumulationWarning`) when the step splits the batch into
-    micro-batches and the model's loss holds a term that is not a mean over rows:
-    the load-balance loss of an MoE `GPT` (the only loss eqxpar knows the terms of;
-    its z-loss, a mean over tokens, accumulates exactly)."""
+    micro-batches and a module of the model says its loss holds a term that is not
+    a mean over rows (`batch_statistic_loss()`, as an MoE `GPT` with its
+    load-balance loss on does). The core asks the model rather than knowing any
+    model's class: the models depend on the core, never the reverse."""
     microbatches = _microbatches(plan, accumulate)
     if microbatches == 1:
         return
-    from .models import GPT  # eqxpar.models imports the core, not the reverse
-
-    gpts = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, GPT))
-    coefs = sorted({g.config.load_balance_coef for g in gpts if isinstance(g, GPT) and g.config.moe_every})
-    coefs = [c for c in coefs if c]
-    if not coefs:
+    declares = lambda x: isinstance(x, eqx.Module) and callable(getattr(x, "batch_statistic_loss", None))  # noqa: E731
+    terms = [x.batch_statistic_loss() for x in jax.tree.leaves(model, is_leaf=declares) if declares(x)]
+    terms = [t for t in terms if t is not None]
+    if not terms:
         return
+    what, fix = terms[0]
     warnings.warn(
-        f"{split_by(plan, microbatches)} splits the batch into {microbatches} micro-batches, and the model's MoE blocks add a "
-        f"load-balance loss (GPTConfig(load_balance_coef={coefs[0]!r})): experts * sum_e f_e * P_e is a "
-        "product of two batch statistics, so its mean over the micro-batches is not its value on the "
-        "whole batch, and the step's gradient is not the full batch's mean gradient (the router z-loss, a "
-        "mean over tokens, is exact). Use accumulate=1 (or fewer micro-batches), or "
-        "GPTConfig(load_balance_coef=0) (e.g. balance with eqxpar.nn.update_router_bias instead), or "
+        f"{split_by(plan, microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
+        "its mean over the micro-batches is not its value on the whole batch, and the step's gradient is "
+        f"not the full batch's mean gradient. Use accumulate=1 (or fewer micro-batches), or {fix}, or "
         "accept the approximation: warnings.filterwarnings('ignore', category=eqxpar.AccumulationWarning).",
         AccumulationWarning,
         stacklevel=stacklevel + 1,

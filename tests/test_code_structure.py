@@ -194,6 +194,27 @@ def test_no_private_import_across_packages():
     )
 
 
+def core_imports_of_models() -> list[str]:
+    """Imports of `eqxpar.models` (or anything in it) by the core: the modules
+    directly in `eqxpar/` other than its `__init__` (the step, the plan, the
+    gradients). The models are built on the core, so the core asks a model what
+    it needs (a method), never its class."""
+    found = []
+    for module in MODULES:
+        if _package(module) != "eqxpar" or module == "eqxpar":
+            continue
+        for target, name, line, _ in _imports(module)[0]:
+            full = f"{target}.{name}" if name else target
+            if full == "eqxpar.models" or full.startswith("eqxpar.models."):
+                found.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {full}")
+    return found
+
+
+def test_the_core_imports_no_model():
+    found = core_imports_of_models()
+    assert not found, "the core imports a model:\n" + "\n".join(found)
+
+
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, f"import cycles (function-local imports included): {cycles}"
@@ -245,6 +266,7 @@ def scratch(tmp_path, monkeypatch):
 
     def write(files: dict[str, str]):
         for name, text in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name).write_text(text)
         modules = {_module_name_in(tmp_path, p): p for p in sorted(tmp_path.rglob("*.py"))}
         monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
@@ -280,6 +302,11 @@ def test_the_checks_catch_what_they_forbid(scratch):
     scratch({"eqxpar/_top.py": "def g():\n    from .b._o import x\n"})
     assert import_cycles() == [["eqxpar._top", "eqxpar.b._o"]]
     assert [line.split(" ", 1)[1] for line in long_functions()] == ["long has 82 lines"]
+    assert core_imports_of_models() == []
+    scratch(
+        {"eqxpar/_step.py": "def warn():\n    from .models import GPT\n", "eqxpar/models/__init__.py": ""}
+    )
+    assert [line.split(" ", 1)[1] for line in core_imports_of_models()] == ["imports eqxpar.models.GPT"]
     (ROOT / "tests").mkdir()
     scratch({"tests/__init__.py": "", "tests/_helpers.py": "", "tests/test_a.py": "x = 1\n"})
     scratch({"tests/test_b.py": "from ._helpers import x\nfrom .test_a import x\n"})

@@ -170,6 +170,33 @@ def test_every_public_name_has_a_reference_entry():
     assert not unknown, unknown
 
 
+PUBLIC_API = pathlib.Path(__file__).parent / "data" / "public_api.txt"
+
+
+def public_api() -> list[str]:
+    """Every public name of the public modules, `module.name`, sorted."""
+    return sorted(
+        f"{module_name}.{name}"
+        for module_name in PUBLIC_MODULES
+        for name in _public_names(importlib.import_module(module_name))
+    )
+
+
+def test_the_public_api_is_the_checked_in_list():
+    """The public API is tests/data/public_api.txt, so that adding, moving or
+    removing a public name is a deliberate change, seen in review. After such a
+    change: `EQXPAR_WRITE_PUBLIC_API=1 make test` rewrites the list."""
+    names = public_api()
+    if os.environ.get("EQXPAR_WRITE_PUBLIC_API"):
+        PUBLIC_API.write_text("\n".join(names) + "\n")
+    listed = PUBLIC_API.read_text().split()
+    added, removed = sorted(set(names) - set(listed)), sorted(set(listed) - set(names))
+    assert not added and not removed, (
+        f"the public API changed: added {added}, removed {removed}. If that is meant, rewrite "
+        f"{PUBLIC_API.relative_to(ROOT)} with EQXPAR_WRITE_PUBLIC_API=1 and say so in CHANGELOG.md."
+    )
+
+
 def test_pages_stay_inside_the_repository():
     # The site and GitHub both render these pages: a link or snippet that leaves
     # the repository works on neither.

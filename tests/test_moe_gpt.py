@@ -296,6 +296,41 @@ def test_accumulation_warns_exactly_when_the_load_balance_loss_is_split():
         trace(eqxpar.train.make_value_and_grad(loss, pipelined), model)
 
 
+class _BatchNormedLoss(eqx.Module):
+    """A model of the user's own whose loss holds a batch statistic, and says so."""
+
+    w: jax.Array
+    batch_statistic: bool = eqx.field(static=True)
+
+    def batch_statistic_loss(self):
+        if not self.batch_statistic:
+            return None
+        return "its loss divides by the batch's variance", "normalise per row instead"
+
+
+def test_any_model_can_declare_a_term_that_accumulates_inexactly():
+    # The core step knows no model's class (GPT's warning goes through the same
+    # method): a module anywhere in the model declares the term and its fix.
+    plan, x = eqxpar.Plan(eqxpar.make_mesh(data=2)), jnp.ones((8, 3))
+
+    def loss(model, batch):
+        y = batch @ model["inner"].w
+        return jnp.mean(y) / (jnp.var(y) + 1.0)
+
+    for declared, warns in ((True, True), (False, False)):
+        model = {"inner": _BatchNormedLoss(jnp.ones((3,)), declared)}
+        vg = eqxpar.train.make_value_and_grad(loss, plan, accumulate=2)
+        if warns:
+            with pytest.warns(
+                eqxpar.AccumulationWarning,
+                match=r"accumulate=2 splits .* its loss divides by the batch's variance: .*"
+                r"accumulate=1 \(or fewer micro-batches\), or normalise per row instead",
+            ):
+                eqx.filter_eval_shape(vg, model, x)
+        else:
+            _no_warnings(eqx.filter_eval_shape, vg, model, x)
+
+
 def test_accumulation_matches_the_full_batch_without_load_balance_loss():
     """With load_balance_coef=0 (the z-loss on: a mean over tokens) accumulate=4
     on expert 2 x data 2 gives the one-device full-batch loss and gradients."""

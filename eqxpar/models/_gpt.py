@@ -415,6 +415,21 @@ class GPT(eqx.Module):
         )
         self.head = None if c.tied else nn.Unembed(c.d_model, c.vocab_size, key=k_head)
 
+    def batch_statistic_loss(self) -> tuple[str, str] | None:
+        """What makes this model's `lm_loss` inexact under micro-batches, for
+        `eqxpar.AccumulationWarning`: `(what, fix)`, or None. The load-balance
+        loss of MoE blocks is a product of two batch statistics; the router
+        z-loss, a mean over tokens, accumulates exactly."""
+        c = self.config
+        if not (c.moe_every and c.load_balance_coef):
+            return None
+        what = (
+            f"the model's MoE blocks add a load-balance loss (GPTConfig(load_balance_coef={c.load_balance_coef!r})), "
+            "experts * sum_e f_e * P_e, a product of two batch statistics (the router z-loss, a mean over "
+            "tokens, is exact)"
+        )
+        return what, "GPTConfig(load_balance_coef=0) (e.g. balance with eqxpar.nn.update_router_bias instead)"
+
     def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out d_model"]:
         """The residual stream entering the blocks: token embeddings, plus the
         learned position table's first `seq` rows if the config has one (rotary

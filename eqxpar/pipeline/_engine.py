@@ -396,6 +396,10 @@ class Device:
         self.blocks = jax.tree.map(lambda x: x.reshape(self.v, x.shape[0] // self.v, *x.shape[1:]), blocks)
         self.static_blocks = engine.blocks_of(static)
         self.micro_batches = split_microbatches(engine.loss.compute(batch), self.m)
+        # One branch function per (actions, stores), shared by every loop
+        # position that runs it: JAX caches a branch's trace by the function,
+        # so each is traced once, not once per tick position.
+        self._branches: dict[tuple, Any] = {}
         self._resolve_types()
         self._resolve_residuals()
 
@@ -768,7 +772,7 @@ class Device:
             part[:, j, :, 0] = np.searchsorted(used, at[..., 0])
             uses = {f: slot_used(at, f) for f in SLOTS}
             stores = (uses[RES_WRITE], uses[STASH_WRITE])
-            local = [functools.partial(self._run, branch_keys[i], stores=stores) for i in used]
+            local = [self._branch(branch_keys[i], stores) for i in used]
             bodies.append(
                 functools.partial(
                     self._tick,
@@ -779,6 +783,12 @@ class Device:
                 )
             )
         return bodies
+
+    def _branch(self, keys: tuple[Key, Key], stores: tuple[bool, bool]) -> Any:
+        """The `_run` of `keys`, one function object per `(keys, stores)`."""
+        if (keys, stores) not in self._branches:
+            self._branches[keys, stores] = functools.partial(self._run, keys, stores=stores)
+        return self._branches[keys, stores]
 
     def _tick_scope(self, branches: np.ndarray) -> str:
         """The name of a loop position's switch, saying which branch each device runs
