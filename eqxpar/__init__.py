@@ -9,6 +9,7 @@ from . import collectives as collectives
 from . import data as data
 from . import distributed as distributed
 from . import inspect as inspect
+from . import internal as internal
 from . import models as models
 from . import nn as nn
 from . import pipeline as pipeline

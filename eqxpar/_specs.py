@@ -112,7 +112,7 @@ def partition_specs(tree: Any, rules: Any, *, mesh: Mesh | None = None) -> Any:
     - `tree`: any pytree.
     - `rules`: an `eqxpar.Plan` (its rules and mesh), a rule, or a sequence of
       rules. (Where a train step puts a whole `TrainState`, the optimizer state
-      under ZeRO-1 included, is its `eqxpar.train.StepLayout`.)
+      under ZeRO-1 included, is its `eqxpar.internal.StepLayout`.)
     - `mesh`: the mesh to check the specs against, when `rules` is not a plan.
 
     **Returns:** a pytree of the same structure with a `PartitionSpec` at every array

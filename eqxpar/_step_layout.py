@@ -112,7 +112,7 @@ class StepLayout:
       when resolved without one.
 
     ```python
-    layout = eqxpar.train.StepLayout.of_state(state, plan)
+    layout = eqxpar.internal.StepLayout.of_state(state, plan)
     layout.kind, layout.reduced_axes, layout.state_specs(state).opt_state
     ```
     """

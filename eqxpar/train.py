@@ -1,12 +1,11 @@
-"""Typed train-step builders: `TrainState`, `init`, `make_step`, `make_value_and_grad`,
-the `StepLayout` they resolve; `Throughput`, a training loop's tokens per second
+"""Typed train-step builders: `TrainState`, `init`, `make_step`, `make_value_and_grad`;
+`Throughput`, a training loop's tokens per second
 and MFU; and `SkipMonitor` for steps skipped as non-finite."""
 
 from ._nonfinite import SkipMonitor as SkipMonitor
 from ._step import Step as Step
 from ._step import make_step as make_step
 from ._step import make_value_and_grad as make_value_and_grad
-from ._step_layout import StepLayout as StepLayout
 from ._throughput import Throughput as Throughput
 from ._train_state import TrainState as TrainState
 from ._train_state import init as init

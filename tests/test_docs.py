@@ -47,6 +47,7 @@ PUBLIC_MODULES = (
     "eqxpar.checkpoint",
     "eqxpar.launch",
     "eqxpar.runtime",
+    "eqxpar.internal",
 )
 
 
@@ -150,8 +151,8 @@ def _resolve(path: str):
 
 def test_every_public_name_has_a_reference_entry():
     """A name is documented by its own `::: module.name` entry, or, where a module
-    re-exports another's object (`eqxpar.runtime`), by naming it on a page that
-    also documents that object."""
+    re-exports another's object, by naming it on a page that also documents that
+    object."""
     text = "\n".join(page.read_text() for page in sorted(REFERENCE.glob("*.md")))
     entries = re.findall(r"^::: (\S+)", text, flags=re.MULTILINE)
     documented = {id(_resolve(entry)) for entry in entries}
@@ -195,6 +196,22 @@ def test_the_public_api_is_the_checked_in_list():
         f"the public API changed: added {added}, removed {removed}. If that is meant, rewrite "
         f"{PUBLIC_API.relative_to(ROOT)} with EQXPAR_WRITE_PUBLIC_API=1 and say so in CHANGELOG.md."
     )
+
+
+def test_each_public_object_has_one_path():
+    """No object is public under two names (`eqxpar.runtime` used to re-export the
+    names of `eqxpar.data`, `eqxpar.distributed`, `eqxpar.launch` and
+    `eqxpar.checkpoint`): a reader meets one path per thing."""
+    paths = {}
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in _public_names(module):
+            value = getattr(module, name)
+            if isinstance(value, (bool, int, float, str, tuple, frozenset, type(None))):
+                continue  # constants: equal values need not be one object
+            paths.setdefault(id(value), []).append(f"{module_name}.{name}")
+    twice = sorted(p for p in paths.values() if len(p) > 1)
+    assert not twice, f"public under more than one path: {twice}"
 
 
 def test_pages_stay_inside_the_repository():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import eqxpar
-from eqxpar.pipeline import ACTION_NAMES, schedule
+from eqxpar.internal import ACTION_NAMES
+from eqxpar.pipeline import schedule
 
 # The action codes of a schedule's table (`Schedule.table[..., 2]`, the last field of
 # `Schedule.entries()`): each action's index in ACTION_NAMES.

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import eqxpar
-from eqxpar.pipeline import COSTS, schedule, simulate
+from eqxpar.internal import COSTS
+from eqxpar.pipeline import schedule, simulate
 
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 assert tuple(UNIT.values()) == COSTS[1:]
@@ -249,7 +250,7 @@ def test_v_tables_render_and_plans_take_them():
         schedule("dualpipe_v", stages=4, microbatches=6)
     with pytest.raises(eqxpar.PlanError, match="always runs two chunks"):
         schedule("zb_v", stages=4, microbatches=8, chunks=3)
-    assert eqxpar.pipeline.PREDICTION_SCHEDULES == ()
+    assert eqxpar.internal.PREDICTION_SCHEDULES == ()
     assert {"zb_v", "dualpipe_v"} <= set(eqxpar.pipeline.SCHEDULES)
 
 

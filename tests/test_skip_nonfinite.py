@@ -330,7 +330,7 @@ def test_automatic_fsdp_on_xla_cpu_before_jaxlib_0_12_is_refused():
     c = dataclasses.replace(
         case("fsdp_manual"), plan=eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(min_size=64))
     )
-    layout = eqxpar.train.StepLayout.of_state(
+    layout = eqxpar.internal.StepLayout.of_state(
         eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1)), c.plan
     )
     assert any(

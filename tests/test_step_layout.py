@@ -1,4 +1,4 @@
-"""The step layout (`eqxpar.train.StepLayout`) is the one place a step's strategy is
+"""The step layout (`eqxpar.internal.StepLayout`) is the one place a step's strategy is
 decided; plans are rebuilt by `dataclasses.replace`; options a plan would ignore
 are refused."""
 
@@ -100,7 +100,7 @@ def test_options_a_plan_would_ignore_are_refused():
 def test_layout_decides_the_strategy(name, kind, manual, reduced):
     plan = PLANS[name]()
     model = MLP(16, 32, 4, key=jax.random.key(0))
-    layout = eqxpar.train.StepLayout.resolve(plan, model)
+    layout = eqxpar.internal.StepLayout.resolve(plan, model)
     assert layout.kind == kind
     assert set(layout.manual_axes) == manual
     assert layout.reduced_axes == reduced

@@ -33,10 +33,6 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 """
 
 from .._plan import PIPELINE_SCHEDULES as SCHEDULES
-from .._plan import PREDICTION_SCHEDULES as PREDICTION_SCHEDULES
-from ._actions import ACTION_NAMES as ACTION_NAMES
-from ._actions import COSTS as COSTS
-from ._buffers import Buffers as Buffers
 from ._builtin import schedule as schedule
 from ._layout import StageRules as StageRules
 from ._layout import from_pipeline_order as from_pipeline_order
@@ -53,11 +49,7 @@ from ._validate import validate as validate
 
 __all__ = [
     "SCHEDULES",
-    "PREDICTION_SCHEDULES",
-    "ACTION_NAMES",
-    "COSTS",
     "PLACEMENTS",
-    "Buffers",
     "PipelineLoss",
     "Schedule",
     "Simulation",

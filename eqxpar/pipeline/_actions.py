@@ -1,7 +1,7 @@
 """The actions of a pipeline schedule: their codes, names and unit costs, and
 what each waits for. Shared with `eqxpar._advise` (which reads the engine's
 program) and the tests: internal names, not public API (`ACTION_NAMES` and
-`COSTS` are public as `eqxpar.pipeline.ACTION_NAMES` and `.COSTS`).
+`COSTS` are readable as `eqxpar.internal.ACTION_NAMES` and `.COSTS`).
 
 A schedule table holds one action per device and tick (`Schedule.table[..., 2]`);
 an action waits for the actions whose activation or cotangent it takes, sent at

@@ -332,7 +332,7 @@ class CheckpointManager:
         """Load checkpoint `step` (default: the latest) into the shape of `like`.
 
         Each array is read directly into the sharding `plan` gives it (for a
-        `TrainState`, its `eqxpar.train.StepLayout`), reading only this process's
+        `TrainState`, its `eqxpar.internal.StepLayout`), reading only this process's
         shards, so a state saved under one mesh and plan loads under any other
         (e.g. saved under `fsdp=8`, restored under `fsdp=4, tensor=2`).
 
