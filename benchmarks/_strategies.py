@@ -241,7 +241,7 @@ def _context(
     setup = _sharded(model, optim, mesh, cfg, contract=contract, mode="manual", **options)
 
     def extra(compiled: Any, eqx_model: Any, runner: Any, least: Any) -> dict:
-        kv = sum(w for part, (_, w) in least.parts.items() if "all-gather" in part and "context" in part)
+        kv = sum(c.wire_bytes for c in least.costs if (c.kind, c.axes) == ("all-gather", ("context",)))
         impl = setup.plan.context_attention or "ring"
         fields = {"context_attention": impl, "comm_wire_bytes_kv_gather_min": kv}
         return {**fields, "context_memory": _context_memory(optim, cfg, mesh, options)}
@@ -275,7 +275,7 @@ def _expert(model: Any, optim: Any, mesh: dict, cfg: _workload.Config, *, contra
     n = setup.plan.expert_size
 
     def extra(compiled: Any, eqx_model: Any, runner: Any, least: Any) -> dict:
-        routed = sum(w for part, (_, w) in least.parts.items() if part.startswith("MoE"))
+        routed = sum(c.wire_bytes for c in least.costs if c.source == "moe dispatch")
         # Per MoE layer one all-to-all of the ids, one int32 per row of the buffers.
         tokens = cfg.batch * cfg.seq_len // setup.plan.batch_size_multiple
         ids = cfg.layers // cfg.moe_every * (n - 1) * tokens * cfg.top_k * 4

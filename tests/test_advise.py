@@ -71,6 +71,18 @@ def test_gpt_families_and_placeholder_meshes_above_the_device_count():
     )
     with pytest.raises(eqxpar.PlanError, match="64 devices"):
         advice.check(1)
+    # Pipelines beside a tensor axis: the stage's per-weight backward sums are
+    # counted too, read from the minimum's costs by their source and axes.
+    loss = eqxpar.pipeline.PipelineLoss(eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last)
+    piped = eqxpar.advise(
+        model, eqxpar.models.lm_loss, optax.adamw(1e-3), tokens, devices=8, device="cpu", pipeline_loss=loss
+    )
+    wire = {c.layout.name: c.prediction.total_wire_bytes for c in (*piped.candidates, *piped.rejected)}
+    with_tensor, without = (
+        wire["pipeline 1F1B: data=2 x pipe=2 x tensor=2"],
+        wire["pipeline 1F1B: data=4 x pipe=2"],
+    )
+    assert with_tensor > without > 0
 
 
 @pytest.mark.parametrize(

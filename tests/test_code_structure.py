@@ -215,6 +215,43 @@ def test_the_core_imports_no_model():
     assert not found, "the core imports a model:\n" + "\n".join(found)
 
 
+#: The packages that read costs (bytes, FLOPs) off a plan, a program or a model.
+COST_READERS = ("eqxpar/inspect", "eqxpar/_advise")
+
+
+def byte_sizes_outside_the_helper() -> list[str]:
+    """Element sizes read in the cost readers other than through `eqxpar._sizes`
+    (one byte-size helper: `itemsize`, `array_bytes`, `nbytes`)."""
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno} reads .itemsize"
+        for tree in COST_READERS
+        for path in sorted((ROOT / tree).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "itemsize"
+    ]
+
+
+def test_one_byte_size_helper():
+    found = byte_sizes_outside_the_helper()
+    assert not found, "use eqxpar._sizes (itemsize, array_bytes, nbytes):\n" + "\n".join(found)
+
+
+def cost_labels_read_by_the_advisor() -> list[str]:
+    """Reads of a `Minimum`'s printed labels (`.parts`, `.label`) in the advisor:
+    it reads each cost's fields (`kind`, `axes`, `source`, `wire_bytes`)."""
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno} reads .{node.attr}"
+        for path in sorted((ROOT / "eqxpar" / "_advise").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("parts", "label")
+    ]
+
+
+def test_the_advisor_reads_costs_as_data():
+    found = cost_labels_read_by_the_advisor()
+    assert not found, "read Minimum.costs' fields, not the labels:\n" + "\n".join(found)
+
+
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, f"import cycles (function-local imports included): {cycles}"
@@ -303,6 +340,14 @@ def test_the_checks_catch_what_they_forbid(scratch):
     assert import_cycles() == [["eqxpar._top", "eqxpar.b._o"]]
     assert [line.split(" ", 1)[1] for line in long_functions()] == ["long has 82 lines"]
     assert core_imports_of_models() == []
+    scratch({"eqxpar/inspect/_x.py": "def f(x):\n    return x.size * x.dtype.itemsize\n"})
+    assert [line.split(" ", 1)[1] for line in byte_sizes_outside_the_helper()] == ["reads .itemsize"]
+    scratch(
+        {
+            "eqxpar/_advise/_y.py": "def f(least):\n    return [p for p in least.parts if p.startswith('MoE')]\n"
+        }
+    )
+    assert [line.split(" ", 1)[1] for line in cost_labels_read_by_the_advisor()] == ["reads .parts"]
     scratch(
         {"eqxpar/_step.py": "def warn():\n    from .models import GPT\n", "eqxpar/models/__init__.py": ""}
     )

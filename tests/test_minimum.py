@@ -149,6 +149,9 @@ def test_tensor_parallel_minimum_counts_four_activation_sums_per_layer(tensor_pa
             2 * LAYERS * activation,
             2 * LAYERS * _ring_all_reduce(activation, 4),
         )
+    sums = [c for c in low.costs if c.source == "tensor sums"]
+    assert [(c.kind, c.axes) for c in sums] == [("all-reduce", ("tensor",))] * 2
+    assert sum(c.wire_bytes for c in sums) == 4 * LAYERS * _ring_all_reduce(activation, 4)
     # A loss taking key= (as make_step allows) is traced with one.
     keyed = ei.minimum_comm(plan, state.model, loss=lambda m, b, key: LM_LOSS(m, b), batch=batch)
     assert keyed == low
@@ -258,6 +261,17 @@ def test_pipeline_minimum_by_hand():
     rest = sum(math.prod(x.shape) * F32 for x in jax.tree.leaves(outside))
     assert low.parts["gradient all-reduce over data=2"] == (stack, stack)
     assert low.parts["gradient all-reduce over data=2 x pipe=4"] == (rest, _ring_all_reduce(rest, 8))
+    # The same parts as data: what the advisor reads (never the labels).
+    costs = {c.label: c for c in low.costs}
+    assert {label: (c.bytes, c.wire_bytes) for label, c in costs.items()} == low.parts
+    boundary = costs["pipeline stage boundaries"]
+    assert (boundary.kind, boundary.axes, boundary.source) == (
+        "collective-permute",
+        ("pipe",),
+        "pipeline boundaries",
+    )
+    outer = costs["gradient all-reduce over data=2 x pipe=4"]
+    assert (outer.kind, outer.axes, outer.source) == ("all-reduce", ("data", "pipe"), "gradient reduction")
 
 
 def test_v_pipeline_minimum_by_hand():

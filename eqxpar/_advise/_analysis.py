@@ -4,7 +4,6 @@ structure (`analyse`); per pipeline plan, the engine's own residual slot layout
 (`engine_slots`). Traced on shape outlines; nothing is compiled or run."""
 
 import dataclasses
-import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from .._errors import PlanError
+from .._sizes import array_bytes, itemsize
 from .._specs import is_array_like
 from .._text import short
 from ..inspect._model_layers import attention_layers
@@ -23,10 +23,6 @@ from ..inspect._model_layers import attention_layers
 def outline(tree: Any) -> Any:
     """`tree` with every array leaf a `jax.ShapeDtypeStruct`."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array_like(x) else x, tree)
-
-
-def nbytes(x: Any) -> int:
-    return int(x.size) * jnp.dtype(x.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +116,7 @@ def analyse(model: Any, loss: Callable, batch: Any) -> Analysis:
     # the features the residuals end in most often after the sequence.
     ends = Counter((r.shape[-1], r.dtype) for r in saved if r.ndim >= 3 and r.shape[-2] == seq)
     width, dtype = ends.most_common(1)[0][0] if ends else (0, jnp.float32)
-    row = (seq or 1) * width * jnp.dtype(dtype).itemsize
+    row = (seq or 1) * width * itemsize(dtype)
     return Analysis(
         residuals=saved,
         forward_flops=_dot_flops(forward.jaxpr),
@@ -171,18 +167,14 @@ class Slots:
         """Bytes of the residuals the stage's scanned layers keep (leading
         `(layers, rows)`: one per layer), for the kind of stage that keeps most."""
         sizes = [
-            sum(
-                math.prod(shape) * jnp.dtype(dtype).itemsize
-                for dtype, shape in kind
-                if shape[:2] == (layers, rows)
-            )
+            sum(array_bytes(shape, dtype) for dtype, shape in kind if shape[:2] == (layers, rows))
             for kind in self.leaves.values()
         ]
         return max(sizes, default=0)
 
 
 def _group_bytes(groups: dict) -> int:
-    return sum(n * jnp.dtype(dtype).itemsize for (dtype, _), n in groups.items())
+    return sum(n * itemsize(dtype) for (dtype, _), n in groups.items())
 
 
 def _packings(device: Any) -> tuple[dict, dict, dict]:

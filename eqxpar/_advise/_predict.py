@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import re
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -14,6 +13,7 @@ from jax.sharding import Mesh, PartitionSpec
 from .._mesh import AXES, EXPERT_AXIS, axis_size
 from .._plan import Plan
 from .._rules import mesh_axis_names
+from .._sizes import itemsize, nbytes
 from .._specs import is_array_like
 from .._step_layout import StepLayout, manual_axes_of
 from ..inspect import minimum_comm
@@ -27,7 +27,7 @@ from ..inspect._jaxpr_walk import (
     with_key,
 )
 from ..inspect._minimum import boundary_sends, pipeline_placement
-from ..inspect._tally import sum_items
+from ..inspect._tally import CONTEXT_KEYS_VALUES, MOE_DISPATCH, PIPELINE_BOUNDARIES, TENSOR_SUMS, sum_items
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 from ..pipeline._program import (
     RES_READ,
@@ -40,7 +40,7 @@ from ..pipeline._program import (
     stores_residuals,
     tick_loops,
 )
-from ._analysis import Analysis, nbytes
+from ._analysis import Analysis
 from ._profile import DeviceProfile
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
@@ -241,7 +241,7 @@ def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     if analysis.routed is None or not moe.get("dropless"):
         return 0
     routed, d = analysis.routed.shape
-    size = jnp.dtype(analysis.routed.dtype).itemsize
+    size = itemsize(analysis.routed.dtype)
     rows = routed * moe["rows"] // (plan.batch_size_multiple * plan.context_size)
     grouped = rows * (moe["local"] + 1) * moe["hidden"] * size
     dispatch = 2 * rows * (d * size + 4) if plan.expert_size > 1 else 0
@@ -458,20 +458,6 @@ def _rate(profile: DeviceProfile, mesh: Mesh, axes: tuple[str, ...]) -> float:
     return profile.link(group, max(stride, span // group))
 
 
-_AXIS = re.compile(r"(\w+)=(\d+)")
-
-
-def _part_axes(part: str, kind: str, plan: Plan) -> tuple[str, ...]:
-    axes = tuple(a for a, _ in _AXIS.findall(part) if a in plan.mesh.axis_names)
-    if axes:
-        return axes
-    if "tensor" in part:
-        return (plan.tensor_axis,)
-    if "pipeline" in part:
-        return ("pipe",)
-    return tuple(plan.batch_axes)
-
-
 def _wire(
     plan: Plan, params: Any, batch: Any, loss: Any, analysis: Analysis, profile: DeviceProfile
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
@@ -484,7 +470,6 @@ def _wire(
     auto_fsdp = _auto_fsdp(plan, params)
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and plan.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
-    kinds = _part_kinds(least)
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
 
@@ -503,24 +488,24 @@ def _wire(
         # runs them in its own backwards only, as it runs its other tensor sums
         # (`collective_stats` counts each device's own branch of a tick).
         add("all-reduce", (plan.tensor_axis,), repeats)
-    for part, (_, w) in least.parts.items():
-        kind, axes = kinds[part], _part_axes(part, kinds[part], plan)
-        if sent is not None and part.startswith("pipeline stage boundaries"):
+    for cost in least.costs:
+        kind, axes, w = cost.kind, cost.axes, cost.wire_bytes
+        if sent is not None and cost.source == PIPELINE_BOUNDARIES:
             # The engine sends a boundary buffer each way on the ticks it sends on, idle or not.
             sends = max(boundary_sends(p, v, m, pipeline_placement(plan)))
             add(kind, axes, w * sent / sends)
-        elif ring and "keys and values" in part:
+        elif ring and cost.source == CONTEXT_KEYS_VALUES:
             # The ring passes K/V blocks forward and again in the backward pass
             # (the minimum's parts), and their gradients back: all as permutes.
             add("collective-permute", axes, w)
-        elif part.startswith("MoE") and plan.expert_size > 1:
+        elif cost.source == MOE_DISPATCH and plan.expert_size > 1:
             n = plan.expert_size
             d = analysis.routed.shape[1] if analysis.routed is not None else 1
-            size = jnp.dtype(moved or analysis.routed.dtype).itemsize
+            size = itemsize(moved or analysis.routed.dtype)
             # Dropless static buffers: room for all of a device's rows going to one other.
             ids = w * n // (d * size)
             add(kind, axes, w * n + ids)
-        elif part.startswith("tensor-parallel") and plan.sequence_parallel:
+        elif cost.source == TENSOR_SUMS and plan.sequence_parallel:
             # Sequence parallel: each sum is a reduce-scatter and an all-gather
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
@@ -569,7 +554,7 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
         closed, _, _ = trace_jaxpr(fn, args, "the loss")
         walk = _Repeats(moved)
         walk.run(closed.jaxpr, {closed.jaxpr.invars[i]: d for i, d in split.items() if d}, {}, 1)
-        items = sum_items(walk.repeats, t, per_device=per_device, repeat=(num, den))
+        items = sum_items(walk.repeats, t, per_device=per_device, axis=plan.tensor_axis, repeat=(num, den))
         return sum(i.wire for i in items)
 
     if plan.schedule is None:
@@ -582,24 +567,6 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     first = repeats(loss.first, (model, data), share, m, 1)
     last = repeats(loss.last, (model, h, data), share, m, 1)
     return stack + max(first, last)
-
-
-def _part_kinds(least: Any) -> dict[str, str]:
-    # The kind of each part of a Minimum, from its name (the tallies keep kinds apart).
-    kinds = {}
-    for part in least.parts:
-        low = part.lower()
-        if "reduce-scatter" in low:
-            kinds[part] = "reduce-scatter"
-        elif "all-gather" in low:
-            kinds[part] = "all-gather"
-        elif "all-to-all" in low:
-            kinds[part] = "all-to-all"
-        elif "pipeline" in low:
-            kinds[part] = "collective-permute"
-        else:
-            kinds[part] = "all-reduce"
-    return kinds
 
 
 def _auto_fsdp(plan: Plan, params: Any) -> bool:

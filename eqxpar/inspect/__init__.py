@@ -19,6 +19,7 @@ from ._layout import layout as layout
 from ._layout import save_layout_png as save_layout_png
 from ._memory import MemoryReport as MemoryReport
 from ._memory import memory_report as memory_report
+from ._minimum import Cost as Cost
 from ._minimum import Minimum as Minimum
 from ._minimum import minimum_comm as minimum_comm
 from ._report import CommReport as CommReport

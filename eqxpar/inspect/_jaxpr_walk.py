@@ -20,6 +20,7 @@ from .._errors import EqxparError, PlanError
 from .._jax_compat import scan_body
 from .._plan import Plan
 from .._rules import mesh_axis_names
+from .._sizes import array_bytes
 from .._specs import is_array_like, partition_specs
 from .._text import short
 
@@ -35,7 +36,7 @@ class TensorSum:
 
 def aval_bytes(aval: Any, moved: Any) -> int:
     dtype = moved if moved is not None and jnp.issubdtype(aval.dtype, jnp.floating) else aval.dtype
-    return math.prod(aval.shape) * jnp.dtype(dtype).itemsize
+    return array_bytes(aval.shape, dtype)
 
 
 def _reshape_dims(old: tuple[int, ...], new: tuple[int, ...], dims: frozenset[int]) -> frozenset[int]:

@@ -24,6 +24,7 @@ from .._errors import EqxparError, PlanError
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from .._plan import Plan
 from .._rules import mesh_axis_names
+from .._sizes import itemsize
 from .._specs import is_array_like, partition_specs
 from .._step_layout import StepLayout
 from .._text import short
@@ -37,10 +38,43 @@ from ._jaxpr_walk import (
     with_key,
 )
 from ._model_layers import attention_layers, moe_layers
-from ._tally import Item, sum_items
+from ._tally import (
+    CONTEXT_ALL_TO_ALL,
+    CONTEXT_KEYS_VALUES,
+    FSDP,
+    GRADIENT_REDUCTION,
+    MOE_DISPATCH,
+    PIPELINE_BOUNDARIES,
+    Item,
+    sum_items,
+)
 
 #: The mesh axis pipeline plans split a stack's layers over.
 PIPE = "pipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One part of a `Minimum`, as data: collectives of one `kind` over the mesh
+    axes `axes`, needed for `source`, moving `bytes` result bytes and `wire_bytes`
+    wire bytes per device per step; `label` is how a report prints it.
+
+    `source` is one of `"gradient reduction"`, `"fsdp"`, `"tensor sums"`,
+    `"pipeline boundaries"`, `"moe dispatch"`, `"context keys and values"`,
+    `"context all-to-all"`.
+
+    ```python
+    least = eqxpar.inspect.minimum_comm(plan, model, loss=loss_fn, batch=batch)
+    sum(c.wire_bytes for c in least.costs if c.source == "tensor sums")
+    ```
+    """
+
+    label: str
+    kind: str
+    axes: tuple[str, ...]
+    source: str
+    bytes: int
+    wire_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +84,9 @@ class Minimum:
     Counted as `eqxpar.inspect.collective_stats` counts them: `bytes` (result
     bytes) and `wire_bytes` (what one device sends with bandwidth-optimal rings),
     by collective kind. `parts` names what was counted: description ->
-    `(result bytes, wire bytes)`. `by_kind=False` when only totals are known (a
-    number the user gave); `note` says what was counted.
+    `(result bytes, wire bytes)`; `costs` holds the same parts as data (`Cost`:
+    kind, mesh axes, source, bytes), for programs to read. `by_kind=False` when
+    only totals are known (a number the user gave); `note` says what was counted.
 
     ```python
     m = eqxpar.inspect.Minimum.total(1_000_000, wire_bytes=1_750_000, note="my count")
@@ -64,6 +99,7 @@ class Minimum:
     note: str
     by_kind: bool = True
     parts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    costs: tuple[Cost, ...] = ()
 
     @classmethod
     def total(cls, result_bytes: int, *, wire_bytes: int | None = None, note: str = "given") -> "Minimum":
@@ -90,16 +126,26 @@ def _minimum(items: list[Item], note: str) -> Minimum:
     result: dict[str, int] = defaultdict(int)
     wire: dict[str, int] = defaultdict(int)
     parts: dict[str, list[int]] = {}
+    first: dict[str, Item] = {}  # the kind, axes and source of each part (its items share them)
     for item in items:
         if not item.result:
             continue
         result[item.kind] += item.result
         wire[item.kind] += item.wire
         part = parts.setdefault(item.part, [0, 0])
+        first.setdefault(item.part, item)
         part[0] += item.result
         part[1] += item.wire
+    costs = tuple(
+        Cost(label, first[label].kind, first[label].axes, first[label].source, a, b)
+        for label, (a, b) in parts.items()
+    )
     return Minimum(
-        bytes=dict(result), wire_bytes=dict(wire), note=note, parts={k: (a, b) for k, (a, b) in parts.items()}
+        bytes=dict(result),
+        wire_bytes=dict(wire),
+        note=note,
+        parts={k: (a, b) for k, (a, b) in parts.items()},
+        costs=costs,
     )
 
 
@@ -164,6 +210,7 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
     # Under ZeRO-1 the optimizer state's layout says which weights are split and gathered.
     specs = jax.tree.structure(params).flatten_up_to(StepLayout.resolve(plan, params).updates)
     groups: dict[tuple[str, str, int, int], int] = defaultdict(int)
+    why: dict[str, tuple[str, tuple[str, ...]]] = {}  # part -> (source, axes)
     for (path, leaf), spec, stacked in zip(flat, specs, _in_stack(params), strict=True):
         if not _is_inexact(leaf):
             continue
@@ -176,14 +223,12 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
                     f"{plan.tensor_axis!r} nor (pipeline plans) 'pipe'; eqxpar knows no minimum for "
                     "that layout. Pass your own count as comm_report(..., minimum=Minimum.total(...))."
                 )
-        itemsize = jnp.dtype(leaf.dtype).itemsize
+        size = itemsize(leaf.dtype)
         # Experts split over `expert` stay split (never gathered), and their
         # gradients are whole there: like a tensor split, not like FSDP.
         kept = [a for a in axes if a == EXPERT_AXIS]
         local = (
-            math.prod(leaf.shape)
-            * itemsize
-            // math.prod(sizes[a] for a in axes if a not in batch or a in kept)
+            math.prod(leaf.shape) * size // math.prod(sizes[a] for a in axes if a not in batch or a in kept)
         )
         split = [a for a in axes if a in batch and a not in kept]
         rest = [a for a in batch if a not in split and a not in kept]
@@ -193,16 +238,25 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
         reduced = f"gradient all-reduce over {_axes_text(rest, sizes)}"
         if g > 1:
             dtype = moved if moved is not None else _first(plan.compute_dtype, leaf.dtype)
-            whole = local * jnp.dtype(dtype).itemsize // itemsize
+            whole = local * itemsize(dtype) // size
             k = _gathers(plan, stacked, gathers)
             over = _axes_text(split, sizes)
-            groups[(f"FSDP all-gather over {over} ({k} per step)", "all-gather", g, k)] += whole
-            groups[(f"FSDP gradient reduce-scatter over {over}", "reduce-scatter", g, 1)] += whole // g
+            gather, scatter = (
+                f"FSDP all-gather over {over} ({k} per step)",
+                f"FSDP gradient reduce-scatter over {over}",
+            )
+            groups[(gather, "all-gather", g, k)] += whole
+            groups[(scatter, "reduce-scatter", g, 1)] += whole // g
             groups[(reduced, "all-reduce", r, 1)] += whole // g
+            why[gather] = why[scatter] = (FSDP, tuple(split))
         else:
             dtype = _first(plan.reduce_dtype, leaf.dtype)
-            groups[(reduced, "all-reduce", r, 1)] += local * jnp.dtype(dtype).itemsize // itemsize
-    return [Item(part, kind, n, size, repeat) for (part, kind, n, repeat), size in groups.items()]
+            groups[(reduced, "all-reduce", r, 1)] += local * itemsize(dtype) // size
+        why[reduced] = (GRADIENT_REDUCTION, tuple(rest))
+    return [
+        Item(part, kind, n, size, repeat, source=why[part][0], axes=why[part][1])
+        for (part, kind, n, repeat), size in groups.items()
+    ]
 
 
 # --- Plans: the parts put together ------------------------------------------------------
@@ -228,7 +282,7 @@ def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     sums = tensor_sums(plan, with_key(loss), args, split, "loss(model, batch)", moved)
     _check_found(sums, plan)
     t = plan.mesh.shape[plan.tensor_axis]
-    return sum_items(sums, t, per_device=plan.batch_size_multiple * plan.context_size)
+    return sum_items(sums, t, per_device=plan.batch_size_multiple * plan.context_size, axis=plan.tensor_axis)
 
 
 def _check_found(sums: list[TensorSum], plan: Plan) -> None:
@@ -306,11 +360,22 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
     # The device of the last virtual stage: p - 1, or 0 in a V (the first's too).
     head = device_of(p * v - 1, p, placement)
     for d, sends in enumerate(boundary_sends(p, v, m, placement)):
-        items = [Item("pipeline stage boundaries", "collective-permute", p, boundary, sends)]
+        items = [
+            Item(
+                "pipeline stage boundaries",
+                "collective-permute",
+                p,
+                boundary,
+                sends,
+                source=PIPELINE_BOUNDARIES,
+                axes=(PIPE,),
+            )
+        ]
         # The stack's layers are shared out over the stages; every micro-batch runs through them.
-        items += sum_items(stack, t, per_device=share, repeat=(m, p))
-        items += sum_items(first if d == 0 else [], t, per_device=share, repeat=(m, 1))
-        items += sum_items(last if d == head else [], t, per_device=share, repeat=(m, 1))
+        tensor = plan.tensor_axis
+        items += sum_items(stack, t, per_device=share, axis=tensor, repeat=(m, p))
+        items += sum_items(first if d == 0 else [], t, per_device=share, axis=tensor, repeat=(m, 1))
+        items += sum_items(last if d == head else [], t, per_device=share, axis=tensor, repeat=(m, 1))
         if not busiest or sum(i.wire for i in items) > sum(i.wire for i in busiest):
             busiest = items
     return busiest
@@ -486,9 +551,19 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     routed = seen[0]
     per_device = plan.batch_size_multiple * plan.context_size
     rows = routed.shape[0] // per_device
-    size = rows * routed.shape[1] * jnp.dtype(_first(moved, routed.dtype)).itemsize
+    size = rows * routed.shape[1] * itemsize(_first(moved, routed.dtype))
     part = f"MoE dispatch and combine over {EXPERT_AXIS}={n}"
-    return [Item(f"{part}: forward and backward all-to-alls", "all-to-all", n, size, 4 * layers)]
+    return [
+        Item(
+            f"{part}: forward and backward all-to-alls",
+            "all-to-all",
+            n,
+            size,
+            4 * layers,
+            source=MOE_DISPATCH,
+            axes=(EXPERT_AXIS,),
+        )
+    ]
 
 
 def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
@@ -520,9 +595,10 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
         return _ulysses_items(plan, params, k, (q_split, kv_split), layers, moved)
     whole = 2 * aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
     part = f"attention keys and values over {CONTEXT_AXIS}={n}"
+    kv = {"source": CONTEXT_KEYS_VALUES, "axes": (CONTEXT_AXIS,)}
     items = [
-        Item(f"{part}: all-gather", "all-gather", n, whole, layers),
-        Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers),
+        Item(f"{part}: all-gather", "all-gather", n, whole, layers, **kv),
+        Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers, **kv),
     ]
     if plan.context_attention == "ring" or (plan.context_attention is None and plan.schedule is None):
         # A ring holds one block of keys and values at a time, never all `n`: its
@@ -537,6 +613,7 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
                 n,
                 whole * (n - 1) // n,
                 layers,
+                **kv,
             )
         )
     return items
@@ -557,13 +634,23 @@ def _ulysses_items(
     b, s, kv_heads, d = k.shape
     hkv = kv_heads // kv_split
     hkv = math.lcm(hkv, n)
-    itemsize = jnp.dtype(_first(_first(moved, plan.compute_dtype), k.dtype)).itemsize
+    element = itemsize(_first(_first(moved, plan.compute_dtype), k.dtype))
     tokens = b * s // (plan.batch_size_multiple * n)
     # One layer's q, output, k and v (as moved) on this device; every layer has the
     # first layer's shapes (the keys recorded are the first attention call's).
-    size = tokens * d * itemsize * (2 * max(heads) // q_split + 2 * hkv)
+    size = tokens * d * element * (2 * max(heads) // q_split + 2 * hkv)
     part = f"attention queries, keys, values and outputs over {CONTEXT_AXIS}={n}"
-    return [Item(f"{part}: all-to-all, forward and backward", "all-to-all", n, size, 2 * layers)]
+    return [
+        Item(
+            f"{part}: all-to-all, forward and backward",
+            "all-to-all",
+            n,
+            size,
+            2 * layers,
+            source=CONTEXT_ALL_TO_ALL,
+            axes=(CONTEXT_AXIS,),
+        )
+    ]
 
 
 def _heads_split(plan: Plan, params: Any, weight: str) -> bool:

@@ -11,6 +11,7 @@ from jax.tree_util import keystr
 from .._errors import EqxparError, PlanError
 from .._plan import Plan
 from .._rules import mesh_axis_names
+from .._sizes import array_bytes
 from .._specs import check_spec, is_array_like, leaves_with_axes
 from .._text import fmt_int, render, short
 from .._train_state import specs_of
@@ -212,8 +213,8 @@ def _row(path: Any, leaf: Any, axes: Any, spec: Any, plan: Plan) -> Row:
     shape = tuple(int(d) for d in leaf.shape)
     check_spec(spec, shape, plan.mesh, where=where)
     split = math.prod(plan.mesh.shape[a] for e in spec for a in mesh_axis_names(e))
-    # dtype.itemsize also covers typed PRNG keys (key<fry>: 8 bytes, two uint32).
-    nbytes = math.prod(shape) * leaf.dtype.itemsize
+    # Typed PRNG keys count too (key<fry>: 8 bytes, two uint32).
+    nbytes = array_bytes(shape, leaf.dtype)
     return Row(
         path=keystr(path) or "<root>",
         shape=shape,

@@ -1,5 +1,6 @@
 """Collectives tallied for `minimum_comm`: `Item`, a number of collectives of one
-kind and size, and `sum_items`, the tensor-parallel activation sums as such.
+kind and size over named mesh axes, for one reason (`source`), and `sum_items`,
+the tensor-parallel activation sums as such.
 Shared with `eqxpar._advise` (which counts sums `minimum_comm` leaves out the
 same way): internal names, not public API.
 """
@@ -9,16 +10,39 @@ import dataclasses
 from ._hlo import _ring_bytes
 from ._jaxpr_walk import TensorSum
 
+# Why a collective is needed: the `source` of an `Item` and of a `Cost`, which the
+# advisor reads to know how eqxpar's implementation moves it.
+GRADIENT_REDUCTION = "gradient reduction"
+FSDP = "fsdp"
+TENSOR_SUMS = "tensor sums"
+PIPELINE_BOUNDARIES = "pipeline boundaries"
+MOE_DISPATCH = "moe dispatch"
+CONTEXT_KEYS_VALUES = "context keys and values"
+CONTEXT_ALL_TO_ALL = "context all-to-all"
+SOURCES = (
+    GRADIENT_REDUCTION,
+    FSDP,
+    TENSOR_SUMS,
+    PIPELINE_BOUNDARIES,
+    MOE_DISPATCH,
+    CONTEXT_KEYS_VALUES,
+    CONTEXT_ALL_TO_ALL,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """`repeat` collectives of one kind over `n` devices, each of `size` result bytes."""
+    """`repeat` collectives of one kind over `n` devices of mesh axes `axes`, each of
+    `size` result bytes, needed for `source` (one of `SOURCES`); `part` is the
+    description the report prints."""
 
     part: str
     kind: str
     n: int
     size: int
     repeat: int = 1
+    source: str = GRADIENT_REDUCTION
+    axes: tuple[str, ...] = ()
 
     @property
     def result(self) -> int:
@@ -32,13 +56,26 @@ class Item:
 
 
 def sum_items(
-    sums: list[TensorSum], t: int, *, per_device: int, repeat: tuple[int, int] = (1, 1)
+    sums: list[TensorSum],
+    t: int,
+    *,
+    per_device: int,
+    axis: str,
+    repeat: tuple[int, int] = (1, 1),
 ) -> list[Item]:
-    """Activation all-reduces over `t` tensor devices: each sum's global bytes split
+    """Activation all-reduces over `t` devices of the tensor axis `axis`: each sum's global bytes split
     `per_device` ways, repeated `count * repeat[0] // repeat[1]` times."""
     num, den = repeat
     part = "tensor-parallel activation sums ({})"
     return [
-        Item(part.format(s.where), "all-reduce", t, s.nbytes // per_device, s.count * num // den)
+        Item(
+            part.format(s.where),
+            "all-reduce",
+            t,
+            s.nbytes // per_device,
+            s.count * num // den,
+            source=TENSOR_SUMS,
+            axes=(axis,),
+        )
         for s in sums
     ]
