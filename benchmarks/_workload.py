@@ -33,11 +33,11 @@ class Config:
     moe_every: int = 0
     experts: int = 0
     top_k: int = 2
-    #: Llama style (the `*_llama` records): separate Q/K/V with `kv_heads` key/value heads,
-    #: SwiGLU, RMSNorm, rotary positions, no biases; the head `tied` to the embedding or not.
+    #: Llama style (`*_llama`): Q/K/V with `kv_heads` K/V heads, SwiGLU, RMSNorm, rotary, no biases, `tied`.
     llama: bool = False
     kv_heads: int = 0
     tied: bool = False
+    unroll: int = 1  #: blocks per iteration of the stack's scan (4: unrolled, as `_handwritten_sp.py`)
 
 
 CONFIG = Config()
@@ -53,7 +53,7 @@ def gpt_config(cfg: Config = CONFIG) -> GPTConfig:
         style = dict(
             activation="swiglu", norm="rms", tied=cfg.tied, use_bias=False, num_kv_heads=cfg.kv_heads
         )
-    return GPTConfig(**sizes, **style, attention="dense", top_k=cfg.top_k)
+    return GPTConfig(**sizes, **style, attention="dense", top_k=cfg.top_k, unroll=cfg.unroll)
 
 
 def make_model(cfg: Config = CONFIG, *, key: PRNGKeyArray | None = None) -> GPT:
