@@ -252,6 +252,112 @@ def test_the_advisor_reads_costs_as_data():
     assert not found, "read Minimum.costs' fields, not the labels:\n" + "\n".join(found)
 
 
+#: The modules that may read a plan's options: the plan itself and the step layout it
+#: resolves into (issue: one reader of the plan).
+PLAN_OWNERS = ("eqxpar/_plan.py", "eqxpar/_step_layout.py")
+#: Reads of plan options (other than `mesh` and `rules`) outside the owners, per module,
+#: as they stand: a ratchet, lowered as each module asks the layout instead. A module
+#: not listed may read none.
+PLAN_READS = {
+    "eqxpar/_advise/_predict.py": 67,
+    "eqxpar/inspect/_minimum.py": 50,
+    "eqxpar/pipeline/_engine.py": 19,
+    "eqxpar/_step.py": 13,
+    "eqxpar/_grad_manual.py": 10,
+    "eqxpar/runtime/_data.py": 8,
+    "eqxpar/_advise/_advice.py": 7,
+    "eqxpar/_train_state.py": 7,
+    "eqxpar/_sharding.py": 5,
+    "eqxpar/nn/_context.py": 5,
+    "eqxpar/inspect/_jaxpr_walk.py": 4,
+    "eqxpar/_context_split.py": 3,
+    "eqxpar/_advise/_analysis.py": 1,
+    "eqxpar/_nonfinite.py": 1,
+    "eqxpar/nn/_stack.py": 1,
+}
+#: Layer constructors over 10 parameters, as they stand (the goal: none, each layer
+#: built from small config objects). A class not listed may take at most 10.
+WIDE_CONSTRUCTORS = {
+    "eqxpar/nn/_block.py:TransformerBlock": 26,
+    "eqxpar/nn/_attention.py:Attention": 17,
+    "eqxpar/nn/_moe.py:MoE": 15,
+    "eqxpar/_plan.py:Plan": 19,
+}
+
+
+def plan_options() -> set[str]:
+    """`Plan`'s fields and properties, `mesh` and `rules` left out."""
+    tree = ast.parse((ROOT / "eqxpar" / "_plan.py").read_text())
+    plan = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Plan")
+    fields = {
+        n.target.id for n in plan.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    properties = {
+        n.name
+        for n in plan.body
+        if isinstance(n, ast.FunctionDef)
+        and any(
+            getattr(d, "id", getattr(d, "attr", None)) in ("property", "cached_property")
+            for d in n.decorator_list
+        )
+    }
+    return (fields | properties) - {"mesh", "rules"}
+
+
+def plan_reads() -> dict[str, int]:
+    """Per module outside `PLAN_OWNERS`: reads `plan.<option>` or `<x>.plan.<option>`."""
+    options, found = plan_options(), {}
+    for path in sorted((ROOT / "eqxpar").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where in PLAN_OWNERS:
+            continue
+        count = sum(
+            1
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute)
+            and n.attr in options
+            and (getattr(n.value, "id", None) == "plan" or getattr(n.value, "attr", None) == "plan")
+        )
+        if count:
+            found[where] = count
+    return found
+
+
+def constructor_widths() -> dict[str, int]:
+    """`module:Class` -> parameters of its `__init__` (self left out), for those over 10."""
+    widths = {}
+    for path in sorted((ROOT / "eqxpar").rglob("*.py")):
+        for c in ast.walk(ast.parse(path.read_text())):
+            for f in c.body if isinstance(c, ast.ClassDef) else ():
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                    a = f.args
+                    n = len(a.args) - 1 + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+                    if n > 10:
+                        widths[f"{path.relative_to(ROOT)}:{c.name}"] = n
+    return widths
+
+
+def test_plan_options_are_read_by_their_owners_only_ratcheted():
+    reads = plan_reads()
+    over = {m: (n, PLAN_READS.get(m, 0)) for m, n in reads.items() if n > PLAN_READS.get(m, 0)}
+    assert not over, (
+        f"plan options read outside {PLAN_OWNERS} (module: (reads, allowed)): {over}. Ask the step "
+        "layout (eqxpar._step_layout.StepLayout) instead, or add the option's answer there."
+    )
+    lowered = {m: (reads.get(m, 0), n) for m, n in PLAN_READS.items() if reads.get(m, 0) < n}
+    assert not lowered, (
+        f"fewer plan reads than PLAN_READS allows (module: (reads, allowed)): lower it: {lowered}"
+    )
+
+
+def test_layer_constructors_stay_narrow_ratcheted():
+    widths = constructor_widths()
+    assert widths == WIDE_CONSTRUCTORS, (
+        f"constructors over 10 parameters: {widths}; allowed as they stand: {WIDE_CONSTRUCTORS}. "
+        "Group options into a small config object (as torchtitan's TransformerBlock.Config)."
+    )
+
+
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, f"import cycles (function-local imports included): {cycles}"
@@ -348,6 +454,22 @@ def test_the_checks_catch_what_they_forbid(scratch):
         }
     )
     assert [line.split(" ", 1)[1] for line in cost_labels_read_by_the_advisor()] == ["reads .parts"]
+    plan = "class Plan:\n    mesh: int\n    schedule: str\n"
+    scratch(
+        {
+            "eqxpar/_plan.py": plan,
+            "eqxpar/_z.py": "def f(plan, s):\n    return plan.schedule, plan.mesh, s.plan.schedule\n",
+        }
+    )
+    assert plan_reads() == {"eqxpar/_z.py": 2}
+    scratch(
+        {
+            "eqxpar/_w.py": "class W:\n    def __init__(self, "
+            + ", ".join(f"a{i}" for i in range(11))
+            + "): pass\n"
+        }
+    )
+    assert constructor_widths() == {"eqxpar/_w.py:W": 11}
     scratch(
         {"eqxpar/_step.py": "def warn():\n    from .models import GPT\n", "eqxpar/models/__init__.py": ""}
     )
