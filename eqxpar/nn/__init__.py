@@ -14,9 +14,6 @@ from ._blockwise import blockwise_attention as blockwise_attention
 from ._context import TensorContext as TensorContext
 from ._context import tensor_context as tensor_context
 from ._context_attention import context_attention as context_attention
-from ._context_attention import context_layout as context_layout
-from ._context_attention import context_positions as context_positions
-from ._context_attention import context_unlayout as context_unlayout
 from ._dropout import Dropout as Dropout
 from ._linear import MLP as MLP
 from ._linear import ColumnLinear as ColumnLinear
@@ -32,6 +29,9 @@ from ._rotary import RotaryScaling as RotaryScaling
 from ._rotary import apply_rotary as apply_rotary
 from ._sequence import sequence_mean as sequence_mean
 from ._sequence import split_sequence as split_sequence
+from ._sequence_layout import context_layout as context_layout
+from ._sequence_layout import context_positions as context_positions
+from ._sequence_layout import context_unlayout as context_unlayout
 from ._stack import Stacked as Stacked
 from ._stack import in_natural_order as in_natural_order
 from ._stack import in_plan_order as in_plan_order

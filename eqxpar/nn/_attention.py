@@ -24,11 +24,12 @@ from ._blockwise import (
     segment_allowed,
 )
 from ._context import tensor_context
-from ._context_attention import context_attention, context_positions
+from ._context_attention import context_attention
 from ._linear import _normal
 from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
 from ._rotary import RotaryScaling, apply_rotary
 from ._sequence import split_context
+from ._sequence_layout import context_positions
 
 
 class Attention(eqx.Module):

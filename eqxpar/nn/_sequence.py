@@ -10,7 +10,7 @@ from .._context_split import context_size, note_split
 from .._errors import DivisibilityError, SpecError
 from .._mesh import CONTEXT_AXIS
 from ._context import TensorContext, tensor_context
-from ._context_attention import _segments
+from ._sequence_layout import _segments
 
 
 def check_sequence_splits(length: int, ctx: TensorContext, where: str) -> None:
