@@ -149,7 +149,7 @@ def _tiles(qs: _Seg, ks: _Seg, block: int, causal: bool, qseg: Array | None, kse
     return allowed, drop
 
 
-def _trips(nb: int, needed: Array | bool) -> Array | int:
+def _tile_trips(nb: int, needed: Array | bool) -> Array | int:
     # A pair that is fully masked on this device runs no tile: a loop of 0 trips.
     # Not a `lax.cond`: inside a scanned stack of layers XLA:CPU gives every
     # conditional its own buffers, and a causal ring has one per chunk pair and
@@ -180,7 +180,7 @@ def _fwd_tiles(
         s = jnp.where(allowed, s, jnp.finfo(s.dtype).min)
         return fold_tile(state, s, allowed, vj, drop_at(j))
 
-    return lax.fori_loop(0, _trips(nb, needed) if trips is None else trips, step, state)
+    return lax.fori_loop(0, _tile_trips(nb, needed) if trips is None else trips, step, state)
 
 
 def _bwd_tiles(
@@ -223,14 +223,14 @@ def _bwd_tiles(
 
         return dq, add(dk, dkj), add(dv, dvj)
 
-    trips = _trips(nb, needed) if trips is None else trips
+    trips = _tile_trips(nb, needed) if trips is None else trips
     dq, dk, dv = lax.fori_loop(0, trips, step, (dq, jnp.pad(dk, pad), jnp.pad(dv, pad)))
     return dq, dk[:, :length], dv[:, :length]
 
 
-def _when(needed, f, x):
+def _unless_masked(needed, f, x):
     # Skip a fully masked pair: a Python bool decides at trace time, a traced one
-    # (positions depend on axis_index) sets the pair's tile loop to 0 trips (`_trips`).
+    # (positions depend on axis_index) sets the pair's tile loop to 0 trips (`_tile_trips`).
     if isinstance(needed, bool):
         return f(x) if needed else x
     return f(x, needed=needed)
@@ -243,7 +243,7 @@ def _needed(qs: _Seg, ks: _Seg, causal: bool):
     return needed if isinstance(needed, bool) else jnp.asarray(needed)
 
 
-def _sl(x: Array | None, seg: _Seg, axis: int = 1) -> Array | None:
+def _segment_slice(x: Array | None, seg: _Seg, axis: int = 1) -> Array | None:
     if x is None:
         return None
     return lax.slice_in_dim(x, seg.offset, seg.offset + seg.length, axis=axis)
@@ -265,7 +265,7 @@ def _init_state(qg: Array, qsegs: list[_Seg]) -> list[tuple]:
     # Built from qg (zeros_like) so that inside shard_map it varies like qg.
     states = []
     for qs in qsegs:
-        acc = jnp.zeros_like(_sl(qg, qs)).transpose(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
+        acc = jnp.zeros_like(_segment_slice(qg, qs)).transpose(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
         states.append((acc, jnp.full_like(acc[..., 0], -jnp.inf), jnp.zeros_like(acc[..., 0])))
     return states
 
@@ -275,13 +275,14 @@ def _fold(states, qg, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None, r
     into every query segment's state (the queries' segment ids `qseg`)."""
     states = list(states)
     for i, qs in enumerate(qsegs):
-        qgi = _sl(qg, qs)
+        qgi = _segment_slice(qg, qs)
         for ks in ksegs:
             f = functools.partial(
-                _fwd_tiles, qg=qgi, k=_sl(k, ks), v=_sl(v, ks), qs=qs, ks=ks, causal=causal, block=block,
-                qseg=_sl(qseg, qs), kseg=_sl(kseg, ks), rows=_sl(rows, qs, 3), rate=rate,
+                _fwd_tiles, qg=qgi, k=_segment_slice(k, ks), v=_segment_slice(v, ks), qs=qs, ks=ks,
+                causal=causal, block=block, qseg=_segment_slice(qseg, qs), kseg=_segment_slice(kseg, ks),
+                rows=_segment_slice(rows, qs, 3), rate=rate,
             )  # fmt: skip
-            states[i] = _when(_needed(qs, ks, causal), f, states[i])
+            states[i] = _unless_masked(_needed(qs, ks, causal), f, states[i])
     return states
 
 
@@ -298,19 +299,20 @@ def _finish(states, q: Array):
 def _grads(qg, do, lse, delta, qsegs, k, v, ksegs, causal, block, qseg=None, kseg=None, rows=None, rate=0.0):
     """(dq contribution over all of q, dk, dv of `k`, `v`) for one key/value block,
     all float32; dq is with respect to the pre-scaled queries."""
-    dqs = [jnp.zeros_like(_sl(qg, qs)) for qs in qsegs]
-    dks = [jnp.zeros_like(_sl(k, ks), dtype=accumulation_dtype(k.dtype)) for ks in ksegs]
-    dvs = [jnp.zeros_like(_sl(v, ks), dtype=accumulation_dtype(v.dtype)) for ks in ksegs]
+    dqs = [jnp.zeros_like(_segment_slice(qg, qs)) for qs in qsegs]
+    dks = [jnp.zeros_like(_segment_slice(k, ks), dtype=accumulation_dtype(k.dtype)) for ks in ksegs]
+    dvs = [jnp.zeros_like(_segment_slice(v, ks), dtype=accumulation_dtype(v.dtype)) for ks in ksegs]
     for i, qs in enumerate(qsegs):
-        qgi, doi = _sl(qg, qs), _sl(do, qs)
-        lsei, deltai = _sl(lse, qs, 3), _sl(delta, qs, 3)
+        qgi, doi = _segment_slice(qg, qs), _segment_slice(do, qs)
+        lsei, deltai = _segment_slice(lse, qs, 3), _segment_slice(delta, qs, 3)
         for j, ks in enumerate(ksegs):
             f = functools.partial(
-                _bwd_tiles, qg=qgi, do=doi, lse=lsei, delta=deltai, k=_sl(k, ks), v=_sl(v, ks),
-                qs=qs, ks=ks, causal=causal, block=block, qseg=_sl(qseg, qs), kseg=_sl(kseg, ks),
-                rows=_sl(rows, qs, 3), rate=rate,
+                _bwd_tiles, qg=qgi, do=doi, lse=lsei, delta=deltai,
+                k=_segment_slice(k, ks), v=_segment_slice(v, ks), qs=qs, ks=ks, causal=causal, block=block,
+                qseg=_segment_slice(qseg, qs), kseg=_segment_slice(kseg, ks),
+                rows=_segment_slice(rows, qs, 3), rate=rate,
             )  # fmt: skip
-            dqs[i], dks[j], dvs[j] = _when(_needed(qs, ks, causal), f, (dqs[i], dks[j], dvs[j]))
+            dqs[i], dks[j], dvs[j] = _unless_masked(_needed(qs, ks, causal), f, (dqs[i], dks[j], dvs[j]))
     return jnp.concatenate(dqs, axis=1), jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)
 
 
