@@ -1,6 +1,5 @@
 """`make_step`: one compiled training step for any plan."""
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,13 @@ from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
 from ._sharding import check_batch, place_tree, split_by
-from ._step_layout import StepLayout, manual_axes_of
+from ._step_layout import (
+    StepLayout,
+    check_cpu_partial_manual_dtypes,
+    check_reduce_dtype,
+    microbatch_count,
+    warn_cpu_collective_order,
+)
 from ._train_state import TrainState
 
 Metrics = dict[str, Any]
@@ -190,7 +195,7 @@ class Step:
                 f"a step takes (state, batch) with state an eqxpar.train.TrainState, got "
                 f"{type(state).__name__}; build it with eqxpar.train.init(model, optimizer, plan, key=...)."
             )
-        check_batch(batch, self._plan, microbatches=_microbatches(self._plan, self._accumulate))
+        check_batch(batch, self._plan, microbatches=microbatch_count(self._plan, self._accumulate))
         jitted, static = self._jitted(state, batch)
         return jitted, static, eqx.filter(state, eqx.is_array)
 
@@ -212,90 +217,13 @@ class Step:
         return self.lower(state, batch).compile()
 
 
-#: The XLA flag that makes XLA:CPU run each device's collectives in program order.
-CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
-def _warn_cpu_collective_order(plan: Plan, accumulate: int) -> None:
-    """Warn when `plan` runs manual collectives over two or more axes on XLA:CPU
-    without `CPU_COLLECTIVE_ORDER_FLAG`.
-
-    JAX gives every collective of a `shard_map` the same channel id, and XLA:CPU
-    keys its rendezvous by (device group, kind, channel id). Its default
-    concurrency-optimised scheduler may start two independent collectives of one
-    kind over one group at once (two FSDP weight gathers of a layer; the
-    reduce-scatters of their gradients), and the simulated devices then join each
-    other's rendezvous: the process aborts ("Unexpected number of participants")
-    or hangs. It happens with a region manual over `fsdp` and `tensor` with
-    sequence parallelism. The flag can only be set before JAX starts its CPU
-    backend (a per-compilation option is ignored), so eqxpar can only say so.
-    """
-    if plan.mesh.devices.flat[0].platform != "cpu":
-        return
-    manual = sorted(manual_axes_of(plan, accumulate), key=plan.mesh.axis_names.index)
-    if sum(plan.mesh.shape[a] > 1 for a in manual) < 2:
-        return
-    if CPU_COLLECTIVE_ORDER_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
-        return
-    warnings.warn(
-        f"this plan issues its own collectives over several mesh axes ({', '.join(manual)}) on "
-        "XLA:CPU, whose default scheduler can run two of them at once and abort the process "
-        "('Unexpected number of participants'). Set XLA_FLAGS to include "
-        f"{CPU_COLLECTIVE_ORDER_FLAG} before importing jax (as the eqxpar examples do).",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-def _is_bfloat16(dtype: Any) -> bool:
-    return dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
-
-
-def _check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> None:
-    """Refuse the bfloat16 all-reduces eqxpar cannot widen in a partial-manual
-    region on XLA:CPU.
-
-    In a region manual over some axes only, JAX lowers an all-reduce's reduction
-    with a sharding annotation (a `copy` in HLO); XLA:CPU widens bfloat16
-    all-reduces to float32 and, cloning that reduction, aborts the process
-    ("Invalid binary instruction opcode copy"). float16 is not widened and
-    compiles. The step's own gradient reductions and FSDP gathers there run in
-    float32 instead (`_fsdp.wire_dtype`); what remains are the
-    tensor-parallel layers' all-reduces under `compute_dtype=bfloat16`.
-    """
-    if plan.mesh.devices.flat[0].platform != "cpu":
-        return
-    manual = manual_axes_of(plan, accumulate)
-    if not manual or manual == frozenset(plan.mesh.axis_names):
-        return
-    # The layers compute in the compute dtype, else in the parameters'.
-    if not (_is_bfloat16(plan.compute_dtype or plan.param_dtype) and plan.tensor_axis in manual):
-        return
-    left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
-    raise PlanError(
-        f"{where}: this plan runs a partial-manual region (manual over "
-        f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
-        "bfloat16 compute (compute_dtype, or param_dtype without one), so the tensor-parallel "
-        "layers issue bfloat16 all-reduces there, "
-        "which XLA:CPU aborts the process compiling. On CPU, drop Plan(manual_axes=...) so every "
-        "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
-        "collectives as float32 anyway)."
-    )
-
-
-def _microbatches(plan: Plan, accumulate: int) -> int:
-    # The equal parts a batch is split into: a pipeline's micro-batches, or the
-    # accumulated ones.
-    return plan.microbatches if plan.schedule is not None else accumulate
-
-
 def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stacklevel: int) -> None:
     """Warn (`AccumulationWarning`) when the step splits the batch into
     micro-batches and a module of the model says its loss holds a term that is not
     a mean over rows (`batch_statistic_loss()`, as an MoE `GPT` with its
     load-balance loss on does). The core asks the model rather than knowing any
     model's class: the models depend on the core, never the reverse."""
-    microbatches = _microbatches(plan, accumulate)
+    microbatches = microbatch_count(plan, accumulate)
     if microbatches == 1:
         return
     declares = lambda x: isinstance(x, eqx.Module) and callable(getattr(x, "batch_statistic_loss", None))  # noqa: E731
@@ -314,23 +242,6 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
     )
 
 
-def _check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:
-    # The option sets the dtype of the reductions eqxpar issues itself; where the
-    # compiler reduces every gradient (automatic and partial-manual plans that
-    # leave the batch axes automatic) it would be silently ignored.
-    if plan.reduce_dtype is None or plan.schedule is not None:
-        return
-    manual = manual_axes_of(plan, accumulate)
-    if any(a in manual for a in plan.batch_axes):
-        return
-    raise PlanError(
-        f"{where}: Plan(reduce_dtype={plan.reduce_dtype}) sets the dtype of the gradient reductions eqxpar "
-        f"issues itself, but this step reduces none by hand: its batch axes {plan.batch_axes} are left to "
-        "the compiler (mode='auto', or manual_axes without them), which reduces in the dtype it has there. "
-        "Drop reduce_dtype, or use mode='manual' with the batch axes manual."
-    )
-
-
 def _validate(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: str) -> None:
     if not isinstance(plan, Plan):
         raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
@@ -342,8 +253,8 @@ def _validate(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: s
         from .pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
-    _check_cpu_partial_manual_dtypes(plan, accumulate, where)
-    _check_reduce_dtype(plan, accumulate, where)
+    check_cpu_partial_manual_dtypes(plan, accumulate, where)
+    check_reduce_dtype(plan, accumulate, where)
 
 
 def make_step(
@@ -437,7 +348,7 @@ def make_step(
     _validate(loss_fn, plan, accumulate, has_aux, "make_step")
     if not isinstance(skip_nonfinite, bool):
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
-    _warn_cpu_collective_order(plan, accumulate)
+    warn_cpu_collective_order(plan, accumulate)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
     return Step(loss, optimizer, plan, donate=donate, accumulate=accumulate, skip_nonfinite=skip_nonfinite)
 
@@ -479,7 +390,7 @@ def make_value_and_grad(
         return ((value, aux), grads) if has_aux else (value, grads)
 
     def value_and_grad(model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> Any:
-        check_batch(batch, plan, microbatches=_microbatches(plan, accumulate))
+        check_batch(batch, plan, microbatches=microbatch_count(plan, accumulate))
         _warn_batch_statistics(model, plan, accumulate, stacklevel=2)
         return compiled(model, batch, jax.random.key(0) if key is None else key)
 

@@ -10,11 +10,14 @@ the step, its gradient implementations, the update, checkpoint restore and
 
 import dataclasses
 import math
+import os
+import warnings
 from collections.abc import Collection
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 from jaxtyping import PyTree
@@ -217,3 +220,100 @@ class StepLayout:
     def shardings(self, specs: PyTree) -> PyTree:
         """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
         return shardings_of(specs, self.plan)
+
+
+# --- What a step may do with a plan: checks and counts read from its options -----------
+
+
+#: The XLA flag that makes XLA:CPU run each device's collectives in program order.
+CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def warn_cpu_collective_order(plan: Plan, accumulate: int) -> None:
+    """Warn when `plan` runs manual collectives over two or more axes on XLA:CPU
+    without `CPU_COLLECTIVE_ORDER_FLAG`.
+
+    JAX gives every collective of a `shard_map` the same channel id, and XLA:CPU
+    keys its rendezvous by (device group, kind, channel id). Its default
+    concurrency-optimised scheduler may start two independent collectives of one
+    kind over one group at once (two FSDP weight gathers of a layer; the
+    reduce-scatters of their gradients), and the simulated devices then join each
+    other's rendezvous: the process aborts ("Unexpected number of participants")
+    or hangs. It happens with a region manual over `fsdp` and `tensor` with
+    sequence parallelism. The flag can only be set before JAX starts its CPU
+    backend (a per-compilation option is ignored), so eqxpar can only say so.
+    """
+    if plan.mesh.devices.flat[0].platform != "cpu":
+        return
+    manual = sorted(manual_axes_of(plan, accumulate), key=plan.mesh.axis_names.index)
+    if sum(plan.mesh.shape[a] > 1 for a in manual) < 2:
+        return
+    if CPU_COLLECTIVE_ORDER_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
+        return
+    warnings.warn(
+        f"this plan issues its own collectives over several mesh axes ({', '.join(manual)}) on "
+        "XLA:CPU, whose default scheduler can run two of them at once and abort the process "
+        "('Unexpected number of participants'). Set XLA_FLAGS to include "
+        f"{CPU_COLLECTIVE_ORDER_FLAG} before importing jax (as the eqxpar examples do).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _is_bfloat16(dtype: Any) -> bool:
+    return dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
+
+
+def check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> None:
+    """Refuse the bfloat16 all-reduces eqxpar cannot widen in a partial-manual
+    region on XLA:CPU.
+
+    In a region manual over some axes only, JAX lowers an all-reduce's reduction
+    with a sharding annotation (a `copy` in HLO); XLA:CPU widens bfloat16
+    all-reduces to float32 and, cloning that reduction, aborts the process
+    ("Invalid binary instruction opcode copy"). float16 is not widened and
+    compiles. The step's own gradient reductions and FSDP gathers there run in
+    float32 instead (`_fsdp.wire_dtype`); what remains are the
+    tensor-parallel layers' all-reduces under `compute_dtype=bfloat16`.
+    """
+    if plan.mesh.devices.flat[0].platform != "cpu":
+        return
+    manual = manual_axes_of(plan, accumulate)
+    if not manual or manual == frozenset(plan.mesh.axis_names):
+        return
+    # The layers compute in the compute dtype, else in the parameters'.
+    if not (_is_bfloat16(plan.compute_dtype or plan.param_dtype) and plan.tensor_axis in manual):
+        return
+    left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
+    raise PlanError(
+        f"{where}: this plan runs a partial-manual region (manual over "
+        f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
+        "bfloat16 compute (compute_dtype, or param_dtype without one), so the tensor-parallel "
+        "layers issue bfloat16 all-reduces there, "
+        "which XLA:CPU aborts the process compiling. On CPU, drop Plan(manual_axes=...) so every "
+        "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
+        "collectives as float32 anyway)."
+    )
+
+
+def microbatch_count(plan: Plan, accumulate: int) -> int:
+    # The equal parts a batch is split into: a pipeline's micro-batches, or the
+    # accumulated ones.
+    return plan.microbatches if plan.schedule is not None else accumulate
+
+
+def check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:
+    # The option sets the dtype of the reductions eqxpar issues itself; where the
+    # compiler reduces every gradient (automatic and partial-manual plans that
+    # leave the batch axes automatic) it would be silently ignored.
+    if plan.reduce_dtype is None or plan.schedule is not None:
+        return
+    manual = manual_axes_of(plan, accumulate)
+    if any(a in manual for a in plan.batch_axes):
+        return
+    raise PlanError(
+        f"{where}: Plan(reduce_dtype={plan.reduce_dtype}) sets the dtype of the gradient reductions eqxpar "
+        f"issues itself, but this step reduces none by hand: its batch axes {plan.batch_axes} are left to "
+        "the compiler (mode='auto', or manual_axes without them), which reduces in the dtype it has there. "
+        "Drop reduce_dtype, or use mode='manual' with the batch axes manual."
+    )

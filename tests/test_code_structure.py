@@ -262,7 +262,7 @@ PLAN_READS = {
     "eqxpar/_advise/_predict.py": 67,
     "eqxpar/inspect/_minimum.py": 50,
     "eqxpar/pipeline/_engine.py": 19,
-    "eqxpar/_step.py": 13,
+    "eqxpar/_step.py": 3,
     "eqxpar/_grad_manual.py": 10,
     "eqxpar/runtime/_data.py": 8,
     "eqxpar/_advise/_advice.py": 7,

@@ -84,6 +84,12 @@ def test_options_a_plan_would_ignore_are_refused():
     eqxpar.train.make_step(mse_loss, optim, eqxpar.Plan(mesh, reduce_dtype=jnp.bfloat16), accumulate=2)
     eqxpar.train.make_step(mse_loss, optim, eqxpar.Plan(mesh, reduce_dtype=jnp.bfloat16, zero1=True))
     eqxpar.train.make_step(mse_loss, optim, eqxpar.Plan(mesh, mode="manual", reduce_dtype=jnp.bfloat16))
+    # On XLA:CPU a partial-manual region over the tensor axis cannot compile the
+    # layers' bfloat16 all-reduces: refused before XLA sees them, naming the ways out.
+    partial = eqxpar.Plan(mesh, mode="manual", manual_axes="tensor", compute_dtype=jnp.bfloat16)
+    with pytest.raises(eqxpar.PlanError, match=r"partial-manual region .* drop Plan\(manual_axes=\.\.\.\)"):
+        eqxpar.train.make_step(mse_loss, optim, partial)
+    eqxpar.train.make_step(mse_loss, optim, dataclasses.replace(partial, compute_dtype=jnp.float16))
 
 
 @pytest.mark.parametrize(
