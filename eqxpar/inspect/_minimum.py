@@ -83,9 +83,9 @@ class Minimum:
 
     Counted as `eqxpar.inspect.collective_stats` counts them: `bytes` (result
     bytes) and `wire_bytes` (what one device sends with bandwidth-optimal rings),
-    by collective kind. `parts` names what was counted: description ->
-    `(result bytes, wire bytes)`; `costs` holds the same parts as data (`Cost`:
-    kind, mesh axes, source, bytes), for programs to read. `by_kind=False` when
+    by collective kind. `costs` says what was counted, as data (`Cost`: label,
+    kind, mesh axes, source, bytes), for programs to read; `parts` is the same by
+    label: description -> `(result bytes, wire bytes)`. `by_kind=False` when
     only totals are known (a number the user gave); `note` says what was counted.
 
     ```python
@@ -98,7 +98,6 @@ class Minimum:
     wire_bytes: dict[str, int] | None
     note: str
     by_kind: bool = True
-    parts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     costs: tuple[Cost, ...] = ()
 
     @classmethod
@@ -106,6 +105,11 @@ class Minimum:
         """A minimum known only as totals (result bytes, optionally wire bytes)."""
         wire = None if wire_bytes is None else {"total": int(wire_bytes)}
         return cls(bytes={"total": int(result_bytes)}, wire_bytes=wire, note=note, by_kind=False)
+
+    @property
+    def parts(self) -> dict[str, tuple[int, int]]:
+        """The costs by their printed label: label -> `(result bytes, wire bytes)`."""
+        return {c.label: (c.bytes, c.wire_bytes) for c in self.costs}
 
     @property
     def total_bytes(self) -> int:
@@ -140,13 +144,7 @@ def _minimum(items: list[Item], note: str) -> Minimum:
         Cost(label, first[label].kind, first[label].axes, first[label].source, a, b)
         for label, (a, b) in parts.items()
     )
-    return Minimum(
-        bytes=dict(result),
-        wire_bytes=dict(wire),
-        note=note,
-        parts={k: (a, b) for k, (a, b) in parts.items()},
-        costs=costs,
-    )
+    return Minimum(bytes=dict(result), wire_bytes=dict(wire), note=note, costs=costs)
 
 
 def _axes_text(axes: list[str], sizes: dict[str, int]) -> str:
