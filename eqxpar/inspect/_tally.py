@@ -19,21 +19,12 @@ PIPELINE_BOUNDARIES = "pipeline boundaries"
 MOE_DISPATCH = "moe dispatch"
 CONTEXT_KEYS_VALUES = "context keys and values"
 CONTEXT_ALL_TO_ALL = "context all-to-all"
-SOURCES = (
-    GRADIENT_REDUCTION,
-    FSDP,
-    TENSOR_SUMS,
-    PIPELINE_BOUNDARIES,
-    MOE_DISPATCH,
-    CONTEXT_KEYS_VALUES,
-    CONTEXT_ALL_TO_ALL,
-)
 
 
 @dataclasses.dataclass(frozen=True)
 class Item:
     """`repeat` collectives of one kind over `n` devices of mesh axes `axes`, each of
-    `size` result bytes, needed for `source` (one of `SOURCES`); `part` is the
+    `size` result bytes, needed for `source` (one of the constants above); `part` is the
     description the report prints."""
 
     part: str
