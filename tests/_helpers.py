@@ -855,3 +855,29 @@ def journey_train(plan: eqxpar.Plan):
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
     state, metrics = eqxpar.train.make_step(loss_fn, optim, plan)(state, journey_tokens())
     return state, float(metrics["loss"])
+
+
+LORA_DATA = pathlib.Path(__file__).parent / "data" / "lora"
+#: The adapted projections of each LoRA reference (every one the layout has).
+LORA_TARGETS = {
+    "llama": ("q", "k", "v", "o", "gate", "up", "down"),
+    "gpt2": ("qkv", "o", "up", "down"),
+}
+
+
+def lora_reference_model(name: str):
+    """The tiny `tests/data/pretrained/<name>` checkpoint with adapters on every
+    projection (`LORA_TARGETS`), rank 4, alpha 8, `A` from `add_lora`'s key 0
+    and `B` drawn from key 1 (a "trained" adapter: `add_lora`'s zero `B` would
+    leave the logits unchanged). What tests/data/lora/make_references.py writes."""
+    base = eqxpar.models.from_pretrained(pathlib.Path(__file__).parent / "data" / "pretrained" / name)
+    model = eqxpar.models.add_lora(base, rank=4, alpha=8, targets=LORA_TARGETS[name], key=jax.random.key(0))
+    adapters, frozen = eqx.partition(model, eqxpar.models.lora_trainable(model))
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    # B leaves are the zero ones; 0.3 / sqrt(rank) moves the logits by O(1).
+    leaves = [
+        x if jnp.any(x) else 0.15 * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)

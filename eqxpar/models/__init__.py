@@ -22,6 +22,10 @@ from ._gpt import generate as generate
 from ._gpt import gpt_first as gpt_first
 from ._gpt import gpt_last as gpt_last
 from ._gpt import lm_loss as lm_loss
+from ._lora import add_lora as add_lora
+from ._lora import lora_trainable as lora_trainable
+from ._lora import merge_lora as merge_lora
+from ._lora_peft import save_lora as save_lora
 from ._mlp import MLPClassifier as MLPClassifier
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import save_pretrained as save_pretrained

@@ -191,6 +191,12 @@ def _host_part(x: jax.Array, combo: tuple[int, ...], enum: tuple[int, ...]) -> n
     return np.asarray(jax.device_get(part))
 
 
+def host_array(x: jax.Array) -> np.ndarray:
+    """`x` whole on the host of every process (a gather where it is spread over
+    processes); shared with `save_lora`."""
+    return np.asarray(jax.device_get(_replicated(x)))
+
+
 def _replicated(x: jax.Array) -> jax.Array:
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding) or x.is_fully_addressable:
@@ -268,6 +274,12 @@ def save_pretrained(
     config = model.config
     kind = infer_model_type(config) if model_type is None else model_type
     flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    if any(".lora." in jax.tree_util.keystr(p) for p, _ in flat):
+        raise PretrainedError(
+            "save_pretrained: the model has low-rank adapters, which a Hugging Face checkpoint has no "
+            "place for. Fold them in first (eqxpar.models.merge_lora(model)), or write them on their "
+            "own for PEFT (eqxpar.models.save_lora)."
+        )
     sources = layout(config, kind, "transformer." if kind == "gpt2" else "")
     leaves = {jax.tree_util.keystr(p): leaf for p, leaf in flat if eqx.is_array(leaf)}
     dtypes = {np.dtype(leaf.dtype) for leaf in leaves.values()}

@@ -18,6 +18,8 @@ from ._dropout import Dropout as Dropout
 from ._linear import MLP as MLP
 from ._linear import ColumnLinear as ColumnLinear
 from ._linear import RowLinear as RowLinear
+from ._lora import AttentionLoRA as AttentionLoRA
+from ._lora import MLPLoRA as MLPLoRA
 from ._moe import MoE as MoE
 from ._moe import MoEAux as MoEAux
 from ._moe import update_router_bias as update_router_bias

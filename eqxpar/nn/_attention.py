@@ -26,6 +26,7 @@ from ._blockwise import (
 from ._context import tensor_context
 from ._context_attention import context_attention
 from ._linear import _normal
+from ._lora import AttentionLoRA, adapter_pairs, column_with_adapters, row_adapter
 from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
 from ._rotary import RotaryScaling, apply_rotary
 from ._sequence import split_context
@@ -130,6 +131,8 @@ class Attention(eqx.Module):
     attention_block: int = eqx.field(static=True, default=512)
     dropout: float = eqx.field(static=True, default=0.0)
     rotary_scaling: RotaryScaling | None = eqx.field(static=True, default=None)
+    # Low-rank adapters on the projections (`eqxpar.models.add_lora`); None: none.
+    lora: AttentionLoRA | None = None
 
     def __init__(
         self,
@@ -197,6 +200,7 @@ class Attention(eqx.Module):
         self.rotary, self.rotary_base = bool(rotary), float(rotary_base)
         self.rotary_scaling = rotary_scaling
         self.attention, self.attention_block = attention, int(attention_block)
+        self.lora = None
 
     def __call__(
         self,
@@ -210,12 +214,12 @@ class Attention(eqx.Module):
         check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
         if self.wqkv is not None:
             check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
-            (qkv,) = column_matmul(x, [self.wqkv], ctx, split_dim=2)
+            (qkv,) = self._project(x, [self.wqkv], ("qkv",), ctx, split_dim=2)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
             check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
-            q, k, v = column_matmul(x, [self.wq, self.wk, self.wv], ctx, split_dim=1)
+            q, k, v = self._project(x, [self.wq, self.wk, self.wv], ("q", "k", "v"), ctx, split_dim=1)
         check_bias(
             self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0
         )
@@ -266,7 +270,22 @@ class Attention(eqx.Module):
             core = self._core(q, k, v, mask, segment_ids, drop)
         heads = ctx.constrain(core, None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
+        if self.lora is not None and self.lora.o_a is not None:
+            y = y + row_adapter(heads, self.lora.o_a, self.lora.o_b, self.lora.scale, ctx, in_dims=2)
         return y if self.bo is None else y + lift(self.bo, y.ndim)
+
+    def _project(
+        self, x: Array, weights: list[Array], names: tuple[str, ...], ctx, *, split_dim: int
+    ) -> list[Array]:
+        # The column-parallel projections, plus their adapters' outputs if any.
+        if self.lora is None:
+            return column_matmul(x, weights, ctx, split_dim=split_dim)
+        pairs = adapter_pairs(self.lora, names)
+        ys, deltas = column_with_adapters(x, weights, pairs, self.lora.scale, ctx, split_dim=split_dim)
+        index = {name: i for i, name in enumerate(names)}
+        for (name, _, _), delta in zip(pairs, deltas, strict=True):
+            ys[index[name]] = ys[index[name]] + delta
+        return ys
 
     def _context_core(
         self, q: Array, k: Array, v: Array, mask: Array | None, segment_ids: Array | None, drop: dict

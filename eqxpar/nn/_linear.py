@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._errors import PlanError
 from .._param import param
 from ._context import tensor_context
+from ._lora import MLPLoRA, adapter_pairs, column_with_adapters, row_adapter
 from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
 
 
@@ -141,6 +142,8 @@ class MLP(eqx.Module):
     d_hidden: int = eqx.field(static=True)
     activation: str = eqx.field(static=True)
     axis: str = eqx.field(static=True)
+    # Low-rank adapters on gate, up and down (`eqxpar.models.add_lora`); None: none.
+    lora: MLPLoRA | None = None
 
     def __init__(
         self,
@@ -162,6 +165,7 @@ class MLP(eqx.Module):
         self.w_out = _normal(k2, (d_hidden, d_model), d_hidden, dtype)
         self.b_out = jnp.zeros((d_model,), dtype) if use_bias else None
         self.d_model, self.d_hidden, self.activation, self.axis = d_model, d_hidden, activation, axis
+        self.lora = None
 
     def __call__(self, x: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
@@ -169,7 +173,10 @@ class MLP(eqx.Module):
         check_split(self.w_out.shape[0], self.d_hidden, ctx, what="MLP.w_out (d_hidden)")
         check_bias(self.b_in, self.d_hidden, ctx, what="MLP.b_in", like="MLP.w_in", split=True)
         check_bias(self.b_out, self.d_model, ctx, what="MLP.b_out", like="MLP.w_out", split=False)
-        (h,) = column_matmul(x, [self.w_in], ctx)  # (batch, seq, n_in, hidden)
+        if self.lora is None:
+            (h,) = column_matmul(x, [self.w_in], ctx)  # (batch, seq, n_in, hidden)
+        else:
+            h = self._adapted_input(x, ctx)
         if self.b_in is not None:
             h = h + lift(self.b_in, h.ndim)
         if self.activation == "gelu":
@@ -178,4 +185,19 @@ class MLP(eqx.Module):
             h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
         h = ctx.constrain(h, None, ctx.axis)
         y = row_matmul(h, self.w_out, ctx)
+        if self.lora is not None and self.lora.down_a is not None:
+            y = y + row_adapter(h, self.lora.down_a, self.lora.down_b, self.lora.scale, ctx, in_dims=1)
         return y if self.b_out is None else y + lift(self.b_out, y.ndim)
+
+    def _adapted_input(self, x: Array, ctx) -> Array:
+        # The input projection with the gate / up adapters' outputs added to their
+        # halves of the stacked (batch, seq, n_in, hidden) result.
+        pairs = adapter_pairs(self.lora, ("gate", "up"))
+        (h,), deltas = column_with_adapters(x, [self.w_in], pairs, self.lora.scale, ctx, split_dim=-1)
+        if not deltas:
+            return h
+        found = {name: delta for (name, _, _), delta in zip(pairs, deltas, strict=True)}
+        # A GELU MLP's one input projection is `up`; SwiGLU's are (gate, up).
+        slots = ("up",) if h.shape[2] == 1 else ("gate", "up")
+        zero = jnp.zeros_like(deltas[0])
+        return h + jnp.stack([found.get(name, zero) for name in slots], axis=2)

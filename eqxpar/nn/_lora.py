@@ -1,0 +1,139 @@
+"""Low-rank adapters (LoRA) on the projections of `Attention` and `MLP`.
+
+An adapter adds `scale * (x @ a) @ b` to its projection's output, `a`
+`(*in, rank)` and `b` `(rank, *out)` in the base weight's orientation. Its
+weights declare the logical axes of the base weight's dimensions they share, the
+rank dimension none, so a plan's rules place them with their base: for a
+column-parallel projection (Q, K, V, gate, up) `a` is whole over the tensor axis
+and `b` split like the base's output; for a row-parallel one (the attention
+output, down) `a` is split like the base's input and `b` whole.
+
+Communication: in manual mode a column-parallel adapter's `x @ a` rides along
+with the base weights' product, in the same gather of `x` under sequence
+parallelism; a row-parallel adapter sums its `(batch, seq, rank)` partial
+product over the tensor axis (the adapter's own collective, `rank / d_model` of
+the base output's). In automatic mode the compiler places the same.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._param import param
+from ._context import TensorContext
+from ._matmul import column_matmul, row_matmul
+
+#: The logical projections an adapter can sit on, per layer.
+ATTENTION_TARGETS = ("q", "k", "v", "qkv", "o")
+MLP_TARGETS = ("gate", "up", "down")
+
+
+class AttentionLoRA(eqx.Module):
+    """The low-rank adapters of one `eqxpar.nn.Attention` (`attention.lora`):
+    one pair `(X_a, X_b)` per adapted projection, None for the others.
+
+    `q_a` `(d_model, rank)`, `q_b` `(rank, heads, head_dim)`; `k_*`, `v_*` with
+    `kv_heads`; `qkv_a`, `qkv_b` `(rank, 3, heads, head_dim)` on a fused QKV
+    weight; `o_a` `(heads, head_dim, rank)`, `o_b` `(rank, d_model)`. The
+    projection's output gains `alpha / rank * (x @ X_a) @ X_b`. Built by
+    `eqxpar.models.add_lora`; `rank`, `alpha` static.
+
+    ```python
+    model = eqxpar.models.add_lora(model, rank=8, alpha=16, targets=("q", "v"), key=key)
+    model.blocks.blocks.attn.lora.q_a.shape     # (layers, d_model, 8)
+    ```
+    """
+
+    q_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
+    q_b: Float[Array, "rank heads head_dim"] | None = param(axes=(None, "heads", None), default=None)
+    k_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
+    k_b: Float[Array, "rank kv_heads head_dim"] | None = param(axes=(None, "kv_heads", None), default=None)
+    v_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
+    v_b: Float[Array, "rank kv_heads head_dim"] | None = param(axes=(None, "kv_heads", None), default=None)
+    qkv_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
+    qkv_b: Float[Array, "rank three heads head_dim"] | None = param(
+        axes=(None, None, "heads", None), default=None
+    )
+    o_a: Float[Array, "heads head_dim rank"] | None = param(axes=("heads", None, None), default=None)
+    o_b: Float[Array, "rank d_model"] | None = param(axes=(None, "embed"), default=None)
+    rank: int = eqx.field(static=True, default=8)
+    alpha: float = eqx.field(static=True, default=8.0)
+
+    @property
+    def scale(self) -> float:
+        """`alpha / rank`, what the adapters' products are multiplied by."""
+        return self.alpha / self.rank
+
+
+class MLPLoRA(eqx.Module):
+    """The low-rank adapters of one `eqxpar.nn.MLP` (`mlp.lora`): `gate_a`, `up_a`
+    `(d_model, rank)` and `gate_b`, `up_b` `(rank, d_hidden)` on the two halves
+    of the stacked input weight (`up` is a GELU MLP's only input projection);
+    `down_a` `(d_hidden, rank)`, `down_b` `(rank, d_model)` on the output. As
+    `AttentionLoRA` otherwise.
+
+    ```python
+    model = eqxpar.models.add_lora(model, rank=8, alpha=16, targets=("gate", "up", "down"), key=key)
+    ```
+    """
+
+    gate_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
+    gate_b: Float[Array, "rank d_hidden"] | None = param(axes=(None, "mlp"), default=None)
+    up_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
+    up_b: Float[Array, "rank d_hidden"] | None = param(axes=(None, "mlp"), default=None)
+    down_a: Float[Array, "d_hidden rank"] | None = param(axes=("mlp", None), default=None)
+    down_b: Float[Array, "rank d_model"] | None = param(axes=(None, "embed"), default=None)
+    rank: int = eqx.field(static=True, default=8)
+    alpha: float = eqx.field(static=True, default=8.0)
+
+    @property
+    def scale(self) -> float:
+        """`alpha / rank`, what the adapters' products are multiplied by."""
+        return self.alpha / self.rank
+
+
+def adapter_pairs(lora: AttentionLoRA | MLPLoRA, names: tuple[str, ...]) -> list[tuple[str, Array, Array]]:
+    """`(name, a, b)` of each of `names` that `lora` adapts, in order."""
+    out = []
+    for name in names:
+        a = getattr(lora, f"{name}_a")
+        if a is not None:
+            out.append((name, a, getattr(lora, f"{name}_b")))
+    return out
+
+
+def column_with_adapters(
+    x: Array, weights: list[Array], pairs: list, scale: float, ctx: TensorContext, *, split_dim: int
+) -> tuple[list[Array], list[Array]]:
+    """`column_matmul(x, weights)` and each adapter's `scale * (x @ a) @ b`
+    (`pairs`: `(name, a, b)`), split over the tensor axis like its base's output.
+
+    In manual mode the `a`s join the base weights' product: one gather (or ring)
+    of `x` under sequence parallelism, one sum of its cotangent over the axis.
+    """
+    if not pairs:
+        return column_matmul(x, weights, ctx, split_dim=split_dim), []
+    n = len(weights)
+    if ctx.manual:
+        outs = column_matmul(x, [*weights, *(a for _, a, _ in pairs)], ctx, split_dim=split_dim)
+        ys, us = outs[:n], outs[n:]
+    else:
+        ys = column_matmul(x, weights, ctx, split_dim=split_dim)
+        whole = ctx.constrain(x, ctx.seq(), None)
+        # The rank dimension is never split: the adapter's inputs are whole.
+        us = [ctx.constrain(jnp.tensordot(whole, a, axes=1), None, None) for _, a, _ in pairs]
+    deltas = []
+    for (_, _, b), u in zip(pairs, us, strict=True):
+        delta = jnp.tensordot(u, b, axes=1) * jnp.asarray(scale, u.dtype)
+        entries: list[str | None] = [None] * b.ndim  # delta's seq, then b's output dims
+        entries[split_dim % b.ndim] = ctx.axis
+        deltas.append(ctx.constrain(delta, *entries))
+    return ys, deltas
+
+
+def row_adapter(h: Array, a: Array, b: Array, scale: float, ctx: TensorContext, *, in_dims: int) -> Array:
+    """`scale * (h @ a) @ b` of a row-parallel projection: `h @ a` is summed over
+    the tensor axis (split along the sequence under sequence parallelism) like
+    the base's output, then multiplied by the whole `b`."""
+    u = row_matmul(h, a, ctx, in_dims=in_dims)
+    return jnp.tensordot(u, b, axes=1) * jnp.asarray(scale, u.dtype)
