@@ -124,7 +124,7 @@ def add_lora(
     model: PyTree,
     *,
     rank: int,
-    alpha: float | None = None,
+    alpha: int | float | None = None,
     targets: Sequence[str] | None = None,
     key: PRNGKeyArray,
 ) -> PyTree:

@@ -44,18 +44,22 @@ class AttentionLoRA(eqx.Module):
     ```
     """
 
-    q_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
-    q_b: Float[Array, "rank heads head_dim"] | None = param(axes=(None, "heads", None), default=None)
-    k_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
-    k_b: Float[Array, "rank kv_heads head_dim"] | None = param(axes=(None, "kv_heads", None), default=None)
-    v_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
-    v_b: Float[Array, "rank kv_heads head_dim"] | None = param(axes=(None, "kv_heads", None), default=None)
-    qkv_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
-    qkv_b: Float[Array, "rank three heads head_dim"] | None = param(
+    q_a: Float[Array, "*layers d_model rank"] | None = param(axes=("embed", None), default=None)
+    q_b: Float[Array, "*layers rank heads head_dim"] | None = param(axes=(None, "heads", None), default=None)
+    k_a: Float[Array, "*layers d_model rank"] | None = param(axes=("embed", None), default=None)
+    k_b: Float[Array, "*layers rank kv_heads head_dim"] | None = param(
+        axes=(None, "kv_heads", None), default=None
+    )
+    v_a: Float[Array, "*layers d_model rank"] | None = param(axes=("embed", None), default=None)
+    v_b: Float[Array, "*layers rank kv_heads head_dim"] | None = param(
+        axes=(None, "kv_heads", None), default=None
+    )
+    qkv_a: Float[Array, "*layers d_model rank"] | None = param(axes=("embed", None), default=None)
+    qkv_b: Float[Array, "*layers rank three heads head_dim"] | None = param(
         axes=(None, None, "heads", None), default=None
     )
-    o_a: Float[Array, "heads head_dim rank"] | None = param(axes=("heads", None, None), default=None)
-    o_b: Float[Array, "rank d_model"] | None = param(axes=(None, "embed"), default=None)
+    o_a: Float[Array, "*layers heads head_dim rank"] | None = param(axes=("heads", None, None), default=None)
+    o_b: Float[Array, "*layers rank d_model"] | None = param(axes=(None, "embed"), default=None)
     rank: int = eqx.field(static=True, default=8)
     alpha: float = eqx.field(static=True, default=8.0)
 
@@ -77,12 +81,12 @@ class MLPLoRA(eqx.Module):
     ```
     """
 
-    gate_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
-    gate_b: Float[Array, "rank d_hidden"] | None = param(axes=(None, "mlp"), default=None)
-    up_a: Float[Array, "d_model rank"] | None = param(axes=("embed", None), default=None)
-    up_b: Float[Array, "rank d_hidden"] | None = param(axes=(None, "mlp"), default=None)
-    down_a: Float[Array, "d_hidden rank"] | None = param(axes=("mlp", None), default=None)
-    down_b: Float[Array, "rank d_model"] | None = param(axes=(None, "embed"), default=None)
+    gate_a: Float[Array, "*layers d_model rank"] | None = param(axes=("embed", None), default=None)
+    gate_b: Float[Array, "*layers rank d_hidden"] | None = param(axes=(None, "mlp"), default=None)
+    up_a: Float[Array, "*layers d_model rank"] | None = param(axes=("embed", None), default=None)
+    up_b: Float[Array, "*layers rank d_hidden"] | None = param(axes=(None, "mlp"), default=None)
+    down_a: Float[Array, "*layers d_hidden rank"] | None = param(axes=("mlp", None), default=None)
+    down_b: Float[Array, "*layers rank d_model"] | None = param(axes=(None, "embed"), default=None)
     rank: int = eqx.field(static=True, default=8)
     alpha: float = eqx.field(static=True, default=8.0)
 
