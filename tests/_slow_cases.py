@@ -142,3 +142,10 @@ _add(
         "SIGTERM-1-was killed by signal SIGTERM": "SIGKILL-1-was killed by signal SIGKILL",
     },
 )
+
+
+# LoRA: each mode's sequence-parallel or overlapped variant beside a plan of the same mode.
+_add(
+    "test_lora.py::test_adapted_model_trains_as_one_device_with_only_its_own_collectives",
+    {"tp-overlap": "tp-manual-sp", "tp-auto-sp": "fsdp-tp"},
+)
