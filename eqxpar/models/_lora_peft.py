@@ -3,6 +3,7 @@
 model `save_pretrained` writes."""
 
 import json
+import math
 import os
 import pathlib
 from typing import Any
@@ -91,6 +92,13 @@ def _peft_tensor(leaf: np.ndarray, part: str) -> np.ndarray:
     return np.ascontiguousarray(leaf.reshape(leaf.shape[0], -1).T)
 
 
+def _peft_shape(shape: tuple[int, ...], part: str) -> tuple[int, int]:
+    # A (*in, rank) -> (rank, in); B (rank, *out) -> (out, rank).
+    if part == "A":
+        return shape[-1], math.prod(shape[:-1])
+    return math.prod(shape[1:]), shape[0]
+
+
 def save_lora(model: GPT, path: str | os.PathLike, *, base_model: str | None = None) -> None:
     """Write the adapters of `model` (from `add_lora`) as a PEFT LoRA adapter
     directory: `adapter_config.json` and `adapter_model.safetensors`, which the
@@ -132,10 +140,7 @@ def save_lora(model: GPT, path: str | os.PathLike, *, base_model: str | None = N
             hosts[id(leaf)] = host_array(leaf)
         return _peft_tensor(hosts[id(leaf)][i], part)
 
-    shapes = {
-        name: _peft_tensor(np.zeros(leaf.shape[1:], np.float32), part).shape
-        for name, (leaf, _, part) in tensors.items()
-    }
+    shapes = {name: _peft_shape(leaf.shape[1:], part) for name, (leaf, _, part) in tensors.items()}
     directory = pathlib.Path(path)
     if jax.process_index() != 0:
         for name in tensors:  # the gathers are collective: take part in each

@@ -1,0 +1,88 @@
+"""LoRA beside a full fine-tune of the same model under the same plan (BENCHMARKS.md,
+"LoRA"): optimizer-state bytes, the compiled step's temporary bytes, the step time.
+
+    python -m benchmarks.lora --json benchmarks/results/quick.json --markdown BENCHMARKS.md
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+
+import eqxpar
+
+from . import _measure, _workload, report
+
+#: The workload's Llama-style variant (separate Q, K, V; SwiGLU), every projection adapted.
+CFG = _workload.Config(llama=True, kv_heads=2)
+RANK, ALPHA, TARGETS = 8, 16, ("q", "k", "v", "o", "gate", "up", "down")
+MESH = dict(data=2, fsdp=2, tensor=2)
+BEGIN = "<!-- lora table (python -m benchmarks.lora --markdown): edit the prose outside it -->"
+END = "<!-- end of lora table -->"
+FIELDS = ("opt_state_bytes", "opt_state_bytes_per_device", "mem_temp_bytes", "step_time_s")
+SIDES = ("full", "lora")
+
+
+def _bytes(tree) -> dict[str, int]:
+    """The arrays of `tree`: bytes in all, and on the first device."""
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    first = jax.devices()[0]
+    local = sum(s.data.nbytes for x in arrays for s in x.addressable_shards if s.device == first)
+    return {"opt_state_bytes": sum(x.nbytes for x in arrays), "opt_state_bytes_per_device": local}
+
+
+def _side(model, trainable, plan, batches) -> tuple:
+    """A step of `model` training `trainable` (None: everything): its runner and figures."""
+    optim = _workload.make_optimizer(CFG)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0), trainable=trainable)
+    step = eqxpar.train.make_step(eqxpar.models.lm_loss, optim, plan, trainable=trainable)
+    figures = {**_bytes(state.opt_state), **_measure.memory(step.compile(state, batches[0]))}
+    held = [state, 0]
+
+    def run():
+        held[0], metrics = step(held[0], batches[held[1] % len(batches)])
+        held[1] += 1
+        return metrics["loss"]
+
+    return run, figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, required=True, help="the JSON to record into")
+    parser.add_argument("--markdown", type=pathlib.Path, help="a page with the table's markers")
+    parser.add_argument("--timed", type=int, default=10, help="timed steps per side (after 2 warm-up)")
+    args = parser.parse_args()
+    plan = eqxpar.Plan(eqxpar.make_mesh(**MESH), rules=_workload.TENSOR_FSDP_RULES)
+    model, batches = _workload.make_model(CFG), _workload.make_batches(4, CFG)
+    adapted = eqxpar.models.add_lora(model, rank=RANK, alpha=ALPHA, targets=TARGETS, key=jax.random.key(2))
+    sides = {"full": _side(model, None, plan, batches)}
+    sides["lora"] = _side(adapted, eqxpar.models.lora_trainable(adapted), plan, batches)
+    times = _measure.timed_steps({k: run for k, (run, _) in sides.items()}, warm=2, timed=args.timed)
+    record = {"command": "python -m " + " ".join(["benchmarks.lora", *sys.argv[1:]]), "mesh": MESH}
+    record |= {"workload": _workload.describe(CFG), "rank": RANK, "alpha": ALPHA, "targets": list(TARGETS)}
+    for k, (_, figures) in sides.items():
+        record[k] = {**figures, "step_time_s": times[k]["step_time_s"]}
+    record["ratios"] = {f: record["lora"][f] / record["full"][f] for f in FIELDS}
+    print(json.dumps(record, indent=1))
+    data = json.loads(args.json.read_text()) if args.json.exists() else {}
+    _measure.write_json(args.json, {**data, "lora": record})
+    if args.markdown:
+        report.splice(args.markdown, _table(record), begin=BEGIN, end=END)
+
+
+def _table(record: dict) -> str:
+    kib = lambda x: f"{x / 2**10:,.0f} KiB"  # noqa: E731
+    rows = [
+        [k, *(kib(record[k][f]) for f in FIELDS[:3]), f"{record[k]['step_time_s'] * 1e3:.1f} ms"]
+        for k in SIDES
+    ]
+    rows.append(["lora / full", *(f"{record['ratios'][f]:.3f}" for f in FIELDS)])
+    columns = ["", "optimizer state", "its share per device", "step temporaries per device", "step time"]
+    return report.markdown_table(columns, rows)
+
+
+if __name__ == "__main__":
+    main()
