@@ -147,5 +147,5 @@ _add(
 # LoRA: each mode's sequence-parallel or overlapped variant beside a plan of the same mode.
 _add(
     "test_lora.py::test_adapted_model_trains_as_one_device_with_only_its_own_collectives",
-    {"tp-overlap": "tp-manual-sp", "tp-auto-sp": "fsdp-tp"},
+    {"tp-manual": "tp-manual-sp", "tp-overlap": "tp-manual-sp", "tp-auto-sp": "fsdp-tp"},
 )

@@ -204,6 +204,8 @@ def _adapter_bytes(model, tokens_per_device: int) -> int:
 PARITY_PLANS = {
     # Manual, sequence parallel: the column adapters ride on the base's gather.
     "tp-manual-sp": dict(mesh=dict(data=4, tensor=2), mode="manual", sequence_parallel=True),
+    # Manual without sequence parallelism (slow; sibling tp-manual-sp).
+    "tp-manual": dict(mesh=dict(data=4, tensor=2), mode="manual"),
     # Manual with ring collective matmuls (slow; sibling tp-manual-sp).
     "tp-overlap": dict(mesh=dict(data=4, tensor=2), mode="manual", sequence_parallel=True, tp_overlap=True),
     # Automatic (GSPMD) with FSDP: the adapters' model dimension split over fsdp.
