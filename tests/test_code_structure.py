@@ -32,9 +32,10 @@ MAX_FUNCTION_LINES = 80
 # run.py's release of each record's executables; 2,453 once the plan stored pipeline
 # stacks itself, `_workload.pipeline_model` gone, a full run keeping other scripts'
 # entries and the report naming records re-measured alone; 2,456 with the two V
-# records, pp_zb_v and pp_dualpipe_v; 2,544 with benchmarks/lora.py, LoRA beside a
-# full fine-tune, issue 46), so that the benchmarks can only shrink.
-MAX_BENCHMARK_LINES = 2544
+# records, pp_zb_v and pp_dualpipe_v; 2,533 with fine_tuning.py, the frozen-weights
+# figures of make_step(trainable=); 2,621 with lora.py, LoRA beside a full fine-tune),
+# so that the benchmarks can only shrink.
+MAX_BENCHMARK_LINES = 2621
 
 
 def _module_name(path: pathlib.Path) -> str:

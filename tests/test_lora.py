@@ -313,3 +313,38 @@ def test_lora_misuse_names_the_fix(tmp_path):
         add_lora(model, rank=2, key=jax.random.key(1))
     with pytest.raises(eqxpar.models.PretrainedError, match="merge_lora"):
         eqxpar.models.save_pretrained(model, tmp_path / "unmerged")
+
+
+def test_training_with_lora_trainable_moves_only_the_adapters():
+    # Section 1's trainable filter: frozen weights get no optimizer state and stay
+    # bit for bit; the adapters' steps equal one device's.
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    )
+    model = _trained_adapters(
+        add_lora(GPT(CONFIG, key=jax.random.key(0)), rank=2, alpha=4, targets=ALL, key=jax.random.key(1))
+    )
+    trainable = lora_trainable(model)
+    optim = optax.adam(1e-2)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0), trainable=trainable)
+    adapters, frozen = eqx.partition(model, trainable)
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(adapters))
+    moments = [x for x in jax.tree.leaves(state.opt_state) if eqx.is_array(x) and x.ndim]
+    assert sum(x.nbytes for x in moments) == 2 * adapter_bytes  # Adam's two moments, adapters only
+    step = eqxpar.train.make_step(lm_loss, optim, plan, trainable=trainable)
+    batches = [lm_tokens(i, batch=16, seq=CONFIG.max_seq_len, vocab=CONFIG.vocab_size) for i in range(2)]
+
+    @eqx.filter_jit
+    def reference(adapters, opt_state, tokens):
+        grads = eqx.filter_grad(lambda a: lm_loss(eqx.combine(a, frozen), tokens))(adapters)
+        updates, opt_state = optim.update(grads, opt_state, adapters)
+        return eqx.apply_updates(adapters, updates), opt_state
+
+    ref, ref_state = adapters, optim.init(adapters)
+    for tokens in batches:
+        state, _ = step(state, tokens)
+        ref, ref_state = reference(ref, ref_state, tokens)
+    got_adapters, got_frozen = eqx.partition(state.model, trainable)
+    assert_trees_close(got_adapters, ref)
+    for a, b in zip(jax.tree.leaves(got_frozen), jax.tree.leaves(frozen), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: exactly the base

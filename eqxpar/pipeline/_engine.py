@@ -303,6 +303,11 @@ class Engine:
             self.blocks_of, jax.tree.map(lambda _: True, g_rest), jax.tree.map(lambda _: False, g_blocks)
         )
         grads = eqx.tree_at(self.blocks_of, g_rest, g_blocks)
+        if self.layout.trainable is not None:
+            # Frozen weights (`make_step(trainable=...)`): the stages' backward
+            # computes their gradients with the others', but none is reduced or
+            # leaves the step.
+            grads = eqx.filter(grads, self.layout.trainable)
 
         def reduce(g: jax.Array, gather_kept: Any, rest_leaf: bool) -> jax.Array:
             # Reduce-scatter over the axes the weight was gathered over (the
