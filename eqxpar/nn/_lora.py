@@ -16,10 +16,13 @@ the base output's). In automatic mode the compiler places the same.
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from .._param import param
+from .._plan import current_plan
 from ._context import TensorContext
 from ._matmul import column_matmul, row_matmul
 
@@ -125,7 +128,7 @@ def column_with_adapters(
         ys = column_matmul(x, weights, ctx, split_dim=split_dim)
         whole = ctx.constrain(x, ctx.seq(), None)
         # The rank dimension is never split: the adapter's inputs are whole.
-        us = [ctx.constrain(jnp.tensordot(whole, a, axes=1), None, None) for _, a, _ in pairs]
+        us = [ctx.constrain(jnp.tensordot(whole, _gathered(a), axes=1), None, None) for _, a, _ in pairs]
     deltas = []
     for (_, _, b), u in zip(pairs, us, strict=True):
         delta = jnp.tensordot(u, b, axes=1) * jnp.asarray(scale, u.dtype)
@@ -140,4 +143,17 @@ def row_adapter(h: Array, a: Array, b: Array, scale: float, ctx: TensorContext, 
     the tensor axis (split along the sequence under sequence parallelism) like
     the base's output, then multiplied by the whole `b`."""
     u = row_matmul(h, a, ctx, in_dims=in_dims)
-    return jnp.tensordot(u, b, axes=1) * jnp.asarray(scale, u.dtype)
+    return jnp.tensordot(u, b if ctx.manual else _gathered(b), axes=1) * jnp.asarray(scale, u.dtype)
+
+
+def _gathered(w: Array) -> Array:
+    """In automatic mode under a plan, `w` (a layer's adapter weight, whole over
+    `tensor`) replicated: gathered over any other axis that splits it (`fsdp`),
+    as FSDP gathers a weight before use. Left free, GSPMD splits the product's
+    contraction over the unused tensor axis instead, moving the adapter between
+    devices with collective-permutes (which XLA:CPU's simulated devices can run
+    in different orders and deadlock on)."""
+    plan = current_plan()
+    if plan is None or not isinstance(w, jax.core.Tracer) or jax.sharding.get_abstract_mesh().manual_axes:
+        return w
+    return jax.lax.with_sharding_constraint(w, NamedSharding(plan.mesh, PartitionSpec()))
