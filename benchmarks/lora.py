@@ -18,7 +18,9 @@ from . import _measure, _workload, report
 #: The workload's Llama-style variant (separate Q, K, V; SwiGLU), every projection adapted.
 CFG = _workload.Config(llama=True, kv_heads=2)
 RANK, ALPHA, TARGETS = 8, 16, ("q", "k", "v", "o", "gate", "up", "down")
+#: The fsdp_tp record's plan: FSDP x tensor x sequence parallel, manual.
 MESH = dict(data=2, fsdp=2, tensor=2)
+PLAN = dict(rules=_workload.TENSOR_FSDP_RULES, mode="manual", sequence_parallel=True)
 BEGIN = "<!-- lora table (python -m benchmarks.lora --markdown): edit the prose outside it -->"
 END = "<!-- end of lora table -->"
 FIELDS = ("opt_state_bytes", "opt_state_bytes_per_device", "mem_temp_bytes", "step_time_s")
@@ -44,7 +46,7 @@ def _side(model, trainable, plan, batches) -> tuple:
     def run():
         held[0], metrics = step(held[0], batches[held[1] % len(batches)])
         held[1] += 1
-        return metrics["loss"]
+        return held[0], metrics  # all of it: the next step starts after this one ends
 
     return run, figures
 
@@ -55,13 +57,17 @@ def main() -> None:
     parser.add_argument("--markdown", type=pathlib.Path, help="a page with the table's markers")
     parser.add_argument("--timed", type=int, default=10, help="timed steps per side (after 2 warm-up)")
     args = parser.parse_args()
-    plan = eqxpar.Plan(eqxpar.make_mesh(**MESH), rules=_workload.TENSOR_FSDP_RULES)
+    plan = eqxpar.Plan(eqxpar.make_mesh(**MESH), **PLAN)
     model, batches = _workload.make_model(CFG), _workload.make_batches(4, CFG)
     adapted = eqxpar.models.add_lora(model, rank=RANK, alpha=ALPHA, targets=TARGETS, key=jax.random.key(2))
     sides = {"full": _side(model, None, plan, batches)}
     sides["lora"] = _side(adapted, eqxpar.models.lora_trainable(adapted), plan, batches)
     times = _measure.timed_steps({k: run for k, (run, _) in sides.items()}, warm=2, timed=args.timed)
-    record = {"command": "python -m " + " ".join(["benchmarks.lora", *sys.argv[1:]]), "mesh": MESH}
+    record = {
+        "command": "python -m " + " ".join(["benchmarks.lora", *sys.argv[1:]]),
+        "mesh": MESH,
+        "plan": "TENSOR_FSDP_RULES, manual, sequence parallel",
+    }
     record |= {"workload": _workload.describe(CFG), "rank": RANK, "alpha": ALPHA, "targets": list(TARGETS)}
     for k, (_, figures) in sides.items():
         record[k] = {**figures, "step_time_s": times[k]["step_time_s"]}

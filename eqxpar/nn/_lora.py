@@ -8,11 +8,12 @@ column-parallel projection (Q, K, V, gate, up) `a` is whole over the tensor axis
 and `b` split like the base's output; for a row-parallel one (the attention
 output, down) `a` is split like the base's input and `b` whole.
 
-Communication: in manual mode a column-parallel adapter's `x @ a` rides along
-with the base weights' product, in the same gather of `x` under sequence
-parallelism; a row-parallel adapter sums its `(batch, seq, rank)` partial
-product over the tensor axis (the adapter's own collective, `rank / d_model` of
-the base output's). In automatic mode the compiler places the same.
+Communication: in manual mode a column-parallel adapter's `x @ a` uses the base
+weights' gather of `x` under sequence parallelism (their ring under
+`tp_overlap`) and the same sum of its cotangent; a row-parallel adapter sums its
+`(batch, seq, rank)` partial product over the tensor axis (the adapter's own
+collective, `rank / d_model` of the base output's). In automatic mode the
+adapters a product needs whole are gathered first, as FSDP gathers a weight.
 """
 
 import equinox as eqx
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
+from .._collectives import all_gather
 from .._param import param
 from .._plan import current_plan
 from ._context import TensorContext
@@ -121,7 +123,15 @@ def column_with_adapters(
     if not pairs:
         return column_matmul(x, weights, ctx, split_dim=split_dim), []
     n = len(weights)
-    if ctx.manual:
+    if ctx.manual and ctx.sequence_parallel and not ctx.overlap:
+        # One gather of x for base and adapters, but products apart: in one joined
+        # product the adapters' gradient would compute the frozen base weights' too.
+        whole = all_gather(x, axis_name=ctx.axis, axis=1)
+        ys = [jnp.tensordot(whole, w, axes=1) for w in weights]
+        us = [jnp.tensordot(whole, a, axes=1) for _, a, _ in pairs]
+    elif ctx.manual:
+        # Without sequence parallelism each product is apart already; with tp_overlap
+        # the adapters join the ring's product (one ring of x), at the cost above.
         outs = column_matmul(x, [*weights, *(a for _, a, _ in pairs)], ctx, split_dim=split_dim)
         ys, us = outs[:n], outs[n:]
     else:
