@@ -23,7 +23,8 @@ MESH = dict(data=2, fsdp=2, tensor=2)
 PLAN = dict(rules=_workload.TENSOR_FSDP_RULES, mode="manual", sequence_parallel=True)
 BEGIN = "<!-- lora table (python -m benchmarks.lora --markdown): edit the prose outside it -->"
 END = "<!-- end of lora table -->"
-FIELDS = ("opt_state_bytes", "opt_state_bytes_per_device", "mem_temp_bytes", "step_time_s")
+FIELDS = ("opt_state_bytes", "opt_state_bytes_per_device", "mem_temp_bytes", "matmul_flops", "wire_bytes")
+FIELDS += ("step_time_s",)
 SIDES = ("full", "lora")
 
 
@@ -40,7 +41,10 @@ def _side(model, trainable, plan, batches) -> tuple:
     optim = _workload.make_optimizer(CFG)
     state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0), trainable=trainable)
     step = eqxpar.train.make_step(eqxpar.models.lm_loss, optim, plan, trainable=trainable)
-    figures = {**_bytes(state.opt_state), **_measure.memory(step.compile(state, batches[0]))}
+    compiled = step.compile(state, batches[0])
+    figures = {**_bytes(state.opt_state), **_measure.memory(compiled)}
+    figures["matmul_flops"] = int(eqxpar.inspect.matmul_flops(compiled))
+    figures["wire_bytes"] = int(eqxpar.inspect.collective_stats(compiled).total_wire_bytes)
     held = [state, 0]
 
     def run():
@@ -76,17 +80,17 @@ def main() -> None:
     data = json.loads(args.json.read_text()) if args.json.exists() else {}
     _measure.write_json(args.json, {**data, "lora": record})
     if args.markdown:
-        report.splice(args.markdown, _table(record), begin=BEGIN, end=END)
+        report.splice(args.markdown, table(record), begin=BEGIN, end=END)
 
 
-def _table(record: dict) -> str:
+def table(record: dict) -> str:
+    """The Markdown table of a `lora` record (BENCHMARKS.md, "LoRA")."""
     kib = lambda x: f"{x / 2**10:,.0f} KiB"  # noqa: E731
-    rows = [
-        [k, *(kib(record[k][f]) for f in FIELDS[:3]), f"{record[k]['step_time_s'] * 1e3:.1f} ms"]
-        for k in SIDES
-    ]
+    units = (kib, kib, kib, lambda x: f"{x / 1e9:.2f} G", kib, lambda x: f"{x * 1e3:,.0f} ms")
+    rows = [[k, *(u(record[k][f]) for u, f in zip(units, FIELDS, strict=True))] for k in SIDES]
     rows.append(["lora / full", *(f"{record['ratios'][f]:.3f}" for f in FIELDS)])
-    columns = ["", "optimizer state", "its share per device", "step temporaries per device", "step time"]
+    columns = ["", "optimizer state", "its share per device", "step temporaries per device"]
+    columns += ["matmul FLOPs per device", "collective wire bytes per device", "step time"]
     return report.markdown_table(columns, rows)
 
 

@@ -292,6 +292,9 @@ def test_figures_quoted_from_other_scripts_match_the_record():
             f"| {i} | {mb['rss_before']} | {mb['peak']} | {mb['growth']} | {mb['shards']} | "
             f"{p['growth_over_shards_plus_largest']:.2f} | {mb['anonymous_after']} |"
         )
+    from benchmarks.lora import table
+
+    quoted.append(table(data["lora"]))  # the LoRA table is the record's
     for text in quoted:
         assert text in bench, text
     assert (
