@@ -20,7 +20,8 @@ It prints where every array lives and what one step communicates
 periodic evaluation, the final evaluation loss beside the unigram entropy of the
 text (the loss of a model that ignores context), the training throughput (tokens/s
 and MFU, `eqxpar.train.Throughput`) and a sample of generated text.
-The loss curve goes to `<out>/loss.png` and the sample to `<out>/sample.txt`.
+The loss curve goes to `<out>/loss.png`, the sample to `<out>/sample.txt`, and the
+metrics to `<out>/metrics.jsonl` (and TensorBoard event files, `<out>/tensorboard`).
 """
 
 import os
@@ -270,6 +271,14 @@ def main(argv=None) -> dict:
         evals.append((steps_done, value))
         meter.start()  # the evaluation is not training time
 
+    out = pathlib.Path(args.out)
+    # Metrics as JSON lines, and as TensorBoard event files where tensorboardX is installed.
+    trackers = [eqxpar.train.JsonLinesTracker(out / "metrics.jsonl")]
+    try:
+        trackers.append(eqxpar.train.TensorBoardTracker(out / "tensorboard"))
+    except eqxpar.EqxparError:
+        pass
+    tracker = eqxpar.train.Trackers(trackers)
     state = train(
         recording_step,
         state,
@@ -279,7 +288,9 @@ def main(argv=None) -> dict:
         steps=args.steps,
         every=args.eval_every,
         on_eval=recording_eval,
+        tracker=tracker,
     )
+    tracker.close()
     final = evals[-1][1]
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {entropy:.3f})")
     print_throughput(meter)
@@ -295,7 +306,6 @@ def main(argv=None) -> dict:
     sample = decode(data, ids)
     print("sample:\n" + sample)
 
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sample.txt").write_text(sample + "\n")
     title = f"GPT on pydoc topics: {mesh_text}" + (

@@ -90,7 +90,7 @@ def build_program(
     prog = np.zeros(sched.table.shape[:2] + (HEAD + 2 * FIELDS,), np.int32)
     sends = _send_kinds(sched)
     # A forward-only table (evaluation) has no backward to fold the last forward into.
-    backward = bool(np.isin(sched.table[..., 2], (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)).any())
+    backward = any(np.isin(t[..., 2], (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)).any() for t in tables)
     for tick in range(sched.ticks):
         for device in range(p):
             keys, fields, writes, reads = [], [], [], []
