@@ -315,6 +315,17 @@ def check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> 
     )
 
 
+def runs_pipeline(plan: Plan) -> bool:
+    """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
+    return plan.schedule is not None
+
+
+def rows_per_call(plan: Plan) -> int:
+    """The batch sizes a step or evaluation of `plan` runs whole are multiples of
+    this: the data-parallel devices times a pipeline's micro-batches."""
+    return plan.batch_size_multiple * microbatch_count(plan, 1)
+
+
 def microbatch_count(plan: Plan, accumulate: int) -> int:
     # The equal parts a batch is split into: a pipeline's micro-batches, or the
     # accumulated ones.

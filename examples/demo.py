@@ -20,7 +20,8 @@ It prints where every array lives and what one step communicates
 periodic evaluation, the final evaluation loss beside the unigram entropy of the
 text (the loss of a model that ignores context), the training throughput (tokens/s
 and MFU, `eqxpar.train.Throughput`) and a sample of generated text.
-The loss curve goes to `<out>/loss.png` and the sample to `<out>/sample.txt`.
+The loss curve goes to `<out>/loss.png`, the sample to `<out>/sample.txt`, and the
+metrics to `<out>/metrics.jsonl` (and TensorBoard event files, `<out>/tensorboard`).
 """
 
 import os
@@ -241,12 +242,9 @@ def main(argv=None) -> dict:
     # Compiles the step: the executable the first training step then reuses.
     print(eqxpar.inspect.comm_report(step, state, next_batch()))
 
-    # The trained model holds ordinary (sharded) global arrays, so it evaluates and
-    # generates under plain jit whatever the plan it trains under.
-    evaluate = eqx.filter_jit(lm_loss)
-    eval_batch = eqxpar.shard_batch(
-        data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
-    )
+    # Held-out loss under the same plan (a pipeline runs its forwards only).
+    eval_step = eqxpar.train.make_eval_step(loss_fn, plan)
+    eval_batches = [data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval")]
     train_losses, evals = [], []
     # Tokens/s and MFU. The "cpu" profile has no published peak, so MFU here is
     # against the measured float32 matmul rate (the demo computes in float32) of
@@ -269,13 +267,30 @@ def main(argv=None) -> dict:
         train_losses.append(float(metrics["loss"]))
         return state, metrics
 
-    def recording_eval(model):
-        value = float(evaluate(model, eval_batch))
-        evals.append((len(train_losses), value))
+    def recording_eval(steps_done, value):
+        evals.append((steps_done, value))
         meter.start()  # the evaluation is not training time
-        return value
 
-    state = train(recording_step, state, next_batch, recording_eval, steps=args.steps, every=args.eval_every)
+    out = pathlib.Path(args.out)
+    # Metrics as JSON lines, and as TensorBoard event files where tensorboardX is installed.
+    trackers = [eqxpar.train.JsonLinesTracker(out / "metrics.jsonl")]
+    try:
+        trackers.append(eqxpar.train.TensorBoardTracker(out / "tensorboard"))
+    except eqxpar.EqxparError:
+        pass
+    tracker = eqxpar.train.Trackers(trackers)
+    state = train(
+        recording_step,
+        state,
+        next_batch,
+        eval_step,
+        eval_batches,
+        steps=args.steps,
+        every=args.eval_every,
+        on_eval=recording_eval,
+        tracker=tracker,
+    )
+    tracker.close()
     final = evals[-1][1]
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {entropy:.3f})")
     print_throughput(meter)
@@ -291,7 +306,6 @@ def main(argv=None) -> dict:
     sample = decode(data, ids)
     print("sample:\n" + sample)
 
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sample.txt").write_text(sample + "\n")
     title = f"GPT on pydoc topics: {mesh_text}" + (

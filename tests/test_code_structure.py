@@ -265,6 +265,7 @@ PLAN_READS = {
     "eqxpar/inspect/_minimum.py": 50,
     "eqxpar/pipeline/_engine.py": 19,
     "eqxpar/_step.py": 3,
+    "eqxpar/_eval.py": 1,
     "eqxpar/_grad_manual.py": 10,
     "eqxpar/runtime/_data.py": 8,
     "eqxpar/_advise/_advice.py": 7,

@@ -6,6 +6,7 @@ nothing compiled). examples/token_file.py trains from a token file, resumes, and
 measures reading one."""
 
 import itertools
+import json
 import re
 
 import equinox as eqx
@@ -109,6 +110,12 @@ def test_example_runs(name, tmp_path):
     if name == "demo/3d":
         assert (tmp_path / "loss.png").stat().st_size > 0
         assert (tmp_path / "sample.txt").read_text().startswith("Python ")
+        # The loop's tracker: a line per step, the held-out losses beside them.
+        records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        train_steps = [r["step"] for r in records if "loss" in r]
+        assert train_steps == list(range(1, len(train_steps) + 1)) and train_steps
+        assert any("eval_loss" in r for r in records)
+        assert any((tmp_path / "tensorboard").iterdir())
 
 
 def test_filter_jit_loop_runs():
