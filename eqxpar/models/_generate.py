@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .. import nn
 from .._errors import BatchError, PlanError, SpecError
@@ -51,7 +51,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     stop_tokens: Sequence[int] = (),
-    prompt_lengths: Int[Array, " batch"] | Sequence[int] | None = None,
+    prompt_lengths: Int[ArrayLike, " rows"] | Sequence[int] | None = None,
     max_length: int | None = None,
     plan: Plan | None = None,
 ) -> Generation:
@@ -125,7 +125,8 @@ def generate(
             "with at least one token."
         )
     _check_settings(steps, temperature, top_k, top_p)
-    prompt = prompt_ids if prompt_ids.ndim == 2 else prompt_ids[None]
+    prompt = prompt_ids if isinstance(prompt_ids, jax.core.Tracer) else np.asarray(prompt_ids)
+    prompt = prompt if prompt.ndim == 2 else prompt[None]
     batch, width = prompt.shape
     total = width + steps
     length = total if max_length is None else max_length
@@ -134,15 +135,18 @@ def generate(
     plan = _generation_plan(current_plan() if plan is None else plan, batch)
     stops = _stop_tokens(stop_tokens, model.config.vocab_size)
     if steps == 0:
-        out = Generation(prompt, jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch,), jnp.int32))
+        out = Generation(jnp.asarray(prompt), jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch,), jnp.int32))
     else:
-        buffer = jnp.zeros((batch, length), prompt.dtype).at[:, :width].set(prompt)
+        # Built on the host where the prompt is concrete: each eager device op
+        # would compile a small program of its own.
+        xp = jnp if isinstance(prompt, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer) else np
+        buffer = xp.concatenate([prompt, xp.zeros((batch, length - width), prompt.dtype)], axis=1)
         scalars = dict(
-            width=jnp.asarray(width, jnp.int32),
-            steps=jnp.asarray(steps, jnp.int32),
-            temperature=jnp.asarray(temperature, jnp.float32),
-            top_k=jnp.asarray(top_k, jnp.int32),
-            top_p=jnp.asarray(top_p, jnp.float32),
+            width=np.asarray(width, np.int32),
+            steps=np.asarray(steps, np.int32),
+            temperature=np.asarray(temperature, np.float32),
+            top_k=np.asarray(top_k, np.int32),
+            top_p=np.asarray(top_p, np.float32),
         )
         tokens, logprobs, count = _decode(model, buffer, width - lengths, stops, key, scalars, plan)
         out = Generation(tokens[:, :total], logprobs[:, width:total], count)
@@ -174,32 +178,30 @@ def _check_length(model: GPT, length: object, total: int, given: int | None) -> 
         )
 
 
-def _prompt_lengths(given: object, batch: int, width: int) -> Array:
+def _prompt_lengths(given: object, batch: int, width: int) -> ArrayLike:
     if given is None:
-        return jnp.full((batch,), width, jnp.int32)
-    lengths = jnp.asarray(given)
+        return np.full((batch,), width, np.int32)
+    lengths = given if isinstance(given, jax.core.Tracer) else np.asarray(given)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise SpecError(
             f"generate(prompt_lengths=...): shape {lengths.shape}, dtype {lengths.dtype}; expected "
             f"({batch},) integers, one per prompt row."
         )
-    if not isinstance(lengths, jax.core.Tracer):
-        values = np.asarray(lengths)
-        if values.min() < 1 or values.max() > width:
-            raise SpecError(
-                f"generate(prompt_lengths={values.tolist()}): each row's prompt is its last "
-                f"prompt_lengths[b] ids (left padding), so each must be from 1 to {width}."
-            )
-    return lengths.astype(jnp.int32)
+    if not isinstance(lengths, jax.core.Tracer) and (lengths.min() < 1 or lengths.max() > width):
+        raise SpecError(
+            f"generate(prompt_lengths={lengths.tolist()}): each row's prompt is its last "
+            f"prompt_lengths[b] ids (left padding), so each must be from 1 to {width}."
+        )
+    return lengths.astype(np.int32)
 
 
-def _stop_tokens(stop_tokens: Sequence[int], vocab: int) -> Array:
+def _stop_tokens(stop_tokens: Sequence[int], vocab: int) -> np.ndarray:
     ids = list(stop_tokens)
     for t in ids:
         if not isinstance(t, int | np.integer) or not 0 <= t < vocab:
             raise PlanError(f"generate(stop_tokens={ids!r}): expected token ids from 0 to {vocab - 1}.")
     # -1 matches no token: the array keeps at least one entry.
-    return jnp.asarray(ids or [-1], jnp.int32)
+    return np.asarray(ids or [-1], np.int32)
 
 
 def _generation_plan(plan: Plan | None, batch: int) -> Plan | None:
