@@ -170,7 +170,10 @@ def test_generate_refuses_what_it_cannot_serve():
     prompt = jnp.zeros((4, 3), jnp.int32)
     key = jax.random.key(0)
     pipeline = eqxpar.Plan(
-        eqxpar.make_mesh(pipe=2, data=4), rules=eqxpar.pipeline.stage_rules(), schedule="gpipe", microbatches=2
+        eqxpar.make_mesh(pipe=2, data=4),
+        rules=eqxpar.pipeline.stage_rules(),
+        schedule="gpipe",
+        microbatches=2,
     )
     with pytest.raises(eqxpar.PlanError, match="without pipe"):
         generate(model, prompt, steps=2, key=key, plan=pipeline)
