@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 
 import eqxpar
 from eqxpar.models import GPT, GPTConfig, from_pretrained, generate
-from eqxpar.models._generate import _cache_spec, _empty_cache
 
 from ._helpers import assert_trees_close
 
@@ -73,16 +72,17 @@ def test_greedy_matches_transformers_under_data_and_tensor(name):
     check_against_transformers(name, eqxpar.Plan(mesh, rules=eqxpar.rules.MEGATRON, **PLANS[name]))
 
 
-def test_cache_is_sharded_like_the_attention():
-    plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON)
-    model = from_pretrained(DATA / "qwen2", plan)
-    assert _cache_spec(model, plan) == P(None, None, ("data", "fsdp"), None, "tensor", None)
-    with plan:
-        cache, _ = jax.jit(lambda m: _empty_cache(m, 8, 16, plan))(model)
-    # (layers, blocks per layer, batch, slots, kv_heads, head_dim): 2 kv heads, 1 per device.
-    assert cache.shape == (2, 1, 8, 16, 2, 8)
-    assert cache.sharding.is_equivalent_to(plan.sharding(_cache_spec(model, plan)), cache.ndim)
-    assert {s.data.shape for s in cache.addressable_shards} == {(2, 1, 2, 16, 1, 8)}
+def test_decode_layout_shards_the_cache_like_the_attention():
+    # Under the manual plans above each device's cache must hold its own key heads:
+    # a whole-heads cache would not take the keys its shard of the weights computes.
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    )
+    layout = eqxpar.internal.DecodeLayout.resolve(plan, batch=8)
+    assert layout.manual and layout.manual_axes is None and layout.batch_axes == ("data", "fsdp")
+    assert not layout.plan.sequence_parallel and layout.plan.rules == plan.rules
+    # (layers, blocks per layer, batch, slots, kv_heads, head_dim)
+    assert layout.cache_spec("tensor") == P(None, None, ("data", "fsdp"), None, "tensor", None)
 
 
 def tiny_model(**overrides):

@@ -1,6 +1,5 @@
 """Sampling from a `GPT` with a key/value cache: `generate`."""
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -13,10 +12,11 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .. import nn
-from .._errors import BatchError, PlanError, SpecError
+from .._errors import PlanError, SpecError
 from .._plan import Plan, current_plan
 from .._shard_map import filter_shard_map
 from .._specs import partition_specs
+from .._step_layout import DecodeLayout
 from ..nn._kv_cache import cached_block
 from ._gpt import GPT
 
@@ -132,10 +132,13 @@ def generate(
     length = total if max_length is None else max_length
     _check_length(model, length, total, max_length)
     lengths = _prompt_lengths(prompt_lengths, batch, width)
-    plan = _generation_plan(current_plan() if plan is None else plan, batch)
+    plan = current_plan() if plan is None else plan
+    layout = None if plan is None else DecodeLayout.resolve(plan, batch)
     stops = _stop_tokens(stop_tokens, model.config.vocab_size)
     if steps == 0:
-        out = Generation(jnp.asarray(prompt), jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch,), jnp.int32))
+        out = Generation(
+            jnp.asarray(prompt), jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch,), jnp.int32)
+        )
     else:
         # Built on the host where the prompt is concrete: each eager device op
         # would compile a small program of its own.
@@ -148,7 +151,7 @@ def generate(
             top_k=np.asarray(top_k, np.int32),
             top_p=np.asarray(top_p, np.float32),
         )
-        tokens, logprobs, count = _decode(model, buffer, width - lengths, stops, key, scalars, plan)
+        tokens, logprobs, count = _decode(model, buffer, width - lengths, stops, key, scalars, layout)
         out = Generation(tokens[:, :total], logprobs[:, width:total], count)
     return out if prompt_ids.ndim == 2 else Generation(*(x[0] for x in out))
 
@@ -157,7 +160,9 @@ def _check_settings(steps: object, temperature: object, top_k: object, top_p: ob
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise PlanError(f"generate(steps={steps!r}): expected a non-negative integer.")
     if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature >= 0):
-        raise PlanError(f"generate(temperature={temperature!r}): expected a finite number >= 0 (0 is greedy).")
+        raise PlanError(
+            f"generate(temperature={temperature!r}): expected a finite number >= 0 (0 is greedy)."
+        )
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise PlanError(f"generate(top_k={top_k!r}): expected an integer >= 0 (0 keeps every token).")
     if not (isinstance(top_p, int | float) and 0 < top_p <= 1):
@@ -204,57 +209,23 @@ def _stop_tokens(stop_tokens: Sequence[int], vocab: int) -> np.ndarray:
     return np.asarray(ids or [-1], np.int32)
 
 
-def _generation_plan(plan: Plan | None, batch: int) -> Plan | None:
-    if plan is None:
-        return None
-    if not isinstance(plan, Plan):
-        raise PlanError(f"generate(plan={plan!r}): expected an eqxpar.Plan or None.")
-    if plan.schedule is not None:
-        raise PlanError(
-            f"generate under a pipeline plan (schedule={plan.schedule!r}): decoding one token at a "
-            "time through pipeline stages leaves all but one stage idle. Generate under a plan "
-            "without pipe, e.g. eqxpar.Plan(eqxpar.make_mesh(data=..., tensor=...), "
-            "rules=eqxpar.rules.MEGATRON), or on one device with eqxpar.nn.in_natural_order(model)."
-        )
-    if plan.context_size > 1:
-        raise PlanError(
-            f"generate under context parallelism (mesh axis 'context' of size {plan.context_size}): "
-            "the cache is not split along the sequence. Generate under a plan whose mesh has no "
-            "context axis, e.g. tensor parallelism for long contexts (the cache's heads split)."
-        )
-    if plan.expert_size > 1:
-        raise PlanError(
-            f"generate under expert parallelism (mesh axis 'expert' of size {plan.expert_size}): not "
-            "supported. Generate under a plan without an expert axis (data and tensor), e.g. "
-            "eqxpar.Plan(eqxpar.make_mesh(data=..., tensor=...), rules=eqxpar.rules.MEGATRON)."
-        )
-    if batch % plan.batch_size_multiple:
-        raise BatchError(
-            f"generate: a batch of {batch} prompts under a plan whose batch axes {plan.batch_axes} "
-            f"split it over {plan.batch_size_multiple} devices. Pass a multiple of "
-            f"{plan.batch_size_multiple} prompts (pad with copies)."
-        )
-    # One token per step has no sequence to split; the weights' layout does not change.
-    return dataclasses.replace(plan, sequence_parallel=False, tp_overlap=False)
-
-
 @eqx.filter_jit
 def _decode(
-    model: GPT, buffer: Array, pads: Array, stops: Array, key: Array, s: dict, plan: Plan | None
+    model: GPT, buffer: Array, pads: Array, stops: Array, key: Array, s: dict, layout: DecodeLayout | None
 ) -> tuple[Array, Array, Array]:
-    if plan is None:
+    if layout is None:
         return _run(model, buffer, pads, stops, key, s, None)
-    with plan:
-        return _run(model, buffer, pads, stops, key, s, plan)
+    with layout.plan:
+        return _run(model, buffer, pads, stops, key, s, layout)
 
 
 def _run(
-    model: GPT, buffer: Array, pads: Array, stops: Array, key: Array, s: dict, plan: Plan | None
+    model: GPT, buffer: Array, pads: Array, stops: Array, key: Array, s: dict, layout: DecodeLayout | None
 ) -> tuple[Array, Array, Array]:
     model = nn.in_natural_order(model)
     batch, length = buffer.shape
-    forward = _forward_fn(model, plan)
-    cache = _empty_cache(model, batch, length, plan)
+    forward = _forward_fn(model, layout)
+    cache = _empty_cache(model, batch, length, layout)
     slots = jnp.arange(length)
     positions = slots[None, :] - pads[:, None]
     prefill = dict(
@@ -330,22 +301,21 @@ def _first_attention(blocks: object) -> object:
     return blocks.moe.attn if hasattr(blocks, "moe") else blocks.attn
 
 
-def _cache_spec(model: GPT, plan: Plan) -> PartitionSpec:
-    # (rows, blocks per row, batch, slots, kv_heads, head_dim): the heads split as
-    # the rules split the attention's key heads.
-    attn = _first_attention(partition_specs(model, plan).blocks.blocks)
+def _cache_spec(model: GPT, layout: DecodeLayout) -> PartitionSpec:
+    # The heads split as the rules split the attention's key heads (after the
+    # stack's leading layer dimension: (layers, d_model, [3,] heads, head_dim)).
+    attn = _first_attention(partition_specs(model, layout.plan).blocks.blocks)
     spec, dim = (attn.wqkv, 3) if attn.wk is None else (attn.wk, 2)
-    heads = spec[dim] if len(spec) > dim else None
-    return PartitionSpec(None, None, plan.batch_axes or None, None, heads, None)
+    return layout.cache_spec(spec[dim] if len(spec) > dim else None)
 
 
-def _empty_cache(model: GPT, batch: int, length: int, plan: Plan | None) -> tuple[Array, Array]:
+def _empty_cache(model: GPT, batch: int, length: int, layout: DecodeLayout | None) -> tuple[Array, Array]:
     attn = _first_attention(model.blocks.blocks)
     per_row = model.config.moe_every or 1
     shape = (model.blocks.layers, per_row, batch, length, attn.num_kv_heads, attn.head_dim)
     k = jnp.zeros(shape, attn.wo.dtype)
-    if plan is not None:
-        k = jax.lax.with_sharding_constraint(k, plan.sharding(_cache_spec(model, plan)))
+    if layout is not None:
+        k = jax.lax.with_sharding_constraint(k, layout.plan.sharding(_cache_spec(model, layout)))
     return k, k
 
 
@@ -388,19 +358,19 @@ def _forward(
     return logits, (ck, cv)
 
 
-def _forward_fn(model: GPT, plan: Plan | None):
+def _forward_fn(model: GPT, layout: DecodeLayout | None):
     """`forward(model, ids, cache, start, last, kw)`: `_forward`, inside
     `shard_map` under a manual plan."""
-    if plan is None or plan.mode != "manual":
+    if layout is None or not layout.manual:
         return lambda m, ids, cache, start, last, kw: _forward(m, ids, cache, start, last, **kw)
-    _check_manual_weights(model, plan)
-    rows, cache = PartitionSpec(plan.batch_axes or None), _cache_spec(model, plan)
+    layout.check_weights(partition_specs(model, layout.plan))
+    rows, cache = PartitionSpec(layout.batch_axes or None), _cache_spec(model, layout)
     region = filter_shard_map(
         _forward,
-        plan,
+        layout.plan,
         in_specs=(None, rows, (cache, cache), PartitionSpec(), PartitionSpec(), rows, rows, rows),
         out_specs=(rows, (cache, cache)),
-        axis_names=plan.manual_axes,
+        axis_names=layout.manual_axes,
         # The logits are gathered whole on every device, and an MoE block's output
         # is typed as varying over the size-1 expert axis: the values are what the
         # specs say, the type check would refuse them.
@@ -409,17 +379,3 @@ def _forward_fn(model: GPT, plan: Plan | None):
     return lambda m, ids, cache, start, last, kw: region(
         m, ids, cache, start, last, kw["positions"], kw["segment_ids"], kw["key_mask"]
     )
-
-
-def _check_manual_weights(model: GPT, plan: Plan) -> None:
-    manual = set(plan.mesh.axis_names if plan.manual_axes is None else plan.manual_axes)
-    split = {a for a in plan.batch_axes if a in manual and plan.mesh.shape[a] > 1}
-    for spec in jax.tree.leaves(partition_specs(model, plan), is_leaf=lambda x: isinstance(x, PartitionSpec)):
-        named = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-        if named & split:
-            raise PlanError(
-                f"generate under a manual plan whose rules split weights over the batch axes "
-                f"{sorted(named & split)} (FSDP): a decode step would need every layer gathered by "
-                "hand. Generate under the same plan in automatic mode: "
-                "dataclasses.replace(plan, mode='auto')."
-            )

@@ -36,8 +36,8 @@ class GPTConfig:
       to the token embeddings (default False). Independent of `rotary`: GPT-2-style
       models use `rotary=False, learned_positions=True`; with neither, only the
       causal mask tells tokens apart.
-    - `max_seq_len`: the longest input the model takes (default 256); `generate`
-      slides a window of this length.
+    - `max_seq_len`: the longest input the model takes (default 256); with
+      learned positions also the most tokens `generate` produces in all.
     - `use_bias`: biases in the attention and MLP projections and the LayerNorms
       (default False). The output head never has one.
     - `fused_qkv`: each attention stores Q, K and V as one weight
