@@ -32,10 +32,10 @@ MAX_FUNCTION_LINES = 80
 # run.py's release of each record's executables; 2,453 once the plan stored pipeline
 # stacks itself, `_workload.pipeline_model` gone, a full run keeping other scripts'
 # entries and the report naming records re-measured alone; 2,456 with the two V
-# records, pp_zb_v and pp_dualpipe_v; 2,541 with benchmarks/decode.py, the cached
+# records, pp_zb_v and pp_dualpipe_v; 2,543 with benchmarks/decode.py, the cached
 # generate against the uncached loop it replaced, issue 46), so that the benchmarks
 # can only shrink.
-MAX_BENCHMARK_LINES = 2541
+MAX_BENCHMARK_LINES = 2543
 
 
 def _module_name(path: pathlib.Path) -> str:
