@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         gc.collect()
         jax.clear_caches()
     data["wall_time_s"] = time.perf_counter() - started
-    if args.json.exists():  # a full run keeps what other scripts wrote (long_runs, pretrained_load)
+    if args.json.exists():  # a full run keeps what other scripts wrote (long_runs, pretrained_load, frozen)
         old = json.loads(args.json.read_text())
         foreign = {k: v for k, v in old.items() if k not in (*data, "updates")}
         data = _merged(old, data) if args.only else foreign | data

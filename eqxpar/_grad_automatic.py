@@ -3,7 +3,6 @@ compiler (GSPMD) places from the parameters' and the batch's shardings."""
 
 from typing import Any
 
-import equinox as eqx
 from jaxtyping import Array, PyTree
 
 from ._grad_common import LossFunction, accumulated_value_and_grad, specs_for, value_and_grad
@@ -17,7 +16,7 @@ def automatic_gradients(
     """Loss, aux and gradients over the global batch; the gradients take the
     layout's `updates` specs (FSDP: the compiler reduces them to shards)."""
     plan = layout.plan
-    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params, static = layout.differentiated(model)
     batch = loss.compute(batch)
     if layout.accumulate == 1:
         value, aux, grads = value_and_grad(loss, params, static, batch, key)

@@ -152,6 +152,11 @@ def value_and_grad(
     `(model, per-layer gathers)` (manual FSDP: gradients flow back through its
     gathers as reduce-scatters). `allowed`: manual axes the loss may vary along."""
 
+    # Frozen weights (`make_step(trainable=...)`) sit in `static`: not
+    # differentiated, so autodiff computes no weight gradient for them, but cast
+    # to the compute dtype like the rest.
+    static = loss.compute(static)
+
     def scalar_loss(params):
         model = eqx.combine(loss.compute(params), static)
         per_layer = {}

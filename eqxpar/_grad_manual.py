@@ -120,7 +120,7 @@ def _local_gradients(
     micro-batch loop instead, so the gradients are reduce-scattered once, after it.
     """
     axes = layout.reduced_axes
-    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params, static = layout.differentiated(model)
     if vary:
         params = jax.tree.map(lambda p: mark_varying(p, vary), params)
     batch = loss.compute(batch)
@@ -133,6 +133,9 @@ def _local_gradients(
         # Cast before gathering, as the one-batch step does (its gathers move the
         # compute dtype).
         params, pull = jax.vjp(lambda p: gather_whole(loss.compute(p), layout.params, axes), params)
+        # Frozen weights are gathered once too (outside the differentiated function).
+        frozen, rest = eqx.partition(static, eqx.is_inexact_array)
+        static = eqx.combine(gather_whole(loss.compute(frozen), layout.params, axes), rest)
     value, aux, grads = accumulated_value_and_grad(
         loss,
         params,

@@ -26,6 +26,7 @@ from ._step_layout import (
     warn_cpu_collective_order,
 )
 from ._train_state import TrainState
+from ._trainable import optimized, trainable_mask
 
 Metrics = dict[str, Any]
 
@@ -61,7 +62,7 @@ def _apply(
         # ZeRO-1: update this device's slice of every parameter (slicing a
         # replicated array moves nothing), then gather the new parameters.
         model = place_tree(model, layout.plan, specs=layout.updates)
-    params = eqx.filter(model, eqx.is_inexact_array)
+    params, _ = layout.differentiated(model)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(model, updates)
     if layout.sliced_update:
@@ -123,6 +124,7 @@ class Step:
         donate: bool,
         accumulate: int,
         skip_nonfinite: bool,
+        trainable: Any = None,
     ):
         #: The loss function the step differentiates (read by `eqxpar.inspect`).
         self.loss_fn = loss.fn
@@ -131,12 +133,14 @@ class Step:
         self._donate = donate
         self._accumulate = accumulate
         self._skip_nonfinite = skip_nonfinite
+        self._trainable = trainable
         self._cache: dict[Any, tuple[Callable, PyTree]] = {}
 
     def layout(self, state: TrainState) -> StepLayout:
         """The `StepLayout` this step resolves for `state`: every array's spec, the
-        manual axes, the batch axes it reduces by hand."""
-        return StepLayout.of_state(state, self._plan, accumulate=self._accumulate)
+        manual axes, the batch axes it reduces by hand, the leaves it trains."""
+        mask = trainable_mask(state.model, self._trainable, self._plan, where="make_step")
+        return StepLayout.of_state(state, self._plan, accumulate=self._accumulate, trainable=mask)
 
     def _jitted(self, state: TrainState, batch: PyTree) -> tuple[Callable, PyTree]:
         dynamic, static = eqx.partition(state, eqx.is_array)
@@ -160,6 +164,7 @@ class Step:
         plan = self._plan
         _warn_batch_statistics(state.model, plan, self._accumulate, stacklevel=4)
         layout = self.layout(state)
+        _check_optimizer_state(state, self._optimizer, layout)
         state_shardings = layout.shardings(layout.state_specs(dynamic))
         batch_sharding = plan.sharding(layout.batch)
         replicated = plan.sharding(PartitionSpec())
@@ -217,6 +222,25 @@ class Step:
         return self.lower(state, batch).compile()
 
 
+def _check_optimizer_state(
+    state: TrainState, optimizer: optax.GradientTransformation, layout: StepLayout
+) -> None:
+    """Refuse a state whose optimizer state mirrors other leaves than the step
+    trains (built with another `trainable` filter, or none): optax would fail deep
+    inside the update on mismatched trees, or update the wrong leaves."""
+    expected = jax.eval_shape(optimizer.init, optimized(state.model, layout.trainable))
+    if jax.tree.structure(expected) == jax.tree.structure(state.opt_state):
+        return
+    n_expected, n_state = len(jax.tree.leaves(expected)), len(jax.tree.leaves(state.opt_state))
+    raise PlanError(
+        f"the state's optimizer state ({n_state} arrays) is not the one this step's optimizer keeps for "
+        f"the leaves it trains ({n_expected} arrays, "
+        f"{'every array' if layout.trainable is None else 'the trainable= filter'}). Build the state "
+        "with the same optimizer and the same filter: eqxpar.train.init(model, optimizer, plan, "
+        "key=..., trainable=F) with make_step(..., trainable=F) (both None to train every weight)."
+    )
+
+
 def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stacklevel: int) -> None:
     """Warn (`AccumulationWarning`) when the step splits the batch into
     micro-batches and a module of the model says its loss holds a term that is not
@@ -267,6 +291,7 @@ def make_step(
     has_aux: bool = False,
     # Any: checked below, with an eqxpar error that names the value.
     skip_nonfinite: Any = False,
+    trainable: Any = None,
 ) -> Step:
     """Build the compiled training step for `plan`.
 
@@ -324,6 +349,17 @@ def make_step(
       loss), keeps its counters in the optimizer state, and after `n` consecutive
       bad steps applies the non-finite update anyway. `False`: no check, and a
       non-finite gradient reaches the optimizer.
+    - `trainable`: which weights train, as an Equinox filter: a bool, a callable
+      `leaf -> bool`, or a pytree of those that is a prefix of the model (built on
+      the model as loaded or as the state holds it: the plan's stack order is
+      applied to it). Default None: every floating-point array. Frozen weights stay
+      bit-identical, have no optimizer state (build the state with
+      `train.init(..., trainable=)` and the same filter; the step refuses another),
+      get no gradient reduction, and, outside pipelines, no weight-gradient
+      computation (they are not differentiated; a pipeline stage's backward still
+      computes theirs, and drops them). A filter decides per leaf: an
+      `eqxpar.nn.Stacked` weight (every layer of a stack) trains or not as a whole
+      (see the fine-tuning guide for training some layers).
 
     **Returns:** a `Step`; `step(state, batch) -> (state, metrics)` with metrics
     `{"loss", "grad_norm", "learning_rate" (when exposed), "aux" (with has_aux;
@@ -350,7 +386,15 @@ def make_step(
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
     warn_cpu_collective_order(plan, accumulate)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
-    return Step(loss, optimizer, plan, donate=donate, accumulate=accumulate, skip_nonfinite=skip_nonfinite)
+    return Step(
+        loss,
+        optimizer,
+        plan,
+        donate=donate,
+        accumulate=accumulate,
+        skip_nonfinite=skip_nonfinite,
+        trainable=trainable,
+    )
 
 
 def make_value_and_grad(
@@ -359,6 +403,7 @@ def make_value_and_grad(
     *,
     accumulate: int = 1,
     has_aux: bool = False,
+    trainable: Any = None,
 ) -> Callable:
     """The loss and gradients of a train step, without the update: compiled, and
     computed exactly as `make_step` computes them for `plan`.
@@ -366,7 +411,8 @@ def make_value_and_grad(
     Useful for custom update rules, for gradient inspection, and for checking a
     plan against a single-device `jax.value_and_grad`.
 
-    **Arguments:** as for `make_step` (`loss_fn`, `plan`, `accumulate`, `has_aux`).
+    **Arguments:** as for `make_step` (`loss_fn`, `plan`, `accumulate`, `has_aux`,
+    `trainable`: gradients for those weights only, None at frozen ones).
 
     **Returns:** `f(model, batch, *, key=None) -> (loss, grads)`, or
     `((loss, aux), grads)` with `has_aux`; `grads` mirrors the model's floating-point
@@ -383,7 +429,8 @@ def make_value_and_grad(
     @eqx.filter_jit
     def compiled(model, batch, key):
         with plan:
-            layout = StepLayout.resolve(plan, model, accumulate=accumulate)
+            mask = trainable_mask(model, trainable, plan, where="make_value_and_grad")
+            layout = StepLayout.resolve(plan, model, accumulate=accumulate, trainable=mask)
             model = place_tree(model, plan, specs=layout.params)
             batch = place_tree(batch, plan, specs=layout.batch)
             value, aux, grads = _gradients(loss, layout, model, batch, key)

@@ -29,6 +29,7 @@ from ._rules import mesh_axis_names
 from ._shard_map import region_manual_axes
 from ._sharding import shardings_of
 from ._specs import leaves_with_layout, partition_specs
+from ._trainable import split_trainable
 
 Kind = Literal["automatic", "manual", "pipeline"]
 
@@ -113,6 +114,8 @@ class StepLayout:
       parameters', or under ZeRO-1 the optimizer state's split over the batch axes.
     - `opt_state`: a PartitionSpec per array leaf of the optimizer state, or None
       when resolved without one.
+    - `trainable`: a bool per leaf of the model, True where a floating-point array
+      trains (`make_step(..., trainable=...)`), or None: every one does.
 
     ```python
     layout = eqxpar.internal.StepLayout.of_state(state, plan)
@@ -126,12 +129,20 @@ class StepLayout:
     params: PyTree
     updates: PyTree
     opt_state: PyTree | None
+    trainable: PyTree | None = None
 
     @classmethod
     def resolve(
-        cls, plan: Plan, model: PyTree, opt_state: PyTree | None = None, *, accumulate: int = 1
+        cls,
+        plan: Plan,
+        model: PyTree,
+        opt_state: PyTree | None = None,
+        *,
+        accumulate: int = 1,
+        trainable: PyTree | None = None,
     ) -> "StepLayout":
-        """Resolve the layout of a step over `model` (and `opt_state`) under `plan`."""
+        """Resolve the layout of a step over `model` (and `opt_state`) under `plan`;
+        `trainable` is the step's resolved filter (`_trainable.trainable_mask`)."""
         if not isinstance(plan, Plan):
             raise PlanError(f"StepLayout.resolve(plan={plan!r}): expected an eqxpar.Plan.")
         rules, mesh = plan.optimizer_rules, plan.mesh
@@ -140,12 +151,20 @@ class StepLayout:
             check_expert_specs(model, params)
         updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
         opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
-        return cls(plan, accumulate, manual_axes_of(plan, accumulate), params, updates, opt)
+        return cls(plan, accumulate, manual_axes_of(plan, accumulate), params, updates, opt, trainable)
 
     @classmethod
-    def of_state(cls, state: Any, plan: Plan, *, accumulate: int = 1) -> "StepLayout":
+    def of_state(
+        cls, state: Any, plan: Plan, *, accumulate: int = 1, trainable: PyTree | None = None
+    ) -> "StepLayout":
         """The layout of a `TrainState` (or its outline) under `plan`."""
-        return cls.resolve(plan, state.model, state.opt_state, accumulate=accumulate)
+        return cls.resolve(plan, state.model, state.opt_state, accumulate=accumulate, trainable=trainable)
+
+    def differentiated(self, model: PyTree) -> tuple[PyTree, PyTree]:
+        """`(params, rest)` of `model` (the global model, or one device's inside a
+        manual region: the same structure): the arrays the step differentiates and
+        updates, None elsewhere, and everything else (frozen weights included)."""
+        return split_trainable(model, self.trainable)
 
     @property
     def kind(self) -> Kind:
@@ -294,6 +313,17 @@ def check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> 
         "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
         "collectives as float32 anyway)."
     )
+
+
+def runs_pipeline(plan: Plan) -> bool:
+    """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
+    return plan.schedule is not None
+
+
+def rows_per_call(plan: Plan) -> int:
+    """The batch sizes a step or evaluation of `plan` runs whole are multiples of
+    this: the data-parallel devices times a pipeline's micro-batches."""
+    return plan.batch_size_multiple * microbatch_count(plan, 1)
 
 
 def microbatch_count(plan: Plan, accumulate: int) -> int:

@@ -18,6 +18,7 @@ from ._rules import mesh_axis_names
 from ._sharding import place_tree
 from ._specs import partition_specs
 from ._step_layout import StepLayout
+from ._trainable import optimized, trainable_mask
 from .nn._stack import in_plan_order
 
 
@@ -83,7 +84,12 @@ class TrainState(eqx.Module):
 
 
 def init(
-    model: PyTree, optimizer: optax.GradientTransformation, plan: Plan, *, key: PRNGKeyArray
+    model: PyTree,
+    optimizer: optax.GradientTransformation,
+    plan: Plan,
+    *,
+    key: PRNGKeyArray,
+    trainable: Any = None,
 ) -> TrainState:
     """Place `model` on the plan's mesh and build its sharded optimizer state.
 
@@ -102,6 +108,9 @@ def init(
     - `optimizer`: an optax gradient transformation.
     - `plan`: the plan giving mesh and rules.
     - `key`: a PRNG key stored in the state (keyword-only).
+    - `trainable`: the filter of the weights that train, as `make_step` takes it
+      (pass the same to both); the optimizer state holds nothing for the others.
+      Default None: every array.
 
     **Returns:** a `TrainState` with `step == 0` and `skipped_steps == 0`.
 
@@ -121,10 +130,11 @@ def init(
             model = in_plan_order(model, plan)
             if plan.param_dtype is not None:
                 model = cast_floating(model, plan.param_dtype)
-            opt_state = jax.eval_shape(optimizer.init, eqx.filter(model, eqx.is_array))
-            layout = StepLayout.resolve(plan, model, opt_state)
+            mask = trainable_mask(model, trainable, plan, where="eqxpar.train.init")
+            opt_state = jax.eval_shape(optimizer.init, optimized(model, mask))
+            layout = StepLayout.resolve(plan, model, opt_state, trainable=mask)
             model = place_tree(model, plan, specs=layout.params)
-            opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+            opt_state = optimizer.init(optimized(model, mask))
             return model, place_tree(opt_state, plan, specs=layout.opt_state)
 
     # Checked on the model as the plan stores it: a stack of uneven pipeline stages

@@ -1,7 +1,7 @@
 """The training loop the examples share: steps with a progress bar, and a line of
 train loss, eval loss and learning rate every so often."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,13 +28,18 @@ def train(
     step: Callable,
     state: Any,
     next_batch: Callable[[], Any],
-    evaluate: Callable[[Any], Any],
+    eval_step: eqxpar.train.EvalStep,
+    eval_batches: Sequence[Any],
     *,
     steps: int,
     every: int,
+    on_eval: Callable[[int, float], None] | None = None,
 ) -> Any:
     """Run `steps` steps of `step(state, next_batch())`; every `every` steps (and at
-    the end) report the loss, `evaluate(model)` and the learning rate. Returns the state."""
+    the end) report the loss, the held-out loss over `eval_batches`
+    (`eqxpar.train.evaluate` with `eval_step`: the plan's own sharding, every row
+    counted) and the learning rate, and call `on_eval(steps done, eval loss)`.
+    Returns the state."""
     try:
         from tqdm import trange
     except ImportError:  # the examples extra is optional
@@ -46,9 +51,12 @@ def train(
         # ("rendezvous ... may be stuck") when many dispatched steps queue up.
         jax.block_until_ready(metrics["loss"])
         if (i + 1) % every == 0 or i + 1 == steps:
+            held_out = float(eqxpar.train.evaluate(eval_step, state, eval_batches)["loss"])
+            if on_eval is not None:
+                on_eval(i + 1, held_out)
             message = (
                 f"step {i + 1}: loss {float(metrics['loss']):.3f}, "
-                f"eval {float(evaluate(state.model)):.3f}, lr {float(metrics['learning_rate']):.2e}"
+                f"eval {held_out:.3f}, lr {float(metrics['learning_rate']):.2e}"
             )
             bar.write(message) if hasattr(bar, "write") else print(message)
     return state

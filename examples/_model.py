@@ -122,24 +122,22 @@ def run(
         print("bytes held (parameters and AdamW moments, float32):")
         print(memory_summary(state, plan))
 
-    step = eqxpar.train.make_step(PIPELINE_LOSS if plan.schedule else lm_loss, optimizer, plan)
-    # The trained model holds ordinary (sharded) global arrays, so it evaluates
-    # under plain jit (in float32) whatever the plan it trained under: its stack
-    # records the order it is stored in and runs its layers in natural order.
-    evaluate = eqx.filter_jit(lm_loss)
+    loss_fn = PIPELINE_LOSS if plan.schedule else lm_loss
+    step = eqxpar.train.make_step(loss_fn, optimizer, plan)
+    # Held-out loss under the same plan (a pipeline runs its forwards only).
+    eval_step = eqxpar.train.make_eval_step(loss_fn, plan)
     rng = np.random.default_rng(0)
-    eval_batch = eqxpar.shard_batch(
-        data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
-    )
+    eval_batches = [data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval")]
     state = train(
         step,
         state,
         lambda: data.windows(rng, args.batch_size, args.seq_len + 1),
-        lambda model: evaluate(model, eval_batch),
+        eval_step,
+        eval_batches,
         steps=args.steps,
         every=args.eval_every,
     )
-    final = float(evaluate(state.model, eval_batch))
+    final = float(eqxpar.train.evaluate(eval_step, state, eval_batches)["loss"])
     print(
         f"final eval loss {final:.3f} nats/char (unigram entropy {data.unigram_entropy():.3f}); "
         f"{time.perf_counter() - start:.1f} s"

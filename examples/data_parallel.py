@@ -77,22 +77,21 @@ def main(argv=None):
     optimizer = adamw_warmup_cosine(3e-3, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(loss_fn, optimizer, plan, accumulate=args.accumulate)
-    evaluate = eqx.filter_jit(loss_fn)
+    eval_step = eqxpar.train.make_eval_step(loss_fn, plan)
 
     rng = np.random.default_rng(0)
-    eval_batch = eqxpar.shard_batch(
-        data.windows(np.random.default_rng(1), 1024, args.context + 1, split="eval"), plan
-    )
+    eval_batches = [data.windows(np.random.default_rng(1), 1024, args.context + 1, split="eval")]
     state = train(
         step,
         state,
         lambda: data.windows(rng, args.batch_size, args.context + 1),
-        lambda model: evaluate(model, eval_batch),
+        eval_step,
+        eval_batches,
         steps=args.steps,
         every=100,
     )
 
-    final = float(evaluate(state.model, eval_batch))
+    final = float(eqxpar.train.evaluate(eval_step, state, eval_batches)["loss"])
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {data.unigram_entropy():.3f})")
     return final
 

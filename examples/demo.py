@@ -263,12 +263,9 @@ def main(argv=None) -> dict:
     # Compiles the step: the executable the first training step then reuses.
     print(eqxpar.inspect.comm_report(step, state, next_batch()))
 
-    # The trained model holds ordinary (sharded) global arrays, so it evaluates and
-    # generates under plain jit whatever the plan it trains under.
-    evaluate = eqx.filter_jit(lm_loss)
-    eval_batch = eqxpar.shard_batch(
-        data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
-    )
+    # Held-out loss under the same plan (a pipeline runs its forwards only).
+    eval_step = eqxpar.train.make_eval_step(loss_fn, plan)
+    eval_batches = [data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval")]
     train_losses, evals = [], []
     # Tokens/s and MFU. The "cpu" profile has no published peak, so MFU here is
     # against the measured float32 matmul rate (the demo computes in float32) of
@@ -291,13 +288,20 @@ def main(argv=None) -> dict:
         train_losses.append(float(metrics["loss"]))
         return state, metrics
 
-    def recording_eval(model):
-        value = float(evaluate(model, eval_batch))
-        evals.append((len(train_losses), value))
+    def recording_eval(steps_done, value):
+        evals.append((steps_done, value))
         meter.start()  # the evaluation is not training time
-        return value
 
-    state = train(recording_step, state, next_batch, recording_eval, steps=args.steps, every=args.eval_every)
+    state = train(
+        recording_step,
+        state,
+        next_batch,
+        eval_step,
+        eval_batches,
+        steps=args.steps,
+        every=args.eval_every,
+        on_eval=recording_eval,
+    )
     final = evals[-1][1]
     print(f"final eval loss {final:.3f} nats/char (unigram entropy {entropy:.3f})")
     print_throughput(meter)

@@ -77,8 +77,7 @@ def make_plan(args) -> eqxpar.Plan:
     return eqxpar.Plan(mesh, rules=eqxpar.rules.EXPERT, **plan_options(args))
 
 
-@eqx.filter_jit
-def evaluate(model: GPT, batch: jax.Array) -> tuple[jax.Array, eqxpar.nn.MoEAux]:
+def held_out_loss(model: GPT, batch: jax.Array) -> tuple[jax.Array, eqxpar.nn.MoEAux]:
     """The mean next-character cross-entropy (without the auxiliary losses that
     `lm_loss` adds) and the MoE blocks' aux, on one batch."""
     logits, aux = model.logits_and_aux(batch[:, :-1])
@@ -126,22 +125,24 @@ def main(argv=None) -> float:
     optimizer = adamw_warmup_cosine(args.lr, args.steps)
     state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(1))
     step = eqxpar.train.make_step(lm_loss, optimizer, plan)
-    eval_batch = eqxpar.shard_batch(
-        data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval"), plan
-    )
-    initial, initial_aux = evaluate(state.model, eval_batch)
-    print(f"initial eval loss {float(initial):.3f} nats/char")
+    # Held-out loss under the same plan, with the MoE blocks' aux averaged over it.
+    eval_step = eqxpar.train.make_eval_step(held_out_loss, plan, has_aux=True)
+    eval_batches = [data.windows(np.random.default_rng(1), 128, args.seq_len + 1, split="eval")]
+    initial = eqxpar.train.evaluate(eval_step, state, eval_batches)
+    print(f"initial eval loss {float(initial['loss']):.3f} nats/char")
 
     rng = np.random.default_rng(0)
     state = train(
         step,
         state,
         lambda: data.windows(rng, args.batch_size, args.seq_len + 1),
-        lambda model: evaluate(model, eval_batch)[0],
+        eval_step,
+        eval_batches,
         steps=args.steps,
         every=args.eval_every,
     )
-    final, aux = evaluate(state.model, eval_batch)
+    evaluated = eqxpar.train.evaluate(eval_step, state, eval_batches)
+    final, aux, initial_aux = evaluated["loss"], evaluated["aux"], initial["aux"]
     print(
         f"final eval loss {float(final):.3f} nats/char (unigram entropy {data.unigram_entropy():.3f}); "
         f"{time.perf_counter() - start:.1f} s"

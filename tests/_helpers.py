@@ -24,6 +24,7 @@ import eqxpar
 from eqxpar import nn
 from eqxpar.models import GPTConfig
 
+from . import _fresh_python as fresh_python
 from ._compile_flags import suite_xla_flags
 
 # Float32 parity: sharded reductions sum in a different order than one device (and
@@ -136,11 +137,56 @@ def moe_regression_loss(model, batch):
     return jnp.mean((y - target) ** 2) + 0.01 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
 
 
+# The one-device references are compiled once per (loss, optimizer), not once per
+# test: a parametrized test compares many plans with the same reference, and jit's
+# cache then serves every case after the first (the references were a quarter of
+# such a test's time).
+
+
+def _cached_by(build):
+    """`build` cached by its arguments (callables), unless one is unhashable."""
+    cached = functools.lru_cache(maxsize=256)(build)
+
+    def get(*args):
+        try:
+            return cached(*args)
+        except TypeError:  # an unhashable loss or optimizer: build afresh
+            return build(*args)
+
+    return get
+
+
+@_cached_by
+def _value_and_grad(loss_fn):
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+
+
+@_cached_by
+def _update(optimizer):
+    @eqx.filter_jit
+    def update(grads, opt_state, model):
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state
+
+    return update
+
+
+@_cached_by
+def _reference_step(optimizer, loss_fn):
+    @eqx.filter_jit
+    def step(params, static, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), batch))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def value_and_grad_on_one_device(model, loss_fn, batch):
     """`loss_fn`'s value and gradients at (`model`, `batch`), both put on the first
     device, with `eqx.filter_value_and_grad` under `eqx.filter_jit`."""
     model, batch = jax.device_put((model, batch), jax.devices()[0])
-    return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, batch)
+    return _value_and_grad(loss_fn)(model, batch)
 
 
 def reference_run(model, optimizer, loss_fn, batches):
@@ -149,16 +195,10 @@ def reference_run(model, optimizer, loss_fn, batches):
     model = jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, model)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), batch))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = _reference_step(optimizer, loss_fn)
     losses = []
     for batch in batches:
-        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, device))
+        params, opt_state, loss = step(params, static, opt_state, jax.device_put(batch, device))
         losses.append(float(loss))
     return losses, eqx.combine(params, static)
 
@@ -340,12 +380,7 @@ def assert_steps_match_one_device(
     def on_device(tree):  # a host copy: the run under test may donate its buffers
         return jax.tree.map(lambda x: jax.device_put(np.asarray(x), device) if eqx.is_array(x) else x, tree)
 
-    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
-
-    @eqx.filter_jit
-    def update(grads, opt_state, model):
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        return eqx.apply_updates(model, updates), opt_state
+    value_and_grad, update = _value_and_grad(loss_fn), _update(optimizer)
 
     ref_model = start = on_device(model)
     ref_state = optimizer.init(eqx.filter(ref_model, eqx.is_inexact_array))
@@ -486,18 +521,14 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def run_example(script: str, args) -> subprocess.CompletedProcess:
-    """Run `examples/<script>` with `args` in a fresh interpreter, compiled as the
+    """Run `examples/<script>` with `args` in a fresh interpreter (a fork of one that
+    has imported JAX and eqxpar only: tests/_fresh_python.py), compiled as the
     suite compiles (tests/_compile_flags.py); the example sets its own device count,
     so the test's XLA_FLAGS are replaced by those."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["XLA_FLAGS"] = suite_xla_flags()
-    return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return fresh_python.run(
+        script=str(ROOT / "examples" / script), argv=list(args), cwd=ROOT, env=env, timeout=300
     )
 
 

@@ -16,6 +16,7 @@ import types
 
 import pytest
 
+from . import _fresh_python as fresh_python
 from ._compile_flags import DEVICES_8, IN_ORDER, suite_xla_flags
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -114,17 +115,11 @@ def test_blocks_are_found():
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.name)
 def test_python_block_runs(block, tmp_path):
     """Each block in a fresh interpreter (in an empty directory, so files it writes
-    stay out of the repository), with nothing defined beforehand."""
+    stay out of the repository), with nothing defined beforehand (a fork of one
+    that has imported JAX and eqxpar only: tests/_fresh_python.py)."""
     env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", block.code],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = fresh_python.run(code=block.code, cwd=tmp_path, env=env, timeout=300)
     if result.returncode != 0:
         pytest.fail(
             f"{block.page} block at line {block.line} (under '{block.heading}') exited with status "

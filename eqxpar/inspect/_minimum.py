@@ -28,6 +28,7 @@ from .._sizes import itemsize
 from .._specs import is_array_like, partition_specs
 from .._step_layout import StepLayout
 from .._text import short
+from .._trainable import trainable_mask
 from ._jaxpr_walk import (
     TensorSum,
     aval_bytes,
@@ -188,7 +189,9 @@ def _first(dtype: Any, default: Any) -> Any:
     return default if dtype is None else dtype
 
 
-def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) -> list[Item]:
+def _param_items(
+    plan: Plan, params: Any, *, gathers: int | None, moved: Any, trains: Any = None
+) -> list[Item]:
     """The gradient reductions and FSDP gathers of every floating-point leaf.
 
     Per leaf, with `L` its bytes on one device of the non-batch axes (tensor,
@@ -198,7 +201,8 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
     shard over the remaining replicas; `g == 1` all-reduces `L` (in `reduce_dtype`,
     else its own dtype) over its replicas: the batch axes, and `pipe` for a leaf
     outside the pipelined stack (every stage holds a copy). Leaves of one group
-    are summed into one collective, as XLA combines them.
+    are summed into one collective, as XLA combines them. A frozen leaf (False in
+    `trains`, a bool per leaf) has no gradient to reduce: only its FSDP gathers count.
     """
     sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     # The context axis' devices each hold a share of the loss too (its sequence part).
@@ -209,7 +213,8 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
     specs = jax.tree.structure(params).flatten_up_to(StepLayout.resolve(plan, params).updates)
     groups: dict[tuple[str, str, int, int], int] = defaultdict(int)
     why: dict[str, tuple[str, tuple[str, ...]]] = {}  # part -> (source, axes)
-    for (path, leaf), spec, stacked in zip(flat, specs, _in_stack(params), strict=True):
+    trained = [True] * len(flat) if trains is None else jax.tree.structure(params).flatten_up_to(trains)
+    for (path, leaf), spec, stacked, trains_leaf in zip(flat, specs, _in_stack(params), trained, strict=True):
         if not _is_inexact(leaf):
             continue
         axes = [a for entry in spec for a in mesh_axis_names(entry) if sizes[a] > 1]
@@ -244,9 +249,14 @@ def _param_items(plan: Plan, params: Any, *, gathers: int | None, moved: Any) ->
                 f"FSDP gradient reduce-scatter over {over}",
             )
             groups[(gather, "all-gather", g, k)] += whole
+            why[gather] = (FSDP, tuple(split))
+            if not trains_leaf:
+                continue
             groups[(scatter, "reduce-scatter", g, 1)] += whole // g
             groups[(reduced, "all-reduce", r, 1)] += whole // g
-            why[gather] = why[scatter] = (FSDP, tuple(split))
+            why[scatter] = (FSDP, tuple(split))
+        elif not trains_leaf:
+            continue
         else:
             dtype = _first(plan.reduce_dtype, leaf.dtype)
             groups[(reduced, "all-reduce", r, 1)] += local * itemsize(dtype) // size
@@ -428,6 +438,7 @@ def minimum_comm(
     batch: Any = None,
     gathers: int | None = None,
     moved_dtype: Any = None,
+    trainable: Any = None,
 ) -> Minimum:
     """The collective traffic a step under `plan` cannot do without, per device.
 
@@ -493,6 +504,9 @@ def minimum_comm(
       `remat` gives.
     - `moved_dtype`: count compute-dtype traffic in this dtype (XLA:CPU moves
       bfloat16 collectives as float32).
+    - `trainable`: the step's filter of the weights that train (as
+      `make_step(..., trainable=)` takes it); frozen ones reduce no gradient, and
+      only their FSDP gathers count. Default None: every floating-point weight trains.
 
     **Returns:** a `Minimum` by kind, its `parts` named.
 
@@ -509,7 +523,8 @@ def minimum_comm(
     ```
     """
     moved = _checked(plan, params, gathers, moved_dtype)
-    items = _param_items(plan, params, gathers=gathers, moved=moved)
+    trains = trainable_mask(params, trainable, plan, where="minimum_comm")
+    items = _param_items(plan, params, gathers=gathers, moved=moved, trains=trains)
     if plan.schedule is not None:
         items += _pipeline_items(plan, params, loss, batch, moved)
     else:

@@ -33,6 +33,7 @@ step = eqxpar.train.make_step(loss, optax.adam(1e-3), plan)
 """
 
 from .._plan import PIPELINE_SCHEDULES as SCHEDULES
+from ._builtin import forward_only as forward_only
 from ._builtin import schedule as schedule
 from ._layout import StageRules as StageRules
 from ._layout import from_pipeline_order as from_pipeline_order

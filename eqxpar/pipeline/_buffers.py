@@ -85,7 +85,8 @@ def allocate_buffers(schedule: Any) -> Buffers:
     backward_kinds = (BACKWARD, BACKWARD_INPUT)
 
     def last_use(mb: int, k: int) -> int:
-        return max(tick_of.get((kind, mb, k), -1) for kind in (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+        # In a forward-only table (evaluation) the forward is the input's only use.
+        return max(tick_of.get((kind, mb, k), -1) for kind in (FORWARD, *backward_kinds, BACKWARD_WEIGHT))
 
     def cot_sent(mb: int, k: int) -> int:
         return max(tick_of.get((kind, mb, k), -1) for kind in backward_kinds)
@@ -95,8 +96,7 @@ def allocate_buffers(schedule: Any) -> Buffers:
         return k == stages - 1 and tick_of[(FORWARD, mb, k)] == cot_sent(mb, k)
 
     shape = schedule.table.shape[:2]
-    input_slot = np.full((*shape, 2), -1, np.int32)
-    cot_slot = np.full((*shape, 2), -1, np.int32)
+    input_slot, cot_slot = (np.full((*shape, 2), -1, np.int32) for _ in range(2))
     recv_input = np.full((*shape, len(LANES)), -1, np.int32)
     recv_cot = np.full((*shape, len(LANES)), -1, np.int32)
     res_slot = np.full((*shape, 2), -1, np.int32)
@@ -124,6 +124,8 @@ def allocate_buffers(schedule: Any) -> Buffers:
                     )
                 if k > 0:  # virtual stage 0 computes its input from the batch
                     ins.append((tick_of[(FORWARD, mb, k - 1)], last_use(mb, k), (mb, k)))
+                if cot_sent(mb, k) < 0:  # forward only: no cotangent, nothing kept
+                    continue
                 if k < stages - 1:  # the last stage seeds its own cotangent
                     cots.append((cot_sent(mb, k + 1), last_use(mb, k), (mb, k)))
                 if not folds(mb, k):

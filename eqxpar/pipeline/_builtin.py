@@ -5,6 +5,7 @@ import functools
 
 from .._errors import PlanError
 from .._plan import PIPELINE_SCHEDULES, V_SCHEDULES
+from ._actions import FORWARD
 from ._orders import (
     orders_1f1b_fused,
     orders_dualpipe_v,
@@ -108,4 +109,42 @@ def _build(name: str, p: int, m: int, v: int) -> Schedule:
         fused.setflags(write=False)
     return Schedule(
         name=name, stages=p, microbatches=m, chunks=v, table=table, placement=placement, fused=fused
+    )
+
+
+def forward_only(sched: Schedule) -> Schedule:
+    """`sched`'s forward actions alone, each device running its forwards in the
+    order `sched` gives them, placed on ticks as soon as their inputs arrive:
+    what `eqxpar.train.make_eval_step` runs (no backward, nothing kept for one).
+
+    **Arguments:** `sched`, any `Schedule` (built-in or from a table).
+
+    **Returns:** a `Schedule` of the same stages, micro-batches, chunks and
+    placement, with forward actions only.
+
+    ```python
+    s = eqxpar.pipeline.forward_only(eqxpar.pipeline.schedule("1f1b", stages=4, microbatches=8))
+    print(s)   # GPipe's forward phase: F0 .. F7 down the devices
+    ```
+    """
+    orders = []
+    tables = [sched.table] + ([sched.fused] if sched.fused is not None else [])
+    for device in range(sched.stages):
+        actions = [
+            (tick, i, (int(t[tick, device, 0]), int(t[tick, device, 1])))
+            for i, t in enumerate(tables)
+            for tick in range(t.shape[0])
+            if t[tick, device, 2] == FORWARD
+        ]
+        orders.append([(FORWARD, mb, chunk) for _, _, (mb, chunk) in sorted(actions)])
+    p, v = sched.stages, sched.chunks
+    table, _ = place_ticks(orders, p, p * v, sched.placement)
+    table.setflags(write=False)
+    return Schedule(
+        name=f"{sched.name} (forward only)",
+        stages=p,
+        microbatches=sched.microbatches,
+        chunks=v,
+        table=table,
+        placement=sched.placement,
     )

@@ -76,7 +76,7 @@ from .._step_layout import StepLayout
 from .._varying import mark_varying, varying_axes
 from ..nn._stack import check_stack_order
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
-from ._builtin import schedule
+from ._builtin import forward_only, schedule
 from ._loss import PipelineLoss
 from ._placement import DOWN, LOCAL, UP
 from ._program import (
@@ -207,6 +207,9 @@ class Engine:
 
     loss: LossFunction
     layout: StepLayout
+    #: Run the schedule's forward actions only (evaluation): no backward, no
+    #: residuals, the last stage's forwards sum the loss.
+    forward_only: bool = False
 
     @property
     def parts(self) -> PipelineLoss:
@@ -216,9 +219,11 @@ class Engine:
     def sched(self) -> Schedule:
         plan = self.layout.plan
         if isinstance(plan.schedule, Schedule):  # a user's table, validated by Plan
-            return plan.schedule
-        p = plan.mesh.shape[PIPE]
-        return schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
+            sched = plan.schedule
+        else:
+            p = plan.mesh.shape[PIPE]
+            sched = schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
+        return forward_only(sched) if self.forward_only else sched
 
     @functools.cached_property
     def program(self) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
@@ -228,8 +233,8 @@ class Engine:
     def keep(self) -> bool:
         """Whether a stage's forward keeps its residuals for the backward actions
         (every remat policy but `"full"`, which recomputes the stage forward from
-        the kept input in each backward action)."""
-        return self.layout.plan.remat != "full"
+        the kept input in each backward action); none without a backward."""
+        return self.layout.plan.remat != "full" and not self.forward_only
 
     @property
     def local(self) -> frozenset[str]:
@@ -246,7 +251,9 @@ class Engine:
         layers would run permuted, or the stages would be cut at the wrong rows."""
         check_stack_order(self.parts.stack_of(model), self.layout.plan)
 
-    def per_device(self, model: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def _device(self, model: Any, batch: Any) -> tuple["Device", Any, Any]:
+        """This device's `Device`, with its weights made whole (FSDP) and marked
+        varying; and the gathers of each weight (None where not floating-point)."""
         params, static = eqx.partition(model, eqx.is_inexact_array)
         # FSDP shards made whole once for the step; `gathers` mirrors `params`.
         mesh = self.layout.plan.mesh
@@ -268,7 +275,19 @@ class Engine:
             is_leaf=lambda x: x is None,
         )
         params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
-        device = Device(self, params, static, batch)
+        return Device(self, params, static, batch), params, gathers
+
+    def loss_per_device(self, model: Any, batch: Any) -> jax.Array:
+        """The mean loss of the batch (forward actions only): summed over the
+        last stage's micro-batches, averaged over the batch axes."""
+        device, _, _ = self._device(model, batch)
+        loss_sum, _, _ = device.run()
+        axes = self.layout.reduced_axes
+        loss = lax.psum(loss_sum, PIPE) / self.sched.microbatches
+        return lax.pmean(loss, axes) if axes else loss
+
+    def per_device(self, model: Any, batch: Any) -> tuple[jax.Array, Any]:
+        device, params, gathers = self._device(model, batch)
         loss_sum, g_rest, g_blocks = device.run()
         # Experts split over `expert` were not gathered: their gradients are whole
         # there already (`kept_axes`), so they are not summed over it.
@@ -303,6 +322,11 @@ class Engine:
             self.blocks_of, jax.tree.map(lambda _: True, g_rest), jax.tree.map(lambda _: False, g_blocks)
         )
         grads = eqx.tree_at(self.blocks_of, g_rest, g_blocks)
+        if self.layout.trainable is not None:
+            # Frozen weights (`make_step(trainable=...)`): the stages' backward
+            # computes their gradients with the others', but none is reduced or
+            # leaves the step.
+            grads = eqx.filter(grads, self.layout.trainable)
 
         def reduce(g: jax.Array, gather_kept: Any, rest_leaf: bool) -> jax.Array:
             # Reduce-scatter over the axes the weight was gathered over (the
@@ -672,10 +696,11 @@ class Device:
                 return None, None, g_rest, g_blocks, loss_sum, packed, None
             return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, packed, None
         if action == FORWARD:
-            send_f = mark_varying(
-                self.stage(self.rest, chunk_params, x, mb_batch, first, last), self.act_axes
-            )
-            return send_f, None, g_rest, g_blocks, loss_sum, None, None
+            out = self.stage(self.rest, chunk_params, x, mb_batch, first, last)
+            if last:  # forward only (evaluation): the loss
+                loss_sum = loss_sum + mark_varying(out, self.loss_axes)
+                return None, None, g_rest, g_blocks, loss_sum, None, None
+            return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, None, None
         seed = self.seed(last, None if last else lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False))
         packed = stash = None
         if self.engine.keep:
@@ -871,6 +896,21 @@ def _lanes(rows: np.ndarray, sends: tuple[tuple[int, ...], tuple[int, ...]]) -> 
             column = rows[..., send_column(at)]
             out[at] = (devices, frozenset(int(k) for k in column[column >= 0].flat), *into)
     return out
+
+
+def pipeline_loss(loss: LossFunction, layout: StepLayout, model: Any, batch: Any) -> jax.Array:
+    """The mean loss of a pipeline plan over the global batch, running the
+    schedule's forward actions only (`forward_only`): evaluation."""
+    engine = Engine(loss, layout, forward_only=True)
+    engine.check_depth(model)
+    _check_specs(layout.params, loss.fn, layout.plan)
+    return filter_shard_map(
+        engine.loss_per_device,
+        layout.plan,
+        in_specs=(layout.params, layout.batch),
+        out_specs=PartitionSpec(),
+        axis_names=frozenset(layout.plan.mesh.axis_names),
+    )(model, batch)
 
 
 def pipeline_gradients(

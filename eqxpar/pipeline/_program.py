@@ -89,6 +89,8 @@ def build_program(
     tables = (sched.table, sched.fused if sched.fused is not None else np.zeros_like(sched.table))
     prog = np.zeros(sched.table.shape[:2] + (HEAD + 2 * FIELDS,), np.int32)
     sends = _send_kinds(sched)
+    # A forward-only table (evaluation) has no backward to fold the last forward into.
+    backward = bool(np.isin(sched.table[..., 2], (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)).any())
     for tick in range(sched.ticks):
         for device in range(p):
             keys, fields, writes, reads = [], [], [], []
@@ -97,7 +99,7 @@ def build_program(
                 key, write, read, stash_write, stash_read = idle, -1, -1, -1, -1
                 k = sched.stage_of(device, chunk) if kind != IDLE else -1
                 last = k == stages - 1
-                folded = last and (not keep or bool(bufs.folded[tick, device, i]))
+                folded = last and backward and (not keep or bool(bufs.folded[tick, device, i]))
                 if kind != IDLE and not (kind == FORWARD and folded):
                     key = (kind, k == 0, last, folded, None if stage_layers is None else stage_layers[k])
                     slot = int(bufs.residual_slot[tick, device, i])

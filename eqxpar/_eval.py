@@ -1,0 +1,212 @@
+"""`make_eval_step` and `evaluate`: the loss of a batch, or the mean over a
+dataset, under any plan, with no update."""
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ._context_split import expect_split
+from ._errors import BatchError, PlanError
+from ._fsdp import layer_gathers, prepare_model
+from ._grad_common import LossFunction, mean_aux, mean_over
+from ._plan import Plan
+from ._shard_map import filter_shard_map
+from ._sharding import place_tree
+from ._step_layout import StepLayout, rows_per_call, runs_pipeline
+from ._train_state import TrainState
+from ._varying import varying_axes
+from .nn._stack import in_plan_order
+
+
+def _per_device(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
+    # As a manual step's loss (`_grad_manual`), without differentiating: FSDP
+    # shards made whole where used, the sequence checked split over `context`,
+    # each device's mean averaged over the devices it differs between.
+    axes = layout.reduced_axes
+    for axis in axes:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    model = loss.compute(model)
+    per_layer: dict = {}
+    if axes:
+        model, per_layer = prepare_model(model, layout.params, axes)
+    guard = expect_split if layout.context_axes else contextlib.nullcontext
+    with guard(), layer_gathers(per_layer):
+        value, aux = loss(model, loss.compute(batch), key)
+    varying = tuple(a for a in axes if a in varying_axes(value))
+    value = mean_over(value, varying) if varying else value
+    return value, (mean_aux(aux, axes) if loss.has_aux and axes else aux)
+
+
+def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
+    """The mean loss (and aux) of one batch whose size the plan divides."""
+    plan = layout.plan
+    if layout.kind == "pipeline":
+        from .pipeline._engine import pipeline_loss  # the pipeline package imports eqxpar.nn
+
+        return pipeline_loss(loss, layout, model, batch), None
+    if layout.kind == "automatic":
+        return loss(loss.compute(model), loss.compute(batch), key)
+    return filter_shard_map(
+        functools.partial(_per_device, loss, layout),
+        plan,
+        in_specs=(layout.params, layout.batch, PartitionSpec()),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        axis_names=layout.manual_axes,
+    )(model, batch, key)
+
+
+class EvalStep:
+    """A compiled evaluation `(state or model, batch) -> metrics`, built by
+    `eqxpar.train.make_eval_step`."""
+
+    def __init__(self, loss: LossFunction, plan: Plan):
+        self._loss, self._plan = loss, plan
+        # Compiled once per (model structure, batch shape), as a step is.
+        self._compiled = eqx.filter_jit(self._evaluate)
+
+    def _evaluate(self, model: PyTree, batch: PyTree, key: Any) -> tuple:
+        plan = self._plan
+        with plan:
+            layout = StepLayout.resolve(plan, model)
+            model = place_tree(model, plan, specs=layout.params)
+            batch = place_tree(batch, plan, specs=layout.batch)
+            return _batch_loss(self._loss, layout, model, batch, key)
+
+    @property
+    def rows_per_call(self) -> int:
+        """The batch sizes a call runs whole are multiples of this: the
+        data-parallel devices times a pipeline's micro-batches."""
+        return rows_per_call(self._plan)
+
+    def __call__(
+        self, state_or_model: Any, batch: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> dict[str, Any]:
+        model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
+        # A model as loaded (natural order) or as a state of this plan holds it.
+        model = in_plan_order(model, self._plan)
+        key = jax.random.key(0) if key is None else key
+        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
+        if len(sizes) != 1:
+            raise BatchError(
+                f"make_eval_step: the batch's leaves have leading sizes {sorted(sizes)}; expected one "
+                "batch size shared by every leaf."
+            )
+        (rows,) = sizes
+        q = self.rows_per_call
+        whole = rows // q * q
+        parts = []  # (rows it stands for, loss, aux)
+        if whole:
+            head = jax.tree.map(lambda x: x[:whole], batch)
+            parts.append((whole, *self._compiled(model, head, key)))
+        if rows > whole:
+            # The rows left over (fewer than q): each repeated q times, so that the
+            # plan divides the batch and its mean is their mean exactly (the loss
+            # is a mean over rows), never cut and never mixed with padding. A
+            # mask would need the loss per row, which a mean loss does not give.
+            tail = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[whole:], q, axis=0), batch)
+            parts.append((rows - whole, *self._compiled(model, tail, key)))
+        loss = sum(n * value.astype(jnp.float32) for n, value, _ in parts) / rows
+        metrics: dict[str, Any] = {"loss": loss, "rows": rows}
+        if self._loss.has_aux:
+            metrics["aux"] = jax.tree.map(
+                lambda *xs: (
+                    sum(n * x for (n, _, _), x in zip(parts, xs, strict=True)) / rows
+                    if jnp.issubdtype(jnp.result_type(xs[0]), jnp.inexact)
+                    else xs[0]
+                ),
+                *[aux for _, _, aux in parts],
+            )
+        return metrics
+
+
+def make_eval_step(
+    loss_fn: Callable[..., Float[Array, ""] | tuple[Float[Array, ""], Any]],
+    plan: Plan,
+    *,
+    has_aux: bool = False,
+) -> EvalStep:
+    """Build the compiled evaluation of `loss_fn` under `plan`: the loss (and aux)
+    of a batch, with no gradient, no update and no donation.
+
+    The loss runs as the plan's train step runs it (sharded weights, the batch
+    over the data-parallel devices, manual regions, context and expert axes), and
+    under a pipeline plan the schedule's forward actions only, in its placement
+    (interleaved or V), with no residuals kept. A batch of any size is evaluated
+    whole: the largest part the plan divides runs as one batch, and each row left
+    over runs repeated over the devices, so that the mean is over exactly the
+    batch's rows. That needs the loss to be a mean over rows, as `make_step` does.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch) -> loss`, or `-> (loss, aux)` with
+      `has_aux=True`; a `PipelineLoss` under a pipeline plan. A loss taking `key=`
+      gets the key of the call.
+    - `plan`: the plan.
+    - `has_aux`: whether `loss_fn` returns `(loss, aux)` (not under pipelines).
+
+    **Returns:** an `EvalStep`: `eval_step(state_or_model, batch, *, key=None) ->
+    {"loss": float32 scalar, "rows": int, "aux": ... (with has_aux; floating-point
+    leaves averaged over the rows)}`. Takes a `TrainState` or a model (as loaded, or
+    as a state of this plan holds it).
+
+    ```python
+    eval_step = eqxpar.train.make_eval_step(lm_loss, plan)
+    eval_step(state, held_out)["loss"]
+    ```
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"make_eval_step(..., plan={plan!r}): expected an eqxpar.Plan.")
+    if not callable(loss_fn):
+        raise PlanError(f"make_eval_step(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
+    if runs_pipeline(plan):
+        from .pipeline._engine import check_pipeline_step
+
+        check_pipeline_step(loss_fn, plan, accumulate=1, has_aux=has_aux)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
+    return EvalStep(loss, plan)
+
+
+def evaluate(eval_step: EvalStep, state_or_model: Any, batches: Iterable[PyTree]) -> dict[str, Any]:
+    """The mean of `eval_step` over `batches`, weighted by their rows: the loss of
+    the whole dataset (every row counted once, none cut).
+
+    **Arguments:**
+
+    - `eval_step`: from `make_eval_step`.
+    - `state_or_model`: a `TrainState` or a model.
+    - `batches`: any iterable of batches (a list, a generator, an
+      `eqxpar.data.ShardedIterator` over a `TokenFile` for a given number of steps).
+
+    **Returns:** `{"loss": mean over every row, "rows": how many, "batches": how
+    many, "aux": ... (row-weighted mean, with has_aux)}`.
+
+    ```python
+    eqxpar.train.evaluate(eval_step, state, [valid[i : i + 16] for i in range(0, len(valid), 16)])
+    ```
+    """
+    if not isinstance(eval_step, EvalStep):
+        raise PlanError(
+            f"evaluate(eval_step={eval_step!r}): expected the EvalStep of eqxpar.train.make_eval_step."
+        )
+    total, rows, count, aux = jnp.zeros((), jnp.float32), 0, 0, None
+    for batch in batches:
+        metrics = eval_step(state_or_model, batch)
+        n = metrics["rows"]
+        total, rows, count = total + n * metrics["loss"], rows + n, count + 1
+        if "aux" in metrics:
+            weighted = jax.tree.map(lambda x, n=n: n * x, metrics["aux"])
+            aux = weighted if aux is None else jax.tree.map(jnp.add, aux, weighted)
+    if rows == 0:
+        raise BatchError("evaluate: `batches` gave no batch; pass at least one.")
+    out: dict[str, Any] = {"loss": total / rows, "rows": rows, "batches": count}
+    if aux is not None:
+        out["aux"] = jax.tree.map(lambda x: x / rows, aux)
+    return out

@@ -1,0 +1,106 @@
+"""Evaluation: `make_eval_step` and `evaluate` under every kind of plan give the
+one-device loss of exactly the batch's rows, pipelines running forwards only."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import eqxpar
+from eqxpar.models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss
+
+from ._helpers import assert_trees_close
+
+CONFIG = dict(vocab_size=64, d_model=32, num_heads=4, num_layers=4, d_hidden=64, max_seq_len=16)
+PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+
+
+def _tokens(seed: int, batch: int) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, 9), 0, CONFIG["vocab_size"])
+
+
+def _pipeline(schedule: str, chunks: int = 1, microbatches: int = 2) -> eqxpar.Plan:
+    return eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=4),
+        rules=eqxpar.pipeline.stage_rules(None),
+        schedule=schedule,
+        microbatches=microbatches,
+        chunks=chunks,
+    )
+
+
+PLANS = {
+    "data-auto": lambda: eqxpar.Plan(eqxpar.make_mesh(data=8)),
+    "fsdp-manual": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"
+    ),
+    "tensor-sp-manual": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    ),
+    "context-allgather": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(context=2, data=4), mode="manual", context_attention="allgather"
+    ),
+    "expert": lambda: eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT),
+    "pipeline-1f1b": lambda: _pipeline("1f1b"),
+    "pipeline-interleaved": lambda: _pipeline("interleaved", chunks=2),
+    "pipeline-zb_v": lambda: _pipeline("zb_v"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_eval_loss_is_the_one_device_loss_of_every_row(name):
+    plan = PLANS[name]()
+    moe = (
+        dict(moe_every=2, experts=4, load_balance_coef=0.0, router_z_coef=0.0) if plan.expert_size > 1 else {}
+    )
+    model = GPT(GPTConfig(**CONFIG, **moe), key=jax.random.key(0))
+    loss_fn = PIPELINE_LOSS if plan.schedule is not None else lm_loss
+    eval_step = eqxpar.train.make_eval_step(loss_fn, plan)
+    one_device = jax.jit(lm_loss)
+    # A batch the plan divides, and one it does not (the rows left over run
+    # repeated over the devices; none is cut).
+    for rows in (13,):
+        tokens = _tokens(rows, rows)
+        metrics = eval_step(model, tokens)
+        assert metrics["rows"] == rows
+        assert_trees_close(float(metrics["loss"]), float(one_device(model, tokens)), err_msg=f"{rows} rows")
+
+
+def test_a_pipeline_evaluates_with_its_forward_actions_only():
+    base = eqxpar.pipeline.schedule("zb_v", stages=2, microbatches=4)
+    forward = eqxpar.pipeline.forward_only(base)
+    kinds = forward.table[..., 2]
+    assert set(np.unique(kinds)) <= {0, 1}
+    assert int((kinds == 1).sum()) == 2 * 4 * 2  # every (stage, micro-batch) once
+    assert forward.placement == "v" and forward.ticks < base.ticks
+    # The compiled evaluation runs about a third of the training step's matmuls.
+    plan = _pipeline("1f1b")
+    model = GPT(GPTConfig(**CONFIG), key=jax.random.key(0))
+    tokens = _tokens(0, 16)
+    optim = optax.sgd(1e-2)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    step = eqxpar.train.make_step(PIPELINE_LOSS, optim, plan, donate=False)
+    eval_step = eqxpar.train.make_eval_step(PIPELINE_LOSS, plan)
+    evaluated = eval_step._compiled.lower(state.model, tokens, jax.random.key(0)).compile()
+    ratio = eqxpar.inspect.matmul_flops(evaluated) / eqxpar.inspect.matmul_flops(step.compile(state, tokens))
+    assert ratio < 0.45, ratio
+    # No donation: the state is intact after evaluating it.
+    eval_step(state, tokens)
+    assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
+
+
+def test_evaluate_means_over_a_dataset_and_refuses_what_it_cannot_run():
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    model = GPT(GPTConfig(**CONFIG), key=jax.random.key(0))
+    data = _tokens(3, 37)
+    batches = [data[i : i + 16] for i in range(0, 37, 16)]  # 16, 16, 5 rows
+    eval_step = eqxpar.train.make_eval_step(lm_loss, plan)
+    out = eqxpar.train.evaluate(eval_step, model, batches)
+    assert (out["rows"], out["batches"]) == (37, 3)
+    # Every row counted once: the one-device loss of all 37.
+    assert_trees_close(float(out["loss"]), float(jax.jit(lm_loss)(model, data)))
+    with pytest.raises(eqxpar.BatchError, match="no batch"):
+        eqxpar.train.evaluate(eval_step, model, [])
+    with pytest.raises(eqxpar.PlanError, match="PipelineLoss"):
+        eqxpar.train.make_eval_step(lm_loss, _pipeline("1f1b"))
