@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 from jaxtyping import PyTree
 
-from ._errors import PlanError
+from ._errors import BatchError, PlanError
 from ._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from ._plan import Plan
 from ._rules import mesh_axis_names
@@ -347,3 +347,93 @@ def check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:
         "the compiler (mode='auto', or manual_axes without them), which reduces in the dtype it has there. "
         "Drop reduce_dtype, or use mode='manual' with the batch axes manual."
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayout:
+    """Where `eqxpar.models.generate`'s arrays live under a plan, resolved once
+    (the decoding counterpart of `StepLayout`).
+
+    Build one with `DecodeLayout.resolve(plan, batch)`, which refuses the plans
+    decoding cannot serve (pipelines, context and expert parallelism, a batch the
+    batch axes do not divide) with an error naming one that can.
+
+    **Fields:**
+
+    - `plan`: the plan decoding runs under: the given one with sequence
+      parallelism and ring overlap off (one token has no sequence to split; the
+      weights' layout is the same).
+    - `manual`: whether each step runs inside `shard_map` (`mode="manual"`).
+    - `manual_axes`: the axes of that `shard_map` (None: all of them).
+    - `batch_axes`: the axes the batch, and the cache's batch, are split over.
+
+    ```python
+    layout = eqxpar.internal.DecodeLayout.resolve(plan, batch=8)
+    layout.cache_spec("tensor")    # the cache's spec, heads over "tensor"
+    ```
+    """
+
+    plan: Plan
+    manual: bool
+    manual_axes: tuple[str, ...] | None
+    batch_axes: tuple[str, ...]
+
+    @classmethod
+    def resolve(cls, plan: Plan, batch: int) -> "DecodeLayout":
+        """The layout of decoding `batch` rows under `plan`."""
+        if not isinstance(plan, Plan):
+            raise PlanError(f"generate(plan={plan!r}): expected an eqxpar.Plan or None.")
+        serves = "eqxpar.Plan(eqxpar.make_mesh(data=..., tensor=...), rules=eqxpar.rules.MEGATRON)"
+        if plan.schedule is not None:
+            raise PlanError(
+                f"generate under a pipeline plan (schedule={plan.schedule!r}): decoding one token at a "
+                f"time through pipeline stages leaves all but one stage idle. Generate under a plan "
+                f"without pipe, e.g. {serves}, or on one device with eqxpar.nn.in_natural_order(model)."
+            )
+        if plan.context_size > 1:
+            raise PlanError(
+                f"generate under context parallelism (mesh axis {CONTEXT_AXIS!r} of size "
+                f"{plan.context_size}): the cache is not split along the sequence. Generate under a "
+                f"plan whose mesh has no context axis, e.g. {serves} (long contexts: the cache's "
+                "heads split over tensor)."
+            )
+        if plan.expert_size > 1:
+            raise PlanError(
+                f"generate under expert parallelism (mesh axis {EXPERT_AXIS!r} of size "
+                f"{plan.expert_size}): not supported. Generate under a plan without an expert axis "
+                f"(data and tensor), e.g. {serves}."
+            )
+        if batch % plan.batch_size_multiple:
+            raise BatchError(
+                f"generate: a batch of {batch} prompts under a plan whose batch axes {plan.batch_axes} "
+                f"split it over {plan.batch_size_multiple} devices. Pass a multiple of "
+                f"{plan.batch_size_multiple} prompts (pad with copies)."
+            )
+        decode = dataclasses.replace(plan, sequence_parallel=False, tp_overlap=False)
+        return cls(decode, plan.mode == "manual", plan.manual_axes, plan.batch_axes)
+
+    def cache_spec(self, heads: Any) -> PartitionSpec:
+        """The spec of a key or value cache `(layers, blocks per layer, batch, slots,
+        kv_heads, head_dim)`: batch over the batch axes, heads as `heads` (the spec
+        entry of the attention's key heads under the plan's rules)."""
+        return PartitionSpec(None, None, self.batch_axes or None, None, heads, None)
+
+    def check_weights(self, specs: PyTree) -> None:
+        """Refuse, in manual mode, weights split over a manual batch axis (FSDP):
+        a decode step would need every layer gathered by hand."""
+        if not self.manual:
+            return
+        mesh = self.plan.mesh
+        manual = region_manual_axes(mesh, mesh.axis_names if self.manual_axes is None else self.manual_axes)
+        split = {a for a in self.batch_axes if a in manual and mesh.shape[a] > 1}
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        named = {
+            a for spec in jax.tree.leaves(specs, is_leaf=is_spec) for e in spec for a in mesh_axis_names(e)
+        }
+        if named & split:
+            raise PlanError(
+                f"generate under a manual plan whose rules split weights over the batch axes "
+                f"{sorted(named & split)} (FSDP): a decode step would need every layer gathered by "
+                "hand. Generate under the same plan in automatic mode: dataclasses.replace(plan, "
+                "mode='auto')."
+            )

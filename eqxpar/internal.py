@@ -5,6 +5,8 @@ shape between releases (as `equinox.internal`).
 - `StepLayout`: what a step resolves from the plan and the state outline (how it
   is parallel, the specs of parameters, updates and batch, the manual axes). A
   `Step` gives it for a state: `step.layout(state)`.
+- `DecodeLayout`: the same for `eqxpar.models.generate` (the plan it decodes
+  under, whether each step is manual, the key/value cache's spec).
 - `Buffers`: the buffer slots a pipeline schedule allocates (`Schedule.buffers`).
 - `ACTION_NAMES`, `COSTS`: the pipeline actions a schedule table's cells hold, by
   index, and each action's relative cost in forward passes.
@@ -18,6 +20,7 @@ layout.manual_axes, layout.batch
 """
 
 from ._plan import PREDICTION_SCHEDULES as PREDICTION_SCHEDULES
+from ._step_layout import DecodeLayout as DecodeLayout
 from ._step_layout import StepLayout as StepLayout
 from .pipeline._actions import ACTION_NAMES as ACTION_NAMES
 from .pipeline._actions import COSTS as COSTS

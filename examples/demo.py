@@ -172,6 +172,28 @@ def gpt_config(args: argparse.Namespace, data: CharData, **more) -> GPTConfig:
     )
 
 
+def sample_text(model: GPT, ids: list[int], args: argparse.Namespace) -> list[int]:
+    """`args.sample_len` characters after `ids`, drawn with a key/value cache in
+    windows of the context the model was trained at: each window starts from the
+    last half window of text. `max_length` is the same for every window, so one
+    compilation serves them all."""
+    key, context = jax.random.key(2), args.seq_len // 2
+    end = len(ids) + args.sample_len
+    while len(ids) < end:
+        window = ids[-context:]
+        steps = min(args.seq_len - len(window), end - len(ids))
+        out = generate(
+            model,
+            jax.numpy.asarray(window, jax.numpy.int32),
+            steps=steps,
+            key=jax.random.fold_in(key, len(ids)),
+            temperature=0.8,
+            max_length=args.seq_len,
+        )
+        ids = ids + np.asarray(out.tokens[len(window) :]).tolist()
+    return ids
+
+
 def print_throughput(meter: eqxpar.train.Throughput) -> None:
     """Tokens/s and MFU over the steps after the first (which compiles)."""
     if not meter.steps:
@@ -296,13 +318,7 @@ def main(argv=None) -> dict:
     print_throughput(meter)
 
     prompt = "Python "
-    ids = generate(
-        state.model,
-        jax.numpy.asarray([data.index[c] for c in prompt], jax.numpy.int32),
-        steps=args.sample_len,
-        key=jax.random.key(2),
-        temperature=0.8,
-    )
+    ids = sample_text(state.model, [data.index[c] for c in prompt], args)
     sample = decode(data, ids)
     print("sample:\n" + sample)
 

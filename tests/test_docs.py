@@ -267,7 +267,7 @@ def test_readme_stays_short():
 
 
 def test_figures_quoted_from_other_scripts_match_the_record():
-    # The entries benchmarks.long_runs and benchmarks/pretrained_load.py write into
+    # The entries benchmarks.long_runs, benchmarks/pretrained_load.py and benchmarks.decode write into
     # quick.json are quoted by BENCHMARKS.md and the long-runs guide: each figure
     # quoted must be the recorded one, rounded as printed.
     import json
@@ -295,6 +295,11 @@ def test_figures_quoted_from_other_scripts_match_the_record():
     from benchmarks.lora import table
 
     quoted.append(table(data["lora"]))  # the LoRA table is the record's
+    for r in data["decode"]["runs"]:  # benchmarks/decode.py's record
+        quoted.append(
+            f"| {r['steps']:,} | {r['cached_tokens_per_s']:,.0f} | {r['uncached_tokens_per_s']:,.0f} | "
+            f"{r['speedup']:.1f}x | {'yes' if r['same_tokens'] else 'no'} |"
+        )
     for text in quoted:
         assert text in bench, text
     assert (

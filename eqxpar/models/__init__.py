@@ -15,10 +15,11 @@ parallelism, and manual tensor-parallel steps.
 from .._errors import PretrainedError as PretrainedError
 from ._flops import flops_per_token as flops_per_token
 from ._flops import transformer_flops_per_token as transformer_flops_per_token
+from ._generate import Generation as Generation
+from ._generate import generate as generate
 from ._gpt import GPT as GPT
 from ._gpt import GPTConfig as GPTConfig
 from ._gpt import MoEGroup as MoEGroup
-from ._gpt import generate as generate
 from ._gpt import gpt_first as gpt_first
 from ._gpt import gpt_last as gpt_last
 from ._gpt import lm_loss as lm_loss

@@ -36,8 +36,8 @@ class GPTConfig:
       to the token embeddings (default False). Independent of `rotary`: GPT-2-style
       models use `rotary=False, learned_positions=True`; with neither, only the
       causal mask tells tokens apart.
-    - `max_seq_len`: the longest input the model takes (default 256); `generate`
-      slides a window of this length.
+    - `max_seq_len`: the longest input the model takes (default 256); with
+      learned positions also the most tokens `generate` produces in all.
     - `use_bias`: biases in the attention and MLP projections and the LayerNorms
       (default False). The output head never has one.
     - `fused_qkv`: each attention stores Q, K and V as one weight
@@ -628,79 +628,3 @@ def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, 
     if c.router_z_coef:
         loss = loss + c.router_z_coef * jnp.mean(aux.router_z_loss)
     return loss
-
-
-@eqx.filter_jit
-def _generate(model: GPT, prompt: Array, key: Array, steps: int, temperature: Array) -> Array:
-    batch, length = prompt.shape
-    window = model.config.max_seq_len
-    total = length + steps
-    # A buffer at least one window long: early windows start at 0 and run past the
-    # tokens written so far, which the causal mask keeps from affecting them.
-    buffer = jnp.zeros((batch, max(total, window)), prompt.dtype)
-    buffer = jax.lax.dynamic_update_slice_in_dim(buffer, prompt, 0, axis=1)
-    # The temperature is traced (one compilation serves every value): sample with a
-    # safe divisor and pick the greedy token where it is 0.
-    greedy = temperature == 0
-    divisor = jnp.where(greedy, jnp.ones_like(temperature), temperature)
-
-    def body(t, carry):
-        buffer, key = carry
-        n = length + t  # tokens so far; the next one goes at index n
-        start = jnp.maximum(n - window, 0)
-        ids = jax.lax.dynamic_slice_in_dim(buffer, start, window, axis=1)
-        last = jax.lax.dynamic_index_in_dim(model(ids), n - start - 1, axis=1, keepdims=False)
-        key, sub = jax.random.split(key)
-        sampled = jax.random.categorical(sub, last / divisor, axis=-1)
-        token = jnp.where(greedy, jnp.argmax(last, axis=-1), sampled).astype(buffer.dtype)
-        buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token[:, None], n, axis=1)
-        return buffer, key
-
-    buffer, _ = jax.lax.fori_loop(0, steps, body, (buffer, key))
-    return buffer[:, :total]
-
-
-def generate(
-    model: GPT,
-    prompt_ids: Int[Array, "*batch prompt"],
-    *,
-    steps: int,
-    key: PRNGKeyArray,
-    temperature: float = 1.0,
-) -> Int[Array, "*batch total"]:
-    """Sample `steps` tokens after `prompt_ids`, one at a time.
-
-    Each new token is drawn from the model's next-token distribution given the last
-    `config.max_seq_len` tokens (the model re-reads that window every step: simple,
-    no key/value cache). Compiled once per prompt shape and number of steps (a
-    `fori_loop`; the temperature is traced). Runs on one device or on a model
-    sharded for automatic mode (call it outside `shard_map`).
-
-    **Arguments:**
-
-    - `model`: a `GPT`.
-    - `prompt_ids`: `(prompt,)` or `(batch, prompt)` ids, `prompt >= 1`.
-    - `steps`: number of tokens to add (keyword-only).
-    - `key`: PRNG key for sampling (keyword-only).
-    - `temperature`: divides the logits before sampling; `0` picks the most likely
-      token (greedy).
-
-    **Returns:** `(prompt + steps,)` or `(batch, prompt + steps)` ids, the prompt first.
-
-    ```python
-    ids = eqxpar.models.generate(model, prompt, steps=200, key=jax.random.key(0),
-                                 temperature=0.8)
-    ```
-    """
-    if prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] < 1:
-        raise SpecError(
-            f"generate: prompt_ids of shape {prompt_ids.shape}; expected (prompt,) or (batch, prompt) "
-            "with at least one token."
-        )
-    if not isinstance(steps, int) or steps < 0:
-        raise PlanError(f"generate(steps={steps!r}): expected a non-negative integer.")
-    if temperature < 0:
-        raise PlanError(f"generate(temperature={temperature!r}): expected >= 0 (0 is greedy).")
-    batched = prompt_ids if prompt_ids.ndim == 2 else prompt_ids[None]
-    out = _generate(model, batched, key, steps, jnp.asarray(temperature, jnp.float32))
-    return out if prompt_ids.ndim == 2 else out[0]

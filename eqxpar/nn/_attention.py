@@ -23,7 +23,7 @@ from ._blockwise import (
     dropout_seed,
     segment_allowed,
 )
-from ._context import tensor_context
+from ._context import TensorContext, tensor_context
 from ._context_attention import context_attention
 from ._linear import _normal
 from ._lora import AttentionLoRA, adapter_pairs, column_with_adapters, row_adapter
@@ -211,32 +211,7 @@ class Attention(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
-        check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
-        if self.wqkv is not None:
-            check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
-            (qkv,) = self._project(x, [self.wqkv], ("qkv",), ctx, split_dim=2)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        else:
-            check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
-            check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
-            q, k, v = self._project(x, [self.wq, self.wk, self.wv], ("q", "k", "v"), ctx, split_dim=1)
-        check_bias(
-            self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0
-        )
-        for name in ("bk", "bv"):
-            b = getattr(self, name)
-            check_bias(
-                b,
-                self.num_kv_heads,
-                ctx,
-                what=f"Attention.{name}",
-                like="the key/value weight",
-                split=True,
-                dim=0,
-            )
-        check_bias(self.bo, self.d_model, ctx, what="Attention.bo", like="Attention.wo", split=False)
-        if self.bq is not None:
-            q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
+        q, k, v = self.project(x, ctx)
         note_keys(k)
         n = context_size()
         split = n > 1
@@ -268,6 +243,43 @@ class Attention(eqx.Module):
             core = self._context_core(q, k, v, mask, segment_ids, drop)
         else:
             core = self._core(q, k, v, mask, segment_ids, drop)
+        return self.output(core, ctx)
+
+    def project(self, x: Array, ctx: TensorContext) -> tuple[Array, Array, Array]:
+        """Queries, keys and values `(batch, seq, heads, head_dim)` of `x` (this
+        device's heads in manual mode), biases added, no rotary yet: the first part
+        of `__call__`, shared with cached decoding (`eqxpar.models.generate`)."""
+        check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
+        if self.wqkv is not None:
+            check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
+            (qkv,) = self._project(x, [self.wqkv], ("qkv",), ctx, split_dim=2)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
+            check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
+            q, k, v = self._project(x, [self.wq, self.wk, self.wv], ("q", "k", "v"), ctx, split_dim=1)
+        check_bias(
+            self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0
+        )
+        for name in ("bk", "bv"):
+            b = getattr(self, name)
+            check_bias(
+                b,
+                self.num_kv_heads,
+                ctx,
+                what=f"Attention.{name}",
+                like="the key/value weight",
+                split=True,
+                dim=0,
+            )
+        check_bias(self.bo, self.d_model, ctx, what="Attention.bo", like="Attention.wo", split=False)
+        if self.bq is not None:
+            q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
+        return q, k, v
+
+    def output(self, core: Array, ctx: TensorContext) -> Array:
+        """The output projection of the attended heads `(batch, seq, heads,
+        head_dim)`: the last part of `__call__`, shared with cached decoding."""
         heads = ctx.constrain(core, None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
         if self.lora is not None and self.lora.o_a is not None:

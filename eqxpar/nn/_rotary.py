@@ -69,7 +69,7 @@ def apply_rotary(
     x: Float[Array, "batch seq heads head_dim"],
     *,
     base: float = 10000.0,
-    positions: Int[Array, " positions"] | None = None,
+    positions: Int[Array, "*rows positions"] | None = None,
     scaling: RotaryScaling | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Rotate each head's feature pairs by an angle proportional to the token's position.
@@ -88,8 +88,9 @@ def apply_rotary(
 
     - `x`: queries or keys, `(batch, seq, heads, head_dim)`, `head_dim` even.
     - `base`: the wavelength base (keyword-only).
-    - `positions`: integer position of each of the `seq` tokens; default
-      `0, 1, ..., seq - 1`.
+    - `positions`: integer position of each of the `seq` tokens, `(seq,)`, or of
+      each row's, `(batch, seq)` (left-padded rows of different lengths, as
+      `eqxpar.models.generate` decodes them); default `0, 1, ..., seq - 1`.
     - `scaling`: a `RotaryScaling` applied to the frequencies (keyword-only;
       default None: unscaled).
 
@@ -108,10 +109,11 @@ def apply_rotary(
     seq = x.shape[1]
     if positions is None:
         positions = jnp.arange(seq)
-    elif positions.shape != (seq,):
+    elif positions.shape not in ((seq,), (x.shape[0], seq)):
         raise SpecError(
             f"apply_rotary: positions of shape {positions.shape} do not match the sequence of x "
-            f"(shape {x.shape}, seq {seq}). Give one position per token: shape ({seq},)."
+            f"(shape {x.shape}, seq {seq}). Give one position per token: shape ({seq},), or "
+            f"({x.shape[0]}, {seq}) for positions per row."
         )
     half = head_dim // 2
     # Angles in float32 whatever x's dtype: low-precision positions * frequencies lose
@@ -119,9 +121,10 @@ def apply_rotary(
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
     if scaling is not None:
         inv_freq = scaling(inv_freq)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (seq, half)
-    # Explicit broadcasting to (1, seq, 1, half): rank promotion is "raise" in tests.
-    cos = jnp.cos(angles).astype(x.dtype)[None, :, None, :]
-    sin = jnp.sin(angles).astype(x.dtype)[None, :, None, :]
+    # (rows, seq, half), rows 1 or batch.
+    angles = jnp.atleast_2d(positions).astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    # Explicit broadcasting to (rows, seq, 1, half): rank promotion is "raise" in tests.
+    cos = jnp.cos(angles).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(angles).astype(x.dtype)[:, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
