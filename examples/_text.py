@@ -1,7 +1,9 @@
 """Character-level text that is always present: Python's own `pydoc_data.topics`
 (the help texts of the language reference, about 800 kB of English prose and code).
 
-No download: the module ships with every CPython.
+No download: the module ships with every CPython. `CharData` reads it as
+characters; `TokenData` as subwords, with a byte-level BPE tokenizer (the
+`tokenizers` package) trained on it or read from a checkpoint's `tokenizer.json`.
 """
 
 import numpy as np
@@ -52,3 +54,45 @@ class CharData:
 
     def decode(self, ids) -> str:
         return "".join(self.vocab[int(i)] for i in ids)
+
+
+class TokenData:
+    """The text as BPE token ids: a byte-level BPE tokenizer trained on the text
+    (`vocab_size` ids), or read from a `tokenizer.json` (a checkpoint's); the same
+    windows, split and decoding as `CharData`."""
+
+    def __init__(self, *, vocab_size: int = 512, tokenizer_file: str | None = None, text: str | None = None):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        text = load_text() if text is None else text
+        if tokenizer_file is not None:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        else:
+            self.tokenizer = Tokenizer(models.BPE())
+            self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            self.tokenizer.decoder = decoders.ByteLevel()
+            trainer = trainers.BpeTrainer(
+                vocab_size=vocab_size,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                show_progress=False,
+            )
+            self.tokenizer.train_from_iterator(text.split("\n\n"), trainer=trainer)
+        self.ids = np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
+        split = int(0.95 * len(self.ids))
+        self.train_ids, self.eval_ids = self.ids[:split], self.ids[split:]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def save(self, path) -> None:
+        """Write `tokenizer.json` (as a checkpoint directory holds it)."""
+        self.tokenizer.save(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    windows = CharData.windows

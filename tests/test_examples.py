@@ -125,6 +125,24 @@ def test_filter_jit_loop_runs():
     assert "loss" in result.stdout
 
 
+def test_finetune_lora_runs(tmp_path):
+    # From a pre-trained checkpoint (made by the script) through BPE text, LoRA under
+    # a hybrid plan, periodic evaluation and cached generation, to the merged
+    # checkpoint and the PEFT adapter.
+    args = ["--pretrain-steps", "2", "--steps", "2", "--eval-every", "1", "--sample-len", "4"]
+    args += ["--batch-size", "8", "--seq-len", "16", "--out", str(tmp_path)]
+    result = run_example("finetune_lora.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "LoRA rank 8" in out and "after  | 'The assert statement" in out, out[-2000:]
+    trained = float(re.search(r"final eval loss ([0-9.]+)", out).group(1))
+    reread = float(re.search(r"eval loss read back ([0-9.]+)", out).group(1))
+    assert trained == pytest.approx(reread, abs=2e-3)  # the merged checkpoint is the adapted model
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert (tmp_path / "merged" / "tokenizer.json").exists()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 2
+
+
 def test_finetune_pretrained_runs(tmp_path):
     # No --path: the script writes a tiny random checkpoint, fine-tunes it under a
     # plan of the table, saves it in Hugging Face format and reads it back.
