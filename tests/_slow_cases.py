@@ -149,3 +149,17 @@ _add(
     "test_lora.py::test_adapted_model_trains_as_one_device_with_only_its_own_collectives",
     {"tp-manual": "tp-manual-sp", "tp-overlap": "tp-manual-sp", "tp-auto-sp": "fsdp-tp"},
 )
+# Frozen weights and evaluation: the manual-region path runs in make test under
+# FSDP (and tensor) plans; the expert and context plans take the same path.
+_add(
+    "test_frozen.py::test_frozen_weights_stay_and_the_rest_trains_like_one_device",
+    {"expert-data": "fsdp-manual-accumulate", "context-allgather": "tensor-sp-manual"},
+)
+_add(
+    "test_eval.py::test_eval_loss_is_the_one_device_loss_of_every_row",
+    {
+        "expert": "fsdp-manual",
+        "context-allgather": "tensor-sp-manual",
+        "pipeline-interleaved": "pipeline-zb_v",
+    },
+)
