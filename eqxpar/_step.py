@@ -360,6 +360,8 @@ def make_step(
       computes theirs, and drops them). A filter decides per leaf: an
       `eqxpar.nn.Stacked` weight (every layer of a stack) trains or not as a whole
       (see the fine-tuning guide for training some layers).
+      `eqxpar.models.lora_trainable(model)` is the filter that trains only the
+      LoRA adapters of `eqxpar.models.add_lora`.
 
     **Returns:** a `Step`; `step(state, batch) -> (state, metrics)` with metrics
     `{"loss", "grad_norm", "learning_rate" (when exposed), "aux" (with has_aux;
