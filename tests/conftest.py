@@ -64,23 +64,6 @@ def _release_compiled_programs():
 COLLECTED: set[str] = set()
 
 
-#: The longest cases of `make test` (a fresh-clone run's `--durations`), run first:
-#: started last, the plan fuzz alone (90 s) left one core idle at the end of the run.
-RUN_FIRST = (
-    "tests/test_fuzz.py::test_plan_fuzz",
-    "tests/test_pipeline_journeys.py::test_pretrained_model_trains_checkpoints_and_exports_under_a_pipeline"
-    "[interleaved-uneven]",
-    "tests/test_launch.py::test_two_processes_match_one_and_a_killed_run_resumes_exactly",
-    "tests/test_long_runs.py::test_a_job_restarted_after_a_rank_fails_ends_bit_identical",
-    "tests/test_frozen.py::test_frozen_weights_stay_and_the_rest_trains_like_one_device[pipeline-interleaved]",
-    "tests/test_benchmarks_harness.py::test_pipeline_program_runs_its_table_at_each_actions_flops[1f1b-1-full]",
-    "tests/test_examples.py::test_example_runs[pipeline/hybrid-fsdp]",
-    "tests/test_context_parallel.py::test_gpt_pipelined_with_context_matches_single_device[gpipe]",
-    "tests/test_fsdp.py::test_stacked_model_matches_single_device_over_steps[dp_fsdp_tp_manual]",
-    "tests/test_advise.py::test_expert_parallel_temp_grows_with_the_dropless_buffers",
-)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     from ._slow_cases import SLOW_CASES
@@ -93,5 +76,3 @@ def pytest_collection_modifyitems(config, items):
         COLLECTED.add(item.nodeid)
         if item.nodeid in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
-    first = {nodeid: i for i, nodeid in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid, len(first)))  # stable: the rest keep their order
