@@ -188,6 +188,9 @@ def accumulated_value_and_grad(
     and divided once."""
     k = layout.accumulate
     micro = split_microbatches(batch, k)
+    # Frozen weights cast to the compute dtype once, before the loop, rather than
+    # in every micro-batch (`value_and_grad` then finds them cast already).
+    static = loss.compute(static)
 
     def step(grads_sum, xs):
         index, mb = xs
