@@ -11,13 +11,14 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
-from ._sharding import check_batch, place_tree, split_by
+from ._sharding import check_batch, place_tree
 from ._step_layout import (
     StepLayout,
     check_cpu_partial_manual_dtypes,
@@ -259,7 +260,7 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
         return
     what, fix = terms[0]
     warnings.warn(
-        f"{split_by(plan, microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
+        f"{BatchLayout.of(plan).split_by(microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
         "its mean over the micro-batches is not its value on the whole batch, and the step's gradient is "
         f"not the full batch's mean gradient. Use accumulate=1 (or fewer micro-batches), or {fix}, or "
         "accept the approximation: warnings.filterwarnings('ignore', category=eqxpar.AccumulationWarning).",

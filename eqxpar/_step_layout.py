@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 from jaxtyping import PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from ._plan import Plan
@@ -177,7 +178,7 @@ class StepLayout:
     @property
     def batch(self) -> PartitionSpec:
         """The spec of a batch leaf: leading dimension over the plan's batch axes."""
-        return PartitionSpec(self.plan.batch_axes)
+        return BatchLayout.of(self.plan).spec
 
     @property
     def reduced_axes(self) -> tuple[str, ...]:
@@ -333,19 +334,19 @@ def context_attention_of(plan: Plan | None) -> str:
 
 def runs_pipeline(plan: Plan) -> bool:
     """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
-    return plan.schedule is not None
+    return BatchLayout.of(plan).pipelined
 
 
 def rows_per_call(plan: Plan) -> int:
     """The batch sizes a step or evaluation of `plan` runs whole are multiples of
     this: the data-parallel devices times a pipeline's micro-batches."""
-    return plan.batch_size_multiple * microbatch_count(plan, 1)
+    return BatchLayout.of(plan).rows_per_call
 
 
 def microbatch_count(plan: Plan, accumulate: int) -> int:
     # The equal parts a batch is split into: a pipeline's micro-batches, or the
     # accumulated ones.
-    return plan.microbatches if plan.schedule is not None else accumulate
+    return BatchLayout.of(plan).parts(accumulate)
 
 
 def check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:
