@@ -181,6 +181,34 @@ class StepLayout:
         return BatchLayout.of(self.plan).spec
 
     @property
+    def tensor_axis(self) -> str:
+        """The mesh axis tensor-parallel layers split their weights over."""
+        return self.plan.tensor_axis
+
+    @property
+    def reduce_dtype(self) -> Any:
+        """The dtype gradients are reduced in (`Plan(reduce_dtype=)`), or None for theirs."""
+        return self.plan.reduce_dtype
+
+    @property
+    def weight_axes(self) -> frozenset[str]:
+        """The manual axes a weight may be split over in a manual region: the tensor
+        axis (eqxpar.nn layers take its shards) and the batch axes (FSDP: the step
+        gathers them)."""
+        return frozenset({self.plan.tensor_axis, *self.plan.batch_axes})
+
+    @property
+    def sequence_split(self) -> bool:
+        """Whether each device of the tensor axis holds its own sequence block in the
+        manual region (sequence parallelism over a manual tensor axis of size > 1)."""
+        tensor = self.plan.tensor_axis
+        return (
+            self.plan.sequence_parallel
+            and tensor in self.manual_axes
+            and self.plan.mesh.shape.get(tensor, 1) > 1
+        )
+
+    @property
     def reduced_axes(self) -> tuple[str, ...]:
         """The axes whose devices each compute a share of the loss that the step
         averages, and whose gradients it so reduces itself: the batch axes it splits

@@ -265,7 +265,6 @@ PLAN_READS = {
     "eqxpar/_advise/_predict.py": 67,
     "eqxpar/inspect/_minimum.py": 50,
     "eqxpar/pipeline/_engine.py": 19,
-    "eqxpar/_grad_manual.py": 10,
     "eqxpar/_advise/_advice.py": 3,
     "eqxpar/_train_state.py": 7,
     "eqxpar/nn/_context.py": 5,
