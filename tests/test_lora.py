@@ -1,9 +1,12 @@
 """LoRA (eqxpar.models.add_lora / merge_lora / lora_trainable / save_lora): the
 adapters PEFT and transformers read back compute eqxpar's logits (references
 made by tests/data/lora/make_references.py); the adapters shard with their base
-weights under every plan and add no collective beyond their own; sharded
-training steps equal one device's; bad inputs raise eqxpar errors."""
+weights under every plan and add no collective beyond their own; training the
+adapters alone equals one device under every kind of plan (tensor, automatic and
+manual FSDP, context, expert, each pipeline placement); bad inputs raise eqxpar
+errors."""
 
+import dataclasses
 import json
 
 import equinox as eqx
@@ -20,6 +23,7 @@ from eqxpar.models import GPT, GPTConfig, add_lora, lm_loss, lora_trainable, mer
 from ._helpers import (
     LORA_DATA,
     LORA_TARGETS,
+    assert_params_close,
     assert_trees_close,
     lm_tokens,
     lora_reference_model,
@@ -348,5 +352,77 @@ def test_training_with_lora_trainable_moves_only_the_adapters():
         ref, ref_state = reference(ref, ref_state, tokens)
     got_adapters, got_frozen = eqx.partition(state.model, trainable)
     assert_trees_close(got_adapters, ref)
+    for a, b in zip(jax.tree.leaves(got_frozen), jax.tree.leaves(frozen), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: exactly the base
+
+
+# The plans tests/test_frozen.py trains frozen weights under, beyond the tensor and
+# automatic FSDP plans above: manual FSDP, context, expert (an MoE GPT, attention
+# adapters) and every pipeline placement (the plan reorders the stack, adapters
+# included; `stage_layers` pads a stage's slots).
+def _pipeline_plan(schedule, chunks=1, **kw):
+    return eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=4),
+        rules=eqxpar.pipeline.stage_rules(None),
+        schedule=schedule,
+        microbatches=2,
+        chunks=chunks,
+        **kw,
+    )
+
+
+LORA_PLANS = {
+    "fsdp-manual": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(data=2, fsdp=4), rules=eqxpar.rules.FSDP(min_size=0), mode="manual"
+    ),
+    "context": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(context=2, data=4), mode="manual", context_attention="allgather"
+    ),
+    "expert": lambda: eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT),
+    "1f1b-uneven": lambda: _pipeline_plan("1f1b", stage_layers=(1, 3)),
+    "interleaved": lambda: _pipeline_plan("interleaved", chunks=2),
+    "zb_v": lambda: _pipeline_plan("zb_v", chunks=2),
+}
+PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(
+    eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last
+)
+# eps well above float32 noise: see test_training_with_lora_trainable_moves_only_the_adapters.
+LORA_OPTIM = optax.adam(1e-2, eps=1e-3)
+
+
+@eqx.filter_jit
+def _adapters_step(adapters, frozen, opt_state, tokens):
+    """One device's step of the adapters alone: (adapters, opt_state, loss). At
+    module level, so cases of one model's shapes compile it once."""
+    loss, grads = eqx.filter_value_and_grad(lambda a: lm_loss(eqx.combine(a, frozen), tokens))(adapters)
+    updates, opt_state = LORA_OPTIM.update(grads, opt_state, adapters)
+    return eqx.apply_updates(adapters, updates), opt_state, loss
+
+
+@pytest.mark.parametrize("name", list(LORA_PLANS))
+def test_lora_trains_as_one_device_under_manual_fsdp_context_expert_and_pipeline_plans(name):
+    plan = LORA_PLANS[name]()
+    pipeline = plan.schedule is not None
+    if plan.expert_size > 1:  # adapters on the attention (an MoE block's experts take none)
+        config, targets = dataclasses.replace(CONFIG, moe_every=2, experts=4), ("q", "k", "v", "o")
+    else:
+        config, targets = dataclasses.replace(CONFIG, num_layers=4 if pipeline else 2), ALL
+    model = _trained_adapters(
+        add_lora(GPT(config, key=jax.random.key(0)), rank=2, alpha=4, targets=targets, key=jax.random.key(1))
+    )
+    trainable = lora_trainable(model)
+    state = eqxpar.train.init(model, LORA_OPTIM, plan, key=jax.random.key(0), trainable=trainable)
+    step = eqxpar.train.make_step(
+        PIPELINE_LOSS if pipeline else lm_loss, LORA_OPTIM, plan, trainable=trainable
+    )
+    adapters, frozen = eqx.partition(model, trainable)
+    ref, ref_state = adapters, LORA_OPTIM.init(adapters)
+    for i in range(2):
+        tokens = lm_tokens(i, batch=8, seq=8, vocab=CONFIG.vocab_size)
+        state, metrics = step(state, tokens)
+        ref, ref_state, ref_loss = _adapters_step(ref, frozen, ref_state, tokens)
+        assert_trees_close(float(metrics["loss"]), float(ref_loss), err_msg=f"loss at step {i}")
+    got_adapters, got_frozen = eqx.partition(eqxpar.nn.in_natural_order(state.model), trainable)
+    assert_params_close(got_adapters, ref)
     for a, b in zip(jax.tree.leaves(got_frozen), jax.tree.leaves(frozen), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: exactly the base
