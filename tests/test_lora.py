@@ -51,6 +51,7 @@ FUSED = GPTConfig(
     fused_qkv=True,
 )
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
+MOE = dataclasses.replace(CONFIG, moe_every=2, experts=4, num_shared_experts=1)
 
 
 def _logits(model, tokens):
@@ -296,6 +297,12 @@ def test_gpt2_default_target_is_the_fused_qkv():
         (CONFIG, dict(rank=2, targets=("qkv",)), "separate wq, wk, wv"),
         (FUSED, dict(rank=2, targets=("q", "v")), "fused QKV"),
         (FUSED, dict(rank=2, targets=("gate",)), "no gate"),
+        # An MoE model: its experts take no adapters, so MLP targets are refused.
+        (
+            MOE,
+            dict(rank=2, targets=("q", "up")),
+            r"MoE feed-forwards.*\['up'\].*targets=\('q', 'k', 'v', 'o'\)",
+        ),
     ],
 )
 def test_add_lora_bad_arguments(config, kwargs, match):
@@ -404,13 +411,18 @@ def test_lora_trains_as_one_device_under_manual_fsdp_context_expert_and_pipeline
     plan = LORA_PLANS[name]()
     pipeline = plan.schedule is not None
     if plan.expert_size > 1:  # adapters on the attention (an MoE block's experts take none)
-        config, targets = dataclasses.replace(CONFIG, moe_every=2, experts=4), ("q", "k", "v", "o")
+        config, targets = MOE, ("q", "k", "v", "o")
     else:
         config, targets = dataclasses.replace(CONFIG, num_layers=4 if pipeline else 2), ALL
     model = _trained_adapters(
         add_lora(GPT(config, key=jax.random.key(0)), rank=2, alpha=4, targets=targets, key=jax.random.key(1))
     )
     trainable = lora_trainable(model)
+    if config.moe_every:  # only the attention's (the shared experts are an MLP, which takes none)
+        adapted = [
+            jax.tree_util.keystr(p) for p, t in jax.tree_util.tree_flatten_with_path(trainable)[0] if t
+        ]
+        assert adapted and all(".attn.lora." in p for p in adapted), adapted
     state = eqxpar.train.init(model, LORA_OPTIM, plan, key=jax.random.key(0), trainable=trainable)
     step = eqxpar.train.make_step(
         PIPELINE_LOSS if pipeline else lm_loss, LORA_OPTIM, plan, trainable=trainable

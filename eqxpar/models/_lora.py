@@ -34,6 +34,10 @@ def _is_layer(x: Any) -> bool:
     return isinstance(x, nn.Attention | nn.MLP)
 
 
+def _is_moe(x: Any) -> bool:
+    return isinstance(x, nn.MoE)
+
+
 def _is_adapter(x: Any) -> bool:
     return isinstance(x, nn.AttentionLoRA | nn.MLPLoRA)
 
@@ -52,7 +56,7 @@ def _default_targets(layers: list) -> tuple[str, ...]:
     return ("qkv",) if fused else ("q", "v")
 
 
-def _check_targets(targets: Any, layers: list) -> tuple[str, ...]:
+def _check_targets(targets: Any, layers: list, *, moe: bool) -> tuple[str, ...]:
     if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
         raise PlanError(
             f"add_lora(targets={targets!r}): expected a non-empty tuple of projection names from "
@@ -63,6 +67,14 @@ def _check_targets(targets: Any, layers: list) -> tuple[str, ...]:
     if unknown:
         raise PlanError(
             f"add_lora(targets={targets!r}): {unknown} unknown; expected names from {tuple(TARGETS)}."
+        )
+    mlp_targets = [t for t in targets if TARGETS[t] == "mlp"]
+    if mlp_targets and moe:
+        raise PlanError(
+            f"add_lora(targets={targets!r}): the model has MoE feed-forwards (eqxpar.nn.MoE), whose "
+            f"experts, router and shared experts take no adapters, so {mlp_targets} would adapt only "
+            "the dense blocks' MLPs between them (or nothing). Adapt the attention alone, e.g. "
+            "targets=('q', 'k', 'v', 'o') ('qkv', 'o' on a fused QKV weight)."
         )
     for layer in layers:
         if isinstance(layer, nn.Attention):
@@ -140,9 +152,12 @@ def add_lora(
     weights (column-parallel projections: `A` whole, `B` split like the output;
     row-parallel: `A` split like the input, `B` whole). Train them alone with
     `lora_trainable(model)`; fold them in with `merge_lora`; export them with
-    `save_lora`. The feed-forward of an MoE block (`eqxpar.nn.MoE`: its experts,
-    router and shared experts) gets no adapter: `gate`, `up`, `down` adapt dense
-    MLPs only. No dropout on the adapters' input (a `GPT` takes no dropout key).
+    `save_lora`.
+
+    An MoE model (one holding `eqxpar.nn.MoE` feed-forwards, e.g. a `GPT` with
+    `moe_every`) takes adapters on its attention only: the experts, router and
+    shared experts get none, and targets naming `gate`, `up` or `down` raise
+    `PlanError` (they would adapt only the dense blocks between the MoE ones).
 
     **Arguments:**
 
@@ -179,7 +194,8 @@ def add_lora(
     alpha = float(rank if alpha is None else alpha)
     if not math.isfinite(alpha) or alpha <= 0:
         raise PlanError(f"add_lora(alpha={alpha!r}): expected a positive number (the scale is alpha / rank).")
-    targets = _check_targets(_default_targets(layers) if targets is None else targets, layers)
+    moe = any(isinstance(x, nn.MoE) for x in jax.tree.leaves(model, is_leaf=_is_moe))
+    targets = _check_targets(_default_targets(layers) if targets is None else targets, layers, moe=moe)
     keys = iter(jax.random.split(key, len(layers)))
 
     def adapt(layer: Any) -> Any:
