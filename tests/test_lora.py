@@ -292,6 +292,7 @@ def test_gpt2_default_target_is_the_fused_qkv():
     [
         (CONFIG, dict(rank=0), "rank=0"),
         (CONFIG, dict(rank=2, alpha=-1.0), "alpha"),
+        (CONFIG, dict(rank=2, dropout=1.0), r"dropout=1.0.*\[0, 1\)"),
         (CONFIG, dict(rank=2, targets="q"), "tuple of projection names"),
         (CONFIG, dict(rank=2, targets=("q", "x")), r"\['x'\] unknown"),
         (CONFIG, dict(rank=2, targets=("qkv",)), "separate wq, wk, wv"),
@@ -438,3 +439,58 @@ def test_lora_trains_as_one_device_under_manual_fsdp_context_expert_and_pipeline
     assert_params_close(got_adapters, ref)
     for a, b in zip(jax.tree.leaves(got_frozen), jax.tree.leaves(frozen), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: exactly the base
+
+
+def test_adapter_dropout_takes_the_step_key_and_matches_one_device_under_a_data_plan(tmp_path):
+    # PEFT's lora_dropout: each adapter's input dropped, with a key only.
+    make = lambda rate: _trained_adapters(  # noqa: E731
+        add_lora(
+            GPT(CONFIG, key=jax.random.key(0)),
+            rank=2,
+            alpha=4,
+            targets=ALL,
+            dropout=rate,
+            key=jax.random.key(1),
+        )
+    )
+    plain, dropped = make(0.0), make(0.3)
+    assert dropped.blocks.blocks.mlp.lora.dropout == 0.3
+    tokens = lm_tokens(0, batch=8, seq=8, vocab=CONFIG.vocab_size)
+    key = jax.random.key(7)
+    loss_of = eqx.filter_jit(lambda m, t, k: lm_loss(m, t, key=k))
+    # Rate 0, or no key: exactly no dropout (the key reaches no layer).
+    base = float(loss_of(plain, tokens, None))
+    assert float(loss_of(plain, tokens, key)) == base and float(loss_of(dropped, tokens, None)) == base
+    # With a key: other masks per key, the same for the same key.
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: lm_loss(m, t, key=k)))
+    ref = grad(dropped, tokens, key)
+    assert abs(float(ref[0]) - base) > 1e-4
+    assert abs(float(grad(dropped, tokens, jax.random.key(8))[0]) - float(ref[0])) > 1e-4
+    # A data-parallel plan (automatic: threefry is partitionable) draws one
+    # device's masks for the key; a manual tensor-parallel one its own, deterministically.
+    data = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    loss, grads = eqxpar.train.make_value_and_grad(lm_loss, data)(dropped, tokens, key=key)
+    assert_trees_close(float(loss), float(ref[0]))
+    assert_trees_close(grads, eqx.filter(ref[1], eqx.is_array))
+    # A manual tensor-parallel step: each device draws its own masks from the
+    # step's key, the same ones for the same state.
+    manual = eqxpar.Plan(
+        eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    )
+    trainable = lora_trainable(dropped)
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(dropped, optim, manual, key=jax.random.key(0), trainable=trainable)
+    step = eqxpar.train.make_step(lm_loss, optim, manual, trainable=trainable, donate=False)
+    (one, m1), (two, m2) = step(state, tokens), step(state, tokens)
+    assert float(m1["loss"]) == float(m2["loss"]) and abs(float(m1["loss"]) - base) > 1e-4
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(one.model, trainable)),
+        jax.tree.leaves(eqx.filter(two.model, trainable)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    save_lora(dropped, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["lora_dropout"] == 0.3
+    # A pipeline passes its stack no key: refused rather than trained without dropout.
+    with pytest.raises(eqxpar.PlanError, match=r"dropout=0.0"):
+        PIPELINE_LOSS(dropped, tokens)

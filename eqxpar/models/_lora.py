@@ -107,7 +107,9 @@ def _pair(key: PRNGKeyArray, lead: tuple, ins: tuple, outs: tuple, rank: int, dt
     return a, jnp.zeros((*lead, rank, *outs), dtype)
 
 
-def _attention_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key: PRNGKeyArray) -> Any:
+def _attention_adapter(
+    layer: Any, targets: tuple, rank: int, alpha: float, dropout: float, key: PRNGKeyArray
+) -> Any:
     lead, dtype = layer.wo.shape[:-3], layer.wo.dtype
     d, h, kv, hd = layer.d_model, layer.num_heads, layer.num_kv_heads, layer.head_dim
     outs = {"q": (h, hd), "k": (kv, hd), "v": (kv, hd), "qkv": (3, h, hd)}
@@ -118,10 +120,12 @@ def _attention_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key:
             fields[f"{name}_a"], fields[f"{name}_b"] = _pair(keys[name], lead, (d,), outs[name], rank, dtype)
     if "o" in targets:
         fields["o_a"], fields["o_b"] = _pair(keys["o"], lead, (h, hd), (d,), rank, dtype)
-    return nn.AttentionLoRA(**fields, rank=rank, alpha=alpha) if fields else None
+    return nn.AttentionLoRA(**fields, rank=rank, alpha=alpha, dropout=dropout) if fields else None
 
 
-def _mlp_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key: PRNGKeyArray) -> Any:
+def _mlp_adapter(
+    layer: Any, targets: tuple, rank: int, alpha: float, dropout: float, key: PRNGKeyArray
+) -> Any:
     lead, dtype = layer.w_out.shape[:-2], layer.w_out.dtype
     d, f = layer.d_model, layer.d_hidden
     shapes = {"gate": ((d,), (f,)), "up": ((d,), (f,)), "down": ((f,), (d,))}
@@ -129,7 +133,7 @@ def _mlp_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key: PRNGK
     for name, k in zip(("gate", "up", "down"), jax.random.split(key, 3), strict=True):
         if name in targets:
             fields[f"{name}_a"], fields[f"{name}_b"] = _pair(k, lead, *shapes[name], rank, dtype)
-    return nn.MLPLoRA(**fields, rank=rank, alpha=alpha) if fields else None
+    return nn.MLPLoRA(**fields, rank=rank, alpha=alpha, dropout=dropout) if fields else None
 
 
 def add_lora(
@@ -138,6 +142,7 @@ def add_lora(
     rank: int,
     alpha: int | float | None = None,
     targets: Sequence[str] | None = None,
+    dropout: float = 0.0,
     key: PRNGKeyArray,
 ) -> PyTree:
     """`model` with low-rank adapters (LoRA) on the chosen projections of every
@@ -169,6 +174,12 @@ def add_lora(
       weights) or `"qkv"` (a fused QKV weight, one adapter: GPT-2's `c_attn`),
       `"o"`, `"gate"` (SwiGLU only), `"up"` (a GELU MLP's input), `"down"`.
       Default None: PEFT's, `("q", "v")`, or `("qkv",)` on fused weights.
+    - `dropout`: PEFT's `lora_dropout` (keyword-only; default 0.0, none): each
+      adapter's input `x` is dropped at this rate, with a mask of its own, when
+      the model is called with a `key` (`GPT(tokens, key=)`, `lm_loss(...,
+      key=)`, which `eqxpar.train.make_step` passes each step); without a key
+      (evaluation, generation) the adapters see `x` whole. Not under a pipeline
+      plan, which passes its stages no key (`PlanError`).
     - `key`: PRNG key for the `A` matrices (keyword-only).
 
     **Returns:** the model with adapters (a new pytree; `model` is unchanged).
@@ -194,13 +205,16 @@ def add_lora(
     alpha = float(rank if alpha is None else alpha)
     if not math.isfinite(alpha) or alpha <= 0:
         raise PlanError(f"add_lora(alpha={alpha!r}): expected a positive number (the scale is alpha / rank).")
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
+        raise PlanError(f"add_lora(dropout={dropout!r}): expected a rate in [0, 1) (0: no dropout).")
+    dropout = float(dropout)
     moe = any(isinstance(x, nn.MoE) for x in jax.tree.leaves(model, is_leaf=_is_moe))
     targets = _check_targets(_default_targets(layers) if targets is None else targets, layers, moe=moe)
     keys = iter(jax.random.split(key, len(layers)))
 
     def adapt(layer: Any) -> Any:
         make = _attention_adapter if isinstance(layer, nn.Attention) else _mlp_adapter
-        lora = make(layer, targets, rank, alpha, next(keys))
+        lora = make(layer, targets, rank, alpha, dropout, next(keys))
         return layer if lora is None else eqx.tree_at(lambda m: m.lora, layer, lora, is_leaf=_is_none)
 
     return _map_layers(adapt, model)
