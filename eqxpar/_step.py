@@ -22,7 +22,9 @@ from ._step_layout import (
     StepLayout,
     check_cpu_partial_manual_dtypes,
     check_reduce_dtype,
+    loss_compute_dtype,
     microbatch_count,
+    runs_pipeline,
     warn_cpu_collective_order,
 )
 from ._train_state import TrainState
@@ -273,7 +275,7 @@ def _validate(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: s
         raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
     if not callable(loss_fn):
         raise PlanError(f"{where}(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
-    if plan.schedule is not None:
+    if runs_pipeline(plan):
         from .pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
@@ -387,7 +389,7 @@ def make_step(
     if not isinstance(skip_nonfinite, bool):
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
     warn_cpu_collective_order(plan, accumulate)
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
     return Step(
         loss,
         optimizer,
@@ -426,7 +428,7 @@ def make_value_and_grad(
     ```
     """
     _validate(loss_fn, plan, accumulate, has_aux, "make_value_and_grad")
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
 
     @eqx.filter_jit
     def compiled(model, batch, key):

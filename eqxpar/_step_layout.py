@@ -315,6 +315,22 @@ def check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> 
     )
 
 
+def loss_compute_dtype(plan: Plan) -> Any:
+    """The dtype a step, gradient or evaluation of `plan` computes its loss in: the
+    model's and batch's floating-point arrays are cast to it (`Plan(compute_dtype=)`),
+    or None to keep theirs."""
+    return plan.compute_dtype
+
+
+def context_attention_of(plan: Plan | None) -> str:
+    """The context attention a step of `plan` runs (`"ring"`, `"allgather"` or
+    `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or
+    `"allgather"` in a pipeline (whose stages run one micro-batch at a time)."""
+    if plan is None or plan.context_attention is None:
+        return "allgather" if plan is not None and runs_pipeline(plan) else "ring"
+    return plan.context_attention
+
+
 def runs_pipeline(plan: Plan) -> bool:
     """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
     return plan.schedule is not None

@@ -265,8 +265,6 @@ PLAN_READS = {
     "eqxpar/_advise/_predict.py": 67,
     "eqxpar/inspect/_minimum.py": 50,
     "eqxpar/pipeline/_engine.py": 19,
-    "eqxpar/_step.py": 3,
-    "eqxpar/_eval.py": 1,
     "eqxpar/_grad_manual.py": 10,
     "eqxpar/runtime/_data.py": 8,
     "eqxpar/_advise/_advice.py": 7,
@@ -274,8 +272,6 @@ PLAN_READS = {
     "eqxpar/_sharding.py": 5,
     "eqxpar/nn/_context.py": 5,
     "eqxpar/inspect/_jaxpr_walk.py": 4,
-    "eqxpar/_context_split.py": 3,
-    "eqxpar/_advise/_analysis.py": 1,
     "eqxpar/_nonfinite.py": 1,
     "eqxpar/nn/_stack.py": 1,
 }
