@@ -343,3 +343,11 @@ _pair(
     "test_models.py::test_generate_greedy_matches_rerunning_the_model",
     "test_generate.py::test_greedy_matches_transformers_on_one_device[llama3_rope]",
 )
+# LoRA under the other plans: manual FSDP (the adapters gathered per layer in the
+# stack's scan) and 1F1B over uneven stages (the adapters padded to a stage's slots)
+# in make test; context and expert plans take the same manual-region path, the
+# other pipeline placements the same engine.
+_add(
+    "test_lora.py::test_lora_trains_as_one_device_under_manual_fsdp_context_expert_and_pipeline_plans",
+    {"context": "fsdp-manual", "expert": "fsdp-manual", "interleaved": "1f1b-uneven", "zb_v": "1f1b-uneven"},
+)
