@@ -257,14 +257,19 @@ def test_the_advisor_reads_costs_as_data():
 
 #: The modules that may read a plan's options: the plan itself and the layouts it
 #: resolves into, the step's and the batch's (issue: one reader of the plan).
-PLAN_OWNERS = ("eqxpar/_plan.py", "eqxpar/_step_layout.py", "eqxpar/_batch_layout.py")
+PLAN_OWNERS = (
+    "eqxpar/_plan.py",
+    "eqxpar/_step_layout.py",
+    "eqxpar/_batch_layout.py",
+    # The pipeline package resolves its own options in one module of its own.
+    "eqxpar/pipeline/_pipeline_plan.py",
+)
 #: Reads of plan options (other than `mesh` and `rules`) outside the owners, per module,
 #: as they stand: a ratchet, lowered as each module asks the layout instead. A module
 #: not listed may read none.
 PLAN_READS = {
     "eqxpar/_advise/_predict.py": 67,
     "eqxpar/inspect/_minimum.py": 50,
-    "eqxpar/pipeline/_engine.py": 19,
     "eqxpar/_advise/_advice.py": 3,
     "eqxpar/_train_state.py": 7,
     "eqxpar/nn/_context.py": 5,
