@@ -351,6 +351,25 @@ def loss_compute_dtype(plan: Plan) -> Any:
     return plan.compute_dtype
 
 
+def param_dtype_of(plan: Plan) -> Any:
+    """The dtype `train.init` stores a model's floating-point weights in
+    (`Plan(param_dtype=)`), or None to keep theirs."""
+    return plan.param_dtype
+
+
+def activation_axes(plan: Plan) -> frozenset[str]:
+    """The mesh axes the plan splits activations over, whatever the model's
+    weights: the batch axes, the axes of its annotations, the tensor axis under
+    sequence parallelism, and the context axis."""
+    used = set(BatchLayout.of(plan).axes)
+    for spec in plan.annotation_specs.values():
+        used.update(a for entry in spec for a in mesh_axis_names(entry))
+    if plan.sequence_parallel:
+        used.add(plan.tensor_axis)  # the activations' sequence is split over it
+    used.add(CONTEXT_AXIS)  # it always splits the sequence
+    return frozenset(used)
+
+
 def context_attention_of(plan: Plan | None) -> str:
     """The context attention a step of `plan` runs (`"ring"`, `"allgather"` or
     `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or

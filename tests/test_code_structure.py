@@ -271,7 +271,6 @@ PLAN_READS = {
     "eqxpar/_advise/_predict.py": 67,
     "eqxpar/inspect/_minimum.py": 50,
     "eqxpar/_advise/_advice.py": 3,
-    "eqxpar/_train_state.py": 7,
     "eqxpar/nn/_context.py": 5,
     "eqxpar/inspect/_jaxpr_walk.py": 4,
     "eqxpar/_nonfinite.py": 1,
