@@ -183,7 +183,12 @@ class StepLayout:
     @property
     def tensor_axis(self) -> str:
         """The mesh axis tensor-parallel layers split their weights over."""
-        return self.plan.tensor_axis
+        return tensor_axis_of(self.plan)
+
+    @property
+    def mode(self) -> str:
+        """The plan's mode as the user gave it (`"auto"` or `"manual"`), for messages."""
+        return self.plan.mode
 
     @property
     def reduce_dtype(self) -> Any:
@@ -349,6 +354,11 @@ def loss_compute_dtype(plan: Plan) -> Any:
     model's and batch's floating-point arrays are cast to it (`Plan(compute_dtype=)`),
     or None to keep theirs."""
     return plan.compute_dtype
+
+
+def tensor_axis_of(plan: Plan) -> str:
+    """The mesh axis tensor-parallel layers split their weights over (`Plan(tensor_axis=)`)."""
+    return plan.tensor_axis
 
 
 def param_dtype_of(plan: Plan) -> Any:

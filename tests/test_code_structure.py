@@ -272,8 +272,6 @@ PLAN_READS = {
     "eqxpar/inspect/_minimum.py": 50,
     "eqxpar/_advise/_advice.py": 3,
     "eqxpar/nn/_context.py": 5,
-    "eqxpar/inspect/_jaxpr_walk.py": 4,
-    "eqxpar/_nonfinite.py": 1,
     "eqxpar/nn/_stack.py": 1,
 }
 #: Layer constructors over 10 parameters, as they stand (the goal: none, each layer
