@@ -57,8 +57,8 @@ Design:
   few distinct model shapes keep compilation, nearly all of the cost, small;
   the workers share a compilation cache and cache models and references.
 
-Two runs: `test_plan_fuzz` in `make test` (60 examples) and `test_plan_fuzz_deep`,
-marked `slow`, in `make test-slow` and CI (600 more, from the next seed).
+Two runs, both in `make test-slow` (CI runs it; `make test` is held to 12 minutes):
+`test_plan_fuzz` (60 examples) and `test_plan_fuzz_deep` (600 more, from the next seed).
 Knobs (environment): `EQXPAR_FUZZ_EXAMPLES` (default 60),
 `EQXPAR_FUZZ_DEEP_EXAMPLES` (default 600), `EQXPAR_FUZZ_SEED`
 (default 0), `EQXPAR_FUZZ_WORKERS` (default 2), `EQXPAR_FUZZ_REPORT` (write every
@@ -985,6 +985,7 @@ def _generate(n, seed_value=SEED):
     return unique
 
 
+@pytest.mark.slow  # 60 plans, 2 minutes of both cores: in make test-slow (CI runs it)
 def test_plan_fuzz(request, tmp_path):
     _fuzz(request, tmp_path, EXAMPLES, SEED)
 
@@ -1029,6 +1030,7 @@ def _fuzz(request, tmp_path, examples, seed_value):
         )
 
 
+@pytest.mark.slow  # the harness of the two runs above, beside them
 def test_fuzz_harness_reports_mismatch_abort_and_hang(tmp_path):
     """The harness itself: a wrong gradient is a mismatch, a dying worker an abort,
     a stalled step a hang, and the worker is replaced after each."""

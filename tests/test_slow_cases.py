@@ -29,9 +29,14 @@ def test_every_slow_case_has_a_fast_sibling():
 def test_every_kept_case_pattern_names_a_case():
     import fnmatch
 
-    from ._slow_cases import KEEP_ONLY
+    from ._slow_cases import KEEP_NONE, KEEP_ONLY
 
     files = {node.split("::")[0] for node in COLLECTED}
+    for test in KEEP_NONE:
+        if test.split("::")[0] in files:
+            assert any(node.startswith(test + "[") for node in COLLECTED), (
+                f"tests/_slow_cases.py keeps no case of {test!r}, which has none (renamed?)"
+            )
     for test, patterns in KEEP_ONLY.items():
         if test.split("::")[0] not in files:
             continue
