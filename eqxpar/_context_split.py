@@ -41,7 +41,7 @@ def context_size() -> int:
 def context_attention_impl() -> str:
     """The plan's `context_attention` (`"ring"`, `"allgather"` or `"ulysses"`); by
     default `"ring"`, or `"allgather"` in a pipeline (see `Plan(context_attention=...)`)."""
-    from ._step_layout import context_attention_of
+    from ._parallel_dims import context_attention_of
 
     return context_attention_of(current_plan())
 

@@ -380,15 +380,6 @@ def activation_axes(plan: Plan) -> frozenset[str]:
     return frozenset(used)
 
 
-def context_attention_of(plan: Plan | None) -> str:
-    """The context attention a step of `plan` runs (`"ring"`, `"allgather"` or
-    `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or
-    `"allgather"` in a pipeline (whose stages run one micro-batch at a time)."""
-    if plan is None or plan.context_attention is None:
-        return "allgather" if plan is not None and runs_pipeline(plan) else "ring"
-    return plan.context_attention
-
-
 def runs_pipeline(plan: Plan) -> bool:
     """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
     return BatchLayout.of(plan).pipelined

@@ -261,19 +261,14 @@ PLAN_OWNERS = (
     "eqxpar/_plan.py",
     "eqxpar/_step_layout.py",
     "eqxpar/_batch_layout.py",
+    "eqxpar/_parallel_dims.py",
     # The pipeline package resolves its own options in one module of its own.
     "eqxpar/pipeline/_pipeline_plan.py",
 )
 #: Reads of plan options (other than `mesh` and `rules`) outside the owners, per module,
 #: as they stand: a ratchet, lowered as each module asks the layout instead. A module
 #: not listed may read none.
-PLAN_READS = {
-    "eqxpar/_advise/_predict.py": 67,
-    "eqxpar/inspect/_minimum.py": 50,
-    "eqxpar/_advise/_advice.py": 3,
-    "eqxpar/nn/_context.py": 5,
-    "eqxpar/nn/_stack.py": 1,
-}
+PLAN_READS: dict[str, int] = {}
 #: Layer constructors over 10 parameters, as they stand (the goal: none, each layer
 #: built from small config objects). A class not listed may take at most 10.
 WIDE_CONSTRUCTORS = {

@@ -12,6 +12,7 @@ from jaxtyping import PyTree
 from .._batch_layout import BatchLayout
 from .._errors import EqxparError, PlanError
 from .._mesh import make_mesh
+from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._sharding import shard_batch
 from .._specs import is_array_like
@@ -324,8 +325,9 @@ def _predict_layout(
     need = batch.rows_per_call
     if analysis.batch_size % need:
         raise PlanError(f"the batch of {analysis.batch_size} does not split into {need}")
-    if plan.context_size > 1 and analysis.seq_len % (2 * plan.context_size):
-        raise PlanError(f"sequence {analysis.seq_len} does not split into {2 * plan.context_size} chunks")
+    context = ParallelDims.of(plan).context_size
+    if context > 1 and analysis.seq_len % (2 * context):
+        raise PlanError(f"sequence {analysis.seq_len} does not split into {2 * context} chunks")
     if batch.pipelined:
         loss_fn, analysis = piped
     return predict(plan, shapes, opt_state, tokens, loss_fn, analysis, profile)

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .._mesh import AXES, EXPERT_AXIS, axis_size
+from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize, nbytes
@@ -143,12 +144,12 @@ def _per_device(tree: Any, specs: Any, mesh: Mesh, drop: frozenset[str] = frozen
 
 def _tensor_dims(params: Any, specs: Any, plan: Plan) -> set[int]:
     # Sizes of the weight dimensions split over the tensor axis (heads, MLP features).
-    dims = set()
+    tensor, sizes = ParallelDims.of(plan).tensor_axis, set()
     flat = jax.tree.structure(params).flatten_up_to(specs)
     for x, spec in zip(jax.tree.leaves(params), flat, strict=True):
         if isinstance(spec, PartitionSpec) and is_array_like(x):
-            dims |= {x.shape[i] for i, e in enumerate(spec) if plan.tensor_axis in mesh_axis_names(e)}
-    return dims
+            sizes |= {x.shape[i] for i, e in enumerate(spec) if tensor in mesh_axis_names(e)}
+    return sizes
 
 
 def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int:
@@ -160,9 +161,10 @@ def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     that (a device's experts take up to every device's rows: static buffers of
     `n` devices' assignments), split over the tensor axis only where the experts
     are; those of the tokens (the router's) split as the batch."""
-    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    dims = ParallelDims.of(plan)
+    t = plan.mesh.shape.get(dims.tensor_axis, 1)
     split_dims = _tensor_dims(params, specs, plan) if t > 1 else set()
-    b, c = analysis.batch_size, plan.context_size
+    b, c = analysis.batch_size, dims.context_size
     routed = analysis.routed.shape[0] if analysis.routed is not None else None
     tokens = b * analysis.seq_len if analysis.seq_len is not None else None
     moe = _moe_split(plan, params, specs)
@@ -171,25 +173,25 @@ def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
         shape = r.shape
         if b not in shape[:-1] and routed is not None and routed in shape[:-1]:
             after = shape[shape.index(routed) + 1 :]
-            divisor = plan.batch_size_multiple * c
+            divisor = dims.batch_size_multiple * c
             if moe["tensor"] and split_dims & set(after):
                 divisor *= t
             total += nbytes(r) * moe["rows"] // divisor
             continue
         if b not in shape[:-1] and tokens is not None and tokens in shape[:-1]:
             after = shape[shape.index(tokens) + 1 :]
-            divisor = plan.batch_size_multiple * c
-            if t > 1 and (plan.sequence_parallel or split_dims & set(after)):
+            divisor = dims.batch_size_multiple * c
+            if t > 1 and (dims.sequence_parallel or split_dims & set(after)):
                 divisor *= t
             total += nbytes(r) // divisor
             continue
         after = shape[shape.index(b) + 1 :] if b in shape[:-1] else shape
-        divisor = plan.batch_size_multiple * c if b in shape[:-1] else 1
+        divisor = dims.batch_size_multiple * c if b in shape[:-1] else 1
         if c > 1 and analysis.seq_len is not None and list(after).count(analysis.seq_len) >= 2:
             # Causal context attention computes a chunk's scores against the key
             # blocks at or below the diagonal only: half the dense scores.
             divisor *= 2
-        if t > 1 and (plan.sequence_parallel or split_dims & set(after)):
+        if t > 1 and (dims.sequence_parallel or split_dims & set(after)):
             divisor *= t
         total += nbytes(r) // divisor
     return total
@@ -202,6 +204,7 @@ def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
     compiler partitions, since a dropless layer's data-dependent shuffle of the
     tokens gathers them over those); `tensor`, whether the experts are split over
     the tensor axis."""
+    dims = ParallelDims.of(plan)
     from ..nn._moe import MoE
 
     is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
@@ -209,16 +212,16 @@ def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
     if not layers:
         return {"rows": 1, "tensor": False, "dropless": False}
     spec_layers = [x for x in jax.tree.leaves(specs, is_leaf=is_moe) if is_moe(x)]
-    n = plan.expert_size
+    n = dims.expert_size
     dropless = any(layer.capacity_factor is None for layer in layers)
     tensor = any(
-        isinstance(spec, PartitionSpec) and any(plan.tensor_axis in mesh_axis_names(e) for e in spec)
+        isinstance(spec, PartitionSpec) and any(dims.tensor_axis in mesh_axis_names(e) for e in spec)
         for layer in spec_layers
         for spec in (layer.w_in, layer.w_out)
     )
-    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    t = plan.mesh.shape.get(dims.tensor_axis, 1)
     manual = manual_axes_of(plan)
-    gathered = math.prod(plan.mesh.shape[a] for a in plan.batch_axes if a not in manual)
+    gathered = math.prod(plan.mesh.shape[a] for a in dims.batch_axes if a not in manual)
     return {
         "rows": n * gathered if dropless else 1,
         "tensor": tensor and t > 1,
@@ -237,14 +240,15 @@ def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     d_model, plus their int32 ids). Rows: the device's routed assignments, `n`
     times over under expert parallelism over `n` devices (all of them on every
     device over the batch axes the compiler partitions: see `_moe_split`)."""
+    dims = ParallelDims.of(plan)
     moe = _moe_split(plan, params, specs)
     if analysis.routed is None or not moe.get("dropless"):
         return 0
     routed, d = analysis.routed.shape
     size = itemsize(analysis.routed.dtype)
-    rows = routed * moe["rows"] // (plan.batch_size_multiple * plan.context_size)
+    rows = routed * moe["rows"] // (dims.batch_size_multiple * dims.context_size)
     grouped = rows * (moe["local"] + 1) * moe["hidden"] * size
-    dispatch = 2 * rows * (d * size + 4) if plan.expert_size > 1 else 0
+    dispatch = 2 * rows * (d * size + 4) if dims.expert_size > 1 else 0
     return grouped + dispatch
 
 
@@ -259,26 +263,27 @@ def predict(
 ) -> Prediction:
     """Predict one step of `plan` per device (see `Prediction`). `params`,
     `opt_state` and `batch` are outlines; `analysis` is `analyse(model, loss, batch)`."""
+    dims = ParallelDims.of(plan)
     mesh = plan.mesh
     layout = StepLayout.resolve(plan, params, opt_state)
-    batch_axes = frozenset(plan.batch_axes)
+    batch_axes = frozenset(dims.batch_axes)
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
-    batch_bytes = sum(nbytes(x) // plan.batch_size_multiple for x in jax.tree.leaves(batch))
+    batch_bytes = sum(nbytes(x) // dims.batch_size_multiple for x in jax.tree.leaves(batch))
     # Gradients come out whole over the batch axes (then reduced or scattered);
     # experts split over `expert` are never gathered.
     grads = _per_device(params, layout.params, mesh, drop=batch_axes - {EXPERT_AXIS})
     # Manual FSDP keeps the gathered weights for the backward pass; the compiler
     # gathers them again there instead (see `_wire`).
-    keeps = not plan.zero1 and not _auto_fsdp(plan, params)
+    keeps = not dims.zero1 and not _auto_fsdp(plan, params)
     gathered = grads - params_bytes if keeps else 0
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
-    updated = _per_device(params, layout.params if plan.zero1 else layout.updates, mesh)
+    updated = _per_device(params, layout.params if dims.zero1 else layout.updates, mesh)
     update = int(UPDATE_SHARE * updated)
     buffers = 0
-    if plan.schedule is None:
+    if dims.schedule is None:
         activations = _activations(plan, analysis, params, layout.params) + _kept_inputs(plan, analysis)
         buffers = _moe_buffers(plan, analysis, params, layout.params)
     else:
@@ -289,9 +294,9 @@ def predict(
         update = max(0, update - activations - buffers)
     wire, by_axis = _wire(plan, params, batch, loss, analysis, profile)
     flops = 3.0 * analysis.forward_flops / mesh.size
-    dtype = plan.compute_dtype or jnp.float32
+    dtype = dims.compute_dtype or jnp.float32
     compute = flops / profile.flops(dtype)
-    if plan.schedule is not None:
+    if dims.schedule is not None:
         compute /= 1.0 - sched.bubble_fraction
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     compute = max(compute, traffic / profile.hbm_bytes_per_s)
@@ -316,13 +321,14 @@ def predict(
 
 def _schedule(plan: Plan) -> Any:
     """The plan's pipeline schedule (`eqxpar.pipeline.Schedule`)."""
+    dims = ParallelDims.of(plan)
     from ..pipeline import Schedule
     from ..pipeline import schedule as make_schedule
 
-    if isinstance(plan.schedule, Schedule):
-        return plan.schedule
+    if isinstance(dims.schedule, Schedule):
+        return dims.schedule
     p = plan.mesh.shape.get("pipe", 1)
-    return make_schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
+    return make_schedule(dims.schedule, stages=p, microbatches=dims.microbatches, chunks=dims.chunks)
 
 
 def _engine_sends(sched: Any) -> int:
@@ -343,17 +349,18 @@ def _pipeline_memory(
 
     Buffers: the stage-input and cotangent slots, and what a tick holds beside
     the loop's carry (`_tick_transients`)."""
+    dims = ParallelDims.of(plan)
     from ._analysis import engine_slots
 
-    p, v, m = plan.mesh.shape.get("pipe", 1), plan.chunks, plan.microbatches
+    p, v, m = plan.mesh.shape.get("pipe", 1), dims.chunks, dims.microbatches
     layers = max(1, loss.stack_of(params).depth // (p * v))
-    rows = jax.tree.leaves(batch)[0].shape[0] // (plan.batch_size_multiple * m)
+    rows = jax.tree.leaves(batch)[0].shape[0] // (dims.batch_size_multiple * m)
     slots = engine_slots(plan, loss, params, batch)
     # What one layer's backward holds: under a remat policy it recomputes what
     # the policy dropped, so about one layer's residuals under "none".
     whole = (
         slots
-        if plan.remat == "none"
+        if dims.remat == "none"
         else engine_slots(dataclasses.replace(plan, remat="none"), loss, params, batch)
     )
     layer = whole.stacked_bytes(layers, rows) // layers
@@ -361,9 +368,9 @@ def _pipeline_memory(
     bufs = sched.buffers
     io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * nbytes(slots.activation)
     stack_grads = _per_device(
-        loss.stack(params).blocks, loss.stack(layout.params).blocks, plan.mesh, frozenset(plan.batch_axes)
+        loss.stack(params).blocks, loss.stack(layout.params).blocks, plan.mesh, frozenset(dims.batch_axes)
     )
-    if plan.remat == "full":
+    if dims.remat == "full":
         # Nothing is kept between ticks: a backward recomputes its stage, whose
         # scan keeps each layer's input and recomputes one layer at a time, and
         # holds one virtual stage's gradients (and the rest's) beside the sums.
@@ -435,14 +442,15 @@ def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
     """Whole-sequence inputs some layouts keep per layer for the backward pass:
     under sequence parallelism the all-gathered inputs of the attention and MLP
     blocks, under all-gather context attention the gathered keys and values."""
-    t, c = plan.mesh.shape.get(plan.tensor_axis, 1), plan.context_size
-    rows = analysis.batch_size // plan.batch_size_multiple
+    dims = ParallelDims.of(plan)
+    t, c = plan.mesh.shape.get(dims.tensor_axis, 1), dims.context_size
+    rows = analysis.batch_size // dims.batch_size_multiple
     row = analysis.row_bytes
     kept = 0
-    if plan.sequence_parallel and t > 1:
+    if dims.sequence_parallel and t > 1:
         kept += 2 * analysis.layers * rows * row // c
-    if c > 1 and plan.context_attention == "allgather":
-        kept += 2 * analysis.layers * rows * row // (t if plan.sequence_parallel or t > 1 else 1)
+    if c > 1 and dims.context_attention_run == "allgather":
+        kept += 2 * analysis.layers * rows * row // (t if dims.sequence_parallel or t > 1 else 1)
     return kept
 
 
@@ -466,9 +474,10 @@ def _wire(
     makes them; ring attention re-sends keys and values;
     dropless expert parallelism sends `n` times the routed rows plus their ids;
     automatic FSDP gathers twice and all-reduces)."""
-    moved = jnp.float32 if profile.name == "cpu" and plan.compute_dtype is not None else None
+    dims = ParallelDims.of(plan)
+    moved = jnp.float32 if profile.name == "cpu" and dims.compute_dtype is not None else None
     auto_fsdp = _auto_fsdp(plan, params)
-    counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and plan.remat == "none" else plan
+    counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
@@ -477,17 +486,17 @@ def _wire(
         wire[kind] += int(w)
         by_axis[axes] += int(w)
 
-    p, m, v = plan.mesh.shape.get("pipe", 1), plan.microbatches, plan.chunks
+    p, m, v = plan.mesh.shape.get("pipe", 1), dims.microbatches, dims.chunks
     sent = None
-    if plan.schedule is not None:
+    if dims.schedule is not None:
         sent = _engine_sends(_schedule(plan))
-    ring = plan.context_size > 1 and plan.context_attention in (None, "ring") and plan.schedule is None
+    ring = dims.context_size > 1 and dims.context_attention_run == "ring" and not dims.pipelined
     repeats = _repeated_sums(plan, params, loss, batch, moved)
     if repeats:
         # Per-weight backward sums (see `_repeated_sums`); in a pipeline each device
         # runs them in its own backwards only, as it runs its other tensor sums
         # (`collective_stats` counts each device's own branch of a tick).
-        add("all-reduce", (plan.tensor_axis,), repeats)
+        add("all-reduce", (dims.tensor_axis,), repeats)
     for cost in least.costs:
         kind, axes, w = cost.kind, cost.axes, cost.wire_bytes
         if sent is not None and cost.source == PIPELINE_BOUNDARIES:
@@ -498,18 +507,18 @@ def _wire(
             # The ring passes K/V blocks forward and again in the backward pass
             # (the minimum's parts), and their gradients back: all as permutes.
             add("collective-permute", axes, w)
-        elif cost.source == MOE_DISPATCH and plan.expert_size > 1:
-            n = plan.expert_size
+        elif cost.source == MOE_DISPATCH and dims.expert_size > 1:
+            n = dims.expert_size
             d = analysis.routed.shape[1] if analysis.routed is not None else 1
             size = itemsize(moved or analysis.routed.dtype)
             # Dropless static buffers: room for all of a device's rows going to one other.
             ids = w * n // (d * size)
             add(kind, axes, w * n + ids)
-        elif cost.source == TENSOR_SUMS and plan.sequence_parallel:
+        elif cost.source == TENSOR_SUMS and dims.sequence_parallel:
             # Sequence parallel: each sum is a reduce-scatter and an all-gather
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
-                add("collective-permute" if plan.tp_overlap else k, axes, w / 2)
+                add("collective-permute" if dims.tp_overlap else k, axes, w / 2)
         elif auto_fsdp and kind == "reduce-scatter":
             add("all-reduce", axes, 2 * w)
         else:
@@ -543,9 +552,10 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     (separate Q, K and V weights, as grouped-query attention has, sum three
     times where a fused QKV weight sums once). Under sequence parallelism the
     weights share one gather, whose transpose sums once."""
-    t = plan.mesh.shape.get(plan.tensor_axis, 1)
-    manual = plan.mode == "manual" or plan.schedule is not None
-    split = tensor_split_dims(plan, params) if t > 1 and manual and not plan.sequence_parallel else {}
+    dims = ParallelDims.of(plan)
+    t = plan.mesh.shape.get(dims.tensor_axis, 1)
+    manual = dims.mode == "manual" or dims.schedule is not None
+    split = tensor_split_dims(plan, params) if t > 1 and manual and not dims.sequence_parallel else {}
     if not split or loss is None or batch is None:
         return 0
     model, data = compute_outline(plan, params), compute_outline(plan, batch)
@@ -554,14 +564,14 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
         closed, _, _ = trace_jaxpr(fn, args, "the loss")
         walk = _Repeats(moved)
         walk.run(closed.jaxpr, {closed.jaxpr.invars[i]: d for i, d in split.items() if d}, {}, 1)
-        items = sum_items(walk.repeats, t, per_device=per_device, axis=plan.tensor_axis, repeat=(num, den))
+        items = sum_items(walk.repeats, t, per_device=per_device, axis=dims.tensor_axis, repeat=(num, den))
         return sum(i.wire for i in items)
 
-    if plan.schedule is None:
-        share = plan.batch_size_multiple * plan.context_size
+    if dims.schedule is None:
+        share = dims.batch_size_multiple * dims.context_size
         return repeats(with_key(loss), (model, data), share, 1, 1)
-    p, m = plan.mesh.shape.get("pipe", 1), plan.microbatches
-    share = plan.batch_size_multiple * m * plan.context_size
+    p, m = plan.mesh.shape.get("pipe", 1), dims.microbatches
+    share = dims.batch_size_multiple * m * dims.context_size
     _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     stack = repeats(lambda mod, x: loss.stack_of(mod)(x), (model, h), share, m, p)
     first = repeats(loss.first, (model, data), share, m, 1)
@@ -571,10 +581,11 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
 
 def _auto_fsdp(plan: Plan, params: Any) -> bool:
     # Weights split over batch axes in a step the compiler partitions.
-    if plan.mode == "manual" or plan.schedule is not None or plan.zero1:
+    dims = ParallelDims.of(plan)
+    if dims.mode == "manual" or dims.schedule is not None or dims.zero1:
         return False
     specs = StepLayout.resolve(plan, params).params
-    batch = set(plan.batch_axes)
+    batch = set(dims.batch_axes)
     return any(
         isinstance(s, PartitionSpec) and any(batch & set(mesh_axis_names(e)) for e in s)
         for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

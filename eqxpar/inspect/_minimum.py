@@ -22,6 +22,7 @@ from jax.tree_util import keystr
 from .._context_split import check_ulysses_heads, record_keys
 from .._errors import EqxparError, PlanError
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
+from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
@@ -177,11 +178,12 @@ def _gathers(plan: Plan, in_stack: bool, gathers: int | None) -> int:
     # the gathered weight is kept for the backward pass; a scanned stack under
     # remat "dots"/"inputs" gathers again for the backward, "full" once more for
     # the recomputed forward.
+    dims = ParallelDims.of(plan)
     if gathers is not None:
         return gathers
-    if not in_stack or plan.remat == "none":
+    if not in_stack or dims.remat == "none":
         return 1
-    return 3 if plan.remat == "full" else 2
+    return 3 if dims.remat == "full" else 2
 
 
 def _first(dtype: Any, default: Any) -> Any:
@@ -204,10 +206,11 @@ def _param_items(
     are summed into one collective, as XLA combines them. A frozen leaf (False in
     `trains`, a bool per leaf) has no gradient to reduce: only its FSDP gathers count.
     """
+    dims = ParallelDims.of(plan)
     sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     # The context axis' devices each hold a share of the loss too (its sequence part).
-    batch = [a for a in (*plan.batch_axes, CONTEXT_AXIS) if sizes.get(a, 1) > 1]
-    allowed = set(plan.batch_axes) | {plan.tensor_axis} | ({PIPE} if plan.schedule is not None else set())
+    batch = [a for a in (*dims.batch_axes, CONTEXT_AXIS) if sizes.get(a, 1) > 1]
+    allowed = set(dims.batch_axes) | {dims.tensor_axis} | ({PIPE} if dims.schedule is not None else set())
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     # Under ZeRO-1 the optimizer state's layout says which weights are split and gathered.
     specs = jax.tree.structure(params).flatten_up_to(StepLayout.resolve(plan, params).updates)
@@ -222,8 +225,8 @@ def _param_items(
             if axis not in allowed:
                 raise PlanError(
                     f"minimum_comm: parameter {keystr(path)} has spec {spec}, split over mesh axis "
-                    f"{axis!r}, which is neither a batch axis {plan.batch_axes}, the tensor axis "
-                    f"{plan.tensor_axis!r} nor (pipeline plans) 'pipe'; eqxpar knows no minimum for "
+                    f"{axis!r}, which is neither a batch axis {dims.batch_axes}, the tensor axis "
+                    f"{dims.tensor_axis!r} nor (pipeline plans) 'pipe'; eqxpar knows no minimum for "
                     "that layout. Pass your own count as comm_report(..., minimum=Minimum.total(...))."
                 )
         size = itemsize(leaf.dtype)
@@ -235,12 +238,12 @@ def _param_items(
         )
         split = [a for a in axes if a in batch and a not in kept]
         rest = [a for a in batch if a not in split and a not in kept]
-        if plan.schedule is not None and PIPE not in axes and sizes.get(PIPE, 1) > 1:
+        if dims.schedule is not None and PIPE not in axes and sizes.get(PIPE, 1) > 1:
             rest.append(PIPE)
         g, r = math.prod(sizes[a] for a in split), math.prod(sizes[a] for a in rest)
         reduced = f"gradient all-reduce over {_axes_text(rest, sizes)}"
         if g > 1:
-            dtype = moved if moved is not None else _first(plan.compute_dtype, leaf.dtype)
+            dtype = moved if moved is not None else _first(dims.compute_dtype, leaf.dtype)
             whole = local * itemsize(dtype) // size
             k = _gathers(plan, stacked, gathers)
             over = _axes_text(split, sizes)
@@ -258,7 +261,7 @@ def _param_items(
         elif not trains_leaf:
             continue
         else:
-            dtype = _first(plan.reduce_dtype, leaf.dtype)
+            dtype = _first(dims.reduce_dtype, leaf.dtype)
             groups[(reduced, "all-reduce", r, 1)] += local * itemsize(dtype) // size
         why[reduced] = (GRADIENT_REDUCTION, tuple(rest))
     return [
@@ -282,21 +285,23 @@ def _need(plan: Plan, loss: Any, batch: Any, why: str) -> None:
 def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The activation sums of a non-pipeline plan whose weights are split over the
     tensor axis: the whole batch's sums, each split over the batch devices."""
+    dims = ParallelDims.of(plan)
     split = tensor_split_dims(plan, params)
     if not split:
         return []
-    _need(plan, loss, batch, f"splits weights over the tensor axis {plan.tensor_axis!r}")
+    _need(plan, loss, batch, f"splits weights over the tensor axis {dims.tensor_axis!r}")
     args = (compute_outline(plan, params), compute_outline(plan, batch))
     sums = tensor_sums(plan, with_key(loss), args, split, "loss(model, batch)", moved)
     _check_found(sums, plan)
-    t = plan.mesh.shape[plan.tensor_axis]
-    return sum_items(sums, t, per_device=plan.batch_size_multiple * plan.context_size, axis=plan.tensor_axis)
+    t = plan.mesh.shape[dims.tensor_axis]
+    return sum_items(sums, t, per_device=dims.batch_size_multiple * dims.context_size, axis=dims.tensor_axis)
 
 
 def _check_found(sums: list[TensorSum], plan: Plan) -> None:
+    dims = ParallelDims.of(plan)
     if not sums:
         raise PlanError(
-            f"minimum_comm: weights are split over the tensor axis {plan.tensor_axis!r}, but no matmul "
+            f"minimum_comm: weights are split over the tensor axis {dims.tensor_axis!r}, but no matmul "
             "or lookup of the loss uses a split dimension (eqxpar follows eqxpar.nn layers and plain "
             "jnp matmuls of the weights), so their activation traffic is unknown. Pass your own count "
             "as comm_report(..., minimum=Minimum.total(...))."
@@ -323,19 +328,21 @@ def boundary_sends(p: int, v: int, m: int, placement: str = "interleaved") -> li
 def pipeline_placement(plan: Plan) -> str:
     """The placement (`eqxpar.pipeline.PLACEMENTS`) of a pipeline plan's virtual
     stages: `"v"` for the V schedules, else `"interleaved"`."""
-    return "v" if plan.placement == "v" else "interleaved"
+    dims = ParallelDims.of(plan)
+    return "v" if dims.placement == "v" else "interleaved"
 
 
 def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The busiest pipeline device's activation traffic: stage-boundary
     collective-permutes and, with the tensor axis, its stage's activation sums
     (and the embedding's on the first stage, the head's on the last)."""
+    dims = ParallelDims.of(plan)
     # Imported here, as `boundary_sends` imports the placement: eqxpar.pipeline stays
     # out of importing eqxpar.inspect.
     from ..pipeline._loss import PipelineLoss
     from ..pipeline._placement import device_of
 
-    _need(plan, loss, batch, f"pipelines a stack (schedule={plan.schedule!r})")
+    _need(plan, loss, batch, f"pipelines a stack (schedule={dims.schedule!r})")
     if not isinstance(loss, PipelineLoss):
         raise PlanError(
             f"minimum_comm(plan, model, loss={short(loss)}): a pipeline plan needs the "
@@ -343,9 +350,9 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
         )
     from ..nn import in_natural_order
 
-    p, v, m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
+    p, v, m = plan.mesh.shape[PIPE], dims.chunks, dims.microbatches
     # One micro-batch on one device of the batch axes, its part of the sequence.
-    share = plan.batch_size_multiple * m * plan.context_size
+    share = dims.batch_size_multiple * m * dims.context_size
     # The stack traced in natural order: the traffic does not depend on the order
     # it is stored in, and a stored order runs the layers through a gather of its
     # rows, which hides the weights' split from the walk (interleaved, uneven and
@@ -355,7 +362,7 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
     _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     boundary = sum(aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
     split = tensor_split_dims(plan, params)
-    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    t = plan.mesh.shape.get(dims.tensor_axis, 1)
     first = last = stack = []
     if split:
         run_stack = lambda mod, x: loss.stack_of(mod)(x)  # noqa: E731
@@ -380,7 +387,7 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
             )
         ]
         # The stack's layers are shared out over the stages; every micro-batch runs through them.
-        tensor = plan.tensor_axis
+        tensor = dims.tensor_axis
         items += sum_items(stack, t, per_device=share, axis=tensor, repeat=(m, p))
         items += sum_items(first if d == 0 else [], t, per_device=share, axis=tensor, repeat=(m, 1))
         items += sum_items(last if d == head else [], t, per_device=share, axis=tensor, repeat=(m, 1))
@@ -390,21 +397,22 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
 
 
 def _note(plan: Plan, items: list[Item]) -> str:
+    dims = ParallelDims.of(plan)
     sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    batch = [a for a in plan.batch_axes if sizes[a] > 1]
+    batch = [a for a in dims.batch_axes if sizes[a] > 1]
     kinds = {i.kind for i in items if i.result}
     what = []
     if "all-gather" in kinds:
         what.append("FSDP: weights all-gathered, gradients reduce-scattered")
     if any(i.part.startswith("tensor") and i.result for i in items):
-        what.append(f"tensor parallel over {plan.tensor_axis}={sizes[plan.tensor_axis]}: activation sums")
-    if plan.schedule is not None:
+        what.append(f"tensor parallel over {dims.tensor_axis}={sizes[dims.tensor_axis]}: activation sums")
+    if dims.schedule is not None:
         what.append(f"pipeline over pipe={sizes.get(PIPE, 1)}: the busiest stage's boundaries")
-    if plan.context_size > 1:
-        moved = "q, k, v and outputs" if plan.context_attention == "ulysses" else "keys and values"
-        what.append(f"context parallel over {CONTEXT_AXIS}={plan.context_size}: attention {moved}")
-    if plan.expert_size > 1:
-        what.append(f"expert parallel over {EXPERT_AXIS}={plan.expert_size}: routed activations")
+    if dims.context_size > 1:
+        moved = "q, k, v and outputs" if dims.context_attention == "ulysses" else "keys and values"
+        what.append(f"context parallel over {CONTEXT_AXIS}={dims.context_size}: attention {moved}")
+    if dims.expert_size > 1:
+        what.append(f"expert parallel over {EXPERT_AXIS}={dims.expert_size}: routed activations")
     devices = _axes_text(batch, sizes) or "1 device"
     if not what:
         return f"minimum: data parallel over {devices}, one gradient all-reduce"
@@ -522,10 +530,11 @@ def minimum_comm(
     eqxpar.inspect.minimum_comm(tp, model, loss=loss_fn, batch=(x, y)).parts
     ```
     """
+    dims = ParallelDims.of(plan)
     moved = _checked(plan, params, gathers, moved_dtype)
     trains = trainable_mask(params, trainable, plan, where="minimum_comm")
     items = _param_items(plan, params, gathers=gathers, moved=moved, trains=trains)
-    if plan.schedule is not None:
+    if dims.schedule is not None:
         items += _pipeline_items(plan, params, loss, batch, moved)
     else:
         items += _tensor_items(plan, params, loss, batch, moved)
@@ -540,9 +549,10 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     devices of their experts and the outputs back (two all-to-alls, `(n-1)/n`
     of them leaving the device), and the backward pass runs both transposed; in
     a pipeline, the busiest stage's `1/p` of the layers."""
+    dims = ParallelDims.of(plan)
     from ..nn._moe import record_dispatches
 
-    n = plan.expert_size
+    n = dims.expert_size
     if n == 1:
         return []
     moes = moe_layers(params)
@@ -562,7 +572,7 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     layers = sum(m.w_in.shape[0] if m.w_in.ndim == 4 else 1 for m in moes)
     layers //= plan.mesh.shape.get(PIPE, 1)
     routed = seen[0]
-    per_device = plan.batch_size_multiple * plan.context_size
+    per_device = dims.batch_size_multiple * dims.context_size
     rows = routed.shape[0] // per_device
     size = rows * routed.shape[1] * itemsize(_first(moved, routed.dtype))
     part = f"MoE dispatch and combine over {EXPERT_AXIS}={n}"
@@ -584,7 +594,8 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     reach every device of the context axis ((n-1)/n of them, an all-gather's wire
     bytes, in the compute dtype) and their gradients go back (a reduce-scatter);
     in a pipeline, the busiest stage's `1/p` of the layers."""
-    n = plan.context_size
+    dims = ParallelDims.of(plan)
+    n = dims.context_size
     if n == 1:
         return []
     _need(plan, loss, batch, f"splits the sequence over {CONTEXT_AXIS!r} ({CONTEXT_AXIS}={n})")
@@ -601,19 +612,19 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     if not keys or not layers:
         return []
     k = keys[0]
-    t = plan.mesh.shape.get(plan.tensor_axis, 1)
+    t = plan.mesh.shape.get(dims.tensor_axis, 1)
     kv_split = t if _heads_split(plan, params, "wk") else 1
-    if plan.context_attention == "ulysses":
+    if dims.context_attention == "ulysses":
         q_split = t if _heads_split(plan, params, "wq") else 1
         return _ulysses_items(plan, params, k, (q_split, kv_split), layers, moved)
-    whole = 2 * aval_bytes(k, _first(moved, plan.compute_dtype)) // plan.batch_size_multiple // kv_split
+    whole = 2 * aval_bytes(k, _first(moved, dims.compute_dtype)) // dims.batch_size_multiple // kv_split
     part = f"attention keys and values over {CONTEXT_AXIS}={n}"
     kv = {"source": CONTEXT_KEYS_VALUES, "axes": (CONTEXT_AXIS,)}
     items = [
         Item(f"{part}: all-gather", "all-gather", n, whole, layers, **kv),
         Item(f"{part}: gradient reduce-scatter", "reduce-scatter", n, whole // n, layers, **kv),
     ]
-    if plan.context_attention == "ring" or (plan.context_attention is None and plan.schedule is None):
+    if dims.context_attention_run == "ring":
         # A ring holds one block of keys and values at a time, never all `n`: its
         # backward pass needs every block again, so they pass around the ring once
         # more ((n-1)/n of them, as the forward's gather). Passing the queries, output
@@ -639,7 +650,8 @@ def _ulysses_items(
     q, k, v (key/value heads repeated to `lcm(kv heads, n)` when fewer) goes to
     head-split by all-to-all and the output comes back by another, forward; the
     backward pass runs the four transposed. An all-to-all sends `(n-1)/n` of it."""
-    n = plan.context_size
+    dims = ParallelDims.of(plan)
+    n = dims.context_size
     q_split, kv_split = splits
     heads = {a.num_heads for a in attention_layers(params)}
     for h in heads:
@@ -647,8 +659,8 @@ def _ulysses_items(
     b, s, kv_heads, d = k.shape
     hkv = kv_heads // kv_split
     hkv = math.lcm(hkv, n)
-    element = itemsize(_first(_first(moved, plan.compute_dtype), k.dtype))
-    tokens = b * s // (plan.batch_size_multiple * n)
+    element = itemsize(_first(_first(moved, dims.compute_dtype), k.dtype))
+    tokens = b * s // (dims.batch_size_multiple * n)
     # One layer's q, output, k and v (as moved) on this device; every layer has the
     # first layer's shapes (the keys recorded are the first attention call's).
     size = tokens * d * element * (2 * max(heads) // q_split + 2 * hkv)
@@ -669,8 +681,9 @@ def _ulysses_items(
 def _heads_split(plan: Plan, params: Any, weight: str) -> bool:
     # Whether the rules split the query ("wq") or key/value ("wk") heads over the
     # tensor axis (a fused QKV weight splits both).
+    dims = ParallelDims.of(plan)
     for attention in attention_layers(partition_specs(params, plan)):
         spec = getattr(attention, weight) if attention.wqkv is None else attention.wqkv
-        if spec is not None and any(plan.tensor_axis in mesh_axis_names(e) for e in spec):
+        if spec is not None and any(dims.tensor_axis in mesh_axis_names(e) for e in spec):
             return True
     return False

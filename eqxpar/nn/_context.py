@@ -14,6 +14,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._errors import PlanError
+from .._parallel_dims import ParallelDims
 from .._plan import current_plan
 
 
@@ -81,14 +82,14 @@ def tensor_context(axis: str) -> TensorContext:
                 f"a layer splits its weights over mesh axis {axis!r}, but the plan's mesh has "
                 f"axes {tuple(plan.mesh.axis_names)}. Build the layer with axis=<one of those>."
             )
-        size = plan.mesh.shape[axis]
+        dims, size = ParallelDims.of(plan), plan.mesh.shape[axis]
         return TensorContext(
             axis=axis,
             manual=manual,
             size=size,
-            sequence_parallel=plan.sequence_parallel and plan.tensor_axis == axis,
-            overlap=plan.tp_overlap and manual and plan.tensor_axis == axis,
-            batch_axes=plan.batch_axes,
+            sequence_parallel=dims.sequence_parallel and dims.tensor_axis == axis,
+            overlap=dims.tp_overlap and manual and dims.tensor_axis == axis,
+            batch_axes=dims.batch_axes,
         )
     size = abstract.shape[axis] if manual else 1
     return TensorContext(

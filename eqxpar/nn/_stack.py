@@ -13,6 +13,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
+from .._parallel_dims import ParallelDims
 from .._param import stacked
 from .._plan import Plan, current_plan
 from .._stack_order import StackOrder, describe_order
@@ -204,7 +205,7 @@ class Stacked(eqx.Module):
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
         key = kwargs.pop("key", None)
         plan = current_plan()
-        policy = plan.remat if plan is not None else "none"
+        policy = "none" if plan is None else ParallelDims.of(plan).remat
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
         # Under a manual FSDP step: how each array of a layer is all-gathered in
         # the scanned body (one layer's weights whole at a time; the gather's

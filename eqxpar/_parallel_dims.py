@@ -1,0 +1,91 @@
+"""Every parallel fact of a plan that does not depend on the model, resolved once.
+
+Inspection, the advisor and the layers (which read the plan in effect, with no
+model at hand) ask `ParallelDims` instead of the plan's options; the step's layout
+(`eqxpar._step_layout`) adds what depends on the model. This module imports only
+the plan and the batch layout, so that `eqxpar.nn` can import it.
+"""
+
+import dataclasses
+from typing import Any
+
+from ._batch_layout import BatchLayout
+from ._plan import Plan
+
+
+def context_attention_of(plan: Plan | None) -> str:
+    """The context attention a step of `plan` runs (`"ring"`, `"allgather"` or
+    `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or
+    `"allgather"` in a pipeline (whose stages run one micro-batch at a time)."""
+    if plan is None or plan.context_attention is None:
+        return "allgather" if plan is not None and BatchLayout.of(plan).pipelined else "ring"
+    return plan.context_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """Every parallel fact of a plan that does not depend on the model, resolved
+    once (as torchtitan's `ParallelDims`): mesh sizes along each strategy, the
+    batch split, the pipeline's sizes, the options as given. Inspection and the
+    advisor read this instead of the plan's options.
+
+    Fields of the same name as `Plan`'s hold the plan's option as given (`schedule`
+    and `context_attention` may be None); `context_attention_run` is the attention a
+    step runs (see `context_attention_of`).
+    """
+
+    mode: str
+    schedule: Any
+    microbatches: int
+    chunks: int
+    placement: str | None
+    remat: str
+    sequence_parallel: bool
+    tp_overlap: bool
+    zero1: bool
+    compute_dtype: Any
+    reduce_dtype: Any
+    tensor_axis: str
+    tensor_size: int
+    batch_axes: tuple[str, ...]
+    batch_size_multiple: int
+    context_size: int
+    context_attention: str | None
+    context_attention_run: str
+    expert_size: int
+
+    @classmethod
+    def of(cls, plan: Plan) -> "ParallelDims":
+        batch = BatchLayout.of(plan)
+        return cls(
+            mode=plan.mode,
+            schedule=plan.schedule,
+            microbatches=plan.microbatches,
+            chunks=plan.chunks,
+            placement=plan.placement,
+            remat=plan.remat,
+            sequence_parallel=plan.sequence_parallel,
+            tp_overlap=plan.tp_overlap,
+            zero1=plan.zero1,
+            compute_dtype=plan.compute_dtype,
+            reduce_dtype=plan.reduce_dtype,
+            tensor_axis=plan.tensor_axis,
+            tensor_size=int(plan.mesh.shape.get(plan.tensor_axis, 1)),
+            batch_axes=batch.axes,
+            batch_size_multiple=batch.blocks,
+            context_size=plan.context_size,
+            context_attention=plan.context_attention,
+            context_attention_run=context_attention_of(plan),
+            expert_size=plan.expert_size,
+        )
+
+    @property
+    def pipelined(self) -> bool:
+        """A pipeline schedule runs the step."""
+        return self.schedule is not None
+
+    @property
+    def token_shards(self) -> int:
+        """The devices a batch's tokens are split over: the batch axes' times the
+        context axis' (each holds a part of the sequence)."""
+        return self.batch_size_multiple * self.context_size
