@@ -700,10 +700,11 @@ class MoEModel(eqx.Module):
     proj: jax.Array
     moe: nn.MoE
 
-    def __init__(self, **kw):
+    def __init__(self, *, activation="swiglu", use_bias=True, **routing):
         self.proj = jnp.eye(MOE_D) + 0.1 * jax.random.normal(jax.random.key(7), (MOE_D, MOE_D))
-        kw.setdefault("use_bias", True)
-        self.moe = nn.MoE(MOE_D, MOE_HIDDEN, MOE_EXPERTS, key=jax.random.key(11), **kw)
+        config = nn.MoEConfig(MOE_EXPERTS, **routing)
+        layer = dict(activation=activation, use_bias=use_bias)
+        self.moe = nn.MoE(MOE_D, MOE_HIDDEN, config, **layer, key=jax.random.key(11))
         names = [n for n in ("b_in", "b_gate", "b_out") if getattr(self.moe, n) is not None]
         for name, k in zip(names, jax.random.split(jax.random.key(5), len(names)), strict=True):
             old = getattr(self.moe, name)

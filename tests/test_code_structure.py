@@ -283,8 +283,6 @@ PLAN_READS = {
 #: built from small config objects). A class not listed may take at most 10.
 WIDE_CONSTRUCTORS = {
     "eqxpar/nn/_block.py:TransformerBlock": 26,
-    "eqxpar/nn/_attention.py:Attention": 17,
-    "eqxpar/nn/_moe.py:MoE": 15,
     "eqxpar/_plan.py:Plan": 19,
 }
 

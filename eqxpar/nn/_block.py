@@ -10,9 +10,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import PlanError
 from ._attention import Attention
+from ._attention_config import AttentionConfig
 from ._dropout import Dropout
 from ._linear import MLP
 from ._moe import MoE, MoEAux
+from ._moe_config import MoEConfig
 from ._norm import LayerNorm, RMSNorm
 from ._rotary import RotaryScaling
 
@@ -115,8 +117,7 @@ class TransformerBlock(eqx.Module):
         _check_options(norm, experts, moe)
         k1, k2 = jax.random.split(key)
         self.norm1 = _make_norm(norm, d_model, use_bias=use_bias, eps=norm_eps, dtype=dtype)
-        self.attn = Attention(
-            d_model,
+        attention_config = AttentionConfig(
             num_heads,
             num_kv_heads=num_kv_heads,
             causal=causal,
@@ -124,15 +125,13 @@ class TransformerBlock(eqx.Module):
             rotary=rotary,
             rotary_base=rotary_base,
             rotary_scaling=rotary_scaling,
-            attention=attention,
-            attention_block=attention_block,
+            kernel=attention,
+            block_size=attention_block,
             dropout=attention_dropout,
             use_bias=use_bias,
             qkv_bias=qkv_bias,
-            axis=axis,
-            dtype=dtype,
-            key=k1,
         )
+        self.attn = Attention(d_model, attention_config, axis=axis, dtype=dtype, key=k1)
         self.norm2 = _make_norm(norm, d_model, use_bias=use_bias, eps=norm_eps, dtype=dtype)
         self.mlp = _make_feed_forward(
             d_model,
@@ -238,17 +237,13 @@ def _make_feed_forward(
         return MLP(
             d_model, d_hidden, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=key
         )
-    return MoE(
-        d_model,
-        d_hidden,
+    config = MoEConfig(
         experts,
         top_k=2 if moe.top_k is None else moe.top_k,
         score="softmax" if moe.moe_score is None else moe.moe_score,
-        activation=activation,
-        use_bias=use_bias,
         capacity_factor=moe.capacity_factor,
         num_shared=moe.num_shared_experts or 0,
-        axis=axis,
-        dtype=dtype,
-        key=key,
+    )
+    return MoE(
+        d_model, d_hidden, config, activation=activation, use_bias=use_bias, axis=axis, dtype=dtype, key=key
     )
