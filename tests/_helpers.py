@@ -464,7 +464,12 @@ class PackedSequenceModel(eqx.Module):
         k1, k2 = jax.random.split(key)
         self.embed = nn.Embedding(32, 32, key=k1)
         self.blocks = nn.Stacked(
-            lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, rotary=True, causal=causal, key=k),
+            lambda k: nn.TransformerBlock(
+                32,
+                64,
+                nn.BlockConfig(nn.AttentionConfig(4, num_kv_heads=2, rotary=True, causal=causal)),
+                key=k,
+            ),
             depth=2,
             key=k2,
         )
@@ -645,7 +650,11 @@ class Encoder(eqx.Module):
         k = jax.random.split(key, 3)
         self.embed = nn.Embedding(vocab, d, key=k[0])
         self.blocks = nn.Stacked(
-            lambda kk: nn.TransformerBlock(d, heads, hidden, causal=False, key=kk), depth=2, key=k[1]
+            lambda kk: nn.TransformerBlock(
+                d, hidden, nn.BlockConfig(nn.AttentionConfig(heads, causal=False)), key=kk
+            ),
+            depth=2,
+            key=k[1],
         )
         self.norm = nn.LayerNorm(d)
         self.head = jax.random.normal(k[2], (2 * d, 3)) / np.sqrt(d)
@@ -677,8 +686,13 @@ class TinyGPT(eqx.Module):
         k = jax.random.split(key, 4)
         self.embed = nn.Embedding(TINY_GPT_VOCAB, d, key=k[0])
         self.blocks = [
-            nn.TransformerBlock(d, heads, hidden, key=k[1]),
-            nn.TransformerBlock(d, heads, hidden, activation="swiglu", norm="rms", fused_qkv=True, key=k[2]),
+            nn.TransformerBlock(d, hidden, nn.BlockConfig(nn.AttentionConfig(heads)), key=k[1]),
+            nn.TransformerBlock(
+                d,
+                hidden,
+                nn.BlockConfig(nn.AttentionConfig(heads, fused_qkv=True), activation="swiglu", norm="rms"),
+                key=k[2],
+            ),
         ]
         self.norm = nn.LayerNorm(d)
         self.head = nn.Unembed(d, TINY_GPT_VOCAB, key=k[3])
@@ -807,7 +821,9 @@ class StackedLM(eqx.Module):
         k = jax.random.split(key, 3)
         self.embed = nn.Embedding(STACKED_LM_VOCAB, d, key=k[0])
         self.blocks = nn.Stacked(
-            lambda kk: nn.TransformerBlock(d, heads, hidden, activation="swiglu", norm="rms", key=kk),
+            lambda kk: nn.TransformerBlock(
+                d, hidden, nn.BlockConfig(nn.AttentionConfig(heads), activation="swiglu", norm="rms"), key=kk
+            ),
             depth=depth,
             key=k[1],
         )

@@ -117,10 +117,8 @@ def test_no_key_or_rate_zero_is_exactly_no_dropout():
 
 @pytest.mark.parametrize("attention", ["dense", "blockwise"])
 def test_block_with_heads_split_over_tensor_equals_one_device(attention):
-    block = nn.TransformerBlock(
-        32, 4, 64, num_kv_heads=2, attention=attention, attention_block=8, dropout=0.1,
-        attention_dropout=RATE, key=jax.random.key(3),
-    )  # fmt: skip
+    attn = nn.AttentionConfig(4, num_kv_heads=2, kernel=attention, block_size=8, dropout=RATE)
+    block = nn.TransformerBlock(32, 64, nn.BlockConfig(attn, dropout=0.1), key=jax.random.key(3))
     x = jax.random.normal(jax.random.key(4), (4, 24, 32))
     ref = jax.jit(lambda m, x: m(x, key=KEY))(block, x)
     plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual")
@@ -158,7 +156,9 @@ def test_attention_dropout_in_a_context_step(make_plan):
         lambda m: m.blocks,
         PackedSequenceModel(True, jax.random.key(0)),
         nn.Stacked(
-            lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, attention_dropout=RATE, key=k),
+            lambda k: nn.TransformerBlock(
+                32, 64, nn.BlockConfig(nn.AttentionConfig(4, num_kv_heads=2, dropout=RATE)), key=k
+            ),
             depth=2,
             key=jax.random.key(1),
         ),

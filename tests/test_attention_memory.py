@@ -140,7 +140,9 @@ def test_gpt_and_transformer_block_pass_the_attention_choice_on():
     (loss, grads), (ref_loss, ref_grads) = value_and_grad(blockwise), value_and_grad(dense)
     assert_trees_close(loss, ref_loss)
     assert_trees_close_to_scale(grads, ref_grads)
-    block = nn.TransformerBlock(32, 4, 64, attention="blockwise", attention_block=4, key=jax.random.key(2))
+    block = nn.TransformerBlock(
+        32, 64, nn.BlockConfig(nn.AttentionConfig(4, kernel="blockwise", block_size=4)), key=jax.random.key(2)
+    )
     assert (block.attn.attention, block.attn.attention_block) == ("blockwise", 4)
     with pytest.raises(eqxpar.PlanError, match="attention='flash'"):
         dataclasses.replace(config, attention="flash")
@@ -189,7 +191,7 @@ def test_blockwise_under_tensor_parallel_same_collectives(mode):
 
 
 def attention_temp_bytes(mode: str, seq: int) -> tuple[int, float]:
-    """Temp bytes of one `nn.Attention(512, nn.AttentionConfig(8))` layer's forward + backward (batch 1,
+    """Temp bytes of one `nn.Attention(512, AttentionConfig(8))` layer's forward + backward (batch 1,
     8 heads, head dim 64) at `seq`, compiled only; and the compile time."""
     attn = nn.Attention(512, nn.AttentionConfig(8, kernel=mode, use_bias=False), key=jax.random.key(0))
     x = jax.ShapeDtypeStruct((1, seq, 512), jnp.float32)

@@ -11,6 +11,7 @@ own collectives: synchronous, or ring collective matmuls with the plan's
 from ._attention import Attention as Attention
 from ._attention_config import AttentionConfig as AttentionConfig
 from ._block import TransformerBlock as TransformerBlock
+from ._block_config import BlockConfig as BlockConfig
 from ._blockwise import blockwise_attention as blockwise_attention
 from ._context import TensorContext as TensorContext
 from ._context import tensor_context as tensor_context

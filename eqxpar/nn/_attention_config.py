@@ -2,8 +2,7 @@
 
 import dataclasses
 
-from .._errors import DivisibilityError, PlanError
-from ._config_check import (
+from .._config_check import (
     check_bool,
     check_choice,
     check_positive_int,
@@ -11,6 +10,7 @@ from ._config_check import (
     field_error,
     is_positive_finite,
 )
+from .._errors import DivisibilityError, PlanError
 from ._rotary import RotaryScaling
 
 KERNELS = ("auto", "blockwise", "dense")

@@ -2,8 +2,8 @@
 
 import dataclasses
 
+from .._config_check import check_bool, check_choice, check_positive_int, field_error, is_int
 from .._errors import PlanError
-from ._config_check import check_bool, check_choice, check_positive_int, field_error, is_int
 
 SCORES = ("softmax", "sigmoid")
 

@@ -6,7 +6,7 @@ its own field names."""
 import math
 from collections.abc import Mapping
 
-from .._errors import EqxparError, PlanError
+from ._errors import EqxparError, PlanError
 
 
 def field_error(error: type[EqxparError], owner: str, detail: str, **fields: object) -> EqxparError:
