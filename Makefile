@@ -32,7 +32,8 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" $(TESTS)
 
 # The cases kept out of `make test` for time (marked slow): the deep plan fuzz, the
-# random-fault restart trials, the preemption runs and the costliest compile checks.
+# random-fault restart trials, the preemption runs, the costliest compile checks and
+# the other sizes and options of each code path (tests/_slow_cases.py).
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -m slow $(TESTS)
 

@@ -41,10 +41,9 @@ def context_size() -> int:
 def context_attention_impl() -> str:
     """The plan's `context_attention` (`"ring"`, `"allgather"` or `"ulysses"`); by
     default `"ring"`, or `"allgather"` in a pipeline (see `Plan(context_attention=...)`)."""
-    plan = current_plan()
-    if plan is None or plan.context_attention is None:
-        return "allgather" if plan is not None and plan.schedule is not None else "ring"
-    return plan.context_attention
+    from ._step_layout import context_attention_of
+
+    return context_attention_of(current_plan())
 
 
 def check_ulysses_heads(num_heads: int, tensor: int, n: int, where: str) -> None:

@@ -20,7 +20,7 @@ from ._grad_common import LossFunction, mean_aux, mean_over
 from ._plan import Plan
 from ._shard_map import filter_shard_map
 from ._sharding import place_tree
-from ._step_layout import StepLayout, rows_per_call, runs_pipeline
+from ._step_layout import StepLayout, loss_compute_dtype, rows_per_call, runs_pipeline
 from ._train_state import TrainState
 from ._varying import varying_axes
 from .nn._stack import in_plan_order
@@ -170,7 +170,7 @@ def make_eval_step(
         from .pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, plan, accumulate=1, has_aux=has_aux)
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
     return EvalStep(loss, plan)
 
 

@@ -9,7 +9,6 @@ as in an automatic step.
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Collection
 from typing import Any
 
 import equinox as eqx
@@ -17,6 +16,7 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
+from ._batch_layout import BatchLayout
 from ._context_split import expect_split
 from ._errors import PlanError
 from ._fsdp import added_splits, gather_whole, gathered_axes, prepare_model
@@ -30,7 +30,6 @@ from ._grad_common import (
     value_and_grad,
     varies_along,
 )
-from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._shard_map import filter_shard_map
 from ._sharding import place_tree
@@ -38,35 +37,33 @@ from ._step_layout import StepLayout
 from ._varying import mark_varying, varying_axes
 
 
-def _check_manual_specs(specs: PyTree, plan: Plan, manual_axes: Collection[str]) -> None:
+def _check_manual_specs(specs: PyTree, layout: StepLayout) -> None:
     # Inside the manual region a weight split over a manual axis arrives as a shard.
     # eqxpar.nn layers know what to do with shards of the tensor axis, and the step
     # gathers shards of the batch axes (FSDP); nothing would gather a weight split
     # over another manual axis, so such a model would silently compute on fragments.
-    allowed = {plan.tensor_axis, *plan.batch_axes}
+    allowed, manual_axes, mesh = layout.weight_axes, layout.manual_axes, layout.plan.mesh
     for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
         if not isinstance(spec, PartitionSpec):
             continue
         for entry in spec:
             for axis in mesh_axis_names(entry):
-                if axis in manual_axes and axis not in allowed and plan.mesh.shape[axis] > 1:
+                if axis in manual_axes and axis not in allowed and mesh.shape[axis] > 1:
                     raise PlanError(
-                        f"mode='manual' splits weights over the tensor axis {plan.tensor_axis!r} and "
-                        f"the batch axes {plan.batch_axes} (FSDP) only, but the plan's rules give a "
+                        f"mode='manual' splits weights over the tensor axis {layout.tensor_axis!r} and "
+                        f"the batch axes {BatchLayout.of(layout.plan).axes} (FSDP) only, but the plan's rules give a "
                         f"weight the spec {spec}, over manual axis {axis!r}. Use mode='auto' for "
                         f"such weights, or Plan(manual_axes=...) without {axis!r}."
                     )
 
 
-def _check_foreign_tensor_splits(
-    model: PyTree, specs: PyTree, plan: Plan, manual_axes: Collection[str]
-) -> None:
+def _check_foreign_tensor_splits(model: PyTree, specs: PyTree, layout: StepLayout) -> None:
     # eqxpar.nn layers know what to do with a shard of the tensor axis; equinox's
     # own layers (eqx.nn.Linear, eqx.nn.MLP, ...) compute on whole weights, so a
     # weight of theirs split over a manual tensor axis would fail deep inside the
     # loss with a shape error (or compute on a fragment).
-    tensor = plan.tensor_axis
-    if tensor not in manual_axes or plan.mesh.shape.get(tensor, 1) <= 1:
+    tensor = layout.tensor_axis
+    if tensor not in layout.manual_axes or layout.plan.mesh.shape.get(tensor, 1) <= 1:
         return
 
     def walk(node: Any, spec: Any, path: str) -> None:
@@ -96,14 +93,6 @@ def _check_foreign_tensor_splits(
                 walk(n, spec.get(k), f"{path}[{k!r}]")
 
     walk(model, specs, "")
-
-
-def _sequence_split(layout: StepLayout) -> bool:
-    # Under sequence parallelism each device of the tensor axis holds its own
-    # sequence block.
-    plan = layout.plan
-    tensor = plan.tensor_axis
-    return plan.sequence_parallel and tensor in layout.manual_axes and plan.mesh.shape.get(tensor, 1) > 1
 
 
 def _local_gradients(
@@ -164,20 +153,20 @@ def _reduce(
     """
     if g is None:
         return None
-    axes, tensor = layout.reduced_axes, layout.plan.tensor_axis
+    axes, tensor = layout.reduced_axes, layout.tensor_axis
     gathered = gathered_axes(spec, axes)
     scatter = added_splits(spec, out_spec, axes)
     rest = tuple(a for a in axes if a not in gathered and all(a not in z for _, z in scatter))
     if merged and tensor not in gathered_axes(spec, (tensor,)):
         rest = rest + (tensor,)
-    return reduce_gradient(g, scatter=scatter, psum_axes=rest, divide=divide, dtype=layout.plan.reduce_dtype)
+    return reduce_gradient(g, scatter=scatter, psum_axes=rest, divide=divide, dtype=layout.reduce_dtype)
 
 
 def _per_device(
     loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any
 ) -> tuple[Array, PyTree, PyTree]:
-    axes, tensor = layout.reduced_axes, layout.plan.tensor_axis
-    split_sequence = _sequence_split(layout)
+    axes, tensor = layout.reduced_axes, layout.tensor_axis
+    split_sequence = layout.sequence_split
     # Distinct examples (and sequence blocks) per device need distinct randomness.
     for axis in axes + ((tensor,) if split_sequence else ()):
         key = jax.random.fold_in(key, jax.lax.axis_index(axis))
@@ -227,8 +216,8 @@ def manual_gradients(
     `shard_map` over the layout's manual axes; the gradients take the layout's
     `updates` specs (one reduction of the gradient bytes per step)."""
     plan = layout.plan
-    _check_manual_specs(layout.params, plan, layout.manual_axes)
-    _check_foreign_tensor_splits(model, layout.params, plan, layout.manual_axes)
+    _check_manual_specs(layout.params, layout)
+    _check_foreign_tensor_splits(model, layout.params, layout)
     value, aux, grads = filter_shard_map(
         functools.partial(_per_device, loss, layout),
         plan,

@@ -132,7 +132,7 @@ def check_cpu_skip_nonfinite(layout: StepLayout, step_jaxpr: Callable[[], jcore.
     raise PlanError(
         f"make_step(..., skip_nonfinite=True): on XLA:CPU with jaxlib {jaxlib.__version__}, this step "
         f"loops (a scanned stack, or accumulate > 1) over parameters sharded over {gathered}, which "
-        f"the compiler partitions (mode={plan.mode!r}), and such a step can hang and abort the "
+        f"the compiler partitions (mode={layout.mode!r}), and such a step can hang and abort the "
         "process: XLA:CPU before jaxlib 0.12 may start a later weight gather while the loop's "
         "gathers still run, and the devices' waiting collectives then hold every thread of its "
         "pool. Use jaxlib >= 0.12, or mode='manual' (eqxpar issues the gathers; its FSDP steps "

@@ -6,6 +6,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._plan import Plan, current_plan
 from ._specs import check_spec, drop_axes, is_array_like, partition_specs
@@ -155,7 +156,7 @@ def check_batch(batch: PyTree, plan: Plan, *, microbatches: int = 1) -> int:
     if size == 0:
         raise BatchError(
             "the batch is empty (leading dimension 0): a mean over no examples is NaN. Pass at least "
-            f"{plan.batch_size_multiple * max(microbatches, 1)} examples (a multiple of the data-parallel size)."
+            f"{BatchLayout.of(plan).blocks * max(microbatches, 1)} examples (a multiple of the data-parallel size)."
         )
     if microbatches < 1:
         raise BatchError(f"accumulate={microbatches} is not a valid micro-batch count; expected >= 1.")
@@ -167,17 +168,18 @@ def _check_split(size: int, plan: Plan, microbatches: int) -> None:
     """Raise unless a batch of `size` rows cuts into `microbatches` equal parts that
     each split over the data-parallel devices; the message names the batch size,
     what cut it, and the nearest sizes that work."""
-    dp = plan.batch_size_multiple
+    layout = BatchLayout.of(plan)
+    dp = layout.blocks
     if size % microbatches == 0 and (size // microbatches) % dp == 0:
         return
-    devices = f"{dp} data-parallel devices (mesh axes {plan.batch_axes})"
+    devices = f"{dp} data-parallel devices (mesh axes {layout.axes})"
     multiple = dp * microbatches
     if microbatches == 1:
         raise BatchError(
             f"batch size {size} is not divisible by the {devices}. Use a batch size that is a "
             f"multiple of {multiple}{_nearest(size, multiple)}."
         )
-    split = split_by(plan, microbatches)
+    split = layout.split_by(microbatches)
     fix = (
         f"Use a batch size that is a multiple of {multiple} ({microbatches} micro-batches x {dp} "
         f"devices){_nearest(size, multiple)}"
@@ -191,12 +193,6 @@ def _check_split(size: int, plan: Plan, microbatches: int) -> None:
         f"batch size {size}, cut into the {microbatches} micro-batches of {split}, gives micro-batches "
         f"of {size // microbatches} rows, which are not divisible by the {devices}. {fix}."
     )
-
-
-def split_by(plan: Plan, microbatches: int) -> str:
-    """What cut the batch into `microbatches`, as the user wrote it: a pipeline's
-    `Plan(microbatches=m)` or gradient accumulation's `accumulate=k`."""
-    return f"Plan(microbatches={microbatches})" if plan.schedule is not None else f"accumulate={microbatches}"
 
 
 def _counts(size: int, dp: int, microbatches: int) -> str:
@@ -227,7 +223,7 @@ def shard_batch(batch: PyTree, plan: Plan) -> PyTree:
     ```
     """
     check_batch(batch, plan)
-    return place_tree(batch, plan, specs=plan.batch_spec, copy=False)
+    return place_tree(batch, plan, specs=BatchLayout.of(plan).spec, copy=False)
 
 
 def annotate(x: ArrayLike, name: str) -> Array:

@@ -11,18 +11,21 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
-from ._sharding import check_batch, place_tree, split_by
+from ._sharding import check_batch, place_tree
 from ._step_layout import (
     StepLayout,
     check_cpu_partial_manual_dtypes,
     check_reduce_dtype,
+    loss_compute_dtype,
     microbatch_count,
+    runs_pipeline,
     warn_cpu_collective_order,
 )
 from ._train_state import TrainState
@@ -257,7 +260,7 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
         return
     what, fix = terms[0]
     warnings.warn(
-        f"{split_by(plan, microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
+        f"{BatchLayout.of(plan).split_by(microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
         "its mean over the micro-batches is not its value on the whole batch, and the step's gradient is "
         f"not the full batch's mean gradient. Use accumulate=1 (or fewer micro-batches), or {fix}, or "
         "accept the approximation: warnings.filterwarnings('ignore', category=eqxpar.AccumulationWarning).",
@@ -273,7 +276,7 @@ def _validate(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: s
         raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
     if not callable(loss_fn):
         raise PlanError(f"{where}(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
-    if plan.schedule is not None:
+    if runs_pipeline(plan):
         from .pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
@@ -387,7 +390,7 @@ def make_step(
     if not isinstance(skip_nonfinite, bool):
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
     warn_cpu_collective_order(plan, accumulate)
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
     return Step(
         loss,
         optimizer,
@@ -426,7 +429,7 @@ def make_value_and_grad(
     ```
     """
     _validate(loss_fn, plan, accumulate, has_aux, "make_value_and_grad")
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=plan.compute_dtype)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
 
     @eqx.filter_jit
     def compiled(model, batch, key):

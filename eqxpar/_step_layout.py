@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 from jaxtyping import PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._mesh import CONTEXT_AXIS, EXPERT_AXIS
 from ._plan import Plan
@@ -177,7 +178,40 @@ class StepLayout:
     @property
     def batch(self) -> PartitionSpec:
         """The spec of a batch leaf: leading dimension over the plan's batch axes."""
-        return PartitionSpec(self.plan.batch_axes)
+        return BatchLayout.of(self.plan).spec
+
+    @property
+    def tensor_axis(self) -> str:
+        """The mesh axis tensor-parallel layers split their weights over."""
+        return tensor_axis_of(self.plan)
+
+    @property
+    def mode(self) -> str:
+        """The plan's mode as the user gave it (`"auto"` or `"manual"`), for messages."""
+        return self.plan.mode
+
+    @property
+    def reduce_dtype(self) -> Any:
+        """The dtype gradients are reduced in (`Plan(reduce_dtype=)`), or None for theirs."""
+        return self.plan.reduce_dtype
+
+    @property
+    def weight_axes(self) -> frozenset[str]:
+        """The manual axes a weight may be split over in a manual region: the tensor
+        axis (eqxpar.nn layers take its shards) and the batch axes (FSDP: the step
+        gathers them)."""
+        return frozenset({self.plan.tensor_axis, *self.plan.batch_axes})
+
+    @property
+    def sequence_split(self) -> bool:
+        """Whether each device of the tensor axis holds its own sequence block in the
+        manual region (sequence parallelism over a manual tensor axis of size > 1)."""
+        tensor = self.plan.tensor_axis
+        return (
+            self.plan.sequence_parallel
+            and tensor in self.manual_axes
+            and self.plan.mesh.shape.get(tensor, 1) > 1
+        )
 
     @property
     def reduced_axes(self) -> tuple[str, ...]:
@@ -315,21 +349,61 @@ def check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> 
     )
 
 
+def loss_compute_dtype(plan: Plan) -> Any:
+    """The dtype a step, gradient or evaluation of `plan` computes its loss in: the
+    model's and batch's floating-point arrays are cast to it (`Plan(compute_dtype=)`),
+    or None to keep theirs."""
+    return plan.compute_dtype
+
+
+def tensor_axis_of(plan: Plan) -> str:
+    """The mesh axis tensor-parallel layers split their weights over (`Plan(tensor_axis=)`)."""
+    return plan.tensor_axis
+
+
+def param_dtype_of(plan: Plan) -> Any:
+    """The dtype `train.init` stores a model's floating-point weights in
+    (`Plan(param_dtype=)`), or None to keep theirs."""
+    return plan.param_dtype
+
+
+def activation_axes(plan: Plan) -> frozenset[str]:
+    """The mesh axes the plan splits activations over, whatever the model's
+    weights: the batch axes, the axes of its annotations, the tensor axis under
+    sequence parallelism, and the context axis."""
+    used = set(BatchLayout.of(plan).axes)
+    for spec in plan.annotation_specs.values():
+        used.update(a for entry in spec for a in mesh_axis_names(entry))
+    if plan.sequence_parallel:
+        used.add(plan.tensor_axis)  # the activations' sequence is split over it
+    used.add(CONTEXT_AXIS)  # it always splits the sequence
+    return frozenset(used)
+
+
+def context_attention_of(plan: Plan | None) -> str:
+    """The context attention a step of `plan` runs (`"ring"`, `"allgather"` or
+    `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or
+    `"allgather"` in a pipeline (whose stages run one micro-batch at a time)."""
+    if plan is None or plan.context_attention is None:
+        return "allgather" if plan is not None and runs_pipeline(plan) else "ring"
+    return plan.context_attention
+
+
 def runs_pipeline(plan: Plan) -> bool:
     """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
-    return plan.schedule is not None
+    return BatchLayout.of(plan).pipelined
 
 
 def rows_per_call(plan: Plan) -> int:
     """The batch sizes a step or evaluation of `plan` runs whole are multiples of
     this: the data-parallel devices times a pipeline's micro-batches."""
-    return plan.batch_size_multiple * microbatch_count(plan, 1)
+    return BatchLayout.of(plan).rows_per_call
 
 
 def microbatch_count(plan: Plan, accumulate: int) -> int:
     # The equal parts a batch is split into: a pipeline's micro-batches, or the
     # accumulated ones.
-    return plan.microbatches if plan.schedule is not None else accumulate
+    return BatchLayout.of(plan).parts(accumulate)
 
 
 def check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:

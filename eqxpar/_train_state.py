@@ -11,13 +11,13 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import PlanError, UnusedAxisWarning
-from ._mesh import CONTEXT_AXIS
 from ._plan import Plan
 from ._rules import mesh_axis_names
 from ._sharding import place_tree
 from ._specs import partition_specs
-from ._step_layout import StepLayout
+from ._step_layout import StepLayout, activation_axes, param_dtype_of
 from ._trainable import optimized, trainable_mask
 from .nn._stack import in_plan_order
 
@@ -36,22 +36,17 @@ def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
 def _warn_unused_axes(model: PyTree, plan: Plan) -> None:
     """Warn when a mesh axis of size > 1 splits neither the batch, nor a weight,
     nor an annotated activation: its devices would only repeat each other's work."""
-    used = set(plan.batch_axes)
+    used = set(activation_axes(plan))
     specs = partition_specs(model, plan)
     for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
         if isinstance(spec, PartitionSpec):
             used.update(a for entry in spec for a in mesh_axis_names(entry))
-    for spec in plan.annotation_specs.values():
-        used.update(a for entry in spec for a in mesh_axis_names(entry))
-    if plan.sequence_parallel:
-        used.add(plan.tensor_axis)  # the activations' sequence is split over it
-    used.add(CONTEXT_AXIS)  # it always splits the sequence
     idle = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in used]
     if idle:
         sizes = ", ".join(f"{a}={plan.mesh.shape[a]}" for a in idle)
         warnings.warn(
             f"mesh axes {sizes} split nothing: the plan's rules give no weight of this model a spec "
-            f"over {idle!r}, and the batch is split over {plan.batch_axes} only, so those devices hold "
+            f"over {idle!r}, and the batch is split over {BatchLayout.of(plan).axes} only, so those devices hold "
             "and compute the same as each other. Rules such as rules.MEGATRON place only weights that "
             "carry eqxpar logical axes (eqxpar.nn layers, eqxpar.param(axes=...)); for any other model "
             "use rules.FSDP(axis=...), rules.ByPath([...]), or a mesh without those axes.",
@@ -128,8 +123,8 @@ def init(
             # The plan owns how stacks are stored (a pipeline's layer order): the
             # model enters it here, from whatever order it records.
             model = in_plan_order(model, plan)
-            if plan.param_dtype is not None:
-                model = cast_floating(model, plan.param_dtype)
+            if param_dtype_of(plan) is not None:
+                model = cast_floating(model, param_dtype_of(plan))
             mask = trainable_mask(model, trainable, plan, where="eqxpar.train.init")
             opt_state = jax.eval_shape(optimizer.init, optimized(model, mask))
             layout = StepLayout.resolve(plan, model, opt_state, trainable=mask)

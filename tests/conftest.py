@@ -66,12 +66,13 @@ COLLECTED: set[str] = set()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    from ._slow_cases import SLOW_CASES
+    from ._slow_cases import SLOW_CASES, kept_out
 
     if jax.device_count() < 8:
         skip = pytest.mark.skip(reason=f"needs 8 devices, have {jax.device_count()}")
         for item in items:
             item.add_marker(skip)
+    SLOW_CASES.update(kept_out([item.nodeid for item in items]))
     for item in items:
         COLLECTED.add(item.nodeid)
         if item.nodeid in SLOW_CASES:

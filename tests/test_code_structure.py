@@ -255,28 +255,23 @@ def test_the_advisor_reads_costs_as_data():
     assert not found, "read Minimum.costs' fields, not the labels:\n" + "\n".join(found)
 
 
-#: The modules that may read a plan's options: the plan itself and the step layout it
-#: resolves into (issue: one reader of the plan).
-PLAN_OWNERS = ("eqxpar/_plan.py", "eqxpar/_step_layout.py")
+#: The modules that may read a plan's options: the plan itself and the layouts it
+#: resolves into, the step's and the batch's (issue: one reader of the plan).
+PLAN_OWNERS = (
+    "eqxpar/_plan.py",
+    "eqxpar/_step_layout.py",
+    "eqxpar/_batch_layout.py",
+    # The pipeline package resolves its own options in one module of its own.
+    "eqxpar/pipeline/_pipeline_plan.py",
+)
 #: Reads of plan options (other than `mesh` and `rules`) outside the owners, per module,
 #: as they stand: a ratchet, lowered as each module asks the layout instead. A module
 #: not listed may read none.
 PLAN_READS = {
     "eqxpar/_advise/_predict.py": 67,
     "eqxpar/inspect/_minimum.py": 50,
-    "eqxpar/pipeline/_engine.py": 19,
-    "eqxpar/_step.py": 3,
-    "eqxpar/_eval.py": 1,
-    "eqxpar/_grad_manual.py": 10,
-    "eqxpar/runtime/_data.py": 8,
-    "eqxpar/_advise/_advice.py": 7,
-    "eqxpar/_train_state.py": 7,
-    "eqxpar/_sharding.py": 5,
+    "eqxpar/_advise/_advice.py": 3,
     "eqxpar/nn/_context.py": 5,
-    "eqxpar/inspect/_jaxpr_walk.py": 4,
-    "eqxpar/_context_split.py": 3,
-    "eqxpar/_advise/_analysis.py": 1,
-    "eqxpar/_nonfinite.py": 1,
     "eqxpar/nn/_stack.py": 1,
 }
 #: Layer constructors over 10 parameters, as they stand (the goal: none, each layer

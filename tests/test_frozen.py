@@ -95,6 +95,17 @@ PLANS = {
         {},
         blocks_and_head,
     ),
+    # 1F1B: the engine drops the frozen gradients a stage's backward computes.
+    "pipeline-1f1b": (
+        lambda: eqxpar.Plan(
+            eqxpar.make_mesh(pipe=2, data=4),
+            rules=eqxpar.pipeline.stage_rules(None),
+            schedule="1f1b",
+            microbatches=2,
+        ),
+        {},
+        blocks_and_head,
+    ),
     # Interleaved: the stack is stored in the plan's order, the filter built on
     # the natural one.
     "pipeline-interleaved": (

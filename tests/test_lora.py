@@ -1,9 +1,12 @@
 """LoRA (eqxpar.models.add_lora / merge_lora / lora_trainable / save_lora): the
 adapters PEFT and transformers read back compute eqxpar's logits (references
 made by tests/data/lora/make_references.py); the adapters shard with their base
-weights under every plan and add no collective beyond their own; sharded
-training steps equal one device's; bad inputs raise eqxpar errors."""
+weights under every plan and add no collective beyond their own; training the
+adapters alone equals one device under every kind of plan (tensor, automatic and
+manual FSDP, context, expert, each pipeline placement); bad inputs raise eqxpar
+errors."""
 
+import dataclasses
 import json
 
 import equinox as eqx
@@ -20,6 +23,7 @@ from eqxpar.models import GPT, GPTConfig, add_lora, lm_loss, lora_trainable, mer
 from ._helpers import (
     LORA_DATA,
     LORA_TARGETS,
+    assert_params_close,
     assert_trees_close,
     lm_tokens,
     lora_reference_model,
@@ -47,6 +51,7 @@ FUSED = GPTConfig(
     fused_qkv=True,
 )
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
+MOE = dataclasses.replace(CONFIG, moe_every=2, experts=4, num_shared_experts=1)
 
 
 def _logits(model, tokens):
@@ -287,11 +292,18 @@ def test_gpt2_default_target_is_the_fused_qkv():
     [
         (CONFIG, dict(rank=0), "rank=0"),
         (CONFIG, dict(rank=2, alpha=-1.0), "alpha"),
+        (CONFIG, dict(rank=2, dropout=1.0), r"dropout=1.0.*\[0, 1\)"),
         (CONFIG, dict(rank=2, targets="q"), "tuple of projection names"),
         (CONFIG, dict(rank=2, targets=("q", "x")), r"\['x'\] unknown"),
         (CONFIG, dict(rank=2, targets=("qkv",)), "separate wq, wk, wv"),
         (FUSED, dict(rank=2, targets=("q", "v")), "fused QKV"),
         (FUSED, dict(rank=2, targets=("gate",)), "no gate"),
+        # An MoE model: its experts take no adapters, so MLP targets are refused.
+        (
+            MOE,
+            dict(rank=2, targets=("q", "up")),
+            r"MoE feed-forwards.*\['up'\].*targets=\('q', 'k', 'v', 'o'\)",
+        ),
     ],
 )
 def test_add_lora_bad_arguments(config, kwargs, match):
@@ -350,3 +362,135 @@ def test_training_with_lora_trainable_moves_only_the_adapters():
     assert_trees_close(got_adapters, ref)
     for a, b in zip(jax.tree.leaves(got_frozen), jax.tree.leaves(frozen), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: exactly the base
+
+
+# The plans tests/test_frozen.py trains frozen weights under, beyond the tensor and
+# automatic FSDP plans above: manual FSDP, context, expert (an MoE GPT, attention
+# adapters) and every pipeline placement (the plan reorders the stack, adapters
+# included; `stage_layers` pads a stage's slots).
+def _pipeline_plan(schedule, chunks=1, **kw):
+    return eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=4),
+        rules=eqxpar.pipeline.stage_rules(None),
+        schedule=schedule,
+        microbatches=2,
+        chunks=chunks,
+        **kw,
+    )
+
+
+LORA_PLANS = {
+    "fsdp-manual": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(data=2, fsdp=4), rules=eqxpar.rules.FSDP(min_size=0), mode="manual"
+    ),
+    "context": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(context=2, data=4), mode="manual", context_attention="allgather"
+    ),
+    "expert": lambda: eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT),
+    "1f1b-uneven": lambda: _pipeline_plan("1f1b", stage_layers=(1, 3)),
+    "interleaved": lambda: _pipeline_plan("interleaved", chunks=2),
+    "zb_v": lambda: _pipeline_plan("zb_v", chunks=2),
+}
+PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(
+    eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last
+)
+# eps well above float32 noise: see test_training_with_lora_trainable_moves_only_the_adapters.
+LORA_OPTIM = optax.adam(1e-2, eps=1e-3)
+
+
+@eqx.filter_jit
+def _adapters_step(adapters, frozen, opt_state, tokens):
+    """One device's step of the adapters alone: (adapters, opt_state, loss). At
+    module level, so cases of one model's shapes compile it once."""
+    loss, grads = eqx.filter_value_and_grad(lambda a: lm_loss(eqx.combine(a, frozen), tokens))(adapters)
+    updates, opt_state = LORA_OPTIM.update(grads, opt_state, adapters)
+    return eqx.apply_updates(adapters, updates), opt_state, loss
+
+
+@pytest.mark.parametrize("name", list(LORA_PLANS))
+def test_lora_trains_as_one_device_under_manual_fsdp_context_expert_and_pipeline_plans(name):
+    plan = LORA_PLANS[name]()
+    pipeline = plan.schedule is not None
+    if plan.expert_size > 1:  # adapters on the attention (an MoE block's experts take none)
+        config, targets = MOE, ("q", "k", "v", "o")
+    else:
+        config, targets = dataclasses.replace(CONFIG, num_layers=4 if pipeline else 2), ALL
+    model = _trained_adapters(
+        add_lora(GPT(config, key=jax.random.key(0)), rank=2, alpha=4, targets=targets, key=jax.random.key(1))
+    )
+    trainable = lora_trainable(model)
+    if config.moe_every:  # only the attention's (the shared experts are an MLP, which takes none)
+        adapted = [
+            jax.tree_util.keystr(p) for p, t in jax.tree_util.tree_flatten_with_path(trainable)[0] if t
+        ]
+        assert adapted and all(".attn.lora." in p for p in adapted), adapted
+    state = eqxpar.train.init(model, LORA_OPTIM, plan, key=jax.random.key(0), trainable=trainable)
+    step = eqxpar.train.make_step(
+        PIPELINE_LOSS if pipeline else lm_loss, LORA_OPTIM, plan, trainable=trainable
+    )
+    adapters, frozen = eqx.partition(model, trainable)
+    ref, ref_state = adapters, LORA_OPTIM.init(adapters)
+    for i in range(2):
+        tokens = lm_tokens(i, batch=8, seq=8, vocab=CONFIG.vocab_size)
+        state, metrics = step(state, tokens)
+        ref, ref_state, ref_loss = _adapters_step(ref, frozen, ref_state, tokens)
+        assert_trees_close(float(metrics["loss"]), float(ref_loss), err_msg=f"loss at step {i}")
+    got_adapters, got_frozen = eqx.partition(eqxpar.nn.in_natural_order(state.model), trainable)
+    assert_params_close(got_adapters, ref)
+    for a, b in zip(jax.tree.leaves(got_frozen), jax.tree.leaves(frozen), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # frozen: exactly the base
+
+
+def test_adapter_dropout_takes_the_step_key_and_matches_one_device_under_a_data_plan(tmp_path):
+    # PEFT's lora_dropout: each adapter's input dropped, with a key only.
+    make = lambda rate: _trained_adapters(  # noqa: E731
+        add_lora(
+            GPT(CONFIG, key=jax.random.key(0)),
+            rank=2,
+            alpha=4,
+            targets=ALL,
+            dropout=rate,
+            key=jax.random.key(1),
+        )
+    )
+    plain, dropped = make(0.0), make(0.3)
+    assert dropped.blocks.blocks.mlp.lora.dropout == 0.3
+    tokens = lm_tokens(0, batch=8, seq=8, vocab=CONFIG.vocab_size)
+    key = jax.random.key(7)
+    loss_of = eqx.filter_jit(lambda m, t, k: lm_loss(m, t, key=k))
+    # Rate 0, or no key: exactly no dropout (the key reaches no layer).
+    base = float(loss_of(plain, tokens, None))
+    assert float(loss_of(plain, tokens, key)) == base and float(loss_of(dropped, tokens, None)) == base
+    # With a key: other masks per key, the same for the same key.
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, t, k: lm_loss(m, t, key=k)))
+    ref = grad(dropped, tokens, key)
+    assert abs(float(ref[0]) - base) > 1e-4
+    assert abs(float(grad(dropped, tokens, jax.random.key(8))[0]) - float(ref[0])) > 1e-4
+    # A data-parallel plan (automatic: threefry is partitionable) draws one
+    # device's masks for the key; a manual tensor-parallel one its own, deterministically.
+    data = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    loss, grads = eqxpar.train.make_value_and_grad(lm_loss, data)(dropped, tokens, key=key)
+    assert_trees_close(float(loss), float(ref[0]))
+    assert_trees_close(grads, eqx.filter(ref[1], eqx.is_array))
+    # A manual tensor-parallel step: each device draws its own masks from the
+    # step's key, the same ones for the same state.
+    manual = eqxpar.Plan(
+        eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+    )
+    trainable = lora_trainable(dropped)
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(dropped, optim, manual, key=jax.random.key(0), trainable=trainable)
+    step = eqxpar.train.make_step(lm_loss, optim, manual, trainable=trainable, donate=False)
+    (one, m1), (two, m2) = step(state, tokens), step(state, tokens)
+    assert float(m1["loss"]) == float(m2["loss"]) and abs(float(m1["loss"]) - base) > 1e-4
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(one.model, trainable)),
+        jax.tree.leaves(eqx.filter(two.model, trainable)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    save_lora(dropped, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["lora_dropout"] == 0.3
+    # A pipeline passes its stack no key: refused rather than trained without dropout.
+    with pytest.raises(eqxpar.PlanError, match=r"dropout=0.0"):
+        PIPELINE_LOSS(dropped, tokens)

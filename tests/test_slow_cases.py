@@ -17,7 +17,27 @@ def test_every_slow_case_has_a_fast_sibling():
             continue
         assert pathlib.Path(case.split("::")[0]).name.startswith("test_"), case
         assert case in COLLECTED, f"tests/_slow_cases.py names {case!r}, which is no test case (renamed?)"
+        # A sibling in a file this run did not collect cannot be checked here.
+        if sibling.split("::")[0] not in files:
+            continue
         assert sibling in COLLECTED, f"the sibling {sibling!r} of {case!r} is no test case"
         assert sibling not in SLOW_CASES, f"the sibling {sibling!r} of {case!r} is kept out of make test too"
         checked += 1
     assert checked or not files & {c.split("::")[0] for c in SLOW_CASES}
+
+
+def test_every_kept_case_pattern_names_a_case():
+    import fnmatch
+
+    from ._slow_cases import KEEP_ONLY
+
+    files = {node.split("::")[0] for node in COLLECTED}
+    for test, patterns in KEEP_ONLY.items():
+        if test.split("::")[0] not in files:
+            continue
+        cases = [node[len(test) + 1 : -1] for node in COLLECTED if node.startswith(test + "[")]
+        assert cases, f"tests/_slow_cases.py keeps cases of {test!r}, which has none (renamed?)"
+        for pattern in patterns:
+            assert any(fnmatch.fnmatchcase(case, pattern) for case in cases), (
+                f"the pattern {pattern!r} kept for {test!r} matches none of its cases {cases}"
+            )

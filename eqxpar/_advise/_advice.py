@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PyTree
 
+from .._batch_layout import BatchLayout
 from .._errors import EqxparError, PlanError
 from .._mesh import make_mesh
 from .._plan import Plan
@@ -157,7 +158,7 @@ class Advice:
                 f"{jax.device_count()}; compile them where the devices exist."
             )
         plan, c = self.plan(i), self.candidates[i]
-        loss = self.pipeline_loss if plan.schedule is not None else self.loss_fn
+        loss = self.pipeline_loss if BatchLayout.of(plan).pipelined else self.loss_fn
         # Outlines stand for a batch of zeros: only the shapes reach the compile.
         batch = jax.tree.map(
             lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, self.batch
@@ -319,11 +320,12 @@ def _predict_layout(
         # The layer refuses it when the step is built (eqxpar.nn.MoE).
         raise PlanError("MoE layers do not run under manual sequence parallelism yet")
     plan = Plan(placeholder_mesh(layout.mesh), **layout.options)
-    need = plan.batch_size_multiple * plan.microbatches
+    batch = BatchLayout.of(plan)
+    need = batch.rows_per_call
     if analysis.batch_size % need:
         raise PlanError(f"the batch of {analysis.batch_size} does not split into {need}")
     if plan.context_size > 1 and analysis.seq_len % (2 * plan.context_size):
         raise PlanError(f"sequence {analysis.seq_len} does not split into {2 * plan.context_size} chunks")
-    if plan.schedule is not None:
+    if batch.pipelined:
         loss_fn, analysis = piped
     return predict(plan, shapes, opt_state, tokens, loss_fn, analysis, profile)

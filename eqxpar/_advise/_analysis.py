@@ -196,13 +196,13 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     from .._grad_common import LossFunction
     from .._rules import mesh_axis_names
     from .._shard_map import filter_shard_map
-    from .._step_layout import StepLayout
+    from .._step_layout import StepLayout, loss_compute_dtype
     from .._varying import mark_varying
     from ..pipeline._engine import Device, Engine
 
     model, batch = outline(model), outline(batch)
     layout = StepLayout.resolve(plan, model)
-    engine = Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=plan.compute_dtype), layout)
+    engine = Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=loss_compute_dtype(plan)), layout)
     batch_axes = set(layout.reduced_axes)
 
     def whole(spec: Any) -> Any:

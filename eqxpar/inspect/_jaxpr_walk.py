@@ -22,6 +22,7 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import array_bytes
 from .._specs import is_array_like, partition_specs
+from .._step_layout import loss_compute_dtype, tensor_axis_of
 from .._text import short
 
 
@@ -183,8 +184,9 @@ def compute_outline(plan: Plan, tree: Any) -> Any:
         if not is_array_like(x):
             return x
         dtype = x.dtype
-        if plan.compute_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            dtype = plan.compute_dtype
+        compute = loss_compute_dtype(plan)
+        if compute is not None and jnp.issubdtype(dtype, jnp.floating):
+            dtype = compute
         return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
 
     return jax.tree.map(outline, tree)
@@ -238,14 +240,15 @@ def tensor_sums(
 
 def tensor_split_dims(plan: Plan, params: Any) -> dict[int, frozenset[int]]:
     """Array-leaf index -> the dimensions split over the tensor axis (leaves with any)."""
-    if plan.mesh.shape.get(plan.tensor_axis, 1) == 1:
+    tensor = tensor_axis_of(plan)
+    if plan.mesh.shape.get(tensor, 1) == 1:
         return {}
     specs = jax.tree.structure(params).flatten_up_to(partition_specs(params, plan))
     out, index = {}, 0
     for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True):
         if not is_array_like(leaf):
             continue
-        dims = frozenset(d for d, entry in enumerate(spec) if plan.tensor_axis in mesh_axis_names(entry))
+        dims = frozenset(d for d, entry in enumerate(spec) if tensor in mesh_axis_names(entry))
         if dims:
             out[index] = dims
         index += 1

@@ -14,6 +14,7 @@ from .. import nn
 from .._config_check import renamed
 from .._errors import BatchError, DivisibilityError, EqxparError, PlanError, SpecError
 from .._param import param
+from ..nn._lora import lora_dropout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -457,18 +458,22 @@ class GPT(eqx.Module):
         h = self.final_norm(h)
         return self.embed.attend(h) if self.head is None else self.head(h)
 
-    def __call__(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab"]:
+    def __call__(
+        self, tokens: Int[Array, "batch seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "batch seq vocab"]:
         """Logits `(batch, seq, vocab)` of token ids `(batch, seq)`, vocabulary split
         over the tensor axis: `logits(blocks(embed_tokens(tokens)))` (an MoE model's
-        auxiliary outputs dropped: see `logits_and_aux`)."""
-        return self.logits_and_aux(tokens)[0]
+        auxiliary outputs dropped: see `logits_and_aux`). `key`: for the LoRA
+        adapters' dropout (`add_lora(..., dropout=)`; without it, or without
+        adapter dropout, none)."""
+        return self.logits_and_aux(tokens, key=key)[0]
 
     def logits_and_aux(
-        self, tokens: Int[Array, "batch seq"]
+        self, tokens: Int[Array, "batch seq"], *, key: PRNGKeyArray | None = None
     ) -> tuple[Float[Array, "batch seq vocab"], nn.MoEAux | None]:
         """The logits and the MoE blocks' auxiliary outputs.
 
-        **Arguments:** `tokens`: `(batch, seq)` ids.
+        **Arguments:** `tokens`: `(batch, seq)` ids; `key` as `__call__`'s.
 
         **Returns:** `(logits, aux)`: logits as `__call__`'s; `aux` an
         `eqxpar.nn.MoEAux` whose every leaf has a leading dimension of
@@ -480,15 +485,27 @@ class GPT(eqx.Module):
         print(aux.expert_load.sum(0))            # tokens * top_k per MoE block, per expert
         ```
         """
-        h, aux = _run_blocks(self, self.embed_tokens(tokens))
+        h, aux = _run_blocks(self, self.embed_tokens(tokens), key)
         return self.logits(h), aux
 
 
-def _run_blocks(model: GPT, h: Array) -> tuple[Array, nn.MoEAux | None]:
-    # A dense stack returns h; an MoE stack (h, aux stacked over its groups).
+def _run_blocks(model: GPT, h: Array, key: PRNGKeyArray | None = None) -> tuple[Array, nn.MoEAux | None]:
+    # A dense stack returns h; an MoE stack (h, aux stacked over its groups). The
+    # key reaches the blocks only if an adapter drops out: otherwise the stack's
+    # scan would carry per-layer keys nothing reads.
+    kw = {"key": key} if key is not None and _drops_out(model) else {}
     if model.config.moe_every:
-        return model.blocks(h)
-    return model.blocks(h), None
+        return model.blocks(h, **kw)
+    return model.blocks(h, **kw), None
+
+
+def _drops_out(model: GPT) -> bool:
+    layers = jax.tree.leaves(model.blocks, is_leaf=_is_layer)
+    return any(lora_dropout(x) > 0 for x in layers if _is_layer(x))
+
+
+def _is_layer(x: object) -> bool:
+    return isinstance(x, nn.Attention | nn.MLP)
 
 
 def _no_pipeline(model: GPT, where: str) -> None:
@@ -572,7 +589,9 @@ def _cross_entropy(model: GPT, h: Array, tokens: Array) -> Array:
     return jnp.mean(per_token) if split else nn.sequence_mean(per_token)
 
 
-def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
+def lm_loss(
+    model: GPT, tokens: Int[Array, "batch seq_plus_1"], *, key: PRNGKeyArray | None = None
+) -> Float[Array, ""]:
     """Next-token cross-entropy of `model` on `tokens`, the mean over every predicted token.
 
     Predicts `tokens[:, 1:]` from `tokens[:, :-1]`; a mean over the batch, so it is a
@@ -589,7 +608,9 @@ def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, 
     the load-balance loss, a product of two batch means, does not, so its gradient
     is not the full batch's: the step warns (`eqxpar.AccumulationWarning`).
 
-    **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids.
+    **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids;
+    `key` (keyword-only, default None): for the LoRA adapters' dropout, which
+    `make_step` passes each step (without it, or without adapter dropout, none).
 
     **Returns:** a float scalar (nats per token, plus the auxiliary losses).
 
@@ -599,10 +620,11 @@ def lm_loss(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, 
     ```
     """
     if not model.config.moe_every:
-        return gpt_last(model, model.blocks(gpt_first(model, tokens)), tokens)
+        h, _ = _run_blocks(model, gpt_first(model, tokens), key)
+        return gpt_last(model, h, tokens)
     _check_tokens(tokens, "lm_loss")
     c = model.config
-    h, aux = _run_blocks(model, model.embed_tokens(tokens[:, :-1]))
+    h, aux = _run_blocks(model, model.embed_tokens(tokens[:, :-1]), key)
     loss = _cross_entropy(model, h, tokens)
     # Coefficients of 0 leave their terms out (not even a zero times a value).
     if c.load_balance_coef:

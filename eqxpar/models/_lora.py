@@ -34,6 +34,10 @@ def _is_layer(x: Any) -> bool:
     return isinstance(x, nn.Attention | nn.MLP)
 
 
+def _is_moe(x: Any) -> bool:
+    return isinstance(x, nn.MoE)
+
+
 def _is_adapter(x: Any) -> bool:
     return isinstance(x, nn.AttentionLoRA | nn.MLPLoRA)
 
@@ -52,7 +56,7 @@ def _default_targets(layers: list) -> tuple[str, ...]:
     return ("qkv",) if fused else ("q", "v")
 
 
-def _check_targets(targets: Any, layers: list) -> tuple[str, ...]:
+def _check_targets(targets: Any, layers: list, *, moe: bool) -> tuple[str, ...]:
     if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
         raise PlanError(
             f"add_lora(targets={targets!r}): expected a non-empty tuple of projection names from "
@@ -63,6 +67,14 @@ def _check_targets(targets: Any, layers: list) -> tuple[str, ...]:
     if unknown:
         raise PlanError(
             f"add_lora(targets={targets!r}): {unknown} unknown; expected names from {tuple(TARGETS)}."
+        )
+    mlp_targets = [t for t in targets if TARGETS[t] == "mlp"]
+    if mlp_targets and moe:
+        raise PlanError(
+            f"add_lora(targets={targets!r}): the model has MoE feed-forwards (eqxpar.nn.MoE), whose "
+            f"experts, router and shared experts take no adapters, so {mlp_targets} would adapt only "
+            "the dense blocks' MLPs between them (or nothing). Adapt the attention alone, e.g. "
+            "targets=('q', 'k', 'v', 'o') ('qkv', 'o' on a fused QKV weight)."
         )
     for layer in layers:
         if isinstance(layer, nn.Attention):
@@ -95,7 +107,9 @@ def _pair(key: PRNGKeyArray, lead: tuple, ins: tuple, outs: tuple, rank: int, dt
     return a, jnp.zeros((*lead, rank, *outs), dtype)
 
 
-def _attention_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key: PRNGKeyArray) -> Any:
+def _attention_adapter(
+    layer: Any, targets: tuple, rank: int, alpha: float, dropout: float, key: PRNGKeyArray
+) -> Any:
     lead, dtype = layer.wo.shape[:-3], layer.wo.dtype
     d, h, kv, hd = layer.d_model, layer.num_heads, layer.num_kv_heads, layer.head_dim
     outs = {"q": (h, hd), "k": (kv, hd), "v": (kv, hd), "qkv": (3, h, hd)}
@@ -106,10 +120,12 @@ def _attention_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key:
             fields[f"{name}_a"], fields[f"{name}_b"] = _pair(keys[name], lead, (d,), outs[name], rank, dtype)
     if "o" in targets:
         fields["o_a"], fields["o_b"] = _pair(keys["o"], lead, (h, hd), (d,), rank, dtype)
-    return nn.AttentionLoRA(**fields, rank=rank, alpha=alpha) if fields else None
+    return nn.AttentionLoRA(**fields, rank=rank, alpha=alpha, dropout=dropout) if fields else None
 
 
-def _mlp_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key: PRNGKeyArray) -> Any:
+def _mlp_adapter(
+    layer: Any, targets: tuple, rank: int, alpha: float, dropout: float, key: PRNGKeyArray
+) -> Any:
     lead, dtype = layer.w_out.shape[:-2], layer.w_out.dtype
     d, f = layer.d_model, layer.d_hidden
     shapes = {"gate": ((d,), (f,)), "up": ((d,), (f,)), "down": ((f,), (d,))}
@@ -117,7 +133,7 @@ def _mlp_adapter(layer: Any, targets: tuple, rank: int, alpha: float, key: PRNGK
     for name, k in zip(("gate", "up", "down"), jax.random.split(key, 3), strict=True):
         if name in targets:
             fields[f"{name}_a"], fields[f"{name}_b"] = _pair(k, lead, *shapes[name], rank, dtype)
-    return nn.MLPLoRA(**fields, rank=rank, alpha=alpha) if fields else None
+    return nn.MLPLoRA(**fields, rank=rank, alpha=alpha, dropout=dropout) if fields else None
 
 
 def add_lora(
@@ -126,6 +142,7 @@ def add_lora(
     rank: int,
     alpha: int | float | None = None,
     targets: Sequence[str] | None = None,
+    dropout: float = 0.0,
     key: PRNGKeyArray,
 ) -> PyTree:
     """`model` with low-rank adapters (LoRA) on the chosen projections of every
@@ -140,9 +157,12 @@ def add_lora(
     weights (column-parallel projections: `A` whole, `B` split like the output;
     row-parallel: `A` split like the input, `B` whole). Train them alone with
     `lora_trainable(model)`; fold them in with `merge_lora`; export them with
-    `save_lora`. The feed-forward of an MoE block (`eqxpar.nn.MoE`: its experts,
-    router and shared experts) gets no adapter: `gate`, `up`, `down` adapt dense
-    MLPs only. No dropout on the adapters' input (a `GPT` takes no dropout key).
+    `save_lora`.
+
+    An MoE model (one holding `eqxpar.nn.MoE` feed-forwards, e.g. a `GPT` with
+    `moe_every`) takes adapters on its attention only: the experts, router and
+    shared experts get none, and targets naming `gate`, `up` or `down` raise
+    `PlanError` (they would adapt only the dense blocks between the MoE ones).
 
     **Arguments:**
 
@@ -154,6 +174,12 @@ def add_lora(
       weights) or `"qkv"` (a fused QKV weight, one adapter: GPT-2's `c_attn`),
       `"o"`, `"gate"` (SwiGLU only), `"up"` (a GELU MLP's input), `"down"`.
       Default None: PEFT's, `("q", "v")`, or `("qkv",)` on fused weights.
+    - `dropout`: PEFT's `lora_dropout` (keyword-only; default 0.0, none): each
+      adapter's input `x` is dropped at this rate, with a mask of its own, when
+      the model is called with a `key` (`GPT(tokens, key=)`, `lm_loss(...,
+      key=)`, which `eqxpar.train.make_step` passes each step); without a key
+      (evaluation, generation) the adapters see `x` whole. Not under a pipeline
+      plan, which passes its stages no key (`PlanError`).
     - `key`: PRNG key for the `A` matrices (keyword-only).
 
     **Returns:** the model with adapters (a new pytree; `model` is unchanged).
@@ -179,12 +205,16 @@ def add_lora(
     alpha = float(rank if alpha is None else alpha)
     if not math.isfinite(alpha) or alpha <= 0:
         raise PlanError(f"add_lora(alpha={alpha!r}): expected a positive number (the scale is alpha / rank).")
-    targets = _check_targets(_default_targets(layers) if targets is None else targets, layers)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
+        raise PlanError(f"add_lora(dropout={dropout!r}): expected a rate in [0, 1) (0: no dropout).")
+    dropout = float(dropout)
+    moe = any(isinstance(x, nn.MoE) for x in jax.tree.leaves(model, is_leaf=_is_moe))
+    targets = _check_targets(_default_targets(layers) if targets is None else targets, layers, moe=moe)
     keys = iter(jax.random.split(key, len(layers)))
 
     def adapt(layer: Any) -> Any:
         make = _attention_adapter if isinstance(layer, nn.Attention) else _mlp_adapter
-        lora = make(layer, targets, rank, alpha, next(keys))
+        lora = make(layer, targets, rank, alpha, dropout, next(keys))
         return layer if lora is None else eqx.tree_at(lambda m: m.lora, layer, lora, is_leaf=_is_none)
 
     return _map_layers(adapt, model)

@@ -109,7 +109,8 @@ def save_lora(model: GPT, path: str | os.PathLike, *, base_model: str | None = N
     Each eqxpar projection is one PEFT target: Llama-style models' `q_proj`,
     `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`; GPT-2's
     fused `c_attn` (target `"qkv"`), `attn.c_proj` (`"o"`), `c_fc` (`"up"`) and
-    `mlp.c_proj` (`"down"`), with `fan_in_fan_out` set for its Conv1D weights.
+    `mlp.c_proj` (`"down"`), with `fan_in_fan_out` set for its Conv1D weights;
+    `lora_dropout` is the adapters' `dropout`.
     The model may be sharded under any plan: each adapter is gathered to the
     hosts on its own, and process 0 writes (every process must call this).
 
@@ -154,7 +155,7 @@ def save_lora(model: GPT, path: str | os.PathLike, *, base_model: str | None = N
         "base_model_name_or_path": base_model,
         "r": first.rank,
         "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": first.dropout,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": kind == "gpt2",

@@ -26,7 +26,7 @@ from ._blockwise import (
 from ._context import TensorContext, tensor_context
 from ._context_attention import context_attention
 from ._linear import _normal
-from ._lora import AttentionLoRA, adapter_pairs, column_with_adapters, row_adapter
+from ._lora import AttentionLoRA, adapter_pairs, column_with_adapters, lora_dropout, row_adapter
 from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
 from ._rotary import RotaryScaling, apply_rotary
 from ._sequence import split_context
@@ -70,7 +70,8 @@ class Attention(eqx.Module):
     positions, and `mask` is not supported (use `segment_ids`).
 
     Calling it: `attn(x, *, mask=None, segment_ids=None, key=None)` (`key`: for
-    the config's `dropout`; without it no dropout). `mask` `(seq, seq)` bool
+    the config's `dropout` and the adapters' `lora.dropout`; without it no dropout). `mask`
+    `(seq, seq)` bool
     keeps key `j` for query `i` (not under context parallelism). `segment_ids`
     `(batch, seq)` integers: query `i` of row `b` reads key `j` only when
     `segment_ids[b, i] == segment_ids[b, j]` (packed documents; padding as its own
@@ -164,7 +165,12 @@ class Attention(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
-        q, k, v = self.project(x, ctx)
+        k_lora = None
+        if key is not None and lora_dropout(self) > 0:
+            # Split off only then: the attention dropout's key stays what it was.
+            key, k_lora = jax.random.split(key)
+        k_in, k_out = (None, None) if k_lora is None else tuple(jax.random.split(k_lora))
+        q, k, v = self.project(x, ctx, key=k_in)
         note_keys(k)
         n = context_size()
         split = n > 1
@@ -196,21 +202,26 @@ class Attention(eqx.Module):
             core = self._context_core(q, k, v, mask, segment_ids, drop)
         else:
             core = self._core(q, k, v, mask, segment_ids, drop)
-        return self.output(core, ctx)
+        return self.output(core, ctx, key=k_out)
 
-    def project(self, x: Array, ctx: TensorContext) -> tuple[Array, Array, Array]:
+    def project(
+        self, x: Array, ctx: TensorContext, *, key: PRNGKeyArray | None = None
+    ) -> tuple[Array, Array, Array]:
         """Queries, keys and values `(batch, seq, heads, head_dim)` of `x` (this
         device's heads in manual mode), biases added, no rotary yet: the first part
-        of `__call__`, shared with cached decoding (`eqxpar.models.generate`)."""
+        of `__call__`, shared with cached decoding (`eqxpar.models.generate`).
+        `key`: for the adapters' dropout (None: none)."""
         check_split(self.wo.shape[0], self.num_heads, ctx, what="Attention.wo (num_heads)")
         if self.wqkv is not None:
             check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
-            (qkv,) = self._project(x, [self.wqkv], ("qkv",), ctx, split_dim=2)
+            (qkv,) = self._project(x, [self.wqkv], ("qkv",), ctx, split_dim=2, key=key)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
             check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
-            q, k, v = self._project(x, [self.wq, self.wk, self.wv], ("q", "k", "v"), ctx, split_dim=1)
+            q, k, v = self._project(
+                x, [self.wq, self.wk, self.wv], ("q", "k", "v"), ctx, split_dim=1, key=key
+            )
         check_bias(
             self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0
         )
@@ -230,23 +241,29 @@ class Attention(eqx.Module):
             q, k, v = q + lift(self.bq, 4), k + lift(self.bk, 4), v + lift(self.bv, 4)
         return q, k, v
 
-    def output(self, core: Array, ctx: TensorContext) -> Array:
+    def output(self, core: Array, ctx: TensorContext, *, key: PRNGKeyArray | None = None) -> Array:
         """The output projection of the attended heads `(batch, seq, heads,
-        head_dim)`: the last part of `__call__`, shared with cached decoding."""
+        head_dim)`: the last part of `__call__`, shared with cached decoding.
+        `key`: for the adapter's dropout (None: none)."""
         heads = ctx.constrain(core, None, ctx.axis, None)
         y = row_matmul(heads, self.wo, ctx, in_dims=2)
-        if self.lora is not None and self.lora.o_a is not None:
-            y = y + row_adapter(heads, self.lora.o_a, self.lora.o_b, self.lora.scale, ctx, in_dims=2)
+        lora = self.lora
+        if lora is not None and lora.o_a is not None:
+            drop = dict(dropout=lora.dropout, key=key)
+            y = y + row_adapter(heads, lora.o_a, lora.o_b, lora.scale, ctx, in_dims=2, **drop)
         return y if self.bo is None else y + lift(self.bo, y.ndim)
 
     def _project(
-        self, x: Array, weights: list[Array], names: tuple[str, ...], ctx, *, split_dim: int
+        self, x: Array, weights: list[Array], names: tuple[str, ...], ctx, *, split_dim: int, key=None
     ) -> list[Array]:
         # The column-parallel projections, plus their adapters' outputs if any.
         if self.lora is None:
             return column_matmul(x, weights, ctx, split_dim=split_dim)
         pairs = adapter_pairs(self.lora, names)
-        ys, deltas = column_with_adapters(x, weights, pairs, self.lora.scale, ctx, split_dim=split_dim)
+        drop = dict(dropout=self.lora.dropout, key=key)
+        ys, deltas = column_with_adapters(
+            x, weights, pairs, self.lora.scale, ctx, split_dim=split_dim, **drop
+        )
         index = {name: i for i, name in enumerate(names)}
         for (name, _, _), delta in zip(pairs, deltas, strict=True):
             ys[index[name]] = ys[index[name]] + delta

@@ -12,6 +12,7 @@ from ._attention import Attention
 from ._block_config import BlockConfig
 from ._dropout import Dropout
 from ._linear import MLP
+from ._lora import lora_dropout
 from ._moe import MoE, MoEAux
 from ._norm import LayerNorm, RMSNorm
 
@@ -104,11 +105,13 @@ class TransformerBlock(eqx.Module):
         key: PRNGKeyArray | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
     ) -> Float[Array, "batch seq d_model"] | tuple[Float[Array, "batch seq d_model"], MoEAux]:
-        k1 = k2 = k_attn = None
-        if key is not None and self.attn.dropout > 0:
+        k1 = k2 = k_attn = k_mlp = None
+        if key is not None and (self.attn.dropout > 0 or lora_dropout(self.attn) > 0):
             # Split off first: the residual dropout's keys stay what they were
-            # without attention dropout.
+            # without attention dropout (or the adapters').
             key, k_attn = jax.random.split(key)
+        if key is not None and lora_dropout(self.mlp) > 0:
+            key, k_mlp = jax.random.split(key)
         if key is not None and self.dropout.rate > 0:
             k1, k2 = jax.random.split(key)
         h = self.attn(self.norm1(x), segment_ids=segment_ids, key=k_attn)
@@ -116,7 +119,7 @@ class TransformerBlock(eqx.Module):
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.norm2(x))
             return x + self.dropout(y, key=k2), aux
-        return x + self.dropout(self.mlp(self.norm2(x)), key=k2)
+        return x + self.dropout(self.mlp(self.norm2(x), key=k_mlp), key=k2)
 
     @property
     def experts(self) -> int:

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._errors import PlanError
 from .._param import param
 from ._context import tensor_context
-from ._lora import MLPLoRA, adapter_pairs, column_with_adapters, row_adapter
+from ._lora import MLPLoRA, adapter_pairs, column_with_adapters, lora_dropout, row_adapter
 from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
 
 
@@ -130,8 +130,9 @@ class MLP(eqx.Module):
     **Arguments:** `d_model`, `d_hidden`; keyword-only `activation="gelu"`,
     `use_bias=True`, `axis="tensor"`, `dtype=jnp.float32`, `key`.
 
-    Input and output `(batch, seq, d_model)` (the local sequence block under
-    sequence parallelism in manual mode).
+    Calling it: `mlp(x, *, key=None)`, input and output `(batch, seq, d_model)`
+    (the local sequence block under sequence parallelism in manual mode); `key`:
+    for the adapters' dropout (`lora.dropout`; without it none).
     """
 
     w_in: Float[Array, "d_model n_in d_hidden"] = param(axes=("embed", None, "mlp"))
@@ -167,8 +168,13 @@ class MLP(eqx.Module):
         self.d_model, self.d_hidden, self.activation, self.axis = d_model, d_hidden, activation, axis
         self.lora = None
 
-    def __call__(self, x: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq_out d_model"]:
+    def __call__(
+        self, x: Float[Array, "batch seq_in d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
+        k_in = k_out = None
+        if key is not None and lora_dropout(self) > 0:
+            k_in, k_out = jax.random.split(key)
         check_split(self.w_in.shape[2], self.d_hidden, ctx, what="MLP.w_in (d_hidden)")
         check_split(self.w_out.shape[0], self.d_hidden, ctx, what="MLP.w_out (d_hidden)")
         check_bias(self.b_in, self.d_hidden, ctx, what="MLP.b_in", like="MLP.w_in", split=True)
@@ -176,7 +182,7 @@ class MLP(eqx.Module):
         if self.lora is None:
             (h,) = column_matmul(x, [self.w_in], ctx)  # (batch, seq, n_in, hidden)
         else:
-            h = self._adapted_input(x, ctx)
+            h = self._adapted_input(x, ctx, k_in)
         if self.b_in is not None:
             h = h + lift(self.b_in, h.ndim)
         if self.activation == "gelu":
@@ -185,15 +191,18 @@ class MLP(eqx.Module):
             h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
         h = ctx.constrain(h, None, ctx.axis)
         y = row_matmul(h, self.w_out, ctx)
-        if self.lora is not None and self.lora.down_a is not None:
-            y = y + row_adapter(h, self.lora.down_a, self.lora.down_b, self.lora.scale, ctx, in_dims=1)
+        lora = self.lora
+        if lora is not None and lora.down_a is not None:
+            drop = dict(dropout=lora.dropout, key=k_out)
+            y = y + row_adapter(h, lora.down_a, lora.down_b, lora.scale, ctx, in_dims=1, **drop)
         return y if self.b_out is None else y + lift(self.b_out, y.ndim)
 
-    def _adapted_input(self, x: Array, ctx) -> Array:
+    def _adapted_input(self, x: Array, ctx, key: PRNGKeyArray | None) -> Array:
         # The input projection with the gate / up adapters' outputs added to their
         # halves of the stacked (batch, seq, n_in, hidden) result.
         pairs = adapter_pairs(self.lora, ("gate", "up"))
-        (h,), deltas = column_with_adapters(x, [self.w_in], pairs, self.lora.scale, ctx, split_dim=-1)
+        drop = dict(dropout=self.lora.dropout, key=key)
+        (h,), deltas = column_with_adapters(x, [self.w_in], pairs, self.lora.scale, ctx, split_dim=-1, **drop)
         if not deltas:
             return h
         found = {name: delta for (name, _, _), delta in zip(pairs, deltas, strict=True)}

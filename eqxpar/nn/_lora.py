@@ -8,6 +8,14 @@ column-parallel projection (Q, K, V, gate, up) `a` is whole over the tensor axis
 and `b` split like the base's output; for a row-parallel one (the attention
 output, down) `a` is split like the base's input and `b` whole.
 
+Dropout (`dropout > 0` and a key): each adapter's input is dropped with a mask
+of its own, as PEFT's `lora_dropout`. In automatic mode it masks the whole
+input (threefry is partitionable: one device's masks for one key); in manual mode
+each device masks the part it holds, with the key the step gives it (its own
+under a sequence split; a row-parallel adapter folds in its tensor index, its
+input's features being split), so a column-parallel adapter's `x @ a` then needs
+its own gather of `x` under sequence parallelism, not the base weights'.
+
 Communication: in manual mode a column-parallel adapter's `x @ a` uses the base
 weights' gather of `x` under sequence parallelism (their ring under
 `tp_overlap`) and the same sum of its cotangent; a row-parallel adapter sums its
@@ -20,12 +28,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._collectives import all_gather
 from .._param import param
 from .._plan import current_plan
 from ._context import TensorContext
+from ._dropout import Dropout
 from ._matmul import column_matmul, row_matmul
 
 #: The logical projections an adapter can sit on, per layer.
@@ -40,8 +49,10 @@ class AttentionLoRA(eqx.Module):
     `q_a` `(d_model, rank)`, `q_b` `(rank, heads, head_dim)`; `k_*`, `v_*` with
     `kv_heads`; `qkv_a`, `qkv_b` `(rank, 3, heads, head_dim)` on a fused QKV
     weight; `o_a` `(heads, head_dim, rank)`, `o_b` `(rank, d_model)`. The
-    projection's output gains `alpha / rank * (x @ X_a) @ X_b`. Built by
-    `eqxpar.models.add_lora`; `rank`, `alpha` static.
+    projection's output gains `alpha / rank * (drop(x) @ X_a) @ X_b`, `drop`
+    dropout at rate `dropout` (PEFT's `lora_dropout`; each adapter its own mask)
+    when the layer's call gets a `key`, else the identity. Built by
+    `eqxpar.models.add_lora`; `rank`, `alpha`, `dropout` static.
 
     ```python
     model = eqxpar.models.add_lora(model, rank=8, alpha=16, targets=("q", "v"), key=key)
@@ -67,6 +78,7 @@ class AttentionLoRA(eqx.Module):
     o_b: Float[Array, "*layers rank d_model"] | None = param(axes=(None, "embed"), default=None)
     rank: int = eqx.field(static=True, default=8)
     alpha: float = eqx.field(static=True, default=8.0)
+    dropout: float = eqx.field(static=True, default=0.0)
 
     @property
     def scale(self) -> float:
@@ -94,11 +106,18 @@ class MLPLoRA(eqx.Module):
     down_b: Float[Array, "*layers rank d_model"] | None = param(axes=(None, "embed"), default=None)
     rank: int = eqx.field(static=True, default=8)
     alpha: float = eqx.field(static=True, default=8.0)
+    dropout: float = eqx.field(static=True, default=0.0)
 
     @property
     def scale(self) -> float:
         """`alpha / rank`, what the adapters' products are multiplied by."""
         return self.alpha / self.rank
+
+
+def lora_dropout(layer: object) -> float:
+    """The dropout rate of `layer`'s adapters (0 without adapters)."""
+    lora = getattr(layer, "lora", None)
+    return 0.0 if lora is None else lora.dropout
 
 
 def adapter_pairs(lora: AttentionLoRA | MLPLoRA, names: tuple[str, ...]) -> list[tuple[str, Array, Array]]:
@@ -112,10 +131,19 @@ def adapter_pairs(lora: AttentionLoRA | MLPLoRA, names: tuple[str, ...]) -> list
 
 
 def column_with_adapters(
-    x: Array, weights: list[Array], pairs: list, scale: float, ctx: TensorContext, *, split_dim: int
+    x: Array,
+    weights: list[Array],
+    pairs: list,
+    scale: float,
+    ctx: TensorContext,
+    *,
+    split_dim: int,
+    dropout: float = 0.0,
+    key: PRNGKeyArray | None = None,
 ) -> tuple[list[Array], list[Array]]:
-    """`column_matmul(x, weights)` and each adapter's `scale * (x @ a) @ b`
-    (`pairs`: `(name, a, b)`), split over the tensor axis like its base's output.
+    """`column_matmul(x, weights)` and each adapter's `scale * (drop(x) @ a) @ b`
+    (`pairs`: `(name, a, b)`), split over the tensor axis like its base's output;
+    `drop` dropout at rate `dropout` with a mask per adapter when `key` is given.
 
     In manual mode the `a`s join the base weights' product: one gather (or ring)
     of `x` under sequence parallelism, one sum of its cotangent over the axis.
@@ -123,7 +151,18 @@ def column_with_adapters(
     if not pairs:
         return column_matmul(x, weights, ctx, split_dim=split_dim), []
     n = len(weights)
-    if ctx.manual and ctx.sequence_parallel and not ctx.overlap:
+    if dropout > 0 and key is not None:
+        # Each adapter's input a dropout of its own: no product shared with the base.
+        ys = column_matmul(x, weights, ctx, split_dim=split_dim)
+        us = []
+        for (_, a, _), k in zip(pairs, jax.random.split(key, len(pairs)), strict=True):
+            dropped = Dropout(dropout)(x, key=k)
+            if ctx.manual:
+                us.extend(column_matmul(dropped, [a], ctx))
+            else:
+                whole = ctx.constrain(dropped, ctx.seq(), None)
+                us.append(ctx.constrain(jnp.tensordot(whole, _gathered(a), axes=1), None, None))
+    elif ctx.manual and ctx.sequence_parallel and not ctx.overlap:
         # One gather of x for base and adapters, but products apart: in one joined
         # product the adapters' gradient would compute the frozen base weights' too.
         whole = all_gather(x, axis_name=ctx.axis, axis=1)
@@ -148,10 +187,26 @@ def column_with_adapters(
     return ys, deltas
 
 
-def row_adapter(h: Array, a: Array, b: Array, scale: float, ctx: TensorContext, *, in_dims: int) -> Array:
-    """`scale * (h @ a) @ b` of a row-parallel projection: `h @ a` is summed over
-    the tensor axis (split along the sequence under sequence parallelism) like
-    the base's output, then multiplied by the whole `b`."""
+def row_adapter(
+    h: Array,
+    a: Array,
+    b: Array,
+    scale: float,
+    ctx: TensorContext,
+    *,
+    in_dims: int,
+    dropout: float = 0.0,
+    key: PRNGKeyArray | None = None,
+) -> Array:
+    """`scale * (drop(h) @ a) @ b` of a row-parallel projection: `h @ a` is summed
+    over the tensor axis (split along the sequence under sequence parallelism)
+    like the base's output, then multiplied by the whole `b`; `drop` dropout at
+    rate `dropout` when `key` is given."""
+    if dropout > 0 and key is not None:
+        if ctx.manual:
+            # This device holds some of h's features: a mask of their own.
+            key = jax.random.fold_in(key, jax.lax.axis_index(ctx.axis))
+        h = Dropout(dropout)(h, key=key)
     u = row_matmul(h, a, ctx, in_dims=in_dims)
     return jnp.tensordot(u, b if ctx.manual else _gathered(b), axes=1) * jnp.asarray(scale, u.dtype)
 

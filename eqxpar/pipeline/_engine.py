@@ -76,8 +76,9 @@ from .._step_layout import StepLayout
 from .._varying import mark_varying, varying_axes
 from ..nn._stack import check_stack_order
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
-from ._builtin import forward_only, schedule
+from ._builtin import forward_only
 from ._loss import PipelineLoss
+from ._pipeline_plan import PIPE, PipelinePlan
 from ._placement import DOWN, LOCAL, UP
 from ._program import (
     FIELDS,
@@ -99,8 +100,6 @@ from ._program import (
 )
 from ._schedule import Schedule
 from ._split_backward import split_pull_back
-
-PIPE = "pipe"
 
 
 def _int32(*indices: Any) -> tuple[jax.Array, ...]:
@@ -138,7 +137,8 @@ def _add_chunk(acc: jax.Array, g: jax.Array, *, chunk: jax.Array) -> jax.Array:
 
 
 def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
-    p = plan.mesh.shape[PIPE]
+    pipeline = PipelinePlan.of(plan)
+    p = pipeline.stages
     is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
     stack_specs = loss.stack(specs).blocks
     stack_ids = {id(s) for s in jax.tree.leaves(stack_specs, is_leaf=is_spec)}
@@ -149,9 +149,9 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
         in_stack = id(spec) in stack_ids
         for dim, entry in enumerate(spec):
             for axis in mesh_axis_names(entry):
-                if axis == plan.tensor_axis or (axis == PIPE and in_stack and dim == 0):
+                if axis == pipeline.tensor_axis or (axis == PIPE and in_stack and dim == 0):
                     continue
-                if axis in plan.batch_axes:
+                if axis in pipeline.batch_axes:
                     # FSDP: gathered before the scan (gathers_of checks the layout).
                     continue
                 if axis == PIPE:
@@ -163,7 +163,7 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
                 raise PlanError(
                     f"leaf {where} has spec {spec}, splitting a weight over mesh axis {axis!r}; pipeline "
                     "plans split weights over 'pipe' (the stack's layers), the tensor axis and the "
-                    f"data-parallel axes {plan.batch_axes} (FSDP) only. Drop {axis!r} from the rules."
+                    f"data-parallel axes {pipeline.batch_axes} (FSDP) only. Drop {axis!r} from the rules."
                 )
     if p > 1:
         for spec in jax.tree.leaves(stack_specs, is_leaf=is_spec):
@@ -177,9 +177,10 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
 
 def check_pipeline_step(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bool) -> None:
     """Refuse, when the step is built, what a pipeline step cannot run."""
+    pipeline = PipelinePlan.of(plan)
     if not isinstance(loss_fn, PipelineLoss):
         raise PlanError(
-            f"Plan(schedule={plan.schedule!r}) runs the model's stack itself, so the loss must be an "
+            f"Plan(schedule={pipeline.name!r}) runs the model's stack itself, so the loss must be an "
             f"eqxpar.pipeline.PipelineLoss(first, stack, last), got {type(loss_fn).__name__}. Split "
             "the loss where the stack starts and ends."
         )
@@ -188,11 +189,11 @@ def check_pipeline_step(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: b
     if accumulate != 1:
         raise PlanError(
             f"make_step(accumulate={accumulate}) with a pipeline plan: the pipeline already splits the "
-            f"batch; set Plan(microbatches={plan.microbatches * accumulate}) instead of accumulate."
+            f"batch; set Plan(microbatches={pipeline.microbatches * accumulate}) instead of accumulate."
         )
-    if plan.tp_overlap and plan.mesh.shape[plan.tensor_axis] > 1:
+    if pipeline.ring_tensor_matmuls:
         raise PlanError(
-            f"Plan(schedule={plan.schedule!r}, tp_overlap=True): a pipeline stage runs its tensor-parallel "
+            f"Plan(schedule={pipeline.name!r}, tp_overlap=True): a pipeline stage runs its tensor-parallel "
             "collectives inside the schedule's branches, where only the devices of one stage meet; the "
             "ring collective matmuls of tp_overlap are collective-permutes over the whole mesh, which "
             "would wait for devices running another stage's branch and hang. Set tp_overlap=False "
@@ -216,25 +217,24 @@ class Engine:
         return self.loss.fn
 
     @functools.cached_property
+    def pipeline(self) -> PipelinePlan:
+        return PipelinePlan.of(self.layout.plan)
+
+    @functools.cached_property
     def sched(self) -> Schedule:
-        plan = self.layout.plan
-        if isinstance(plan.schedule, Schedule):  # a user's table, validated by Plan
-            sched = plan.schedule
-        else:
-            p = plan.mesh.shape[PIPE]
-            sched = schedule(plan.schedule, stages=p, microbatches=plan.microbatches, chunks=plan.chunks)
+        sched = self.pipeline.table
         return forward_only(sched) if self.forward_only else sched
 
     @functools.cached_property
     def program(self) -> tuple[np.ndarray, list[tuple[Key, Key]]]:
-        return build_program(self.sched, self.keep, self.layout.plan.stage_layers)
+        return build_program(self.sched, self.keep, self.pipeline.stage_layers)
 
     @property
     def keep(self) -> bool:
         """Whether a stage's forward keeps its residuals for the backward actions
         (every remat policy but `"full"`, which recomputes the stage forward from
         the kept input in each backward action); none without a backward."""
-        return self.layout.plan.remat != "full" and not self.forward_only
+        return self.pipeline.keeps_residuals and not self.forward_only
 
     @property
     def local(self) -> frozenset[str]:
@@ -315,8 +315,8 @@ class Engine:
         batch axes (reduce-scattered where they were gathered), divided by `divide`.
         The rest's sum over pipe and over the batch axes is one all-reduce over
         both (two would send more)."""
-        plan, axes = self.layout.plan, self.layout.reduced_axes
-        loss = lax.psum(loss_sum, PIPE) / plan.microbatches
+        axes = self.layout.reduced_axes
+        loss = lax.psum(loss_sum, PIPE) / self.pipeline.microbatches
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         in_rest = eqx.tree_at(
             self.blocks_of, jax.tree.map(lambda _: True, g_rest), jax.tree.map(lambda _: False, g_blocks)
@@ -342,7 +342,7 @@ class Engine:
                 scatter=tuple(reversed(gather)),
                 psum_axes=psum_axes,
                 divide=divide,
-                dtype=plan.reduce_dtype,
+                dtype=self.pipeline.reduce_dtype,
             )
 
         grads = jax.tree.map(
@@ -411,9 +411,9 @@ class Device:
     micro-batches, the types of what crosses stages, and the scan over ticks."""
 
     def __init__(self, engine: Engine, params: Any, static: Any, batch: Any):
-        plan = engine.layout.plan
+        pipeline = engine.pipeline
         self.engine, self.static = engine, static
-        self.p, self.v, self.m = plan.mesh.shape[PIPE], plan.chunks, plan.microbatches
+        self.p, self.v, self.m = pipeline.stages, pipeline.chunks, pipeline.microbatches
         blocks = engine.blocks_of(params)
         self.rest = eqx.tree_at(engine.blocks_of, params, jax.tree.map(lambda _: None, blocks))
         # (v * n, ...) -> (v, n, ...): chunk c of this device is row c.

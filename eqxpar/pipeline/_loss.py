@@ -4,10 +4,18 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
 from jaxtyping import Array, Float, PyTree
 
 from .._errors import PlanError
+from ..nn._attention import Attention
+from ..nn._linear import MLP
+from ..nn._lora import lora_dropout
 from ..nn._stack import Stacked
+
+
+def _has_lora(x: Any) -> bool:
+    return isinstance(x, Attention | MLP)
 
 
 class PipelineLoss(eqx.Module):
@@ -70,6 +78,15 @@ class PipelineLoss(eqx.Module):
                 "eqxpar.nn.Stacked (identical blocks with a leading 'layers' axis). Build the "
                 "blocks with eqxpar.nn.Stacked(make_block, depth=..., key=...), or convert a list "
                 "with eqxpar.nn.Stacked.from_blocks(blocks)."
+            )
+        rates = {lora_dropout(x) for x in jax.tree.leaves(found, is_leaf=_has_lora) if _has_lora(x)}
+        if any(rates):
+            raise PlanError(
+                f"PipelineLoss: the stack's LoRA adapters drop out (dropout={max(rates)}), but a "
+                "PipelineLoss passes its stack no key (a pipeline's stages run without one), so they "
+                "would train without dropout. For a pipeline build the adapters with "
+                "eqxpar.models.add_lora(..., dropout=0.0), or train them under a plan without pipe "
+                "with a loss taking key= (eqxpar.models.lm_loss)."
             )
         return found
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
+from .._batch_layout import BatchLayout
 from .._errors import BatchError, PlanError
 from .._plan import Plan
 from .._specs import is_array_like
@@ -31,9 +32,9 @@ def _check_plan(plan: Any, where: str) -> None:
 def _local_blocks(plan: Plan) -> list[int]:
     # The batch is cut into `batch_size_multiple` equal blocks, one per position
     # along the batch axes; these are the blocks this process's devices hold.
-    blocks = plan.batch_size_multiple
-    sharding = plan.sharding(plan.batch_spec)
-    index_map = sharding.addressable_devices_indices_map((blocks,))
+    layout = BatchLayout.of(plan)
+    blocks = layout.blocks
+    index_map = layout.sharding.addressable_devices_indices_map((blocks,))
     return sorted({index[0].indices(blocks)[0] for index in index_map.values()})
 
 
@@ -64,11 +65,12 @@ def process_slice(global_batch_size: int, plan: Plan) -> slice:
     _check_plan(plan, "process_slice")
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
         raise BatchError(f"process_slice(global_batch_size={global_batch_size!r}): expected an integer >= 1.")
-    blocks = plan.batch_size_multiple
+    layout = BatchLayout.of(plan)
+    blocks = layout.blocks
     if global_batch_size % blocks:
         raise BatchError(
             f"global batch size {global_batch_size} is not divisible by the {blocks} "
-            f"data-parallel devices (mesh axes {plan.batch_axes}). Use a multiple of {blocks}."
+            f"data-parallel devices (mesh axes {layout.axes}). Use a multiple of {blocks}."
         )
     mine = _local_blocks(plan)
     if mine != list(range(mine[0], mine[0] + len(mine))):
@@ -132,18 +134,17 @@ def global_batch(local: PyTree[ArrayLike], plan: Plan) -> PyTree[jax.Array]:
             "of a batch must have the same number of rows."
         )
     (rows,) = sizes
-    mine = len(_local_blocks(plan))
+    mine, layout = len(_local_blocks(plan)), BatchLayout.of(plan)
     if rows == 0 or rows % mine:
         raise BatchError(
             f"global_batch: this process has {rows} rows, but its devices hold {mine} of the "
-            f"{plan.batch_size_multiple} batch blocks (mesh axes {plan.batch_axes}), so it needs a "
+            f"{layout.blocks} batch blocks (mesh axes {layout.axes}), so it needs a "
             f"positive multiple of {mine} rows. Take the rows from "
             "eqxpar.data.process_slice(global_batch_size, plan)."
         )
-    total = rows // mine * plan.batch_size_multiple
-    sharding = plan.sharding(plan.batch_spec)
+    total = rows // mine * layout.blocks
     out = [
-        jax.make_array_from_process_local_data(sharding, np.asarray(leaf), (total, *leaf.shape[1:]))
+        jax.make_array_from_process_local_data(layout.sharding, np.asarray(leaf), (total, *leaf.shape[1:]))
         for leaf in leaves
     ]
     return jax.tree.unflatten(treedef, out)
