@@ -185,7 +185,7 @@ def attention_agreement(quick: bool, reps: int) -> dict:
     """`nn.Attention`'s `auto` and `blockwise` paths against dense; blockwise's time by block size."""
 
     def grads_and_output(path: str, dtype: Any, dropout: float, x: jax.Array, ct: jax.Array, kw: dict):
-        layer = nn.Attention(512, 8, attention=path, dropout=dropout, key=jax.random.key(0))
+        layer = nn.Attention(512, nn.AttentionConfig(8, kernel=path, dropout=dropout), key=jax.random.key(0))
         layer = jax.tree.map(lambda w: w.astype(dtype), layer)
         call = lambda layer, x, kw: layer(x, **kw)  # noqa: E731
         _, grads = eqx.filter_jit(eqx.filter_value_and_grad(weighted_sum(call, ct)))(layer, x, kw)

@@ -101,8 +101,9 @@ class ViT(eqx.Module):
         self.positions = 0.02 * jax.random.normal(k_pos, (patches + (pool == "first"), d_model))
         self.cls = jnp.zeros((d_model,)) if pool == "first" else None
         self.dropout = nn.Dropout(dropout)
+        encoder = nn.BlockConfig(nn.AttentionConfig(heads, causal=False), dropout=dropout)
         self.blocks = nn.Stacked(
-            lambda k: nn.TransformerBlock(d_model, heads, 4 * d_model, causal=False, dropout=dropout, key=k),
+            lambda k: nn.TransformerBlock(d_model, 4 * d_model, encoder, key=k),
             depth=layers,
             key=k_blocks,
         )

@@ -464,7 +464,12 @@ class PackedSequenceModel(eqx.Module):
         k1, k2 = jax.random.split(key)
         self.embed = nn.Embedding(32, 32, key=k1)
         self.blocks = nn.Stacked(
-            lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, rotary=True, causal=causal, key=k),
+            lambda k: nn.TransformerBlock(
+                32,
+                64,
+                nn.BlockConfig(nn.AttentionConfig(4, num_kv_heads=2, rotary=True, causal=causal)),
+                key=k,
+            ),
             depth=2,
             key=k2,
         )
@@ -645,7 +650,11 @@ class Encoder(eqx.Module):
         k = jax.random.split(key, 3)
         self.embed = nn.Embedding(vocab, d, key=k[0])
         self.blocks = nn.Stacked(
-            lambda kk: nn.TransformerBlock(d, heads, hidden, causal=False, key=kk), depth=2, key=k[1]
+            lambda kk: nn.TransformerBlock(
+                d, hidden, nn.BlockConfig(nn.AttentionConfig(heads, causal=False)), key=kk
+            ),
+            depth=2,
+            key=k[1],
         )
         self.norm = nn.LayerNorm(d)
         self.head = jax.random.normal(k[2], (2 * d, 3)) / np.sqrt(d)
@@ -677,8 +686,13 @@ class TinyGPT(eqx.Module):
         k = jax.random.split(key, 4)
         self.embed = nn.Embedding(TINY_GPT_VOCAB, d, key=k[0])
         self.blocks = [
-            nn.TransformerBlock(d, heads, hidden, key=k[1]),
-            nn.TransformerBlock(d, heads, hidden, activation="swiglu", norm="rms", fused_qkv=True, key=k[2]),
+            nn.TransformerBlock(d, hidden, nn.BlockConfig(nn.AttentionConfig(heads)), key=k[1]),
+            nn.TransformerBlock(
+                d,
+                hidden,
+                nn.BlockConfig(nn.AttentionConfig(heads, fused_qkv=True), activation="swiglu", norm="rms"),
+                key=k[2],
+            ),
         ]
         self.norm = nn.LayerNorm(d)
         self.head = nn.Unembed(d, TINY_GPT_VOCAB, key=k[3])
@@ -700,10 +714,11 @@ class MoEModel(eqx.Module):
     proj: jax.Array
     moe: nn.MoE
 
-    def __init__(self, **kw):
+    def __init__(self, *, activation="swiglu", use_bias=True, **routing):
         self.proj = jnp.eye(MOE_D) + 0.1 * jax.random.normal(jax.random.key(7), (MOE_D, MOE_D))
-        kw.setdefault("use_bias", True)
-        self.moe = nn.MoE(MOE_D, MOE_HIDDEN, MOE_EXPERTS, key=jax.random.key(11), **kw)
+        config = nn.MoEConfig(MOE_EXPERTS, **routing)
+        layer = dict(activation=activation, use_bias=use_bias)
+        self.moe = nn.MoE(MOE_D, MOE_HIDDEN, config, **layer, key=jax.random.key(11))
         names = [n for n in ("b_in", "b_gate", "b_out") if getattr(self.moe, n) is not None]
         for name, k in zip(names, jax.random.split(jax.random.key(5), len(names)), strict=True):
             old = getattr(self.moe, name)
@@ -806,7 +821,9 @@ class StackedLM(eqx.Module):
         k = jax.random.split(key, 3)
         self.embed = nn.Embedding(STACKED_LM_VOCAB, d, key=k[0])
         self.blocks = nn.Stacked(
-            lambda kk: nn.TransformerBlock(d, heads, hidden, activation="swiglu", norm="rms", key=kk),
+            lambda kk: nn.TransformerBlock(
+                d, hidden, nn.BlockConfig(nn.AttentionConfig(heads), activation="swiglu", norm="rms"), key=kk
+            ),
             depth=depth,
             key=k[1],
         )

@@ -104,22 +104,21 @@ def test_kept_fraction_is_one_minus_rate():
 def test_no_key_or_rate_zero_is_exactly_no_dropout():
     x = jax.random.normal(jax.random.key(1), (2, 24, 32))
     for attention in ("dense", "blockwise"):
-        kw = dict(num_kv_heads=2, attention=attention, attention_block=8, key=jax.random.key(2))
-        with_rate, without = nn.Attention(32, 4, dropout=RATE, **kw), nn.Attention(32, 4, **kw)
+        kw = dict(num_kv_heads=2, kernel=attention, block_size=8)
+        with_rate = nn.Attention(32, nn.AttentionConfig(4, dropout=RATE, **kw), key=jax.random.key(2))
+        without = nn.Attention(32, nn.AttentionConfig(4, **kw), key=jax.random.key(2))
         base = without(x)
         np.testing.assert_array_equal(with_rate(x), base)
         np.testing.assert_array_equal(without(x, key=KEY), base)
         assert not np.allclose(with_rate(x, key=KEY), base)
     with pytest.raises(eqxpar.PlanError, match=r"dropout=1.0.*\[0, 1\)"):
-        nn.Attention(32, 4, dropout=1.0, key=jax.random.key(0))
+        nn.AttentionConfig(4, dropout=1.0)
 
 
 @pytest.mark.parametrize("attention", ["dense", "blockwise"])
 def test_block_with_heads_split_over_tensor_equals_one_device(attention):
-    block = nn.TransformerBlock(
-        32, 4, 64, num_kv_heads=2, attention=attention, attention_block=8, dropout=0.1,
-        attention_dropout=RATE, key=jax.random.key(3),
-    )  # fmt: skip
+    attn = nn.AttentionConfig(4, num_kv_heads=2, kernel=attention, block_size=8, dropout=RATE)
+    block = nn.TransformerBlock(32, 64, nn.BlockConfig(attn, dropout=0.1), key=jax.random.key(3))
     x = jax.random.normal(jax.random.key(4), (4, 24, 32))
     ref = jax.jit(lambda m, x: m(x, key=KEY))(block, x)
     plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual")
@@ -157,7 +156,9 @@ def test_attention_dropout_in_a_context_step(make_plan):
         lambda m: m.blocks,
         PackedSequenceModel(True, jax.random.key(0)),
         nn.Stacked(
-            lambda k: nn.TransformerBlock(32, 4, 64, num_kv_heads=2, attention_dropout=RATE, key=k),
+            lambda k: nn.TransformerBlock(
+                32, 64, nn.BlockConfig(nn.AttentionConfig(4, num_kv_heads=2, dropout=RATE)), key=k
+            ),
             depth=2,
             key=jax.random.key(1),
         ),

@@ -78,15 +78,16 @@ def test_blockwise_errors():
         nn.blockwise_attention(q, k[:, :, :3], v[:, :, :3], causal=True)
     with pytest.raises(ValueError, match="block_size"):
         nn.blockwise_attention(q, k, v, causal=True, block_size=0)
-    with pytest.raises(eqxpar.PlanError, match="attention="):
-        nn.Attention(16, 4, attention="flash", key=jax.random.key(0))
+    with pytest.raises(
+        eqxpar.PlanError, match=r"AttentionConfig\(kernel='flash'\): expected 'auto', 'blockwise'"
+    ):
+        nn.AttentionConfig(4, kernel="flash")
 
 
 def _layers(**kw):
     def make(mode):
-        return nn.Attention(
-            32, 4, num_kv_heads=2, attention=mode, attention_block=8, key=jax.random.key(3), **kw
-        )
+        config = nn.AttentionConfig(4, num_kv_heads=2, kernel=mode, block_size=8, **kw)
+        return nn.Attention(32, config, key=jax.random.key(3))
 
     return make("dense"), make("blockwise"), make("auto")
 
@@ -139,7 +140,9 @@ def test_gpt_and_transformer_block_pass_the_attention_choice_on():
     (loss, grads), (ref_loss, ref_grads) = value_and_grad(blockwise), value_and_grad(dense)
     assert_trees_close(loss, ref_loss)
     assert_trees_close_to_scale(grads, ref_grads)
-    block = nn.TransformerBlock(32, 4, 64, attention="blockwise", attention_block=4, key=jax.random.key(2))
+    block = nn.TransformerBlock(
+        32, 64, nn.BlockConfig(nn.AttentionConfig(4, kernel="blockwise", block_size=4)), key=jax.random.key(2)
+    )
     assert (block.attn.attention, block.attn.attention_block) == ("blockwise", 4)
     with pytest.raises(eqxpar.PlanError, match="attention='flash'"):
         dataclasses.replace(config, attention="flash")
@@ -188,9 +191,9 @@ def test_blockwise_under_tensor_parallel_same_collectives(mode):
 
 
 def attention_temp_bytes(mode: str, seq: int) -> tuple[int, float]:
-    """Temp bytes of one `nn.Attention(512, 8)` layer's forward + backward (batch 1,
+    """Temp bytes of one `nn.Attention(512, AttentionConfig(8))` layer's forward + backward (batch 1,
     8 heads, head dim 64) at `seq`, compiled only; and the compile time."""
-    attn = nn.Attention(512, 8, attention=mode, use_bias=False, key=jax.random.key(0))
+    attn = nn.Attention(512, nn.AttentionConfig(8, kernel=mode, use_bias=False), key=jax.random.key(0))
     x = jax.ShapeDtypeStruct((1, seq, 512), jnp.float32)
     start = time.perf_counter()
     grad = jax.jit(lambda a, x: jax.grad(lambda a: jnp.sum(a(x)))(a))

@@ -113,7 +113,7 @@ def test_bad_segment_ids_raise():
     (q, k, v), _ = random_qkv(0, 16, 2, 2)
     with pytest.raises(eqxpar.SpecError, match=r"segment_ids of shape \(2, 8\).*expected.*\(2, 16\)"):
         nn.blockwise_attention(q, k, v, causal=True, segment_ids=jnp.zeros((2, 8), jnp.int32))
-    attn = nn.Attention(16, 4, key=jax.random.key(0))
+    attn = nn.Attention(16, nn.AttentionConfig(4), key=jax.random.key(0))
     x = jnp.ones((2, 16, 16))
     with pytest.raises(eqxpar.SpecError, match=r"shape \(2, 8\).*expected.*\(2, 16\)"):
         attn(x, segment_ids=jnp.zeros((2, 8), jnp.int32))

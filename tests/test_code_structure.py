@@ -272,9 +272,6 @@ PLAN_READS: dict[str, int] = {}
 #: Layer constructors over 10 parameters, as they stand (the goal: none, each layer
 #: built from small config objects). A class not listed may take at most 10.
 WIDE_CONSTRUCTORS = {
-    "eqxpar/nn/_block.py:TransformerBlock": 26,
-    "eqxpar/nn/_attention.py:Attention": 17,
-    "eqxpar/nn/_moe.py:MoE": 15,
     "eqxpar/_plan.py:Plan": 19,
 }
 

@@ -322,7 +322,7 @@ class _Unsplit(eqx.Module):
 
 
 def test_attention_on_a_sequence_nobody_split_raises():
-    model = _Unsplit(nn.Attention(16, 4, key=jax.random.key(0)))
+    model = _Unsplit(nn.Attention(16, nn.AttentionConfig(4), key=jax.random.key(0)))
     x = jnp.ones((4, 16, 16))
     plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")
     loss = lambda m, x: jnp.mean(m(x))  # noqa: E731
@@ -336,7 +336,7 @@ def test_attention_on_a_sequence_nobody_split_raises():
 
 
 def test_masked_attention_under_context_raises_and_points_to_segment_ids():
-    attn = nn.Attention(16, 4, key=jax.random.key(0))
+    attn = nn.Attention(16, nn.AttentionConfig(4), key=jax.random.key(0))
     plan = eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")
 
     def loss(m, x):

@@ -200,7 +200,7 @@ class MoEBlock(eqx.Module):
     moe: nn.MoE
 
     def __init__(self, key):
-        self.moe = nn.MoE(D, H, E, top_k=2, use_bias=True, key=key)
+        self.moe = nn.MoE(D, H, nn.MoEConfig(E, top_k=2), use_bias=True, key=key)
 
     def __call__(self, h):
         # tanh keeps four blocks' activations (and so the loss) of order one.
@@ -284,7 +284,7 @@ def test_errors_name_the_fix():
         eqxpar.train.init(model, optax.sgd(0.1), wrong, key=jax.random.key(0))
     # Experts the axis does not divide.
     odd = eqxpar.Plan(eqxpar.make_mesh(expert=8), rules=eqxpar.rules.EXPERT)
-    six = eqx.tree_at(lambda m: m.moe, model, nn.MoE(D, H, 6, key=jax.random.key(1)))
+    six = eqx.tree_at(lambda m: m.moe, model, nn.MoE(D, H, nn.MoEConfig(6), key=jax.random.key(1)))
     with pytest.raises(eqxpar.DivisibilityError, match="not divisible by the 8 devices"):
         eqxpar.train.init(six, optax.sgd(0.1), odd, key=jax.random.key(0))
     # Experts split, but called outside a region manual over `expert`.

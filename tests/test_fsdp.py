@@ -275,7 +275,10 @@ def test_stack_specs_keep_the_layer_dimension_unsplit():
 
 
 def test_stacked_equals_the_loop_of_its_blocks():
-    blocks = [nn.TransformerBlock(D, HEADS, HIDDEN, key=k) for k in jax.random.split(jax.random.key(2), 3)]
+    blocks = [
+        nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=k)
+        for k in jax.random.split(jax.random.key(2), 3)
+    ]
     stack = nn.Stacked.from_blocks(blocks)
     x = jax.random.normal(jax.random.key(3), (2, SEQ, D))
     expected = x

@@ -46,7 +46,11 @@ class TinyLM(eqx.Module):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = 0.02 * jax.random.normal(k1, (vocab, d))
         self.blocks = nn.Stacked(
-            lambda k: nn.TransformerBlock(d, 4, 2 * d, fused_qkv=True, key=k), depth=layers, key=k2
+            lambda k: nn.TransformerBlock(
+                d, 2 * d, nn.BlockConfig(nn.AttentionConfig(4, fused_qkv=True)), key=k
+            ),
+            depth=layers,
+            key=k2,
         )
         self.norm = nn.LayerNorm(d)
         self.head = jax.random.normal(k3, (d, vocab)) / d**0.5

@@ -74,21 +74,31 @@ def dense_reference(moe, x):
     return y
 
 
+# Each: the routing (an nn.MoEConfig) and the layer's own options.
 CONFIGS = {
-    "top1_softmax_gelu": dict(top_k=1, score="softmax", normalize_top_k=False, activation="gelu"),
-    "top2_softmax_swiglu_shared_bias": dict(
-        top_k=2, score="softmax", activation="swiglu", use_bias=True, num_shared=1
+    "top1_softmax_gelu": (
+        nn.MoEConfig(E, top_k=1, score="softmax", normalize_top_k=False),
+        dict(activation="gelu"),
     ),
-    "top2_sigmoid_norm_scaled": dict(top_k=2, score="sigmoid", route_scale=2.5, activation="swiglu"),
-    "top2_sigmoid_raw_gelu_shared2": dict(
-        top_k=2, score="sigmoid", normalize_top_k=False, activation="gelu", num_shared=2, shared_hidden=8
+    "top2_softmax_swiglu_shared_bias": (
+        nn.MoEConfig(E, top_k=2, score="softmax", num_shared=1),
+        dict(activation="swiglu", use_bias=True),
+    ),
+    "top2_sigmoid_norm_scaled": (
+        nn.MoEConfig(E, top_k=2, score="sigmoid", route_scale=2.5),
+        dict(activation="swiglu"),
+    ),
+    "top2_sigmoid_raw_gelu_shared2": (
+        nn.MoEConfig(E, top_k=2, score="sigmoid", normalize_top_k=False, num_shared=2, shared_hidden=8),
+        dict(activation="gelu"),
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_dropless_matches_dense_reference(name):
-    moe = with_biases(nn.MoE(D, H, E, **CONFIGS[name], key=jax.random.key(0)))
+    config, layer = CONFIGS[name]
+    moe = with_biases(nn.MoE(D, H, config, **layer, key=jax.random.key(0)))
     x = make_x()
     cot = jax.random.normal(jax.random.key(2), x.shape)
 
@@ -114,7 +124,13 @@ def test_dropless_matches_dense_reference(name):
 def _forced(top_k, capacity_factor=None):
     """Every token's first choice is expert 0 (its second expert 1): a zero router
     (uniform scores) and a bias that only steers selection."""
-    moe = nn.MoE(D, H, E, top_k=top_k, use_bias=True, capacity_factor=capacity_factor, key=jax.random.key(3))
+    moe = nn.MoE(
+        D,
+        H,
+        nn.MoEConfig(E, top_k=top_k, capacity_factor=capacity_factor),
+        use_bias=True,
+        key=jax.random.key(3),
+    )
     moe = with_biases(moe)
     moe = eqx.tree_at(lambda m: m.router, moe, jnp.zeros((D, E)))
     return eqx.tree_at(lambda m: m.router_bias, moe, jnp.array([1.0, 0.5, 0.0, 0.0]))
@@ -156,7 +172,9 @@ def test_capacity_priority_is_choice_rank_then_token():
     expert. First choices go first: expert 1 keeps tokens 1 and 2's first choices
     and drops token 0's second; expert 0 keeps token 0's first choice, then token
     1's second (the earliest token among second choices)."""
-    moe = nn.MoE(D, H, E, top_k=2, normalize_top_k=False, capacity_factor=0.25, key=jax.random.key(4))
+    moe = nn.MoE(
+        D, H, nn.MoEConfig(E, top_k=2, normalize_top_k=False, capacity_factor=0.25), key=jax.random.key(4)
+    )
     # Router reading feature 0 only: positive -> expert 0 first, negative -> expert 1 first.
     router = jnp.zeros((D, E)).at[0, 0].set(1.0).at[0, 1].set(-1.0).at[1, :2].set(0.5)
     moe = eqx.tree_at(lambda m: m.router, moe, router)
@@ -183,7 +201,7 @@ def test_capacity_priority_is_choice_rank_then_token():
 
 def test_aux_losses():
     x = make_x()
-    moe = nn.MoE(D, H, E, top_k=2, key=jax.random.key(6))
+    moe = nn.MoE(D, H, nn.MoEConfig(E, top_k=2), key=jax.random.key(6))
     _, aux = moe(x)
     xf = np.asarray(x, np.float64).reshape(T, D)
     logits = xf @ np.asarray(moe.router, np.float64)
@@ -198,7 +216,7 @@ def test_aux_losses():
     # Perfectly uniform routing: token t strongly prefers expert t % E, so the
     # assignment fractions are uniform: the loss is exactly 1 (whatever P is).
     for k in (1, 2):
-        uniform = nn.MoE(E, H, E, top_k=k, key=jax.random.key(7))
+        uniform = nn.MoE(E, H, nn.MoEConfig(E, top_k=k), key=jax.random.key(7))
         router = 5.0 * jnp.eye(E) + 2.0 * jnp.roll(jnp.eye(E), 1, 1)
         uniform = eqx.tree_at(lambda m: m.router, uniform, router)
         xu = jax.nn.one_hot(jnp.arange(T) % E, E).reshape(BATCH, SEQ, E)
@@ -210,7 +228,7 @@ def test_aux_losses():
     # expert with probability ~1 give ~E (the top-1 worst case).
     _, aux_z = _forced(1)(x)
     assert_trees_close(float(aux_z.load_balance_loss), 1.0)
-    skewed = nn.MoE(D, H, E, top_k=1, key=jax.random.key(6))
+    skewed = nn.MoE(D, H, nn.MoEConfig(E, top_k=1), key=jax.random.key(6))
     skewed = eqx.tree_at(lambda m: m.router, skewed, jnp.zeros((D, E)).at[:, 0].set(100.0))
     _, aux_s = skewed(jnp.abs(x))
     assert_trees_close(float(aux_s.load_balance_loss), E)
@@ -218,7 +236,9 @@ def test_aux_losses():
 
 def test_router_bias_steers_selection_not_weights():
     x = make_x()
-    moe = nn.MoE(D, H, E, top_k=1, normalize_top_k=False, activation="gelu", key=jax.random.key(8))
+    moe = nn.MoE(
+        D, H, nn.MoEConfig(E, top_k=1, normalize_top_k=False), activation="gelu", key=jax.random.key(8)
+    )
     forced = eqx.tree_at(lambda m: m.router_bias, moe, jnp.array([0.0, 0.0, 0.0, 10.0]))
     xf = x.reshape(T, D)
     idx0, w0, scores0, _ = moe.route(xf)
@@ -239,7 +259,7 @@ def test_router_bias_steers_selection_not_weights():
 
 
 def test_update_router_bias_moves_towards_balance():
-    moe = nn.MoE(D, H, E, top_k=1, key=jax.random.key(9))
+    moe = nn.MoE(D, H, nn.MoEConfig(E, top_k=1), key=jax.random.key(9))
     new = nn.update_router_bias(moe, jnp.array([10.0, 0.0, 2.0, 4.0]), rate=0.1)
     np.testing.assert_allclose(new.router_bias, [-0.1, 0.1, 0.1, 0.0], rtol=1e-6)
     assert new.router is moe.router
@@ -265,7 +285,7 @@ class MoEBlock(eqx.Module):
     moe: nn.MoE
 
     def __init__(self, key):
-        self.moe = nn.MoE(D, H, E, top_k=2, key=key)
+        self.moe = nn.MoE(D, H, nn.MoEConfig(E, top_k=2), key=key)
 
     def __call__(self, carry):
         h, loss = carry
@@ -304,8 +324,11 @@ def test_stacked_moe_blocks_with_a_carry():
 class MoEModel(eqx.Module):
     moe: nn.MoE
 
-    def __init__(self, **kw):
-        self.moe = with_biases(nn.MoE(D, H, E, key=jax.random.key(11), **kw))
+    def __init__(self, *, activation="swiglu", use_bias=False, **routing):
+        config = nn.MoEConfig(E, **routing)
+        self.moe = with_biases(
+            nn.MoE(D, H, config, activation=activation, use_bias=use_bias, key=jax.random.key(11))
+        )
 
     def __call__(self, x):
         return self.moe(x)
@@ -342,7 +365,9 @@ def test_automatic_plans_match_one_device(name):
 def test_manual_tensor_plan_matches_dense():
     """Inside a shard_map over `tensor` each device runs its shard of every
     expert's hidden features and the outputs are summed over the axis."""
-    moe = with_biases(nn.MoE(D, H, E, top_k=2, use_bias=True, num_shared=1, key=jax.random.key(12)))
+    moe = with_biases(
+        nn.MoE(D, H, nn.MoEConfig(E, top_k=2, num_shared=1), use_bias=True, key=jax.random.key(12))
+    )
     x = make_x(batch=4)
     plan = eqxpar.Plan(eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual")
     specs = eqxpar.partition_specs(moe, plan)
@@ -370,22 +395,35 @@ def test_manual_tensor_plan_matches_dense():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(top_k=0), r"top_k=0.*from 1 to experts=4"),
-        (dict(top_k=5), r"top_k=5.*from 1 to experts=4"),
-        (dict(score="relu"), r"score='relu'.*softmax"),
-        (dict(activation="relu"), r"activation='relu'.*swiglu"),
-        (dict(capacity_factor=0.0), r"capacity_factor=0.0.*> 0.*None for dropless"),
+        (dict(experts=0), r"MoEConfig\(experts=0\): expected a positive integer"),
+        (dict(top_k=0), r"MoEConfig\(top_k=0\): expected an integer from 1 to experts=4"),
+        (dict(top_k=5), r"top_k=5\): expected an integer from 1 to experts=4.*e\.g\. top_k=2"),
+        (dict(score="relu"), r"score='relu'\): expected 'softmax' or 'sigmoid'"),
+        (dict(capacity_factor=0.0), r"capacity_factor=0.0\): expected a number > 0.*None for dropless"),
         (dict(capacity_factor=-1), r"capacity_factor=-1"),
-        (dict(num_shared=-1), r"num_shared=-1"),
+        (dict(num_shared=-1), r"num_shared=-1\): expected an integer >= 0"),
+        (dict(shared_hidden=0), r"shared_hidden=0\): expected a positive integer, or None"),
     ],
 )
-def test_bad_arguments_raise(kwargs, match):
+def test_bad_config_raises(kwargs, match):
     with pytest.raises(eqxpar.PlanError, match=match):
-        nn.MoE(D, H, E, **kwargs, key=jax.random.key(0))
+        nn.MoEConfig(**{"experts": E, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((0, H), {}, r"MoE\(d_model=0\): expected a positive integer"),
+        ((D, H), dict(activation="relu"), r"activation='relu'.*swiglu"),
+    ],
+)
+def test_bad_layer_arguments_raise(args, kwargs, match):
+    with pytest.raises(eqxpar.PlanError, match=match):
+        nn.MoE(*args, nn.MoEConfig(E), **kwargs, key=jax.random.key(0))
 
 
 def test_wrong_input_rank_raises():
-    moe = nn.MoE(D, H, E, key=jax.random.key(0))
+    moe = nn.MoE(D, H, nn.MoEConfig(E), key=jax.random.key(0))
     with pytest.raises(eqxpar.SpecError, match=r"shape \(16, 16\).*\(batch, seq, d_model=16\)"):
         moe(jnp.ones((16, D)))
     with pytest.raises(eqxpar.SpecError, match=r"d_model=16"):

@@ -52,24 +52,23 @@ def config(**kw) -> GPTConfig:
 # -- the block -----------------------------------------------------------------
 
 BLOCKS = {
-    "swiglu_rms_top2": dict(activation="swiglu", norm="rms", experts=E, top_k=2),
-    "gelu_layer_sigmoid_shared_capacity": dict(
+    "swiglu_rms_top2": nn.BlockConfig(
+        nn.AttentionConfig(HEADS), moe=nn.MoEConfig(E, top_k=2), activation="swiglu", norm="rms"
+    ),
+    "gelu_layer_sigmoid_shared_capacity": nn.BlockConfig(
+        nn.AttentionConfig(HEADS),
+        moe=nn.MoEConfig(E, top_k=1, score="sigmoid", num_shared=1, capacity_factor=1.0),
         activation="gelu",
         norm="layer",
-        experts=E,
-        top_k=1,
-        moe_score="sigmoid",
-        num_shared_experts=1,
-        capacity_factor=1.0,
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_block_with_experts_is_attention_then_moe(name):
-    block = nn.TransformerBlock(D, HEADS, HIDDEN, **BLOCKS[name], key=jax.random.key(0))
+    block = nn.TransformerBlock(D, HIDDEN, BLOCKS[name], key=jax.random.key(0))
     assert isinstance(block.mlp, nn.MoE) and block.experts == E
-    assert block.mlp.activation == BLOCKS[name]["activation"]
+    assert block.mlp.activation == BLOCKS[name].activation
     x = make_x()
     cot = jax.random.normal(jax.random.key(2), x.shape)
 
@@ -97,26 +96,24 @@ def test_block_with_experts_is_attention_then_moe(name):
 
 
 def test_dense_block_returns_an_array():
-    block = nn.TransformerBlock(D, HEADS, HIDDEN, key=jax.random.key(0))
+    block = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=jax.random.key(0))
     assert isinstance(block.mlp, nn.MLP) and block.experts == 0
     y = block(make_x())
     assert isinstance(y, jax.Array) and y.shape == (BATCH, SEQ, D)
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "fields, match",
     [
-        (dict(top_k=1), r"top_k=1\) with experts=0.*Pass experts > 0"),
-        (dict(moe_score="sigmoid", capacity_factor=1.25), r"moe_score='sigmoid', capacity_factor=1.25"),
-        (dict(num_shared_experts=1), r"num_shared_experts=1\) with experts=0"),
-        (dict(experts=-1), r"experts=-1.*integer >= 0"),
-        (dict(experts=E, top_k=E + 1), r"top_k=5.*from 1 to experts=4"),
-        (dict(experts=E, moe_score="relu"), r"score='relu'"),
+        (dict(activation="relu"), r"BlockConfig\(activation='relu'\): expected 'gelu' or 'swiglu'"),
+        (dict(norm="batch"), r"BlockConfig\(norm='batch'\): expected 'layer' or 'rms'"),
+        (dict(norm_eps=0.0), r"BlockConfig\(norm_eps=0.0\): expected a small positive number"),
+        (dict(dropout=1.0), r"BlockConfig\(dropout=1.0\): expected a rate in \[0, 1\)"),
     ],
 )
-def test_block_bad_moe_options_raise(kwargs, match):
+def test_block_config_names_the_bad_field(fields, match):
     with pytest.raises(eqxpar.PlanError, match=match):
-        nn.TransformerBlock(D, HEADS, HIDDEN, **kwargs, key=jax.random.key(0))
+        nn.BlockConfig(**{"attention": nn.AttentionConfig(HEADS), **fields})
 
 
 # -- the stack -----------------------------------------------------------------
@@ -129,7 +126,14 @@ def test_stacked_returns_aux_stacked_over_layers(remat):
     depth = 3
     stack = nn.Stacked(
         # No biases: the attention's key bias has a zero gradient, all rounding noise.
-        lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, experts=E, dropout=0.1, use_bias=False, key=k),
+        lambda k: nn.TransformerBlock(
+            D,
+            HIDDEN,
+            nn.BlockConfig(
+                nn.AttentionConfig(HEADS, use_bias=False), moe=nn.MoEConfig(E), dropout=0.1, use_bias=False
+            ),
+            key=k,
+        ),
         depth=depth,
         key=jax.random.key(3),
     )
@@ -356,8 +360,10 @@ def test_moe_gpt_refuses_pipelines(moe_gpt):
 
 
 def test_moe_group_checks_its_blocks():
-    dense = nn.TransformerBlock(D, HEADS, HIDDEN, key=jax.random.key(0))
-    moe = nn.TransformerBlock(D, HEADS, HIDDEN, experts=E, key=jax.random.key(1))
+    dense = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=jax.random.key(0))
+    moe = nn.TransformerBlock(
+        D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS), moe=nn.MoEConfig(E)), key=jax.random.key(1)
+    )
     with pytest.raises(eqxpar.PlanError, match=r"last block has a dense MLP.*experts=n"):
         MoEGroup((dense,), dense)
     with pytest.raises(eqxpar.PlanError, match=r"a block of `dense` has experts"):
@@ -373,9 +379,17 @@ def test_moe_group_checks_its_blocks():
         (dict(moe_every=-1), eqxpar.PlanError, r"moe_every=-1.*integer >= 0"),
         (dict(top_k=0), eqxpar.PlanError, r"top_k=0.*from 1 to experts=4"),
         (dict(top_k=5), eqxpar.PlanError, r"top_k=5.*from 1 to experts=4"),
-        (dict(moe_score="relu"), eqxpar.PlanError, r"moe_score='relu'.*'softmax' or 'sigmoid'"),
+        (
+            dict(moe_score="relu"),
+            eqxpar.PlanError,
+            r"GPTConfig\(moe_score='relu'\): expected 'softmax' or 'sigmoid'",
+        ),
         (dict(capacity_factor=0.0), eqxpar.PlanError, r"capacity_factor=0.0.*None for dropless"),
-        (dict(num_shared_experts=-1), eqxpar.PlanError, r"num_shared_experts=-1"),
+        (
+            dict(num_shared_experts=-1),
+            eqxpar.PlanError,
+            r"GPTConfig\(num_shared_experts=-1\): expected an integer",
+        ),
         (dict(load_balance_coef=-0.1), eqxpar.PlanError, r"load_balance_coef=-0.1.*>= 0"),
         (dict(router_z_coef=float("nan")), eqxpar.PlanError, r"router_z_coef=nan"),
     ],
@@ -405,3 +419,12 @@ def test_example_trains_and_reports_expert_load(capsys):
     assert load, out
     assert abs(sum(float(v) for v in load.group(1).split()) - 1) < 0.01
     assert np.isfinite(result)
+
+
+def test_config_makes_the_layer_configs():
+    moe = config(top_k=1, moe_score="sigmoid", num_shared_experts=1, capacity_factor=1.5)
+    assert moe.moe_config == nn.MoEConfig(E, top_k=1, score="sigmoid", num_shared=1, capacity_factor=1.5)
+    assert moe.block_config(moe=True).moe == moe.moe_config and moe.block_config().moe is None
+    assert config(moe_every=0, experts=0).moe_config is None
+    attention = config(attention="blockwise", attention_block=8, num_kv_heads=2).attention_config
+    assert (attention.kernel, attention.block_size, attention.kv_heads) == ("blockwise", 8, 2)

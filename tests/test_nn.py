@@ -42,10 +42,14 @@ class Zoo(eqx.Module):
         self.rms = nn.RMSNorm(D)
         self.mlp_gelu = nn.MLP(D, HIDDEN, key=next(k))
         self.mlp_swiglu = nn.MLP(D, HIDDEN, activation="swiglu", use_bias=False, key=next(k))
-        self.attn = nn.Attention(D, HEADS, key=next(k))
-        self.attn_fused = nn.Attention(D, HEADS, fused_qkv=True, use_bias=False, key=next(k))
-        self.attn_gqa = nn.Attention(D, 2 * HEADS, num_kv_heads=HEADS, head_dim=4, key=next(k))
-        self.block = nn.TransformerBlock(D, HEADS, HIDDEN, activation="swiglu", norm="rms", key=next(k))
+        self.attn = nn.Attention(D, nn.AttentionConfig(HEADS), key=next(k))
+        fused = nn.AttentionConfig(HEADS, fused_qkv=True, use_bias=False)
+        self.attn_fused = nn.Attention(D, fused, key=next(k))
+        gqa = nn.AttentionConfig(2 * HEADS, num_kv_heads=HEADS, head_dim=4)
+        self.attn_gqa = nn.Attention(D, gqa, key=next(k))
+        self.block = nn.TransformerBlock(
+            D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS), activation="swiglu", norm="rms"), key=next(k)
+        )
         self.head = nn.Unembed(D, VOCAB, key=next(k))
         # Non-zero biases, so their gradients and sharding are exercised too.
         self.down = eqx.tree_at(lambda m: m.bias, self.down, 0.1 * jnp.ones(D))

@@ -19,7 +19,7 @@ def manual_plan(tp=4, **options):
 
 
 def test_heads_not_divisible_by_tensor_size():
-    attn = nn.Attention(24, 6, key=jax.random.key(0))
+    attn = nn.Attention(24, nn.AttentionConfig(6), key=jax.random.key(0))
     with pytest.raises(eqxpar.DivisibilityError, match=r"leaf \.wq: dimension 1 .* size 6.* 4 devices"):
         eqxpar.shard(attn, manual_plan())
 
@@ -135,3 +135,43 @@ def test_cross_entropy_refuses_whole_vocabulary_logits_read_as_a_shard():
 def test_overlap_needs_sequence_parallel():
     with pytest.raises(eqxpar.PlanError, match="tp_overlap=True\\) needs sequence_parallel=True"):
         manual_plan(tp_overlap=True)
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        (dict(num_heads=0), eqxpar.PlanError, r"AttentionConfig\(num_heads=0\): expected a positive integer"),
+        (
+            dict(num_heads=4, num_kv_heads=3),
+            eqxpar.DivisibilityError,
+            r"\(num_heads=4, num_kv_heads=3\): .*must divide num_heads\. Use one of \[1, 2, 4\]",
+        ),
+        (
+            dict(num_heads=4, num_kv_heads=2, fused_qkv=True),
+            eqxpar.PlanError,
+            r"\(fused_qkv=True, num_kv_heads=2\): .*Use fused_qkv=False for grouped-query",
+        ),
+        (
+            dict(num_heads=4, head_dim=5, rotary=True),
+            eqxpar.DivisibilityError,
+            r"head_dim=5\): .*must be even",
+        ),
+        (dict(num_heads=4, rotary_base=0.0), eqxpar.PlanError, r"rotary_base=0\.0\): expected a positive"),
+        (
+            dict(num_heads=4, kernel="flash"),
+            eqxpar.PlanError,
+            r"kernel='flash'\): expected 'auto', 'blockwise'",
+        ),
+        (dict(num_heads=4, block_size=0), eqxpar.PlanError, r"block_size=0\): expected a positive integer"),
+        (dict(num_heads=4, dropout=-0.1), eqxpar.PlanError, r"dropout=-0\.1\): expected a rate in \[0, 1\)"),
+    ],
+)
+def test_attention_config_names_the_bad_field(fields, error, match):
+    with pytest.raises(error, match=match):
+        nn.AttentionConfig(**fields)
+
+
+def test_attention_derived_head_dim_must_be_even_for_rotary():
+    # head_dim = 12 / 4 = 3: only the layer knows d_model, so it checks there.
+    with pytest.raises(eqxpar.DivisibilityError, match=r"head_dim = d_model / num_heads = 12 / 4 is odd"):
+        nn.Attention(12, nn.AttentionConfig(4, rotary=True), key=jax.random.key(0))

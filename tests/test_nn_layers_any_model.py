@@ -58,8 +58,8 @@ def _reference_block(block, x):
 def test_encoder_block_is_not_causal():
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D))
-    causal = nn.TransformerBlock(D, HEADS, HIDDEN, key=key)
-    encoder = nn.TransformerBlock(D, HEADS, HIDDEN, causal=False, key=key)
+    causal = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=key)
+    encoder = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS, causal=False)), key=key)
     assert encoder.attn.causal is False and causal.attn.causal is True
     y = encoder(x)
     assert not np.allclose(y, causal(x), rtol=1e-3)
@@ -69,8 +69,8 @@ def test_encoder_block_is_not_causal():
 def test_block_residual_dropout():
     key = jax.random.key(0)
     x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D))
-    plain = nn.TransformerBlock(D, HEADS, HIDDEN, key=key)
-    dropped = nn.TransformerBlock(D, HEADS, HIDDEN, dropout=0.5, key=key)
+    plain = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=key)
+    dropped = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS), dropout=0.5), key=key)
     # Without a key: no dropout, the same program as dropout=0.
     np.testing.assert_array_equal(dropped(x), plain(x))
     assert jax.jit(lambda b, x: b(x)).lower(dropped, x).as_text() == (
@@ -130,7 +130,7 @@ class NoKey(eqx.Module):
     block: nn.TransformerBlock
 
     def __init__(self, key):
-        self.block = nn.TransformerBlock(D, HEADS, HIDDEN, key=key)
+        self.block = nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=key)
 
     def __call__(self, x):
         return self.block(x)
@@ -139,7 +139,9 @@ class NoKey(eqx.Module):
 def test_stacked_without_key_lowers_as_before():
     x = jnp.ones((BATCH, SEQ, D))
     with_key = nn.Stacked(
-        lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, key=k), depth=3, key=jax.random.key(0)
+        lambda k: nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=k),
+        depth=3,
+        key=jax.random.key(0),
     )
     no_key = nn.Stacked(NoKey, depth=3, key=jax.random.key(0))
 
@@ -153,7 +155,7 @@ def test_stacked_without_key_lowers_as_before():
 
 @pytest.mark.parametrize("unroll", [2, True])
 def test_stacked_unrolled_computes_the_same_without_a_loop(unroll):
-    make = lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, key=k)  # noqa: E731
+    make = lambda k: nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=k)  # noqa: E731
     scanned = nn.Stacked(make, depth=4, key=jax.random.key(0))
     unrolled = nn.Stacked(make, depth=4, unroll=unroll, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D))
@@ -177,7 +179,7 @@ def test_stacked_unrolled_computes_the_same_without_a_loop(unroll):
 
 @pytest.mark.parametrize("unroll", [0, -1])
 def test_stacked_bad_unroll(unroll):
-    make = lambda k: nn.TransformerBlock(D, HEADS, HIDDEN, key=k)  # noqa: E731
+    make = lambda k: nn.TransformerBlock(D, HIDDEN, nn.BlockConfig(nn.AttentionConfig(HEADS)), key=k)  # noqa: E731
     with pytest.raises(eqxpar.PlanError, match=r"unroll=.*positive number of layers"):
         nn.Stacked(make, depth=2, unroll=unroll, key=jax.random.key(0))
 

@@ -1,7 +1,9 @@
 """Rotary position embeddings: `eqxpar.nn.apply_rotary` against a complex-number
-reference and its relative-position property; `Attention(rotary=True)` (with
+reference and its relative-position property; `AttentionConfig(rotary=True)` (with
 grouped-query heads) against a NumPy attention. Parity of rotary attention across
 every parallel mode is in tests/test_models.py (the GPT uses it in every plan)."""
+
+import dataclasses
 
 import equinox as eqx
 import jax
@@ -64,7 +66,7 @@ def test_apply_rotary_rejects_odd_head_dim_and_wrong_positions():
     with pytest.raises(eqxpar.SpecError, match=r"shape \(4,\)"):
         nn.apply_rotary(jnp.ones((1, 4, 2, 6)), positions=jnp.arange(3))
     with pytest.raises(eqxpar.DivisibilityError, match="head_dim=3"):
-        nn.Attention(12, 4, rotary=True, key=jax.random.key(0))
+        nn.Attention(12, nn.AttentionConfig(4, rotary=True), key=jax.random.key(0))
 
 
 def numpy_attention(attn: nn.Attention, x: np.ndarray) -> np.ndarray:
@@ -86,10 +88,11 @@ def numpy_attention(attn: nn.Attention, x: np.ndarray) -> np.ndarray:
 
 
 def test_rotary_attention_matches_numpy_reference():
-    attn = nn.Attention(16, 4, num_kv_heads=2, rotary=True, use_bias=False, key=jax.random.key(2))
+    config = nn.AttentionConfig(4, num_kv_heads=2, rotary=True, use_bias=False)
+    attn = nn.Attention(16, config, key=jax.random.key(2))
     x = jax.random.normal(jax.random.key(3), (2, 7, 16))
     out = eqx.filter_jit(lambda a, x: a(x))(attn, x)
     assert_trees_close(np.asarray(out), numpy_attention(attn, np.asarray(x, np.float64)), atol=2e-5)
     # Without rotary the same weights give a different (position-blind) result.
-    plain = eqxpar.nn.Attention(16, 4, num_kv_heads=2, use_bias=False, key=jax.random.key(2))
+    plain = nn.Attention(16, dataclasses.replace(config, rotary=False), key=jax.random.key(2))
     assert float(jnp.max(jnp.abs(eqx.filter_jit(lambda a, x: a(x))(plain, x) - out))) > 1e-3

@@ -76,9 +76,9 @@ def test_separate_qkv_trains_as_one_device(model, name):
 
 def test_joined_product_equals_separate_products():
     # The layout of the joined weights: each output is exactly its own product.
-    from eqxpar.nn import Attention
+    from eqxpar.nn import Attention, AttentionConfig
 
-    layer = Attention(32, 4, num_kv_heads=2, key=jax.random.key(3))
+    layer = Attention(32, AttentionConfig(4, num_kv_heads=2), key=jax.random.key(3))
     x = jax.random.normal(jax.random.key(4), (2, 8, 32))
     plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON)
     with plan:  # traced under the plan: the joined product (jit's cache ignores the plan)

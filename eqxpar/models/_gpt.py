@@ -2,6 +2,8 @@
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import equinox as eqx
 import jax
@@ -9,7 +11,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import nn
-from .._errors import BatchError, DivisibilityError, PlanError, SpecError
+from .._config_check import renamed
+from .._errors import BatchError, DivisibilityError, EqxparError, PlanError, SpecError
 from .._param import param
 from ..nn._lora import lora_dropout
 
@@ -17,6 +20,12 @@ from ..nn._lora import lora_dropout
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """The shape of a `GPT`; frozen and hashable, so the model keeps it as a static field.
+
+    Its fields are flat, one per option (as a Hugging Face `config.json`'s are); the
+    layers' configs are made from them: `attention_config` (an
+    `eqxpar.nn.AttentionConfig`), `moe_config` (an `eqxpar.nn.MoEConfig`, or None)
+    and `block_config(moe=...)` (an `eqxpar.nn.BlockConfig`). Those check the
+    fields they take when the config is built; an error names this config's field.
 
     **Fields:**
 
@@ -51,8 +60,8 @@ class GPTConfig:
     - `rotary_scaling`: an `eqxpar.nn.RotaryScaling` of the rotary frequencies
       (Llama 3.1's long-context rescaling; default None: unscaled).
     - `attention`, `attention_block`: how every attention attends (default "auto"
-      and 512: blockwise, memory linear in the sequence, past one block; see
-      `eqxpar.nn.Attention`).
+      and 512: blockwise, memory linear in the sequence, past one block): the
+      `kernel` and `block_size` of `eqxpar.nn.AttentionConfig`.
     - `unroll`: entries of the block stack run per iteration of its scan
       (`eqxpar.nn.Stacked(unroll=...)`: blocks, or with `moe_every` groups; default
       1; `num_layers` runs the stack, or a pipeline stage's part of it, with no
@@ -68,8 +77,8 @@ class GPTConfig:
       each is a `d_hidden`-wide MLP of the config's `activation`.
     - `top_k` (default 2), `moe_score` (`"softmax"` or `"sigmoid"`),
       `num_shared_experts` (default 0), `capacity_factor` (default None:
-      dropless): as `eqxpar.nn.MoE`'s `top_k`, `score`, `num_shared`,
-      `capacity_factor`.
+      dropless): the `top_k`, `score`, `num_shared` and `capacity_factor` of
+      the MoE blocks' `eqxpar.nn.MoEConfig` (`moe_config`).
     - `load_balance_coef` (default 0.01) and `router_z_coef` (default 1e-3): what
       `lm_loss` adds, times the mean over the MoE blocks of each block's
       `load_balance_loss` and `router_z_loss`.
@@ -122,84 +131,30 @@ class GPTConfig:
     def __post_init__(self):
         # Every field is checked here, when the config is built, so that a bad one
         # names itself instead of surfacing as a ZeroDivisionError or a shape error
-        # deep inside a layer's constructor.
-        for name in (
-            "vocab_size",
-            "d_model",
-            "num_heads",
-            "num_layers",
-            "d_hidden",
-            "max_seq_len",
-            "attention_block",
-            "unroll",
-        ):
+        # deep inside a layer's constructor. The fields the layers take are checked
+        # by the layer configs they make (nn.AttentionConfig, nn.MoEConfig,
+        # nn.BlockConfig), re-raised under this config's field names.
+        for name in ("vocab_size", "d_model", "num_layers", "d_hidden", "max_seq_len", "unroll"):
             _check_positive_int(name, getattr(self, name))
-        if self.num_kv_heads is not None:
-            _check_positive_int("num_kv_heads", self.num_kv_heads)
-        for name in ("tied", "rotary", "use_bias", "learned_positions", "fused_qkv"):
+        for name in ("tied", "learned_positions"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"GPTConfig({name}={getattr(self, name)!r}): expected True or False.")
-        if self.activation not in ("swiglu", "gelu"):
-            raise PlanError(f"GPTConfig(activation={self.activation!r}): expected 'swiglu' or 'gelu'.")
-        if self.norm not in ("rms", "layer"):
-            raise PlanError(f"GPTConfig(norm={self.norm!r}): expected 'rms' or 'layer'.")
-        if self.attention not in ("auto", "blockwise", "dense"):
-            raise PlanError(
-                f"GPTConfig(attention={self.attention!r}): expected 'auto', 'blockwise' or 'dense'."
-            )
-        eps = self.norm_eps
-        if eps is not None and not (
-            isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0
-        ):
-            raise PlanError(
-                f"GPTConfig(norm_eps={eps!r}): expected a small positive number (e.g. 1e-5) or None "
-                "for the norm's default."
-            )
-        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
-            raise PlanError(f"GPTConfig(qkv_bias={self.qkv_bias!r}): expected True, False or None.")
-        if self.rotary_scaling is not None and not isinstance(self.rotary_scaling, nn.RotaryScaling):
-            raise PlanError(
-                f"GPTConfig(rotary_scaling={self.rotary_scaling!r}): expected an "
-                "eqxpar.nn.RotaryScaling or None."
-            )
-        base = self.rotary_base
-        numeric = isinstance(base, int | float) and not isinstance(base, bool)
-        if not (numeric and math.isfinite(base) and base > 0):
-            # The rotary frequencies are base ** (-2i / head_dim): NaN for a base <= 0.
-            raise PlanError(
-                f"GPTConfig(rotary_base={base!r}): expected a positive finite number (the rotary "
-                "wavelength base); the usual value is 10000.0."
-            )
+        for name in ("moe_every", "experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PlanError(f"GPTConfig({name}={value!r}): expected an integer >= 0.")
+        attention = _as_gpt_config(lambda: self.block_config(moe=bool(self.experts)).attention)
         if self.d_model % self.num_heads:
             raise DivisibilityError(
                 f"GPTConfig(d_model={self.d_model}, num_heads={self.num_heads}): the heads split the "
                 f"model width, so num_heads must divide d_model. Use d_model a multiple of {self.num_heads}."
             )
-        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-            raise DivisibilityError(
-                f"GPTConfig(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}): each "
-                "key/value head serves an equal group of query heads, so num_kv_heads must divide "
-                f"num_heads. Use one of {_divisors(self.num_heads)}, or None for num_heads."
-            )
-        if self.fused_qkv and self.num_kv_heads not in (None, self.num_heads):
-            raise PlanError(
-                f"GPTConfig(fused_qkv=True, num_kv_heads={self.num_kv_heads}): a fused QKV weight "
-                f"holds as many key/value heads as query heads ({self.num_heads}). Use "
-                "fused_qkv=False for grouped-query attention, or num_kv_heads=None."
-            )
-        if self.rotary and (self.d_model // self.num_heads) % 2:
-            raise DivisibilityError(
-                f"GPTConfig(rotary=True): head_dim = d_model / num_heads = "
-                f"{self.d_model // self.num_heads} is odd, and rotary embeddings turn feature pairs. "
-                "Choose d_model and num_heads with an even quotient."
-            )
+        _as_gpt_config(lambda: attention.head_dim_for(self.d_model))
         self._check_moe()
 
     def _check_moe(self) -> None:
-        for name in ("moe_every", "experts", "num_shared_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PlanError(f"GPTConfig({name}={value!r}): expected an integer >= 0.")
+        """The MoE fields only a GPT has: where its MoE blocks go and what the
+        loss adds (the routing is `moe_config`'s, checked when it is built)."""
         if self.moe_every and not self.experts:
             raise PlanError(
                 f"GPTConfig(moe_every={self.moe_every}, experts=0): MoE blocks need experts to route "
@@ -219,21 +174,6 @@ class GPTConfig:
                 f"must divide num_layers. Use moe_every in {fits}, or num_layers a multiple of "
                 f"{self.moe_every}."
             )
-        if self.experts:
-            top_k = self.top_k
-            if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= self.experts:
-                raise PlanError(
-                    f"GPTConfig(top_k={top_k!r}): expected an integer from 1 to experts={self.experts} "
-                    f"(the experts each token is sent to), e.g. top_k={min(2, self.experts)}."
-                )
-        if self.moe_score not in ("softmax", "sigmoid"):
-            raise PlanError(f"GPTConfig(moe_score={self.moe_score!r}): expected 'softmax' or 'sigmoid'.")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not cf > 0):
-            raise PlanError(
-                f"GPTConfig(capacity_factor={cf!r}): expected a number > 0 (e.g. 1.25: each expert takes "
-                "at most 1.25x its even share of the tokens), or None for dropless routing."
-            )
         for name in ("load_balance_coef", "router_z_coef"):
             value = getattr(self, name)
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
@@ -244,6 +184,51 @@ class GPTConfig:
                 )
 
     @property
+    def attention_config(self) -> nn.AttentionConfig:
+        """Every block's `eqxpar.nn.AttentionConfig` (causal, `head_dim` `d_model //
+        num_heads`, the attention fields of this config; `attention` and
+        `attention_block` are its `kernel` and `block_size`)."""
+        return nn.AttentionConfig(
+            self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            fused_qkv=self.fused_qkv,
+            rotary=self.rotary,
+            rotary_base=self.rotary_base,
+            rotary_scaling=self.rotary_scaling,
+            kernel=self.attention,
+            block_size=self.attention_block,
+            use_bias=self.use_bias,
+            qkv_bias=self.qkv_bias,
+        )
+
+    @property
+    def moe_config(self) -> nn.MoEConfig | None:
+        """The MoE blocks' `eqxpar.nn.MoEConfig` (`experts`, `top_k`; `moe_score`
+        as its `score`, `num_shared_experts` as `num_shared`, `capacity_factor`), or
+        None for a dense model."""
+        if not self.experts:
+            return None
+        return nn.MoEConfig(
+            self.experts,
+            top_k=self.top_k,
+            score=self.moe_score,
+            capacity_factor=self.capacity_factor,
+            num_shared=self.num_shared_experts,
+        )
+
+    def block_config(self, *, moe: bool = False) -> nn.BlockConfig:
+        """The `eqxpar.nn.BlockConfig` of the model's dense blocks, or with `moe=True`
+        of its MoE blocks (`moe_config` as the feed-forward)."""
+        return nn.BlockConfig(
+            self.attention_config,
+            moe=self.moe_config if moe else None,
+            activation=self.activation,
+            norm=self.norm,
+            norm_eps=self.norm_eps,
+            use_bias=self.use_bias,
+        )
+
+    @property
     def head_dim(self) -> int:
         """`d_model // num_heads`."""
         return self.d_model // self.num_heads
@@ -252,6 +237,26 @@ class GPTConfig:
     def moe_layers(self) -> int:
         """The number of MoE blocks: `num_layers // moe_every`, 0 for a dense model."""
         return self.num_layers // self.moe_every if self.moe_every else 0
+
+
+T = TypeVar("T")
+
+# The layer configs' fields spelled as GPTConfig spells them (the rest are alike).
+_LAYER_NAMES = {
+    "kernel": "attention",
+    "block_size": "attention_block",
+    "score": "moe_score",
+    "num_shared": "num_shared_experts",
+}
+
+
+def _as_gpt_config(build: Callable[[], T]) -> T:
+    """`build()`, whose layer-config errors are re-raised as `GPTConfig`'s, under
+    its field names."""
+    try:
+        return build()
+    except EqxparError as err:
+        raise renamed(err, "GPTConfig", _LAYER_NAMES) from None
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -270,7 +275,7 @@ class MoEGroup(eqx.Module):
     two MoE blocks need no scan of their own and every layer of the scan is alike).
 
     **Arguments:** `dense`: the dense `eqxpar.nn.TransformerBlock`s, in order (may
-    be empty); `moe`: a `TransformerBlock` with `experts > 0`.
+    be empty); `moe`: a `TransformerBlock` whose config has `moe`.
 
     Calling it: `group(x, *, key=None, segment_ids=None) -> (y, aux)`, `x` and `y`
     `(batch, seq, d_model)`, `aux` the MoE block's `eqxpar.nn.MoEAux`; `key` is split
@@ -288,13 +293,13 @@ class MoEGroup(eqx.Module):
     def __init__(self, dense: tuple[nn.TransformerBlock, ...], moe: nn.TransformerBlock):
         if not moe.experts:
             raise PlanError(
-                "MoEGroup(moe=...): the last block has a dense MLP (experts=0). Build it with "
-                "eqxpar.nn.TransformerBlock(..., experts=n), n > 0."
+                "MoEGroup(moe=...): the last block has a dense MLP (experts=0). Build it from "
+                "eqxpar.nn.BlockConfig(..., moe=eqxpar.nn.MoEConfig(experts=n)), n > 0."
             )
         if any(block.experts for block in dense):
             raise PlanError(
                 "MoEGroup(dense=...): a block of `dense` has experts; the group's one MoE block is "
-                "`moe`, the last. Build the dense blocks with experts=0."
+                "`moe`, the last. Build the dense blocks from a BlockConfig with moe=None."
             )
         self.dense, self.moe = tuple(dense), moe
 
@@ -371,37 +376,14 @@ class GPT(eqx.Module):
             0.02 * jax.random.normal(k_pos, (c.max_seq_len, c.d_model)) if c.learned_positions else None
         )
 
-        def make_block(k, **moe):
-            return nn.TransformerBlock(
-                c.d_model,
-                c.num_heads,
-                c.d_hidden,
-                num_kv_heads=c.num_kv_heads,
-                activation=c.activation,
-                norm=c.norm,
-                use_bias=c.use_bias,
-                fused_qkv=c.fused_qkv,
-                rotary=c.rotary,
-                rotary_base=c.rotary_base,
-                rotary_scaling=c.rotary_scaling,
-                qkv_bias=c.qkv_bias,
-                norm_eps=c.norm_eps,
-                attention=c.attention,
-                attention_block=c.attention_block,
-                key=k,
-                **moe,
-            )
+        dense = c.block_config()
+
+        def make_block(k, config=dense):
+            return nn.TransformerBlock(c.d_model, c.d_hidden, config, key=k)
 
         def make_group(k):
             keys = jax.random.split(k, c.moe_every)
-            moe = make_block(
-                keys[-1],
-                experts=c.experts,
-                top_k=c.top_k,
-                moe_score=c.moe_score,
-                num_shared_experts=c.num_shared_experts,
-                capacity_factor=c.capacity_factor,
-            )
+            moe = make_block(keys[-1], c.block_config(moe=True))
             return MoEGroup(tuple(make_block(kd) for kd in keys[:-1]), moe)
 
         if c.moe_every:

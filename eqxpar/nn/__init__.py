@@ -9,7 +9,9 @@ own collectives: synchronous, or ring collective matmuls with the plan's
 """
 
 from ._attention import Attention as Attention
+from ._attention_config import AttentionConfig as AttentionConfig
 from ._block import TransformerBlock as TransformerBlock
+from ._block_config import BlockConfig as BlockConfig
 from ._blockwise import blockwise_attention as blockwise_attention
 from ._context import TensorContext as TensorContext
 from ._context import tensor_context as tensor_context
@@ -23,6 +25,7 @@ from ._lora import MLPLoRA as MLPLoRA
 from ._moe import MoE as MoE
 from ._moe import MoEAux as MoEAux
 from ._moe import update_router_bias as update_router_bias
+from ._moe_config import MoEConfig as MoEConfig
 from ._norm import LayerNorm as LayerNorm
 from ._norm import RMSNorm as RMSNorm
 from ._pool import first_token as first_token

@@ -12,12 +12,12 @@ from .._context_split import (
     context_size,
     note_keys,
 )
-from .._errors import DivisibilityError, PlanError, SpecError
+from .._errors import PlanError, SpecError
 from .._mesh import CONTEXT_AXIS
 from .._param import param
+from ._attention_config import AttentionConfig
 from ._blockwise import (
     blockwise_attention,
-    check_dropout,
     dropout_rows,
     dropout_scale,
     dropout_seed,
@@ -42,38 +42,24 @@ class Attention(eqx.Module):
 
     **Arguments:**
 
-    - `d_model`, `num_heads`: model width and number of query heads.
-    - `num_kv_heads`: key/value heads for grouped-query attention (default
-      `num_heads`); must divide `num_heads`. Both head counts must be divisible by
-      the tensor axis size.
-    - `head_dim`: default `d_model // num_heads`.
-    - `fused_qkv`: store Q, K and V as one weight `(d_model, 3, heads, head_dim)`
-      (needs `num_kv_heads == num_heads`); else three weights. Either way the
-      projections share one gather of the input.
-    - `causal`: apply a causal mask (default True).
-    - `rotary`: rotate queries and keys by their positions (rotary position
-      embeddings, `eqxpar.nn.apply_rotary`; default False). Positions are the
-      tokens' global indices `0 .. seq - 1` in every mode: the projections hold
-      the whole sequence (under sequence parallelism they gather it first).
-      `head_dim` must be even.
-    - `rotary_base`: the rotary wavelength base (default 10000.0).
-    - `rotary_scaling`: a `RotaryScaling` of the rotary frequencies (Llama 3.1's
-      long-context rescaling; default None: unscaled).
-    - `attention`: how the local heads attend. `"auto"` (default): cuDNN's fused
-      attention (`jax.nn.dot_product_attention`) on GPU where it applies (bfloat16
-      or float16, head_dim a multiple of 8 up to 128, no `mask`), else
-      `eqxpar.nn.blockwise_attention` (online softmax over key blocks, temp memory
-      linear in the sequence) when the sequence is longer than one block, else
-      dense. `"blockwise"` or `"dense"` (the `(seq, seq)` score matrix) force one.
-    - `attention_block`: keys per block of the blockwise path (default 512).
-    - `dropout`: dropout rate on the attention probabilities (default 0.0),
-      applied when the call gets a `key`. Whether a probability is kept is a hash
-      of (seed drawn from the key, batch row, global head, global query position,
-      global key position), not a random tensor: the dense, blockwise and context
-      paths, the backward pass's recomputed tiles and every split of the heads
-      (tensor parallelism: global head indices) or of the sequence (context
-      parallelism: global positions) drop the same probabilities for one key.
-      cuDNN is not used while it is active.
+    - `d_model`: model width.
+    - `config`: an `eqxpar.nn.AttentionConfig`: the heads (`num_heads`,
+      `num_kv_heads`, `head_dim`), `fused_qkv`, `causal`, rotary position
+      embeddings (`rotary`, `rotary_base`, `rotary_scaling`), the `kernel` and its
+      `block_size`, `dropout` and the biases (`use_bias`, `qkv_bias`).
+    - `axis="tensor"`, `dtype`, `key` (keyword-only).
+
+    Rotary positions are the tokens' global indices `0 .. seq - 1` in every mode:
+    the projections hold the whole sequence (under sequence parallelism they
+    gather it first). The `"auto"` kernel uses cuDNN's fused attention
+    (`jax.nn.dot_product_attention`) on GPU where it applies (bfloat16 or float16,
+    head_dim a multiple of 8 up to 128, no `mask`, no dropout). Attention dropout
+    is applied when the call gets a `key`. Whether a probability is kept is a hash
+    of (seed drawn from the key, batch row, global head, global query position,
+    global key position), not a random tensor: the dense, blockwise and context
+    paths, the backward pass's recomputed tiles and every split of the heads
+    (tensor parallelism: global head indices) or of the sequence (context
+    parallelism: global positions) drop the same probabilities for one key.
 
     Under context parallelism (a `context` mesh axis larger than 1) each device
     holds its load-balanced part of the sequence: attention runs
@@ -82,13 +68,10 @@ class Attention(eqx.Module):
     the query heads on each device, after any tensor split, to be a multiple of
     the `context` size), rotary angles at the tokens' global
     positions, and `mask` is not supported (use `segment_ids`).
-    - `use_bias`, `axis="tensor"`, `dtype`, `key` (keyword-only).
-    - `qkv_bias`: biases on the query, key and value projections only (Qwen2's
-      layout: `qkv_bias=True, use_bias=False` gives no output bias); default None:
-      as `use_bias`.
 
     Calling it: `attn(x, *, mask=None, segment_ids=None, key=None)` (`key`: for
-    `dropout` and the adapters' `lora.dropout`; without it no dropout). `mask` `(seq, seq)` bool
+    the config's `dropout` and the adapters' `lora.dropout`; without it no dropout). `mask`
+    `(seq, seq)` bool
     keeps key `j` for query `i` (not under context parallelism). `segment_ids`
     `(batch, seq)` integers: query `i` of row `b` reads key `j` only when
     `segment_ids[b, i] == segment_ids[b, j]` (packed documents; padding as its own
@@ -103,7 +86,8 @@ class Attention(eqx.Module):
     sequence parallelism in manual mode).
 
     ```python
-    attn = eqxpar.nn.Attention(256, 8, num_kv_heads=2, rotary=True, key=key)
+    config = eqxpar.nn.AttentionConfig(8, num_kv_heads=2, rotary=True)
+    attn = eqxpar.nn.Attention(256, config, key=key)
     y = attn(x)                             # x: (batch, seq, 256)
     seg = jnp.array([[0, 0, 0, 1, 1, 1, 2, 2]])  # three documents packed in one row
     y = attn(x8, segment_ids=seg)           # x8: (1, 8, 256)
@@ -137,69 +121,39 @@ class Attention(eqx.Module):
     def __init__(
         self,
         d_model: int,
-        num_heads: int,
+        config: AttentionConfig,
         *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        fused_qkv: bool = False,
-        causal: bool = True,
-        rotary: bool = False,
-        rotary_base: float = 10000.0,
-        attention: str = "auto",
-        attention_block: int = 512,
-        dropout: float = 0.0,
-        use_bias: bool = True,
-        qkv_bias: bool | None = None,
-        rotary_scaling: RotaryScaling | None = None,
         axis: str = "tensor",
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
-        kv = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads % kv:
-            raise DivisibilityError(
-                f"Attention(num_heads={num_heads}, num_kv_heads={kv}): the query heads must be a "
-                "multiple of the key/value heads for grouped-query attention."
-            )
-        if fused_qkv and kv != num_heads:
+        if not isinstance(config, AttentionConfig):
             raise PlanError(
-                f"Attention(fused_qkv=True, num_kv_heads={kv}): a fused QKV weight needs as many "
-                f"key/value heads as query heads ({num_heads}); use fused_qkv=False for grouped-query."
+                f"Attention(d_model, config={config!r}): expected an eqxpar.nn.AttentionConfig, e.g. "
+                "Attention(256, eqxpar.nn.AttentionConfig(8), key=key)."
             )
-        if attention not in ("auto", "blockwise", "dense"):
-            raise PlanError(f"Attention(attention={attention!r}): expected 'auto', 'blockwise' or 'dense'.")
-        if attention_block < 1:
-            raise PlanError(f"Attention(attention_block={attention_block}): must be positive.")
-        self.dropout = check_dropout(dropout, "Attention")
-        hd = d_model // num_heads if head_dim is None else head_dim
-        if rotary and hd % 2:
-            raise DivisibilityError(
-                f"Attention(rotary=True, head_dim={hd}): rotary embeddings turn pairs of features, "
-                "so head_dim must be even. Pass an even head_dim (or d_model / num_heads)."
-            )
+        c = config
+        heads, kv, hd = c.num_heads, c.kv_heads, c.head_dim_for(d_model)
         kq, kk, kvk, ko = jax.random.split(key, 4)
         self.wq = self.wk = self.wv = self.wqkv = None
-        if fused_qkv:
-            self.wqkv = _normal(kq, (d_model, 3, num_heads, hd), d_model, dtype)
+        if c.fused_qkv:
+            self.wqkv = _normal(kq, (d_model, 3, heads, hd), d_model, dtype)
         else:
-            self.wq = _normal(kq, (d_model, num_heads, hd), d_model, dtype)
+            self.wq = _normal(kq, (d_model, heads, hd), d_model, dtype)
             self.wk = _normal(kk, (d_model, kv, hd), d_model, dtype)
             self.wv = _normal(kvk, (d_model, kv, hd), d_model, dtype)
-        if rotary_scaling is not None and not isinstance(rotary_scaling, RotaryScaling):
-            raise PlanError(
-                f"Attention(rotary_scaling={rotary_scaling!r}): expected an eqxpar.nn.RotaryScaling or None."
-            )
-        in_bias = use_bias if qkv_bias is None else qkv_bias
-        self.bq = jnp.zeros((num_heads, hd), dtype) if in_bias else None
+        in_bias = c.use_bias if c.qkv_bias is None else c.qkv_bias
+        self.bq = jnp.zeros((heads, hd), dtype) if in_bias else None
         self.bk = jnp.zeros((kv, hd), dtype) if in_bias else None
         self.bv = jnp.zeros((kv, hd), dtype) if in_bias else None
-        self.wo = _normal(ko, (num_heads, hd, d_model), num_heads * hd, dtype)
-        self.bo = jnp.zeros((d_model,), dtype) if use_bias else None
-        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, kv, hd
-        self.causal, self.axis = causal, axis
-        self.rotary, self.rotary_base = bool(rotary), float(rotary_base)
-        self.rotary_scaling = rotary_scaling
-        self.attention, self.attention_block = attention, int(attention_block)
+        self.wo = _normal(ko, (heads, hd, d_model), heads * hd, dtype)
+        self.bo = jnp.zeros((d_model,), dtype) if c.use_bias else None
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, heads, kv, hd
+        self.causal, self.axis = c.causal, axis
+        self.rotary, self.rotary_base = c.rotary, float(c.rotary_base)
+        self.rotary_scaling = c.rotary_scaling
+        self.attention, self.attention_block = c.kernel, c.block_size
+        self.dropout = float(c.dropout)
         self.lora = None
 
     def __call__(

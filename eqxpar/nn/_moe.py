@@ -19,8 +19,7 @@ from .._varying import varying_axes
 from ._context import tensor_context
 from ._linear import MLP, _normal
 from ._matmul import check_bias, check_split, lift
-
-_SCORES = ("softmax", "sigmoid")
+from ._moe_config import MoEConfig
 
 # The routed activations of every MoE call traced inside `record_dispatches`
 # (`eqxpar.inspect.minimum_comm` reads them off the loss's trace).
@@ -124,22 +123,20 @@ class MoE(eqx.Module):
     (eqxpar warns, `eqxpar.AccumulationWarning`, for an MoE `GPT` whose
     `load_balance_coef` is not 0; it cannot see a hand-written loss's terms).
 
-    **Arguments** (keyword-only after `d_model`, `hidden`, `experts`):
+    **Arguments:**
 
-    - `d_model`: model features; `hidden`: each expert's hidden features;
-      `experts`: number of routed experts.
-    - `top_k=2`: experts per token, `1 <= top_k <= experts`.
-    - `score="softmax" | "sigmoid"`; `normalize_top_k=True`; `route_scale=1.0`.
-    - `activation="swiglu" | "gelu"`; `use_bias=False` (expert biases).
-    - `capacity_factor=None` (dropless) or a float > 0.
-    - `num_shared=0`, `shared_hidden=None` (defaults to `hidden`).
-    - `axis="tensor"`, `dtype=jnp.float32`, `key`.
+    - `d_model`: model features; `hidden`: each expert's hidden features.
+    - `config`: an `eqxpar.nn.MoEConfig`: `experts`, `top_k`, `score`,
+      `normalize_top_k`, `route_scale`, `capacity_factor`, `num_shared`,
+      `shared_hidden`.
+    - keyword-only: `activation="swiglu" | "gelu"`, `use_bias=False` (expert
+      biases), `axis="tensor"`, `dtype=jnp.float32`, `key`.
 
     **Returns** (calling it): `moe(x) -> (y, aux)`, `x` and `y` of shape
     `(batch, seq, d_model)`, `aux` an `MoEAux`.
 
     ```python
-    moe = eqxpar.nn.MoE(256, 512, 8, top_k=2, num_shared=1, key=key)
+    moe = eqxpar.nn.MoE(256, 512, eqxpar.nn.MoEConfig(8, top_k=2, num_shared=1), key=key)
     y, aux = moe(x)                                   # x: (batch, seq, 256)
     loss = task_loss + 0.01 * aux.load_balance_loss + 1e-3 * aux.router_z_loss
     moe = eqxpar.nn.update_router_bias(moe, aux.expert_load, rate=1e-3)
@@ -170,33 +167,16 @@ class MoE(eqx.Module):
         self,
         d_model: int,
         hidden: int,
-        experts: int,
+        config: MoEConfig,
         *,
-        top_k: int = 2,
-        score: str = "softmax",
-        normalize_top_k: bool = True,
-        route_scale: int | float = 1.0,
         activation: str = "swiglu",
         use_bias: bool = False,
-        # Any: checked below with an eqxpar error naming the fix.
-        capacity_factor: Any = None,
-        num_shared: int = 0,
-        shared_hidden: int | None = None,
         axis: str = "tensor",
         dtype=jnp.float32,
         key: PRNGKeyArray,
     ):
-        _check_options(
-            d_model,
-            hidden,
-            experts,
-            top_k=top_k,
-            score=score,
-            activation=activation,
-            capacity_factor=capacity_factor,
-            num_shared=num_shared,
-            shared_hidden=shared_hidden,
-        )
+        _check_arguments(d_model, hidden, config, activation)
+        c, experts = config, config.experts
         k_router, k_in, k_gate, k_out, k_shared = jax.random.split(key, 5)
         self.router = _normal(k_router, (d_model, experts), d_model, dtype)
         self.router_bias = jnp.zeros((experts,), dtype)
@@ -212,20 +192,20 @@ class MoE(eqx.Module):
         self.shared = (
             MLP(
                 d_model,
-                num_shared * (shared_hidden or hidden),
+                c.num_shared * (c.shared_hidden or hidden),
                 activation=activation,
                 use_bias=use_bias,
                 axis=axis,
                 dtype=dtype,
                 key=k_shared,
             )
-            if num_shared
+            if c.num_shared
             else None
         )
-        self.d_model, self.hidden, self.experts, self.top_k = d_model, hidden, experts, top_k
-        self.score, self.normalize_top_k, self.route_scale = score, normalize_top_k, float(route_scale)
+        self.d_model, self.hidden, self.experts, self.top_k = d_model, hidden, experts, c.top_k
+        self.score, self.normalize_top_k, self.route_scale = c.score, c.normalize_top_k, float(c.route_scale)
         self.activation = activation
-        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.capacity_factor = None if c.capacity_factor is None else float(c.capacity_factor)
         self.axis = axis
 
     # -- routing ---------------------------------------------------------------
@@ -467,50 +447,20 @@ class MoE(eqx.Module):
         return y.astype(x.dtype), self._aux(idx, scores, logits, dropped, over)
 
 
-def _check_options(
-    d_model: Any,
-    hidden: Any,
-    experts: Any,
-    *,
-    top_k: Any,
-    score: Any,
-    activation: Any,
-    capacity_factor: Any,
-    num_shared: Any,
-    shared_hidden: Any,
-) -> None:
-    """The checks of `MoE`'s arguments, each failing with an eqxpar error naming the
-    argument and what it takes (`Any`: a wrong kind of value is what they catch)."""
-    for name, value in (("d_model", d_model), ("hidden", hidden), ("experts", experts)):
+def _check_arguments(d_model: Any, hidden: Any, config: Any, activation: Any) -> None:
+    """The checks of `MoE`'s own arguments (its config checked itself), each
+    failing with an eqxpar error naming the argument and what it takes (`Any`: a
+    wrong kind of value is what they catch)."""
+    for name, value in (("d_model", d_model), ("hidden", hidden)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"MoE({name}={value!r}): expected a positive integer.")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+    if not isinstance(config, MoEConfig):
         raise PlanError(
-            f"MoE(top_k={top_k!r}): expected an integer from 1 to experts={experts} "
-            f"(the experts each token is sent to). Pass e.g. top_k={min(2, experts)}."
+            f"MoE(d_model, hidden, config={config!r}): expected an eqxpar.nn.MoEConfig, e.g. "
+            "MoE(256, 512, eqxpar.nn.MoEConfig(8, top_k=2), key=key)."
         )
-    if score not in _SCORES:
-        raise PlanError(f"MoE(score={score!r}): expected one of {_SCORES}.")
     if activation not in _ACTIVATIONS:
         raise PlanError(f"MoE(activation={activation!r}): expected one of {_ACTIVATIONS}.")
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool)
-        or not isinstance(capacity_factor, int | float)
-        or not capacity_factor > 0
-    ):
-        raise PlanError(
-            f"MoE(capacity_factor={capacity_factor!r}): expected a number > 0 (each expert "
-            "takes at most ceil(capacity_factor * tokens * top_k / experts) assignments), "
-            "e.g. 1.25, or None for dropless routing."
-        )
-    if not isinstance(num_shared, int) or isinstance(num_shared, bool) or num_shared < 0:
-        raise PlanError(f"MoE(num_shared={num_shared!r}): expected an integer >= 0 (0: no shared experts).")
-    if shared_hidden is not None and (
-        not isinstance(shared_hidden, int) or isinstance(shared_hidden, bool) or shared_hidden < 1
-    ):
-        raise PlanError(
-            f"MoE(shared_hidden={shared_hidden!r}): expected a positive integer, or None for `hidden`."
-        )
 
 
 def update_router_bias(moe: MoE, expert_load: Float[Array, "*layers experts"], *, rate: float) -> MoE:

@@ -104,7 +104,7 @@ def apply_rotary(
     if head_dim % 2:
         raise SpecError(
             f"apply_rotary: head_dim {head_dim} (shape {x.shape}) is odd; rotary embeddings turn "
-            "feature pairs. Use an even head_dim (Attention(head_dim=...) or d_model / num_heads)."
+            "feature pairs. Use an even head_dim (AttentionConfig(head_dim=...) or d_model / num_heads)."
         )
     seq = x.shape[1]
     if positions is None:

@@ -92,10 +92,12 @@ class Stacked(eqx.Module):
     given (e.g. a tuple carry) is carried whole, as before.
 
     ```python
-    stack = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 4, 256, key=k),
+    config = eqxpar.nn.BlockConfig(eqxpar.nn.AttentionConfig(4))
+    stack = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 256, config, key=k),
                               depth=8, key=key)
     y = stack(x)                                   # x: (batch, seq, 64)
-    moe = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 4, 256, experts=8, key=k),
+    moe_config = dataclasses.replace(config, moe=eqxpar.nn.MoEConfig(8))
+    moe = eqxpar.nn.Stacked(lambda k: eqxpar.nn.TransformerBlock(64, 256, moe_config, key=k),
                             depth=8, key=key)
     y, aux = moe(x)                                # aux.expert_load: (8, 8) = (layers, experts)
     ```
