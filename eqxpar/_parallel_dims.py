@@ -34,7 +34,7 @@ class ParallelDims:
     step runs (see `context_attention_of`).
     """
 
-    mode: str
+    mode: str | None
     schedule: Any
     microbatches: int
     chunks: int

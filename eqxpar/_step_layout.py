@@ -186,8 +186,8 @@ class StepLayout:
         return tensor_axis_of(self.plan)
 
     @property
-    def mode(self) -> str:
-        """The plan's mode as the user gave it (`"auto"` or `"manual"`), for messages."""
+    def mode(self) -> str | None:
+        """The plan's mode as the user gave it (`"auto"`, `"manual"`, or None under a pipeline), for messages."""
         return self.plan.mode
 
     @property

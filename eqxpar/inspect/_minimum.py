@@ -530,8 +530,8 @@ def minimum_comm(
     eqxpar.inspect.minimum_comm(tp, model, loss=loss_fn, batch=(x, y)).parts
     ```
     """
-    dims = ParallelDims.of(plan)
     moved = _checked(plan, params, gathers, moved_dtype)
+    dims = ParallelDims.of(plan)
     trains = trainable_mask(params, trainable, plan, where="minimum_comm")
     items = _param_items(plan, params, gathers=gathers, moved=moved, trains=trains)
     if dims.schedule is not None:
