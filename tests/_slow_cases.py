@@ -74,9 +74,8 @@ def kept_out(nodeids: list[str]) -> dict[str, str]:
 # and the guides' longer walkthroughs go to `make test-slow`.
 
 # --- Examples and docs ---------------------------------------------------------
-# The demo (`make demo`'s job: a 3-D plan) and the data-parallel script run in make
-# test; the other scripts run plans the parity tests run, through the same loop.
-_keep_only("test_examples.py::test_example_runs", "demo/3d", "data/auto")
+# The demo (`make demo`'s job: a 3-D plan) runs in make test (its rule is below);
+# the other scripts run plans the parity tests run, through the same loop.
 _pair("test_examples.py::test_finetune_pretrained_runs", "test_examples.py::test_finetune_lora_runs")
 _pair(
     "test_examples.py::test_filter_jit_loop_runs",
@@ -96,10 +95,6 @@ _keep_only(
     "docs/guides/data-parallel.md:*",
     "docs/guides/fsdp.md:*",
     "docs/guides/schedules.md:*",
-    "docs/guides/fine-tuning.md:*",
-    "docs/guides/generation.md:*",
-    "docs/guides/lora.md:*-fine-tuning-with-lora",
-    "docs/guides/inspection.md:*-inspecting-a-plan",
 )
 
 # --- Pipelines -----------------------------------------------------------------
@@ -170,9 +165,10 @@ for mode in ("auto", "sp"):
         f"test_vision_transformer.py::test_dropout[{mode}]",
         "test_vision_transformer.py::test_matches_single_device_without_dropout[auto-mean]",
     )
-_add(
+# LoRA trains like one device under manual FSDP in make test (the plans test below).
+_keep_none(
     "test_lora.py::test_adapted_model_trains_as_one_device_with_only_its_own_collectives",
-    {"tp-manual": "fsdp-tp", "tp-overlap": "fsdp-tp", "tp-auto-sp": "fsdp-tp", "tp-manual-sp": "fsdp-tp"},
+    "test_lora.py::test_lora_trains_as_one_device_under_manual_fsdp_context_expert_and_pipeline_plans[fsdp-manual]",
 )
 
 # --- FSDP, data, experts -----------------------------------------------------------
@@ -261,7 +257,10 @@ _keep_only(
 )
 _keep_only("test_context_parallel.py::test_attention_moves_the_stated_bytes", "allgather")
 _keep_only(
-    "test_context_attention.py::test_matches_dense_attention_forward_and_backward", "2-*", "1-ring-True-True"
+    "test_context_attention.py::test_matches_dense_attention_forward_and_backward",
+    "2-ring-True-True",
+    "2-allgather-True-True",
+    "2-ulysses-True-True",
 )
 _keep_only("test_context_attention.py::test_ring_moves_the_stated_bytes", "2")
 _add(
@@ -395,6 +394,21 @@ _pair(
     "test_tp_step.py::test_sequence_parallel_weight_used_off_the_sequence_blocks",
 )
 _keep_only("test_expert_parallel.py::test_dropless_under_adversarial_routing", "2")
-_keep_only("test_expert_parallel.py::test_zero1_slices_dense_updates_over_the_expert_axis_too", "manual")
+_keep_none(
+    "test_expert_parallel.py::test_zero1_slices_dense_updates_over_the_expert_axis_too",
+    "test_fsdp.py::test_zero1_reduce_scatters_gradients_and_gathers_parameters",
+)
 _pair("test_docs.py::test_site_builds_strictly", "test_docs.py::test_blocks_are_found")
 _keep_only("test_data_parallel.py::test_dp_matches_single_device_transformer", "manual")
+# Third pass (measured ~735 s with the pipelines counted): adapter dropout beside
+# attention dropout's key routing; frozen weights' bytes under manual FSDP; one
+# transformers greedy reference per attention layout; the blockwise kernel's
+# padded and grouped cases.
+_pair(
+    "test_lora.py::test_adapter_dropout_takes_the_step_key_and_matches_one_device_under_a_data_plan",
+    "test_attention_dropout.py::test_no_key_or_rate_zero_is_exactly_no_dropout",
+)
+_keep_only("test_frozen.py::test_frozen_gradients_move_no_bytes_and_are_not_computed", "fsdp8-manual")
+_keep_only("test_generate.py::test_greedy_matches_transformers_on_one_device", "llama3_rope", "gpt2")
+_keep_only("test_attention_memory.py::test_blockwise_equals_dense", "gqa3-pads-*")
+_keep_only("test_examples.py::test_example_runs", "demo/3d")
