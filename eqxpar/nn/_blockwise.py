@@ -6,7 +6,8 @@ so no `(seq, seq)` score matrix is ever formed: each step holds one
 `(seq, block)` tile. Its backward pass is a `jax.custom_vjp` that saves only `q`,
 `k`, `v`, the output and the per-query maximum and sum (all `O(seq)`), and
 recomputes each tile's probabilities in a second scan over the same blocks
-(FlashAttention's backward), so the backward is `O(seq x block)` as well.
+(FlashAttention's backward), so the backward is `O(seq x block)` as well. The
+arithmetic of one tile is `_flash_tile.py`'s, shared with `context_attention`.
 
 Dropout on the attention probabilities draws no random tensor: whether the
 probability of (batch row, global query head, global query position, global key
@@ -24,15 +25,16 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._errors import PlanError, SpecError
-
-_F32 = jnp.float32
-
-
-def accumulation_dtype(dtype) -> jnp.dtype:
-    """The dtype attention accumulates in: at least float32 (bfloat16 inputs), and
-    float64 for float64 inputs (under `jax_enable_x64`), as one device computes."""
-    return jnp.promote_types(dtype, _F32)
-
+from ._flash_tile import (
+    TileOptions,
+    accumulation_dtype,
+    empty_softmax_state,
+    fold_tile,
+    key_blocks,
+    query_and_key_grads,
+    tile_scores,
+    value_and_score_grads,
+)
 
 _U32 = jnp.uint32
 
@@ -182,28 +184,24 @@ def blockwise_attention(
         rows = dropout_rows(dropout_seed(key), b, hq, hkv, head_offset, jnp.arange(sq))
     else:
         rate = 0.0
-    return _flash(q, k, v, mask, segment_ids, rows, bool(causal), int(min(block_size, sk)), rate)
+    return _flash(q, k, v, mask, segment_ids, rows, TileOptions(bool(causal), int(min(block_size, sk)), rate))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q, k, v, mask, seg, rows, causal, block, rate):
-    return _forward(q, k, v, mask, seg, rows, causal, block, rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, mask, seg, rows, options: TileOptions):
+    return _forward(q, k, v, mask, seg, rows, options)[0]
 
 
-def _setup(q, k, v, mask, seg, rows, causal, block, rate):
+def _setup(q, k, v, mask, seg, rows, options: TileOptions):
     """Grouped float32 queries, keys and values stacked in blocks `(n, b, block, hkv, d)`
     (padded to whole blocks), the mask padded likewise, and a per-block mask maker."""
+    causal, block, rate = options.causal, options.block_size, options.dropout_rate
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     nb = -(-sk // block)
     pad = nb * block - sk
     acc = accumulation_dtype(q.dtype)
     qg = q.astype(acc).reshape(b, sq, hkv, hq // hkv, d)
-
-    def blocks(x):
-        x = jnp.pad(x.astype(acc), ((0, 0), (0, pad), (0, 0), (0, 0)))
-        return x.reshape(b, nb, block, hkv, d).swapaxes(0, 1)
-
     mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, pad)))
     kseg = None if seg is None else jnp.pad(seg, ((0, 0), (0, pad)))
 
@@ -224,60 +222,39 @@ def _setup(q, k, v, mask, seg, rows, causal, block, rate):
         drop = None if rows is None else dropout_scale(rows, kpos, rate)
         return real, allowed, drop
 
-    return qg, blocks(k), blocks(v), masks, jnp.arange(nb)
+    return qg, key_blocks(k, block, acc)[0], key_blocks(v, block, acc)[0], masks, jnp.arange(nb)
 
 
 def _scores(qg, kj, allowed, d):
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, kj) / jnp.sqrt(jnp.asarray(d, qg.dtype))
+    s = tile_scores(qg, kj) / jnp.sqrt(jnp.asarray(d, qg.dtype))
     return jnp.where(allowed, s, jnp.finfo(s.dtype).min)
 
 
-def fold_tile(state: tuple, s: Array, keep: Array, vj: Array, drop: Array | None = None) -> tuple:
-    """One online-softmax step: fold a tile of scores `s` `(b, hkv, g, q, s)` (masked
-    entries at `finfo(float32).min`) and its values `vj` `(b, s, hkv, d)` into
-    `state` = (acc, running max, running sum); keys where `keep` is False take no
-    weight. `drop` (dropout's `keep / (1 - rate)`, like `s`) scales the
-    probabilities the output accumulates, not those the running sum normalises by.
-    Shared by `blockwise_attention` and `context_attention`."""
-    acc, m, total = state
-    m_new = jnp.maximum(m, s.max(-1))
-    p = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    total = total * corr + p.sum(-1)
-    pv = p if drop is None else p * drop
-    acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", pv, vj)
-    return acc, m_new, total
-
-
-def _forward(q, k, v, mask, seg, rows, causal, block, rate):
+def _forward(q, k, v, mask, seg, rows, options: TileOptions):
     b, sq, hq, d = q.shape
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, causal, block, rate)
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, options)
 
     def step(state, xs):
         j, kj, vj = xs
         real, allowed, drop = masks(j)
         return fold_tile(state, _scores(qg, kj, allowed, d), real, vj, drop), None
 
-    # Initial carries built from q (zeros_like/full_like), so inside shard_map they
-    # vary over the same mesh axes as the values the scan computes.
-    acc0 = jnp.zeros_like(qg).transpose(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
-    init = (acc0, jnp.full_like(acc0[..., 0], -jnp.inf), jnp.zeros_like(acc0[..., 0]))
-    (acc, m, total), _ = lax.scan(step, init, (idx, kb, vb))
+    (acc, m, total), _ = lax.scan(step, empty_softmax_state(qg), (idx, kb, vb))
     o = acc / total[..., None]  # (b, hkv, g, sq, d)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
     return out, (q, k, v, mask, seg, rows, o, m, total)
 
 
-def _flash_fwd(q, k, v, mask, seg, rows, causal, block, rate):
-    return _forward(q, k, v, mask, seg, rows, causal, block, rate)
+def _flash_fwd(q, k, v, mask, seg, rows, options: TileOptions):
+    return _forward(q, k, v, mask, seg, rows, options)
 
 
-def _flash_bwd(causal, block, rate, res, dout):
+def _flash_bwd(options: TileOptions, res, dout):
     q, k, v, mask, seg, rows, o, m, total = res
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, causal, block, rate)
+    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, options)
     do = dout.astype(qg.dtype).reshape(b, sq, hkv, g, d)
     delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O), O the dropped output
     inv_l = 1.0 / total
@@ -287,15 +264,11 @@ def _flash_bwd(causal, block, rate, res, dout):
         real, allowed, drop = masks(j)
         s = _scores(qg, kj, allowed, d)
         p = jnp.where(real, jnp.exp(s - m[..., None]), 0.0) * inv_l[..., None]
-        # With dropout O = (P * Z) V: dV = (P * Z)^T dO, dP = (dO V^T) * Z, and
-        # dS = P * (dP - rowsum(dO * O)) as without.
-        dv = jnp.einsum("bkgqs,bqkgd->bskd", p if drop is None else p * drop, do)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vj)
-        dp = dp if drop is None else dp * drop
-        ds = jnp.where(allowed, p * (dp - delta[..., None]), 0.0) / jnp.sqrt(jnp.asarray(d, qg.dtype))
-        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kj)
-        dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
-        return dq, (dk, dv)
+        dv, ds = value_and_score_grads(p, drop, do, vj, delta)
+        # The scores were scaled after the dot product and masked keys kept in p.
+        ds = jnp.where(allowed, ds, 0.0) / jnp.sqrt(jnp.asarray(d, qg.dtype))
+        dq_j, dk = query_and_key_grads(ds, qg, kj)
+        return dq + dq_j, (dk, dv)
 
     dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), (idx, kb, vb))
 

@@ -10,7 +10,7 @@ from .._context_split import context_size, note_split
 from .._errors import DivisibilityError, SpecError
 from .._mesh import CONTEXT_AXIS
 from ._context import TensorContext, tensor_context
-from ._sequence_layout import _segments
+from ._sequence_layout import device_chunks
 
 
 def check_sequence_splits(length: int, ctx: TensorContext, where: str) -> None:
@@ -51,9 +51,9 @@ def split_context(x: Shaped[Array, "..."], *, seq_dim: int = 1) -> Shaped[Array,
             f"that is a multiple of {2 * n}."
         )
     note_split()
-    # The layout context_attention reads: its segments' global starts and lengths.
-    segments = _segments(jax.lax.axis_index(CONTEXT_AXIS), length // n, n, True)
-    parts = [jax.lax.dynamic_slice_in_dim(x, s.start, s.length, axis=seq_dim) for s in segments]
+    # The layout context_attention reads: its chunks' global starts and lengths.
+    chunks = device_chunks(jax.lax.axis_index(CONTEXT_AXIS), length // n, n, True)
+    parts = [jax.lax.dynamic_slice_in_dim(x, c.start, c.length, axis=seq_dim) for c in chunks]
     return jnp.concatenate(parts, axis=seq_dim)
 
 

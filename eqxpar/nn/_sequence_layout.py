@@ -1,6 +1,6 @@
 """The sequence layout of context parallelism, shared by the attention
-implementations (`_context_attention.py`) and the code around the layers that
-follows the sequence split (`_sequence.py`).
+strategies (`_ring_attention.py`, `_gathered_attention.py`, `_ulysses.py`) and the
+code around the layers that follows the sequence split (`_sequence.py`).
 
 Layouts. With `load_balanced=True` the global sequence is cut into `2n` chunks and
 device `i` holds chunks `i` and `2n-1-i`, concatenated: under a causal mask the
@@ -10,6 +10,11 @@ contiguous block `i`. `context_layout` / `context_unlayout` permute a global arr
 into / out of the order whose contiguous `n` blocks are the devices' chunks, and
 `context_positions` gives this device's global token positions (for rotary
 embeddings and masks).
+
+Inside the attention a device's local sequence is a list of `Chunk`s, each a run
+of the global sequence (`device_chunks`: two when load-balanced, one otherwise);
+the attention strategies read their global positions for the causal mask and
+dropout.
 """
 
 from typing import NamedTuple
@@ -22,7 +27,7 @@ from jaxtyping import Array, Int, Shaped
 from .._errors import DivisibilityError, PlanError, SpecError
 
 
-def _chunk_order(n: int, load_balanced: bool) -> list[int]:
+def chunk_order(n: int, load_balanced: bool) -> list[int]:
     # The global chunks in device order: device i's chunks are entries [2i, 2i+1]
     # when load-balanced (chunks i and 2n-1-i), entry i otherwise.
     if not load_balanced:
@@ -39,7 +44,7 @@ def _permute_chunks(x: Array, n: int, load_balanced: bool, seq_dim: int, inverse
             f"expected -{x.ndim} <= seq_dim < {x.ndim}."
         )
     seq_dim %= x.ndim
-    order = _chunk_order(n, load_balanced)
+    order = chunk_order(n, load_balanced)
     chunks = len(order)
     length = x.shape[seq_dim]
     if length % chunks:
@@ -50,7 +55,7 @@ def _permute_chunks(x: Array, n: int, load_balanced: bool, seq_dim: int, inverse
             f"Use a sequence length that is a multiple of {chunks}."
         )
     if inverse:
-        order = sorted(range(chunks), key=order.__getitem__)
+        order = inverse_order(order)
     size = length // chunks
     shape = (*x.shape[:seq_dim], chunks, size, *x.shape[seq_dim + 1 :])
     y = jnp.take(x.reshape(shape), jnp.asarray(order), axis=seq_dim)
@@ -99,7 +104,7 @@ def context_unlayout(
     return _permute_chunks(x, n, load_balanced, seq_dim, True, "context_unlayout")
 
 
-class _Seg(NamedTuple):
+class Chunk(NamedTuple):
     """A run of a local array that is contiguous in the global sequence: its
     offset and length in the local array, and its first global position."""
 
@@ -107,12 +112,41 @@ class _Seg(NamedTuple):
     length: int
     start: Array | int
 
+    def cut(self, x: Array | None, axis: int = 1) -> Array | None:
+        """This chunk of the local array `x` along `axis` (None for None)."""
+        if x is None:
+            return None
+        return lax.slice_in_dim(x, self.offset, self.offset + self.length, axis=axis)
 
-def _segments(device: Array | int, length: int, n: int, load_balanced: bool, offset: int = 0) -> list[_Seg]:
+
+def device_chunks(
+    device: Array | int, length: int, n: int, load_balanced: bool, offset: int = 0
+) -> list[Chunk]:
+    """The chunks of device `device`'s local sequence of `length` tokens (of `n`
+    devices), at `offset` in the local array: chunks `device` and `2n-1-device` of
+    `2n` when load-balanced, block `device` otherwise."""
     if not load_balanced:
-        return [_Seg(offset, length, device * length)]
+        return [Chunk(offset, length, device * length)]
     half = length // 2
-    return [_Seg(offset, half, device * half), _Seg(offset + half, half, (2 * n - 1 - device) * half)]
+    return [Chunk(offset, half, device * half), Chunk(offset + half, half, (2 * n - 1 - device) * half)]
+
+
+def gathered_chunks(length: int, n: int, load_balanced: bool) -> list[Chunk]:
+    """The chunks of every device's local sequence (of `length` tokens each),
+    gathered in device order into one array of `n * length`."""
+    return [c for j in range(n) for c in device_chunks(j, length, n, load_balanced, offset=j * length)]
+
+
+def reorder_chunks(x: Array, order: list[int], axis: int = 1) -> Array:
+    """Static slices, concatenated: chunk `order[i]` of `x` (of `len(order)` equal
+    chunks along `axis`) becomes chunk i."""
+    size = x.shape[axis] // len(order)
+    return jnp.concatenate([lax.slice_in_dim(x, c * size, (c + 1) * size, axis=axis) for c in order], axis)
+
+
+def inverse_order(order: list[int]) -> list[int]:
+    """The permutation that undoes `order`."""
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 def context_positions(
@@ -142,7 +176,8 @@ def context_positions(
         _check_even(local_len, "context_positions")
     me = lax.axis_index(axis)
     parts = [
-        s.start + jnp.arange(s.length, dtype=jnp.int32) for s in _segments(me, local_len, n, load_balanced)
+        s.start + jnp.arange(s.length, dtype=jnp.int32)
+        for s in device_chunks(me, local_len, n, load_balanced)
     ]
     return jnp.concatenate(parts).astype(jnp.int32)
 
