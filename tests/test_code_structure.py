@@ -239,6 +239,35 @@ def test_one_byte_size_helper():
     assert not found, "use eqxpar._sizes (itemsize, array_bytes, nbytes):\n" + "\n".join(found)
 
 
+#: Where a function that counts FLOPs may live: the one counter of a program's
+#: matmuls (HLO or jaxpr), the model-FLOPs formula behind MFU, and a device
+#: profile's peak rate (not a count).
+FLOP_FUNCTIONS = {
+    "eqxpar/inspect/_flops.py": None,
+    "eqxpar/models/_flops.py": None,
+    "eqxpar/_advise/_profile.py": {"flops"},
+}
+
+
+def flop_counters_outside_their_module() -> list[str]:
+    """Functions named for FLOPs outside `FLOP_FUNCTIONS`: a second counter."""
+    found = []
+    for path in sorted((ROOT / "eqxpar").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        if where in FLOP_FUNCTIONS and FLOP_FUNCTIONS[where] is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and "flops" in node.name.lower():
+                if node.name not in (FLOP_FUNCTIONS.get(where) or ()):
+                    found.append(f"{where}:{node.lineno} defines {node.name}")
+    return found
+
+
+def test_one_flop_counter():
+    found = flop_counters_outside_their_module()
+    assert not found, "count matmul FLOPs with eqxpar.inspect.matmul_flops (HLO or jaxpr):\n" + "\n".join(found)
+
+
 def cost_labels_read_by_the_advisor() -> list[str]:
     """Reads of a `Minimum`'s printed labels (`.parts`, `.label`) in the advisor:
     it reads each cost's fields (`kind`, `axes`, `source`, `wire_bytes`)."""
@@ -445,6 +474,8 @@ def test_the_checks_catch_what_they_forbid(scratch):
         }
     )
     assert [line.split(" ", 1)[1] for line in cost_labels_read_by_the_advisor()] == ["reads .parts"]
+    scratch({"eqxpar/_advise/_z.py": "def _dot_flops(jaxpr):\n    return 0\n"})
+    assert [line.split(" ", 1)[1] for line in flop_counters_outside_their_module()] == ["defines _dot_flops"]
     plan = "class Plan:\n    mesh: int\n    schedule: str\n"
     scratch(
         {

@@ -1,5 +1,6 @@
 """Matrix-multiply FLOPs read from compiled HLO: loops weighted by trip count,
-fusions and calls descended into, conditionals at their costliest branch."""
+fusions and calls descended into, conditionals at their costliest branch; and
+from a jaxpr by the same rules (the advisor's count, before compiling)."""
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,28 @@ def test_batched_contraction_and_a_conditional_at_its_costliest_branch():
     a, b = jnp.ones((2, 8, 16)), jnp.ones((2, 16, 4))
     compiled = jax.jit(f).lower(0, a, b).compile()
     assert matmul_flops(compiled) == 2 * (2 * 8 * 4) * 16
+    assert matmul_flops(jax.make_jaxpr(f)(0, a, b)) == matmul_flops(compiled)
+
+
+def test_a_jaxpr_counts_what_its_compiled_program_runs():
+    # The scanned gradient above, a grouped (ragged) product and a closed-over
+    # jaxpr or a bare one: the jaxpr's count is the compiled program's.
+    def loss(w, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w), None
+
+        return jax.lax.scan(layer, x, w)[0].sum()
+
+    args = (jnp.ones((3, 32, 32)), jnp.ones((16, 32)))
+    closed = jax.make_jaxpr(jax.grad(loss))(*args)
+    assert matmul_flops(closed) == 3 * 3 * 2 * 16 * 32 * 32
+    assert matmul_flops(closed.jaxpr) == matmul_flops(closed)
+    assert matmul_flops(closed) == matmul_flops(jax.jit(jax.grad(loss)).lower(*args).compile())
+
+    rows, groups = jnp.ones((12, 16)), jnp.ones((3, 16, 8))
+    sizes = jnp.array([4, 4, 4], jnp.int32)
+    ragged = jax.make_jaxpr(jax.lax.ragged_dot)(rows, groups, sizes)
+    assert matmul_flops(ragged) == 2 * 12 * 16 * 8
 
 
 def test_refuses_what_it_cannot_read():

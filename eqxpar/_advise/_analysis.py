@@ -17,6 +17,7 @@ from .._errors import PlanError
 from .._sizes import array_bytes, itemsize
 from .._specs import is_array_like
 from .._text import short
+from ..inspect import matmul_flops
 from ..inspect._model_layers import attention_layers
 
 
@@ -40,38 +41,12 @@ class Analysis:
     """
 
     residuals: tuple[jax.ShapeDtypeStruct, ...]
-    forward_flops: float
+    forward_flops: int
     batch_size: int
     seq_len: int | None
     row_bytes: int
     routed: jax.ShapeDtypeStruct | None
     layers: int
-
-
-def _dot_flops(jaxpr: Any) -> float:
-    # Matmul FLOPs of a jaxpr, scans counted `length` times, other sub-jaxprs once.
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (lc, _), _ = eqn.params["dimension_numbers"]
-            a = eqn.invars[0].aval
-            contracted = 1
-            for d in lc:
-                contracted *= a.shape[d]
-            total += 2.0 * eqn.outvars[0].aval.size * contracted
-        elif eqn.primitive.name == "ragged_dot_general" or eqn.primitive.name == "ragged_dot":
-            a, b = eqn.invars[0].aval, eqn.invars[1].aval
-            total += 2.0 * a.size * b.shape[-1]
-        for value in eqn.params.values():
-            inner = value.jaxpr if isinstance(value, jcore.ClosedJaxpr) else value
-            if isinstance(inner, jcore.Jaxpr):
-                repeat = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-                total += repeat * _dot_flops(inner)
-            elif isinstance(value, tuple):
-                for branch in value:
-                    if isinstance(branch, jcore.ClosedJaxpr):
-                        total += _dot_flops(branch.jaxpr) / len(value)
-    return total
 
 
 def analyse(model: Any, loss: Callable, batch: Any) -> Analysis:
@@ -119,7 +94,7 @@ def analyse(model: Any, loss: Callable, batch: Any) -> Analysis:
     row = (seq or 1) * width * itemsize(dtype)
     return Analysis(
         residuals=saved,
-        forward_flops=_dot_flops(forward.jaxpr),
+        forward_flops=matmul_flops(forward),
         batch_size=size,
         seq_len=seq,
         row_bytes=row,

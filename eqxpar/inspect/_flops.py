@@ -1,4 +1,5 @@
-"""Matrix-multiply FLOPs per device, read from compiled HLO text.
+"""Matrix-multiply FLOPs per device: eqxpar's one counter of a program's FLOPs,
+read from compiled HLO text or from a traced jaxpr by the same rules.
 
 `compiled.cost_analysis()["flops"]` counts the body of a `while` loop once,
 whatever its trip count, and every branch of a conditional: for a step that runs
@@ -12,11 +13,20 @@ take different branches in lockstep (a pipeline tick), the tick lasts as long as
 its costliest one. Element-wise work is not counted: in a transformer step the
 matmuls are nearly all the FLOPs, and they are what a pipeline's recomputation
 or bubble adds to.
+
+A jaxpr (`jax.make_jaxpr(f)(...)`) is read by the same rules before anything is
+compiled: a `scan` weighted by its `length`, a `cond`/`switch` at its costliest
+branch, every other sub-jaxpr (`pjit`, `remat`, custom derivatives, a `while` of
+unknown length) once. The advisor counts its candidates' matmuls this way, without
+compiling them. (`eqxpar.models.flops_per_token` is a different figure: the FLOPs a
+model needs by its formula, the numerator of MFU, whatever a plan runs.)
 """
 
 import math
 import re
 from typing import Any
+
+from jax.extend import core as jcore
 
 from ._hlo import _BRANCHES, _CALLS, _CONDITIONAL, _SHAPE, _TRIP, _hlo_text, _parse
 
@@ -30,14 +40,18 @@ def _dims(type_text: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
+def _product_flops(result_shape: Any, lhs_shape: Any, contracting: Any) -> int:
+    # A multiply and an add per term: 2 x result elements x contracted elements.
+    return 2 * math.prod(result_shape) * math.prod(lhs_shape[int(i)] for i in contracting)
+
+
 def _dot_flops(result_type: str, operands: str, types: dict[str, str], line: str) -> int:
     lhs = operands.split(",")[0].strip().lstrip("%").split(")")[0]
     contracting = _CONTRACTING.search(line)
     lhs_dims = _dims(types.get(lhs, ""))
     if contracting is None or not lhs_dims:
         raise ValueError(f"matmul_flops: cannot read the operands of {line.strip()[:200]!r}")
-    k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
-    return 2 * math.prod(_dims(result_type)) * k
+    return _product_flops(_dims(result_type), lhs_dims, [i for i in contracting.group(1).split(",") if i])
 
 
 def _flops(computations: dict[str, list[str]], headers: dict[str, str], name: str, depth: int = 0) -> int:
@@ -89,15 +103,38 @@ def _headers(text: str) -> dict[str, str]:
     return out
 
 
+def _jaxpr_flops(jaxpr: Any) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            total += _product_flops(eqn.outvars[0].aval.shape, eqn.invars[0].aval.shape, contracting)
+        elif name in ("ragged_dot", "ragged_dot_general"):
+            # Counted as XLA:CPU runs it: every row through one group's matrix.
+            lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+            total += _product_flops((*lhs.shape[:-1], rhs.shape[-1]), lhs.shape, (lhs.ndim - 1,))
+        repeat = eqn.params.get("length", 1) if name == "scan" else 1
+        for value in eqn.params.values():
+            inner = value.jaxpr if isinstance(value, jcore.ClosedJaxpr) else value
+            if isinstance(inner, jcore.Jaxpr):
+                total += repeat * _jaxpr_flops(inner)
+            elif isinstance(value, tuple) and any(isinstance(b, jcore.ClosedJaxpr) for b in value):
+                total += max(_jaxpr_flops(b.jaxpr) for b in value if isinstance(b, jcore.ClosedJaxpr))
+    return total
+
+
 def matmul_flops(compiled_or_text: Any) -> int:
-    """The matrix-multiply FLOPs one device runs in a compiled computation, loops
-    weighted by their trip counts, conditionals at their costliest branch (see
-    the module docstring).
+    """The matrix-multiply FLOPs one device runs in a compiled computation (or all
+    of a traced jaxpr), loops weighted by their trip counts, conditionals at their
+    costliest branch (see the module docstring).
 
     **Arguments:**
 
     - `compiled_or_text`: what `collective_stats` accepts: a compiled computation,
-      a lowered one, an eqxpar step's `step.compile(state, batch)`, or the HLO text.
+      a lowered one, an eqxpar step's `step.compile(state, batch)`, or the HLO text;
+      or a jaxpr (`jax.make_jaxpr(f)(*args)`, closed or not), counted before
+      compiling.
 
     **Returns:** the FLOPs, an `int` (`2 m n k` per `m x k` by `k x n` product).
 
@@ -106,6 +143,9 @@ def matmul_flops(compiled_or_text: Any) -> int:
     matmul_flops(jax.jit(jnp.matmul).lower(x, w).compile())  # 2 * 16 * 8 * 32 = 8192
     ```
     """
+    if isinstance(compiled_or_text, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+        jaxpr = compiled_or_text
+        return _jaxpr_flops(jaxpr.jaxpr if isinstance(jaxpr, jcore.ClosedJaxpr) else jaxpr)
     text = _hlo_text(compiled_or_text)
     computations, entry = _parse(text)
     return _flops(computations, _headers(text), entry)

@@ -18,6 +18,7 @@ the dense, blockwise and context paths drop the same probabilities for one key.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -184,18 +185,30 @@ def blockwise_attention(
         rows = dropout_rows(dropout_seed(key), b, hq, hkv, head_offset, jnp.arange(sq))
     else:
         rate = 0.0
-    return _flash(q, k, v, mask, segment_ids, rows, TileOptions(bool(causal), int(min(block_size, sk)), rate))
+    kept = KeptKeys(mask, segment_ids, rows)
+    return _flash(q, k, v, kept, TileOptions(bool(causal), int(min(block_size, sk)), rate))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, mask, seg, rows, options: TileOptions):
-    return _forward(q, k, v, mask, seg, rows, options)[0]
+class KeptKeys(NamedTuple):
+    """Which keys each query keeps, beside `TileOptions.causal`: the `(q_seq,
+    kv_seq)` mask, the `(batch, seq)` segment ids and the dropout rows' hashes
+    (`dropout_rows`); each None when not used. Not differentiated."""
+
+    mask: Array | None
+    segments: Array | None
+    dropout_rows: Array | None
 
 
-def _setup(q, k, v, mask, seg, rows, options: TileOptions):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, kept: KeptKeys, options: TileOptions):
+    return _forward(q, k, v, kept, options)[0]
+
+
+def _setup(q, k, v, kept: KeptKeys, options: TileOptions):
     """Grouped float32 queries, keys and values stacked in blocks `(n, b, block, hkv, d)`
     (padded to whole blocks), the mask padded likewise, and a per-block mask maker."""
     causal, block, rate = options.causal, options.block_size, options.dropout_rate
+    mask, seg, rows = kept
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     nb = -(-sk // block)
@@ -230,9 +243,9 @@ def _scores(qg, kj, allowed, d):
     return jnp.where(allowed, s, jnp.finfo(s.dtype).min)
 
 
-def _forward(q, k, v, mask, seg, rows, options: TileOptions):
+def _forward(q, k, v, kept: KeptKeys, options: TileOptions):
     b, sq, hq, d = q.shape
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, options)
+    qg, kb, vb, masks, idx = _setup(q, k, v, kept, options)
 
     def step(state, xs):
         j, kj, vj = xs
@@ -242,19 +255,19 @@ def _forward(q, k, v, mask, seg, rows, options: TileOptions):
     (acc, m, total), _ = lax.scan(step, empty_softmax_state(qg), (idx, kb, vb))
     o = acc / total[..., None]  # (b, hkv, g, sq, d)
     out = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, hq, d).astype(q.dtype)
-    return out, (q, k, v, mask, seg, rows, o, m, total)
+    return out, (q, k, v, kept, o, m, total)
 
 
-def _flash_fwd(q, k, v, mask, seg, rows, options: TileOptions):
-    return _forward(q, k, v, mask, seg, rows, options)
+def _flash_fwd(q, k, v, kept: KeptKeys, options: TileOptions):
+    return _forward(q, k, v, kept, options)
 
 
 def _flash_bwd(options: TileOptions, res, dout):
-    q, k, v, mask, seg, rows, o, m, total = res
+    q, k, v, kept, o, m, total = res
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg, kb, vb, masks, idx = _setup(q, k, v, mask, seg, rows, options)
+    qg, kb, vb, masks, idx = _setup(q, k, v, kept, options)
     do = dout.astype(qg.dtype).reshape(b, sq, hkv, g, d)
     delta = jnp.einsum("bqkgd,bkgqd->bkgq", do, o)  # rowsum(dO * O), O the dropped output
     inv_l = 1.0 / total
@@ -275,7 +288,9 @@ def _flash_bwd(options: TileOptions, res, dout):
     def unblock(x, like):
         return x.swapaxes(0, 1).reshape(b, -1, hkv, d)[:, :sk].astype(like.dtype)
 
-    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), None, None, None
+    # The kept keys are masks and hashes: no cotangent.
+    no_cotangent = KeptKeys(None, None, None)
+    return dq.reshape(b, sq, hq, d).astype(q.dtype), unblock(dk, k), unblock(dv, v), no_cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
