@@ -57,7 +57,7 @@ while parameters and optimizer state stay split between steps.
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -406,6 +406,31 @@ class Packing:
         ]
 
 
+class TickBuffers(NamedTuple):
+    """What a tick's actions read from and add to, on one device: the received
+    activations and cotangents (`inputs`, `cots`), the residual and stash buffers
+    (`stored`, `stashed`), the gradient sums of the rest and of the stack's chunks
+    (`g_rest`, `g_blocks`) and the loss sum."""
+
+    inputs: Any
+    cots: Any
+    stored: tuple
+    stashed: tuple
+    g_rest: Any
+    g_blocks: Any
+    loss_sum: Any
+
+
+class PullBack(NamedTuple):
+    """A backward action's operands: the chunk's parameters, its input activation
+    (None on the first stage), the micro-batch and the cotangent it pulls back."""
+
+    chunk: Any
+    x: Any
+    mb: Any
+    seed: Any
+
+
 class Device:
     """One device's step: its parameters split into the rest and its chunks, its
     micro-batches, the types of what crosses stages, and the scan over ticks."""
@@ -563,12 +588,11 @@ class Device:
             return mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
         return mark_varying(cotangent, self.act_axes)
 
-    def _pull_back(
-        self, action: int, first: bool, last: bool, chunk: Any, x: Any, mb: Any, seed: Any
-    ) -> tuple:
+    def _pull_back(self, action: int, first: bool, last: bool, operands: PullBack) -> tuple:
         """`(stage output, parameter gradients or None, input cotangent or None)` of
         a backward action: `B` both, `I` the input's only, `W` the parameters' only."""
         rest, stage = self.rest, self.stage
+        chunk, x, mb, seed = operands
         if action == BACKWARD and first:
             out, pull = jax.vjp(lambda r, c: stage(r, c, None, mb, True, last), rest, chunk)
             return out, pull(seed), None
@@ -586,22 +610,12 @@ class Device:
         return None, pull(seed), None
 
     def _pull_back_kept(
-        self,
-        action: int,
-        kind: tuple,
-        folded: bool,
-        chunk: Any,
-        x: Any,
-        mb: Any,
-        seed: Any,
-        stored: tuple,
-        stashed: tuple,
-        fields: jax.Array,
+        self, action: int, kind: tuple, folded: bool, operands: PullBack, buffers: TickBuffers, fields: jax.Array
     ) -> tuple:
         """As `_pull_back`, from the residuals the stage's forward stored (or, where
         the last stage's forward is `folded` into its backward, computing them:
         `B` and `I` run the forward there), read in place from the residual
-        buffers `stored` at the slot `fields` names. Returns `(output, parameter
+        buffers `buffers.stored` at the slot `fields` names. Returns `(output, parameter
         gradients, input cotangent, residuals to store, stash to store)`.
 
         The pull-back is traced again here, and its residuals swapped for the
@@ -609,8 +623,10 @@ class Device:
         removes it. `I` and `W` run the two halves of the pull-back
         (`_split_backward`): `I` the input cotangent's, storing the stash that
         `W`'s half, the weight cotangents', reads from the stash buffers
-        `stashed`. `kind`: `(first, last, layers)`, the stage's residual layout."""
+        `buffers.stashed`. `kind`: `(first, last, layers)`, the stage's residual layout."""
         first, last, _ = kind
+        chunk, x, mb, seed = operands
+        stored, stashed = buffers.stored, buffers.stashed
         out, leaves, treedef, kept = self._vjp(first, last, chunk, x, mb)
         to_store = None
         if stores_residuals(action, folded):
@@ -649,75 +665,57 @@ class Device:
         # copied out around the switch, a slot would be copied every tick.
         stored, stashed = carry[5], carry[6]
         inputs, cots, g_rest, g_blocks, loss_sum = carry[:5]
+        buffers = TickBuffers(inputs, cots, stored, stashed, g_rest, g_blocks, loss_sum)
         send_f, send_b = self.zeros_act(), self.zeros_act()
         to_store = self.residuals.zeros() if stores[0] else ()
         to_stash = self.stash.zeros() if stores[1] else ()
         for i, key in enumerate(keys):
             fields = row[HEAD + FIELDS * i : HEAD + FIELDS * (i + 1)]
-            f, b, g_rest, g_blocks, loss_sum, st, sh = self._action(
-                *key, fields, inputs, cots, stored, stashed, g_rest, g_blocks, loss_sum
-            )
+            f, b, buffers, st, sh = self._action(key, fields, buffers)
             send_f = send_f if f is None else f
             send_b = send_b if b is None else b
             to_store = to_store if st is None else st
             to_stash = to_stash if sh is None else sh
-        return send_f, send_b, g_rest, g_blocks, loss_sum, to_store, to_stash
+        return send_f, send_b, buffers.g_rest, buffers.g_blocks, buffers.loss_sum, to_store, to_stash
 
-    def _action(
-        self,
-        action: int,
-        first: bool,
-        last: bool,
-        folded: bool,
-        layers: int | None,
-        fields: jax.Array,
-        inputs: jax.Array,
-        cots: jax.Array,
-        stored: tuple,
-        stashed: tuple,
-        g_rest: Any,
-        g_blocks: Any,
-        loss_sum: jax.Array,
-    ) -> tuple:
-        """One action of a tick: `(activation to send on or None, cotangent to send
-        back or None, rest's gradient sum, stack's gradient sums, loss sum,
-        residuals to store or None, stash to store or None)`."""
+    def _action(self, key: tuple, fields: jax.Array, buffers: TickBuffers) -> tuple:
+        """One action of a tick, `key` its branch key `(action, first, last, folded,
+        layers)`: `(activation to send on or None, cotangent to send back or None,
+        the buffers with the gradient and loss sums added to, residuals to store or
+        None, stash to store or None)`."""
+        action, first, last, folded, layers = key
+        g_rest, g_blocks, loss_sum = buffers.g_rest, buffers.g_blocks, buffers.loss_sum
+        added = lambda g_rest, g_blocks, loss_sum: buffers._replace(  # noqa: E731
+            g_rest=g_rest, g_blocks=g_blocks, loss_sum=loss_sum
+        )
         mb, chunk, in_slot, cot_slot = fields[0], fields[1], fields[2], fields[3]
         if action == IDLE:  # (a folded forward is idle: its backward runs it)
-            return None, None, g_rest, g_blocks, loss_sum, None, None
+            return None, None, buffers, None, None
         mb_batch = _index(self.micro_batches, mb)
         chunk_params = self.layers_of(_index(self.blocks, chunk), layers)
-        x = None if first else lax.dynamic_index_in_dim(inputs, in_slot, 0, keepdims=False)
+        x = None if first else lax.dynamic_index_in_dim(buffers.inputs, in_slot, 0, keepdims=False)
         if action == FORWARD and self.engine.keep:
             out, leaves, _, kept = self._vjp(first, last, chunk_params, x, mb_batch)
             packed = self.residuals.pack((first, last, layers), [leaves[i] for i in kept])
             if last:  # the loss: nothing to send on
                 loss_sum = loss_sum + mark_varying(out, self.loss_axes)
-                return None, None, g_rest, g_blocks, loss_sum, packed, None
-            return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, packed, None
+                return None, None, added(g_rest, g_blocks, loss_sum), packed, None
+            return mark_varying(out, self.act_axes), None, buffers, packed, None
         if action == FORWARD:
             out = self.stage(self.rest, chunk_params, x, mb_batch, first, last)
             if last:  # forward only (evaluation): the loss
                 loss_sum = loss_sum + mark_varying(out, self.loss_axes)
-                return None, None, g_rest, g_blocks, loss_sum, None, None
-            return mark_varying(out, self.act_axes), None, g_rest, g_blocks, loss_sum, None, None
-        seed = self.seed(last, None if last else lax.dynamic_index_in_dim(cots, cot_slot, 0, keepdims=False))
+                return None, None, added(g_rest, g_blocks, loss_sum), None, None
+            return mark_varying(out, self.act_axes), None, buffers, None, None
+        cot = None if last else lax.dynamic_index_in_dim(buffers.cots, cot_slot, 0, keepdims=False)
+        operands = PullBack(chunk_params, x, mb_batch, self.seed(last, cot))
         packed = stash = None
         if self.engine.keep:
             out, grads, dx, packed, stash = self._pull_back_kept(
-                action,
-                (first, last, layers),
-                folded,
-                chunk_params,
-                x,
-                mb_batch,
-                seed,
-                stored,
-                stashed,
-                fields,
+                action, (first, last, layers), folded, operands, buffers, fields
             )
         else:
-            out, grads, dx = self._pull_back(action, first, last, chunk_params, x, mb_batch, seed)
+            out, grads, dx = self._pull_back(action, first, last, operands)
         send_b = None if dx is None else mark_varying(dx, self.act_axes)
         if folded and action in (BACKWARD, BACKWARD_INPUT):
             loss_sum = loss_sum + mark_varying(out, self.loss_axes)
@@ -725,7 +723,7 @@ class Device:
             g_r, g_c = grads
             g_rest = jax.tree.map(jnp.add, g_rest, g_r)
             g_blocks = jax.tree.map(functools.partial(_add_chunk, chunk=chunk), g_blocks, g_c)
-        return None, send_b, g_rest, g_blocks, loss_sum, packed, stash
+        return None, send_b, added(g_rest, g_blocks, loss_sum), packed, stash
 
     def run(self) -> tuple[jax.Array, Any, Any]:
         """The loops over the schedule's ticks: `(loss sum, rest's gradients,
