@@ -1,7 +1,6 @@
 """`make_eval_step` and `evaluate`: the loss of a batch, or the mean over a
 dataset, under any plan, with no update."""
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,10 +12,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._context_split import expect_split
 from ._errors import BatchError, PlanError
 from ._fsdp import layer_gathers, prepare_model
-from ._grad_common import LossFunction, mean_aux, mean_over
+from ._grad_common import LossFunction, context_guard, device_key, mean_aux, mean_over
 from ._plan import Plan
 from ._shard_map import filter_shard_map
 from ._sharding import place_tree
@@ -26,23 +24,54 @@ from ._varying import varying_axes
 from .nn._stack import in_plan_order
 
 
-def _per_device(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
-    # As a manual step's loss (`_grad_manual`), without differentiating: FSDP
-    # shards made whole where used, the sequence checked split over `context`,
-    # each device's mean averaged over the devices it differs between.
+def _device_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
+    # As a manual step's loss (`_grad_manual`), without differentiating: the key
+    # made this device's, FSDP shards made whole where used, the sequence checked
+    # split over `context`.
     axes = layout.reduced_axes
-    for axis in axes:
-        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    key = device_key(key, layout)
     model = loss.compute(model)
     per_layer: dict = {}
     if axes:
         model, per_layer = prepare_model(model, layout.params, axes)
-    guard = expect_split if layout.context_axes else contextlib.nullcontext
-    with guard(), layer_gathers(per_layer):
-        value, aux = loss(model, loss.compute(batch), key)
+    with context_guard(layout), layer_gathers(per_layer):
+        return loss(model, loss.compute(batch), key)
+
+
+def _per_device(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
+    # Each device's mean averaged over the devices it differs between.
+    axes = layout.reduced_axes
+    value, aux = _device_loss(loss, layout, model, batch, key)
     varying = tuple(a for a in axes if a in varying_axes(value))
     value = mean_over(value, varying) if varying else value
     return value, (mean_aux(aux, axes) if loss.has_aux and axes else aux)
+
+
+def _check_rows(values: Any, rows: int) -> Array:
+    if not hasattr(values, "shape") or tuple(values.shape) != (rows,):
+        got = tuple(values.shape) if hasattr(values, "shape") else type(values).__name__
+        raise PlanError(
+            f"make_eval_step(..., per_row=True): loss_fn returned {got} on a batch of {rows} rows; "
+            f"expected one loss per row, shape ({rows},). Return the per-row losses (no mean over "
+            "the batch), or build the step with per_row=False for a loss that is a mean over rows."
+        )
+    return values
+
+
+def _per_device_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> Array:
+    # This device's rows' losses, averaged over the non-batch axes they differ
+    # between (context: each device's part of a sequence holds as many tokens).
+    values, _ = _device_loss(loss, layout, model, batch, key)
+    rows = {int(x.shape[0]) for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim}
+    values = _check_rows(values, rows.pop())
+    batch_axes = set(_spec_axes(layout.batch))
+    others = tuple(a for a in layout.reduced_axes if a not in batch_axes and a in varying_axes(values))
+    return mean_over(values, others) if others else values
+
+
+def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    first = spec[0] if len(spec) else None
+    return () if first is None else (first,) if isinstance(first, str) else tuple(first)
 
 
 def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
@@ -63,21 +92,38 @@ def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: Py
     )(model, batch, key)
 
 
+def _batch_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> Array:
+    """The per-row losses of one batch whose size the plan divides, `(rows,)`
+    split over the batch axes."""
+    if layout.kind == "automatic":
+        rows = {int(x.shape[0]) for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim}
+        return _check_rows(loss(loss.compute(model), loss.compute(batch), key)[0], rows.pop())
+    return filter_shard_map(
+        functools.partial(_per_device_rows, loss, layout),
+        layout.plan,
+        in_specs=(layout.params, layout.batch, PartitionSpec()),
+        out_specs=layout.batch,
+        axis_names=layout.manual_axes,
+    )(model, batch, key)
+
+
 class EvalStep:
     """A compiled evaluation `(state or model, batch) -> metrics`, built by
     `eqxpar.train.make_eval_step`."""
 
-    def __init__(self, loss: LossFunction, plan: Plan):
-        self._loss, self._plan = loss, plan
+    def __init__(self, loss: LossFunction, plan: Plan, *, per_row: bool = False):
+        self._loss, self._plan, self._per_row = loss, plan, per_row
         # Compiled once per (model structure, batch shape), as a step is.
         self._compiled = eqx.filter_jit(self._evaluate)
 
-    def _evaluate(self, model: PyTree, batch: PyTree, key: Any) -> tuple:
+    def _evaluate(self, model: PyTree, batch: PyTree, key: Any) -> tuple | Array:
         plan = self._plan
         with plan:
             layout = StepLayout.resolve(plan, model)
             model = place_tree(model, plan, specs=layout.params)
             batch = place_tree(batch, plan, specs=layout.batch)
+            if self._per_row:
+                return _batch_rows(self._loss, layout, model, batch, key)
             return _batch_loss(self._loss, layout, model, batch, key)
 
     @property
@@ -92,7 +138,6 @@ class EvalStep:
         model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
         # A model as loaded (natural order) or as a state of this plan holds it.
         model = in_plan_order(model, self._plan)
-        key = jax.random.key(0) if key is None else key
         sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
         if len(sizes) != 1:
             raise BatchError(
@@ -100,6 +145,8 @@ class EvalStep:
                 "batch size shared by every leaf."
             )
         (rows,) = sizes
+        if self._per_row:
+            return {"loss": self._masked_mean(model, batch, rows, key), "rows": rows}
         q = self.rows_per_call
         whole = rows // q * q
         parts = []  # (rows it stands for, loss, aux)
@@ -110,7 +157,7 @@ class EvalStep:
             # The rows left over (fewer than q): each repeated q times, so that the
             # plan divides the batch and its mean is their mean exactly (the loss
             # is a mean over rows), never cut and never mixed with padding. A
-            # mask would need the loss per row, which a mean loss does not give.
+            # mask needs the loss per row (per_row=True).
             tail = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[whole:], q, axis=0), batch)
             parts.append((rows - whole, *self._compiled(model, tail, key)))
         loss = sum(n * value.astype(jnp.float32) for n, value, _ in parts) / rows
@@ -126,12 +173,28 @@ class EvalStep:
             )
         return metrics
 
+    def _masked_mean(self, model: PyTree, batch: PyTree, rows: int, key: Any) -> Array:
+        # Padded to the next multiple the plan divides with copies of the first
+        # row, which the mask then leaves out: one program per padded size.
+        q = self.rows_per_call
+        padded = -(-rows // q) * q
+        if padded > rows:
+            batch = jax.tree.map(
+                lambda x: jnp.concatenate([jnp.asarray(x), jnp.repeat(jnp.asarray(x)[:1], padded - rows, 0)]),
+                batch,
+            )
+        values = self._compiled(model, batch, key).astype(jnp.float32)
+        real = jnp.arange(padded) < rows
+        return jnp.sum(jnp.where(real, values, 0.0)) / rows
+
 
 def make_eval_step(
     loss_fn: Callable[..., Float[Array, ""] | tuple[Float[Array, ""], Any]],
     plan: Plan,
     *,
     has_aux: bool = False,
+    # Any: checked below, with an eqxpar error that names the value.
+    per_row: Any = False,
 ) -> EvalStep:
     """Build the compiled evaluation of `loss_fn` under `plan`: the loss (and aux)
     of a batch, with no gradient, no update and no donation.
@@ -144,6 +207,17 @@ def make_eval_step(
     over runs repeated over the devices, so that the mean is over exactly the
     batch's rows. That needs the loss to be a mean over rows, as `make_step` does.
 
+    With `per_row=True` the loss returns one value per row instead, and a batch of
+    any size is padded to the next size the plan divides, the padding masked out
+    of the mean: exact for any per-row loss, one program per padded size (not
+    under pipeline plans, whose schedule sums a loss per micro-batch). Either way,
+    statistics of the whole batch inside the loss (an MoE layer's load-balance and
+    z-losses, its capacity) see the padding (or repeated) rows too.
+
+    No dropout unless asked for: the loss gets `key=None` (a loss taking `key=`,
+    such as `lm_loss` with LoRA adapter dropout, then drops nothing) unless the
+    call passes a key.
+
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, batch) -> loss`, or `-> (loss, aux)` with
@@ -151,11 +225,13 @@ def make_eval_step(
       gets the key of the call.
     - `plan`: the plan.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)` (not under pipelines).
+    - `per_row`: whether `loss_fn` returns per-row losses `(batch,)` (see above; no
+      `has_aux`, not under pipelines).
 
     **Returns:** an `EvalStep`: `eval_step(state_or_model, batch, *, key=None) ->
     {"loss": float32 scalar, "rows": int, "aux": ... (with has_aux; floating-point
     leaves averaged over the rows)}`. Takes a `TrainState` or a model (as loaded, or
-    as a state of this plan holds it).
+    as a state of this plan holds it), and `key` (default None: no dropout).
 
     ```python
     eval_step = eqxpar.train.make_eval_step(lm_loss, plan)
@@ -166,12 +242,25 @@ def make_eval_step(
         raise PlanError(f"make_eval_step(..., plan={plan!r}): expected an eqxpar.Plan.")
     if not callable(loss_fn):
         raise PlanError(f"make_eval_step(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
+    if not isinstance(per_row, bool):
+        raise PlanError(f"make_eval_step(per_row={per_row!r}): expected True or False.")
+    if per_row and has_aux:
+        raise PlanError(
+            "make_eval_step(per_row=True, has_aux=True): a per-row loss has no aux here; return the "
+            "per-row losses alone, or use per_row=False for a mean loss with aux."
+        )
+    if per_row and runs_pipeline(plan):
+        raise PlanError(
+            "make_eval_step(per_row=True) under a pipeline plan: the "
+            "schedule sums one loss per micro-batch, not per row. Use per_row=False (a mean loss; rows "
+            "left over are repeated, exactly), or evaluate under the plan without its pipe axis."
+        )
     if runs_pipeline(plan):
         from .pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, plan, accumulate=1, has_aux=has_aux)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
-    return EvalStep(loss, plan)
+    return EvalStep(loss, plan, per_row=per_row)
 
 
 def evaluate(eval_step: EvalStep, state_or_model: Any, batches: Iterable[PyTree]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Every implementation has one signature,
 global batch, with the gradients in the layout's `updates` specs.
 """
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PyTree
 
+from ._context_split import expect_split
 from ._errors import PlanError
 from ._fsdp import Gather, layer_gathers, wire_dtype
 from ._sharding import place_tree
@@ -58,6 +60,25 @@ class LossFunction:
         out = self.fn(model, batch, key=key) if self.takes_key else self.fn(model, batch)
         loss, aux = out if self.has_aux else (out, None)
         return self.loss_dtype(loss), aux
+
+
+def device_key(key: Any, layout: StepLayout) -> Any:
+    """Inside a manual region, `key` made this device's own: folded with its index
+    along each reduced batch axis (distinct examples), and along the tensor axis
+    under sequence parallelism (distinct sequence blocks). None stays None."""
+    if key is None:
+        return None
+    axes = layout.reduced_axes + ((layout.tensor_axis,) if layout.sequence_split else ())
+    for axis in axes:
+        key = jax.random.fold_in(key, lax.axis_index(axis))
+    return key
+
+
+def context_guard(layout: StepLayout) -> Any:
+    """A context manager for each trace of a manual region's loss: under context
+    parallelism attention must see this device's part of a sequence split over
+    `context` (checked while tracing); otherwise nothing."""
+    return expect_split() if layout.context_axes else contextlib.nullcontext()
 
 
 def varies_along(tree: PyTree, axis: str) -> bool:

@@ -6,7 +6,6 @@ accumulation) only some mesh axes are manual; the compiler handles the others,
 as in an automatic step.
 """
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -17,12 +16,13 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
 from ._batch_layout import BatchLayout
-from ._context_split import expect_split
 from ._errors import PlanError
 from ._fsdp import added_splits, gather_whole, gathered_axes, prepare_model
 from ._grad_common import (
     LossFunction,
     accumulated_value_and_grad,
+    context_guard,
+    device_key,
     mean_aux,
     mean_over,
     reduce_gradient,
@@ -168,8 +168,7 @@ def _per_device(
     axes, tensor = layout.reduced_axes, layout.tensor_axis
     split_sequence = layout.sequence_split
     # Distinct examples (and sequence blocks) per device need distinct randomness.
-    for axis in axes + ((tensor,) if split_sequence else ()):
-        key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+    key = device_key(key, layout)
     # Under sequence parallelism every use of a weight replicated over `tensor`
     # sits on a sequence block, so its gradient is a sum of per-device partials.
     # Left to autodiff, that sum is an all-reduce over `tensor` followed by the
@@ -179,8 +178,7 @@ def _per_device(
     merged = bool(axes) and split_sequence and tensor not in axes
     # Attention must see this device's part of a sequence split over `context`:
     # checked in every trace of the loss (a context manager per trace).
-    guard = expect_split if layout.context_axes else contextlib.nullcontext
-    with guard():
+    with context_guard(layout):
         value, aux, grads = _local_gradients(
             loss, layout, model, batch, key, vary=axes + ((tensor,) if merged else ())
         )
@@ -190,7 +188,7 @@ def _per_device(
         # partials: trace again and let autodiff sum over `tensor` (the unused
         # first trace is dead code, removed before compiling).
         merged = False
-        with guard():
+        with context_guard(layout):
             value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
     if not axes:
         return value, aux, grads

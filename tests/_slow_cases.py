@@ -317,6 +317,15 @@ _add(
     "test_eval.py::test_eval_loss_is_the_one_device_loss_of_every_row",
     {"expert": "fsdp-manual", "context-allgather": "fsdp-manual", "tensor-sp-manual": "fsdp-manual"},
 )
+# Per-row evaluation: the manual region's per-row path with its mean over a
+# non-batch axis (context) and under sequence parallelism (the tensor axis) in
+# make test; the automatic path is the refusal test's, FSDP and expert the same
+# manual path.
+_keep_only(
+    "test_eval.py::test_per_row_evaluation_pads_with_a_mask_to_the_one_device_loss",
+    "context-allgather",
+    "tensor-sp-manual",
+)
 # A pipeline's evaluation runs ZB-V's forward actions in make test (forward-only test).
 for schedule in ("1f1b", "interleaved", "zb_v"):
     _pair(

@@ -1,6 +1,8 @@
 """Evaluation: `make_eval_step` and `evaluate` under every kind of plan give the
 one-device loss of exactly the batch's rows, pipelines running forwards only."""
 
+import functools
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -104,3 +106,71 @@ def test_evaluate_means_over_a_dataset_and_refuses_what_it_cannot_run():
         eqxpar.train.evaluate(eval_step, model, [])
     with pytest.raises(eqxpar.PlanError, match="PipelineLoss"):
         eqxpar.train.make_eval_step(lm_loss, _pipeline("1f1b"))
+
+
+PER_ROW_LOSS = functools.partial(lm_loss, per_row=True)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(PLANS) if not n.startswith("pipeline")])
+def test_per_row_evaluation_pads_with_a_mask_to_the_one_device_loss(name):
+    # 13 rows on 8 (or 4, 2) data-parallel devices: padded to 16 with copies of the
+    # first row, which the mask leaves out. Exact for any per-row loss; here the
+    # rows are weighted unequally too (a per-row loss need not be a mean over rows).
+    plan = PLANS[name]()
+    # MoE's auxiliary losses are batch statistics, which padding rows take part in
+    # (as repeated rows do): left out, as in the test above.
+    moe = dict(moe_every=2, experts=4, load_balance_coef=0.0, router_z_coef=0.0) if plan.expert_size > 1 else {}
+    model = GPT(GPTConfig(**CONFIG, **moe), key=jax.random.key(0))
+    tokens = _tokens(5, 13)
+    one_device = jax.jit(PER_ROW_LOSS)(model, tokens)
+    assert one_device.shape == (13,)
+    eval_step = eqxpar.train.make_eval_step(PER_ROW_LOSS, plan, per_row=True)
+    metrics = eval_step(model, tokens)
+    assert metrics["rows"] == 13
+    assert_trees_close(float(metrics["loss"]), float(np.mean(np.asarray(one_device))))
+    # A dense model's per-row mean is lm_loss's mean over the batch's tokens.
+    if not moe:
+        assert_trees_close(float(metrics["loss"]), float(jax.jit(lm_loss)(model, tokens)))
+
+    def weighted(model, tokens):  # rows weighted by their first token: no mean over rows
+        return PER_ROW_LOSS(model, tokens) * (1.0 + tokens[:, 0] % 3)
+
+    got = eqxpar.train.make_eval_step(weighted, plan, per_row=True)(model, tokens)["loss"]
+    assert_trees_close(float(got), float(np.mean(np.asarray(jax.jit(weighted)(model, tokens)))))
+
+
+def test_per_row_evaluation_refuses_what_it_cannot_mask():
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    model = GPT(GPTConfig(**CONFIG), key=jax.random.key(0))
+    with pytest.raises(eqxpar.PlanError, match=r"expected one loss per row, shape \(16,\)"):
+        eqxpar.train.make_eval_step(lm_loss, plan, per_row=True)(model, _tokens(0, 16))
+    with pytest.raises(eqxpar.PlanError, match="per_row=True, has_aux=True"):
+        eqxpar.train.make_eval_step(PER_ROW_LOSS, plan, per_row=True, has_aux=True)
+    with pytest.raises(eqxpar.PlanError, match="per_row=True\\) under a pipeline plan.*per_row=False"):
+        eqxpar.train.make_eval_step(PIPELINE_LOSS, _pipeline("1f1b"), per_row=True)
+    with pytest.raises(eqxpar.PlanError, match="per_row='yes'"):
+        eqxpar.train.make_eval_step(PER_ROW_LOSS, plan, per_row="yes")
+    with pytest.raises(eqxpar.PlanError, match="lm_loss\\(per_row=1\\)"):
+        lm_loss(model, _tokens(0, 2), per_row=1)
+
+
+def test_evaluation_drops_nothing_unless_given_a_key():
+    # A LoRA model with adapter dropout: evaluated without a key it is the model
+    # with no dropout (the loss gets key=None), under one device and a manual plan.
+    model = GPT(GPTConfig(**CONFIG), key=jax.random.key(0))
+    adapted = eqxpar.models.add_lora(model, rank=2, dropout=0.5, key=jax.random.key(1))
+    # Nonzero B, so that the adapters (and their dropout) change the output.
+    adapted = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.05 if jax.tree_util.keystr(path).endswith("_b") else x, adapted
+    )
+    tokens = _tokens(2, 16)
+    deterministic = float(jax.jit(lm_loss)(adapted, tokens))
+    dropped = float(jax.jit(lm_loss)(adapted, tokens, key=jax.random.key(3)))
+    assert dropped != deterministic
+    for plan in (
+        eqxpar.Plan(eqxpar.make_mesh(data=8)),
+        eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"),
+    ):
+        eval_step = eqxpar.train.make_eval_step(lm_loss, plan)
+        assert_trees_close(float(eval_step(adapted, tokens)["loss"]), deterministic)
+        assert float(eval_step(adapted, tokens, key=jax.random.key(3))["loss"]) != deterministic

@@ -407,3 +407,54 @@ def test_whole_vocab_embedding_and_head_move_no_activations(gpts, sequence_paral
     else:
         # 4 activation all-reduces a block, then the gradients' (fused by XLA).
         assert 4 * layers < whole["all-reduce"] <= 4 * layers + 2 < split["all-reduce"]
+
+
+ROUND_TRIP_CONFIGS = {
+    "default": GPTConfig(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64),
+    "gpt2": GPTConfig(
+        vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64, activation="gelu", norm="layer",
+        tied=False, rotary=False, learned_positions=True, use_bias=True, fused_qkv=True, max_seq_len=32,
+    ),
+    "llama3": GPTConfig(
+        vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64, num_kv_heads=2, norm_eps=1e-5,
+        rotary_base=500000.0, rotary_scaling=nn.RotaryScaling(8.0, 1.0, 4.0, 16),
+        attention="blockwise", attention_block=8, unroll=2,
+    ),
+    "qwen2_moe": GPTConfig(
+        vocab_size=64, d_model=32, num_heads=4, num_layers=4, d_hidden=64, qkv_bias=True, moe_every=2,
+        experts=4, top_k=1, moe_score="sigmoid", num_shared_experts=1, capacity_factor=2,
+        load_balance_coef=0.0, router_z_coef=0.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIP_CONFIGS))
+def test_gpt_config_from_its_block_config_is_itself(name):
+    # The grouped form (a block's config + the model-only fields) and the flat one
+    # are the same config: block_config and from_block are inverses.
+    config = ROUND_TRIP_CONFIGS[name]
+    model_only = {f: getattr(config, f) for f in ("tied", "max_seq_len", "learned_positions", "unroll")}
+    model_only |= {f: getattr(config, f) for f in ("moe_every", "load_balance_coef", "router_z_coef")}
+    sizes = dict(vocab_size=64, d_model=32, num_layers=config.num_layers, d_hidden=64)
+    block = config.block_config(moe=bool(config.experts))
+    assert GPTConfig.from_block(block, **sizes, **model_only) == config
+
+
+def test_gpt_config_from_block_refuses_what_a_gpt_cannot_honour():
+    sizes = dict(vocab_size=64, d_model=32, num_layers=2, d_hidden=64)
+    attention = nn.AttentionConfig(4)
+    for block, match in (
+        (nn.BlockConfig(nn.AttentionConfig(4, causal=False)), r"block.attention.causal=False.*causal=True"),
+        (nn.BlockConfig(nn.AttentionConfig(4, head_dim=4)), r"block.attention.head_dim=4"),
+        (nn.BlockConfig(attention, dropout=0.1), r"block.dropout=0.1"),
+        (nn.BlockConfig(nn.AttentionConfig(4, use_bias=False)), r"block.attention.use_bias=False"),
+        (nn.BlockConfig(attention, moe=nn.MoEConfig(4, route_scale=2.0)), r"block.moe.route_scale=2.0"),
+    ):
+        with pytest.raises(eqxpar.PlanError, match=match):
+            GPTConfig.from_block(block, **sizes)
+    with pytest.raises(eqxpar.PlanError, match=r"from_block\(\.\.\., num_heads=\.\.\.\): the block gives"):
+        GPTConfig.from_block(nn.BlockConfig(attention), **sizes, num_heads=4)
+    with pytest.raises(eqxpar.PlanError, match="expected an eqxpar.nn.BlockConfig"):
+        GPTConfig.from_block(attention, **sizes)
+    # A head_dim that is d_model // num_heads is what a GPT has anyway.
+    assert GPTConfig.from_block(nn.BlockConfig(nn.AttentionConfig(4, head_dim=8)), **sizes).num_heads == 4

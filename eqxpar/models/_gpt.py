@@ -3,7 +3,7 @@
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -26,6 +26,8 @@ class GPTConfig:
     `eqxpar.nn.AttentionConfig`), `moe_config` (an `eqxpar.nn.MoEConfig`, or None)
     and `block_config(moe=...)` (an `eqxpar.nn.BlockConfig`). Those check the
     fields they take when the config is built; an error names this config's field.
+    The grouped form builds one from a block's config: `GPTConfig.from_block(block,
+    vocab_size=..., d_model=..., num_layers=..., d_hidden=...)`.
 
     **Fields:**
 
@@ -227,6 +229,96 @@ class GPTConfig:
             norm_eps=self.norm_eps,
             use_bias=self.use_bias,
         )
+
+    @classmethod
+    def from_block(
+        cls,
+        block: Any,  # Any: checked below, with an eqxpar error that names the value
+        *,
+        vocab_size: int,
+        d_model: int,
+        num_layers: int,
+        d_hidden: int,
+        **model: Any,
+    ) -> "GPTConfig":
+        """The config of a GPT whose blocks are `block`: the grouped form of the flat
+        fields, the inverse of `block_config`. `model` takes the fields no layer has
+        (`tied`, `max_seq_len`, `learned_positions`, `unroll`, `moe_every` (default 1
+        with `block.moe`: every block MoE), `load_balance_coef`, `router_z_coef`).
+
+        A block setting a GPT cannot honour is refused, naming it: a non-causal
+        attention, another `head_dim` than `d_model // num_heads`, dropout (the
+        attention's or the block's), attention biases unlike the block's, and the
+        MoE routing options `GPTConfig` has no field for (`normalize_top_k`,
+        `route_scale`, `shared_hidden`).
+
+        ```python
+        attention = eqxpar.nn.AttentionConfig(8, num_kv_heads=4, rotary=True, use_bias=False)
+        block = eqxpar.nn.BlockConfig(attention, activation="swiglu", norm="rms", use_bias=False)
+        config = GPTConfig.from_block(block, vocab_size=128, d_model=256, num_layers=4, d_hidden=512)
+        ```
+        """
+        if not isinstance(block, nn.BlockConfig):
+            raise PlanError(f"GPTConfig.from_block(block={block!r}): expected an eqxpar.nn.BlockConfig.")
+        attention, moe = block.attention, block.moe
+        refused = [
+            ("attention.causal", attention.causal, True),
+            ("attention.head_dim", attention.head_dim, None),
+            ("attention.dropout", attention.dropout, 0.0),
+            ("attention.use_bias", attention.use_bias, block.use_bias),
+            ("dropout", block.dropout, 0.0),
+        ]
+        if moe is not None:
+            refused += [
+                ("moe.normalize_top_k", moe.normalize_top_k, True),
+                ("moe.route_scale", moe.route_scale, 1.0),
+                ("moe.shared_hidden", moe.shared_hidden, None),
+            ]
+        head_dim = attention.head_dim
+        if head_dim is not None and head_dim * attention.num_heads == d_model:
+            refused = [r for r in refused if r[0] != "attention.head_dim"]
+        for name, value, wanted in refused:
+            if value != wanted:
+                raise PlanError(
+                    f"GPTConfig.from_block: block.{name}={value!r}, which a GPT cannot honour "
+                    f"(it needs {wanted!r}). Build the block with {name.split('.')[-1]}={wanted!r}, or "
+                    "compose your own model from eqxpar.nn.TransformerBlock."
+                )
+        fields = dict(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            num_layers=num_layers,
+            d_hidden=d_hidden,
+            num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads,
+            fused_qkv=attention.fused_qkv,
+            rotary=attention.rotary,
+            rotary_base=attention.rotary_base,
+            rotary_scaling=attention.rotary_scaling,
+            attention=attention.kernel,
+            attention_block=attention.block_size,
+            qkv_bias=attention.qkv_bias,
+            activation=block.activation,
+            norm=block.norm,
+            norm_eps=block.norm_eps,
+            use_bias=block.use_bias,
+        )
+        if moe is not None:
+            fields |= dict(
+                moe_every=1,
+                experts=moe.experts,
+                top_k=moe.top_k,
+                moe_score=moe.score,
+                capacity_factor=moe.capacity_factor,
+                num_shared_experts=moe.num_shared,
+            )
+        layer_fields = set(fields) | {"experts", "top_k", "moe_score", "capacity_factor", "num_shared_experts"}
+        if clash := sorted((layer_fields - {"moe_every"}) & set(model)):
+            raise PlanError(
+                f"GPTConfig.from_block(..., {clash[0]}=...): the block gives {clash[0]}; set it in the "
+                "block's config, not beside it."
+            )
+        return cls(**(fields | model))
 
     @property
     def head_dim(self) -> int:
@@ -580,18 +672,25 @@ def gpt_last(
     return _cross_entropy(model, h, tokens)
 
 
-def _cross_entropy(model: GPT, h: Array, tokens: Array) -> Array:
+def _cross_entropy(model: GPT, h: Array, tokens: Array, *, per_row: bool = False) -> Array:
     head = model.embed if model.head is None else model.head
     split = head.vocab_split()
     per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
     # A whole-vocabulary head under sequence parallelism scores only this device's
     # sequence block: average the blocks' means over the axis.
-    return jnp.mean(per_token) if split else nn.sequence_mean(per_token)
+    if split:
+        return jnp.mean(per_token, axis=1) if per_row else jnp.mean(per_token)
+    return nn.sequence_mean(per_token, per_row=per_row)
 
 
 def lm_loss(
-    model: GPT, tokens: Int[Array, "batch seq_plus_1"], *, key: PRNGKeyArray | None = None
-) -> Float[Array, ""]:
+    model: GPT,
+    tokens: Int[Array, "batch seq_plus_1"],
+    *,
+    key: PRNGKeyArray | None = None,
+    # Any: checked below, with an eqxpar error that names the value.
+    per_row: Any = False,
+) -> Float[Array, ""] | Float[Array, " batch"]:
     """Next-token cross-entropy of `model` on `tokens`, the mean over every predicted token.
 
     Predicts `tokens[:, 1:]` from `tokens[:, :-1]`; a mean over the batch, so it is a
@@ -610,23 +709,29 @@ def lm_loss(
 
     **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids;
     `key` (keyword-only, default None): for the LoRA adapters' dropout, which
-    `make_step` passes each step (without it, or without adapter dropout, none).
+    `make_step` passes each step (without it, or without adapter dropout, none);
+    `per_row` (keyword-only, default False): one loss per row, the mean over its
+    tokens (plus the auxiliary losses), for `make_eval_step(..., per_row=True)`.
 
-    **Returns:** a float scalar (nats per token, plus the auxiliary losses).
+    **Returns:** a float scalar (nats per token, plus the auxiliary losses); with
+    `per_row`, `(batch,)`.
 
     ```python
     step = eqxpar.train.make_step(eqxpar.models.lm_loss, optimizer, plan)
     state, metrics = step(state, tokens)
     ```
     """
+    if not isinstance(per_row, bool):
+        raise PlanError(f"lm_loss(per_row={per_row!r}): expected True or False.")
     if not model.config.moe_every:
         h, _ = _run_blocks(model, gpt_first(model, tokens), key)
-        return gpt_last(model, h, tokens)
+        return _cross_entropy(model, h, tokens, per_row=True) if per_row else gpt_last(model, h, tokens)
     _check_tokens(tokens, "lm_loss")
     c = model.config
     h, aux = _run_blocks(model, model.embed_tokens(tokens[:, :-1]), key)
-    loss = _cross_entropy(model, h, tokens)
+    loss = _cross_entropy(model, h, tokens, per_row=per_row)
     # Coefficients of 0 leave their terms out (not even a zero times a value).
+    # Per row, each row carries the batch's terms: their mean over rows is the same.
     if c.load_balance_coef:
         loss = loss + c.load_balance_coef * jnp.mean(aux.load_balance_loss)
     if c.router_z_coef:

@@ -106,7 +106,9 @@ def split_tensor_sequence(x: Shaped[Array, "..."], *, axis: str, seq_dim: int = 
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * block, block, axis=seq_dim)
 
 
-def sequence_mean(x: Float[Array, "batch seq *rest"], *, axis: str = "tensor") -> Float[Array, ""]:
+def sequence_mean(
+    x: Float[Array, "batch seq *rest"], *, axis: str = "tensor", per_row: bool = False
+) -> Float[Array, ""] | Float[Array, " batch"]:
     """The mean of per-token values over this device's sequence (and local batch).
 
     Under sequence parallelism in a manual region each device holds one sequence
@@ -115,16 +117,18 @@ def sequence_mean(x: Float[Array, "batch seq *rest"], *, axis: str = "tensor") -
     Under context parallelism it is the mean over this device's part of the
     sequence: a loss, which the step averages over `context` as over the batch.
 
-    **Arguments:** `x`: `(batch, seq', ...)` per-token values; keyword-only `axis`.
+    **Arguments:** `x`: `(batch, seq', ...)` per-token values; keyword-only `axis`;
+    `per_row` (default False): one mean per batch row instead.
 
-    **Returns:** a scalar, the same on every device of `axis`.
+    **Returns:** a scalar (with `per_row`, `(batch,)`), the same on every device of
+    `axis`.
 
     ```python
     loss = eqxpar.nn.sequence_mean(per_token_loss)
     ```
     """
     ctx = tensor_context(axis)
-    local = jnp.mean(x)
+    local = jnp.mean(x.reshape(x.shape[0], -1), axis=1) if per_row else jnp.mean(x)
     if ctx.manual and ctx.sequence_parallel:
         return jax.lax.pmean(local, axis)
     return local
