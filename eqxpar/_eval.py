@@ -216,7 +216,8 @@ def make_eval_step(
 
     No dropout unless asked for: the loss gets `key=None` (a loss taking `key=`,
     such as `lm_loss` with LoRA adapter dropout, then drops nothing) unless the
-    call passes a key.
+    call passes a key. A model whose layers need a key when not in inference mode
+    (`equinox.nn.Dropout`) is evaluated as `equinox.nn.inference_mode(model)`.
 
     **Arguments:**
 
