@@ -458,3 +458,18 @@ def test_gpt_config_from_block_refuses_what_a_gpt_cannot_honour():
         GPTConfig.from_block(attention, **sizes)
     # A head_dim that is d_model // num_heads is what a GPT has anyway.
     assert GPTConfig.from_block(nn.BlockConfig(nn.AttentionConfig(4, head_dim=8)), **sizes).num_heads == 4
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(moe_score="bogus"), r"GPTConfig\(moe_score='bogus'\)"),
+        (dict(top_k=0), r"GPTConfig\(top_k=0\)"),
+        (dict(capacity_factor=-1.0), r"GPTConfig\(capacity_factor=-1.0\)"),
+        (dict(num_shared_experts=-1), r"GPTConfig\(num_shared_experts=-1\)"),
+    ],
+)
+def test_a_dense_config_still_checks_its_routing_fields(fields, match):
+    # A dense model routes nothing, but a bad value is refused, not ignored.
+    with pytest.raises(eqxpar.PlanError, match=match):
+        GPTConfig(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64, **fields)

@@ -168,6 +168,12 @@ class GPTConfig:
                 "and moe_every=0 makes none. Pass moe_every=k to make every k-th block an MoE block "
                 "(1: every block), or experts=0."
             )
+        if not self.experts:
+            # A dense model builds no MoE config, yet a bad routing field must not
+            # pass silently: checked as an MoE config of as many experts as top_k.
+            top_k = self.top_k
+            experts = top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else 1
+            _as_gpt_config(lambda: self._routing(experts))
         if self.moe_every and self.num_layers % self.moe_every:
             fits = _divisors(self.num_layers)
             raise DivisibilityError(
@@ -208,10 +214,11 @@ class GPTConfig:
         """The MoE blocks' `eqxpar.nn.MoEConfig` (`experts`, `top_k`; `moe_score`
         as its `score`, `num_shared_experts` as `num_shared`, `capacity_factor`), or
         None for a dense model."""
-        if not self.experts:
-            return None
+        return self._routing(self.experts) if self.experts else None
+
+    def _routing(self, experts: int) -> nn.MoEConfig:
         return nn.MoEConfig(
-            self.experts,
+            experts,
             top_k=self.top_k,
             score=self.moe_score,
             capacity_factor=self.capacity_factor,
