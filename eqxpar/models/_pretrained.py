@@ -13,7 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, make_single_device_sharding
 
 from .._errors import PretrainedError
 from .._plan import Plan
@@ -120,7 +120,7 @@ def from_pretrained(path: str | os.PathLike, plan: Plan | None = None, *, dtype:
     # rows it stores (each device still reads only its own layers' tensors).
     stored = abstract if plan is None else in_plan_order(abstract, plan)
     shardings = None if plan is None else named_shardings(stored, plan)
-    device = SingleDeviceSharding(jax.local_devices()[0])
+    device = make_single_device_sharding(jax.local_devices()[0])
     arrays = []
     sharding_leaves = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
     for (_, leaf, source), sharding, rows in zip(leaves, sharding_leaves, _row_maps(stored), strict=True):
