@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._fsdp import layer_gathers, prepare_model
 from ._grad_common import LossFunction, context_guard, device_key, mean_aux, mean_over
@@ -47,7 +48,10 @@ def _per_device(loss: LossFunction, layout: StepLayout, model: PyTree, batch: Py
     return value, (mean_aux(aux, axes) if loss.has_aux and axes else aux)
 
 
-def _check_rows(values: Any, rows: int) -> Array:
+def _check_rows(values: Any, batch: PyTree) -> Array:
+    """`values`, refused unless one per row of `batch` (whose leaves the call has
+    checked share one leading size)."""
+    rows = next(int(x.shape[0]) for x in jax.tree.leaves(batch) if np.ndim(x))
     if not hasattr(values, "shape") or tuple(values.shape) != (rows,):
         got = tuple(values.shape) if hasattr(values, "shape") else type(values).__name__
         raise PlanError(
@@ -61,17 +65,10 @@ def _check_rows(values: Any, rows: int) -> Array:
 def _per_device_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> Array:
     # This device's rows' losses, averaged over the non-batch axes they differ
     # between (context: each device's part of a sequence holds as many tokens).
-    values, _ = _device_loss(loss, layout, model, batch, key)
-    rows = {int(x.shape[0]) for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim}
-    values = _check_rows(values, rows.pop())
-    batch_axes = set(_spec_axes(layout.batch))
+    values = _check_rows(_device_loss(loss, layout, model, batch, key)[0], batch)
+    batch_axes = BatchLayout.of(layout.plan).axes
     others = tuple(a for a in layout.reduced_axes if a not in batch_axes and a in varying_axes(values))
     return mean_over(values, others) if others else values
-
-
-def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
-    first = spec[0] if len(spec) else None
-    return () if first is None else (first,) if isinstance(first, str) else tuple(first)
 
 
 def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
@@ -96,8 +93,7 @@ def _batch_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batch: Py
     """The per-row losses of one batch whose size the plan divides, `(rows,)`
     split over the batch axes."""
     if layout.kind == "automatic":
-        rows = {int(x.shape[0]) for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.ndim}
-        return _check_rows(loss(loss.compute(model), loss.compute(batch), key)[0], rows.pop())
+        return _check_rows(loss(loss.compute(model), loss.compute(batch), key)[0], batch)
     return filter_shard_map(
         functools.partial(_per_device_rows, loss, layout),
         layout.plan,

@@ -268,9 +268,12 @@ class GPTConfig:
         if not isinstance(block, nn.BlockConfig):
             raise PlanError(f"GPTConfig.from_block(block={block!r}): expected an eqxpar.nn.BlockConfig.")
         attention, moe = block.attention, block.moe
+        # A head_dim whose heads fill d_model is what a GPT has anyway.
+        fills = attention.head_dim is not None and attention.head_dim * attention.num_heads == d_model
+        head_dim = None if fills else attention.head_dim
         refused = [
             ("attention.causal", attention.causal, True),
-            ("attention.head_dim", attention.head_dim, None),
+            ("attention.head_dim", head_dim, None),
             ("attention.dropout", attention.dropout, 0.0),
             ("attention.use_bias", attention.use_bias, block.use_bias),
             ("dropout", block.dropout, 0.0),
@@ -281,9 +284,6 @@ class GPTConfig:
                 ("moe.route_scale", moe.route_scale, 1.0),
                 ("moe.shared_hidden", moe.shared_hidden, None),
             ]
-        head_dim = attention.head_dim
-        if head_dim is not None and head_dim * attention.num_heads == d_model:
-            refused = [r for r in refused if r[0] != "attention.head_dim"]
         for name, value, wanted in refused:
             if value != wanted:
                 raise PlanError(
