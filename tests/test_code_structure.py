@@ -265,7 +265,9 @@ def flop_counters_outside_their_module() -> list[str]:
 
 def test_one_flop_counter():
     found = flop_counters_outside_their_module()
-    assert not found, "count matmul FLOPs with eqxpar.inspect.matmul_flops (HLO or jaxpr):\n" + "\n".join(found)
+    assert not found, "count matmul FLOPs with eqxpar.inspect.matmul_flops (HLO or jaxpr):\n" + "\n".join(
+        found
+    )
 
 
 def cost_labels_read_by_the_advisor() -> list[str]:

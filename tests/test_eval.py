@@ -119,7 +119,9 @@ def test_per_row_evaluation_pads_with_a_mask_to_the_one_device_loss(name):
     plan = PLANS[name]()
     # MoE's auxiliary losses are batch statistics, which padding rows take part in
     # (as repeated rows do): left out, as in the test above.
-    moe = dict(moe_every=2, experts=4, load_balance_coef=0.0, router_z_coef=0.0) if plan.expert_size > 1 else {}
+    moe = (
+        dict(moe_every=2, experts=4, load_balance_coef=0.0, router_z_coef=0.0) if plan.expert_size > 1 else {}
+    )
     model = GPT(GPTConfig(**CONFIG, **moe), key=jax.random.key(0))
     tokens = _tokens(5, 13)
     one_device = jax.jit(PER_ROW_LOSS)(model, tokens)

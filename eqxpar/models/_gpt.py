@@ -319,7 +319,13 @@ class GPTConfig:
                 capacity_factor=moe.capacity_factor,
                 num_shared_experts=moe.num_shared,
             )
-        layer_fields = set(fields) | {"experts", "top_k", "moe_score", "capacity_factor", "num_shared_experts"}
+        layer_fields = set(fields) | {
+            "experts",
+            "top_k",
+            "moe_score",
+            "capacity_factor",
+            "num_shared_experts",
+        }
         if clash := sorted((layer_fields - {"moe_every"}) & set(model)):
             raise PlanError(
                 f"GPTConfig.from_block(..., {clash[0]}=...): the block gives {clash[0]}; set it in the "

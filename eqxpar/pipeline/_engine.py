@@ -610,7 +610,13 @@ class Device:
         return None, pull(seed), None
 
     def _pull_back_kept(
-        self, action: int, kind: tuple, folded: bool, operands: PullBack, buffers: TickBuffers, fields: jax.Array
+        self,
+        action: int,
+        kind: tuple,
+        folded: bool,
+        operands: PullBack,
+        buffers: TickBuffers,
+        fields: jax.Array,
     ) -> tuple:
         """As `_pull_back`, from the residuals the stage's forward stored (or, where
         the last stage's forward is `folded` into its backward, computing them:
