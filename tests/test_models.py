@@ -411,21 +411,7 @@ def test_whole_vocab_embedding_and_head_move_no_activations(gpts, sequence_paral
 
 ROUND_TRIP_CONFIGS = {
     "default": GPTConfig(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64),
-    "gpt2": GPTConfig(
-        vocab_size=64,
-        d_model=32,
-        num_heads=4,
-        num_layers=2,
-        d_hidden=64,
-        activation="gelu",
-        norm="layer",
-        tied=False,
-        rotary=False,
-        learned_positions=True,
-        use_bias=True,
-        fused_qkv=True,
-        max_seq_len=32,
-    ),
+    "gpt2": GPT2_STYLE,
     "llama3": GPTConfig(
         vocab_size=64,
         d_model=32,
@@ -466,7 +452,7 @@ def test_gpt_config_from_its_block_config_is_itself(name):
     config = ROUND_TRIP_CONFIGS[name]
     model_only = {f: getattr(config, f) for f in ("tied", "max_seq_len", "learned_positions", "unroll")}
     model_only |= {f: getattr(config, f) for f in ("moe_every", "load_balance_coef", "router_z_coef")}
-    sizes = dict(vocab_size=64, d_model=32, num_layers=config.num_layers, d_hidden=64)
+    sizes = {f: getattr(config, f) for f in ("vocab_size", "d_model", "num_layers", "d_hidden")}
     block = config.block_config(moe=bool(config.experts))
     assert GPTConfig.from_block(block, **sizes, **model_only) == config
 

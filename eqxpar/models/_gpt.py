@@ -16,6 +16,9 @@ from .._errors import BatchError, DivisibilityError, EqxparError, PlanError, Spe
 from .._param import param
 from ..nn._lora import lora_dropout
 
+# The fields an MoE block's routing reads (its `nn.MoEConfig`, in GPTConfig's names).
+_ROUTING_FIELDS = ("experts", "top_k", "moe_score", "capacity_factor", "num_shared_experts")
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -319,13 +322,7 @@ class GPTConfig:
                 capacity_factor=moe.capacity_factor,
                 num_shared_experts=moe.num_shared,
             )
-        layer_fields = set(fields) | {
-            "experts",
-            "top_k",
-            "moe_score",
-            "capacity_factor",
-            "num_shared_experts",
-        }
+        layer_fields = set(fields) | set(_ROUTING_FIELDS)
         if clash := sorted((layer_fields - {"moe_every"}) & set(model)):
             raise PlanError(
                 f"GPTConfig.from_block(..., {clash[0]}=...): the block gives {clash[0]}; set it in the "
