@@ -2,48 +2,51 @@
 how many blocks, the sharding a batch leaf gets, and what cuts it into
 micro-batches.
 
-The step, gradients, evaluation, `shard_batch`, the multi-process data helpers and
-the advisor all ask this one object instead of reading the plan's options (the
-plan owns the options; its layouts own what follows from them, see
-`eqxpar._step_layout`).
+This is the one home of the batch spec and the data-parallel size: `Plan`'s
+`batch_spec` and `batch_size_multiple` are this layout's (`Plan.batch_layout`),
+and the step, gradients, evaluation, `shard_batch`, the multi-process data helpers
+and the advisor ask it instead of reading the plan's options. It imports no plan
+(the plan builds it), so that the plan's conveniences can delegate to it.
 """
 
 import dataclasses
 import math
+from typing import Any
 
-from jax.sharding import NamedSharding, PartitionSpec
-
-from ._plan import Plan
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-    """A plan's batch split, resolved.
+    """A plan's batch split, resolved (built by `Plan.batch_layout`).
 
+    - `mesh`: the plan's mesh.
     - `axes`: the mesh axes a batch's leading dimension is split over (data, fsdp,
       expert, ...), outermost first.
-    - `blocks`: how many equal blocks of rows that makes (the data-parallel size).
     - `pipelined`: a pipeline schedule cuts each batch into `microbatches`.
     - `microbatches`: the pipeline's micro-batch count (1 without a schedule).
+
+    ```python
+    layout = plan.batch_layout
+    layout.spec, layout.blocks   # PartitionSpec(("data",)), 8 under data=8
+    ```
     """
 
-    plan: Plan
+    mesh: Mesh
     axes: tuple[str, ...]
-    blocks: int
     pipelined: bool
     microbatches: int
 
     @classmethod
-    def of(cls, plan: Plan) -> "BatchLayout":
-        axes = tuple(plan.batch_axes)
-        pipelined = plan.schedule is not None
-        return cls(
-            plan=plan,
-            axes=axes,
-            blocks=math.prod(plan.mesh.shape[a] for a in axes),
-            pipelined=pipelined,
-            microbatches=plan.microbatches if pipelined else 1,
-        )
+    def of(cls, plan: Any) -> "BatchLayout":
+        """The batch layout of an `eqxpar.Plan` (`plan.batch_layout`; `Any`: this
+        module cannot import the plan, which imports it)."""
+        return plan.batch_layout
+
+    @property
+    def blocks(self) -> int:
+        """How many equal blocks of rows the batch is split into: the data-parallel size."""
+        return math.prod(self.mesh.shape[a] for a in self.axes)
 
     @property
     def spec(self) -> PartitionSpec:
@@ -53,7 +56,7 @@ class BatchLayout:
     @property
     def sharding(self) -> NamedSharding:
         """A batch leaf's sharding on the plan's mesh."""
-        return NamedSharding(self.plan.mesh, self.spec)
+        return NamedSharding(self.mesh, self.spec)
 
     @property
     def rows_per_call(self) -> int:

@@ -12,17 +12,17 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._fsdp import layer_gathers, prepare_model
 from ._grad_common import LossFunction, context_guard, device_key, mean_aux, mean_over
 from ._plan import Plan
+from ._resolved_plan import ResolvedPlan
 from ._shard_map import filter_shard_map
 from ._sharding import place_tree
-from ._step_layout import StepLayout, loss_compute_dtype, rows_per_call, runs_pipeline
+from ._stack_order import in_plan_order
+from ._step_layout import StepLayout
 from ._train_state import TrainState
 from ._varying import varying_axes
-from .nn._stack import in_plan_order
 
 
 def _device_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
@@ -66,14 +66,13 @@ def _per_device_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batc
     # This device's rows' losses, averaged over the non-batch axes they differ
     # between (context: each device's part of a sequence holds as many tokens).
     values = _check_rows(_device_loss(loss, layout, model, batch, key)[0], batch)
-    batch_axes = BatchLayout.of(layout.plan).axes
+    batch_axes = layout.resolved.batch.axes
     others = tuple(a for a in layout.reduced_axes if a not in batch_axes and a in varying_axes(values))
     return mean_over(values, others) if others else values
 
 
 def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
     """The mean loss (and aux) of one batch whose size the plan divides."""
-    plan = layout.plan
     if layout.kind == "pipeline":
         from .pipeline._engine import pipeline_loss  # the pipeline package imports eqxpar.nn
 
@@ -82,7 +81,7 @@ def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: Py
         return loss(loss.compute(model), loss.compute(batch), key)
     return filter_shard_map(
         functools.partial(_per_device, loss, layout),
-        plan,
+        layout.plan,
         in_specs=(layout.params, layout.batch, PartitionSpec()),
         out_specs=(PartitionSpec(), PartitionSpec()),
         axis_names=layout.manual_axes,
@@ -107,17 +106,17 @@ class EvalStep:
     """A compiled evaluation `(state or model, batch) -> metrics`, built by
     `eqxpar.train.make_eval_step`."""
 
-    def __init__(self, loss: LossFunction, plan: Plan, *, per_row: bool = False):
-        self._loss, self._plan, self._per_row = loss, plan, per_row
+    def __init__(self, loss: LossFunction, resolved: ResolvedPlan, *, per_row: bool = False):
+        self._loss, self._resolved, self._per_row = loss, resolved, per_row
         # Compiled once per (model structure, batch shape), as a step is.
         self._compiled = eqx.filter_jit(self._evaluate)
 
     def _evaluate(self, model: PyTree, batch: PyTree, key: Any) -> tuple | Array:
-        plan = self._plan
-        with plan:
-            layout = StepLayout.resolve(plan, model)
-            model = place_tree(model, plan, specs=layout.params)
-            batch = place_tree(batch, plan, specs=layout.batch)
+        resolved = self._resolved
+        with resolved.plan:
+            layout = StepLayout.of(resolved, model)
+            model = place_tree(model, resolved.mesh, layout.params)
+            batch = place_tree(batch, resolved.mesh, layout.batch)
             if self._per_row:
                 return _batch_rows(self._loss, layout, model, batch, key)
             return _batch_loss(self._loss, layout, model, batch, key)
@@ -126,14 +125,14 @@ class EvalStep:
     def rows_per_call(self) -> int:
         """The batch sizes a call runs whole are multiples of this: the
         data-parallel devices times a pipeline's micro-batches."""
-        return rows_per_call(self._plan)
+        return self._resolved.batch.rows_per_call
 
     def __call__(
         self, state_or_model: Any, batch: PyTree, *, key: PRNGKeyArray | None = None
     ) -> dict[str, Any]:
         model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
         # A model as loaded (natural order) or as a state of this plan holds it.
-        model = in_plan_order(model, self._plan)
+        model = in_plan_order(model, self._resolved)
         sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
         if len(sizes) != 1:
             raise BatchError(
@@ -246,18 +245,19 @@ def make_eval_step(
             "make_eval_step(per_row=True, has_aux=True): a per-row loss has no aux here; return the "
             "per-row losses alone, or use per_row=False for a mean loss with aux."
         )
-    if per_row and runs_pipeline(plan):
+    resolved = ResolvedPlan.of(plan)
+    if per_row and resolved.kind == "pipeline":
         raise PlanError(
             "make_eval_step(per_row=True) under a pipeline plan: the "
             "schedule sums one loss per micro-batch, not per row. Use per_row=False (a mean loss; rows "
             "left over are repeated, exactly), or evaluate under the plan without its pipe axis."
         )
-    if runs_pipeline(plan):
+    if resolved.pipeline is not None:
         from .pipeline._engine import check_pipeline_step
 
-        check_pipeline_step(loss_fn, plan, accumulate=1, has_aux=has_aux)
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
-    return EvalStep(loss, plan, per_row=per_row)
+        check_pipeline_step(loss_fn, resolved.pipeline, accumulate=1, has_aux=has_aux)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
+    return EvalStep(loss, resolved, per_row=per_row)
 
 
 def evaluate(eval_step: EvalStep, state_or_model: Any, batches: Iterable[PyTree]) -> dict[str, Any]:

@@ -15,11 +15,10 @@ def automatic_gradients(
 ) -> tuple[Array, PyTree, PyTree]:
     """Loss, aux and gradients over the global batch; the gradients take the
     layout's `updates` specs (FSDP: the compiler reduces them to shards)."""
-    plan = layout.plan
     params, static = layout.differentiated(model)
     batch = loss.compute(batch)
     if layout.accumulate == 1:
         value, aux, grads = value_and_grad(loss, params, static, batch, key)
     else:
         value, aux, grads = accumulated_value_and_grad(loss, params, static, batch, key, layout=layout)
-    return value, aux, place_tree(grads, plan, specs=specs_for(grads, layout.updates))
+    return value, aux, place_tree(grads, layout.plan.mesh, specs_for(grads, layout.updates))

@@ -219,7 +219,7 @@ def accumulated_value_and_grad(
             loss,
             params,
             static,
-            place_tree(mb, layout.plan, specs=layout.batch),
+            place_tree(mb, layout.plan.mesh, layout.batch),
             jax.random.fold_in(key, index),
             prepare=prepare,
             allowed=allowed,

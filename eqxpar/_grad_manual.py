@@ -15,7 +15,6 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
-from ._batch_layout import BatchLayout
 from ._errors import PlanError
 from ._fsdp import added_splits, gather_whole, gathered_axes, prepare_model
 from ._grad_common import (
@@ -51,7 +50,7 @@ def _check_manual_specs(specs: PyTree, layout: StepLayout) -> None:
                 if axis in manual_axes and axis not in allowed and mesh.shape[axis] > 1:
                     raise PlanError(
                         f"mode='manual' splits weights over the tensor axis {layout.tensor_axis!r} and "
-                        f"the batch axes {BatchLayout.of(layout.plan).axes} (FSDP) only, but the plan's rules give a "
+                        f"the batch axes {layout.resolved.batch.axes} (FSDP) only, but the plan's rules give a "
                         f"weight the spec {spec}, over manual axis {axis!r}. Use mode='auto' for "
                         f"such weights, or Plan(manual_axes=...) without {axis!r}."
                     )
@@ -225,5 +224,5 @@ def manual_gradients(
     )(model, batch, key)
     if layout.partial:
         # Automatic axes: gradients take their sharding there, as in auto mode.
-        grads = place_tree(grads, plan, specs=specs_for(grads, layout.updates))
+        grads = place_tree(grads, plan.mesh, specs_for(grads, layout.updates))
     return value, aux, grads

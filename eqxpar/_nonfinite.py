@@ -118,14 +118,14 @@ def check_cpu_skip_nonfinite(layout: StepLayout, step_jaxpr: Callable[[], jcore.
     and a pool of up to 8 threads on jaxlib 0.10.2; jaxlib 0.12 ran the same step
     with a pool of one, and steps without a loop ran on 0.10.2.
     """
-    plan = layout.plan
-    if plan.mesh.devices.flat[0].platform != "cpu" or _jaxlib_version() >= _CPU_OVERLAP_FIXED_JAXLIB:
+    mesh = layout.plan.mesh
+    if mesh.devices.flat[0].platform != "cpu" or _jaxlib_version() >= _CPU_OVERLAP_FIXED_JAXLIB:
         return
     specs = jax.tree.leaves(layout.params, is_leaf=lambda s: isinstance(s, PartitionSpec))
     named = {a for s in specs if isinstance(s, PartitionSpec) for e in s for a in _axes_of(e)}
     gathered = sorted(
-        (a for a in named if plan.mesh.shape[a] > 1 and a not in layout.manual_axes),
-        key=plan.mesh.axis_names.index,
+        (a for a in named if mesh.shape[a] > 1 and a not in layout.manual_axes),
+        key=mesh.axis_names.index,
     )
     if not gathered or not _has_loop(step_jaxpr().jaxpr):
         return

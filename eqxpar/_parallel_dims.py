@@ -18,7 +18,7 @@ def context_attention_of(plan: Plan | None) -> str:
     `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or
     `"allgather"` in a pipeline (whose stages run one micro-batch at a time)."""
     if plan is None or plan.context_attention is None:
-        return "allgather" if plan is not None and BatchLayout.of(plan).pipelined else "ring"
+        return "allgather" if plan is not None and plan.schedule is not None else "ring"
     return plan.context_attention
 
 
@@ -27,7 +27,9 @@ class ParallelDims:
     """Every parallel fact of a plan that does not depend on the model, resolved
     once (as torchtitan's `ParallelDims`): mesh sizes along each strategy, the
     batch split, the pipeline's sizes, the options as given. Inspection and the
-    advisor read this instead of the plan's options.
+    advisor read this instead of the plan's options; a step reads it through its
+    `ResolvedPlan`. `batch` is the plan's `BatchLayout` (the batch axes and the
+    data-parallel size live there only).
 
     Fields of the same name as `Plan`'s hold the plan's option as given (`schedule`
     and `context_attention` may be None); `context_attention_run` is the attention a
@@ -45,10 +47,10 @@ class ParallelDims:
     zero1: bool
     compute_dtype: Any
     reduce_dtype: Any
+    param_dtype: Any
     tensor_axis: str
     tensor_size: int
-    batch_axes: tuple[str, ...]
-    batch_size_multiple: int
+    batch: BatchLayout
     context_size: int
     context_attention: str | None
     context_attention_run: str
@@ -56,7 +58,6 @@ class ParallelDims:
 
     @classmethod
     def of(cls, plan: Plan) -> "ParallelDims":
-        batch = BatchLayout.of(plan)
         return cls(
             mode=plan.mode,
             schedule=plan.schedule,
@@ -69,15 +70,25 @@ class ParallelDims:
             zero1=plan.zero1,
             compute_dtype=plan.compute_dtype,
             reduce_dtype=plan.reduce_dtype,
+            param_dtype=plan.param_dtype,
             tensor_axis=plan.tensor_axis,
             tensor_size=int(plan.mesh.shape.get(plan.tensor_axis, 1)),
-            batch_axes=batch.axes,
-            batch_size_multiple=batch.blocks,
+            batch=plan.batch_layout,
             context_size=plan.context_size,
             context_attention=plan.context_attention,
             context_attention_run=context_attention_of(plan),
             expert_size=plan.expert_size,
         )
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes a batch is split over (`batch.axes`)."""
+        return self.batch.axes
+
+    @property
+    def batch_size_multiple(self) -> int:
+        """The data-parallel size (`batch.blocks`)."""
+        return self.batch.blocks
 
     @property
     def pipelined(self) -> bool:

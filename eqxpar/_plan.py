@@ -2,7 +2,6 @@
 
 import contextvars
 import dataclasses
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -10,6 +9,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._batch_layout import BatchLayout
 from ._errors import AxisNameError, DivisibilityError, PlanError
 from ._mesh import BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS
 from ._rules import Rule, as_rules, as_spec, mesh_axis_names
@@ -271,9 +271,17 @@ class Plan:
             object.__setattr__(self, name, value)
 
     @property
+    def batch_layout(self) -> BatchLayout:
+        """How this plan splits a batch (`BatchLayout`): the one home of the batch
+        spec and the data-parallel size, which the properties below delegate to."""
+        pipelined = self.schedule is not None
+        microbatches = self.microbatches if pipelined else 1
+        return BatchLayout(self.mesh, tuple(self.batch_axes), pipelined, microbatches)
+
+    @property
     def batch_size_multiple(self) -> int:
-        """Number of devices the batch is split over (the data-parallel size)."""
-        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        """Number of devices the batch is split over (the data-parallel size; `batch_layout.blocks`)."""
+        return self.batch_layout.blocks
 
     @property
     def context_size(self) -> int:
@@ -287,8 +295,8 @@ class Plan:
 
     @property
     def batch_spec(self) -> PartitionSpec:
-        """The PartitionSpec of a batch leaf: leading dimension over `batch_axes`."""
-        return PartitionSpec(self.batch_axes)
+        """The PartitionSpec of a batch leaf: leading dimension over `batch_axes` (`batch_layout.spec`)."""
+        return self.batch_layout.spec
 
     @property
     def optimizer_rules(self) -> tuple[Rule, ...]:
@@ -304,7 +312,7 @@ class Plan:
     def annotation_specs(self) -> dict[str, PartitionSpec]:
         """Every annotation name -> spec: the defaults (`"batch"` and
         `"activations"` over `batch_axes`) overridden by `annotations`."""
-        batch = PartitionSpec(self.batch_axes)
+        batch = self.batch_layout.spec
         return {"batch": batch, "activations": batch, **dict(self.annotations)}
 
     def annotation(self, name: str) -> PartitionSpec | None:

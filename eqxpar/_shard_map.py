@@ -13,7 +13,7 @@ from ._plan import Plan
 from ._specs import check_spec, drop_axes, is_array_like, partition_specs
 
 
-def _check_specs(tree: Any, specs: Any, plan: Plan, *, where: str) -> None:
+def _check_specs(tree: Any, specs: Any, mesh: Mesh, *, where: str) -> None:
     leaves, treedef = jax.tree.flatten(tree)
     try:
         spec_leaves = (
@@ -27,9 +27,7 @@ def _check_specs(tree: Any, specs: Any, plan: Plan, *, where: str) -> None:
         ) from e
     for leaf, spec in zip(leaves, spec_leaves, strict=True):
         if spec is not None and is_array_like(leaf):
-            check_spec(
-                spec, tuple(leaf.shape), plan.mesh, where=f"{where}, array of shape {tuple(leaf.shape)}"
-            )
+            check_spec(spec, tuple(leaf.shape), mesh, where=f"{where}, array of shape {tuple(leaf.shape)}")
 
 
 def region_manual_axes(mesh: Mesh, axis_names: Collection[str]) -> frozenset[str]:
@@ -92,7 +90,7 @@ def filter_shard_map(
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"filter_shard_map(..., plan={plan!r}): expected an eqxpar.Plan.")
-    manual = _manual_axes(plan, axis_names)
+    manual = _manual_axes(plan.mesh, axis_names)
 
     @functools.wraps(fn)
     def wrapped(*args: Any) -> Any:
@@ -104,28 +102,28 @@ def filter_shard_map(
             )
         _check_not_nested()
         dynamic, static = eqx.partition(args, eqx.is_array)
-        specs = _input_specs(dynamic, in_specs, plan, manual)
+        specs = _input_specs(dynamic, in_specs, plan.rules, plan.mesh, manual)
         if not manual:
             return fn(*args)
-        return _run_region(fn, plan, dynamic, static, specs, out_specs, manual, check_vma)
+        return _run_region(fn, plan.mesh, dynamic, static, specs, out_specs, manual, check_vma)
 
     return wrapped
 
 
-def _manual_axes(plan: Plan, axis_names: Collection[str] | None) -> frozenset[str]:
-    manual = frozenset(plan.mesh.axis_names if axis_names is None else axis_names)
+def _manual_axes(mesh: Mesh, axis_names: Collection[str] | None) -> frozenset[str]:
+    manual = frozenset(mesh.axis_names if axis_names is None else axis_names)
     for axis in manual:
-        if axis not in plan.mesh.axis_names:
+        if axis not in mesh.axis_names:
             raise AxisNameError(
                 f"filter_shard_map(axis_names=...) names mesh axis {axis!r}, but the mesh "
-                f"has axes {tuple(plan.mesh.axis_names)}. Use one of those names."
+                f"has axes {tuple(mesh.axis_names)}. Use one of those names."
             )
-    return region_manual_axes(plan.mesh, manual)
+    return region_manual_axes(mesh, manual)
 
 
-def _keep_manual(specs: Any, plan: Plan, manual: frozenset[str]) -> Any:
+def _keep_manual(specs: Any, mesh: Mesh, manual: frozenset[str]) -> Any:
     # Spec entries naming an axis left automatic would not be manual specs.
-    dropped = frozenset(plan.mesh.axis_names) - manual
+    dropped = frozenset(mesh.axis_names) - manual
     return jax.tree.map(
         lambda s: drop_axes(s, dropped) if isinstance(s, PartitionSpec) else s,
         specs,
@@ -145,19 +143,22 @@ def _check_not_nested() -> None:
         )
 
 
-def _input_specs(dynamic: tuple, in_specs: Sequence[Any] | None, plan: Plan, manual: frozenset[str]) -> list:
+def _input_specs(
+    dynamic: tuple, in_specs: Sequence[Any] | None, rules: Any, mesh: Mesh, manual: frozenset[str]
+) -> list:
+    # `rules`: the plan's, for the inputs given no spec.
     specs = []
     for i, arg in enumerate(dynamic):
         given = None if in_specs is None else in_specs[i]
-        spec = partition_specs(arg, plan) if given is None else given
-        _check_specs(arg, spec, plan, where=f"filter_shard_map argument {i}")
-        specs.append(_keep_manual(spec, plan, manual))
+        spec = partition_specs(arg, rules, mesh=mesh) if given is None else given
+        _check_specs(arg, spec, mesh, where=f"filter_shard_map argument {i}")
+        specs.append(_keep_manual(spec, mesh, manual))
     return specs
 
 
 def _run_region(
     fn: Callable,
-    plan: Plan,
+    mesh: Mesh,
     dynamic: tuple,
     static: tuple,
     specs: list,
@@ -175,9 +176,9 @@ def _run_region(
 
     out_dynamic = jax.shard_map(
         per_device,
-        mesh=plan.mesh,
+        mesh=mesh,
         in_specs=(tuple(specs),),
-        out_specs=_keep_manual(out_specs, plan, manual),
+        out_specs=_keep_manual(out_specs, mesh, manual),
         axis_names=set(manual),
         check_vma=check_vma,
     )(tuple(dynamic))

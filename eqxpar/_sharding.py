@@ -3,21 +3,21 @@
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._plan import Plan, current_plan
 from ._specs import check_spec, drop_axes, is_array_like, partition_specs
-from .nn._stack import in_plan_order
+from ._stack_order import in_plan_order
 
 
 def _manual_axes() -> frozenset[str]:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str, may_alias: bool = True) -> Any:
+def _place(x: Any, spec: PartitionSpec, mesh: Mesh, *, where: str, may_alias: bool = True) -> Any:
     if isinstance(x, jax.core.Tracer):
         manual = _manual_axes()
         if manual:
@@ -25,14 +25,14 @@ def _place(x: Any, spec: PartitionSpec, plan: Plan, *, where: str, may_alias: bo
             # are per device along them); only the automatic axes can still be
             # constrained.
             spec = drop_axes(spec, manual)
-            if all(e is None for e in spec) or manual >= set(plan.mesh.axis_names):
+            if all(e is None for e in spec) or manual >= set(mesh.axis_names):
                 return x
-            check_spec(spec, tuple(x.shape), plan.mesh, where=where)
+            check_spec(spec, tuple(x.shape), mesh, where=where)
             return jax.lax.with_sharding_constraint(x, spec)
-        check_spec(spec, tuple(x.shape), plan.mesh, where=where)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
-    check_spec(spec, tuple(x.shape), plan.mesh, where=where)
-    placed = jax.device_put(x, NamedSharding(plan.mesh, spec), may_alias=may_alias)
+        check_spec(spec, tuple(x.shape), mesh, where=where)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    check_spec(spec, tuple(x.shape), mesh, where=where)
+    placed = jax.device_put(x, NamedSharding(mesh, spec), may_alias=may_alias)
     if may_alias or not shares_buffer(placed, x):
         return placed
     # `may_alias=False` is not kept by JAX everywhere: placing a one-device array
@@ -59,13 +59,13 @@ def shares_buffer(a: Any, b: Any) -> bool:
 
 def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
     """The `NamedSharding` of every array leaf of `tree` under `plan` (None elsewhere)."""
-    return shardings_of(partition_specs(tree, plan), plan)
+    return shardings_of(partition_specs(tree, plan), plan.mesh)
 
 
-def shardings_of(specs: PyTree, plan: Plan) -> PyTree:
-    """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
+def shardings_of(specs: PyTree, mesh: Mesh) -> PyTree:
+    """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on `mesh`."""
     return jax.tree.map(
-        lambda s: None if s is None else plan.sharding(s),
+        lambda s: None if s is None else NamedSharding(mesh, s),
         specs,
         is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
     )
@@ -102,20 +102,19 @@ def shard(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: bool =
     if not isinstance(plan, Plan):
         raise PlanError(f"shard(..., plan={plan!r}): expected an eqxpar.Plan.")
     tree = in_plan_order(tree, plan)
-    if specs is not None and not isinstance(specs, PartitionSpec):
-        specs = in_plan_order(specs, plan)
-    return place_tree(tree, plan, specs, copy=copy)
-
-
-def place_tree(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: bool = True) -> PyTree:
-    """`shard` without the layer order: `tree` placed as it is (the steps place
-    their model, gradients and optimizer state with it, already in the plan's
-    order). Arguments as `shard`."""
-    if not isinstance(plan, Plan):
-        raise PlanError(f"shard(..., plan={plan!r}): expected an eqxpar.Plan.")
     if specs is None:
         specs = partition_specs(tree, plan)
-    elif isinstance(specs, PartitionSpec):
+    elif not isinstance(specs, PartitionSpec):
+        specs = in_plan_order(specs, plan)
+    return place_tree(tree, plan.mesh, specs, copy=copy)
+
+
+def place_tree(tree: PyTree, mesh: Mesh, specs: PyTree, *, copy: bool = True) -> PyTree:
+    """`shard` without the layer order and the rules: `tree` placed as `specs` say
+    (one `PartitionSpec` for every leaf, or a pytree of them) on `mesh`. The steps
+    place their model, gradients, optimizer state and batch with it, already in
+    the plan's order. `copy` as `shard`'s."""
+    if isinstance(specs, PartitionSpec):
         spec = specs
         specs = jax.tree.map(lambda x: spec if is_array_like(x) else None, tree)
     leaves, treedef = jax.tree.flatten(tree)
@@ -126,14 +125,14 @@ def place_tree(tree: PyTree, plan: Plan, specs: PyTree | None = None, *, copy: b
             out.append(leaf)
             continue
         out.append(
-            _place(leaf, spec, plan, where=f"shard: array of shape {tuple(leaf.shape)}", may_alias=not copy)
+            _place(leaf, spec, mesh, where=f"shard: array of shape {tuple(leaf.shape)}", may_alias=not copy)
         )
     return jax.tree.unflatten(treedef, out)
 
 
-def check_batch(batch: PyTree, plan: Plan, *, microbatches: int = 1) -> int:
-    """Check every batch leaf splits over the data-parallel devices (and
-    micro-batches); return the batch size."""
+def check_batch(batch: PyTree, layout: BatchLayout, *, microbatches: int = 1) -> int:
+    """Check every batch leaf splits over the data-parallel devices of `layout`
+    (and into `microbatches`); return the batch size."""
     sizes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if not is_array_like(leaf):
@@ -156,19 +155,18 @@ def check_batch(batch: PyTree, plan: Plan, *, microbatches: int = 1) -> int:
     if size == 0:
         raise BatchError(
             "the batch is empty (leading dimension 0): a mean over no examples is NaN. Pass at least "
-            f"{BatchLayout.of(plan).blocks * max(microbatches, 1)} examples (a multiple of the data-parallel size)."
+            f"{layout.blocks * max(microbatches, 1)} examples (a multiple of the data-parallel size)."
         )
     if microbatches < 1:
         raise BatchError(f"accumulate={microbatches} is not a valid micro-batch count; expected >= 1.")
-    _check_split(size, plan, microbatches)
+    _check_split(size, layout, microbatches)
     return size
 
 
-def _check_split(size: int, plan: Plan, microbatches: int) -> None:
+def _check_split(size: int, layout: BatchLayout, microbatches: int) -> None:
     """Raise unless a batch of `size` rows cuts into `microbatches` equal parts that
     each split over the data-parallel devices; the message names the batch size,
     what cut it, and the nearest sizes that work."""
-    layout = BatchLayout.of(plan)
     dp = layout.blocks
     if size % microbatches == 0 and (size // microbatches) % dp == 0:
         return
@@ -222,8 +220,11 @@ def shard_batch(batch: PyTree, plan: Plan) -> PyTree:
     x, y = eqxpar.shard_batch((x, y), plan)
     ```
     """
-    check_batch(batch, plan)
-    return place_tree(batch, plan, specs=BatchLayout.of(plan).spec, copy=False)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"shard_batch(..., plan={plan!r}): expected an eqxpar.Plan.")
+    layout = BatchLayout.of(plan)
+    check_batch(batch, layout)
+    return place_tree(batch, plan.mesh, layout.spec, copy=False)
 
 
 def annotate(x: ArrayLike, name: str) -> Array:
@@ -253,4 +254,4 @@ def annotate(x: ArrayLike, name: str) -> Array:
         return x
     if not hasattr(x, "shape"):
         x = jax.numpy.asarray(x)
-    return _place(x, spec, plan, where=f"annotate(x, {name!r})")
+    return _place(x, spec, plan.mesh, where=f"annotate(x, {name!r})")

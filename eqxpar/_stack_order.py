@@ -9,11 +9,21 @@ contiguous run of the natural order, so the stack is stored permuted (and
 padded). `StackOrder` names that storage; `None` stands for the natural order
 (layer `i` at row `i`, no padding), which is also what every plan without such a
 pipeline stores.
+
+The stores in order are here too (`in_plan_order`, `in_natural_order`,
+`check_stack_order`), over `OrderedStack`, what the core knows of a stack, so that
+the core (`train.init`, `shard`, the step's filters, evaluation) and the
+checkpoints need not import `eqxpar.nn`, whose `Stacked` is one.
 """
 
+import abc
 import dataclasses
+from typing import Any, Protocol, runtime_checkable
 
+import equinox as eqx
+import jax
 import numpy as np
+from jaxtyping import PyTree
 
 from ._errors import PlanError
 
@@ -116,3 +126,79 @@ def pipeline_order(
     if len(rows) == depth and np.array_equal(rows, np.arange(depth)):
         return None
     return order
+
+
+class OrderedStack(eqx.Module):
+    """A scanned stack whose layers may be stored permuted (`eqxpar.nn.Stacked`):
+    what the core needs of it, so that it can reorder stacks without importing
+    `eqxpar.nn`."""
+
+    order: eqx.AbstractVar[StackOrder | None]
+
+    @property
+    @abc.abstractmethod
+    def layers(self) -> int:
+        """Number of layers (padding rows left out)."""
+
+    @abc.abstractmethod
+    def stored_in(self, order: StackOrder | None) -> "OrderedStack":
+        """This stack's layers stored in `order` (None: natural order)."""
+
+
+@runtime_checkable
+class StackOrdering(Protocol):
+    """Anything that says the order a stack of `depth` layers is stored in: an
+    `eqxpar.Plan` (which decides it) or the step's resolved plan."""
+
+    def stack_order(self, depth: int) -> StackOrder | None: ...
+
+
+def _is_stack(x: Any) -> bool:
+    return isinstance(x, OrderedStack)
+
+
+def in_natural_order(tree: PyTree) -> PyTree:
+    """`tree` (a model, its gradients, an optimizer state or a train state) with
+    every `eqxpar.nn.Stacked` in it stored in natural order again: layer `i` at row
+    `i`, no padding. What `save_pretrained` and a checkpoint save write; a no-op
+    for stacks already in natural order.
+
+    **Arguments:** `tree`, any pytree.
+
+    **Returns:** the same structure, natural order recorded on every stack.
+
+    ```python
+    model = eqxpar.nn.in_natural_order(state.model)   # e.g. to compare with one device
+    ```
+    """
+    return jax.tree.map(lambda s: s.stored_in(None) if _is_stack(s) else s, tree, is_leaf=_is_stack)
+
+
+def in_plan_order(tree: PyTree, plan: StackOrdering) -> PyTree:
+    """`tree` with every `eqxpar.nn.Stacked` in it stored in the order `plan`
+    stores it in (`Plan.stack_order`: a pipeline's order for interleaved or uneven
+    stages, else natural), from whatever order it is in now. `eqxpar.train.init`,
+    `eqxpar.shard`, `from_pretrained(path, plan)` and a checkpoint restore call
+    it; users do not need to.
+
+    **Arguments:** `tree`, any pytree; `plan`, the target `eqxpar.Plan`.
+
+    **Returns:** the same structure, the plan's order recorded on every stack.
+    """
+    return jax.tree.map(
+        lambda s: s.stored_in(plan.stack_order(s.layers)) if _is_stack(s) else s, tree, is_leaf=_is_stack
+    )
+
+
+def check_stack_order(stack: OrderedStack, ordering: StackOrdering) -> None:
+    """Raise `PlanError` unless `stack` is stored in the order `ordering` (the
+    plan, resolved) runs it in. Shared with the pipeline engine."""
+    wanted = ordering.stack_order(stack.layers)
+    if stack.order != wanted:
+        raise PlanError(
+            f"the pipelined stack is stored in {describe_order(stack.order)}, but this plan runs it in "
+            f"{describe_order(wanted)}. Let eqxpar place the model: build the state with "
+            "eqxpar.train.init(model, optimizer, plan, ...), or pass the model through "
+            "eqxpar.shard(model, plan) (both store every stack in the plan's order); do not reorder "
+            "layers by hand."
+        )

@@ -8,26 +8,18 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._batch_layout import BatchLayout
 from ._errors import AccumulationWarning, PlanError
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._plan import Plan
+from ._resolved_plan import ResolvedPlan, warn_cpu_collective_order
 from ._sharding import check_batch, place_tree
-from ._step_layout import (
-    StepLayout,
-    check_cpu_partial_manual_dtypes,
-    check_reduce_dtype,
-    loss_compute_dtype,
-    microbatch_count,
-    runs_pipeline,
-    warn_cpu_collective_order,
-)
+from ._step_layout import StepLayout
 from ._train_state import TrainState
 from ._trainable import optimized, trainable_mask
 
@@ -64,12 +56,12 @@ def _apply(
     if layout.sliced_update:
         # ZeRO-1: update this device's slice of every parameter (slicing a
         # replicated array moves nothing), then gather the new parameters.
-        model = place_tree(model, layout.plan, specs=layout.updates)
+        model = place_tree(model, layout.plan.mesh, layout.updates)
     params, _ = layout.differentiated(model)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(model, updates)
     if layout.sliced_update:
-        model = place_tree(model, layout.plan, specs=layout.params)
+        model = place_tree(model, layout.plan.mesh, layout.params)
     return TrainState(
         model=model,
         opt_state=opt_state,
@@ -122,19 +114,17 @@ class Step:
         self,
         loss: LossFunction,
         optimizer: optax.GradientTransformation,
-        plan: Plan,
+        resolved: ResolvedPlan,
         *,
         donate: bool,
-        accumulate: int,
         skip_nonfinite: bool,
         trainable: Any = None,
     ):
         #: The loss function the step differentiates (read by `eqxpar.inspect`).
         self.loss_fn = loss.fn
         self._loss, self._optimizer = loss, optimizer
-        self._plan = plan
+        self._resolved = resolved
         self._donate = donate
-        self._accumulate = accumulate
         self._skip_nonfinite = skip_nonfinite
         self._trainable = trainable
         self._cache: dict[Any, tuple[Callable, PyTree]] = {}
@@ -142,8 +132,8 @@ class Step:
     def layout(self, state: TrainState) -> StepLayout:
         """The `StepLayout` this step resolves for `state`: every array's spec, the
         manual axes, the batch axes it reduces by hand, the leaves it trains."""
-        mask = trainable_mask(state.model, self._trainable, self._plan, where="make_step")
-        return StepLayout.of_state(state, self._plan, accumulate=self._accumulate, trainable=mask)
+        mask = trainable_mask(state.model, self._trainable, self._resolved, where="make_step")
+        return StepLayout.of(self._resolved, state.model, state.opt_state, trainable=mask)
 
     def _jitted(self, state: TrainState, batch: PyTree) -> tuple[Callable, PyTree]:
         dynamic, static = eqx.partition(state, eqx.is_array)
@@ -164,13 +154,14 @@ class Step:
         cached = self._cache.get(cache_key)
         if cached is not None:
             return cached
-        plan = self._plan
-        _warn_batch_statistics(state.model, plan, self._accumulate, stacklevel=4)
+        resolved = self._resolved
+        plan = resolved.plan  # entered while tracing: the layers read it
+        _warn_batch_statistics(state.model, resolved, stacklevel=4)
         layout = self.layout(state)
         _check_optimizer_state(state, self._optimizer, layout)
         state_shardings = layout.shardings(layout.state_specs(dynamic))
-        batch_sharding = plan.sharding(layout.batch)
-        replicated = plan.sharding(PartitionSpec())
+        batch_sharding = resolved.batch.sharding
+        replicated = NamedSharding(resolved.mesh, PartitionSpec())
 
         def step(dynamic, batch):
             with plan:
@@ -203,13 +194,13 @@ class Step:
                 f"a step takes (state, batch) with state an eqxpar.train.TrainState, got "
                 f"{type(state).__name__}; build it with eqxpar.train.init(model, optimizer, plan, key=...)."
             )
-        check_batch(batch, self._plan, microbatches=microbatch_count(self._plan, self._accumulate))
+        check_batch(batch, self._resolved.batch, microbatches=self._resolved.microbatches)
         jitted, static = self._jitted(state, batch)
         return jitted, static, eqx.filter(state, eqx.is_array)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         jitted, static, dynamic = self._prepare(state, batch)
-        batch = place_tree(batch, self._plan, specs=self._plan.batch_spec, copy=False)
+        batch = self._placed_batch(batch)
         new_dynamic, metrics = jitted(dynamic, batch)
         return eqx.combine(new_dynamic, static), metrics
 
@@ -218,7 +209,10 @@ class Step:
         jitted, _, dynamic = self._prepare(state, batch)
         # Placed as `__call__` places it, so that `.compile()` is the executable
         # the step runs (jit caches by the inputs' shardings).
-        return jitted.lower(dynamic, place_tree(batch, self._plan, specs=self._plan.batch_spec, copy=False))
+        return jitted.lower(dynamic, self._placed_batch(batch))
+
+    def _placed_batch(self, batch: PyTree) -> PyTree:
+        return place_tree(batch, self._resolved.mesh, self._resolved.batch.spec, copy=False)
 
     def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
         """The compiled executable for `state` and `batch` (for HLO, memory, cost)."""
@@ -244,13 +238,13 @@ def _check_optimizer_state(
     )
 
 
-def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stacklevel: int) -> None:
+def _warn_batch_statistics(model: PyTree, resolved: ResolvedPlan, *, stacklevel: int) -> None:
     """Warn (`AccumulationWarning`) when the step splits the batch into
     micro-batches and a module of the model says its loss holds a term that is not
     a mean over rows (`batch_statistic_loss()`, as an MoE `GPT` with its
     load-balance loss on does). The core asks the model rather than knowing any
     model's class: the models depend on the core, never the reverse."""
-    microbatches = microbatch_count(plan, accumulate)
+    microbatches = resolved.microbatches
     if microbatches == 1:
         return
     declares = lambda x: isinstance(x, eqx.Module) and callable(getattr(x, "batch_statistic_loss", None))  # noqa: E731
@@ -260,7 +254,7 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
         return
     what, fix = terms[0]
     warnings.warn(
-        f"{BatchLayout.of(plan).split_by(microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
+        f"{resolved.batch.split_by(microbatches)} splits the batch into {microbatches} micro-batches, and {what}: "
         "its mean over the micro-batches is not its value on the whole batch, and the step's gradient is "
         f"not the full batch's mean gradient. Use accumulate=1 (or fewer micro-batches), or {fix}, or "
         "accept the approximation: warnings.filterwarnings('ignore', category=eqxpar.AccumulationWarning).",
@@ -269,19 +263,20 @@ def _warn_batch_statistics(model: PyTree, plan: Plan, accumulate: int, *, stackl
     )
 
 
-def _validate(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: str) -> None:
+def _resolved(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: str) -> ResolvedPlan:
+    """The builder's arguments checked and its plan resolved, once (`where`: the builder)."""
     if not isinstance(plan, Plan):
         raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
     if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
     if not callable(loss_fn):
         raise PlanError(f"{where}(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
-    if runs_pipeline(plan):
+    resolved = ResolvedPlan.for_training(plan, accumulate, where)
+    if resolved.pipeline is not None:
         from .pipeline._engine import check_pipeline_step
 
-        check_pipeline_step(loss_fn, plan, accumulate=accumulate, has_aux=has_aux)
-    check_cpu_partial_manual_dtypes(plan, accumulate, where)
-    check_reduce_dtype(plan, accumulate, where)
+        check_pipeline_step(loss_fn, resolved.pipeline, accumulate=accumulate, has_aux=has_aux)
+    return resolved
 
 
 def make_step(
@@ -386,20 +381,12 @@ def make_step(
     state, metrics = step(state, (x, y))
     ```
     """
-    _validate(loss_fn, plan, accumulate, has_aux, "make_step")
+    resolved = _resolved(loss_fn, plan, accumulate, has_aux, "make_step")
     if not isinstance(skip_nonfinite, bool):
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
-    warn_cpu_collective_order(plan, accumulate)
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
-    return Step(
-        loss,
-        optimizer,
-        plan,
-        donate=donate,
-        accumulate=accumulate,
-        skip_nonfinite=skip_nonfinite,
-        trainable=trainable,
-    )
+    warn_cpu_collective_order(resolved)
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
+    return Step(loss, optimizer, resolved, donate=donate, skip_nonfinite=skip_nonfinite, trainable=trainable)
 
 
 def make_value_and_grad(
@@ -428,22 +415,22 @@ def make_value_and_grad(
     loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
     ```
     """
-    _validate(loss_fn, plan, accumulate, has_aux, "make_value_and_grad")
-    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=loss_compute_dtype(plan))
+    resolved = _resolved(loss_fn, plan, accumulate, has_aux, "make_value_and_grad")
+    loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
 
     @eqx.filter_jit
     def compiled(model, batch, key):
         with plan:
-            mask = trainable_mask(model, trainable, plan, where="make_value_and_grad")
-            layout = StepLayout.resolve(plan, model, accumulate=accumulate, trainable=mask)
-            model = place_tree(model, plan, specs=layout.params)
-            batch = place_tree(batch, plan, specs=layout.batch)
+            mask = trainable_mask(model, trainable, resolved, where="make_value_and_grad")
+            layout = StepLayout.of(resolved, model, trainable=mask)
+            model = place_tree(model, resolved.mesh, layout.params)
+            batch = place_tree(batch, resolved.mesh, layout.batch)
             value, aux, grads = _gradients(loss, layout, model, batch, key)
         return ((value, aux), grads) if has_aux else (value, grads)
 
     def value_and_grad(model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> Any:
-        check_batch(batch, plan, microbatches=microbatch_count(plan, accumulate))
-        _warn_batch_statistics(model, plan, accumulate, stacklevel=2)
+        check_batch(batch, resolved.batch, microbatches=resolved.microbatches)
+        _warn_batch_statistics(model, resolved, stacklevel=2)
         return compiled(model, batch, jax.random.key(0) if key is None else key)
 
     return value_and_grad

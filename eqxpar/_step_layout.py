@@ -1,74 +1,41 @@
 """The step layout: where every array of a training step lives, resolved once.
 
-A plan says what the user wants (a mesh, rules, a mode, flags); a `StepLayout`
-says what a step built for it does: the specs of the parameters, the gradients,
-the optimizer state and the batch, the mesh axes it runs by hand (inside
-`shard_map`), the batch axes whose gradients it reduces by hand. `train.init`,
-the step, its gradient implementations, the update, checkpoint restore and
-`eqxpar.inspect` all read one; none decides these from the plan's flags again.
+A plan says what the user wants (a mesh, rules, a mode, flags); its
+`ResolvedPlan` says what a step does that needs no model (manual axes, kind, batch
+layout, dtypes); a `StepLayout` adds the state's outline: the specs of the
+parameters, the gradients, the optimizer state and the batch, the batch axes
+whose gradients it reduces by hand. `train.init`, the step, its gradient
+implementations, the update, checkpoint restore and `eqxpar.inspect` all read
+one; none decides these from the plan's flags again.
 """
 
 import dataclasses
 import math
-import os
-import warnings
 from collections.abc import Collection
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 from jaxtyping import PyTree
 
-from ._batch_layout import BatchLayout
 from ._errors import BatchError, PlanError
 from ._mesh import CONTEXT_AXIS, EXPERT_AXIS
+from ._parallel_dims import ParallelDims
 from ._plan import Plan
+from ._resolved_plan import Kind, ResolvedPlan
 from ._rules import mesh_axis_names
 from ._shard_map import region_manual_axes
 from ._sharding import shardings_of
 from ._specs import leaves_with_layout, partition_specs
 from ._trainable import split_trainable
 
-Kind = Literal["automatic", "manual", "pipeline"]
-
 
 def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
-    """The mesh axes a step built for `plan` runs by hand (inside `shard_map`).
-
-    Every axis for a pipeline; the plan's manual axes for a manual plan; the batch
-    axes for an automatic ZeRO-1 plan (to reduce-scatter the gradients); none for
-    other automatic plans; and, when the step accumulates gradients
-    (`accumulate > 1`), the batch axes too, so that each device sums its
-    micro-batches' gradients before the one reduction of the step (left to the
-    compiler, the reduction would run once per micro-batch). Size-1 axes of a
-    partial-manual region are left out, as `shard_map` regions leave them.
-    A `context` axis larger than 1 is manual in every mode: attention passes keys
-    and values between its devices by hand; so is an `expert` axis larger than 1,
-    with every batch axis: mixture-of-experts layers send tokens between its
-    devices by hand, and their data-dependent shuffles of tokens must see only
-    this device's (a batch axis left automatic would be gathered for them). Beside
-    a `context` axis larger than 1 and an automatic tensor axis larger than 1, the
-    batch axes are manual too (the compiler cannot partition that region).
-    """
-    if plan.schedule is not None:
-        return frozenset(plan.mesh.axis_names)
-    axes: tuple[str, ...] = ()
-    if plan.mode == "manual":
-        axes = plan.manual_axes or tuple(plan.mesh.axis_names)
-    if (plan.zero1 and plan.mode != "manual") or accumulate > 1:
-        axes += tuple(a for a in plan.batch_axes if a not in axes)
-    if plan.context_size > 1 and CONTEXT_AXIS not in axes:
-        axes += (CONTEXT_AXIS,)
-    # XLA's partitioner aborts the process (a failed check on its device groups)
-    # on a region manual over `context` beside an automatic tensor axis and an
-    # automatic batch axis; manual over the batch axes too, the region compiles.
-    tensor_auto = plan.mesh.shape.get(plan.tensor_axis, 1) > 1 and plan.tensor_axis not in axes
-    if plan.expert_size > 1 or (plan.context_size > 1 and tensor_auto):
-        axes += tuple(a for a in plan.batch_axes if a not in axes)
-    return region_manual_axes(plan.mesh, axes) if axes else frozenset()
+    """The mesh axes a step built for `plan` runs by hand (`ResolvedPlan.manual_axes`;
+    kept for the advisor, which has a plan and no step)."""
+    return ResolvedPlan.of(plan, accumulate).manual_axes
 
 
 def check_expert_specs(model: PyTree, specs: PyTree) -> None:
@@ -103,13 +70,14 @@ def check_expert_specs(model: PyTree, specs: PyTree) -> None:
 class StepLayout:
     """Where a training step's arrays live and which collectives it runs by hand.
 
-    Build one with `StepLayout.resolve(plan, model, opt_state)` (arrays or
-    `jax.eval_shape` outlines) or `StepLayout.of_state(state, plan)`.
+    Build one with `StepLayout.of(resolved, model, opt_state)` (arrays or
+    `jax.eval_shape` outlines) from a `ResolvedPlan`; `StepLayout.resolve(plan,
+    model, opt_state)` and `StepLayout.of_state(state, plan)` resolve a plan first.
 
     **Fields:**
 
-    - `plan`, `accumulate`: what it was resolved for.
-    - `manual_axes`: the mesh axes the step runs inside `shard_map`.
+    - `resolved`: the `ResolvedPlan` it was laid out for (manual axes, kind,
+      batch layout, dtypes: what needs no model).
     - `params`: a PartitionSpec per array leaf of the model (None elsewhere).
     - `updates`: the specs the gradients and optimizer updates come out in: the
       parameters', or under ZeRO-1 the optimizer state's split over the batch axes.
@@ -124,13 +92,31 @@ class StepLayout:
     ```
     """
 
-    plan: Plan
-    accumulate: int
-    manual_axes: frozenset[str]
+    resolved: ResolvedPlan
     params: PyTree
     updates: PyTree
     opt_state: PyTree | None
     trainable: PyTree | None = None
+
+    @classmethod
+    def of(
+        cls,
+        resolved: ResolvedPlan,
+        model: PyTree,
+        opt_state: PyTree | None = None,
+        *,
+        trainable: PyTree | None = None,
+    ) -> "StepLayout":
+        """The layout of a step over `model` (and `opt_state`) under `resolved`;
+        `trainable` is the step's resolved filter (`_trainable.trainable_mask`)."""
+        plan = resolved.plan  # its mesh and rules
+        rules, mesh = plan.optimizer_rules, plan.mesh
+        params = partition_specs(model, plan.rules, mesh=mesh)
+        if resolved.dims.expert_size > 1:
+            check_expert_specs(model, params)
+        updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
+        opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
+        return cls(resolved, params, updates, opt, trainable)
 
     @classmethod
     def resolve(
@@ -142,17 +128,11 @@ class StepLayout:
         accumulate: int = 1,
         trainable: PyTree | None = None,
     ) -> "StepLayout":
-        """Resolve the layout of a step over `model` (and `opt_state`) under `plan`;
-        `trainable` is the step's resolved filter (`_trainable.trainable_mask`)."""
+        """Resolve `plan` (`ResolvedPlan.of`), then lay out a step over `model` (and
+        `opt_state`): for code that holds a plan and no step (tests, benchmarks)."""
         if not isinstance(plan, Plan):
             raise PlanError(f"StepLayout.resolve(plan={plan!r}): expected an eqxpar.Plan.")
-        rules, mesh = plan.optimizer_rules, plan.mesh
-        params = partition_specs(model, plan.rules, mesh=mesh)
-        if plan.expert_size > 1:
-            check_expert_specs(model, params)
-        updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
-        opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
-        return cls(plan, accumulate, manual_axes_of(plan, accumulate), params, updates, opt, trainable)
+        return cls.of(ResolvedPlan.of(plan, accumulate), model, opt_state, trainable=trainable)
 
     @classmethod
     def of_state(
@@ -160,6 +140,20 @@ class StepLayout:
     ) -> "StepLayout":
         """The layout of a `TrainState` (or its outline) under `plan`."""
         return cls.resolve(plan, state.model, state.opt_state, accumulate=accumulate, trainable=trainable)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan: its mesh and rules, and the `with plan:` context a step traces in."""
+        return self.resolved.plan
+
+    @property
+    def accumulate(self) -> int:
+        return self.resolved.accumulate
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The mesh axes the step runs inside `shard_map`."""
+        return self.resolved.manual_axes
 
     def differentiated(self, model: PyTree) -> tuple[PyTree, PyTree]:
         """`(params, rest)` of `model` (the global model, or one device's inside a
@@ -171,47 +165,41 @@ class StepLayout:
     def kind(self) -> Kind:
         """Which gradient implementation runs: compiler-placed collectives
         (`"automatic"`), a `shard_map` region (`"manual"`), or the pipeline engine."""
-        if self.plan.schedule is not None:
-            return "pipeline"
-        return "manual" if self.manual_axes else "automatic"
+        return self.resolved.kind
 
     @property
     def batch(self) -> PartitionSpec:
         """The spec of a batch leaf: leading dimension over the plan's batch axes."""
-        return BatchLayout.of(self.plan).spec
+        return self.resolved.batch.spec
 
     @property
     def tensor_axis(self) -> str:
         """The mesh axis tensor-parallel layers split their weights over."""
-        return tensor_axis_of(self.plan)
+        return self.resolved.tensor_axis
 
     @property
     def mode(self) -> str | None:
         """The plan's mode as the user gave it (`"auto"`, `"manual"`, or None under a pipeline), for messages."""
-        return self.plan.mode
+        return self.resolved.dims.mode
 
     @property
     def reduce_dtype(self) -> Any:
         """The dtype gradients are reduced in (`Plan(reduce_dtype=)`), or None for theirs."""
-        return self.plan.reduce_dtype
+        return self.resolved.reduce_dtype
 
     @property
     def weight_axes(self) -> frozenset[str]:
         """The manual axes a weight may be split over in a manual region: the tensor
         axis (eqxpar.nn layers take its shards) and the batch axes (FSDP: the step
         gathers them)."""
-        return frozenset({self.plan.tensor_axis, *self.plan.batch_axes})
+        return frozenset({self.tensor_axis, *self.resolved.batch.axes})
 
     @property
     def sequence_split(self) -> bool:
         """Whether each device of the tensor axis holds its own sequence block in the
         manual region (sequence parallelism over a manual tensor axis of size > 1)."""
-        tensor = self.plan.tensor_axis
-        return (
-            self.plan.sequence_parallel
-            and tensor in self.manual_axes
-            and self.plan.mesh.shape.get(tensor, 1) > 1
-        )
+        dims = self.resolved.dims
+        return dims.sequence_parallel and dims.tensor_axis in self.manual_axes and dims.tensor_size > 1
 
     @property
     def reduced_axes(self) -> tuple[str, ...]:
@@ -220,13 +208,13 @@ class StepLayout:
         the batch over by hand (batch axes left automatic are the compiler's), then
         `context` when it splits the sequence (each device's loss is the mean over
         its own part of the sequence)."""
-        axes = tuple(a for a in self.plan.batch_axes if a in self.manual_axes)
+        axes = tuple(a for a in self.resolved.batch.axes if a in self.manual_axes)
         return axes + self.context_axes
 
     @property
     def context_axes(self) -> tuple[str, ...]:
         """`("context",)` when the step splits the sequence over it (size > 1), else `()`."""
-        return (CONTEXT_AXIS,) if self.plan.context_size > 1 else ()
+        return (CONTEXT_AXIS,) if self.resolved.dims.context_size > 1 else ()
 
     @property
     def data_parallel_size(self) -> int:
@@ -246,7 +234,7 @@ class StepLayout:
     @property
     def partial(self) -> bool:
         """Whether the step's region is manual over some mesh axes only."""
-        return bool(self.manual_axes) and self.manual_axes != frozenset(self.plan.mesh.axis_names)
+        return self.resolved.partial
 
     @property
     def sliced_update(self) -> bool:
@@ -272,146 +260,18 @@ class StepLayout:
 
     def shardings(self, specs: PyTree) -> PyTree:
         """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
-        return shardings_of(specs, self.plan)
-
-
-# --- What a step may do with a plan: checks and counts read from its options -----------
-
-
-#: The XLA flag that makes XLA:CPU run each device's collectives in program order.
-CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
-def warn_cpu_collective_order(plan: Plan, accumulate: int) -> None:
-    """Warn when `plan` runs manual collectives over two or more axes on XLA:CPU
-    without `CPU_COLLECTIVE_ORDER_FLAG`.
-
-    JAX gives every collective of a `shard_map` the same channel id, and XLA:CPU
-    keys its rendezvous by (device group, kind, channel id). Its default
-    concurrency-optimised scheduler may start two independent collectives of one
-    kind over one group at once (two FSDP weight gathers of a layer; the
-    reduce-scatters of their gradients), and the simulated devices then join each
-    other's rendezvous: the process aborts ("Unexpected number of participants")
-    or hangs. It happens with a region manual over `fsdp` and `tensor` with
-    sequence parallelism. The flag can only be set before JAX starts its CPU
-    backend (a per-compilation option is ignored), so eqxpar can only say so.
-    """
-    if plan.mesh.devices.flat[0].platform != "cpu":
-        return
-    manual = sorted(manual_axes_of(plan, accumulate), key=plan.mesh.axis_names.index)
-    if sum(plan.mesh.shape[a] > 1 for a in manual) < 2:
-        return
-    if CPU_COLLECTIVE_ORDER_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", ""):
-        return
-    warnings.warn(
-        f"this plan issues its own collectives over several mesh axes ({', '.join(manual)}) on "
-        "XLA:CPU, whose default scheduler can run two of them at once and abort the process "
-        "('Unexpected number of participants'). Set XLA_FLAGS to include "
-        f"{CPU_COLLECTIVE_ORDER_FLAG} before importing jax (as the eqxpar examples do).",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-def _is_bfloat16(dtype: Any) -> bool:
-    return dtype is not None and jnp.dtype(dtype) == jnp.bfloat16
-
-
-def check_cpu_partial_manual_dtypes(plan: Plan, accumulate: int, where: str) -> None:
-    """Refuse the bfloat16 all-reduces eqxpar cannot widen in a partial-manual
-    region on XLA:CPU.
-
-    In a region manual over some axes only, JAX lowers an all-reduce's reduction
-    with a sharding annotation (a `copy` in HLO); XLA:CPU widens bfloat16
-    all-reduces to float32 and, cloning that reduction, aborts the process
-    ("Invalid binary instruction opcode copy"). float16 is not widened and
-    compiles. The step's own gradient reductions and FSDP gathers there run in
-    float32 instead (`_fsdp.wire_dtype`); what remains are the
-    tensor-parallel layers' all-reduces under `compute_dtype=bfloat16`.
-    """
-    if plan.mesh.devices.flat[0].platform != "cpu":
-        return
-    manual = manual_axes_of(plan, accumulate)
-    if not manual or manual == frozenset(plan.mesh.axis_names):
-        return
-    # The layers compute in the compute dtype, else in the parameters'.
-    if not (_is_bfloat16(plan.compute_dtype or plan.param_dtype) and plan.tensor_axis in manual):
-        return
-    left = sorted(set(plan.mesh.axis_names) - manual, key=plan.mesh.axis_names.index)
-    raise PlanError(
-        f"{where}: this plan runs a partial-manual region (manual over "
-        f"{sorted(manual, key=plan.mesh.axis_names.index)}, automatic over {left}) with "
-        "bfloat16 compute (compute_dtype, or param_dtype without one), so the tensor-parallel "
-        "layers issue bfloat16 all-reduces there, "
-        "which XLA:CPU aborts the process compiling. On CPU, drop Plan(manual_axes=...) so every "
-        "axis is manual, use mode='auto', or compute in float32 or float16 (XLA:CPU moves bfloat16 "
-        "collectives as float32 anyway)."
-    )
+        return shardings_of(specs, self.plan.mesh)
 
 
 def loss_compute_dtype(plan: Plan) -> Any:
-    """The dtype a step, gradient or evaluation of `plan` computes its loss in: the
-    model's and batch's floating-point arrays are cast to it (`Plan(compute_dtype=)`),
-    or None to keep theirs."""
-    return plan.compute_dtype
+    """The dtype a step of `plan` computes its loss in (`ResolvedPlan.compute_dtype`;
+    kept for the advisor and inspection, which have a plan and no step)."""
+    return ParallelDims.of(plan).compute_dtype
 
 
 def tensor_axis_of(plan: Plan) -> str:
     """The mesh axis tensor-parallel layers split their weights over (`Plan(tensor_axis=)`)."""
-    return plan.tensor_axis
-
-
-def param_dtype_of(plan: Plan) -> Any:
-    """The dtype `train.init` stores a model's floating-point weights in
-    (`Plan(param_dtype=)`), or None to keep theirs."""
-    return plan.param_dtype
-
-
-def activation_axes(plan: Plan) -> frozenset[str]:
-    """The mesh axes the plan splits activations over, whatever the model's
-    weights: the batch axes, the axes of its annotations, the tensor axis under
-    sequence parallelism, and the context axis."""
-    used = set(BatchLayout.of(plan).axes)
-    for spec in plan.annotation_specs.values():
-        used.update(a for entry in spec for a in mesh_axis_names(entry))
-    if plan.sequence_parallel:
-        used.add(plan.tensor_axis)  # the activations' sequence is split over it
-    used.add(CONTEXT_AXIS)  # it always splits the sequence
-    return frozenset(used)
-
-
-def runs_pipeline(plan: Plan) -> bool:
-    """Whether a step for `plan` runs the pipeline engine (a schedule is set)."""
-    return BatchLayout.of(plan).pipelined
-
-
-def rows_per_call(plan: Plan) -> int:
-    """The batch sizes a step or evaluation of `plan` runs whole are multiples of
-    this: the data-parallel devices times a pipeline's micro-batches."""
-    return BatchLayout.of(plan).rows_per_call
-
-
-def microbatch_count(plan: Plan, accumulate: int) -> int:
-    # The equal parts a batch is split into: a pipeline's micro-batches, or the
-    # accumulated ones.
-    return BatchLayout.of(plan).parts(accumulate)
-
-
-def check_reduce_dtype(plan: Plan, accumulate: int, where: str) -> None:
-    # The option sets the dtype of the reductions eqxpar issues itself; where the
-    # compiler reduces every gradient (automatic and partial-manual plans that
-    # leave the batch axes automatic) it would be silently ignored.
-    if plan.reduce_dtype is None or plan.schedule is not None:
-        return
-    manual = manual_axes_of(plan, accumulate)
-    if any(a in manual for a in plan.batch_axes):
-        return
-    raise PlanError(
-        f"{where}: Plan(reduce_dtype={plan.reduce_dtype}) sets the dtype of the gradient reductions eqxpar "
-        f"issues itself, but this step reduces none by hand: its batch axes {plan.batch_axes} are left to "
-        "the compiler (mode='auto', or manual_axes without them), which reduces in the dtype it has there. "
-        "Drop reduce_dtype, or use mode='manual' with the batch axes manual."
-    )
+    return ParallelDims.of(plan).tensor_axis
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,15 +11,15 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._batch_layout import BatchLayout
 from ._errors import PlanError, UnusedAxisWarning
 from ._plan import Plan
+from ._resolved_plan import ResolvedPlan
 from ._rules import mesh_axis_names
 from ._sharding import place_tree
 from ._specs import partition_specs
-from ._step_layout import StepLayout, activation_axes, param_dtype_of
+from ._stack_order import in_plan_order
+from ._step_layout import StepLayout
 from ._trainable import optimized, trainable_mask
-from .nn._stack import in_plan_order
 
 
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
@@ -33,20 +33,21 @@ def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
-def _warn_unused_axes(model: PyTree, plan: Plan) -> None:
+def _warn_unused_axes(model: PyTree, resolved: ResolvedPlan) -> None:
     """Warn when a mesh axis of size > 1 splits neither the batch, nor a weight,
     nor an annotated activation: its devices would only repeat each other's work."""
-    used = set(activation_axes(plan))
-    specs = partition_specs(model, plan)
+    used = set(resolved.activation_axes)
+    mesh = resolved.mesh
+    specs = partition_specs(model, resolved.plan.rules, mesh=mesh)
     for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)):
         if isinstance(spec, PartitionSpec):
             used.update(a for entry in spec for a in mesh_axis_names(entry))
-    idle = [a for a in plan.mesh.axis_names if plan.mesh.shape[a] > 1 and a not in used]
+    idle = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used]
     if idle:
-        sizes = ", ".join(f"{a}={plan.mesh.shape[a]}" for a in idle)
+        sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in idle)
         warnings.warn(
             f"mesh axes {sizes} split nothing: the plan's rules give no weight of this model a spec "
-            f"over {idle!r}, and the batch is split over {BatchLayout.of(plan).axes} only, so those devices hold "
+            f"over {idle!r}, and the batch is split over {resolved.batch.axes} only, so those devices hold "
             "and compute the same as each other. Rules such as rules.MEGATRON place only weights that "
             "carry eqxpar logical axes (eqxpar.nn layers, eqxpar.param(axes=...)); for any other model "
             "use rules.FSDP(axis=...), rules.ByPath([...]), or a mesh without those axes.",
@@ -117,24 +118,26 @@ def init(
     # Built inside jit so that the state owns fresh buffers (each step donates
     # them; they must not be the caller's model arrays) and is created directly in
     # its sharding.
+    resolved = ResolvedPlan.of(plan)
+
     @eqx.filter_jit
     def place(model: Any) -> tuple[Any, Any]:
         with plan:
             # The plan owns how stacks are stored (a pipeline's layer order): the
             # model enters it here, from whatever order it records.
-            model = in_plan_order(model, plan)
-            if param_dtype_of(plan) is not None:
-                model = cast_floating(model, param_dtype_of(plan))
-            mask = trainable_mask(model, trainable, plan, where="eqxpar.train.init")
+            model = in_plan_order(model, resolved)
+            if resolved.param_dtype is not None:
+                model = cast_floating(model, resolved.param_dtype)
+            mask = trainable_mask(model, trainable, resolved, where="eqxpar.train.init")
             opt_state = jax.eval_shape(optimizer.init, optimized(model, mask))
-            layout = StepLayout.resolve(plan, model, opt_state, trainable=mask)
-            model = place_tree(model, plan, specs=layout.params)
+            layout = StepLayout.of(resolved, model, opt_state, trainable=mask)
+            model = place_tree(model, resolved.mesh, layout.params)
             opt_state = optimizer.init(optimized(model, mask))
-            return model, place_tree(opt_state, plan, specs=layout.opt_state)
+            return model, place_tree(opt_state, resolved.mesh, layout.opt_state)
 
     # Checked on the model as the plan stores it: a stack of uneven pipeline stages
     # has rows (padded per device) the pipe axis divides where its depth may not.
-    _warn_unused_axes(eqx.filter_eval_shape(lambda m: in_plan_order(m, plan), model), plan)
+    _warn_unused_axes(eqx.filter_eval_shape(lambda m: in_plan_order(m, resolved), model), resolved)
     try:
         model, opt_state = place(model)
     except ValueError as e:

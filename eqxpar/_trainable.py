@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._errors import PlanError
-from ._plan import Plan
+from ._stack_order import StackOrdering, in_plan_order
 
 # A leaf the filter leaves out (eqx.filter's `replace`): distinct from None, which
 # a model may hold itself.
@@ -46,25 +46,23 @@ def _check_filter_leaves(trainable: PyTree, where: str) -> None:
         )
 
 
-def trainable_mask(model: PyTree, trainable: Any, plan: Plan, *, where: str) -> PyTree | None:
+def trainable_mask(model: PyTree, trainable: Any, ordering: StackOrdering, *, where: str) -> PyTree | None:
     """`trainable` (an Equinox filter: a bool, a callable `leaf -> bool`, or a
     pytree of those that is a prefix of `model`) as a bool at every leaf of
     `model`: True where a floating-point array trains. None for `trainable=None`
     (every floating-point array trains).
 
     `model` is the model as the plan stores it; a pytree filter built on the model
-    in natural order (as loaded) is put in the plan's stack order first, so that
-    the same filter serves `train.init` and the step."""
+    in natural order (as loaded) is put in the plan's stack order first
+    (`ordering`: the resolved plan, or a plan), so that the same filter serves
+    `train.init` and the step."""
     if trainable is None:
         return None
     if callable(trainable) and not isinstance(trainable, eqx.Module):
         spec = trainable
     else:
         _check_filter_leaves(trainable, where)
-        # Imported here: eqxpar.nn imports the core, not the reverse.
-        from .nn._stack import in_plan_order
-
-        spec = in_plan_order(trainable, plan)
+        spec = in_plan_order(trainable, ordering)
     try:
         chosen = eqx.filter(model, spec, replace=_LEFT_OUT)
     except ValueError as e:

@@ -178,7 +178,7 @@ def comm_report(step_or_compiled: Any, *args: Any, minimum: Any = None, baseline
     # The step's own plan (a Step does not expose it publicly; same package).
     try:
         low = minimum_comm(
-            step._plan, args[0].model, loss=_loss_of(step), batch=args[1], trainable=step._trainable
+            step._resolved.plan, args[0].model, loss=_loss_of(step), batch=args[1], trainable=step._trainable
         )
     except PlanError as e:
         # A model whose layout minimum_comm cannot describe: say why, not a number.

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import nn
 from .._errors import PretrainedError
-from ..nn._stack import in_natural_order
+from .._stack_order import in_natural_order
 from ._gpt import GPT
 from ._hf_config import infer_model_type
 from ._hf_files import safetensors_module, write_safetensors

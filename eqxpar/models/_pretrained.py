@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, make_single_device_
 from .._errors import PretrainedError
 from .._plan import Plan
 from .._sharding import named_shardings
-from ..nn._stack import Stacked, in_natural_order, in_plan_order
+from .._stack_order import in_natural_order, in_plan_order
+from ..nn._stack import Stacked
 from ._gpt import GPT
 from ._hf_config import config_from_hf, config_to_hf, infer_model_type
 from ._hf_files import (

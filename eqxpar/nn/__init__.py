@@ -8,6 +8,8 @@ own collectives: synchronous, or ring collective matmuls with the plan's
 `sequence_parallel`). Activations are batch-first `(batch, seq, features)`.
 """
 
+from .._stack_order import in_natural_order as in_natural_order
+from .._stack_order import in_plan_order as in_plan_order
 from ._attention import Attention as Attention
 from ._attention_config import AttentionConfig as AttentionConfig
 from ._block import TransformerBlock as TransformerBlock
@@ -38,8 +40,6 @@ from ._sequence_layout import context_layout as context_layout
 from ._sequence_layout import context_positions as context_positions
 from ._sequence_layout import context_unlayout as context_unlayout
 from ._stack import Stacked as Stacked
-from ._stack import in_natural_order as in_natural_order
-from ._stack import in_plan_order as in_plan_order
 from ._vocab import Embedding as Embedding
 from ._vocab import Unembed as Unembed
 from ._vocab import cross_entropy as cross_entropy

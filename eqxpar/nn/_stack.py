@@ -15,8 +15,8 @@ from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
 from .._parallel_dims import ParallelDims
 from .._param import stacked
-from .._plan import Plan, current_plan
-from .._stack_order import StackOrder, describe_order
+from .._plan import current_plan
+from .._stack_order import OrderedStack, StackOrder
 from .._varying import mark_varying, varying_axes
 
 #: The collectives that sum over devices (`lax.psum` and `lax.psum_scatter`'s primitives).
@@ -49,7 +49,7 @@ def _checkpoint(fn: Callable, policy: str) -> Callable:
     return jax.checkpoint(fn, policy=policy_fn, prevent_cse=False)
 
 
-class Stacked(eqx.Module):
+class Stacked(OrderedStack):
     """`depth` identical blocks stored as one module and applied in order with
     `lax.scan`, so compile time does not grow with depth.
 
@@ -280,57 +280,6 @@ class Stacked(eqx.Module):
         if key is not None:
             return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
-
-
-def _is_stack(x: Any) -> bool:
-    return isinstance(x, Stacked)
-
-
-def in_natural_order(tree: PyTree) -> PyTree:
-    """`tree` (a model, its gradients, an optimizer state or a train state) with
-    every `eqxpar.nn.Stacked` in it stored in natural order again: layer `i` at row
-    `i`, no padding. What `save_pretrained` and a checkpoint save write; a no-op
-    for stacks already in natural order.
-
-    **Arguments:** `tree`, any pytree.
-
-    **Returns:** the same structure, natural order recorded on every stack.
-
-    ```python
-    model = eqxpar.nn.in_natural_order(state.model)   # e.g. to compare with one device
-    ```
-    """
-    return jax.tree.map(lambda s: s.stored_in(None) if _is_stack(s) else s, tree, is_leaf=_is_stack)
-
-
-def in_plan_order(tree: PyTree, plan: Plan) -> PyTree:
-    """`tree` with every `eqxpar.nn.Stacked` in it stored in the order `plan`
-    stores it in (`Plan.stack_order`: a pipeline's order for interleaved or uneven
-    stages, else natural), from whatever order it is in now. `eqxpar.train.init`,
-    `eqxpar.shard`, `from_pretrained(path, plan)` and a checkpoint restore call
-    it; users do not need to.
-
-    **Arguments:** `tree`, any pytree; `plan`, the target `eqxpar.Plan`.
-
-    **Returns:** the same structure, the plan's order recorded on every stack.
-    """
-    return jax.tree.map(
-        lambda s: s.stored_in(plan.stack_order(s.layers)) if _is_stack(s) else s, tree, is_leaf=_is_stack
-    )
-
-
-def check_stack_order(stack: Stacked, plan: Plan) -> None:
-    """Raise `PlanError` unless `stack` is stored in the order `plan` runs it in.
-    Shared with the pipeline engine."""
-    wanted = plan.stack_order(stack.layers)
-    if stack.order != wanted:
-        raise PlanError(
-            f"the pipelined stack is stored in {describe_order(stack.order)}, but this plan runs it in "
-            f"{describe_order(wanted)}. Let eqxpar place the model: build the state with "
-            "eqxpar.train.init(model, optimizer, plan, ...), or pass the model through "
-            "eqxpar.shard(model, plan) (both store every stack in the plan's order); do not reorder "
-            "layers by hand."
-        )
 
 
 def _layers_per_iteration(unroll: int | bool, depth: int) -> int:

@@ -69,12 +69,11 @@ from jax.sharding import PartitionSpec
 from .._errors import PlanError
 from .._fsdp import gather_weights, gathers_of, kept_axes
 from .._grad_common import LossFunction, reduce_gradient, split_microbatches
-from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
+from .._stack_order import check_stack_order
 from .._step_layout import StepLayout
 from .._varying import mark_varying, varying_axes
-from ..nn._stack import check_stack_order
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._builtin import forward_only
 from ._loss import PipelineLoss
@@ -136,8 +135,7 @@ def _add_chunk(acc: jax.Array, g: jax.Array, *, chunk: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(acc, row, chunk, 0)
 
 
-def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
-    pipeline = PipelinePlan.of(plan)
+def _check_specs(specs: Any, loss: PipelineLoss, pipeline: PipelinePlan) -> None:
     p = pipeline.stages
     is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
     stack_specs = loss.stack(specs).blocks
@@ -175,9 +173,9 @@ def _check_specs(specs: Any, loss: PipelineLoss, plan: Plan) -> None:
                 )
 
 
-def check_pipeline_step(loss_fn: Any, plan: Plan, *, accumulate: int, has_aux: bool) -> None:
-    """Refuse, when the step is built, what a pipeline step cannot run."""
-    pipeline = PipelinePlan.of(plan)
+def check_pipeline_step(loss_fn: Any, pipeline: PipelinePlan, *, accumulate: int, has_aux: bool) -> None:
+    """Refuse, when the step is built, what a pipeline step (`pipeline`: its plan's
+    `PipelinePlan`) cannot run."""
     if not isinstance(loss_fn, PipelineLoss):
         raise PlanError(
             f"Plan(schedule={pipeline.name!r}) runs the model's stack itself, so the loss must be an "
@@ -216,9 +214,9 @@ class Engine:
     def parts(self) -> PipelineLoss:
         return self.loss.fn
 
-    @functools.cached_property
+    @property
     def pipeline(self) -> PipelinePlan:
-        return PipelinePlan.of(self.layout.plan)
+        return self.layout.resolved.pipeline
 
     @functools.cached_property
     def sched(self) -> Schedule:
@@ -249,7 +247,7 @@ class Engine:
     def check_depth(self, model: Any) -> None:
         """Refuse a stack not stored in the plan's order (`Plan.stack_order`): the
         layers would run permuted, or the stages would be cut at the wrong rows."""
-        check_stack_order(self.parts.stack_of(model), self.layout.plan)
+        check_stack_order(self.parts.stack_of(model), self.layout.resolved)
 
     def _device(self, model: Any, batch: Any) -> tuple["Device", Any, Any]:
         """This device's `Device`, with its weights made whole (FSDP) and marked
@@ -907,7 +905,7 @@ def pipeline_loss(loss: LossFunction, layout: StepLayout, model: Any, batch: Any
     schedule's forward actions only (`forward_only`): evaluation."""
     engine = Engine(loss, layout, forward_only=True)
     engine.check_depth(model)
-    _check_specs(layout.params, loss.fn, layout.plan)
+    _check_specs(layout.params, loss.fn, layout.resolved.pipeline)
     return filter_shard_map(
         engine.loss_per_device,
         layout.plan,
@@ -927,7 +925,7 @@ def pipeline_gradients(
     engine = Engine(loss, layout)
     engine.check_depth(model)
     plan = layout.plan
-    _check_specs(layout.params, loss.fn, plan)
+    _check_specs(layout.params, loss.fn, layout.resolved.pipeline)
     value, grads = filter_shard_map(
         engine.per_device,
         plan,

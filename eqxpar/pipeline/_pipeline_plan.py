@@ -9,7 +9,6 @@ one own what follows from them).
 import dataclasses
 from typing import Any
 
-from .._batch_layout import BatchLayout
 from .._plan import Plan
 from ._builtin import schedule
 from ._schedule import Schedule
@@ -64,7 +63,7 @@ class PipelinePlan:
             stage_layers=plan.stage_layers,
             keeps_residuals=plan.remat != "full",
             tensor_axis=plan.tensor_axis,
-            batch_axes=BatchLayout.of(plan).axes,
+            batch_axes=plan.batch_layout.axes,
             reduce_dtype=plan.reduce_dtype,
             ring_tensor_matmuls=bool(plan.tp_overlap) and plan.mesh.shape[plan.tensor_axis] > 1,
         )
