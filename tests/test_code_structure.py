@@ -198,25 +198,33 @@ def test_no_private_import_across_packages():
     )
 
 
+#: What the core is built under: the models, and the layers (`eqxpar.nn`).
+ABOVE_THE_CORE = ("eqxpar.models", "eqxpar.nn")
+
+
 def core_imports_of_models() -> list[str]:
-    """Imports of `eqxpar.models` (or anything in it) by the core: the modules
-    directly in `eqxpar/` other than its `__init__` (the step, the plan, the
-    gradients). The models are built on the core, so the core asks a model what
-    it needs (a method), never its class."""
+    """Imports of `eqxpar.models` or `eqxpar.nn` (or anything in them) by the core:
+    the modules directly in `eqxpar/` and in its private packages (`eqxpar/_train/`),
+    other than its `__init__` (the step, the plan, the gradients). The models and
+    layers are built on the core, so the core asks a model what it needs (a method,
+    or a base class of its own such as `_stack_order.OrderedStack`), never its class."""
     found = []
     for module in MODULES:
-        if _package(module) != "eqxpar" or module == "eqxpar":
+        package = _package(module)
+        if not (package == "eqxpar" or _is_private(package.split(".")[-1])) or module == "eqxpar":
+            continue
+        if module.startswith("eqxpar._advise"):  # the advisor builds models to predict them
             continue
         for target, name, line, _ in _imports(module)[0]:
             full = f"{target}.{name}" if name else target
-            if full == "eqxpar.models" or full.startswith("eqxpar.models."):
+            if any(full == above or full.startswith(above + ".") for above in ABOVE_THE_CORE):
                 found.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {full}")
     return found
 
 
-def test_the_core_imports_no_model():
+def test_the_core_imports_no_model_and_no_layer():
     found = core_imports_of_models()
-    assert not found, "the core imports a model:\n" + "\n".join(found)
+    assert not found, "the core imports a model or eqxpar.nn:\n" + "\n".join(found)
 
 
 #: The packages that read costs (bytes, FLOPs) off a plan, a program or a model.
@@ -635,6 +643,11 @@ def test_the_checks_catch_what_they_forbid(scratch):
         {"eqxpar/_step.py": "def warn():\n    from .models import GPT\n", "eqxpar/models/__init__.py": ""}
     )
     assert [line.split(" ", 1)[1] for line in core_imports_of_models()] == ["imports eqxpar.models.GPT"]
+    scratch({"eqxpar/_sharding.py": "from .nn._stack import in_plan_order\n", "eqxpar/nn/__init__.py": ""})
+    assert [line.split(" ", 1)[1] for line in core_imports_of_models()] == [
+        "imports eqxpar.nn._stack.in_plan_order",
+        "imports eqxpar.models.GPT",
+    ]
     (ROOT / "tests").mkdir()
     scratch({"tests/__init__.py": "", "tests/_helpers.py": "", "tests/test_a.py": "x = 1\n"})
     scratch({"tests/test_b.py": "from ._helpers import x\nfrom .test_a import x\n"})
