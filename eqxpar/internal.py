@@ -20,8 +20,8 @@ layout.manual_axes, layout.batch
 """
 
 from ._plan import PREDICTION_SCHEDULES as PREDICTION_SCHEDULES
-from ._step_layout import DecodeLayout as DecodeLayout
-from ._step_layout import StepLayout as StepLayout
+from ._train._step_layout import DecodeLayout as DecodeLayout
+from ._train._step_layout import StepLayout as StepLayout
 from .pipeline._actions import ACTION_NAMES as ACTION_NAMES
 from .pipeline._actions import COSTS as COSTS
 from .pipeline._buffers import Buffers as Buffers

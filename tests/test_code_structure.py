@@ -300,8 +300,8 @@ def test_the_advisor_reads_costs_as_data():
 PLAN_OWNERS = (
     "eqxpar/_plan.py",
     # The resolver: what a step reads, resolved once from the plan by a builder.
-    "eqxpar/_resolved_plan.py",
-    "eqxpar/_step_layout.py",
+    "eqxpar/_train/_resolved_plan.py",
+    "eqxpar/_train/_step_layout.py",
     "eqxpar/_batch_layout.py",
     "eqxpar/_parallel_dims.py",
     # The pipeline package resolves its own options in one module of its own.
@@ -360,17 +360,17 @@ def plan_reads() -> dict[str, int]:
 #: passes the `ResolvedPlan` down): the step path, the pipeline engine, the
 #: placing and region helpers the step calls.
 NO_PLAN_PARAMETERS = (
-    "eqxpar/_step.py",
-    "eqxpar/_eval.py",
-    "eqxpar/_grad_automatic.py",
-    "eqxpar/_grad_common.py",
-    "eqxpar/_grad_manual.py",
+    "eqxpar/_train/_step.py",
+    "eqxpar/_train/_eval.py",
+    "eqxpar/_train/_grad_automatic.py",
+    "eqxpar/_train/_grad_common.py",
+    "eqxpar/_train/_grad_manual.py",
     "eqxpar/_fsdp.py",
-    "eqxpar/_nonfinite.py",
-    "eqxpar/_resolved_plan.py",
-    "eqxpar/_step_layout.py",
-    "eqxpar/_train_state.py",
-    "eqxpar/_trainable.py",
+    "eqxpar/_train/_nonfinite.py",
+    "eqxpar/_train/_resolved_plan.py",
+    "eqxpar/_train/_step_layout.py",
+    "eqxpar/_train/_train_state.py",
+    "eqxpar/_train/_trainable.py",
     "eqxpar/_sharding.py",
     "eqxpar/_shard_map.py",
     "eqxpar/pipeline/_engine.py",
@@ -378,21 +378,21 @@ NO_PLAN_PARAMETERS = (
 )
 #: The functions there that may take one, `path:qualified name` -> why.
 PLAN_TAKERS_ALLOWED = {
-    "eqxpar/_step.py:make_step": "a builder: resolves the plan",
-    "eqxpar/_step.py:make_value_and_grad": "a builder: resolves the plan",
-    "eqxpar/_step.py:_resolved": "the step builders' argument checks and resolution",
-    "eqxpar/_eval.py:make_eval_step": "a builder: resolves the plan",
-    "eqxpar/_train_state.py:init": "a builder (train.init): resolves the plan",
-    "eqxpar/_train_state.py:specs_of": "for checkpoint restore and sharding_table, which hold a plan",
-    "eqxpar/_resolved_plan.py:_manual_axes": "the resolver",
-    "eqxpar/_resolved_plan.py:ResolvedPlan.of": "the resolver",
-    "eqxpar/_resolved_plan.py:ResolvedPlan.for_training": "the resolver, with a step's refusals",
-    "eqxpar/_step_layout.py:StepLayout.resolve": "eqxpar.internal's entry for code with a plan and no step",
-    "eqxpar/_step_layout.py:StepLayout.of_state": "eqxpar.internal's entry for code with a plan and no step",
-    "eqxpar/_step_layout.py:DecodeLayout.resolve": "generate's resolver",
-    "eqxpar/_step_layout.py:manual_axes_of": "the advisor's (a plan, no step), until it resolves",
-    "eqxpar/_step_layout.py:loss_compute_dtype": "the advisor's and inspection's, until they resolve",
-    "eqxpar/_step_layout.py:tensor_axis_of": "inspection's (a plan, no step), until it resolves",
+    "eqxpar/_train/_step.py:make_step": "a builder: resolves the plan",
+    "eqxpar/_train/_step.py:make_value_and_grad": "a builder: resolves the plan",
+    "eqxpar/_train/_step.py:_resolved": "the step builders' argument checks and resolution",
+    "eqxpar/_train/_eval.py:make_eval_step": "a builder: resolves the plan",
+    "eqxpar/_train/_train_state.py:init": "a builder (train.init): resolves the plan",
+    "eqxpar/_train/_train_state.py:specs_of": "for checkpoint restore and sharding_table, which hold a plan",
+    "eqxpar/_train/_resolved_plan.py:_manual_axes": "the resolver",
+    "eqxpar/_train/_resolved_plan.py:ResolvedPlan.of": "the resolver",
+    "eqxpar/_train/_resolved_plan.py:ResolvedPlan.for_training": "the resolver, with a step's refusals",
+    "eqxpar/_train/_step_layout.py:StepLayout.resolve": "eqxpar.internal's entry for code with a plan and no step",
+    "eqxpar/_train/_step_layout.py:StepLayout.of_state": "eqxpar.internal's entry for code with a plan and no step",
+    "eqxpar/_train/_step_layout.py:DecodeLayout.resolve": "generate's resolver",
+    "eqxpar/_train/_step_layout.py:manual_axes_of": "the advisor's (a plan, no step), until it resolves",
+    "eqxpar/_train/_step_layout.py:loss_compute_dtype": "the advisor's and inspection's, until they resolve",
+    "eqxpar/_train/_step_layout.py:tensor_axis_of": "inspection's (a plan, no step), until it resolves",
     "eqxpar/_sharding.py:shard": "public: eqxpar.shard(tree, plan)",
     "eqxpar/_sharding.py:shard_batch": "public: eqxpar.shard_batch(batch, plan)",
     "eqxpar/_sharding.py:named_shardings": "for from_pretrained, which holds a plan",
@@ -463,7 +463,7 @@ def plan_takers() -> list[str]:
 def test_no_function_below_a_builder_takes_the_plan():
     found = plan_takers_below_builders()
     assert not found, (
-        "functions below a builder take the Plan; take the ResolvedPlan (eqxpar._resolved_plan) or "
+        "functions below a builder take the Plan; take the ResolvedPlan (eqxpar._train._resolved_plan) or "
         "what it answers (a mesh, a BatchLayout), or add a builder to PLAN_TAKERS_ALLOWED with its "
         "reason:\n" + "\n".join(found)
     )
@@ -498,7 +498,7 @@ def test_plan_options_are_read_by_their_owners_only_ratcheted():
     over = {m: (n, PLAN_READS.get(m, 0)) for m, n in reads.items() if n > PLAN_READS.get(m, 0)}
     assert not over, (
         f"plan options read outside {PLAN_OWNERS} (module: (reads, allowed)): {over}. Ask the step "
-        "layout (eqxpar._step_layout.StepLayout) instead, or add the option's answer there."
+        "layout (eqxpar._train._step_layout.StepLayout) instead, or add the option's answer there."
     )
     lowered = {m: (reads.get(m, 0), n) for m, n in PLAN_READS.items() if reads.get(m, 0) < n}
     assert not lowered, (
@@ -628,7 +628,7 @@ def test_the_checks_catch_what_they_forbid(scratch):
         "def _fine(resolved: ResolvedPlan, plan_name: str): pass\n"
         "class S:\n    def f(self, p: 'Plan'): pass\n"
     )
-    scratch({"eqxpar/_step.py": helper})
+    scratch({"eqxpar/_train/_step.py": helper})
     assert [line.split(" ", 1)[1] for line in plan_takers_below_builders()] == ["_helper", "_named", "S.f"]
     assert [line.split(" ", 1)[1] for line in plan_takers()] == ["make_step", "_helper", "_named", "S.f", "f"]
     scratch(

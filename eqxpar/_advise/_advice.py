@@ -16,8 +16,8 @@ from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._sharding import shard_batch
 from .._specs import is_array_like
-from .._step_layout import StepLayout
 from .._text import fmt_int, render, short
+from .._train._step_layout import StepLayout
 from ._analysis import Analysis, analyse, outline
 from ._enumerate import TENSOR, Layout, layouts
 from ._predict import Prediction, _tensor_dims, placeholder_mesh, predict

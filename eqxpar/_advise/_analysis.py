@@ -168,10 +168,10 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     rules, at their per-device shapes, under the plan's remat policy)."""
     from jax.sharding import PartitionSpec
 
-    from .._grad_common import LossFunction
     from .._rules import mesh_axis_names
     from .._shard_map import filter_shard_map
-    from .._step_layout import StepLayout, loss_compute_dtype
+    from .._train._grad_common import LossFunction
+    from .._train._step_layout import StepLayout, loss_compute_dtype
     from .._varying import mark_varying
     from ..pipeline._engine import Device, Engine
 

@@ -16,7 +16,7 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize, nbytes
 from .._specs import is_array_like
-from .._step_layout import StepLayout, manual_axes_of
+from .._train._step_layout import StepLayout, manual_axes_of
 from ..inspect import minimum_comm
 from ..inspect._jaxpr_walk import (
     TensorSum,

@@ -6,8 +6,8 @@ from typing import Any
 import jax
 
 from .._errors import EqxparError
-from .._step import Step
 from .._text import short
+from .._train._step import Step
 
 _ACCEPTED = (
     "an eqxpar Step (from eqxpar.train.make_step) followed by (state, batch), or a "

@@ -22,8 +22,8 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import array_bytes
 from .._specs import is_array_like, partition_specs
-from .._step_layout import loss_compute_dtype, tensor_axis_of
 from .._text import short
+from .._train._step_layout import loss_compute_dtype, tensor_axis_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,9 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
 from .._specs import is_array_like, partition_specs
-from .._step_layout import StepLayout
 from .._text import short
-from .._trainable import trainable_mask
+from .._train._step_layout import StepLayout
+from .._train._trainable import trainable_mask
 from ._jaxpr_walk import (
     TensorSum,
     aval_bytes,

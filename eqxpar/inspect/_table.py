@@ -14,7 +14,7 @@ from .._rules import mesh_axis_names
 from .._sizes import array_bytes
 from .._specs import check_spec, is_array_like, leaves_with_axes
 from .._text import fmt_int, render, short
-from .._train_state import specs_of
+from .._train._train_state import specs_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from .._errors import PlanError, SpecError
 from .._plan import Plan, current_plan
 from .._shard_map import filter_shard_map
 from .._specs import partition_specs
-from .._step_layout import DecodeLayout
+from .._train._step_layout import DecodeLayout
 from ..nn._kv_cache import cached_block
 from ._gpt import GPT
 

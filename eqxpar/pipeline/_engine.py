@@ -68,11 +68,11 @@ from jax.sharding import PartitionSpec
 
 from .._errors import PlanError
 from .._fsdp import gather_weights, gathers_of, kept_axes
-from .._grad_common import LossFunction, reduce_gradient, split_microbatches
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._stack_order import check_stack_order
-from .._step_layout import StepLayout
+from .._train._grad_common import LossFunction, reduce_gradient, split_microbatches
+from .._train._step_layout import StepLayout
 from .._varying import mark_varying, varying_axes
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._builtin import forward_only

@@ -28,7 +28,7 @@ from jaxtyping import PyTree
 from .._errors import EqxparError
 from .._plan import Plan
 from .._stack_order import in_natural_order, in_plan_order
-from .._train_state import TrainState, specs_of
+from .._train._train_state import TrainState, specs_of
 from ..nn._stack import Stacked
 from ._distributed import get_logger
 

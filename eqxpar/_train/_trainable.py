@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._errors import PlanError
-from ._stack_order import StackOrdering, in_plan_order
+from .._errors import PlanError
+from .._stack_order import StackOrdering, in_plan_order
 
 # A leaf the filter leaves out (eqx.filter's `replace`): distinct from None, which
 # a model may hold itself.

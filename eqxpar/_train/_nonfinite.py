@@ -15,7 +15,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, PyTree
 
-from ._errors import NonFiniteError, PlanError
+from .._errors import NonFiniteError, PlanError
 from ._step_layout import StepLayout
 from ._train_state import TrainState
 

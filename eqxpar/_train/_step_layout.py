@@ -20,15 +20,15 @@ from jax.sharding import PartitionSpec
 from jax.tree_util import keystr
 from jaxtyping import PyTree
 
-from ._errors import BatchError, PlanError
-from ._mesh import CONTEXT_AXIS, EXPERT_AXIS
-from ._parallel_dims import ParallelDims
-from ._plan import Plan
+from .._errors import BatchError, PlanError
+from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
+from .._parallel_dims import ParallelDims
+from .._plan import Plan
+from .._rules import mesh_axis_names
+from .._shard_map import region_manual_axes
+from .._sharding import shardings_of
+from .._specs import leaves_with_layout, partition_specs
 from ._resolved_plan import Kind, ResolvedPlan
-from ._rules import mesh_axis_names
-from ._shard_map import region_manual_axes
-from ._sharding import shardings_of
-from ._specs import leaves_with_layout, partition_specs
 from ._trainable import split_trainable
 
 

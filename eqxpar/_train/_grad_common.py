@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PyTree
 
-from ._context_split import expect_split
-from ._errors import PlanError
-from ._fsdp import Gather, layer_gathers, wire_dtype
-from ._sharding import place_tree
+from .._context_split import expect_split
+from .._errors import PlanError
+from .._fsdp import Gather, layer_gathers, wire_dtype
+from .._sharding import place_tree
+from .._varying import varying_axes
 from ._step_layout import StepLayout
 from ._train_state import cast_floating
-from ._varying import varying_axes
 
 
 @dataclasses.dataclass(frozen=True)

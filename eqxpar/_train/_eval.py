@@ -12,17 +12,17 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._errors import BatchError, PlanError
-from ._fsdp import layer_gathers, prepare_model
+from .._errors import BatchError, PlanError
+from .._fsdp import layer_gathers, prepare_model
+from .._plan import Plan
+from .._shard_map import filter_shard_map
+from .._sharding import place_tree
+from .._stack_order import in_plan_order
+from .._varying import varying_axes
 from ._grad_common import LossFunction, context_guard, device_key, mean_aux, mean_over
-from ._plan import Plan
 from ._resolved_plan import ResolvedPlan
-from ._shard_map import filter_shard_map
-from ._sharding import place_tree
-from ._stack_order import in_plan_order
 from ._step_layout import StepLayout
 from ._train_state import TrainState
-from ._varying import varying_axes
 
 
 def _device_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
@@ -74,7 +74,7 @@ def _per_device_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batc
 def _batch_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
     """The mean loss (and aux) of one batch whose size the plan divides."""
     if layout.kind == "pipeline":
-        from .pipeline._engine import pipeline_loss  # the pipeline package imports eqxpar.nn
+        from ..pipeline._engine import pipeline_loss  # the pipeline package imports eqxpar.nn
 
         return pipeline_loss(loss, layout, model, batch), None
     if layout.kind == "automatic":
@@ -253,7 +253,7 @@ def make_eval_step(
             "left over are repeated, exactly), or evaluate under the plan without its pipe axis."
         )
     if resolved.pipeline is not None:
-        from .pipeline._engine import check_pipeline_step
+        from ..pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, resolved.pipeline, accumulate=1, has_aux=has_aux)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)

@@ -11,13 +11,13 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._errors import PlanError, UnusedAxisWarning
-from ._plan import Plan
+from .._errors import PlanError, UnusedAxisWarning
+from .._plan import Plan
+from .._rules import mesh_axis_names
+from .._sharding import place_tree
+from .._specs import partition_specs
+from .._stack_order import in_plan_order
 from ._resolved_plan import ResolvedPlan
-from ._rules import mesh_axis_names
-from ._sharding import place_tree
-from ._specs import partition_specs
-from ._stack_order import in_plan_order
 from ._step_layout import StepLayout
 from ._trainable import optimized, trainable_mask
 

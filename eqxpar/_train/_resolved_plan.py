@@ -17,14 +17,14 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from ._batch_layout import BatchLayout
-from ._errors import PlanError
-from ._mesh import CONTEXT_AXIS
-from ._parallel_dims import ParallelDims
-from ._plan import Plan
-from ._rules import mesh_axis_names
-from ._shard_map import region_manual_axes
-from ._stack_order import StackOrder
+from .._batch_layout import BatchLayout
+from .._errors import PlanError
+from .._mesh import CONTEXT_AXIS
+from .._parallel_dims import ParallelDims
+from .._plan import Plan
+from .._rules import mesh_axis_names
+from .._shard_map import region_manual_axes
+from .._stack_order import StackOrder
 
 Kind = Literal["automatic", "manual", "pipeline"]
 
@@ -86,7 +86,7 @@ class ResolvedPlan:
       sizes), or None without a schedule.
 
     ```python
-    resolved = eqxpar.internal.ResolvedPlan.of(plan)
+    resolved = ResolvedPlan.of(plan)   # in a builder (private: eqxpar._train)
     resolved.kind, resolved.batch.spec, resolved.manual_axes
     ```
     """
@@ -105,7 +105,7 @@ class ResolvedPlan:
         pipeline = None
         if plan.schedule is not None:
             # Imported here: the pipeline package imports eqxpar.nn, which the core does not.
-            from .pipeline._pipeline_plan import PipelinePlan
+            from ..pipeline._pipeline_plan import PipelinePlan
 
             pipeline = PipelinePlan.of(plan)
         return cls(plan, ParallelDims.of(plan), accumulate, _manual_axes(plan, accumulate), pipeline)

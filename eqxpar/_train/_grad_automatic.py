@@ -5,8 +5,8 @@ from typing import Any
 
 from jaxtyping import Array, PyTree
 
+from .._sharding import place_tree
 from ._grad_common import LossFunction, accumulated_value_and_grad, specs_for, value_and_grad
-from ._sharding import place_tree
 from ._step_layout import StepLayout
 
 

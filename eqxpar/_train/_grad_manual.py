@@ -15,8 +15,12 @@ import jax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, PyTree
 
-from ._errors import PlanError
-from ._fsdp import added_splits, gather_whole, gathered_axes, prepare_model
+from .._errors import PlanError
+from .._fsdp import added_splits, gather_whole, gathered_axes, prepare_model
+from .._rules import mesh_axis_names
+from .._shard_map import filter_shard_map
+from .._sharding import place_tree
+from .._varying import mark_varying, varying_axes
 from ._grad_common import (
     LossFunction,
     accumulated_value_and_grad,
@@ -29,11 +33,7 @@ from ._grad_common import (
     value_and_grad,
     varies_along,
 )
-from ._rules import mesh_axis_names
-from ._shard_map import filter_shard_map
-from ._sharding import place_tree
 from ._step_layout import StepLayout
-from ._varying import mark_varying, varying_axes
 
 
 def _check_manual_specs(specs: PyTree, layout: StepLayout) -> None:

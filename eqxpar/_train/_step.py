@@ -11,14 +11,14 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._errors import AccumulationWarning, PlanError
+from .._errors import AccumulationWarning, PlanError
+from .._plan import Plan
+from .._sharding import check_batch, place_tree
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
-from ._plan import Plan
 from ._resolved_plan import ResolvedPlan, warn_cpu_collective_order
-from ._sharding import check_batch, place_tree
 from ._step_layout import StepLayout
 from ._train_state import TrainState
 from ._trainable import optimized, trainable_mask
@@ -41,7 +41,7 @@ def _gradients(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyT
     if layout.kind == "pipeline":
         # Imported here: the pipeline package imports eqxpar.nn (a PipelineLoss
         # names an nn.Stacked), which the core does not.
-        from .pipeline._engine import pipeline_gradients
+        from ..pipeline._engine import pipeline_gradients
 
         return pipeline_gradients(loss, layout, model, batch, key)
     implementation = manual_gradients if layout.kind == "manual" else automatic_gradients
@@ -273,7 +273,7 @@ def _resolved(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: s
         raise PlanError(f"{where}(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
     resolved = ResolvedPlan.for_training(plan, accumulate, where)
     if resolved.pipeline is not None:
-        from .pipeline._engine import check_pipeline_step
+        from ..pipeline._engine import check_pipeline_step
 
         check_pipeline_step(loss_fn, resolved.pipeline, accumulate=accumulate, has_aux=has_aux)
     return resolved
