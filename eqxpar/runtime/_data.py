@@ -29,10 +29,9 @@ def _check_plan(plan: Any, where: str) -> None:
         raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
 
 
-def _local_blocks(plan: Plan) -> list[int]:
-    # The batch is cut into `batch_size_multiple` equal blocks, one per position
+def _local_blocks(layout: BatchLayout) -> list[int]:
+    # The batch is cut into `layout.blocks` equal blocks, one per position
     # along the batch axes; these are the blocks this process's devices hold.
-    layout = BatchLayout.of(plan)
     blocks = layout.blocks
     index_map = layout.sharding.addressable_devices_indices_map((blocks,))
     return sorted({index[0].indices(blocks)[0] for index in index_map.values()})
@@ -72,7 +71,7 @@ def process_slice(global_batch_size: int, plan: Plan) -> slice:
             f"global batch size {global_batch_size} is not divisible by the {blocks} "
             f"data-parallel devices (mesh axes {layout.axes}). Use a multiple of {blocks}."
         )
-    mine = _local_blocks(plan)
+    mine = _local_blocks(layout)
     if mine != list(range(mine[0], mine[0] + len(mine))):
         raise BatchError(
             f"process {jax.process_index()} holds batch blocks {mine} of {blocks}, which are "
@@ -134,7 +133,8 @@ def global_batch(local: PyTree[ArrayLike], plan: Plan) -> PyTree[jax.Array]:
             "of a batch must have the same number of rows."
         )
     (rows,) = sizes
-    mine, layout = len(_local_blocks(plan)), BatchLayout.of(plan)
+    layout = BatchLayout.of(plan)
+    mine = len(_local_blocks(layout))
     if rows == 0 or rows % mine:
         raise BatchError(
             f"global_batch: this process has {rows} rows, but its devices hold {mine} of the "
