@@ -206,16 +206,17 @@ def _adapter_bytes(model, tokens_per_device: int) -> int:
     return 2 * (params + 2 * activations)
 
 
+# tp-manual-sp in make test, the others in make test-slow (tests/_slow_cases.py).
 PARITY_PLANS = {
     # Manual, sequence parallel: the column adapters ride on the base's gather.
     "tp-manual-sp": dict(mesh=dict(data=4, tensor=2), mode="manual", sequence_parallel=True),
-    # Manual without sequence parallelism (slow; sibling tp-manual-sp).
+    # Manual without sequence parallelism.
     "tp-manual": dict(mesh=dict(data=4, tensor=2), mode="manual"),
-    # Manual with ring collective matmuls (slow; sibling tp-manual-sp).
+    # Manual with ring collective matmuls.
     "tp-overlap": dict(mesh=dict(data=4, tensor=2), mode="manual", sequence_parallel=True, tp_overlap=True),
     # Automatic (GSPMD) with FSDP: the adapters' model dimension split over fsdp.
     "fsdp-tp": dict(mesh=dict(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP),
-    # Automatic, sequence parallel (slow; sibling fsdp-tp).
+    # Automatic, sequence parallel.
     "tp-auto-sp": dict(mesh=dict(data=4, tensor=2), sequence_parallel=True),
 }
 
