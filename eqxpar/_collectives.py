@@ -48,6 +48,7 @@ With `n == 1` every function is its local, communication-free equivalent.
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,22 @@ def _ring(n: int, step: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------
 # Synchronous collectives
 # ---------------------------------------------------------------------------
+
+
+def wire_dtype(dtype: Any) -> Any:
+    """The dtype to run a collective of `dtype` values in, here.
+
+    XLA:CPU aborts compiling a bfloat16 all-reduce or reduce-scatter (the
+    transpose of a tiled all-gather) in a partial-manual region: JAX puts a sharding annotation (a `copy`)
+    in the reduction, which XLA:CPU's widening of bfloat16 reductions cannot
+    clone. XLA:CPU moves bfloat16 collectives as float32 anyway, so there they are
+    run in float32: same bytes, same rounding.
+    """
+    if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return dtype
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    return jnp.float32 if manual and manual != set(mesh.axis_names) else dtype
 
 
 def all_gather(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> Shaped[Array, "..."]:

@@ -18,11 +18,11 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Shaped
 
+from ._collectives import wire_dtype
 from ._errors import PlanError
 from ._mesh import EXPERT_AXIS
 from ._rules import mesh_axis_names
@@ -30,22 +30,6 @@ from ._specs import leaves_with_layout
 
 #: `(dim, mesh axes)` pairs saying how one array is gathered.
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
-
-
-def wire_dtype(dtype: Any) -> Any:
-    """The dtype to run a collective of `dtype` values in, here.
-
-    XLA:CPU aborts compiling a bfloat16 all-reduce (or a reduce-scatter it lowers
-    to one) in a partial-manual region: JAX puts a sharding annotation (a `copy`)
-    in the reduction, which XLA:CPU's widening of bfloat16 reductions cannot
-    clone. XLA:CPU moves bfloat16 collectives as float32 anyway, so there they are
-    run in float32: same bytes, same rounding.
-    """
-    if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
-        return dtype
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = set(mesh.manual_axes)
-    return jnp.float32 if manual and manual != set(mesh.axis_names) else dtype
 
 
 def gather_weights(x: Shaped[Array, "..."], gather: Gather) -> Shaped[Array, "..."]:

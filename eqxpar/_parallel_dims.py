@@ -2,7 +2,7 @@
 
 Inspection, the advisor and the layers (which read the plan in effect, with no
 model at hand) ask `ParallelDims` instead of the plan's options; the step's layout
-(`eqxpar._step_layout`) adds what depends on the model. This module imports only
+(`eqxpar._train._step_layout`) adds what depends on the model. This module imports only
 the plan and the batch layout, so that `eqxpar.nn` can import it.
 """
 

@@ -4,6 +4,7 @@ XLA_FLAGS must be set before JAX starts its first backend, so it is set here, in
 the first module pytest imports.
 """
 
+import fnmatch
 import os
 
 # No persistent JAX compilation cache: the suite's programs are nearly all distinct
@@ -66,7 +67,7 @@ COLLECTED: set[str] = set()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    from ._slow_cases import SLOW_CASES, kept_out
+    from ._slow_cases import NEWEST, SLOW_CASES, kept_out
 
     if jax.device_count() < 8:
         skip = pytest.mark.skip(reason=f"needs 8 devices, have {jax.device_count()}")
@@ -77,3 +78,5 @@ def pytest_collection_modifyitems(config, items):
         COLLECTED.add(item.nodeid)
         if item.nodeid in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
+        if any(fnmatch.fnmatchcase(item.nodeid, pattern) for pattern in NEWEST):
+            item.add_marker(pytest.mark.newest)

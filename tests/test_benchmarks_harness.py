@@ -136,8 +136,9 @@ def test_pipeline_program_runs_its_table_at_each_actions_flops(name, chunks, rem
 
 @pytest.mark.parametrize(
     ("name", "chunks", "layers"),
-    # Both slow (20-150 s each on 2 cores): `make test-slow`. tests/test_pipeline.py's
-    # uneven parity cases run in `make test`.
+    # All three slow (20-150 s each on 2 cores): `make test-slow`. Uneven stages'
+    # parity runs in `make test` (tests/test_pipeline.py: DualPipeV at pipe 2, and
+    # 1F1B under remat).
     [
         pytest.param("zero_bubble", 1, (2, 1), marks=pytest.mark.slow),
         pytest.param("interleaved", 2, (1, 2, 2, 1), marks=pytest.mark.slow),
@@ -262,17 +263,56 @@ def test_run_releases_each_records_executables(tmp_path, monkeypatch):
     assert len(traces) == 2  # 1 if the first record's executable were still cached
 
 
+def _small_registry(monkeypatch, *names: str) -> None:
+    # A registry of `names` whose records are made up: the run's bookkeeping (which
+    # records a run writes, in what order, beside what) without measuring, and
+    # without a garbage collection per record of the whole registry (3 s).
+    monkeypatch.setattr(run, "STRATEGIES", {name: STRATEGIES[name] for name in names})
+    monkeypatch.setattr(run, "measure", lambda name, *args, **kwargs: _record(name))
+
+
 def test_a_full_run_keeps_the_entries_other_scripts_wrote(tmp_path, monkeypatch):
     # benchmarks.long_runs and benchmarks/pretrained_load.py write their own entries
     # into the same JSON; a run of the whole registry replaces only its own.
-    monkeypatch.setattr(run, "measure", lambda name, *args, **kwargs: _record(name))
+    _small_registry(monkeypatch, "dp", "dp_manual", "tp")
     path = tmp_path / "r.json"
     foreign = {"long_runs": {"tokens_per_s": 9.21e6}, "pretrained_load": {"model_bytes": 1}}
     path.write_text(json.dumps({"records": [], "updates": [{"records": ["dp"]}], **foreign}))
     run.main(["--quick", "--json", str(path)])
     data = json.loads(path.read_text())
     assert {k: data[k] for k in foreign} == foreign
-    assert "updates" not in data and len(data["records"]) == len(run.STRATEGIES)
+    assert "updates" not in data and [r["strategy"] for r in data["records"]] == ["dp", "dp_manual", "tp"]
+
+
+def test_an_only_run_merges_its_records_into_the_existing_json(tmp_path, monkeypatch):
+    # `--only` measures some records again: the file keeps the others (and what other
+    # scripts wrote, and the whole run's header), its records stay in the registry's
+    # order, and `updates` says which records this run measured, dropping an earlier
+    # update whose records were all measured again.
+    _small_registry(monkeypatch, "dp", "dp_manual", "tp")
+    path = tmp_path / "quick.json"
+    old = {
+        "command": "python -m benchmarks.run --quick",
+        "records": [_record(name, run="before") for name in ("dp", "dp_manual", "tp")],
+        "updates": [{"command": "first", "records": ["tp"]}, {"command": "second", "records": ["dp_manual"]}],
+        "long_runs": {"tokens_per_s": 9.21e6},
+    }
+    path.write_text(json.dumps(old))
+    run.main(["--only", "tp,dp", "--quick", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert [(r["strategy"], r.get("run")) for r in data["records"]] == [
+        ("dp", None),
+        ("dp_manual", "before"),
+        ("tp", None),
+    ]
+    assert data["command"] == old["command"] and data["long_runs"] == old["long_runs"]
+    assert data["updates"] == [
+        {"command": "second", "records": ["dp_manual"]},
+        {
+            "command": "python -m benchmarks.run --only tp,dp --quick --json " + str(path),
+            "records": ["tp", "dp"],
+        },
+    ]
 
 
 def test_report_splices_tables_into_hand_written_prose(tmp_path):

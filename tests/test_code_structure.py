@@ -10,7 +10,9 @@ without anyone remembering them:
 - no import cycle among eqxpar's modules, function-local imports included (a
   package's `__init__` importing its own modules is not one);
 - no function in `eqxpar/` has more than 80 lines of code (its docstring aside);
-- `benchmarks/` does not grow (see `MAX_BENCHMARK_LINES`);
+- no block of `REPEATED_LINES` or more lines of code stands twice in `benchmarks/`,
+  or in both `benchmarks/` and `eqxpar/`: a benchmark imports what it shares with
+  another or with the library, so that what is measured is the library's code;
 - no test file imports from another test file: what several share lives in
   `tests/_helpers.py` (or `conftest.py`).
 """
@@ -25,19 +27,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TREES = ("eqxpar", "tests", "benchmarks", "examples")
 MAX_FUNCTION_LINES = 80
-# The goal is 2,000 lines with every record, sweep and plot kept; until then the
-# limit is what there is (2,452 after the third cut, issue 37: the prose is in
-# benchmarks/README.md; then the four Llama-style records; 2,450 after the fourth:
-# one_device times with _measure.timed_steps, single-use helpers folded in; then
-# run.py's release of each record's executables; 2,453 once the plan stored pipeline
-# stacks itself, `_workload.pipeline_model` gone, a full run keeping other scripts'
-# entries and the report naming records re-measured alone; 2,456 with the two V
-# records, pp_zb_v and pp_dualpipe_v; 2,533 with fine_tuning.py, the frozen-weights
-# figures of make_step(trainable=); 2,633 with lora.py, LoRA beside a full fine-tune;
-# 2,720 with decode.py, the cached generate against the uncached loop it replaced;
-# 2,833 with compare_lowered.py, the lowered steps' hashes a refactor must keep),
-# so that the benchmarks can only shrink.
-MAX_BENCHMARK_LINES = 2833
+REPEATED_LINES = 6
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -547,9 +537,57 @@ def test_functions_stay_short():
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines of code:\n" + "\n".join(found)
 
 
-def test_benchmarks_stay_small():
-    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "benchmarks").rglob("*.py"))
-    assert lines <= MAX_BENCHMARK_LINES, f"benchmarks/ has {lines} lines, more than {MAX_BENCHMARK_LINES}"
+def _lines_of_code(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line number, text) of each line of code, stripped; blank lines, comments,
+    lines of brackets alone and import statements left out (a run of imports is no
+    code to share, and a line of brackets ends a call whatever the call)."""
+    source = path.read_text()
+    imports = {
+        number
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for number in range(node.lineno, node.end_lineno + 1)
+    }
+    lines = []
+    for number, line in enumerate(source.splitlines(), start=1):
+        text = line.strip()
+        if number not in imports and text and not text.startswith("#") and text.strip("()[]{},:"):
+            lines.append((number, text))
+    return lines
+
+
+def repeated_blocks(run: int = REPEATED_LINES) -> list[str]:
+    """`place ~ place` for each block of `run` or more lines of code that stands in
+    two places of `benchmarks/`, or in `benchmarks/` and `eqxpar/` (each place a
+    file and its first line; a longer block once, at its start)."""
+    files = {
+        p.relative_to(ROOT).as_posix(): _lines_of_code(p)
+        for tree in ("benchmarks", "eqxpar")
+        for p in sorted((ROOT / tree).rglob("*.py"))
+    }
+    places = defaultdict(list)  # `run` lines of code -> (file, index of its first)
+    for name, lines in files.items():
+        for i in range(len(lines) - run + 1):
+            places[tuple(text for _, text in lines[i : i + run])].append((name, i))
+    repeated = {
+        tuple(where)
+        for where in places.values()
+        if len(where) > 1 and any(name.startswith("benchmarks/") for name, _ in where)
+    }
+    found = []
+    for where in sorted(repeated):
+        if tuple((name, i - 1) for name, i in where) in repeated:
+            continue  # the block runs on from a line before: reported there
+        found.append(" ~ ".join(f"{name}:{files[name][i][0]}" for name, i in where))
+    return found
+
+
+def test_benchmarks_repeat_no_code():
+    found = repeated_blocks()
+    assert not found, (
+        f"blocks of {REPEATED_LINES}+ lines of code written twice (import the shared code instead):\n"
+        + "\n".join(found)
+    )
 
 
 # The checks themselves, on code written to break each rule.
@@ -652,6 +690,21 @@ def test_the_checks_catch_what_they_forbid(scratch):
     scratch({"tests/__init__.py": "", "tests/_helpers.py": "", "tests/test_a.py": "x = 1\n"})
     scratch({"tests/test_b.py": "from ._helpers import x\nfrom .test_a import x\n"})
     assert [line.split(" ", 1)[1] for line in imports_between_test_files()] == ["imports tests.test_a"]
+    # Seven lines of the library's written again in a benchmark (comments and blank
+    # lines between them change nothing), and five lines of one benchmark in
+    # another, which is short of a block.
+    seven = "".join(f"    y{i} = f(x, {i})\n" for i in range(7))
+    five = seven[: seven.index("    y5")]
+    scratch(
+        {
+            "eqxpar/_lib.py": "import os\n\ndef f(x, i):\n    return x + i\n\ndef g(x):\n" + seven,
+            "benchmarks/__init__.py": "",
+            "benchmarks/a.py": "import os\n\ndef h(x):\n" + seven.replace("y3", "# y3\n\n    y3"),
+            "benchmarks/b.py": "def k(x):\n" + five + "    return y4\n",
+            "benchmarks/c.py": "import json\n\ndef m(x):\n" + five + "    return 0\n",
+        }
+    )
+    assert repeated_blocks() == ["benchmarks/a.py:4 ~ eqxpar/_lib.py:7"]
 
 
 def test_cases_skipped_at_one_end_of_the_jax_range_run_at_the_other():

@@ -261,18 +261,10 @@ def test_plan_errors():
 # check on its device groups). Every such plan, automatic or manual over context
 # alone, either runs and matches one device (the step is manual over the batch axes
 # too) or is refused before XLA sees it (Ulysses, which names the working plans).
-# Two runs in make test (9 s each here), the other six in make test-slow.
+# The refusals and one run in make test, the other runs in make test-slow
+# (tests/_slow_cases.py).
 _BESIDE_TENSOR = [
-    pytest.param(
-        axis_rules,
-        impl,
-        mode,
-        marks=()
-        if (axis_rules[0], impl, mode) in {("data", "ring", "auto"), ("fsdp", "allgather", "auto")}
-        or impl == "ulysses"
-        else pytest.mark.slow,
-        id=f"{axis_rules[0]}-{impl}-{mode}",
-    )
+    pytest.param(axis_rules, impl, mode, id=f"{axis_rules[0]}-{impl}-{mode}")
     for axis_rules in (("data", "MEGATRON"), ("fsdp", "MEGATRON_FSDP"))
     for impl in ("ring", "allgather", "ulysses")
     for mode in ("auto", "manual-context")

@@ -206,16 +206,17 @@ def _adapter_bytes(model, tokens_per_device: int) -> int:
     return 2 * (params + 2 * activations)
 
 
+# tp-manual-sp in make test, the others in make test-slow (tests/_slow_cases.py).
 PARITY_PLANS = {
     # Manual, sequence parallel: the column adapters ride on the base's gather.
     "tp-manual-sp": dict(mesh=dict(data=4, tensor=2), mode="manual", sequence_parallel=True),
-    # Manual without sequence parallelism (slow; sibling tp-manual-sp).
+    # Manual without sequence parallelism.
     "tp-manual": dict(mesh=dict(data=4, tensor=2), mode="manual"),
-    # Manual with ring collective matmuls (slow; sibling tp-manual-sp).
+    # Manual with ring collective matmuls.
     "tp-overlap": dict(mesh=dict(data=4, tensor=2), mode="manual", sequence_parallel=True, tp_overlap=True),
     # Automatic (GSPMD) with FSDP: the adapters' model dimension split over fsdp.
     "fsdp-tp": dict(mesh=dict(data=2, fsdp=2, tensor=2), rules=eqxpar.rules.MEGATRON_FSDP),
-    # Automatic, sequence parallel (slow; sibling fsdp-tp).
+    # Automatic, sequence parallel.
     "tp-auto-sp": dict(mesh=dict(data=4, tensor=2), sequence_parallel=True),
 }
 
@@ -494,3 +495,72 @@ def test_adapter_dropout_takes_the_step_key_and_matches_one_device_under_a_data_
     # A pipeline passes its stack no key: refused rather than trained without dropout.
     with pytest.raises(eqxpar.PlanError, match=r"dropout=0.0"):
         PIPELINE_LOSS(dropped, tokens)
+
+
+def _with_trained_b(model):
+    """`model` with every zero `B` adapter drawn at random (`add_lora` starts them at
+    zero), so that each layer's tensors differ."""
+    adapters, frozen = eqx.partition(model, lora_trainable(model))
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(5), len(leaves))
+    leaves = [x if jnp.any(x) else jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
+
+
+def test_save_lora_writes_every_layer_of_an_moe_model_under_its_own_index(tmp_path):
+    # Mixtral's layout (every block MoE): one adapter per layer, named by its layer.
+    config = GPTConfig(
+        vocab_size=64,
+        d_model=32,
+        num_heads=4,
+        num_layers=4,
+        d_hidden=64,
+        moe_every=1,
+        experts=4,
+        top_k=2,
+        activation="swiglu",
+        norm="rms",
+    )
+    model = add_lora(
+        GPT(config, key=jax.random.key(0)), rank=2, targets=("q", "k", "v", "o"), key=jax.random.key(1)
+    )
+    model = _with_trained_b(model)
+    save_lora(model, tmp_path)
+    tensors = _read(tmp_path / "adapter_model.safetensors")
+    # Attention's four projections (the experts take none), A and B, each of 4 layers.
+    assert len(tensors) == 4 * 2 * 4
+    lora = model.blocks.blocks.moe.attn.lora
+    for layer in range(4):
+        name = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        np.testing.assert_array_equal(tensors[f"{name}.lora_A.weight"], np.asarray(lora.q_a[layer]).T)
+        b = np.asarray(lora.q_b[layer]).reshape(2, -1).T
+        np.testing.assert_array_equal(tensors[f"{name}.lora_B.weight"], b)
+
+
+def test_save_lora_refuses_an_moe_model_with_dense_blocks_between(tmp_path):
+    # moe_every=2 is Qwen2-MoE's layout in Hugging Face (decoder_sparse_step), whose
+    # shared experts carry a gate eqxpar's lack: save_pretrained cannot write the
+    # base, so no adapter can name its modules. It wrote layers 0 and 1 only.
+    config = GPTConfig(
+        vocab_size=64, d_model=32, num_heads=4, num_layers=4, d_hidden=64, moe_every=2, experts=4, top_k=2
+    )
+    model = add_lora(GPT(config, key=jax.random.key(0)), rank=2, key=jax.random.key(1))
+    with pytest.raises(eqxpar.models.PretrainedError, match=r"save_lora: .*GPTConfig\(moe_every=2\)"):
+        save_lora(model, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+    with pytest.raises(eqxpar.models.PretrainedError, match=r"GPTConfig\(moe_every=2\)"):
+        eqxpar.models.save_pretrained(GPT(config, key=jax.random.key(0)), tmp_path / "base")
+
+
+def test_adapters_of_an_moe_model_map_each_stacked_row_to_its_layer():
+    # The layer each adapter row belongs to, for every MoE layout: dense blocks j of
+    # group g are layer moe_every * g + j, the MoE block the group's last.
+    from eqxpar.models._lora_peft import _adapters
+
+    config = GPTConfig(
+        vocab_size=64, d_model=32, num_heads=4, num_layers=6, d_hidden=64, moe_every=3, experts=4, top_k=2
+    )
+    model = add_lora(GPT(config, key=jax.random.key(0)), rank=2, targets=("q",), key=jax.random.key(1))
+    rows = [(layer, [index(i) for i in range(lora.q_a.shape[0])]) for layer, lora, index in _adapters(model)]
+    # (add_lora adapts an MoE model's attention only.)
+    assert rows == [("attn", [0, 3]), ("attn", [1, 4]), ("attn", [2, 5])]

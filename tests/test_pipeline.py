@@ -46,13 +46,14 @@ CASES = [
 # The V placement (two chunks per device, device d holding stages d and 2p-1-d):
 # at pipe 1 every hand-over is local; at pipe 2 and 4 a device gets two
 # activations (cotangents) in one tick, one from each side. DualPipeV needs
-# m >= 2p. (DualPipeV at pipe 4 in make test-slow: 25 s on 2 cores.)
+# m >= 2p. (Both at pipe 2 in make test; ZB-V at pipe 1 and 4 and DualPipeV at
+# pipe 4 in make test-slow, and on the newest JAX: tests/_slow_cases.py.)
 V_CASES = [
     pytest.param("zb_v", 2, 1, 2, id="zb_v-p1-m2"),
     pytest.param("zb_v", 2, 2, 2, id="zb_v-p2-m4"),
     pytest.param("zb_v", 2, 4, 1, id="zb_v-p4-m4"),
     pytest.param("dualpipe_v", 2, 2, 2, id="dualpipe_v-p2-m4"),
-    pytest.param("dualpipe_v", 2, 4, 2, id="dualpipe_v-p4-m8", marks=pytest.mark.slow),
+    pytest.param("dualpipe_v", 2, 4, 2, id="dualpipe_v-p4-m8"),
 ]
 
 
@@ -128,17 +129,10 @@ UNEVEN = [
 ]
 
 
-# The eight virtual stages (interleaved, the V schedules at pipe 4) in make
-# test-slow (25-60 s): their branches keyed by layer count are the others'; the
-# V schedules at pipe 2 run in make test.
-UNEVEN_CASES = [
-    pytest.param(
-        *case,
-        id=f"{case[0]}-v{case[1]}-p{len(case[2]) // case[1]}",
-        marks=pytest.mark.slow if len(case[2]) == 8 else (),
-    )
-    for case in UNEVEN
-]
+# DualPipeV at pipe 2 in make test (its full and split backwards in a V); the
+# others in make test-slow (7-40 s each on 2 cores), each beside a case of its
+# engine in make test (tests/_slow_cases.py).
+UNEVEN_CASES = [pytest.param(*case, id=f"{case[0]}-v{case[1]}-p{len(case[2]) // case[1]}") for case in UNEVEN]
 
 
 @pytest.mark.parametrize("name,chunks,layers", UNEVEN_CASES)

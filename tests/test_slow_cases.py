@@ -46,3 +46,25 @@ def test_every_kept_case_pattern_names_a_case():
             assert any(fnmatch.fnmatchcase(case, pattern) for case in cases), (
                 f"the pattern {pattern!r} kept for {test!r} matches none of its cases {cases}"
             )
+
+
+def test_every_newest_pattern_names_a_slow_case_that_make_test_newest_runs():
+    import fnmatch
+    import re
+
+    from ._slow_cases import NEWEST
+
+    # A pattern over a file `make test-newest` does not run would mark nothing there.
+    makefile = (pathlib.Path(__file__).parent.parent / "Makefile").read_text()
+    newest_files = set(
+        re.search(r"NEWEST_TESTS :=(.*?)\n\S", makefile, re.S).group(1).replace("\\", " ").split()
+    )
+    files = {node.split("::")[0] for node in COLLECTED}
+    for pattern in NEWEST:
+        file = pattern.split("::")[0]
+        assert file in newest_files, f"{pattern!r} is in no file of the Makefile's NEWEST_TESTS"
+        if file in files:
+            matched = [node for node in COLLECTED if fnmatch.fnmatchcase(node, pattern)]
+            assert any(node in SLOW_CASES for node in matched), (
+                f"tests/_slow_cases.py marks {pattern!r} newest, which names no slow case"
+            )

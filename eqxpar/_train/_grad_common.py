@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PyTree
 
+from .._collectives import wire_dtype
 from .._context_split import expect_split
 from .._errors import PlanError
-from .._fsdp import Gather, layer_gathers, wire_dtype
+from .._fsdp import Gather, layer_gathers
 from .._sharding import place_tree
 from .._varying import varying_axes
 from ._step_layout import StepLayout
@@ -117,7 +118,7 @@ def reduce_gradient(
 
 def mean_over(x: Array, axes: tuple[str, ...]) -> Array:
     """`pmean` of `x` over `axes`, in a dtype XLA:CPU compiles there (see
-    `_fsdp.wire_dtype`)."""
+    `_collectives.wire_dtype`)."""
     return lax.pmean(x.astype(wire_dtype(x.dtype)), axes).astype(x.dtype)
 
 

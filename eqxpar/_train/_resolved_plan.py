@@ -241,7 +241,7 @@ def check_cpu_partial_manual_dtypes(resolved: ResolvedPlan, where: str) -> None:
     all-reduces to float32 and, cloning that reduction, aborts the process
     ("Invalid binary instruction opcode copy"). float16 is not widened and
     compiles. The step's own gradient reductions and FSDP gathers there run in
-    float32 instead (`_fsdp.wire_dtype`); what remains are the
+    float32 instead (`_collectives.wire_dtype`); what remains are the
     tensor-parallel layers' all-reduces under `compute_dtype=bfloat16`.
     """
     mesh, manual = resolved.mesh, resolved.manual_axes

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from .. import nn
 from .._errors import PretrainedError
 from .._stack_order import in_natural_order
 from ._gpt import GPT
-from ._hf_config import infer_model_type
+from ._hf_config import config_to_hf, infer_model_type
 from ._hf_files import safetensors_module, write_safetensors
 from ._pretrained import host_array
 
@@ -42,15 +43,24 @@ _GPT2 = {
 }
 
 
-def _adapters(model: GPT) -> list[tuple[str, Any]]:
-    """`(layer, adapter)` of the model's stack: `("attn", AttentionLoRA)`, `("mlp", MLPLoRA)`."""
-    blocks = model.blocks.blocks
-    if model.config.moe_every:  # Mixtral: every block an MoE block (moe_every=1)
-        blocks = blocks.moe
-    out = [("attn", blocks.attn.lora)]
-    if isinstance(blocks.mlp, nn.MLP):
-        out.append(("mlp", blocks.mlp.lora))
-    return [(layer, lora) for layer, lora in out if lora is not None]
+def _adapters(model: GPT) -> list[tuple[str, Any, Callable[[int], int]]]:
+    """`(layer, adapter, index)` for every adapted block kind of the model's stack:
+    `("attn", AttentionLoRA, …)`, `("mlp", MLPLoRA, …)`; `index(i)` is the model
+    layer of row `i` of the adapter's stacked leaves. A dense model stacks one block
+    per layer; an MoE model one `MoEGroup` of `moe_every` blocks per row: its dense
+    blocks are layers `moe_every * row + j`, its MoE block the group's last."""
+    stack, every = model.blocks.blocks, model.config.moe_every
+    if every:
+        groups = [*((block, j) for j, block in enumerate(stack.dense)), (stack.moe, every - 1)]
+        blocks = [(block, lambda i, j=j: every * i + j) for block, j in groups]
+    else:
+        blocks = [(stack, lambda i: i)]
+    out = []
+    for block, index in blocks:
+        out.append(("attn", block.attn.lora, index))
+        if isinstance(block.mlp, nn.MLP):  # an MoE block's experts take no adapters
+            out.append(("mlp", block.mlp.lora, index))
+    return [(layer, lora, index) for layer, lora, index in out if lora is not None]
 
 
 def _tensors(model: GPT, kind: str) -> tuple[dict[str, Any], list[str], Any]:
@@ -65,7 +75,7 @@ def _tensors(model: GPT, kind: str) -> tuple[dict[str, Any], list[str], Any]:
         raise PretrainedError(
             "save_lora: the model has no adapters. Add them with eqxpar.models.add_lora (and train them) first."
         )
-    for layer, lora in adapters:
+    for layer, lora, index in adapters:
         for field in lora.__dataclass_fields__:
             if not field.endswith("_a") or getattr(lora, field) is None:
                 continue
@@ -79,10 +89,24 @@ def _tensors(model: GPT, kind: str) -> tuple[dict[str, Any], list[str], Any]:
             targets.add(module)
             a, b = getattr(lora, f"{proj}_a"), getattr(lora, f"{proj}_b")
             for i in range(a.shape[0]):
-                base = f"{prefix}.{i}.{module}"
+                base = f"{prefix}.{index(i)}.{module}"
                 tensors[f"{base}.lora_A.weight"] = (a, i, "A")
                 tensors[f"{base}.lora_B.weight"] = (b, i, "B")
     return tensors, sorted(targets), adapters[0][1]
+
+
+def _check_base(config: Any, kind: str) -> None:
+    """Refuse adapters whose base `save_pretrained` cannot write: PEFT names the
+    modules of that Hugging Face model, layer by layer. (An MoE model with dense
+    blocks between its MoE blocks, `moe_every > 1`, is Qwen2-MoE's layout in
+    Hugging Face, whose shared experts carry a sigmoid gate eqxpar's lack.)"""
+    try:
+        config_to_hf(config, kind, "float32")
+    except PretrainedError as e:
+        raise PretrainedError(
+            f"save_lora: a PEFT adapter names the modules of its Hugging Face base model, and this "
+            f"model cannot be written as one. {e}"
+        ) from e
 
 
 def _peft_tensor(leaf: np.ndarray, part: str) -> np.ndarray:
@@ -131,6 +155,7 @@ def save_lora(model: GPT, path: str | os.PathLike, *, base_model: str | None = N
     safetensors_module()
     model = in_natural_order(model)
     kind = infer_model_type(model.config)
+    _check_base(model.config, kind)
     tensors, targets, first = _tensors(model, kind)
     # Adapters are small: each is gathered once, whole, and kept for its layers.
     hosts: dict[int, np.ndarray] = {}

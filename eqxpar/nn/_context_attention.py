@@ -30,7 +30,7 @@ for the same key, in any layout (positions are then tracked even without `causal
 from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._collectives import all_gather
+from .._collectives import all_gather, wire_dtype
 from .._errors import PlanError, SpecError
 from .._varying import mark_varying, varying_axes
 from ._blockwise import check_dropout, check_segment_ids, dropout_rows, dropout_seed
@@ -182,6 +182,9 @@ def context_attention(
     if impl == "ulysses":
         dropout_hash = DropoutHash(dropout_seed(key), head_offset) if options.dropout_rate > 0 else None
         return ulysses_attention(q, k, v, seg, dropout_hash, options)
-    k_all = all_gather(k, axis_name=axis, axis=1)
-    v_all = all_gather(v, axis_name=axis, axis=1)
+    # The gathers' transposes reduce-scatter dK and dV: in bfloat16 inside a
+    # partial-manual region XLA:CPU aborts compiling them, so run them in the wire
+    # dtype (float32 there, the same values both ways; a no-op elsewhere).
+    wire = wire_dtype(k.dtype)
+    k_all, v_all = (all_gather(x.astype(wire), axis_name=axis, axis=1).astype(x.dtype) for x in (k, v))
     return gathered_attention(q, k_all, v_all, seg, rows, options)

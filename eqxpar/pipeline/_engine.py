@@ -1,5 +1,5 @@
 """The pipeline engine: loops over a schedule's ticks inside `shard_map`.
-Shared with `eqxpar._step` (which runs `pipeline_gradients` and refuses what
+Shared with `eqxpar._train._step` (which runs `pipeline_gradients` and refuses what
 `check_pipeline_step` refuses) and `eqxpar._advise` (which traces a device's
 setup, `Engine` and `Device`, for the engine's own residual slot layout):
 internal names, not public API.
@@ -163,14 +163,15 @@ def _check_specs(specs: Any, loss: PipelineLoss, pipeline: PipelinePlan) -> None
                     "plans split weights over 'pipe' (the stack's layers), the tensor axis and the "
                     f"data-parallel axes {pipeline.batch_axes} (FSDP) only. Drop {axis!r} from the rules."
                 )
-    if p > 1:
-        for spec in jax.tree.leaves(stack_specs, is_leaf=is_spec):
-            if is_spec(spec) and (len(spec) == 0 or mesh_axis_names(spec[0]) != (PIPE,)):
-                raise PlanError(
-                    f"the pipelined stack's layer axis must be split over 'pipe' (size {p}), but a stack "
-                    f"leaf has spec {spec}. Wrap the plan's rules: rules=eqxpar.pipeline.stage_rules("
-                    "<your rules>), or map the logical axis 'layers' to 'pipe' in a rules.Logical."
-                )
+    # At pipe size 1 too: the engine runs the stack as varying over 'pipe' whatever
+    # its size, and a stack left unsplit fails later in shard_map's replication check.
+    for spec in jax.tree.leaves(stack_specs, is_leaf=is_spec):
+        if is_spec(spec) and (len(spec) == 0 or mesh_axis_names(spec[0]) != (PIPE,)):
+            raise PlanError(
+                f"the pipelined stack's layer axis must be split over 'pipe' (size {p}), but a stack "
+                f"leaf has spec {spec}. Wrap the plan's rules: rules=eqxpar.pipeline.stage_rules("
+                "<your rules>), or map the logical axis 'layers' to 'pipe' in a rules.Logical."
+            )
 
 
 def check_pipeline_step(loss_fn: Any, pipeline: PipelinePlan, *, accumulate: int, has_aux: bool) -> None:

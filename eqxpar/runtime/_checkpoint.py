@@ -27,13 +27,19 @@ from jaxtyping import PyTree
 
 from .._errors import EqxparError
 from .._plan import Plan
-from .._stack_order import in_natural_order, in_plan_order
+from .._stack_order import describe_order, in_natural_order, in_plan_order
 from .._train._train_state import TrainState, specs_of
 from ..nn._stack import Stacked
 from ._distributed import get_logger
 
 _FORMAT = "eqxpar.checkpoint"
-_VERSION = 1
+# 2: every layer stack (`eqxpar.nn.Stacked`) in natural order, whatever plan saved
+# it. 1 recorded no order: eqxpar 0.1.0 wrote a stack as the model held it (a
+# pipeline plan's order, reordered by hand), later version-1 files natural order.
+_VERSION = 2
+_READABLE = (1, 2)
+#: What `restore(stored_order=...)` takes besides an `eqxpar.Plan`.
+_STORED_ORDERS = ("natural", "plan")
 _ARRAYS = "state"
 _META = "eqxpar"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -328,7 +334,12 @@ class CheckpointManager:
         )
 
     def restore(
-        self, step: int | None = None, *, like: PyTree, plan: Plan | None = None
+        self,
+        step: int | None = None,
+        *,
+        like: PyTree,
+        plan: Plan | None = None,
+        stored_order: str | Plan | None = None,
     ) -> tuple[PyTree, dict[str, Any] | None]:
         """Load checkpoint `step` (default: the latest) into the shape of `like`.
 
@@ -344,20 +355,41 @@ class CheckpointManager:
           its outline `eqx.filter_eval_shape(eqxpar.train.init, model, optim,
           plan, key=key)`. Its non-array parts are used as they are.
         - `plan`: the target plan; None to use the shardings of `like`'s arrays.
+        - `stored_order`: only for a checkpoint of format version 1, which does
+          not record the order its layer stacks (`eqxpar.nn.Stacked`) are in:
+          eqxpar 0.1.0 wrote a stack as the model held it, so a model reordered by
+          hand for an interleaved or uneven pipeline (`to_pipeline_order`) was
+          saved in that pipeline's order; later version-1 files hold natural
+          order. `"plan"`: the file holds each stack in the order the target
+          (`plan`, else `like`) stores it in; an `eqxpar.Plan`: in the order that
+          plan stores it in (the plan the file was saved under, to restore it
+          under another); `"natural"`: in natural order. None (default): natural
+          order, and a version-1 file whose target stores a stack in any other
+          order is refused, since it may hold either. Version 2 (what `save`
+          writes) always holds natural order, so it refuses `stored_order`.
 
         **Returns:** `(state, data_state)`: the restored state (global arrays, in
-        the plan's shardings) and the saved `data_state` (None if none was saved).
+        the plan's shardings, each stack in the plan's order) and the saved
+        `data_state` (None if none was saved).
 
         **Raises:** `CheckpointError` when there is no complete checkpoint, the
-        step is missing or incomplete, the files are corrupt or truncated, or its
-        arrays do not match `like`.
+        step is missing or incomplete, the files are corrupt, truncated or of an
+        unknown version, its arrays do not match `like`, a version-1 file's
+        stack order is needed and not given, or `stored_order` is not one of the
+        above (or is given for a version-2 file).
 
         ```python
         abstract = eqx.filter_eval_shape(eqxpar.train.init, model, optim, plan, key=key)
         state, data_state = manager.restore(like=abstract, plan=plan)
         iterator.set_state(data_state)
+        # A version-1 file saved under this interleaved plan, its stack reordered
+        # by hand, restored once and saved again as version 2:
+        state, data_state = manager.restore(like=abstract, plan=plan, stored_order="plan")
+        with eqxpar.checkpoint.CheckpointManager("ckpt-v2") as v2:
+            v2.save(int(state.step), state, data_state=data_state)
         ```
         """
+        _check_stored_order(stored_order)
         self.wait()  # a save still being written would otherwise be invisible
         steps = self.all_steps()
         step = self._complete_step(step, steps)
@@ -373,15 +405,17 @@ class CheckpointManager:
         target_like = (
             like if plan is None or not isinstance(plan, Plan) else in_plan_order(_outline(like), plan)
         )
-        natural_like = in_natural_order(_outline(target_like))
-        leaves = _array_leaves(natural_like)
+        # The state as the file holds it: every stack in the order it was saved in.
+        file_like = _as_saved(meta, where, stored_order, target_like)
+        leaves = _array_leaves(file_like)
         records = meta["leaves"]
         legacy = _predates_skipped_steps(like, records, leaves)
         _check_matches(records, leaves[:-1] if legacy else leaves, where)
         shardings = _target_shardings(target_like, plan, _array_leaves(target_like))
-        reading = [
-            _whole_layers(s) if moved else s for s, moved in zip(shardings, _moved(target_like), strict=True)
-        ]
+        # A stack saved in another order than the target's is read with its layer
+        # axis whole, then stored in the target's order.
+        moved = [a != b for a, b in zip(_leaf_orders(file_like), _leaf_orders(target_like), strict=True)]
+        reading = [_whole_layers(s) if m else s for s, m in zip(shardings, moved, strict=True)]
         target = _restore_target(records, reading[: len(records)])
         ocp = self._ocp
         arrays = _guard(
@@ -399,9 +433,8 @@ class CheckpointManager:
                 **arrays,
                 _name(len(records) - 1): jax.device_put(np.zeros((), np.int32), shardings[-1]),
             }
-        restored = _rebuild(natural_like, records, arrays)
-        if any(_moved(target_like)):
-            restored = _stored_as(restored, target_like, shardings)
+        if any(moved):
+            restored = _stored_as(_rebuild(file_like, records, arrays), target_like, shardings)
         else:
             restored = _rebuild(target_like, records, arrays)
         return restored, meta.get("data_state")
@@ -439,10 +472,12 @@ class CheckpointManager:
             or not isinstance(meta.get("leaves"), list)
         ):
             raise CheckpointError(f"{str(where)!r} is not an eqxpar checkpoint (unknown metadata): {fix}")
-        if meta.get("version") != _VERSION:
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version not in _READABLE:
             raise CheckpointError(
-                f"{str(where)!r} has eqxpar checkpoint version {meta.get('version')!r}; this eqxpar "
-                f"reads version {_VERSION}. Restore it with the eqxpar version that wrote it."
+                f"{str(where)!r} has eqxpar checkpoint version {version!r}; this eqxpar "
+                f"reads versions {', '.join(map(str, _READABLE))}. Restore it with the eqxpar version "
+                "that wrote it."
             )
         return meta
 
@@ -611,18 +646,74 @@ def _outline(tree: PyTree) -> PyTree:
     )
 
 
-def _moved(tree: PyTree) -> list[bool]:
-    """For every array leaf of `tree`: whether it is part of a stack stored in an
-    order other than the natural one."""
-
-    def mark(node: Any) -> Any:
-        if isinstance(node, Stacked):
-            return jax.tree.map(lambda x: node.order is not None, node.blocks)
-        return False
-
-    marks = jax.tree.map(mark, tree, is_leaf=lambda n: isinstance(n, Stacked))
+def _leaf_orders(tree: PyTree) -> list[Any]:
+    """For every array leaf of `tree`: the order of the stack it is part of (a
+    `StackOrder`; None for natural order or no stack)."""
     flat = jax.tree.leaves(tree)
-    return [m for x, m in zip(flat, jax.tree.leaves(marks), strict=True) if _is_array(x)]
+    orders: list[Any] = []
+    for node in jax.tree.leaves(tree, is_leaf=_is_stack):
+        order = node.order if _is_stack(node) else None
+        orders.extend([order] * len(jax.tree.leaves(node)))
+    return [o for x, o in zip(flat, orders, strict=True) if _is_array(x)]
+
+
+def _check_stored_order(stored_order: Any) -> None:
+    if stored_order is None or isinstance(stored_order, Plan):
+        return
+    if not isinstance(stored_order, str) or stored_order not in _STORED_ORDERS:
+        raise CheckpointError(
+            f"CheckpointManager.restore(stored_order={stored_order!r}): expected 'natural', 'plan', "
+            "an eqxpar.Plan or None: the order a version-1 checkpoint holds its layer stacks in "
+            "('plan': the order the target plan stores them in; a Plan: the order that plan stores "
+            "them in, e.g. the plan the file was saved under)."
+        )
+
+
+def _as_saved(meta: dict[str, Any], where: pathlib.Path, stored_order: Any, target_like: PyTree) -> PyTree:
+    """The outline of the state as checkpoint `where` holds it: `target_like` with
+    every stack in the order the file holds it in (`restore`'s `stored_order`)."""
+    version = meta["version"]
+    natural_like = in_natural_order(_outline(target_like))
+    if version != 1:
+        if stored_order is not None:
+            raise CheckpointError(
+                f"{str(where)!r} is an eqxpar checkpoint of version {version}, which holds every layer "
+                f"stack in natural order whatever plan saved it, so stored_order={stored_order!r} has "
+                "nothing to say: it is for version-1 files, which do not record their order. Drop "
+                "stored_order."
+            )
+        return natural_like
+    if stored_order is None:
+        _check_v1_order_known(where, target_like)
+        return natural_like
+    if stored_order == "natural":
+        return natural_like
+    if stored_order == "plan":
+        return target_like
+    return in_plan_order(natural_like, stored_order)
+
+
+def _check_v1_order_known(where: pathlib.Path, target_like: PyTree) -> None:
+    """Refuse a version-1 file (no recorded order) for a target that stores a stack
+    in a pipeline's order: read as natural order, a file saved in that order (by
+    eqxpar 0.1.0) would be permuted a second time, silently."""
+    flat = jax.tree_util.tree_flatten_with_path(target_like, is_leaf=_is_stack)[0]
+    stored = [(jax.tree_util.keystr(p), n.order) for p, n in flat if _is_stack(n) and n.order is not None]
+    if not stored:
+        return
+    path, order = stored[0]
+    others = f" (and {len(stored) - 1} more stacks)" if len(stored) > 1 else ""
+    raise CheckpointError(
+        f"{str(where)!r} is an eqxpar checkpoint of version 1, which does not record the order of "
+        f"its layer stacks, and the restore target stores {path}{others} in {describe_order(order)}. "
+        "A version-1 file may hold either order: eqxpar 0.1.0 saved a stack as the model held it (a "
+        "pipeline's order, for a model reordered by hand with eqxpar.pipeline.to_pipeline_order), "
+        "later version-1 files natural order; read as the wrong one, the layers would be permuted "
+        "silently. Fix: pass restore(..., stored_order=...) saying which order the file holds: "
+        "stored_order='plan' if it was saved under this plan (its stacks in this plan's order), the "
+        "eqxpar.Plan it was saved under if another, 'natural' if natural order; then save it again "
+        "with this eqxpar (version 2, which holds natural order and restores under any plan)."
+    )
 
 
 def _whole_layers(sharding: Sharding) -> Sharding:
