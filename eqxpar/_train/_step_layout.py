@@ -269,11 +269,6 @@ def loss_compute_dtype(plan: Plan) -> Any:
     return ParallelDims.of(plan).compute_dtype
 
 
-def tensor_axis_of(plan: Plan) -> str:
-    """The mesh axis tensor-parallel layers split their weights over (`Plan(tensor_axis=)`)."""
-    return ParallelDims.of(plan).tensor_axis
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeLayout:
     """Where `eqxpar.models.generate`'s arrays live under a plan, resolved once

@@ -162,11 +162,12 @@ def init(
     return TrainState(model=model, opt_state=opt_state, step=step, key=key, skipped_steps=skipped_steps)
 
 
-def specs_of(tree: PyTree, plan: Plan) -> PyTree:
+def specs_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:
     """The PartitionSpec of every array leaf of `tree` where a train step keeps it:
     a `TrainState` (or its outline) per its `StepLayout` (under ZeRO-1 the
     optimizer state is split over the batch axes), anything else per the plan's
-    rules (`eqxpar.partition_specs`)."""
+    rules (`eqxpar.partition_specs`). For checkpoint restore and `sharding_table`,
+    which resolve the plan they are given."""
     if isinstance(tree, TrainState):
-        return StepLayout.of_state(tree, plan).state_specs(tree)
-    return partition_specs(tree, plan)
+        return StepLayout.of(resolved, tree.model, tree.opt_state).state_specs(tree)
+    return partition_specs(tree, resolved.plan)

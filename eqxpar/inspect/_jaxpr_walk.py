@@ -18,12 +18,12 @@ from jax.extend import core as jcore
 
 from .._errors import EqxparError, PlanError
 from .._jax_compat import scan_body
+from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import array_bytes
 from .._specs import is_array_like, partition_specs
 from .._text import short
-from .._train._step_layout import loss_compute_dtype, tensor_axis_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +184,7 @@ def compute_outline(plan: Plan, tree: Any) -> Any:
         if not is_array_like(x):
             return x
         dtype = x.dtype
-        compute = loss_compute_dtype(plan)
+        compute = ParallelDims.of(plan).compute_dtype
         if compute is not None and jnp.issubdtype(dtype, jnp.floating):
             dtype = compute
         return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
@@ -240,7 +240,7 @@ def tensor_sums(
 
 def tensor_split_dims(plan: Plan, params: Any) -> dict[int, frozenset[int]]:
     """Array-leaf index -> the dimensions split over the tensor axis (leaves with any)."""
-    tensor = tensor_axis_of(plan)
+    tensor = ParallelDims.of(plan).tensor_axis
     if plan.mesh.shape.get(tensor, 1) == 1:
         return {}
     specs = jax.tree.structure(params).flatten_up_to(partition_specs(params, plan))

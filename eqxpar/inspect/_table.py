@@ -14,6 +14,7 @@ from .._rules import mesh_axis_names
 from .._sizes import array_bytes
 from .._specs import check_spec, is_array_like, leaves_with_axes
 from .._text import fmt_int, render, short
+from .._train._resolved_plan import ResolvedPlan
 from .._train._train_state import specs_of
 
 
@@ -174,7 +175,7 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
             "array leaves, so there is nothing to tabulate. Pass a model, a TrainState, a "
             "batch, or their jax.eval_shape outlines."
         )
-    spec_leaves = _spec_leaves(tree, plan, specs)
+    spec_leaves = _spec_leaves(tree, ResolvedPlan.of(plan), specs)
     rows = [
         _row(path, leaf, axes, spec, plan.mesh)
         for (path, leaf, axes), spec in zip(leaves, spec_leaves, strict=True)
@@ -185,11 +186,11 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
     )
 
 
-def _spec_leaves(tree: Any, plan: Plan, specs: Any) -> list[Any]:
+def _spec_leaves(tree: Any, resolved: ResolvedPlan, specs: Any) -> list[Any]:
     """One spec per leaf of `tree`: from the plan's rules, the one `specs`, or the `specs` tree."""
     treedef = jax.tree.structure(tree)
     if specs is None:
-        return treedef.flatten_up_to(specs_of(tree, plan))
+        return treedef.flatten_up_to(specs_of(tree, resolved))
     if isinstance(specs, PartitionSpec):
         return [specs] * treedef.num_leaves
     try:

@@ -28,6 +28,7 @@ from jaxtyping import PyTree
 from .._errors import EqxparError
 from .._plan import Plan
 from .._stack_order import describe_order, in_natural_order, in_plan_order
+from .._train._resolved_plan import ResolvedPlan
 from .._train._train_state import TrainState, specs_of
 from ..nn._stack import Stacked
 from ._distributed import get_logger
@@ -756,7 +757,7 @@ def _target_shardings(like: PyTree, plan: Plan | None, leaves: list[tuple[str, A
                 f"CheckpointManager.restore(plan={plan!r}): expected an eqxpar.Plan or None."
             )
         _, treedef = jax.tree.flatten(like)
-        specs = treedef.flatten_up_to(specs_of(like, plan))
+        specs = treedef.flatten_up_to(specs_of(like, ResolvedPlan.of(plan)))
         shardings = [plan.sharding(s) for s in specs if s is not None]
         if len(shardings) != len(leaves):
             raise CheckpointError(
