@@ -4,7 +4,9 @@ shape between releases (as `equinox.internal`).
 
 - `StepLayout`: what a step resolves from the plan and the state outline (how it
   is parallel, the specs of parameters, updates and batch, the manual axes). A
-  `Step` gives it for a state: `step.layout(state)`.
+  `Step` gives it for a state: `step.layout(state)`; `layout.resolved` is what the
+  step's builder resolved from the plan once, before any model (the manual axes,
+  the batch layout, the dtypes).
 - `DecodeLayout`: the same for `eqxpar.models.generate` (the plan it decodes
   under, whether each step is manual, the key/value cache's spec).
 - `Buffers`: the buffer slots a pipeline schedule allocates (`Schedule.buffers`).
