@@ -151,3 +151,35 @@ def test_pipeline_loss_checks_happen_when_the_step_is_built():
     loss = PipelineLoss(first=lambda m, b: b, stack=lambda m: m.blocks, last=lambda m, h, b: jnp.mean(h))
     with pytest.raises(eqxpar.PlanError, match="microbatches=8"):
         eqxpar.train.make_step(loss, optax.sgd(0.1), plan, accumulate=2)
+
+
+def test_each_builder_resolves_its_plan_once(monkeypatch):
+    # A builder resolves the plan once and passes the ResolvedPlan down: calling
+    # the step, lowering it, or the gradients again resolves nothing more.
+    from eqxpar._train._resolved_plan import ResolvedPlan
+
+    resolved = []
+    of = ResolvedPlan.of.__func__
+
+    def counted(cls, plan, accumulate=1):
+        resolved.append(plan)
+        return of(cls, plan, accumulate)
+
+    monkeypatch.setattr(ResolvedPlan, "of", classmethod(counted))
+    plan, optim = PLANS["dp-manual"](), optax.sgd(0.1)
+    model = MLP(16, 32, 4, key=jax.random.key(0))
+    batches = regression_batches(2)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    assert len(resolved) == 1
+    step = eqxpar.train.make_step(mse_loss, optim, plan, accumulate=2)
+    for batch in batches:
+        state, _ = step(state, batch)
+    step.lower(state, batches[0])
+    assert len(resolved) == 2
+    value_and_grad = eqxpar.train.make_value_and_grad(mse_loss, plan)
+    for batch in batches:
+        value_and_grad(state.model, batch)
+    assert len(resolved) == 3
+    layout = step.layout(state)
+    assert layout.resolved.accumulate == 2 and layout.resolved.microbatches == 2
+    assert layout.resolved.batch is layout.resolved.batch  # held, not rebuilt on each access
