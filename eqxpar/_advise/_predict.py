@@ -28,6 +28,7 @@ from ..inspect._jaxpr_walk import (
     with_key,
 )
 from ..inspect._minimum import boundary_sends, pipeline_placement
+from ..inspect._plan_facts import PlanFacts
 from ..inspect._tally import CONTEXT_KEYS_VALUES, MOE_DISPATCH, PIPELINE_BOUNDARIES, TENSOR_SUMS, sum_items
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 from ..pipeline._program import (
@@ -501,7 +502,7 @@ def _wire(
         kind, axes, w = cost.kind, cost.axes, cost.wire_bytes
         if sent is not None and cost.source == PIPELINE_BOUNDARIES:
             # The engine sends a boundary buffer each way on the ticks it sends on, idle or not.
-            sends = max(boundary_sends(p, v, m, pipeline_placement(plan)))
+            sends = max(boundary_sends(p, v, m, pipeline_placement(dims)))
             add(kind, axes, w * sent / sends)
         elif ring and cost.source == CONTEXT_KEYS_VALUES:
             # The ring passes K/V blocks forward and again in the backward pass
@@ -555,10 +556,14 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     dims = ParallelDims.of(plan)
     t = plan.mesh.shape.get(dims.tensor_axis, 1)
     manual = dims.mode == "manual" or dims.schedule is not None
-    split = tensor_split_dims(plan, params) if t > 1 and manual and not dims.sequence_parallel else {}
+    split = (
+        tensor_split_dims(PlanFacts.of(plan), params)
+        if t > 1 and manual and not dims.sequence_parallel
+        else {}
+    )
     if not split or loss is None or batch is None:
         return 0
-    model, data = compute_outline(plan, params), compute_outline(plan, batch)
+    model, data = compute_outline(dims.compute_dtype, params), compute_outline(dims.compute_dtype, batch)
 
     def repeats(fn: Any, args: tuple, per_device: int, num: int, den: int) -> int:
         closed, _, _ = trace_jaxpr(fn, args, "the loss")
