@@ -5,7 +5,7 @@ import math
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import keystr
 
 from .._errors import EqxparError, PlanError
@@ -174,9 +174,14 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
             "array leaves, so there is nothing to tabulate. Pass a model, a TrainState, a "
             "batch, or their jax.eval_shape outlines."
         )
-    spec_leaves = _spec_leaves(tree, plan, specs)
+    # The plan's specs are resolved here, when no `specs` are given; the helpers
+    # below take the specs and the mesh, never the plan.
+    if specs is None:
+        spec_leaves = jax.tree.structure(tree).flatten_up_to(specs_of(tree, plan))
+    else:
+        spec_leaves = _spec_leaves(tree, specs)
     rows = [
-        _row(path, leaf, axes, spec, plan)
+        _row(path, leaf, axes, spec, plan.mesh)
         for (path, leaf, axes), spec in zip(leaves, spec_leaves, strict=True)
         if is_array_like(leaf)
     ]
@@ -185,11 +190,9 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
     )
 
 
-def _spec_leaves(tree: Any, plan: Plan, specs: Any) -> list[Any]:
-    """One spec per leaf of `tree`: from the plan's rules, the one `specs`, or the `specs` tree."""
+def _spec_leaves(tree: Any, specs: Any) -> list[Any]:
+    """One spec per leaf of `tree` from the caller's `specs`: one spec, or a spec tree."""
     treedef = jax.tree.structure(tree)
-    if specs is None:
-        return treedef.flatten_up_to(specs_of(tree, plan))
     if isinstance(specs, PartitionSpec):
         return [specs] * treedef.num_leaves
     try:
@@ -202,7 +205,7 @@ def _spec_leaves(tree: Any, plan: Plan, specs: Any) -> list[Any]:
         ) from e
 
 
-def _row(path: Any, leaf: Any, axes: Any, spec: Any, plan: Plan) -> Row:
+def _row(path: Any, leaf: Any, axes: Any, spec: Any, mesh: Mesh) -> Row:
     """The table row of one array leaf laid out by `spec`."""
     where = f"leaf {keystr(path) or '<root>'}"
     if not isinstance(spec, PartitionSpec):
@@ -211,8 +214,8 @@ def _row(path: Any, leaf: Any, axes: Any, spec: Any, plan: Plan) -> Row:
             "PartitionSpec (PartitionSpec() for replicated)."
         )
     shape = tuple(int(d) for d in leaf.shape)
-    check_spec(spec, shape, plan.mesh, where=where)
-    split = math.prod(plan.mesh.shape[a] for e in spec for a in mesh_axis_names(e))
+    check_spec(spec, shape, mesh, where=where)
+    split = math.prod(mesh.shape[a] for e in spec for a in mesh_axis_names(e))
     # Typed PRNG keys count too (key<fry>: 8 bytes, two uint32).
     nbytes = array_bytes(shape, leaf.dtype)
     return Row(
