@@ -38,15 +38,16 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -m slow $(TESTS)
 
 # What CI runs on the other end of the supported range (see .ci/run): each strategy's
-# parity tests, the collective-byte tests, x64, README and docs, and every file with
-# cases skipped at the oldest end (test_skip_nonfinite: jaxlib >= 0.12's steps); of
-# their slow cases, those marked `newest` (tests/_slow_cases.py: parity on paths whose
-# other cases are all slow, such as x64 pipelines and the V schedules at pipe 4).
+# parity tests, the collective-byte tests, x64, README and docs, every file with cases
+# skipped at the oldest end (test_skip_nonfinite: jaxlib >= 0.12's steps) and the
+# combinations that used to abort XLA (test_silent_wrongs); of their slow cases, those
+# marked `newest` (tests/_slow_cases.py: parity on paths whose other cases are all
+# slow, such as x64 pipelines and the V schedules at pipe 4).
 NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_step.py \
 	tests/test_pipeline.py tests/test_models.py tests/test_expert_parallel.py \
 	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
 	tests/test_accumulate_comm.py tests/test_docs.py tests/test_x64.py \
-	tests/test_skip_nonfinite.py
+	tests/test_skip_nonfinite.py tests/test_silent_wrongs.py
 test-newest: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -m "not slow or newest" $(NEWEST_TESTS)
 

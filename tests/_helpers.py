@@ -910,6 +910,9 @@ LORA_DATA = pathlib.Path(__file__).parent / "data" / "lora"
 LORA_TARGETS = {
     "llama": ("q", "k", "v", "o", "gate", "up", "down"),
     "gpt2": ("qkv", "o", "up", "down"),
+    # Every block an MoE block (moe_every=1): attention adapters only, under
+    # each layer's own index (add_lora refuses MLP targets on MoE models).
+    "mixtral": ("q", "k", "v", "o"),
 }
 
 

@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 
 import eqxpar
-from benchmarks import _action_flops, _handwritten_sp, _measure, _workload, contracts, report, run
+from benchmarks import (
+    _action_flops,
+    _handwritten_sp,
+    _measure,
+    _workload,
+    compiled_figures,
+    contracts,
+    report,
+    run,
+)
 from benchmarks._strategies import MEMORY_ONLY, STANDARD, STRATEGIES
 
 from ._helpers import RTOL, assert_trees_close, assert_trees_close_to_scale
@@ -241,6 +250,21 @@ def test_run_exits_non_zero_when_a_contract_fails(tmp_path, monkeypatch):
         run.main(["--only", "dp", "--quick", "--json", str(tmp_path / "r.json")])
     assert exit_.value.code == 1
     assert json.loads((tmp_path / "r.json").read_text())["records"] == [bad]
+
+
+def test_compiled_figures_lists_each_figure_that_moved(tmp_path, monkeypatch, capsys):
+    now = {"dp": {"comm_bytes": {"all-reduce": 8}, "mem_temp_bytes": 4}, "tp": {"mem_temp_bytes": 5}}
+    monkeypatch.setattr(compiled_figures, "compiled_fields", lambda name: now[name])
+    results = tmp_path / "r.json"
+    records = [{"strategy": "dp", **now["dp"], "step_time_s": 1.0}, {"strategy": "tp", "mem_temp_bytes": 6}]
+    results.write_text(json.dumps({"jax": jax.__version__, "records": records}))
+    assert compiled_figures.main(["--against", str(results), "--only", "dp"]) == 0
+    assert compiled_figures.main(["--against", str(results)]) == 1
+    out = capsys.readouterr().out
+    assert "tp: MOVED\n  mem_temp_bytes: 6 -> 5" in out and "1 of 2 records" in out
+    # Figures of another JAX say nothing about this one's programs.
+    results.write_text(json.dumps({"jax": "0.0.1", "records": records}))
+    assert compiled_figures.main(["--against", str(results)]) == 2
 
 
 def test_run_releases_each_records_executables(tmp_path, monkeypatch):

@@ -379,17 +379,17 @@ PLAN_TAKERS_ALLOWED = {
     "eqxpar/_train/_step_layout.py:StepLayout.resolve": "eqxpar.internal's entry for code with a plan and no step",
     "eqxpar/_train/_step_layout.py:StepLayout.of_state": "eqxpar.internal's entry for code with a plan and no step",
     "eqxpar/_train/_step_layout.py:DecodeLayout.resolve": "generate's resolver",
-    "eqxpar/_train/_step_layout.py:manual_axes_of": "the advisor's (a plan, no step), until it resolves",
-    "eqxpar/_train/_step_layout.py:loss_compute_dtype": "the advisor's and inspection's, until they resolve",
+    "eqxpar/_train/_step_layout.py:loss_compute_dtype": "the advisor's engine_slots (a plan, no step)",
     "eqxpar/_sharding.py:shard": "public: eqxpar.shard(tree, plan)",
     "eqxpar/_sharding.py:shard_batch": "public: eqxpar.shard_batch(batch, plan)",
     "eqxpar/_sharding.py:named_shardings": "for from_pretrained, which holds a plan",
     "eqxpar/_shard_map.py:filter_shard_map": "public: eqxpar.filter_shard_map(fn, plan)",
 }
 #: Functions of the whole package that take a plan (a parameter named `plan`, or
-#: annotated `Plan`): 90 at 10c9e43, 62 once the step path took the resolved plan;
-#: a ratchet (the goal: at most 25, the builders and public functions).
-MAX_PLAN_TAKERS = 62
+#: annotated `Plan`): 90 at 10c9e43; 62 once the step path took the resolved plan,
+#: 36 once inspection and the advisor resolved theirs (PlanFacts). A ratchet (the
+#: goal: at most 25, the builders, the resolvers and the public functions).
+MAX_PLAN_TAKERS = 36
 
 
 def _takes_a_plan(function: ast.FunctionDef | ast.AsyncFunctionDef, *, any_annotation: bool) -> bool:

@@ -550,17 +550,3 @@ def test_save_lora_refuses_an_moe_model_with_dense_blocks_between(tmp_path):
     assert not (tmp_path / "adapter").exists()
     with pytest.raises(eqxpar.models.PretrainedError, match=r"GPTConfig\(moe_every=2\)"):
         eqxpar.models.save_pretrained(GPT(config, key=jax.random.key(0)), tmp_path / "base")
-
-
-def test_adapters_of_an_moe_model_map_each_stacked_row_to_its_layer():
-    # The layer each adapter row belongs to, for every MoE layout: dense blocks j of
-    # group g are layer moe_every * g + j, the MoE block the group's last.
-    from eqxpar.models._lora_peft import _adapters
-
-    config = GPTConfig(
-        vocab_size=64, d_model=32, num_heads=4, num_layers=6, d_hidden=64, moe_every=3, experts=4, top_k=2
-    )
-    model = add_lora(GPT(config, key=jax.random.key(0)), rank=2, targets=("q",), key=jax.random.key(1))
-    rows = [(layer, [index(i) for i in range(lora.q_a.shape[0])]) for layer, lora, index in _adapters(model)]
-    # (add_lora adapts an MoE model's attention only.)
-    assert rows == [("attn", [0, 3]), ("attn", [1, 4]), ("attn", [2, 5])]

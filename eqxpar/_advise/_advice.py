@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 
 from .._batch_layout import BatchLayout
 from .._errors import EqxparError, PlanError
-from .._mesh import make_mesh
+from .._mesh import CONTEXT_AXIS, make_mesh
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._sharding import shard_batch
@@ -242,7 +242,8 @@ def advise(
     analysis = analyse(shapes, loss_fn, tokens)
     staged = analyse(shapes, pipeline_loss, tokens) if pipeline_loss is not None else None
     probe = Plan(placeholder_mesh({"tensor": 2}), rules=TENSOR)
-    tensor = bool(_tensor_dims(params, StepLayout.resolve(probe, params).params, probe))
+    probed = StepLayout.resolve(probe, params).params
+    tensor = bool(_tensor_dims(params, probed, ParallelDims.of(probe).tensor_axis))
     fitting, over, skipped = [], [], []
     moe = _has(shapes, "moe")
     for layout in layouts(
@@ -325,7 +326,8 @@ def _predict_layout(
     need = batch.rows_per_call
     if analysis.batch_size % need:
         raise PlanError(f"the batch of {analysis.batch_size} does not split into {need}")
-    context = ParallelDims.of(plan).context_size
+    # The candidate's own mesh sizes (the plan's context axis).
+    context = layout.mesh.get(CONTEXT_AXIS, 1)
     if context > 1 and analysis.seq_len % (2 * context):
         raise PlanError(f"sequence {analysis.seq_len} does not split into {2 * context} chunks")
     if batch.pipelined:

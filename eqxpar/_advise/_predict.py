@@ -16,8 +16,8 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize, nbytes
 from .._specs import is_array_like
-from .._train._step_layout import StepLayout, manual_axes_of
-from ..inspect import minimum_comm
+from .._train._step_layout import StepLayout
+from ..inspect import Minimum, minimum_comm
 from ..inspect._jaxpr_walk import (
     TensorSum,
     TensorSumWalk,
@@ -28,6 +28,7 @@ from ..inspect._jaxpr_walk import (
     with_key,
 )
 from ..inspect._minimum import boundary_sends, pipeline_placement
+from ..inspect._plan_facts import PlanFacts
 from ..inspect._tally import CONTEXT_KEYS_VALUES, MOE_DISPATCH, PIPELINE_BOUNDARIES, TENSOR_SUMS, sum_items
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 from ..pipeline._program import (
@@ -41,7 +42,7 @@ from ..pipeline._program import (
     stores_residuals,
     tick_loops,
 )
-from ._analysis import Analysis
+from ._analysis import Analysis, Slots, engine_slots
 from ._profile import DeviceProfile
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
@@ -142,9 +143,9 @@ def _per_device(tree: Any, specs: Any, mesh: Mesh, drop: frozenset[str] = frozen
     return sum(nbytes(x) // _split(s, mesh, drop) for x, s in pairs if is_array_like(x))
 
 
-def _tensor_dims(params: Any, specs: Any, plan: Plan) -> set[int]:
+def _tensor_dims(params: Any, specs: Any, tensor: str) -> set[int]:
     # Sizes of the weight dimensions split over the tensor axis (heads, MLP features).
-    tensor, sizes = ParallelDims.of(plan).tensor_axis, set()
+    sizes = set()
     flat = jax.tree.structure(params).flatten_up_to(specs)
     for x, spec in zip(jax.tree.leaves(params), flat, strict=True):
         if isinstance(spec, PartitionSpec) and is_array_like(x):
@@ -152,7 +153,9 @@ def _tensor_dims(params: Any, specs: Any, plan: Plan) -> set[int]:
     return sizes
 
 
-def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int:
+def _activations(
+    facts: PlanFacts, analysis: Analysis, params: Any, specs: Any, manual: frozenset[str]
+) -> int:
     """Residual bytes per device: each residual split as the batch and sequence
     are, and over the tensor axis where it has a dimension the rules split there
     (or every one, under sequence parallelism). MoE residuals have the batch's
@@ -160,14 +163,15 @@ def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     batch, then, under dropless expert parallelism over `n` devices, `n` times
     that (a device's experts take up to every device's rows: static buffers of
     `n` devices' assignments), split over the tensor axis only where the experts
-    are; those of the tokens (the router's) split as the batch."""
-    dims = ParallelDims.of(plan)
-    t = plan.mesh.shape.get(dims.tensor_axis, 1)
-    split_dims = _tensor_dims(params, specs, plan) if t > 1 else set()
+    are; those of the tokens (the router's) split as the batch. `specs`: the
+    parameters' (`StepLayout.params`); `manual`: the step's manual axes."""
+    dims = facts.dims
+    t = dims.tensor_size
+    split_dims = _tensor_dims(params, specs, dims.tensor_axis) if t > 1 else set()
     b, c = analysis.batch_size, dims.context_size
     routed = analysis.routed.shape[0] if analysis.routed is not None else None
     tokens = b * analysis.seq_len if analysis.seq_len is not None else None
-    moe = _moe_split(plan, params, specs)
+    moe = _moe_split(facts, params, specs, manual)
     total = 0
     for r in analysis.residuals:
         shape = r.shape
@@ -197,14 +201,14 @@ def _activations(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     return total
 
 
-def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
-    """How the model's MoE layers run under `plan`: `rows`, the factor of the
+def _moe_split(facts: PlanFacts, params: Any, specs: Any, manual: frozenset[str]) -> dict:
+    """How the model's MoE layers run under the plan: `rows`, the factor of the
     routed rows a device's experts take beyond its share of the batch (the expert
     axis' size when they are split over it and dropless; times the batch axes the
     compiler partitions, since a dropless layer's data-dependent shuffle of the
     tokens gathers them over those); `tensor`, whether the experts are split over
     the tensor axis."""
-    dims = ParallelDims.of(plan)
+    dims = facts.dims
     from ..nn._moe import MoE
 
     is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
@@ -219,9 +223,8 @@ def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
         for layer in spec_layers
         for spec in (layer.w_in, layer.w_out)
     )
-    t = plan.mesh.shape.get(dims.tensor_axis, 1)
-    manual = manual_axes_of(plan)
-    gathered = math.prod(plan.mesh.shape[a] for a in dims.batch_axes if a not in manual)
+    t = dims.tensor_size
+    gathered = math.prod(facts.mesh.shape[a] for a in dims.batch_axes if a not in manual)
     return {
         "rows": n * gathered if dropless else 1,
         "tensor": tensor and t > 1,
@@ -231,7 +234,9 @@ def _moe_split(plan: Plan, params: Any, specs: Any) -> dict:
     }
 
 
-def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int:
+def _moe_buffers(
+    facts: PlanFacts, analysis: Analysis, params: Any, specs: Any, manual: frozenset[str]
+) -> int:
     """Per device, what one dropless MoE layer holds while it runs besides its
     residuals: the grouped matmuls (`ragged_dot`, which XLA:CPU computes as every
     local expert's product for all rows, then selects: local experts x rows x
@@ -240,8 +245,8 @@ def _moe_buffers(plan: Plan, analysis: Analysis, params: Any, specs: Any) -> int
     d_model, plus their int32 ids). Rows: the device's routed assignments, `n`
     times over under expert parallelism over `n` devices (all of them on every
     device over the batch axes the compiler partitions: see `_moe_split`)."""
-    dims = ParallelDims.of(plan)
-    moe = _moe_split(plan, params, specs)
+    dims = facts.dims
+    moe = _moe_split(facts, params, specs, manual)
     if analysis.routed is None or not moe.get("dropless"):
         return 0
     routed, d = analysis.routed.shape
@@ -263,8 +268,9 @@ def predict(
 ) -> Prediction:
     """Predict one step of `plan` per device (see `Prediction`). `params`,
     `opt_state` and `batch` are outlines; `analysis` is `analyse(model, loss, batch)`."""
-    dims = ParallelDims.of(plan)
-    mesh = plan.mesh
+    # The plan resolved here, once: the helpers below take these, never the plan.
+    facts = PlanFacts.of(plan)
+    dims, mesh = facts.dims, facts.mesh
     layout = StepLayout.resolve(plan, params, opt_state)
     batch_axes = frozenset(dims.batch_axes)
     params_bytes = _per_device(params, layout.params, mesh)
@@ -275,7 +281,8 @@ def predict(
     grads = _per_device(params, layout.params, mesh, drop=batch_axes - {EXPERT_AXIS})
     # Manual FSDP keeps the gathered weights for the backward pass; the compiler
     # gathers them again there instead (see `_wire`).
-    keeps = not dims.zero1 and not _auto_fsdp(plan, params)
+    auto_fsdp = _auto_fsdp(dims, layout.params)
+    keeps = not dims.zero1 and not auto_fsdp
     gathered = grads - params_bytes if keeps else 0
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
@@ -284,23 +291,36 @@ def predict(
     update = int(UPDATE_SHARE * updated)
     buffers = 0
     if dims.schedule is None:
-        activations = _activations(plan, analysis, params, layout.params) + _kept_inputs(plan, analysis)
-        buffers = _moe_buffers(plan, analysis, params, layout.params)
+        manual = layout.manual_axes
+        activations = _activations(facts, analysis, params, layout.params, manual)
+        activations += _kept_inputs(facts, analysis)
+        buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
     else:
-        sched = _schedule(plan)
-        activations, buffers = _pipeline_memory(plan, sched, params, batch, loss, layout, grads)
+        sched = _schedule(dims, mesh.shape.get("pipe", 1))
+        slots = engine_slots(plan, loss, params, batch)
+        # What one layer's backward holds: under a remat policy it recomputes what
+        # the policy dropped, so about one layer's residuals under "none".
+        unremat = None if dims.remat == "none" else dataclasses.replace(plan, remat="none")
+        whole = slots if unremat is None else engine_slots(unremat, loss, params, batch)
+        activations, buffers = _pipeline_memory(
+            facts, sched, (slots, whole), params, batch, loss, layout, grads
+        )
         # The update runs after the tick loops, in the memory their residual
         # buffers and transients held: only what it needs beyond them adds.
         update = max(0, update - activations - buffers)
-    wire, by_axis = _wire(plan, params, batch, loss, analysis, profile)
-    flops = 3.0 * analysis.forward_flops / mesh.size
-    dtype = dims.compute_dtype or jnp.float32
-    compute = flops / profile.flops(dtype)
-    if dims.schedule is not None:
-        compute /= 1.0 - sched.bubble_fraction
+    moved = jnp.float32 if profile.name == "cpu" and dims.compute_dtype is not None else None
+    # The compiler gathers automatic FSDP's weights again for the backward pass,
+    # as a stack under remat "dots" does: counted so.
+    counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
+    least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
+    sent = None if dims.schedule is None else _engine_sends(sched)
+    repeats = _repeated_sums(facts, params, loss, batch, moved)
+    wire, by_axis = _wire(
+        facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats
+    )
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
-    compute = max(compute, traffic / profile.hbm_bytes_per_s)
-    comm = sum(w / _rate(profile, mesh, axes) for axes, w in by_axis.items())
+    bubble = None if dims.schedule is None else sched.bubble_fraction
+    flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)
     return Prediction(
         params_bytes=params_bytes,
         opt_state_bytes=opt_bytes,
@@ -319,16 +339,37 @@ def predict(
     )
 
 
-def _schedule(plan: Plan) -> Any:
-    """The plan's pipeline schedule (`eqxpar.pipeline.Schedule`)."""
-    dims = ParallelDims.of(plan)
+def _step_times(
+    facts: PlanFacts,
+    analysis: Analysis,
+    profile: DeviceProfile,
+    traffic: int,
+    by_axis: dict[tuple[str, ...], int],
+    bubble: float | None,
+) -> tuple[float, float, float]:
+    """`(flops, compute seconds, communication seconds)` of a step per device on
+    `profile`: the matmuls at its rate (a pipeline's stretched by its `bubble`
+    fraction) or, when slower, the memory `traffic` at its bandwidth; the wire
+    bytes `by_axis` over the slowest link each crosses."""
+    mesh = facts.mesh
+    flops = 3.0 * analysis.forward_flops / mesh.size
+    dtype = facts.dims.compute_dtype or jnp.float32
+    compute = flops / profile.flops(dtype)
+    if bubble is not None:
+        compute /= 1.0 - bubble
+    compute = max(compute, traffic / profile.hbm_bytes_per_s)
+    comm = sum(w / _rate(profile, mesh, axes) for axes, w in by_axis.items())
+    return flops, compute, comm
+
+
+def _schedule(dims: ParallelDims, stages: int) -> Any:
+    """The plan's pipeline schedule (`eqxpar.pipeline.Schedule`) over `stages` stages."""
     from ..pipeline import Schedule
     from ..pipeline import schedule as make_schedule
 
     if isinstance(dims.schedule, Schedule):
         return dims.schedule
-    p = plan.mesh.shape.get("pipe", 1)
-    return make_schedule(dims.schedule, stages=p, microbatches=dims.microbatches, chunks=dims.chunks)
+    return make_schedule(dims.schedule, stages=stages, microbatches=dims.microbatches, chunks=dims.chunks)
 
 
 def _engine_sends(sched: Any) -> int:
@@ -339,36 +380,35 @@ def _engine_sends(sched: Any) -> int:
 
 
 def _pipeline_memory(
-    plan: Plan, sched: Any, params: Any, batch: Any, loss: Any, layout: StepLayout, grads: int
+    facts: PlanFacts,
+    sched: Any,
+    engine: tuple[Slots, Slots],
+    params: Any,
+    batch: Any,
+    loss: Any,
+    layout: StepLayout,
+    grads: int,
 ) -> tuple[int, int]:
     """`(kept residuals, buffers)` per device of a pipeline step (see
     `eqxpar.pipeline`'s engine), from the engine's own slot layout
-    (`_analysis.engine_slots`). Kept: `schedule.buffers.residuals` slots, each
+    (`_analysis.engine_slots`: `engine` is the plan's and, for one layer's
+    backward, the plan's under `remat="none"`). Kept: `schedule.buffers.residuals` slots, each
     one virtual stage's kept residuals for one micro-batch (under
     `remat="full"` none: each backward recomputes its stage).
 
     Buffers: the stage-input and cotangent slots, and what a tick holds beside
     the loop's carry (`_tick_transients`)."""
-    dims = ParallelDims.of(plan)
-    from ._analysis import engine_slots
-
-    p, v, m = plan.mesh.shape.get("pipe", 1), dims.chunks, dims.microbatches
+    dims = facts.dims
+    p, v, m = facts.mesh.shape.get("pipe", 1), dims.chunks, dims.microbatches
     layers = max(1, loss.stack_of(params).depth // (p * v))
     rows = jax.tree.leaves(batch)[0].shape[0] // (dims.batch_size_multiple * m)
-    slots = engine_slots(plan, loss, params, batch)
-    # What one layer's backward holds: under a remat policy it recomputes what
-    # the policy dropped, so about one layer's residuals under "none".
-    whole = (
-        slots
-        if dims.remat == "none"
-        else engine_slots(dataclasses.replace(plan, remat="none"), loss, params, batch)
-    )
+    slots, whole = engine
     layer = whole.stacked_bytes(layers, rows) // layers
     slot = slots.slot_bytes
     bufs = sched.buffers
     io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * nbytes(slots.activation)
     stack_grads = _per_device(
-        loss.stack(params).blocks, loss.stack(layout.params).blocks, plan.mesh, frozenset(dims.batch_axes)
+        loss.stack(params).blocks, loss.stack(layout.params).blocks, facts.mesh, frozenset(dims.batch_axes)
     )
     if dims.remat == "full":
         # Nothing is kept between ticks: a backward recomputes its stage, whose
@@ -438,12 +478,12 @@ def _run_transients(run: dict[str, bool], slot: int, stash: int, backward: int) 
     return held + max(slot if run["forward"] else 0, backward if run["backward"] else 0)
 
 
-def _kept_inputs(plan: Plan, analysis: Analysis) -> int:
+def _kept_inputs(facts: PlanFacts, analysis: Analysis) -> int:
     """Whole-sequence inputs some layouts keep per layer for the backward pass:
     under sequence parallelism the all-gathered inputs of the attention and MLP
     blocks, under all-gather context attention the gathered keys and values."""
-    dims = ParallelDims.of(plan)
-    t, c = plan.mesh.shape.get(dims.tensor_axis, 1), dims.context_size
+    dims = facts.dims
+    t, c = dims.tensor_size, dims.context_size
     rows = analysis.batch_size // dims.batch_size_multiple
     row = analysis.row_bytes
     kept = 0
@@ -467,18 +507,23 @@ def _rate(profile: DeviceProfile, mesh: Mesh, axes: tuple[str, ...]) -> float:
 
 
 def _wire(
-    plan: Plan, params: Any, batch: Any, loss: Any, analysis: Analysis, profile: DeviceProfile
+    facts: PlanFacts,
+    least: Minimum,
+    analysis: Analysis,
+    *,
+    moved: Any,
+    auto_fsdp: bool,
+    sent: int | None,
+    repeats: int,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
-    """Wire bytes by kind and by axes: `minimum_comm` plus what eqxpar's
-    implementations move beyond it (a pipeline's boundary sends as its engine
-    makes them; ring attention re-sends keys and values;
-    dropless expert parallelism sends `n` times the routed rows plus their ids;
-    automatic FSDP gathers twice and all-reduces)."""
-    dims = ParallelDims.of(plan)
-    moved = jnp.float32 if profile.name == "cpu" and dims.compute_dtype is not None else None
-    auto_fsdp = _auto_fsdp(plan, params)
-    counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
-    least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
+    """Wire bytes by kind and by axes: `least` (`minimum_comm`, automatic FSDP
+    counted as gathering twice) plus what eqxpar's implementations move beyond
+    it: a pipeline's boundary sends as its engine makes them (`sent`, the
+    busiest device's, `_engine_sends`; None without a pipeline); ring attention
+    re-sends keys and values; dropless expert parallelism sends `n` times the
+    routed rows plus their ids; automatic FSDP all-reduces; column-parallel
+    weights sharing an input sum apart (`repeats`, `_repeated_sums`)."""
+    dims = facts.dims
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
 
@@ -486,12 +531,8 @@ def _wire(
         wire[kind] += int(w)
         by_axis[axes] += int(w)
 
-    p, m, v = plan.mesh.shape.get("pipe", 1), dims.microbatches, dims.chunks
-    sent = None
-    if dims.schedule is not None:
-        sent = _engine_sends(_schedule(plan))
+    p, m, v = facts.mesh.shape.get("pipe", 1), dims.microbatches, dims.chunks
     ring = dims.context_size > 1 and dims.context_attention_run == "ring" and not dims.pipelined
-    repeats = _repeated_sums(plan, params, loss, batch, moved)
     if repeats:
         # Per-weight backward sums (see `_repeated_sums`); in a pipeline each device
         # runs them in its own backwards only, as it runs its other tensor sums
@@ -501,7 +542,7 @@ def _wire(
         kind, axes, w = cost.kind, cost.axes, cost.wire_bytes
         if sent is not None and cost.source == PIPELINE_BOUNDARIES:
             # The engine sends a boundary buffer each way on the ticks it sends on, idle or not.
-            sends = max(boundary_sends(p, v, m, pipeline_placement(plan)))
+            sends = max(boundary_sends(p, v, m, pipeline_placement(dims)))
             add(kind, axes, w * sent / sends)
         elif ring and cost.source == CONTEXT_KEYS_VALUES:
             # The ring passes K/V blocks forward and again in the backward pass
@@ -544,7 +585,7 @@ class _Repeats(TensorSumWalk):
         super().dot(eqn, ins, alias, count)
 
 
-def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> int:
+def _repeated_sums(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: Any) -> int:
     """Wire bytes one device spends, beyond `minimum_comm`, on the backward sums
     of column-parallel weights that share an input, without sequence parallelism
     in manual mode (pipelines included): `column_matmul` multiplies the input by
@@ -552,13 +593,13 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     (separate Q, K and V weights, as grouped-query attention has, sum three
     times where a fused QKV weight sums once). Under sequence parallelism the
     weights share one gather, whose transpose sums once."""
-    dims = ParallelDims.of(plan)
-    t = plan.mesh.shape.get(dims.tensor_axis, 1)
+    dims = facts.dims
+    t = dims.tensor_size
     manual = dims.mode == "manual" or dims.schedule is not None
-    split = tensor_split_dims(plan, params) if t > 1 and manual and not dims.sequence_parallel else {}
+    split = tensor_split_dims(facts, params) if t > 1 and manual and not dims.sequence_parallel else {}
     if not split or loss is None or batch is None:
         return 0
-    model, data = compute_outline(plan, params), compute_outline(plan, batch)
+    model, data = compute_outline(dims.compute_dtype, params), compute_outline(dims.compute_dtype, batch)
 
     def repeats(fn: Any, args: tuple, per_device: int, num: int, den: int) -> int:
         closed, _, _ = trace_jaxpr(fn, args, "the loss")
@@ -570,7 +611,7 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     if dims.schedule is None:
         share = dims.batch_size_multiple * dims.context_size
         return repeats(with_key(loss), (model, data), share, 1, 1)
-    p, m = plan.mesh.shape.get("pipe", 1), dims.microbatches
+    p, m = facts.mesh.shape.get("pipe", 1), dims.microbatches
     share = dims.batch_size_multiple * m * dims.context_size
     _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     stack = repeats(lambda mod, x: loss.stack_of(mod)(x), (model, h), share, m, p)
@@ -579,12 +620,10 @@ def _repeated_sums(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
     return stack + max(first, last)
 
 
-def _auto_fsdp(plan: Plan, params: Any) -> bool:
-    # Weights split over batch axes in a step the compiler partitions.
-    dims = ParallelDims.of(plan)
+def _auto_fsdp(dims: ParallelDims, specs: Any) -> bool:
+    # Weights split over batch axes (`specs`: the parameters') in a step the compiler partitions.
     if dims.mode == "manual" or dims.schedule is not None or dims.zero1:
         return False
-    specs = StepLayout.resolve(plan, params).params
     batch = set(dims.batch_axes)
     return any(
         isinstance(s, PartitionSpec) and any(batch & set(mesh_axis_names(e)) for e in s)

@@ -32,12 +32,6 @@ from ._resolved_plan import Kind, ResolvedPlan
 from ._trainable import split_trainable
 
 
-def manual_axes_of(plan: Plan, accumulate: int = 1) -> frozenset[str]:
-    """The mesh axes a step built for `plan` runs by hand (`ResolvedPlan.manual_axes`;
-    kept for the advisor, which has a plan and no step)."""
-    return ResolvedPlan.of(plan, accumulate).manual_axes
-
-
 def check_expert_specs(model: PyTree, specs: PyTree) -> None:
     """Raise unless every dimension split over the `expert` axis is an `experts`
     dimension (the stacked experts of an `eqxpar.nn.MoE`).
@@ -265,7 +259,7 @@ class StepLayout:
 
 def loss_compute_dtype(plan: Plan) -> Any:
     """The dtype a step of `plan` computes its loss in (`ResolvedPlan.compute_dtype`;
-    kept for the advisor and inspection, which have a plan and no step)."""
+    kept for the advisor's `engine_slots`, which has a plan and no step)."""
     return ParallelDims.of(plan).compute_dtype
 
 

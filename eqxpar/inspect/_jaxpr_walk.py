@@ -18,12 +18,11 @@ from jax.extend import core as jcore
 
 from .._errors import EqxparError, PlanError
 from .._jax_compat import scan_body
-from .._parallel_dims import ParallelDims
-from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import array_bytes
-from .._specs import is_array_like, partition_specs
+from .._specs import is_array_like
 from .._text import short
+from ._plan_facts import PlanFacts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +175,15 @@ class TensorSumWalk:
         return env
 
 
-def compute_outline(plan: Plan, tree: Any) -> Any:
+def compute_outline(compute: Any, tree: Any) -> Any:
     """`tree` with every array leaf a `ShapeDtypeStruct`, floating ones in the
-    plan's compute dtype (what the step's loss sees)."""
+    plan's compute dtype `compute` (`ParallelDims.compute_dtype`; None keeps
+    theirs): what the step's loss sees."""
 
     def outline(x: Any) -> Any:
         if not is_array_like(x):
             return x
         dtype = x.dtype
-        compute = ParallelDims.of(plan).compute_dtype
         if compute is not None and jnp.issubdtype(dtype, jnp.floating):
             dtype = compute
         return jax.ShapeDtypeStruct(tuple(x.shape), dtype)
@@ -218,7 +217,7 @@ def trace_jaxpr(fn: Callable, args: tuple, what: str) -> tuple[Any, Any, list[An
 
 
 def tensor_sums(
-    plan: Plan, fn: Callable, args: tuple, split: dict[int, frozenset[int]], what: str, moved: Any
+    fn: Callable, args: tuple, split: dict[int, frozenset[int]], what: str, moved: Any
 ) -> list[TensorSum]:
     """The activation sums over the tensor axis that `fn(*args)` needs, read from
     its jaxpr on one device; `split` maps the index of a model leaf (among
@@ -238,12 +237,12 @@ def tensor_sums(
     return walk.sums
 
 
-def tensor_split_dims(plan: Plan, params: Any) -> dict[int, frozenset[int]]:
+def tensor_split_dims(facts: PlanFacts, params: Any) -> dict[int, frozenset[int]]:
     """Array-leaf index -> the dimensions split over the tensor axis (leaves with any)."""
-    tensor = ParallelDims.of(plan).tensor_axis
-    if plan.mesh.shape.get(tensor, 1) == 1:
+    tensor = facts.dims.tensor_axis
+    if facts.mesh.shape.get(tensor, 1) == 1:
         return {}
-    specs = jax.tree.structure(params).flatten_up_to(partition_specs(params, plan))
+    specs = jax.tree.structure(params).flatten_up_to(facts.specs(params))
     out, index = {}, 0
     for leaf, spec in zip(jax.tree.leaves(params), specs, strict=True):
         if not is_array_like(leaf):

@@ -26,7 +26,7 @@ from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
-from .._specs import is_array_like, partition_specs
+from .._specs import is_array_like
 from .._text import short
 from .._train._step_layout import StepLayout
 from .._train._trainable import trainable_mask
@@ -40,6 +40,7 @@ from ._jaxpr_walk import (
     with_key,
 )
 from ._model_layers import attention_layers, moe_layers
+from ._plan_facts import PlanFacts
 from ._tally import (
     CONTEXT_ALL_TO_ALL,
     CONTEXT_KEYS_VALUES,
@@ -173,17 +174,16 @@ def _in_stack(params: Any) -> list[bool]:
     return jax.tree.leaves(marked)
 
 
-def _gathers(plan: Plan, in_stack: bool, gathers: int | None) -> int:
+def _gathers(remat: str, in_stack: bool, gathers: int | None) -> int:
     # How often a weight split over batch axes is all-gathered per step: once when
     # the gathered weight is kept for the backward pass; a scanned stack under
     # remat "dots"/"inputs" gathers again for the backward, "full" once more for
     # the recomputed forward.
-    dims = ParallelDims.of(plan)
     if gathers is not None:
         return gathers
-    if not in_stack or dims.remat == "none":
+    if not in_stack or remat == "none":
         return 1
-    return 3 if dims.remat == "full" else 2
+    return 3 if remat == "full" else 2
 
 
 def _first(dtype: Any, default: Any) -> Any:
@@ -192,7 +192,7 @@ def _first(dtype: Any, default: Any) -> Any:
 
 
 def _param_items(
-    plan: Plan, params: Any, *, gathers: int | None, moved: Any, trains: Any = None
+    facts: PlanFacts, params: Any, updates: Any, *, gathers: int | None, moved: Any, trains: Any = None
 ) -> list[Item]:
     """The gradient reductions and FSDP gathers of every floating-point leaf.
 
@@ -205,15 +205,16 @@ def _param_items(
     outside the pipelined stack (every stage holds a copy). Leaves of one group
     are summed into one collective, as XLA combines them. A frozen leaf (False in
     `trains`, a bool per leaf) has no gradient to reduce: only its FSDP gathers count.
+    `updates` are the step layout's update specs (`StepLayout.updates`).
     """
-    dims = ParallelDims.of(plan)
-    sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    dims = facts.dims
+    sizes = {str(k): int(v) for k, v in facts.mesh.shape.items()}
     # The context axis' devices each hold a share of the loss too (its sequence part).
     batch = [a for a in (*dims.batch_axes, CONTEXT_AXIS) if sizes.get(a, 1) > 1]
     allowed = set(dims.batch_axes) | {dims.tensor_axis} | ({PIPE} if dims.schedule is not None else set())
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     # Under ZeRO-1 the optimizer state's layout says which weights are split and gathered.
-    specs = jax.tree.structure(params).flatten_up_to(StepLayout.resolve(plan, params).updates)
+    specs = jax.tree.structure(params).flatten_up_to(updates)
     groups: dict[tuple[str, str, int, int], int] = defaultdict(int)
     why: dict[str, tuple[str, tuple[str, ...]]] = {}  # part -> (source, axes)
     trained = [True] * len(flat) if trains is None else jax.tree.structure(params).flatten_up_to(trains)
@@ -245,7 +246,7 @@ def _param_items(
         if g > 1:
             dtype = moved if moved is not None else _first(dims.compute_dtype, leaf.dtype)
             whole = local * itemsize(dtype) // size
-            k = _gathers(plan, stacked, gathers)
+            k = _gathers(dims.remat, stacked, gathers)
             over = _axes_text(split, sizes)
             gather, scatter = (
                 f"FSDP all-gather over {over} ({k} per step)",
@@ -273,7 +274,7 @@ def _param_items(
 # --- Plans: the parts put together ------------------------------------------------------
 
 
-def _need(plan: Plan, loss: Any, batch: Any, why: str) -> None:
+def _need(loss: Any, batch: Any, why: str) -> None:
     if loss is None or batch is None:
         raise PlanError(
             f"minimum_comm(plan, model): this plan {why}, whose traffic depends on the model's "
@@ -282,26 +283,25 @@ def _need(plan: Plan, loss: Any, batch: Any, why: str) -> None:
         )
 
 
-def _tensor_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
+def _tensor_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The activation sums of a non-pipeline plan whose weights are split over the
     tensor axis: the whole batch's sums, each split over the batch devices."""
-    dims = ParallelDims.of(plan)
-    split = tensor_split_dims(plan, params)
+    dims = facts.dims
+    split = tensor_split_dims(facts, params)
     if not split:
         return []
-    _need(plan, loss, batch, f"splits weights over the tensor axis {dims.tensor_axis!r}")
-    args = (compute_outline(plan, params), compute_outline(plan, batch))
-    sums = tensor_sums(plan, with_key(loss), args, split, "loss(model, batch)", moved)
-    _check_found(sums, plan)
-    t = plan.mesh.shape[dims.tensor_axis]
+    _need(loss, batch, f"splits weights over the tensor axis {dims.tensor_axis!r}")
+    args = (compute_outline(dims.compute_dtype, params), compute_outline(dims.compute_dtype, batch))
+    sums = tensor_sums(with_key(loss), args, split, "loss(model, batch)", moved)
+    _check_found(sums, dims.tensor_axis)
+    t = dims.tensor_size
     return sum_items(sums, t, per_device=dims.batch_size_multiple * dims.context_size, axis=dims.tensor_axis)
 
 
-def _check_found(sums: list[TensorSum], plan: Plan) -> None:
-    dims = ParallelDims.of(plan)
+def _check_found(sums: list[TensorSum], tensor_axis: str) -> None:
     if not sums:
         raise PlanError(
-            f"minimum_comm: weights are split over the tensor axis {dims.tensor_axis!r}, but no matmul "
+            f"minimum_comm: weights are split over the tensor axis {tensor_axis!r}, but no matmul "
             "or lookup of the loss uses a split dimension (eqxpar follows eqxpar.nn layers and plain "
             "jnp matmuls of the weights), so their activation traffic is unknown. Pass your own count "
             "as comm_report(..., minimum=Minimum.total(...))."
@@ -325,24 +325,23 @@ def boundary_sends(p: int, v: int, m: int, placement: str = "interleaved") -> li
     return sends
 
 
-def pipeline_placement(plan: Plan) -> str:
+def pipeline_placement(dims: ParallelDims) -> str:
     """The placement (`eqxpar.pipeline.PLACEMENTS`) of a pipeline plan's virtual
-    stages: `"v"` for the V schedules, else `"interleaved"`."""
-    dims = ParallelDims.of(plan)
+    stages (`dims`, its `ParallelDims`): `"v"` for the V schedules, else `"interleaved"`."""
     return "v" if dims.placement == "v" else "interleaved"
 
 
-def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
+def _pipeline_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """The busiest pipeline device's activation traffic: stage-boundary
     collective-permutes and, with the tensor axis, its stage's activation sums
     (and the embedding's on the first stage, the head's on the last)."""
-    dims = ParallelDims.of(plan)
+    dims = facts.dims
     # Imported here, as `boundary_sends` imports the placement: eqxpar.pipeline stays
     # out of importing eqxpar.inspect.
     from ..pipeline._loss import PipelineLoss
     from ..pipeline._placement import device_of
 
-    _need(plan, loss, batch, f"pipelines a stack (schedule={dims.schedule!r})")
+    _need(loss, batch, f"pipelines a stack (schedule={dims.schedule!r})")
     if not isinstance(loss, PipelineLoss):
         raise PlanError(
             f"minimum_comm(plan, model, loss={short(loss)}): a pipeline plan needs the "
@@ -350,7 +349,7 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
         )
     from ..nn import in_natural_order
 
-    p, v, m = plan.mesh.shape[PIPE], dims.chunks, dims.microbatches
+    p, v, m = facts.mesh.shape[PIPE], dims.chunks, dims.microbatches
     # One micro-batch on one device of the batch axes, its part of the sequence.
     share = dims.batch_size_multiple * m * dims.context_size
     # The stack traced in natural order: the traffic does not depend on the order
@@ -358,20 +357,20 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
     # rows, which hides the weights' split from the walk (interleaved, uneven and
     # V stacks are stored so).
     params = in_natural_order(params)
-    model, data = compute_outline(plan, params), compute_outline(plan, batch)
+    model, data = compute_outline(dims.compute_dtype, params), compute_outline(dims.compute_dtype, batch)
     _, h, _ = trace_jaxpr(loss.first, (model, data), "loss.first(model, batch)")
     boundary = sum(aval_bytes(x, moved) for x in jax.tree.leaves(h)) // share
-    split = tensor_split_dims(plan, params)
-    t = plan.mesh.shape.get(dims.tensor_axis, 1)
+    split = tensor_split_dims(facts, params)
+    t = dims.tensor_size
     first = last = stack = []
     if split:
         run_stack = lambda mod, x: loss.stack_of(mod)(x)  # noqa: E731
-        stack = tensor_sums(plan, run_stack, (model, h), split, "the stack", moved)
-        first = tensor_sums(plan, loss.first, (model, data), split, "loss.first", moved)
-        last = tensor_sums(plan, loss.last, (model, h, data), split, "loss.last", moved)
-        _check_found(stack + first + last, plan)
+        stack = tensor_sums(run_stack, (model, h), split, "the stack", moved)
+        first = tensor_sums(loss.first, (model, data), split, "loss.first", moved)
+        last = tensor_sums(loss.last, (model, h, data), split, "loss.last", moved)
+        _check_found(stack + first + last, dims.tensor_axis)
     busiest: list[Item] = []
-    placement = pipeline_placement(plan)
+    placement = pipeline_placement(dims)
     # The device of the last virtual stage: p - 1, or 0 in a V (the first's too).
     head = device_of(p * v - 1, p, placement)
     for d, sends in enumerate(boundary_sends(p, v, m, placement)):
@@ -396,9 +395,9 @@ def _pipeline_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) 
     return busiest
 
 
-def _note(plan: Plan, items: list[Item]) -> str:
-    dims = ParallelDims.of(plan)
-    sizes = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+def _note(facts: PlanFacts, items: list[Item]) -> str:
+    dims = facts.dims
+    sizes = {str(k): int(v) for k, v in facts.mesh.shape.items()}
     batch = [a for a in dims.batch_axes if sizes[a] > 1]
     kinds = {i.kind for i in items if i.result}
     what = []
@@ -419,10 +418,8 @@ def _note(plan: Plan, items: list[Item]) -> str:
     return f"minimum: {'; '.join(what)}; batch over {devices}"
 
 
-def _checked(plan: Any, params: Any, gathers: Any, moved_dtype: Any) -> Any:
-    """`moved_dtype` as a dtype (or None), after checking `minimum_comm`'s arguments."""
-    if not isinstance(plan, Plan):
-        raise PlanError(f"minimum_comm(plan={short(plan)}, ...): expected an eqxpar.Plan.")
+def _checked(params: Any, gathers: Any, moved_dtype: Any) -> Any:
+    """`moved_dtype` as a dtype (or None), after checking `minimum_comm`'s other arguments."""
     if not any(_is_inexact(x) for x in jax.tree.leaves(params)):
         raise EqxparError(
             f"minimum_comm(plan, params={type(params).__name__}): params has no floating-point "
@@ -530,26 +527,30 @@ def minimum_comm(
     eqxpar.inspect.minimum_comm(tp, model, loss=loss_fn, batch=(x, y)).parts
     ```
     """
-    moved = _checked(plan, params, gathers, moved_dtype)
-    dims = ParallelDims.of(plan)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"minimum_comm(plan={short(plan)}, ...): expected an eqxpar.Plan.")
+    moved = _checked(params, gathers, moved_dtype)
+    # The plan resolved here, once: the helpers below take these, never the plan.
+    facts = PlanFacts.of(plan)
     trains = trainable_mask(params, trainable, plan, where="minimum_comm")
-    items = _param_items(plan, params, gathers=gathers, moved=moved, trains=trains)
-    if dims.schedule is not None:
-        items += _pipeline_items(plan, params, loss, batch, moved)
+    updates = StepLayout.resolve(plan, params).updates
+    items = _param_items(facts, params, updates, gathers=gathers, moved=moved, trains=trains)
+    if facts.dims.schedule is not None:
+        items += _pipeline_items(facts, params, loss, batch, moved)
     else:
-        items += _tensor_items(plan, params, loss, batch, moved)
-    items += _context_items(plan, params, loss, batch, moved)
-    items += _expert_items(plan, params, loss, batch, moved)
-    return _minimum(items, _note(plan, items))
+        items += _tensor_items(facts, params, loss, batch, moved)
+    items += _context_items(facts, params, loss, batch, moved)
+    items += _expert_items(facts, params, loss, batch, moved)
+    return _minimum(items, _note(facts, items))
 
 
-def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
+def _expert_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """Expert parallelism over `n` devices: every MoE layer sends this device's
     routed activations (`tokens * top_k` rows of `d_model`, compute dtype) to the
     devices of their experts and the outputs back (two all-to-alls, `(n-1)/n`
     of them leaving the device), and the backward pass runs both transposed; in
     a pipeline, the busiest stage's `1/p` of the layers."""
-    dims = ParallelDims.of(plan)
+    dims = facts.dims
     from ..nn._moe import record_dispatches
 
     n = dims.expert_size
@@ -558,11 +559,11 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     moes = moe_layers(params)
     if not moes:
         return []
-    _need(plan, loss, batch, f"splits the experts over {EXPERT_AXIS!r} ({EXPERT_AXIS}={n})")
+    _need(loss, batch, f"splits the experts over {EXPERT_AXIS!r} ({EXPERT_AXIS}={n})")
     with record_dispatches() as seen:
         trace_jaxpr(
             with_key(loss),
-            (compute_outline(plan, params), compute_outline(plan, batch)),
+            (compute_outline(dims.compute_dtype, params), compute_outline(dims.compute_dtype, batch)),
             "loss(model, batch)",
         )
     if not seen:
@@ -570,7 +571,7 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     # One layer per MoE module, times its stack depth (a stacked layer's expert
     # weights have a leading depth dimension).
     layers = sum(m.w_in.shape[0] if m.w_in.ndim == 4 else 1 for m in moes)
-    layers //= plan.mesh.shape.get(PIPE, 1)
+    layers //= facts.mesh.shape.get(PIPE, 1)
     routed = seen[0]
     per_device = dims.batch_size_multiple * dims.context_size
     rows = routed.shape[0] // per_device
@@ -589,34 +590,34 @@ def _expert_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) ->
     ]
 
 
-def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
+def _context_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: Any) -> list[Item]:
     """Context parallelism over `n` devices: every attention layer's keys and values
     reach every device of the context axis ((n-1)/n of them, an all-gather's wire
     bytes, in the compute dtype) and their gradients go back (a reduce-scatter);
     in a pipeline, the busiest stage's `1/p` of the layers."""
-    dims = ParallelDims.of(plan)
+    dims = facts.dims
     n = dims.context_size
     if n == 1:
         return []
-    _need(plan, loss, batch, f"splits the sequence over {CONTEXT_AXIS!r} ({CONTEXT_AXIS}={n})")
+    _need(loss, batch, f"splits the sequence over {CONTEXT_AXIS!r} ({CONTEXT_AXIS}={n})")
     with record_keys() as keys:
         trace_jaxpr(
             with_key(loss),
-            (compute_outline(plan, params), compute_outline(plan, batch)),
+            (compute_outline(dims.compute_dtype, params), compute_outline(dims.compute_dtype, batch)),
             "loss(model, batch)",
         )
     # One layer per attention module, times its stack depth (a stacked layer's output
     # weight has a leading depth dimension).
     layers = sum(a.wo.shape[0] if a.wo.ndim == 4 else 1 for a in attention_layers(params))
-    layers //= plan.mesh.shape.get(PIPE, 1)
+    layers //= facts.mesh.shape.get(PIPE, 1)
     if not keys or not layers:
         return []
     k = keys[0]
-    t = plan.mesh.shape.get(dims.tensor_axis, 1)
-    kv_split = t if _heads_split(plan, params, "wk") else 1
+    t = dims.tensor_size
+    kv_split = t if _heads_split(facts, params, "wk") else 1
     if dims.context_attention == "ulysses":
-        q_split = t if _heads_split(plan, params, "wq") else 1
-        return _ulysses_items(plan, params, k, (q_split, kv_split), layers, moved)
+        q_split = t if _heads_split(facts, params, "wq") else 1
+        return _ulysses_items(dims, params, k, (q_split, kv_split), layers, moved)
     whole = 2 * aval_bytes(k, _first(moved, dims.compute_dtype)) // dims.batch_size_multiple // kv_split
     part = f"attention keys and values over {CONTEXT_AXIS}={n}"
     kv = {"source": CONTEXT_KEYS_VALUES, "axes": (CONTEXT_AXIS,)}
@@ -644,13 +645,12 @@ def _context_items(plan: Plan, params: Any, loss: Any, batch: Any, moved: Any) -
 
 
 def _ulysses_items(
-    plan: Plan, params: Any, k: Any, splits: tuple[int, int], layers: int, moved: Any
+    dims: ParallelDims, params: Any, k: Any, splits: tuple[int, int], layers: int, moved: Any
 ) -> list[Item]:
     """Ulysses over `n` devices: per attention layer, this device's sequence part of
     q, k, v (key/value heads repeated to `lcm(kv heads, n)` when fewer) goes to
     head-split by all-to-all and the output comes back by another, forward; the
     backward pass runs the four transposed. An all-to-all sends `(n-1)/n` of it."""
-    dims = ParallelDims.of(plan)
     n = dims.context_size
     q_split, kv_split = splits
     heads = {a.num_heads for a in attention_layers(params)}
@@ -678,12 +678,11 @@ def _ulysses_items(
     ]
 
 
-def _heads_split(plan: Plan, params: Any, weight: str) -> bool:
+def _heads_split(facts: PlanFacts, params: Any, weight: str) -> bool:
     # Whether the rules split the query ("wq") or key/value ("wk") heads over the
     # tensor axis (a fused QKV weight splits both).
-    dims = ParallelDims.of(plan)
-    for attention in attention_layers(partition_specs(params, plan)):
+    for attention in attention_layers(facts.specs(params)):
         spec = getattr(attention, weight) if attention.wqkv is None else attention.wqkv
-        if spec is not None and any(dims.tensor_axis in mesh_axis_names(e) for e in spec):
+        if spec is not None and any(facts.dims.tensor_axis in mesh_axis_names(e) for e in spec):
             return True
     return False

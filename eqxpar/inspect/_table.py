@@ -175,7 +175,12 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
             "array leaves, so there is nothing to tabulate. Pass a model, a TrainState, a "
             "batch, or their jax.eval_shape outlines."
         )
-    spec_leaves = _spec_leaves(tree, ResolvedPlan.of(plan), specs)
+    # The plan's specs are resolved here, when no `specs` are given; the helpers
+    # below take the specs and the mesh, never the plan.
+    if specs is None:
+        spec_leaves = jax.tree.structure(tree).flatten_up_to(specs_of(tree, ResolvedPlan.of(plan)))
+    else:
+        spec_leaves = _spec_leaves(tree, specs)
     rows = [
         _row(path, leaf, axes, spec, plan.mesh)
         for (path, leaf, axes), spec in zip(leaves, spec_leaves, strict=True)
@@ -186,11 +191,9 @@ def sharding_table(tree: Any, plan: Any, *, specs: Any = None) -> ShardingTable:
     )
 
 
-def _spec_leaves(tree: Any, resolved: ResolvedPlan, specs: Any) -> list[Any]:
-    """One spec per leaf of `tree`: from the plan's rules, the one `specs`, or the `specs` tree."""
+def _spec_leaves(tree: Any, specs: Any) -> list[Any]:
+    """One spec per leaf of `tree` from the caller's `specs`: one spec, or a spec tree."""
     treedef = jax.tree.structure(tree)
-    if specs is None:
-        return treedef.flatten_up_to(specs_of(tree, resolved))
     if isinstance(specs, PartitionSpec):
         return [specs] * treedef.num_leaves
     try:

@@ -1,7 +1,9 @@
 """Make the references tests/test_lora.py reads.
 
 For each of `tests._helpers.LORA_TARGETS` (`llama`: separate q, k, v, o, gate,
-up, down; `gpt2`: the fused `c_attn`, `attn.c_proj`, `c_fc`, `mlp.c_proj`):
+up, down; `gpt2`: the fused `c_attn`, `attn.c_proj`, `c_fc`, `mlp.c_proj`;
+`mixtral`: q, k, v, o of every layer, each an MoE block), or only the names
+given after the step:
 
 1. `write` (eqxpar): `tests._helpers.lora_reference_model(name)`, the tiny
    checkpoint of tests/data/pretrained/<name> with adapters from fixed keys, is
@@ -22,10 +24,13 @@ merged, equal what peft and transformers computed from those files.
 Step 1 needs eqxpar, step 2 torch, transformers and peft (CI runs neither):
 
     /tmp/hf/bin/pip install peft
-    .venv/bin/python tests/data/lora/make_references.py write
-    /tmp/hf/bin/python tests/data/lora/make_references.py read
+    .venv/bin/python tests/data/lora/make_references.py write [NAME ...]
+    /tmp/hf/bin/python tests/data/lora/make_references.py read [NAME ...]
 
-Made with torch 2.13.0 (CPU), transformers 5.24.0 and peft 0.21.2.
+Made with torch 2.13.0 (CPU), transformers 5.24.0 and peft 0.21.2 (`mixtral`
+added later, alone: `write mixtral`, `read mixtral`, with the same versions;
+reading the others again moves their logits by float noise, ~2e-6, so name
+only the checkpoints to add).
 """
 
 import os
@@ -37,16 +42,16 @@ import numpy as np
 
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[2]
-NAMES = ("llama", "gpt2")
+NAMES = ("llama", "gpt2", "mixtral")
 
 
-def write() -> None:
+def write(names: tuple[str, ...]) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     sys.path.insert(0, str(ROOT))
     import eqxpar
     import tests._helpers as H
 
-    for name in NAMES:
+    for name in names:
         model = H.lora_reference_model(name)
         out = HERE / name
         shutil.rmtree(out, ignore_errors=True)
@@ -55,12 +60,12 @@ def write() -> None:
         print(name, sorted(p.name for p in out.iterdir()))
 
 
-def read() -> None:
+def read(names: tuple[str, ...]) -> None:
     import peft
     import torch
     import transformers as tf
 
-    for name in NAMES:
+    for name in names:
         ref = np.load(HERE.parent / "pretrained" / name / "reference.npz")
         tokens = torch.from_numpy(ref["tokens"]).long()
         base = tf.AutoModelForCausalLM.from_pretrained(HERE.parent / "pretrained" / name, dtype=torch.float32)
@@ -83,4 +88,4 @@ def read() -> None:
 
 
 if __name__ == "__main__":
-    {"write": write, "read": read}[sys.argv[1]]()
+    {"write": write, "read": read}[sys.argv[1]](tuple(sys.argv[2:]) or NAMES)
