@@ -41,9 +41,10 @@ def context_size() -> int:
 def context_attention_impl() -> str:
     """The plan's `context_attention` (`"ring"`, `"allgather"` or `"ulysses"`); by
     default `"ring"`, or `"allgather"` in a pipeline (see `Plan(context_attention=...)`)."""
-    from ._parallel_dims import context_attention_of
+    from ._parallel_dims import ParallelDims
 
-    return context_attention_of(current_plan())
+    plan = current_plan()
+    return "ring" if plan is None else ParallelDims.of(plan).context_attention_run
 
 
 def check_ulysses_heads(num_heads: int, tensor: int, n: int, where: str) -> None:

@@ -13,15 +13,6 @@ from ._batch_layout import BatchLayout
 from ._plan import Plan
 
 
-def context_attention_of(plan: Plan | None) -> str:
-    """The context attention a step of `plan` runs (`"ring"`, `"allgather"` or
-    `"ulysses"`): the plan's `context_attention`, by default `"ring"`, or
-    `"allgather"` in a pipeline (whose stages run one micro-batch at a time)."""
-    if plan is None or plan.context_attention is None:
-        return "allgather" if plan is not None and plan.schedule is not None else "ring"
-    return plan.context_attention
-
-
 @dataclasses.dataclass(frozen=True)
 class ParallelDims:
     """Every parallel fact of a plan that does not depend on the model, resolved
@@ -33,7 +24,8 @@ class ParallelDims:
 
     Fields of the same name as `Plan`'s hold the plan's option as given (`schedule`
     and `context_attention` may be None); `context_attention_run` is the attention a
-    step runs (see `context_attention_of`).
+    step runs: the plan's `context_attention`, by default `"ring"`, or `"allgather"`
+    in a pipeline.
     """
 
     mode: str | None
@@ -58,6 +50,9 @@ class ParallelDims:
 
     @classmethod
     def of(cls, plan: Plan) -> "ParallelDims":
+        # By default ring, or allgather in a pipeline (whose stages run one
+        # micro-batch at a time).
+        attention = plan.context_attention or ("allgather" if plan.schedule is not None else "ring")
         return cls(
             mode=plan.mode,
             schedule=plan.schedule,
@@ -76,7 +71,7 @@ class ParallelDims:
             batch=plan.batch_layout,
             context_size=plan.context_size,
             context_attention=plan.context_attention,
-            context_attention_run=context_attention_of(plan),
+            context_attention_run=attention,
             expert_size=plan.expert_size,
         )
 
