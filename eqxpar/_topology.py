@@ -139,8 +139,7 @@ def topology_devices(topology: Any) -> list[Any]:
         return list(topologies.get_topology_desc(name, "tpu", **options).devices)
     except Exception as error:  # JaxRuntimeError (INVALID_ARGUMENT), RuntimeError
         raise MeshError(
-            f"topology={topology!r} ({name!r}) was refused by libtpu: {error}. Expected "
-            f"{_KNOWN}."
+            f"topology={topology!r} ({name!r}) was refused by libtpu: {error}. Expected {_KNOWN}."
         ) from error
 
 
@@ -151,9 +150,7 @@ def _gray_order(sides: tuple[int, ...]) -> list[tuple[int, ...]]:
         return [()]
     inner = [(i,) for i in range(sides[0])]
     for side in sides[1:]:
-        inner = [
-            point + (j,) for j in range(side) for point in (inner if j % 2 == 0 else inner[::-1])
-        ]
+        inner = [point + (j,) for j in range(side) for point in (inner if j % 2 == 0 else inner[::-1])]
     return inner
 
 
