@@ -8,7 +8,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from ._errors import MeshError
-from ._topology import neighbour_order, topology_devices
+from ._topology import neighbour_layout, topology_devices
 
 #: Mesh axis names, outermost first. Every eqxpar mesh has all six, size 1 where
 #: unused, so one set of rules (e.g. "embed" -> "fsdp") serves every mesh. The order
@@ -166,9 +166,7 @@ def make_mesh(
             f"JAX cannot lay mesh {shape} over these {total} devices: {error} Choose "
             "sizes that each cover whole sides of the slice's chip grid."
         ) from error
-    ordered = mesh.devices
-    for axis in NEIGHBOUR_AXES:
-        ordered = neighbour_order(ordered, AXES.index(axis))
+    ordered = neighbour_layout(mesh.devices, tuple(AXES.index(a) for a in NEIGHBOUR_AXES))
     if ordered is mesh.devices:
         return mesh
     return Mesh(ordered, AXES, axis_types=(AxisType.Auto,) * len(AXES))

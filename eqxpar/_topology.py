@@ -190,12 +190,39 @@ def neighbour_order(devices: np.ndarray, axis: int) -> np.ndarray:
     return devices
 
 
+def neighbour_layout(devices: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    """The mesh array `devices` (JAX's layout) or the same devices in coordinate
+    order (x fastest, as JAX lays meshes on a torus in general), whichever puts
+    consecutive members of the groups along `axes` (innermost last) closer, each
+    axis then walked back and forth by `neighbour_order`.
+
+    JAX 0.12 lays a 2x2x2 v5p slice as one ring of 8 chips cut into the mesh's
+    shape, which suits one axis of 8 or 4 but puts a size-2 axis's pair on a
+    diagonal when two inner axes share the ring; coordinate order gives each of
+    them a side of the cube.
+    """
+    if getattr(devices.flat[0], "coords", None) is None:
+        return devices
+    flat = sorted(devices.flat, key=lambda d: (*reversed(d.coords), getattr(d, "core_on_chip", 0)))
+    candidates = [devices, np.array(flat, dtype=object).reshape(devices.shape)]
+    for axis in axes:
+        candidates = [neighbour_order(c, axis) for c in candidates]
+
+    def cost(candidate: np.ndarray) -> tuple[int, ...]:
+        return tuple(_worst_step(candidate, a) for a in reversed(axes) if candidate.shape[a] > 1)
+
+    return min(candidates, key=cost)  # JAX's layout on a tie
+
+
 def _worst_step(devices: np.ndarray, axis: int) -> int:
     """The longest hop, in links (no wrap-around), between consecutive members of
     the groups along `axis`."""
     groups = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
     return max(
-        sum(abs(a - b) for a, b in zip(x.coords, y.coords, strict=True))
-        for group in groups
-        for x, y in zip(group[:-1], group[1:], strict=True)
+        (
+            sum(abs(a - b) for a, b in zip(x.coords, y.coords, strict=True))
+            for group in groups
+            for x, y in zip(group[:-1], group[1:], strict=True)
+        ),
+        default=0,
     )
