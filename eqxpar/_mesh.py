@@ -8,6 +8,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from ._errors import MeshError
+from ._topology import neighbour_layout, topology_devices
 
 #: Mesh axis names, outermost first. Every eqxpar mesh has all six, size 1 where
 #: unused, so one set of rules (e.g. "embed" -> "fsdp") serves every mesh. The order
@@ -17,6 +18,10 @@ from ._errors import MeshError
 #: attention layer) and `tensor` (collectives inside every layer) are innermost,
 #: so their devices are neighbours.
 AXES: tuple[str, ...] = ("data", "pipe", "fsdp", "expert", "context", "tensor")
+
+#: The axes whose collectives run inside every layer: on TPU their groups are laid
+#: so that consecutive members are neighbouring chips (`make_mesh`).
+NEIGHBOUR_AXES: tuple[str, ...] = ("expert", "context", "tensor")
 
 #: The mesh axis that splits the sequence of every activation (context parallelism).
 CONTEXT_AXIS = "context"
@@ -44,6 +49,9 @@ def make_mesh(
     context: Any = 1,
     tensor: Any = 1,
     devices: Sequence[jax.Device] | None = None,
+    # Any: a name or a jax.experimental.topologies.TopologyDescription, checked
+    # below (that module is imported only when a topology is asked for).
+    topology: Any = None,
 ) -> Mesh:
     """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "expert", "context", "tensor")`.
 
@@ -57,17 +65,35 @@ def make_mesh(
       "whatever the device count leaves".
     - `devices`: devices to lay out, in order; defaults to `jax.devices()`. When the
       sizes use fewer devices than given, the first ones are used.
+    - `topology`: instead of `devices`, a TPU slice that need not be attached, to
+      compile for ahead of time on any machine (needs libtpu: `pip install
+      "eqxpar[tpu]"`): an accelerator type (`"v5p-64"`: 64 TensorCores, 32 chips;
+      `"v5litepod-16"`, `"v6e-16"`: 16 chips), a generation and chip shape
+      (`"v5p:2x4x4"`, `"v5e:4x4"`, `"v6e:16x16"`), or a
+      `jax.experimental.topologies.TopologyDescription`. The sizes must use all
+      of its devices (one per chip). See the Concepts page, "TPU topologies".
+
+    On TPU devices (attached or described), the axes are laid along the chips'
+    links by JAX (`jax.make_mesh`), innermost (`tensor`) on the closest chips, and
+    an axis that spans more than one side of the torus is numbered back and forth
+    along its rows, so that each device's neighbours on the axis are one link away.
 
     **Returns:** a `jax.sharding.Mesh` whose axes are all of type `Auto`, so the
     compiler (GSPMD) places the collectives outside `shard_map` regions and a
     partial-manual `shard_map` keeps the other axes sharded.
 
-    **Raises:** `MeshError` when the sizes do not fit the devices.
+    **Raises:** `MeshError` when the sizes do not fit the devices (or do not use
+    all of a topology's), when both `devices` and `topology` are given, and for a
+    topology name that is unknown, that names a GPU system (JAX cannot compile for
+    GPU topologies ahead of time: JAX issue #23971) or that needs libtpu where it is
+    not installed.
 
     ```python
     mesh = eqxpar.make_mesh(data=2, tensor=4)   # 8 devices
     mesh = eqxpar.make_mesh(data=-1)            # all devices on `data`
     mesh = eqxpar.make_mesh(expert=4, data=2)   # experts split 4 ways
+    # a v5p slice of 32 chips, to compile for on this machine (needs libtpu):
+    # eqxpar.make_mesh(fsdp=8, tensor=4, topology="v5p-64")
     ```
     """
     sizes = {
@@ -78,6 +104,14 @@ def make_mesh(
         "context": context,
         "tensor": tensor,
     }
+    if topology is not None and devices is not None:
+        raise MeshError(
+            f"make_mesh got both devices= ({len(devices)} devices) and "
+            f"topology={topology!r}; expected one of them. Pass the topology alone: "
+            "its devices are laid out in the order of its chips."
+        )
+    if topology is not None:
+        devices = topology_devices(topology)
     devices = list(jax.devices() if devices is None else devices)
     n_devices = len(devices)
     for name, size in sizes.items():
@@ -102,6 +136,13 @@ def make_mesh(
             )
         sizes[inferred[0]] = n_devices // known
     total = math.prod(sizes.values())
+    if topology is not None and total != n_devices:
+        shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
+        raise MeshError(
+            f"mesh {shape} uses {total} devices but topology={topology!r} has "
+            f"{n_devices} (one per chip). Use axis sizes whose product is {n_devices}, "
+            "or set one of them to -1."
+        )
     if total > n_devices:
         shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
         raise MeshError(
@@ -110,12 +151,25 @@ def make_mesh(
             "devices on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
             f"{total} before importing jax."
         )
-    return jax.make_mesh(
-        tuple(sizes[a] for a in AXES),
-        AXES,
-        axis_types=(AxisType.Auto,) * len(AXES),
-        devices=devices[:total],
-    )
+    try:
+        mesh = jax.make_mesh(
+            tuple(sizes[a] for a in AXES),
+            AXES,
+            axis_types=(AxisType.Auto,) * len(AXES),
+            devices=devices[:total],
+        )
+    # JAX cannot lay the axes on the TPU torus (it raises NotImplementedError for
+    # an axis that would split a side of the torus).
+    except (ValueError, NotImplementedError) as error:
+        shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
+        raise MeshError(
+            f"JAX cannot lay mesh {shape} over these {total} devices: {error} Choose "
+            "sizes that each cover whole sides of the slice's chip grid."
+        ) from error
+    ordered = neighbour_layout(mesh.devices, tuple(AXES.index(a) for a in NEIGHBOUR_AXES))
+    if ordered is mesh.devices:
+        return mesh
+    return Mesh(ordered, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:

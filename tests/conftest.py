@@ -22,6 +22,11 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), suite_xla_flags(DEVICES_8, IN_ORDER)]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the `tpu` extra, for tests/test_topology.py's TPU topologies) takes a lock
+# file per process unless told that several processes (pytest-xdist's workers) may
+# load it. JAX_PLATFORMS=cpu above keeps JAX from looking for an attached TPU, which
+# with libtpu installed costs seconds per process on a machine without one.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
