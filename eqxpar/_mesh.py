@@ -113,7 +113,34 @@ def make_mesh(
     if topology is not None:
         devices = topology_devices(topology)
     devices = list(jax.devices() if devices is None else devices)
-    n_devices = len(devices)
+    total = _resolve_sizes(sizes, len(devices), topology)
+    try:
+        mesh = jax.make_mesh(
+            tuple(sizes[a] for a in AXES),
+            AXES,
+            axis_types=(AxisType.Auto,) * len(AXES),
+            devices=devices[:total],
+        )
+    # JAX cannot lay the axes on the TPU torus (it raises NotImplementedError for
+    # an axis that would split a side of the torus).
+    except (ValueError, NotImplementedError) as error:
+        raise MeshError(
+            f"JAX cannot lay mesh {_shape_text(sizes)} over these {total} devices: {error} Choose "
+            "sizes that each cover whole sides of the slice's chip grid."
+        ) from error
+    ordered = neighbour_layout(mesh.devices, tuple(AXES.index(a) for a in NEIGHBOUR_AXES))
+    if ordered is mesh.devices:
+        return mesh
+    return Mesh(ordered, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def _shape_text(sizes: dict[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
+
+
+def _resolve_sizes(sizes: dict[str, Any], n_devices: int, topology: Any) -> int:
+    """Check `sizes` (in place: a -1 becomes what `n_devices` leaves) against the
+    devices, and return how many the mesh uses."""
     for name, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
             raise MeshError(
@@ -137,39 +164,19 @@ def make_mesh(
         sizes[inferred[0]] = n_devices // known
     total = math.prod(sizes.values())
     if topology is not None and total != n_devices:
-        shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
         raise MeshError(
-            f"mesh {shape} uses {total} devices but topology={topology!r} has "
+            f"mesh {_shape_text(sizes)} uses {total} devices but topology={topology!r} has "
             f"{n_devices} (one per chip). Use axis sizes whose product is {n_devices}, "
             "or set one of them to -1."
         )
     if total > n_devices:
-        shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
         raise MeshError(
-            f"mesh {shape} needs {total} devices but only {n_devices} are available. "
+            f"mesh {_shape_text(sizes)} needs {total} devices but only {n_devices} are available. "
             f"Use axis sizes whose product is at most {n_devices}, or, to simulate "
             "devices on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count="
             f"{total} before importing jax."
         )
-    try:
-        mesh = jax.make_mesh(
-            tuple(sizes[a] for a in AXES),
-            AXES,
-            axis_types=(AxisType.Auto,) * len(AXES),
-            devices=devices[:total],
-        )
-    # JAX cannot lay the axes on the TPU torus (it raises NotImplementedError for
-    # an axis that would split a side of the torus).
-    except (ValueError, NotImplementedError) as error:
-        shape = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "1"
-        raise MeshError(
-            f"JAX cannot lay mesh {shape} over these {total} devices: {error} Choose "
-            "sizes that each cover whole sides of the slice's chip grid."
-        ) from error
-    ordered = neighbour_layout(mesh.devices, tuple(AXES.index(a) for a in NEIGHBOUR_AXES))
-    if ordered is mesh.devices:
-        return mesh
-    return Mesh(ordered, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return total
 
 
 def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
