@@ -161,9 +161,9 @@ def test_each_builder_resolves_its_plan_once(monkeypatch):
     resolved = []
     of = ResolvedPlan.of.__func__
 
-    def counted(cls, plan, accumulate=1):
+    def counted(cls, plan, accumulate=1, **kwargs):
         resolved.append(plan)
-        return of(cls, plan, accumulate)
+        return of(cls, plan, accumulate, **kwargs)
 
     monkeypatch.setattr(ResolvedPlan, "of", classmethod(counted))
     plan, optim = PLANS["dp-manual"](), optax.sgd(0.1)

@@ -69,8 +69,8 @@ def _manual_axes(plan: Plan, accumulate: int) -> frozenset[str]:
 class ResolvedPlan:
     """A plan resolved for a step: what every function below a builder reads.
 
-    Build one with `ResolvedPlan.of(plan, accumulate=...)`, or with
-    `ResolvedPlan.for_training(plan, accumulate, where)`, which also refuses what a
+    Build one with `ResolvedPlan.of(plan, accumulate=...)`; with
+    `training="make_step"` (the builder, for messages) it also refuses what a
     training step cannot run (`check_reduce_dtype`,
     `check_cpu_partial_manual_dtypes`).
 
@@ -98,24 +98,30 @@ class ResolvedPlan:
     pipeline: Any  # PipelinePlan | None (the pipeline package imports eqxpar.nn)
 
     @classmethod
-    def of(cls, plan: Plan, accumulate: int = 1) -> "ResolvedPlan":
-        """Resolve `plan` for a step that accumulates `accumulate` micro-batches."""
+    def of(cls, plan: Plan, accumulate: int = 1, *, training: str | None = None) -> "ResolvedPlan":
+        """Resolve `plan` for a step that accumulates `accumulate` micro-batches.
+
+        `training`: the builder of a training step (`"make_step"`, for messages),
+        which also checks `accumulate` and refuses what a training step cannot run
+        (`check_cpu_partial_manual_dtypes`, `check_reduce_dtype`)."""
         if not isinstance(plan, Plan):
+            if training is not None:
+                raise PlanError(f"{training}(..., plan={plan!r}): expected an eqxpar.Plan.")
             raise PlanError(f"expected an eqxpar.Plan, got {plan!r}.")
+        if training is not None and (
+            not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1
+        ):
+            raise PlanError(f"{training}(accumulate={accumulate!r}): expected an integer >= 1.")
         pipeline = None
         if plan.schedule is not None:
             # Imported here: the pipeline package imports eqxpar.nn, which the core does not.
             from ..pipeline._pipeline_plan import PipelinePlan
 
             pipeline = PipelinePlan.of(plan)
-        return cls(plan, ParallelDims.of(plan), accumulate, _manual_axes(plan, accumulate), pipeline)
-
-    @classmethod
-    def for_training(cls, plan: Plan, accumulate: int, where: str) -> "ResolvedPlan":
-        """`of`, then the refusals of a training step (`where`: the builder, for messages)."""
-        resolved = cls.of(plan, accumulate)
-        check_cpu_partial_manual_dtypes(resolved, where)
-        check_reduce_dtype(resolved, where)
+        resolved = cls(plan, ParallelDims.of(plan), accumulate, _manual_axes(plan, accumulate), pipeline)
+        if training is not None:
+            check_cpu_partial_manual_dtypes(resolved, training)
+            check_reduce_dtype(resolved, training)
         return resolved
 
     @property
