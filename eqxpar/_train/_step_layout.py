@@ -22,7 +22,6 @@ from jaxtyping import PyTree
 
 from .._errors import BatchError, PlanError
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
-from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import region_manual_axes
@@ -255,12 +254,6 @@ class StepLayout:
     def shardings(self, specs: PyTree) -> PyTree:
         """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
         return shardings_of(specs, self.plan.mesh)
-
-
-def loss_compute_dtype(plan: Plan) -> Any:
-    """The dtype a step of `plan` computes its loss in (`ResolvedPlan.compute_dtype`;
-    kept for the advisor's `engine_slots`, which has a plan and no step)."""
-    return ParallelDims.of(plan).compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
