@@ -386,7 +386,7 @@ PLAN_TAKERS_ALLOWED = {
 #: 36 once inspection and the advisor resolved theirs (PlanFacts), 35 with the context
 #: attention folded into ParallelDims. A ratchet (the
 #: goal: at most 25, the builders, the resolvers and the public functions).
-MAX_PLAN_TAKERS = 29
+MAX_PLAN_TAKERS = 28
 
 
 def _takes_a_plan(function: ast.FunctionDef | ast.AsyncFunctionDef, *, any_annotation: bool) -> bool:
