@@ -261,7 +261,7 @@ class DecodeLayout:
     """Where `eqxpar.models.generate`'s arrays live under a plan, resolved once
     (the decoding counterpart of `StepLayout`).
 
-    Build one with `DecodeLayout.resolve(plan, batch)`, which refuses the plans
+    Build one with `DecodeLayout.resolve(ResolvedPlan.of(plan), batch)`, which refuses the plans
     decoding cannot serve (pipelines, context and expert parallelism, a batch the
     batch axes do not divide) with an error naming one that can.
 
@@ -275,7 +275,7 @@ class DecodeLayout:
     - `batch_axes`: the axes the batch, and the cache's batch, are split over.
 
     ```python
-    layout = eqxpar.internal.DecodeLayout.resolve(plan, batch=8)
+    layout = eqxpar.internal.DecodeLayout.resolve(eqxpar.internal.ResolvedPlan.of(plan), batch=8)
     layout.cache_spec("tensor")    # the cache's spec, heads over "tensor"
     ```
     """
@@ -286,38 +286,37 @@ class DecodeLayout:
     batch_axes: tuple[str, ...]
 
     @classmethod
-    def resolve(cls, plan: Plan, batch: int) -> "DecodeLayout":
-        """The layout of decoding `batch` rows under `plan`."""
-        if not isinstance(plan, Plan):
-            raise PlanError(f"generate(plan={plan!r}): expected an eqxpar.Plan or None.")
+    def resolve(cls, resolved: ResolvedPlan, batch: int) -> "DecodeLayout":
+        """The layout of decoding `batch` rows under `resolved` (the plan resolved once, in `generate`)."""
+        dims = resolved.dims
         serves = "eqxpar.Plan(eqxpar.make_mesh(data=..., tensor=...), rules=eqxpar.rules.MEGATRON)"
-        if plan.schedule is not None:
+        if dims.pipelined:
             raise PlanError(
-                f"generate under a pipeline plan (schedule={plan.schedule!r}): decoding one token at a "
+                f"generate under a pipeline plan (schedule={dims.schedule!r}): decoding one token at a "
                 f"time through pipeline stages leaves all but one stage idle. Generate under a plan "
                 f"without pipe, e.g. {serves}, or on one device with eqxpar.nn.in_natural_order(model)."
             )
-        if plan.context_size > 1:
+        if dims.context_size > 1:
             raise PlanError(
                 f"generate under context parallelism (mesh axis {CONTEXT_AXIS!r} of size "
-                f"{plan.context_size}): the cache is not split along the sequence. Generate under a "
+                f"{dims.context_size}): the cache is not split along the sequence. Generate under a "
                 f"plan whose mesh has no context axis, e.g. {serves} (long contexts: the cache's "
                 "heads split over tensor)."
             )
-        if plan.expert_size > 1:
+        if dims.expert_size > 1:
             raise PlanError(
                 f"generate under expert parallelism (mesh axis {EXPERT_AXIS!r} of size "
-                f"{plan.expert_size}): not supported. Generate under a plan without an expert axis "
+                f"{dims.expert_size}): not supported. Generate under a plan without an expert axis "
                 f"(data and tensor), e.g. {serves}."
             )
-        if batch % plan.batch_size_multiple:
+        if batch % dims.batch_size_multiple:
             raise BatchError(
-                f"generate: a batch of {batch} prompts under a plan whose batch axes {plan.batch_axes} "
-                f"split it over {plan.batch_size_multiple} devices. Pass a multiple of "
-                f"{plan.batch_size_multiple} prompts (pad with copies)."
+                f"generate: a batch of {batch} prompts under a plan whose batch axes {dims.batch_axes} "
+                f"split it over {dims.batch_size_multiple} devices. Pass a multiple of "
+                f"{dims.batch_size_multiple} prompts (pad with copies)."
             )
-        decode = dataclasses.replace(plan, sequence_parallel=False, tp_overlap=False)
-        return cls(decode, plan.mode == "manual", plan.manual_axes, plan.batch_axes)
+        decode = dataclasses.replace(resolved.plan, sequence_parallel=False, tp_overlap=False)
+        return cls(decode, dims.mode == "manual", dims.manual_axes, dims.batch_axes)
 
     def cache_spec(self, heads: Any) -> PartitionSpec:
         """The spec of a key or value cache `(layers, blocks per layer, batch, slots,
