@@ -18,7 +18,8 @@ shape between releases (as `equinox.internal`).
   prediction only (empty: the engine runs every built-in schedule).
 
 ```python
-layout = eqxpar.internal.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
+resolved = eqxpar.internal.ResolvedPlan.of(plan)
+layout = eqxpar.internal.StepLayout.of(resolved, eqx.filter(model, eqx.is_inexact_array))
 layout.manual_axes, layout.batch
 ```
 """

@@ -373,8 +373,6 @@ PLAN_TAKERS_ALLOWED = {
     "eqxpar/_train/_eval.py:make_eval_step": "a builder: resolves the plan",
     "eqxpar/_train/_train_state.py:init": "a builder (train.init): resolves the plan",
     "eqxpar/_train/_resolved_plan.py:ResolvedPlan.of": "the resolver",
-    "eqxpar/_train/_step_layout.py:StepLayout.resolve": "eqxpar.internal's entry for code with a plan and no step",
-    "eqxpar/_train/_step_layout.py:StepLayout.of_state": "eqxpar.internal's entry for code with a plan and no step",
     "eqxpar/_sharding.py:shard": "public: eqxpar.shard(tree, plan)",
     "eqxpar/_sharding.py:shard_batch": "public: eqxpar.shard_batch(batch, plan)",
     "eqxpar/_sharding.py:named_shardings": "for from_pretrained, which holds a plan",
@@ -385,7 +383,7 @@ PLAN_TAKERS_ALLOWED = {
 #: 36 once inspection and the advisor resolved theirs (PlanFacts), 35 with the context
 #: attention folded into ParallelDims. A ratchet (the
 #: goal: at most 25, the builders, the resolvers and the public functions).
-MAX_PLAN_TAKERS = 27
+MAX_PLAN_TAKERS = 25
 
 
 def _takes_a_plan(function: ast.FunctionDef | ast.AsyncFunctionDef, *, any_annotation: bool) -> bool:

@@ -106,7 +106,7 @@ def test_options_a_plan_would_ignore_are_refused():
 def test_layout_decides_the_strategy(name, kind, manual, reduced):
     plan = PLANS[name]()
     model = MLP(16, 32, 4, key=jax.random.key(0))
-    layout = eqxpar.internal.StepLayout.resolve(plan, model)
+    layout = eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(plan), model)
     assert layout.kind == kind
     assert set(layout.manual_axes) == manual
     assert layout.reduced_axes == reduced

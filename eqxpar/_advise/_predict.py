@@ -272,7 +272,7 @@ def predict(
     # The plan resolved here, once: the helpers below take these, never the plan.
     facts = PlanFacts.of(plan)
     dims, mesh = facts.dims, facts.mesh
-    layout = StepLayout.resolve(plan, params, opt_state)
+    layout = StepLayout.of(ResolvedPlan.of(plan), params, opt_state)
     batch_axes = frozenset(dims.batch_axes)
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)

@@ -64,8 +64,8 @@ class StepLayout:
     """Where a training step's arrays live and which collectives it runs by hand.
 
     Build one with `StepLayout.of(resolved, model, opt_state)` (arrays or
-    `jax.eval_shape` outlines) from a `ResolvedPlan`; `StepLayout.resolve(plan,
-    model, opt_state)` and `StepLayout.of_state(state, plan)` resolve a plan first.
+    `jax.eval_shape` outlines) from a `ResolvedPlan` (`ResolvedPlan.of(plan)`, or a
+    step's: `step.layout(state)`).
 
     **Fields:**
 
@@ -80,7 +80,8 @@ class StepLayout:
       trains (`make_step(..., trainable=...)`), or None: every one does.
 
     ```python
-    layout = eqxpar.internal.StepLayout.of_state(state, plan)
+    resolved = eqxpar.internal.ResolvedPlan.of(plan)
+    layout = eqxpar.internal.StepLayout.of(resolved, state.model, state.opt_state)
     layout.kind, layout.reduced_axes, layout.state_specs(state).opt_state
     ```
     """
@@ -110,29 +111,6 @@ class StepLayout:
         updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
         opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
         return cls(resolved, params, updates, opt, trainable)
-
-    @classmethod
-    def resolve(
-        cls,
-        plan: Plan,
-        model: PyTree,
-        opt_state: PyTree | None = None,
-        *,
-        accumulate: int = 1,
-        trainable: PyTree | None = None,
-    ) -> "StepLayout":
-        """Resolve `plan` (`ResolvedPlan.of`), then lay out a step over `model` (and
-        `opt_state`): for code that holds a plan and no step (tests, benchmarks)."""
-        if not isinstance(plan, Plan):
-            raise PlanError(f"StepLayout.resolve(plan={plan!r}): expected an eqxpar.Plan.")
-        return cls.of(ResolvedPlan.of(plan, accumulate), model, opt_state, trainable=trainable)
-
-    @classmethod
-    def of_state(
-        cls, state: Any, plan: Plan, *, accumulate: int = 1, trainable: PyTree | None = None
-    ) -> "StepLayout":
-        """The layout of a `TrainState` (or its outline) under `plan`."""
-        return cls.resolve(plan, state.model, state.opt_state, accumulate=accumulate, trainable=trainable)
 
     @property
     def plan(self) -> Plan:
@@ -242,7 +220,7 @@ class StepLayout:
         if self.opt_state is None:
             raise PlanError(
                 "this StepLayout was resolved without an optimizer state; build it with "
-                "StepLayout.of_state(state, plan)."
+                "StepLayout.of(resolved, state.model, state.opt_state)."
             )
         return eqx.tree_at(
             lambda s: (s.model, s.opt_state, s.step, s.key, s.skipped_steps),
