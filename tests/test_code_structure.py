@@ -381,8 +381,8 @@ PLAN_TAKERS_ALLOWED = {
 #: Functions of the whole package that take a plan (a parameter named `plan`, or
 #: annotated `Plan`): 90 at 10c9e43; 62 once the step path took the resolved plan,
 #: 36 once inspection and the advisor resolved theirs (PlanFacts), 35 with the context
-#: attention folded into ParallelDims. A ratchet (the
-#: goal: at most 25, the builders, the resolvers and the public functions).
+#: attention folded into ParallelDims, 25 once the private helpers took the resolved
+#: plan (the builders, the resolvers and the public functions). A ratchet.
 MAX_PLAN_TAKERS = 25
 
 
