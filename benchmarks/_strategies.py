@@ -96,7 +96,9 @@ data_parallel = functools.partial(single_device, axis="data")
 def _sharded(model: Any, optim: Any, mesh: dict, cfg, contract=STANDARD, **options: Any) -> Setup:
     """A plan of `options` on `mesh` against `jax.jit` with the shardings of the plan's step."""
     plan = eqxpar.Plan(eqxpar.make_mesh(**mesh), **options)
-    layout = eqxpar.internal.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
+    layout = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(plan), eqx.filter(model, eqx.is_inexact_array)
+    )
     specs = {"param_specs": layout.params, "opt_state_specs": opt_specs(optim, model, layout.updates)}
     jit_step = functools.partial(JitStep, _workload.loss_fn, optim, model, plan.mesh, **specs)
     baseline = lambda batches: BaselineRunner(jit_step(batch_spec=plan.batch_spec), batches)  # noqa: E731

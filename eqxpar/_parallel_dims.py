@@ -29,6 +29,7 @@ class ParallelDims:
     """
 
     mode: str | None
+    manual_axes: tuple[str, ...] | None
     schedule: Any
     microbatches: int
     chunks: int
@@ -55,6 +56,7 @@ class ParallelDims:
         attention = plan.context_attention or ("allgather" if plan.schedule is not None else "ring")
         return cls(
             mode=plan.mode,
+            manual_axes=plan.manual_axes,
             schedule=plan.schedule,
             microbatches=plan.microbatches,
             chunks=plan.chunks,

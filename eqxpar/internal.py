@@ -7,6 +7,8 @@ shape between releases (as `equinox.internal`).
   `Step` gives it for a state: `step.layout(state)`; `layout.resolved` is what the
   step's builder resolved from the plan once, before any model (the manual axes,
   the batch layout, the dtypes).
+- `ResolvedPlan`: a plan resolved once, before any model (`ResolvedPlan.of(plan)`):
+  what `StepLayout.of` and `DecodeLayout.resolve` take.
 - `DecodeLayout`: the same for `eqxpar.models.generate` (the plan it decodes
   under, whether each step is manual, the key/value cache's spec).
 - `Buffers`: the buffer slots a pipeline schedule allocates (`Schedule.buffers`).
@@ -16,12 +18,14 @@ shape between releases (as `equinox.internal`).
   prediction only (empty: the engine runs every built-in schedule).
 
 ```python
-layout = eqxpar.internal.StepLayout.resolve(plan, eqx.filter(model, eqx.is_inexact_array))
+resolved = eqxpar.internal.ResolvedPlan.of(plan)
+layout = eqxpar.internal.StepLayout.of(resolved, eqx.filter(model, eqx.is_inexact_array))
 layout.manual_axes, layout.batch
 ```
 """
 
 from ._plan import PREDICTION_SCHEDULES as PREDICTION_SCHEDULES
+from ._train._resolved_plan import ResolvedPlan as ResolvedPlan
 from ._train._step_layout import DecodeLayout as DecodeLayout
 from ._train._step_layout import StepLayout as StepLayout
 from .pipeline._actions import ACTION_NAMES as ACTION_NAMES

@@ -278,6 +278,7 @@ def test_engine_slots_on_placeholder_meshes():
     from eqxpar._advise._analysis import engine_slots
     from eqxpar._advise._enumerate import TENSOR
     from eqxpar._advise._predict import placeholder_mesh
+    from eqxpar._train._resolved_plan import ResolvedPlan
 
     model, loss = _gqa_gpt(), _pipeline_loss()
 
@@ -285,7 +286,7 @@ def test_engine_slots_on_placeholder_meshes():
         plan = eqxpar.Plan(
             placeholder_mesh(sizes), rules=eqxpar.pipeline.stage_rules(rules), schedule="1f1b", microbatches=8
         )
-        return engine_slots(plan, loss, model, jax.ShapeDtypeStruct((batch, 33), jnp.int32))
+        return engine_slots(ResolvedPlan.of(plan), loss, model, jax.ShapeDtypeStruct((batch, 33), jnp.int32))
 
     here = slots({"pipe": 2, "data": 4}, None, 32)
     there = slots({"pipe": 2, "data": 32}, None, 256)

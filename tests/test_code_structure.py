@@ -370,16 +370,9 @@ NO_PLAN_PARAMETERS = (
 PLAN_TAKERS_ALLOWED = {
     "eqxpar/_train/_step.py:make_step": "a builder: resolves the plan",
     "eqxpar/_train/_step.py:make_value_and_grad": "a builder: resolves the plan",
-    "eqxpar/_train/_step.py:_resolved": "the step builders' argument checks and resolution",
     "eqxpar/_train/_eval.py:make_eval_step": "a builder: resolves the plan",
     "eqxpar/_train/_train_state.py:init": "a builder (train.init): resolves the plan",
-    "eqxpar/_train/_resolved_plan.py:_manual_axes": "the resolver",
     "eqxpar/_train/_resolved_plan.py:ResolvedPlan.of": "the resolver",
-    "eqxpar/_train/_resolved_plan.py:ResolvedPlan.for_training": "the resolver, with a step's refusals",
-    "eqxpar/_train/_step_layout.py:StepLayout.resolve": "eqxpar.internal's entry for code with a plan and no step",
-    "eqxpar/_train/_step_layout.py:StepLayout.of_state": "eqxpar.internal's entry for code with a plan and no step",
-    "eqxpar/_train/_step_layout.py:DecodeLayout.resolve": "generate's resolver",
-    "eqxpar/_train/_step_layout.py:loss_compute_dtype": "the advisor's engine_slots (a plan, no step)",
     "eqxpar/_sharding.py:shard": "public: eqxpar.shard(tree, plan)",
     "eqxpar/_sharding.py:shard_batch": "public: eqxpar.shard_batch(batch, plan)",
     "eqxpar/_sharding.py:named_shardings": "for from_pretrained, which holds a plan",
@@ -388,9 +381,9 @@ PLAN_TAKERS_ALLOWED = {
 #: Functions of the whole package that take a plan (a parameter named `plan`, or
 #: annotated `Plan`): 90 at 10c9e43; 62 once the step path took the resolved plan,
 #: 36 once inspection and the advisor resolved theirs (PlanFacts), 35 with the context
-#: attention folded into ParallelDims. A ratchet (the
-#: goal: at most 25, the builders, the resolvers and the public functions).
-MAX_PLAN_TAKERS = 35
+#: attention folded into ParallelDims, 25 once the private helpers took the resolved
+#: plan (the builders, the resolvers and the public functions). A ratchet.
+MAX_PLAN_TAKERS = 25
 
 
 def _takes_a_plan(function: ast.FunctionDef | ast.AsyncFunctionDef, *, any_annotation: bool) -> bool:

@@ -228,15 +228,21 @@ def test_context_axis_of_size_one_changes_nothing(gpts):
         jax.jit(eqxpar.train.make_value_and_grad(lm_loss, plan)).lower(model, batch).compile()
     )
     assert stats.count["collective-permute"] == 0
-    assert eqxpar.internal.StepLayout.resolve(plan, model).reduced_axes == ("data", "fsdp")
+    assert eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(plan), model).reduced_axes == (
+        "data",
+        "fsdp",
+    )
 
 
 def test_layout_is_manual_over_context_in_every_mode(gpts):
     model = gpts["rotary-gqa"]
-    auto = eqxpar.internal.StepLayout.resolve(eqxpar.Plan(eqxpar.make_mesh(data=2, context=4)), model)
+    auto = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(eqxpar.Plan(eqxpar.make_mesh(data=2, context=4))), model
+    )
     assert auto.kind == "manual" and auto.manual_axes == {"context"} and auto.reduced_axes == ("context",)
-    manual = eqxpar.internal.StepLayout.resolve(
-        eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual"), model
+    manual = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(eqxpar.Plan(eqxpar.make_mesh(data=2, context=4), mode="manual")),
+        model,
     )
     assert manual.reduced_axes == ("data", "fsdp", "context") and manual.data_parallel_size == 8
 
@@ -289,7 +295,9 @@ def test_context_beside_automatic_tensor_and_batch_axes(axis_rules, impl, mode):
             make()
         return
     plan = make()
-    assert batch_axis in eqxpar.internal.StepLayout.resolve(plan, model).manual_axes
+    assert (
+        batch_axis in eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(plan), model).manual_axes
+    )
     loss, grads = eqxpar.train.make_value_and_grad(lm_loss, plan)(model, batch)
     ref_loss, ref_grads = value_and_grad_on_one_device(model, lm_loss, batch)
     assert_trees_close(float(loss), float(ref_loss))

@@ -331,6 +331,8 @@ def test_zero1_slices_dense_updates_over_the_expert_axis_too(mode):
     )
     model = eqxpar.models.GPT(config, key=jax.random.key(0))
     state = eqxpar.train.init(model, optax.sgd(1e-1), plan, key=jax.random.key(1))
-    spec = eqxpar.internal.StepLayout.of_state(state, plan).updates
+    spec = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(plan), state.model, state.opt_state
+    ).updates
     assert "expert" in str(spec.blocks.blocks.mlp.w_in)
     train_checked(plan, model, optax.adamw(1e-2), eqxpar.models.lm_loss, token_batches(2, batch=8, vocab=16))

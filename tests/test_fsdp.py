@@ -118,7 +118,9 @@ def test_fsdp_parameter_and_optimizer_bytes_per_device(mode):
     per_device = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
     # What cannot be split: leaves the rules leave replicated (norm scales, biases
     # without an "embed" axis), the step counter and the key.
-    layout = eqxpar.internal.StepLayout.of_state(state, plan)
+    layout = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(plan), state.model, state.opt_state
+    )
     specs = jax.tree.leaves(layout.state_specs(state), is_leaf=lambda s: isinstance(s, jax.P))
     arrays = jax.tree.leaves(eqx.filter(state, eqx.is_array))
     replicated = sum(
@@ -198,7 +200,9 @@ def test_zero1_reduce_scatters_gradients_and_gathers_parameters():
     stats = collective_stats(
         eqxpar.train.make_step(cross_entropy_loss, OPTIM, plan).compile(state, batches(1)[0])
     )
-    layout = eqxpar.internal.StepLayout.of_state(state, plan)
+    layout = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(plan), state.model, state.opt_state
+    )
     opt_specs = jax.tree.leaves(layout.opt_state, is_leaf=lambda s: isinstance(s, jax.P))
     assert any(any(e is not None for e in s) for s in opt_specs)
     assert all(

@@ -78,7 +78,7 @@ def test_decode_layout_shards_the_cache_like_the_attention():
     plan = eqxpar.Plan(
         eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
     )
-    layout = eqxpar.internal.DecodeLayout.resolve(plan, batch=8)
+    layout = eqxpar.internal.DecodeLayout.resolve(eqxpar.internal.ResolvedPlan.of(plan), batch=8)
     assert layout.manual and layout.manual_axes is None and layout.batch_axes == ("data", "fsdp")
     assert not layout.plan.sequence_parallel and layout.plan.rules == plan.rules
     # (layers, blocks per layer, batch, slots, kv_heads, head_dim)

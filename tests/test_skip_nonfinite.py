@@ -330,8 +330,9 @@ def test_automatic_fsdp_on_xla_cpu_before_jaxlib_0_12_is_refused():
     c = dataclasses.replace(
         case("fsdp_manual"), plan=eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(min_size=64))
     )
-    layout = eqxpar.internal.StepLayout.of_state(
-        eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1)), c.plan
+    fresh = eqxpar.train.init(c.model, OPTIMIZER, c.plan, key=jax.random.key(1))
+    layout = eqxpar.internal.StepLayout.of(
+        eqxpar.internal.ResolvedPlan.of(c.plan), fresh.model, fresh.opt_state
     )
     assert any(
         s is not None and "fsdp" in s

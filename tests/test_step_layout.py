@@ -106,7 +106,7 @@ def test_options_a_plan_would_ignore_are_refused():
 def test_layout_decides_the_strategy(name, kind, manual, reduced):
     plan = PLANS[name]()
     model = MLP(16, 32, 4, key=jax.random.key(0))
-    layout = eqxpar.internal.StepLayout.resolve(plan, model)
+    layout = eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(plan), model)
     assert layout.kind == kind
     assert set(layout.manual_axes) == manual
     assert layout.reduced_axes == reduced
@@ -161,9 +161,9 @@ def test_each_builder_resolves_its_plan_once(monkeypatch):
     resolved = []
     of = ResolvedPlan.of.__func__
 
-    def counted(cls, plan, accumulate=1):
+    def counted(cls, plan, accumulate=1, **kwargs):
         resolved.append(plan)
-        return of(cls, plan, accumulate)
+        return of(cls, plan, accumulate, **kwargs)
 
     monkeypatch.setattr(ResolvedPlan, "of", classmethod(counted))
     plan, optim = PLANS["dp-manual"](), optax.sgd(0.1)

@@ -136,9 +136,16 @@ def test_manual_axes_validation():
     manual = eqxpar.Plan(mesh, mode="manual")
     assert manual.manual_axes is None
     outline = {"w": jnp.zeros(8)}
-    assert eqxpar.internal.StepLayout.resolve(manual, outline).manual_axes == set(mesh.axis_names)
-    assert eqxpar.internal.StepLayout.resolve(partial, outline).manual_axes == {"tensor"}
-    assert eqxpar.internal.StepLayout.resolve(eqxpar.Plan(mesh), outline).kind == "automatic"
+    assert eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(manual), outline).manual_axes == set(
+        mesh.axis_names
+    )
+    assert eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(partial), outline).manual_axes == {
+        "tensor"
+    }
+    assert (
+        eqxpar.internal.StepLayout.of(eqxpar.internal.ResolvedPlan.of(eqxpar.Plan(mesh)), outline).kind
+        == "automatic"
+    )
 
 
 def _group_axes(groups: str) -> frozenset[str]:

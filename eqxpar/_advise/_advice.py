@@ -17,6 +17,7 @@ from .._plan import Plan
 from .._sharding import shard_batch
 from .._specs import is_array_like
 from .._text import fmt_int, render, short
+from .._train._resolved_plan import ResolvedPlan
 from .._train._step_layout import StepLayout
 from ._analysis import Analysis, analyse, outline
 from ._enumerate import TENSOR, Layout, layouts
@@ -242,7 +243,7 @@ def advise(
     analysis = analyse(shapes, loss_fn, tokens)
     staged = analyse(shapes, pipeline_loss, tokens) if pipeline_loss is not None else None
     probe = Plan(placeholder_mesh({"tensor": 2}), rules=TENSOR)
-    probed = StepLayout.resolve(probe, params).params
+    probed = StepLayout.of(ResolvedPlan.of(probe), params).params
     tensor = bool(_tensor_dims(params, probed, ParallelDims.of(probe).tensor_axis))
     fitting, over, skipped = [], [], []
     moe = _has(shapes, "moe")

@@ -158,10 +158,10 @@ def _packings(device: Any) -> tuple[dict, dict, dict]:
     return device.residuals.groups, device.residuals.layout, device.stash.groups
 
 
-def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
-    """The pipeline engine's own residual slot layout for `plan` (a pipeline plan;
-    `loss` its `eqxpar.pipeline.PipelineLoss`; `model` and the global `batch` as
-    arrays or outlines). The engine's per-device setup (`Device`, which resolves
+def engine_slots(resolved: Any, loss: Any, model: Any, batch: Any) -> Slots:
+    """The pipeline engine's own residual slot layout under `resolved` (a pipeline
+    plan's `ResolvedPlan`; `loss` its `eqxpar.pipeline.PipelineLoss`; `model` and
+    the global `batch` as arrays or outlines). The engine's per-device setup (`Device`, which resolves
     the layout by abstract evaluation) is traced inside `shard_map` on the plan's
     mesh, which may be a placeholder: nothing is placed or compiled. So the kept
     leaves are the engine's (those that vary along `pipe` under its varying-type
@@ -171,13 +171,13 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     from .._rules import mesh_axis_names
     from .._shard_map import filter_shard_map
     from .._train._grad_common import LossFunction
-    from .._train._step_layout import StepLayout, loss_compute_dtype
+    from .._train._step_layout import StepLayout
     from .._varying import mark_varying
     from ..pipeline._engine import Device, Engine
 
     model, batch = outline(model), outline(batch)
-    layout = StepLayout.resolve(plan, model)
-    engine = Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=loss_compute_dtype(plan)), layout)
+    layout = StepLayout.of(resolved, model)
+    engine = Engine(LossFunction.wrap(loss, has_aux=False, compute_dtype=resolved.compute_dtype), layout)
     batch_axes = set(layout.reduced_axes)
 
     def whole(spec: Any) -> Any:
@@ -205,12 +205,12 @@ def engine_slots(plan: Any, loss: Any, model: Any, batch: Any) -> Slots:
     specs = jax.tree.map(whole, layout.params, is_leaf=lambda s: isinstance(s, PartitionSpec))
     fn = filter_shard_map(
         per_device,
-        plan,
+        resolved.plan,
         in_specs=(specs, layout.batch),
         out_specs=PartitionSpec(),
-        axis_names=frozenset(plan.mesh.axis_names),
+        axis_names=frozenset(resolved.mesh.axis_names),
     )
     dynamic, static = eqx.partition(model, is_array_like)
-    with plan:
+    with resolved.plan:
         jax.make_jaxpr(lambda d, b: fn(eqx.combine(d, static), b))(dynamic, batch)
     return Slots(**found)

@@ -16,6 +16,7 @@ from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sizes import itemsize, nbytes
 from .._specs import is_array_like
+from .._train._resolved_plan import ResolvedPlan
 from .._train._step_layout import StepLayout
 from ..inspect import Minimum, minimum_comm
 from ..inspect._jaxpr_walk import (
@@ -271,7 +272,7 @@ def predict(
     # The plan resolved here, once: the helpers below take these, never the plan.
     facts = PlanFacts.of(plan)
     dims, mesh = facts.dims, facts.mesh
-    layout = StepLayout.resolve(plan, params, opt_state)
+    layout = StepLayout.of(ResolvedPlan.of(plan), params, opt_state)
     batch_axes = frozenset(dims.batch_axes)
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
@@ -297,11 +298,11 @@ def predict(
         buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
-        slots = engine_slots(plan, loss, params, batch)
+        slots = engine_slots(layout.resolved, loss, params, batch)
         # What one layer's backward holds: under a remat policy it recomputes what
         # the policy dropped, so about one layer's residuals under "none".
         unremat = None if dims.remat == "none" else dataclasses.replace(plan, remat="none")
-        whole = slots if unremat is None else engine_slots(unremat, loss, params, batch)
+        whole = slots if unremat is None else engine_slots(ResolvedPlan.of(unremat), loss, params, batch)
         activations, buffers = _pipeline_memory(
             facts, sched, (slots, whole), params, batch, loss, layout, grads
         )

@@ -29,8 +29,9 @@ from .._stack_order import StackOrder
 Kind = Literal["automatic", "manual", "pipeline"]
 
 
-def _manual_axes(plan: Plan, accumulate: int) -> frozenset[str]:
-    """The mesh axes a step built for `plan` runs by hand (inside `shard_map`).
+def _manual_axes(dims: ParallelDims, mesh: Mesh, accumulate: int) -> frozenset[str]:
+    """The mesh axes a step built for a plan (its `dims`, on `mesh`) runs by hand
+    (inside `shard_map`).
 
     Every axis for a pipeline; the plan's manual axes for a manual plan; the batch
     axes for an automatic ZeRO-1 plan (to reduce-scatter the gradients); none for
@@ -47,30 +48,30 @@ def _manual_axes(plan: Plan, accumulate: int) -> frozenset[str]:
     a `context` axis larger than 1 and an automatic tensor axis larger than 1, the
     batch axes are manual too (the compiler cannot partition that region).
     """
-    if plan.schedule is not None:
-        return frozenset(plan.mesh.axis_names)
+    if dims.pipelined:
+        return frozenset(mesh.axis_names)
     axes: tuple[str, ...] = ()
-    if plan.mode == "manual":
-        axes = plan.manual_axes or tuple(plan.mesh.axis_names)
-    if (plan.zero1 and plan.mode != "manual") or accumulate > 1:
-        axes += tuple(a for a in plan.batch_axes if a not in axes)
-    if plan.context_size > 1 and CONTEXT_AXIS not in axes:
+    if dims.mode == "manual":
+        axes = dims.manual_axes or tuple(mesh.axis_names)
+    if (dims.zero1 and dims.mode != "manual") or accumulate > 1:
+        axes += tuple(a for a in dims.batch_axes if a not in axes)
+    if dims.context_size > 1 and CONTEXT_AXIS not in axes:
         axes += (CONTEXT_AXIS,)
     # XLA's partitioner aborts the process (a failed check on its device groups)
     # on a region manual over `context` beside an automatic tensor axis and an
     # automatic batch axis; manual over the batch axes too, the region compiles.
-    tensor_auto = plan.mesh.shape.get(plan.tensor_axis, 1) > 1 and plan.tensor_axis not in axes
-    if plan.expert_size > 1 or (plan.context_size > 1 and tensor_auto):
-        axes += tuple(a for a in plan.batch_axes if a not in axes)
-    return region_manual_axes(plan.mesh, axes) if axes else frozenset()
+    tensor_auto = dims.tensor_size > 1 and dims.tensor_axis not in axes
+    if dims.expert_size > 1 or (dims.context_size > 1 and tensor_auto):
+        axes += tuple(a for a in dims.batch_axes if a not in axes)
+    return region_manual_axes(mesh, axes) if axes else frozenset()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ResolvedPlan:
     """A plan resolved for a step: what every function below a builder reads.
 
-    Build one with `ResolvedPlan.of(plan, accumulate=...)`, or with
-    `ResolvedPlan.for_training(plan, accumulate, where)`, which also refuses what a
+    Build one with `ResolvedPlan.of(plan, accumulate=...)`; with
+    `training="make_step"` (the builder, for messages) it also refuses what a
     training step cannot run (`check_reduce_dtype`,
     `check_cpu_partial_manual_dtypes`).
 
@@ -98,24 +99,31 @@ class ResolvedPlan:
     pipeline: Any  # PipelinePlan | None (the pipeline package imports eqxpar.nn)
 
     @classmethod
-    def of(cls, plan: Plan, accumulate: int = 1) -> "ResolvedPlan":
-        """Resolve `plan` for a step that accumulates `accumulate` micro-batches."""
+    def of(cls, plan: Plan, accumulate: int = 1, *, training: str | None = None) -> "ResolvedPlan":
+        """Resolve `plan` for a step that accumulates `accumulate` micro-batches.
+
+        `training`: the builder of a training step (`"make_step"`, for messages),
+        which also checks `accumulate` and refuses what a training step cannot run
+        (`check_cpu_partial_manual_dtypes`, `check_reduce_dtype`)."""
         if not isinstance(plan, Plan):
+            if training is not None:
+                raise PlanError(f"{training}(..., plan={plan!r}): expected an eqxpar.Plan.")
             raise PlanError(f"expected an eqxpar.Plan, got {plan!r}.")
+        if training is not None and (
+            not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1
+        ):
+            raise PlanError(f"{training}(accumulate={accumulate!r}): expected an integer >= 1.")
         pipeline = None
         if plan.schedule is not None:
             # Imported here: the pipeline package imports eqxpar.nn, which the core does not.
             from ..pipeline._pipeline_plan import PipelinePlan
 
             pipeline = PipelinePlan.of(plan)
-        return cls(plan, ParallelDims.of(plan), accumulate, _manual_axes(plan, accumulate), pipeline)
-
-    @classmethod
-    def for_training(cls, plan: Plan, accumulate: int, where: str) -> "ResolvedPlan":
-        """`of`, then the refusals of a training step (`where`: the builder, for messages)."""
-        resolved = cls.of(plan, accumulate)
-        check_cpu_partial_manual_dtypes(resolved, where)
-        check_reduce_dtype(resolved, where)
+        dims = ParallelDims.of(plan)
+        resolved = cls(plan, dims, accumulate, _manual_axes(dims, plan.mesh, accumulate), pipeline)
+        if training is not None:
+            check_cpu_partial_manual_dtypes(resolved, training)
+            check_reduce_dtype(resolved, training)
         return resolved
 
     @property

@@ -263,20 +263,14 @@ def _warn_batch_statistics(model: PyTree, resolved: ResolvedPlan, *, stacklevel:
     )
 
 
-def _resolved(loss_fn: Any, plan: Plan, accumulate: int, has_aux: bool, where: str) -> ResolvedPlan:
-    """The builder's arguments checked and its plan resolved, once (`where`: the builder)."""
-    if not isinstance(plan, Plan):
-        raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
-    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise PlanError(f"{where}(accumulate={accumulate!r}): expected an integer >= 1.")
+def _check_loss(loss_fn: Any, resolved: ResolvedPlan, has_aux: bool, where: str) -> None:
+    """The builder's `loss_fn` checked against its resolved plan (`where`: the builder)."""
     if not callable(loss_fn):
         raise PlanError(f"{where}(loss_fn={loss_fn!r}): expected a callable loss_fn(model, batch).")
-    resolved = ResolvedPlan.for_training(plan, accumulate, where)
     if resolved.pipeline is not None:
         from ..pipeline._engine import check_pipeline_step
 
-        check_pipeline_step(loss_fn, resolved.pipeline, accumulate=accumulate, has_aux=has_aux)
-    return resolved
+        check_pipeline_step(loss_fn, resolved.pipeline, accumulate=resolved.accumulate, has_aux=has_aux)
 
 
 def make_step(
@@ -381,7 +375,8 @@ def make_step(
     state, metrics = step(state, (x, y))
     ```
     """
-    resolved = _resolved(loss_fn, plan, accumulate, has_aux, "make_step")
+    resolved = ResolvedPlan.of(plan, accumulate, training="make_step")
+    _check_loss(loss_fn, resolved, has_aux, "make_step")
     if not isinstance(skip_nonfinite, bool):
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
     warn_cpu_collective_order(resolved)
@@ -415,7 +410,8 @@ def make_value_and_grad(
     loss, grads = eqxpar.train.make_value_and_grad(loss_fn, plan)(model, batch)
     ```
     """
-    resolved = _resolved(loss_fn, plan, accumulate, has_aux, "make_value_and_grad")
+    resolved = ResolvedPlan.of(plan, accumulate, training="make_value_and_grad")
+    _check_loss(loss_fn, resolved, has_aux, "make_value_and_grad")
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
 
     @eqx.filter_jit

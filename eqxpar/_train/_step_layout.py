@@ -22,7 +22,6 @@ from jaxtyping import PyTree
 
 from .._errors import BatchError, PlanError
 from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
-from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import region_manual_axes
@@ -65,8 +64,8 @@ class StepLayout:
     """Where a training step's arrays live and which collectives it runs by hand.
 
     Build one with `StepLayout.of(resolved, model, opt_state)` (arrays or
-    `jax.eval_shape` outlines) from a `ResolvedPlan`; `StepLayout.resolve(plan,
-    model, opt_state)` and `StepLayout.of_state(state, plan)` resolve a plan first.
+    `jax.eval_shape` outlines) from a `ResolvedPlan` (`ResolvedPlan.of(plan)`, or a
+    step's: `step.layout(state)`).
 
     **Fields:**
 
@@ -81,7 +80,8 @@ class StepLayout:
       trains (`make_step(..., trainable=...)`), or None: every one does.
 
     ```python
-    layout = eqxpar.internal.StepLayout.of_state(state, plan)
+    resolved = eqxpar.internal.ResolvedPlan.of(plan)
+    layout = eqxpar.internal.StepLayout.of(resolved, state.model, state.opt_state)
     layout.kind, layout.reduced_axes, layout.state_specs(state).opt_state
     ```
     """
@@ -111,29 +111,6 @@ class StepLayout:
         updates = params if rules == plan.rules else partition_specs(model, rules, mesh=mesh)
         opt = None if opt_state is None else partition_specs(opt_state, rules, mesh=mesh)
         return cls(resolved, params, updates, opt, trainable)
-
-    @classmethod
-    def resolve(
-        cls,
-        plan: Plan,
-        model: PyTree,
-        opt_state: PyTree | None = None,
-        *,
-        accumulate: int = 1,
-        trainable: PyTree | None = None,
-    ) -> "StepLayout":
-        """Resolve `plan` (`ResolvedPlan.of`), then lay out a step over `model` (and
-        `opt_state`): for code that holds a plan and no step (tests, benchmarks)."""
-        if not isinstance(plan, Plan):
-            raise PlanError(f"StepLayout.resolve(plan={plan!r}): expected an eqxpar.Plan.")
-        return cls.of(ResolvedPlan.of(plan, accumulate), model, opt_state, trainable=trainable)
-
-    @classmethod
-    def of_state(
-        cls, state: Any, plan: Plan, *, accumulate: int = 1, trainable: PyTree | None = None
-    ) -> "StepLayout":
-        """The layout of a `TrainState` (or its outline) under `plan`."""
-        return cls.resolve(plan, state.model, state.opt_state, accumulate=accumulate, trainable=trainable)
 
     @property
     def plan(self) -> Plan:
@@ -243,7 +220,7 @@ class StepLayout:
         if self.opt_state is None:
             raise PlanError(
                 "this StepLayout was resolved without an optimizer state; build it with "
-                "StepLayout.of_state(state, plan)."
+                "StepLayout.of(resolved, state.model, state.opt_state)."
             )
         return eqx.tree_at(
             lambda s: (s.model, s.opt_state, s.step, s.key, s.skipped_steps),
@@ -257,18 +234,12 @@ class StepLayout:
         return shardings_of(specs, self.plan.mesh)
 
 
-def loss_compute_dtype(plan: Plan) -> Any:
-    """The dtype a step of `plan` computes its loss in (`ResolvedPlan.compute_dtype`;
-    kept for the advisor's `engine_slots`, which has a plan and no step)."""
-    return ParallelDims.of(plan).compute_dtype
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeLayout:
     """Where `eqxpar.models.generate`'s arrays live under a plan, resolved once
     (the decoding counterpart of `StepLayout`).
 
-    Build one with `DecodeLayout.resolve(plan, batch)`, which refuses the plans
+    Build one with `DecodeLayout.resolve(ResolvedPlan.of(plan), batch)`, which refuses the plans
     decoding cannot serve (pipelines, context and expert parallelism, a batch the
     batch axes do not divide) with an error naming one that can.
 
@@ -282,7 +253,7 @@ class DecodeLayout:
     - `batch_axes`: the axes the batch, and the cache's batch, are split over.
 
     ```python
-    layout = eqxpar.internal.DecodeLayout.resolve(plan, batch=8)
+    layout = eqxpar.internal.DecodeLayout.resolve(eqxpar.internal.ResolvedPlan.of(plan), batch=8)
     layout.cache_spec("tensor")    # the cache's spec, heads over "tensor"
     ```
     """
@@ -293,38 +264,37 @@ class DecodeLayout:
     batch_axes: tuple[str, ...]
 
     @classmethod
-    def resolve(cls, plan: Plan, batch: int) -> "DecodeLayout":
-        """The layout of decoding `batch` rows under `plan`."""
-        if not isinstance(plan, Plan):
-            raise PlanError(f"generate(plan={plan!r}): expected an eqxpar.Plan or None.")
+    def resolve(cls, resolved: ResolvedPlan, batch: int) -> "DecodeLayout":
+        """The layout of decoding `batch` rows under `resolved` (the plan resolved once, in `generate`)."""
+        dims = resolved.dims
         serves = "eqxpar.Plan(eqxpar.make_mesh(data=..., tensor=...), rules=eqxpar.rules.MEGATRON)"
-        if plan.schedule is not None:
+        if dims.pipelined:
             raise PlanError(
-                f"generate under a pipeline plan (schedule={plan.schedule!r}): decoding one token at a "
+                f"generate under a pipeline plan (schedule={dims.schedule!r}): decoding one token at a "
                 f"time through pipeline stages leaves all but one stage idle. Generate under a plan "
                 f"without pipe, e.g. {serves}, or on one device with eqxpar.nn.in_natural_order(model)."
             )
-        if plan.context_size > 1:
+        if dims.context_size > 1:
             raise PlanError(
                 f"generate under context parallelism (mesh axis {CONTEXT_AXIS!r} of size "
-                f"{plan.context_size}): the cache is not split along the sequence. Generate under a "
+                f"{dims.context_size}): the cache is not split along the sequence. Generate under a "
                 f"plan whose mesh has no context axis, e.g. {serves} (long contexts: the cache's "
                 "heads split over tensor)."
             )
-        if plan.expert_size > 1:
+        if dims.expert_size > 1:
             raise PlanError(
                 f"generate under expert parallelism (mesh axis {EXPERT_AXIS!r} of size "
-                f"{plan.expert_size}): not supported. Generate under a plan without an expert axis "
+                f"{dims.expert_size}): not supported. Generate under a plan without an expert axis "
                 f"(data and tensor), e.g. {serves}."
             )
-        if batch % plan.batch_size_multiple:
+        if batch % dims.batch_size_multiple:
             raise BatchError(
-                f"generate: a batch of {batch} prompts under a plan whose batch axes {plan.batch_axes} "
-                f"split it over {plan.batch_size_multiple} devices. Pass a multiple of "
-                f"{plan.batch_size_multiple} prompts (pad with copies)."
+                f"generate: a batch of {batch} prompts under a plan whose batch axes {dims.batch_axes} "
+                f"split it over {dims.batch_size_multiple} devices. Pass a multiple of "
+                f"{dims.batch_size_multiple} prompts (pad with copies)."
             )
-        decode = dataclasses.replace(plan, sequence_parallel=False, tp_overlap=False)
-        return cls(decode, plan.mode == "manual", plan.manual_axes, plan.batch_axes)
+        decode = dataclasses.replace(resolved.plan, sequence_parallel=False, tp_overlap=False)
+        return cls(decode, dims.mode == "manual", dims.manual_axes, dims.batch_axes)
 
     def cache_spec(self, heads: Any) -> PartitionSpec:
         """The spec of a key or value cache `(layers, blocks per layer, batch, slots,

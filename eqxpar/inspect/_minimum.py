@@ -28,6 +28,7 @@ from .._rules import mesh_axis_names
 from .._sizes import itemsize
 from .._specs import is_array_like
 from .._text import short
+from .._train._resolved_plan import ResolvedPlan
 from .._train._step_layout import StepLayout
 from .._train._trainable import trainable_mask
 from ._jaxpr_walk import (
@@ -533,7 +534,7 @@ def minimum_comm(
     # The plan resolved here, once: the helpers below take these, never the plan.
     facts = PlanFacts.of(plan)
     trains = trainable_mask(params, trainable, plan, where="minimum_comm")
-    updates = StepLayout.resolve(plan, params).updates
+    updates = StepLayout.of(ResolvedPlan.of(plan), params).updates
     items = _param_items(facts, params, updates, gathers=gathers, moved=moved, trains=trains)
     if facts.dims.schedule is not None:
         items += _pipeline_items(facts, params, loss, batch, moved)

@@ -16,6 +16,7 @@ from .._errors import PlanError, SpecError
 from .._plan import Plan, current_plan
 from .._shard_map import filter_shard_map
 from .._specs import partition_specs
+from .._train._resolved_plan import ResolvedPlan
 from .._train._step_layout import DecodeLayout
 from ..nn._kv_cache import cached_block
 from ._gpt import GPT
@@ -133,7 +134,9 @@ def generate(
     _check_length(model, length, total, max_length)
     lengths = _prompt_lengths(prompt_lengths, batch, width)
     plan = current_plan() if plan is None else plan
-    layout = None if plan is None else DecodeLayout.resolve(plan, batch)
+    if plan is not None and not isinstance(plan, Plan):
+        raise PlanError(f"generate(plan={plan!r}): expected an eqxpar.Plan or None.")
+    layout = None if plan is None else DecodeLayout.resolve(ResolvedPlan.of(plan), batch)
     stops = _stop_tokens(stop_tokens, model.config.vocab_size)
     if steps == 0:
         out = Generation(

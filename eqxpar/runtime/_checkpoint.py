@@ -391,6 +391,10 @@ class CheckpointManager:
         ```
         """
         _check_stored_order(stored_order)
+        if plan is not None and not isinstance(plan, Plan):
+            raise CheckpointError(
+                f"CheckpointManager.restore(plan={plan!r}): expected an eqxpar.Plan or None."
+            )
         self.wait()  # a save still being written would otherwise be invisible
         steps = self.all_steps()
         step = self._complete_step(step, steps)
@@ -403,16 +407,15 @@ class CheckpointManager:
         meta = self._read_meta(step, where, fix)
         # Files hold every stack in natural order (see `save`); the target is
         # `like` with its stacks in the order the plan stores them in.
-        target_like = (
-            like if plan is None or not isinstance(plan, Plan) else in_plan_order(_outline(like), plan)
-        )
+        target_like = like if plan is None else in_plan_order(_outline(like), plan)
         # The state as the file holds it: every stack in the order it was saved in.
         file_like = _as_saved(meta, where, stored_order, target_like)
         leaves = _array_leaves(file_like)
         records = meta["leaves"]
         legacy = _predates_skipped_steps(like, records, leaves)
         _check_matches(records, leaves[:-1] if legacy else leaves, where)
-        shardings = _target_shardings(target_like, plan, _array_leaves(target_like))
+        resolved = None if plan is None else ResolvedPlan.of(plan)
+        shardings = _target_shardings(target_like, resolved, _array_leaves(target_like))
         # A stack saved in another order than the target's is read with its layer
         # axis whole, then stored in the target's order.
         moved = [a != b for a, b in zip(_leaf_orders(file_like), _leaf_orders(target_like), strict=True)]
@@ -750,15 +753,15 @@ def _stored_as(restored: PyTree, target_like: PyTree, shardings: list[Sharding])
     return _stored_as_jit(restored, orders, tuple(shardings))
 
 
-def _target_shardings(like: PyTree, plan: Plan | None, leaves: list[tuple[str, Any]]) -> list[Sharding]:
-    if plan is not None:
-        if not isinstance(plan, Plan):
-            raise CheckpointError(
-                f"CheckpointManager.restore(plan={plan!r}): expected an eqxpar.Plan or None."
-            )
+def _target_shardings(
+    like: PyTree, resolved: ResolvedPlan | None, leaves: list[tuple[str, Any]]
+) -> list[Sharding]:
+    """The sharding each array leaf of `like` is restored into: under the target
+    plan (`resolved`), or, without one, the leaf's own."""
+    if resolved is not None:
         _, treedef = jax.tree.flatten(like)
-        specs = treedef.flatten_up_to(specs_of(like, ResolvedPlan.of(plan)))
-        shardings = [plan.sharding(s) for s in specs if s is not None]
+        specs = treedef.flatten_up_to(specs_of(like, resolved))
+        shardings = [resolved.plan.sharding(s) for s in specs if s is not None]
         if len(shardings) != len(leaves):
             raise CheckpointError(
                 "CheckpointManager.restore: the plan's rules did not give every array leaf of `like` "

@@ -24,11 +24,6 @@ from .._specs import is_array_like
 from ._token_file import TokenFile
 
 
-def _check_plan(plan: Any, where: str) -> None:
-    if not isinstance(plan, Plan):
-        raise PlanError(f"{where}(..., plan={plan!r}): expected an eqxpar.Plan.")
-
-
 def _local_blocks(layout: BatchLayout) -> list[int]:
     # The batch is cut into `layout.blocks` equal blocks, one per position
     # along the batch axes; these are the blocks this process's devices hold.
@@ -61,7 +56,8 @@ def process_slice(global_batch_size: int, plan: Plan) -> slice:
     batch = eqxpar.data.global_batch((x[rows], y[rows]), plan)
     ```
     """
-    _check_plan(plan, "process_slice")
+    if not isinstance(plan, Plan):
+        raise PlanError(f"process_slice(..., plan={plan!r}): expected an eqxpar.Plan.")
     if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size < 1:
         raise BatchError(f"process_slice(global_batch_size={global_batch_size!r}): expected an integer >= 1.")
     layout = BatchLayout.of(plan)
@@ -108,7 +104,8 @@ def global_batch(local: PyTree[ArrayLike], plan: Plan) -> PyTree[jax.Array]:
     state, metrics = step(state, batch)
     ```
     """
-    _check_plan(plan, "global_batch")
+    if not isinstance(plan, Plan):
+        raise PlanError(f"global_batch(..., plan={plan!r}): expected an eqxpar.Plan.")
     leaves, treedef = jax.tree.flatten(local)
     sizes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(local)[0]:
@@ -262,7 +259,8 @@ class ShardedIterator:
         shuffle: bool = True,
         step: int = 0,
     ):
-        _check_plan(plan, "ShardedIterator")
+        if not isinstance(plan, Plan):
+            raise PlanError(f"ShardedIterator(..., plan={plan!r}): expected an eqxpar.Plan.")
         self._examples = _dataset_size(data)
         self._batch_size = check_int(batch_size, "batch_size", 1)
         if self._batch_size > self._examples:
