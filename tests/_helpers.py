@@ -923,12 +923,18 @@ def lora_reference_model(name: str):
     leave the logits unchanged). What tests/data/lora/make_references.py writes."""
     base = eqxpar.models.from_pretrained(pathlib.Path(__file__).parent / "data" / "pretrained" / name)
     model = eqxpar.models.add_lora(base, rank=4, alpha=8, targets=LORA_TARGETS[name], key=jax.random.key(0))
+    # 0.3 / sqrt(rank) moves the logits by O(1).
+    return with_drawn_b(model, key=jax.random.key(1), scale=0.15)
+
+
+def with_drawn_b(model, *, key, scale):
+    """`model` (from `add_lora`) with every zero adapter leaf, the `B`s, drawn as
+    `scale` times a standard normal, one key of `key`'s split per adapter leaf."""
     adapters, frozen = eqx.partition(model, eqxpar.models.lora_trainable(model))
     leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    # B leaves are the zero ones; 0.3 / sqrt(rank) moves the logits by O(1).
+    keys = jax.random.split(key, len(leaves))
     leaves = [
-        x if jnp.any(x) else 0.15 * jax.random.normal(k, x.shape, x.dtype)
+        x if jnp.any(x) else scale * jax.random.normal(k, x.shape, x.dtype)
         for x, k in zip(leaves, keys, strict=True)
     ]
     return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)

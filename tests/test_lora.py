@@ -28,6 +28,7 @@ from ._helpers import (
     lm_tokens,
     lora_reference_model,
     train_checked,
+    with_drawn_b,
 )
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -497,16 +498,6 @@ def test_adapter_dropout_takes_the_step_key_and_matches_one_device_under_a_data_
         PIPELINE_LOSS(dropped, tokens)
 
 
-def _with_trained_b(model):
-    """`model` with every zero `B` adapter drawn at random (`add_lora` starts them at
-    zero), so that each layer's tensors differ."""
-    adapters, frozen = eqx.partition(model, lora_trainable(model))
-    leaves, treedef = jax.tree.flatten(adapters)
-    keys = jax.random.split(jax.random.key(5), len(leaves))
-    leaves = [x if jnp.any(x) else jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-    return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
-
-
 def test_save_lora_writes_every_layer_of_an_moe_model_under_its_own_index(tmp_path):
     # Mixtral's layout (every block MoE): one adapter per layer, named by its layer.
     config = GPTConfig(
@@ -524,7 +515,7 @@ def test_save_lora_writes_every_layer_of_an_moe_model_under_its_own_index(tmp_pa
     model = add_lora(
         GPT(config, key=jax.random.key(0)), rank=2, targets=("q", "k", "v", "o"), key=jax.random.key(1)
     )
-    model = _with_trained_b(model)
+    model = with_drawn_b(model, key=jax.random.key(5), scale=1.0)
     save_lora(model, tmp_path)
     tensors = _read(tmp_path / "adapter_model.safetensors")
     # Attention's four projections (the experts take none), A and B, each of 4 layers.
