@@ -6,7 +6,6 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,24 +42,18 @@ _GPT2 = {
 }
 
 
-def _adapters(model: GPT) -> list[tuple[str, Any, Callable[[int], int]]]:
-    """`(layer, adapter, index)` for every adapted block kind of the model's stack:
-    `("attn", AttentionLoRA, …)`, `("mlp", MLPLoRA, …)`; `index(i)` is the model
-    layer of row `i` of the adapter's stacked leaves. A dense model stacks one block
-    per layer; an MoE model one `MoEGroup` of `moe_every` blocks per row: its dense
-    blocks are layers `moe_every * row + j`, its MoE block the group's last."""
-    stack, every = model.blocks.blocks, model.config.moe_every
-    if every:
-        groups = [*((block, j) for j, block in enumerate(stack.dense)), (stack.moe, every - 1)]
-        blocks = [(block, lambda i, j=j: every * i + j) for block, j in groups]
-    else:
-        blocks = [(stack, lambda i: i)]
-    out = []
-    for block, index in blocks:
-        out.append(("attn", block.attn.lora, index))
-        if isinstance(block.mlp, nn.MLP):  # an MoE block's experts take no adapters
-            out.append(("mlp", block.mlp.lora, index))
-    return [(layer, lora, index) for layer, lora, index in out if lora is not None]
+def _adapters(model: GPT) -> list[tuple[str, Any]]:
+    """`(layer, adapter)` of the model's stack: `("attn", AttentionLoRA)`, `("mlp",
+    MLPLoRA)`, row `i` of each adapter leaf being layer `i`. An MoE model reaches
+    here only in Mixtral's layout (`moe_every=1`: `_check_base` refuses the others),
+    one MoE block per row, whose experts take no adapters."""
+    blocks = model.blocks.blocks
+    if model.config.moe_every:
+        blocks = blocks.moe
+    out = [("attn", blocks.attn.lora)]
+    if isinstance(blocks.mlp, nn.MLP):
+        out.append(("mlp", blocks.mlp.lora))
+    return [(layer, lora) for layer, lora in out if lora is not None]
 
 
 def _tensors(model: GPT, kind: str) -> tuple[dict[str, Any], list[str], Any]:
@@ -75,7 +68,7 @@ def _tensors(model: GPT, kind: str) -> tuple[dict[str, Any], list[str], Any]:
         raise PretrainedError(
             "save_lora: the model has no adapters. Add them with eqxpar.models.add_lora (and train them) first."
         )
-    for layer, lora, index in adapters:
+    for layer, lora in adapters:
         for field in lora.__dataclass_fields__:
             if not field.endswith("_a") or getattr(lora, field) is None:
                 continue
@@ -89,7 +82,7 @@ def _tensors(model: GPT, kind: str) -> tuple[dict[str, Any], list[str], Any]:
             targets.add(module)
             a, b = getattr(lora, f"{proj}_a"), getattr(lora, f"{proj}_b")
             for i in range(a.shape[0]):
-                base = f"{prefix}.{index(i)}.{module}"
+                base = f"{prefix}.{i}.{module}"
                 tensors[f"{base}.lora_A.weight"] = (a, i, "A")
                 tensors[f"{base}.lora_B.weight"] = (b, i, "B")
     return tensors, sorted(targets), adapters[0][1]
