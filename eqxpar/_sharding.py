@@ -32,6 +32,12 @@ def _place(x: Any, spec: PartitionSpec, mesh: Mesh, *, where: str, may_alias: bo
         check_spec(spec, tuple(x.shape), mesh, where=where)
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     check_spec(spec, tuple(x.shape), mesh, where=where)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        # An outline (a state or batch compiled from shapes): placing it is giving
+        # it the sharding; nothing is allocated.
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, spec), weak_type=x.weak_type
+        )
     placed = jax.device_put(x, NamedSharding(mesh, spec), may_alias=may_alias)
     if may_alias or not shares_buffer(placed, x):
         return placed

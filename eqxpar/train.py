@@ -14,6 +14,7 @@ from ._train._eval import evaluate as evaluate
 from ._train._eval import make_eval_step as make_eval_step
 from ._train._nonfinite import SkipMonitor as SkipMonitor
 from ._train._step import Step as Step
+from ._train._step import ValueAndGrad as ValueAndGrad
 from ._train._step import make_step as make_step
 from ._train._step import make_value_and_grad as make_value_and_grad
 from ._train._train_state import TrainState as TrainState

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._errors import BatchError, PlanError
 from .._fsdp import layer_gathers, prepare_model
+from .._outline_jit import OutlineJit, has_outlines
 from .._plan import Plan
 from .._shard_map import filter_shard_map
 from .._sharding import place_tree
@@ -109,7 +110,7 @@ class EvalStep:
     def __init__(self, loss: LossFunction, resolved: ResolvedPlan, *, per_row: bool = False):
         self._loss, self._resolved, self._per_row = loss, resolved, per_row
         # Compiled once per (model structure, batch shape), as a step is.
-        self._compiled = eqx.filter_jit(self._evaluate)
+        self._compiled = OutlineJit(self._evaluate, what="an eval step")
 
     def _evaluate(self, model: PyTree, batch: PyTree, key: Any) -> tuple | Array:
         resolved = self._resolved
@@ -167,6 +168,26 @@ class EvalStep:
                 *[aux for _, _, aux in parts],
             )
         return metrics
+
+    def lower(
+        self, state_or_model: Any, batch: PyTree, *, key: PRNGKeyArray | None = None
+    ) -> jax.stages.Lowered:
+        """Lower the program a call runs on `batch` whole (a multiple of
+        `rows_per_call` rows), for arrays or outlines (`jax.ShapeDtypeStruct`s: a
+        state from `train.init(..., abstract=True)`, a model built under
+        `eqx.filter_eval_shape`); nothing runs. `.compile()` gives its memory and HLO."""
+        model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
+        # Outlines are put in the plan's order by tracing it: nothing is allocated.
+        order = lambda m: in_plan_order(m, self._resolved)  # noqa: E731
+        model = eqx.filter_eval_shape(order, model) if has_outlines(model) else order(model)
+        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
+        q = self.rows_per_call
+        if len(sizes) != 1 or next(iter(sizes)) % q:
+            raise BatchError(
+                f"EvalStep.lower: the batch's leaves have leading sizes {sorted(sizes)}; expected one batch "
+                f"size, a multiple of rows_per_call = {q} (a call runs other sizes as several programs)."
+            )
+        return self._compiled.lower(model, batch, key)
 
     def _masked_mean(self, model: PyTree, batch: PyTree, rows: int, key: Any) -> Array:
         # Padded to the next multiple the plan divides with copies of the first

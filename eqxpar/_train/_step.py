@@ -12,8 +12,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._errors import AccumulationWarning, PlanError
+from .._outline_jit import OutlineJit, refuse_outlines
 from .._plan import Plan
 from .._sharding import check_batch, place_tree
+from .._specs import is_array_like
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
@@ -136,7 +138,7 @@ class Step:
         return StepLayout.of(self._resolved, state.model, state.opt_state, trainable=mask)
 
     def _jitted(self, state: TrainState, batch: PyTree) -> tuple[Callable, PyTree]:
-        dynamic, static = eqx.partition(state, eqx.is_array)
+        dynamic, static = eqx.partition(state, is_array_like)
         static_leaves, static_def = jax.tree.flatten(static)
         try:
             cache_key = (
@@ -196,16 +198,23 @@ class Step:
             )
         check_batch(batch, self._resolved.batch, microbatches=self._resolved.microbatches)
         jitted, static = self._jitted(state, batch)
-        return jitted, static, eqx.filter(state, eqx.is_array)
+        return jitted, static, eqx.filter(state, is_array_like)
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
+        refuse_outlines((state, batch), "a train step")
         jitted, static, dynamic = self._prepare(state, batch)
         batch = self._placed_batch(batch)
         new_dynamic, metrics = jitted(dynamic, batch)
         return eqx.combine(new_dynamic, static), metrics
 
     def lower(self, state: TrainState, batch: PyTree) -> jax.stages.Lowered:
-        """Lower the step for `state` and `batch` (concrete arrays; nothing runs)."""
+        """Lower the step for `state` and `batch`; nothing runs.
+
+        Either may be arrays or outlines (`jax.ShapeDtypeStruct`s: the state from
+        `train.init(..., abstract=True)` or built under `eqx.filter_eval_shape`),
+        and both lower to the same program: the one `step(state, batch)` runs.
+        From outlines nothing is allocated, so a step can be compiled for a
+        model or a TPU topology this machine could not hold (`eqxpar.aot`)."""
         jitted, _, dynamic = self._prepare(state, batch)
         # Placed as `__call__` places it, so that `.compile()` is the executable
         # the step runs (jit caches by the inputs' shardings).
@@ -215,7 +224,8 @@ class Step:
         return place_tree(batch, self._resolved.mesh, self._resolved.batch.spec, copy=False)
 
     def compile(self, state: TrainState, batch: PyTree) -> jax.stages.Compiled:
-        """The compiled executable for `state` and `batch` (for HLO, memory, cost)."""
+        """The compiled executable for `state` and `batch`, arrays or outlines as
+        `lower` takes them (for HLO, memory, cost)."""
         return self.lower(state, batch).compile()
 
 
@@ -401,8 +411,9 @@ def make_value_and_grad(
     **Arguments:** as for `make_step` (`loss_fn`, `plan`, `accumulate`, `has_aux`,
     `trainable`: gradients for those weights only, None at frozen ones).
 
-    **Returns:** `f(model, batch, *, key=None) -> (loss, grads)`, or
-    `((loss, aux), grads)` with `has_aux`; `grads` mirrors the model's floating-point
+    **Returns:** a `ValueAndGrad` `f`: `f(model, batch, *, key=None) -> (loss,
+    grads)`, or `((loss, aux), grads)` with `has_aux`; `f.lower(model, batch)`
+    lowers it from arrays or outlines; `grads` mirrors the model's floating-point
     arrays (None elsewhere) with the parameters' sharding. `key` reaches a loss
     function that takes `key=` (default `jax.random.key(0)`).
 
@@ -414,7 +425,6 @@ def make_value_and_grad(
     _check_loss(loss_fn, resolved, has_aux, "make_value_and_grad")
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
 
-    @eqx.filter_jit
     def compiled(model, batch, key):
         with plan:
             mask = trainable_mask(model, trainable, resolved, where="make_value_and_grad")
@@ -424,9 +434,26 @@ def make_value_and_grad(
             value, aux, grads = _gradients(loss, layout, model, batch, key)
         return ((value, aux), grads) if has_aux else (value, grads)
 
-    def value_and_grad(model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> Any:
-        check_batch(batch, resolved.batch, microbatches=resolved.microbatches)
-        _warn_batch_statistics(model, resolved, stacklevel=2)
-        return compiled(model, batch, jax.random.key(0) if key is None else key)
+    return ValueAndGrad(OutlineJit(compiled, what="make_value_and_grad's function"), resolved)
 
-    return value_and_grad
+
+class ValueAndGrad:
+    """The compiled loss-and-gradients function `make_value_and_grad` builds:
+    `f(model, batch, *, key=None) -> (loss, grads)`, and `f.lower(model, batch,
+    *, key=None)` for arrays or outlines (`jax.ShapeDtypeStruct`s: the model built
+    under `eqx.filter_eval_shape`), which lowers the program a call runs."""
+
+    def __init__(self, compiled: OutlineJit, resolved: ResolvedPlan):
+        self._compiled, self._resolved = compiled, resolved
+
+    def _checked(self, model: PyTree, batch: PyTree, key: Any) -> tuple:
+        check_batch(batch, self._resolved.batch, microbatches=self._resolved.microbatches)
+        _warn_batch_statistics(model, self._resolved, stacklevel=4)
+        return model, batch, jax.random.key(0) if key is None else key
+
+    def __call__(self, model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> Any:
+        return self._compiled(*self._checked(model, batch, key))
+
+    def lower(self, model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None = None) -> jax.stages.Lowered:
+        """Lower for `model` and `batch` (arrays or outlines); nothing runs."""
+        return self._compiled.lower(*self._checked(model, batch, key))

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec
-from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 
 from .._errors import PlanError, UnusedAxisWarning
 from .._plan import Plan
@@ -69,14 +69,20 @@ class TrainState(eqx.Module):
       gradient (int32 scalar; default 0). A skipped step advances `step` but not
       the parameters or optimizer state, so `step - skipped_steps` updates were
       applied. Saved and restored with the rest of the state.
+
+    A state built with `init(..., abstract=True)` holds `jax.ShapeDtypeStruct`
+    outlines in every array's place: it compiles a step (`Step.lower`), it does
+    not run one.
     """
 
     model: PyTree
     opt_state: PyTree
-    step: Int[Array, ""]
-    key: PRNGKeyArray
+    step: Int[Array | jax.ShapeDtypeStruct, ""]
+    key: PRNGKeyArray | Key[jax.ShapeDtypeStruct, ""]
     # A default keeps states built by hand with the four fields above valid.
-    skipped_steps: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+    skipped_steps: Int[Array | jax.ShapeDtypeStruct, ""] = eqx.field(
+        default_factory=lambda: jnp.zeros((), jnp.int32)
+    )
 
 
 def init(
@@ -84,8 +90,10 @@ def init(
     optimizer: optax.GradientTransformation,
     plan: Plan,
     *,
-    key: PRNGKeyArray,
+    key: PRNGKeyArray | jax.ShapeDtypeStruct,
     trainable: Any = None,
+    # Any: checked below, with an eqxpar error that names the value.
+    abstract: Any = False,
 ) -> TrainState:
     """Place `model` on the plan's mesh and build its sharded optimizer state.
 
@@ -107,11 +115,22 @@ def init(
     - `trainable`: the filter of the weights that train, as `make_step` takes it
       (pass the same to both); the optimizer state holds nothing for the others.
       Default None: every array.
+    - `abstract`: build the state's outline only (default False): every array a
+      `jax.ShapeDtypeStruct` carrying the `NamedSharding` the step keeps it in,
+      and nothing allocated. That is what `Step.lower` / `Step.compile` take to
+      compile a step from shapes, e.g. for a TPU topology this machine does not
+      have (see `eqxpar.aot`). A model given as outlines (built under
+      `eqx.filter_eval_shape`) gives an outline whatever `abstract` says, and so
+      does calling `init` under `eqx.filter_eval_shape`.
 
-    **Returns:** a `TrainState` with `step == 0` and `skipped_steps == 0`.
+    **Returns:** a `TrainState` with `step == 0` and `skipped_steps == 0` (its
+    outline with `abstract=True`).
 
     ```python
     state = eqxpar.train.init(model, optax.adamw(1e-3), plan, key=jax.random.key(0))
+    # From shapes: no weight is ever allocated.
+    outline = eqx.filter_eval_shape(Model, key=jax.random.key(0))
+    state = eqxpar.train.init(outline, optax.adamw(1e-3), plan, key=jax.random.key(0), abstract=True)
     ```
     """
 
@@ -138,6 +157,10 @@ def init(
     # Checked on the model as the plan stores it: a stack of uneven pipeline stages
     # has rows (padded per device) the pipe axis divides where its depth may not.
     _warn_unused_axes(eqx.filter_eval_shape(lambda m: in_plan_order(m, resolved), model), resolved)
+    if not isinstance(abstract, bool):
+        raise PlanError(f"eqxpar.train.init(abstract={abstract!r}): expected True or False.")
+    if abstract or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
+        return _outline(place, model, resolved, key, trainable)
     try:
         model, opt_state = place(model)
     except ValueError as e:
@@ -156,10 +179,40 @@ def init(
     # device, which device_put cannot place on a mesh spanning several processes.
     step = jax.device_put(np.zeros((), np.int32), replicated)
     skipped_steps = jax.device_put(np.zeros((), np.int32), replicated)
-    if not isinstance(key, jax.core.Tracer):  # traced (eval_shape, jit): nothing to place
-        key_data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
+    key_data = jax.random.key_data(key)
+    # Traced (init under eval_shape or jit), the key is already where the trace
+    # puts it: only a concrete key is moved, from host values.
+    if not isinstance(key_data, jax.core.Tracer):
+        key_data = jax.device_put(np.asarray(key_data), replicated)
         key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
     return TrainState(model=model, opt_state=opt_state, step=step, key=key, skipped_steps=skipped_steps)
+
+
+def _outline(place: Any, model: PyTree, resolved: ResolvedPlan, key: Any, trainable: Any) -> TrainState:
+    """`init`'s state as outlines: `place` traced for shapes only (nothing is
+    allocated or compiled), every array a `jax.ShapeDtypeStruct` with the sharding
+    the step keeps it in."""
+    model, opt_state = eqx.filter_eval_shape(place, model)
+    mask = trainable_mask(model, trainable, resolved, where="eqxpar.train.init")
+    layout = StepLayout.of(resolved, model, opt_state, trainable=mask)
+    replicated = NamedSharding(resolved.mesh, PartitionSpec())
+    if isinstance(key, jax.ShapeDtypeStruct):
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            raise PlanError(
+                f"eqxpar.train.init(key=ShapeDtypeStruct(dtype={key.dtype})): expected a typed PRNG key or "
+                "its outline, e.g. jax.random.key(0) or jax.eval_shape(jax.random.key, 0)."
+            )
+        key_outline = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    else:
+        key_outline = jax.ShapeDtypeStruct(jnp.shape(key), key.dtype, sharding=replicated)
+    counter = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return TrainState(
+        model=place_tree(model, resolved.mesh, layout.params),
+        opt_state=place_tree(opt_state, resolved.mesh, layout.opt_state),
+        step=counter,
+        key=key_outline,
+        skipped_steps=counter,
+    )
 
 
 def specs_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:

@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._errors import PlanError
+from .._specs import is_array_like
 from .._stack_order import StackOrdering, in_plan_order
 
 # A leaf the filter leaves out (eqx.filter's `replace`): distinct from None, which
@@ -88,11 +89,12 @@ def split_trainable(model: PyTree, mask: PyTree | None) -> tuple[PyTree, PyTree]
     """`(params, rest)`: the arrays the step differentiates and updates (those of
     `mask`; every floating-point array for None), None elsewhere, and the rest of
     `model` (frozen weights, integers, non-arrays), None where `params` has one."""
-    return eqx.partition(model, eqx.is_inexact_array if mask is None else mask)
+    return eqx.partition(model, _is_floating if mask is None else mask)
 
 
 def optimized(model: PyTree, mask: PyTree | None) -> PyTree:
     """What the optimizer state mirrors: every array of `model` without a filter
     (as `train.init` has always built it), else the trainable arrays only, so that
-    a frozen weight has no optimizer state."""
-    return eqx.filter(model, eqx.is_array if mask is None else mask)
+    a frozen weight has no optimizer state. Outlines (`jax.ShapeDtypeStruct`s, a
+    state compiled from shapes) count as arrays."""
+    return eqx.filter(model, is_array_like if mask is None else mask)

@@ -10,6 +10,8 @@ parallelism, and manual tensor-parallel steps.
   `generate`, and the pipeline pieces `gpt_first` / `gpt_last`. With
   `GPTConfig(moe_every=k, experts=n)` every k-th block is a mixture of experts
   (the stack holds `MoEGroup`s) and `lm_loss` adds the auxiliary losses.
+  `preset(name)` gives published shapes (`"gpt2"`, `"llama3-8b"`, `"llama3-70b"`,
+  `"mixtral-8x7b"`) as `GPTConfig`s.
 """
 
 from .._errors import PretrainedError as PretrainedError
@@ -17,6 +19,7 @@ from ._flops import flops_per_token as flops_per_token
 from ._flops import transformer_flops_per_token as transformer_flops_per_token
 from ._generate import Generation as Generation
 from ._generate import generate as generate
+from ._generate import lower_generate as lower_generate
 from ._gpt import GPT as GPT
 from ._gpt import GPTConfig as GPTConfig
 from ._gpt import MoEGroup as MoEGroup
@@ -28,5 +31,7 @@ from ._lora import lora_trainable as lora_trainable
 from ._lora import merge_lora as merge_lora
 from ._lora_peft import save_lora as save_lora
 from ._mlp import MLPClassifier as MLPClassifier
+from ._presets import PRESET_NAMES as PRESET_NAMES
+from ._presets import preset as preset
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import save_pretrained as save_pretrained

@@ -1,8 +1,9 @@
-"""Sampling from a `GPT` with a key/value cache: `generate`."""
+"""Sampling from a `GPT` with a key/value cache: `generate`, and `lower_generate`
+for its program compiled from shapes."""
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,6 +14,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .. import nn
 from .._errors import PlanError, SpecError
+from .._outline_jit import OutlineJit
 from .._plan import Plan, current_plan
 from .._shard_map import filter_shard_map
 from .._specs import partition_specs
@@ -118,35 +120,121 @@ def generate(
     ids, logprobs = out.tokens, out.logprobs
     ```
     """
-    if not isinstance(model, GPT):
-        raise PlanError(f"generate(model={type(model).__name__}): expected an eqxpar.models.GPT.")
-    if prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] < 1:
-        raise SpecError(
-            f"generate: prompt_ids of shape {prompt_ids.shape}; expected (prompt,) or (batch, prompt) "
-            "with at least one token."
-        )
-    _check_settings(steps, temperature, top_k, top_p)
-    prompt = prompt_ids if isinstance(prompt_ids, jax.core.Tracer) else np.asarray(prompt_ids)
-    prompt = prompt if prompt.ndim == 2 else prompt[None]
-    batch, width = prompt.shape
-    total = width + steps
-    length = total if max_length is None else max_length
-    _check_length(model, length, total, max_length)
-    lengths = _prompt_lengths(prompt_lengths, batch, width)
     plan = current_plan() if plan is None else plan
     if plan is not None and not isinstance(plan, Plan):
         raise PlanError(f"generate(plan={plan!r}): expected an eqxpar.Plan or None.")
-    layout = None if plan is None else DecodeLayout.resolve(ResolvedPlan.of(plan), batch)
-    stops = _stop_tokens(stop_tokens, model.config.vocab_size)
+    resolved = None if plan is None else ResolvedPlan.of(plan)
+    inputs = _DecodeInputs.of(
+        model, prompt_ids, steps, temperature, top_k, top_p, stop_tokens, prompt_lengths, max_length, resolved
+    )
     if steps == 0:
+        batch = inputs.buffer.shape[0]
         out = Generation(
-            jnp.asarray(prompt), jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch,), jnp.int32)
+            jnp.asarray(inputs.buffer), jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch,), jnp.int32)
         )
     else:
-        # Built on the host where the prompt is concrete: each eager device op
-        # would compile a small program of its own.
-        xp = jnp if isinstance(prompt, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer) else np
-        buffer = xp.concatenate([prompt, xp.zeros((batch, length - width), prompt.dtype)], axis=1)
+        tokens, logprobs, count = _decode(model, *inputs.arguments(key))
+        out = Generation(tokens[:, : inputs.total], logprobs[:, inputs.width : inputs.total], count)
+    return out if prompt_ids.ndim == 2 else Generation(*(x[0] for x in out))
+
+
+def lower_generate(
+    model: GPT,
+    prompt_ids: Int[Array, "batch prompt"] | jax.ShapeDtypeStruct,
+    *,
+    steps: int,
+    stop_tokens: Sequence[int] = (),
+    max_length: int | None = None,
+    plan: Plan | None = None,
+) -> jax.stages.Lowered:
+    """Lower the program `generate` runs (the prefill of the prompt and the
+    decode loop over the key/value cache, one program), from arrays or outlines;
+    nothing runs and, from outlines, nothing is allocated.
+
+    The sampling settings, the key and the prompt lengths are traced inputs of
+    that program, so they do not change it; the prompt's shape, `max_length`
+    (default `prompt + steps`), the number of stop tokens and the plan do.
+    `.compile()` gives its memory (the cache included) and HLO, for a model or a
+    TPU topology this machine could not hold.
+
+    **Arguments:** `model`: a `GPT`, or its outline (built under
+    `eqx.filter_eval_shape`); `prompt_ids`: `(batch, prompt)` ids or a
+    `jax.ShapeDtypeStruct` of them; `steps`, `stop_tokens`, `max_length`, `plan`:
+    as `generate` takes them.
+
+    **Returns:** a `jax.stages.Lowered`.
+
+    ```python
+    outline = eqx.filter_eval_shape(eqxpar.models.GPT, config, key=jax.random.key(0))
+    prompt = jax.ShapeDtypeStruct((8, 128), jnp.int32)
+    compiled = eqxpar.models.lower_generate(outline, prompt, steps=128, plan=plan).compile()
+    ```
+    """
+    if not isinstance(prompt_ids, jax.ShapeDtypeStruct) and np.ndim(prompt_ids) != 2:
+        raise SpecError(
+            f"lower_generate: prompt_ids of shape {np.shape(prompt_ids)}; expected (batch, prompt)."
+        )
+    plan = current_plan() if plan is None else plan
+    if plan is not None and not isinstance(plan, Plan):
+        raise PlanError(f"lower_generate(plan={plan!r}): expected an eqxpar.Plan or None.")
+    resolved = None if plan is None else ResolvedPlan.of(plan)
+    inputs = _DecodeInputs.of(model, prompt_ids, steps, 1.0, 0, 1.0, stop_tokens, None, max_length, resolved)
+    if steps == 0:
+        raise PlanError("lower_generate(steps=0): generate runs no program for 0 steps; pass steps >= 1.")
+    return _decode.lower(model, *inputs.arguments(jax.random.key(0)))
+
+
+class _DecodeInputs(NamedTuple):
+    """`generate`'s checked inputs and the decode program's arguments."""
+
+    buffer: Any
+    pads: Any
+    stops: np.ndarray
+    scalars: dict
+    layout: DecodeLayout | None
+    width: int
+    total: int
+
+    @classmethod
+    def of(
+        cls,
+        model: Any,
+        prompt_ids: Any,
+        steps: Any,
+        temperature: Any,
+        top_k: Any,
+        top_p: Any,
+        stop_tokens: Sequence[int],
+        prompt_lengths: Any,
+        max_length: Any,
+        resolved: ResolvedPlan | None,
+    ) -> "_DecodeInputs":
+        if not isinstance(model, GPT):
+            raise PlanError(f"generate(model={type(model).__name__}): expected an eqxpar.models.GPT.")
+        shape = tuple(prompt_ids.shape)
+        if len(shape) not in (1, 2) or shape[-1] < 1:
+            raise SpecError(
+                f"generate: prompt_ids of shape {shape}; expected (prompt,) or (batch, prompt) "
+                "with at least one token."
+            )
+        _check_settings(steps, temperature, top_k, top_p)
+        outline = isinstance(prompt_ids, jax.ShapeDtypeStruct)
+        batch, width = (1, *shape) if len(shape) == 1 else shape
+        total = width + steps
+        length = total if max_length is None else max_length
+        _check_length(model, length, total, max_length)
+        lengths = _prompt_lengths(prompt_lengths, batch, width)
+        layout = None if resolved is None else DecodeLayout.resolve(resolved, batch)
+        stops = _stop_tokens(stop_tokens, model.config.vocab_size)
+        if outline:
+            buffer = jax.ShapeDtypeStruct((batch, length), prompt_ids.dtype)
+        else:
+            prompt = prompt_ids if isinstance(prompt_ids, jax.core.Tracer) else np.asarray(prompt_ids)
+            prompt = prompt if prompt.ndim == 2 else prompt[None]
+            # Built on the host where the prompt is concrete: each eager device op
+            # would compile a small program of its own.
+            xp = jnp if isinstance(prompt, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer) else np
+            buffer = xp.concatenate([prompt, xp.zeros((batch, length - width), prompt.dtype)], axis=1)
         scalars = dict(
             width=np.asarray(width, np.int32),
             steps=np.asarray(steps, np.int32),
@@ -154,9 +242,11 @@ def generate(
             top_k=np.asarray(top_k, np.int32),
             top_p=np.asarray(top_p, np.float32),
         )
-        tokens, logprobs, count = _decode(model, buffer, width - lengths, stops, key, scalars, layout)
-        out = Generation(tokens[:, :total], logprobs[:, width:total], count)
-    return out if prompt_ids.ndim == 2 else Generation(*(x[0] for x in out))
+        return cls(buffer, width - lengths, stops, scalars, layout, width, total)
+
+    def arguments(self, key: Any) -> tuple:
+        """`_decode`'s arguments after the model."""
+        return self.buffer, self.pads, self.stops, key, self.scalars, self.layout
 
 
 def _check_settings(steps: object, temperature: object, top_k: object, top_p: object) -> None:
@@ -212,14 +302,16 @@ def _stop_tokens(stop_tokens: Sequence[int], vocab: int) -> np.ndarray:
     return np.asarray(ids or [-1], np.int32)
 
 
-@eqx.filter_jit
-def _decode(
+def _decode_program(
     model: GPT, buffer: Array, pads: Array, stops: Array, key: Array, s: dict, layout: DecodeLayout | None
 ) -> tuple[Array, Array, Array]:
     if layout is None:
         return _run(model, buffer, pads, stops, key, s, None)
     with layout.plan:
         return _run(model, buffer, pads, stops, key, s, layout)
+
+
+_decode = OutlineJit(_decode_program, what="generate")
 
 
 def _run(
