@@ -41,9 +41,12 @@ device in one group.
 """
 
 import dataclasses
+import math
 import re
 from collections import Counter
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from .._errors import EqxparError
 from .._text import short
@@ -81,10 +84,15 @@ _CALLS = re.compile(r"\b(?:body|to_apply|calls)=%?([\w.\-]+)")
 _CONDITIONAL = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _GROUPS_IOTA = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]")
+# The whole iota form: [groups,size]<=[dims] with an optional T(permutation).
+_GROUPS_IOTA_FULL = re.compile(r"\breplica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _GROUPS_LIST = re.compile(r"\breplica_groups=\{(\{[^}]*\})?")
 # Named-mesh form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}: one group
 # per combination of the unnamed axes, spanning the axes named in braces.
-_GROUPS_MESH = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# The devices may be given in another order than iota: `, device_ids=([4,2]T(1,0))`.
+_GROUPS_MESH = re.compile(
+    r"\breplica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
+)
 _MESH_AXIS = re.compile(r"'([^']+)'\s*=\s*(\d+)")
 _MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -106,6 +114,11 @@ class CollectiveStats:
     wire_bytes: Counter = dataclasses.field(default_factory=Counter)
     in_loops: Counter = dataclasses.field(default_factory=Counter)
     dtypes: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    #: Wire bytes by kind and the mesh axes each collective's group spans, e.g.
+    #: `{"all-gather": {("fsdp",): 3.1e9}, "all-reduce": {("data", "fsdp"): ...}}`
+    #: (empty unless `collective_stats` was given the mesh). A collective-permute
+    #: counts its result once per instruction here, whoever sends it.
+    by_axes: dict[str, dict[tuple[str, ...], int]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -180,7 +193,9 @@ def _hlo_text(target: Any) -> str:
     )
 
 
-def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> CollectiveStats:
+def collective_stats(
+    compiled_or_text: Any, num_devices: int | None = None, *, mesh: Any = None
+) -> CollectiveStats:
     """Collective counts, result bytes and wire bytes of a compiled computation,
     per device.
 
@@ -193,6 +208,10 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     - `num_devices`: the group size of a collective whose `replica_groups` is
       empty (all devices). Only needed then, and only when the `HloModule` line
       lacks `num_partitions=`/`replica_count=` (XLA omits them when 1).
+    - `mesh`: the `jax.sharding.Mesh` the computation was compiled for (keyword
+      only, optional): with it, `by_axes` splits each kind's wire bytes by the
+      mesh axes its groups span (device ids read as positions in the mesh's
+      device order, as jit assigns them).
 
     **Returns:** a `CollectiveStats` (`.count`, `.bytes`, `.wire_bytes`, `.in_loops`
     and `.dtypes` by kind; `.total_bytes`, `.total_wire_bytes`).
@@ -212,7 +231,10 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     if num_devices is None:
         num_devices = _module_devices(text)
     acc = _tally()
-    _Walk(computations, num_devices).visit(entry, 1, 0, False, acc)
+    mesh_axes = None if mesh is None else tuple((str(a), int(mesh.shape[a])) for a in mesh.axis_names)
+    if num_devices is None and mesh is not None:
+        num_devices = math.prod(size for _, size in mesh_axes)
+    _Walk(computations, num_devices, mesh_axes).visit(entry, 1, 0, False, acc)
     _add_busiest_device(acc)
     if acc.sends:  # the busiest device's permutes
         acc.wire["collective-permute"] += max(acc.sends.values())
@@ -225,6 +247,11 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
         wire_bytes=acc.wire,
         in_loops=acc.in_loops,
         dtypes={k: tuple(sorted(dtypes[k])) for k in KINDS if k in dtypes},
+        by_axes={
+            k: {axes: n for (kind, axes), n in sorted(acc.axes.items()) if kind == k}
+            for k in KINDS
+            if any(kind == k for kind, _ in acc.axes)
+        },
     )
 
 
@@ -247,6 +274,8 @@ class _Tally(NamedTuple):
     wire: Counter
     in_loops: Counter
     dtypes: Counter
+    # Wire bytes by (kind, the mesh axes a collective's group spans), with a mesh.
+    axes: Counter
     # Collective-permute bytes each device sends, by device id.
     sends: Counter
     # What each device adds in the conditionals whose branch per device is known.
@@ -254,13 +283,13 @@ class _Tally(NamedTuple):
 
 
 def _tally() -> _Tally:
-    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), {})
+    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), {})
 
 
 def _merge(into: _Tally, part: _Tally, device: int | None = None) -> None:
     """Add `part` to `into`; with `device`, `part`'s own per-device counts of that
     device too (the branch that device runs), else all of them as they are."""
-    for total, counts in zip(into[:6], part[:6], strict=True):
+    for total, counts in zip(into[:7], part[:7], strict=True):
         total.update(counts)
     for d, extra in part.devices.items():
         if device is None:
@@ -278,7 +307,7 @@ def _add_busiest_device(acc: _Tally) -> None:
     for d, extra in acc.devices.items():
         acc.sends[d] += extra.sends[d]
     busiest = max(acc.devices.values(), key=lambda t: (sum(t.wire.values()), sum(t.bytes.values())))
-    for total, counts in zip(acc[:5], busiest[:5], strict=True):
+    for total, counts in zip(acc[:6], busiest[:6], strict=True):
         total.update(counts)
     acc.devices.clear()
 
@@ -298,6 +327,8 @@ class _Walk:
 
     computations: dict[str, list[str]]
     num_devices: int | None
+    # The mesh's (axis, size) in device order, to name the axes a group spans.
+    mesh_axes: tuple[tuple[str, int], ...] | None = None
 
     def all_devices(self) -> int:
         # Raised lazily: text whose collectives all name their groups needs no count.
@@ -353,8 +384,25 @@ class _Walk:
                 acc.wire[base] += weight * size
             for device in sources or ():
                 acc.sends[device] += weight * size
+            wire = weight * size
         else:
-            acc.wire[base] += weight * _ring_bytes(base, size, _group_size(line) or self.all_devices())
+            wire = weight * _ring_bytes(base, size, _group_size(line) or self.all_devices())
+            acc.wire[base] += wire
+        if self.mesh_axes is not None:
+            acc.axes[base, self._group_axes(line, base)] += wire
+
+    def _group_axes(self, line: str, base: str) -> tuple[str, ...]:
+        """The mesh axes along which the devices of the collective's (first)
+        group differ: the axes it communicates over."""
+        assert self.mesh_axes is not None
+        members = _first_group(line, base)
+        if members is None:
+            members = list(range(self.all_devices()))
+        sizes = [size for _, size in self.mesh_axes]
+        if max(members, default=0) >= math.prod(sizes):
+            return ("?",)
+        coords = np.array(np.unravel_index(members, sizes))
+        return tuple(name for (name, _), row in zip(self.mesh_axes, coords, strict=True) if len(set(row)) > 1)
 
     def _visit_branches(self, line: str, weight: int, depth: int, looped: bool, acc: _Tally) -> None:
         branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line) for c in group.split(",")]
@@ -395,12 +443,45 @@ class _Walk:
         return [by_position[(d // stride) % len(by_position)] for d in range(self.num_devices)]
 
 
+def _first_group(line: str, base: str) -> list[int] | None:
+    """The device ids of a collective's first replica group (a permute's first
+    source-target pair); None for all devices."""
+    if base == "collective-permute":
+        m = _PAIRS.search(line)
+        pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(1)) if m else []
+        return [int(d) for d in pairs[0]] if pairs else None
+    m = _GROUPS_MESH.search(line)
+    if m:
+        axes = [(name, int(n)) for name, n in _MESH_AXIS.findall(m.group(1))]
+        sizes = [n for _, n in axes]
+        order = np.arange(math.prod(sizes))
+        if m.group(2):
+            order = order.reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                order = order.transpose([int(d) for d in m.group(3).split(",")])
+        named = {a.strip().strip("'") for a in m.group(4).split(",") if a.strip()}
+        index = tuple(slice(None) if name in named else 0 for name, _ in axes)
+        return order.reshape(sizes)[index].reshape(-1).tolist()
+    m = _GROUPS_IOTA_FULL.search(line)
+    if m:
+        groups, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(groups, size)[0].tolist()
+    m = _GROUPS_LIST.search(line)
+    if m and m.group(1):
+        return [int(d) for d in m.group(1).strip("{}").split(",") if d.strip()] or None
+    return None
+
+
 def _group_size(line: str) -> int | None:
     # None: empty or missing replica_groups, i.e. all devices in one group.
     m = _GROUPS_MESH.search(line)
     if m:
         sizes = {name: int(n) for name, n in _MESH_AXIS.findall(m.group(1))}
-        named = [a.strip().strip("'") for a in m.group(2).split(",") if a.strip()]
+        named = [a.strip().strip("'") for a in m.group(4).split(",") if a.strip()]
         size = 1
         for axis in named:
             size *= sizes.get(axis, 1)
