@@ -3,8 +3,10 @@
 Counts each collective's *result* bytes (all-reduce: the full tensor; all-gather:
 the gathered tensor; reduce-scatter: the shard; collective-permute: the moved
 tensor; all-to-all: the tensor), per device. A collective inside a `while` body is
-weighted by the loop's trip count (XLA records it as `known_trip_count`), nested
-loops multiply, and computations called from several places count once per call.
+weighted by the loop's trip count (XLA records it as `known_trip_count`; where
+it does not, as in TPU executables, `_trips` reads it from the loop's condition,
+body and initial value, and a loop it cannot read counts once), nested loops
+multiply, and computations called from several places count once per call.
 A conditional (`lax.cond` / `lax.switch`) counts only its branch that moves the
 most wire bytes: each device runs one branch per execution, so summing them would
 count, e.g., every action of a pipeline tick at once. That is an upper bound where
@@ -48,6 +50,7 @@ from typing import Any, NamedTuple
 from .._errors import EqxparError
 from .._text import short
 from ._compiled import compiled_stage
+from ._trips import inferred_trip_count
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -211,11 +214,7 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
     computations, entry = _parse(text)
     if num_devices is None:
         num_devices = _module_devices(text)
-    acc = _tally()
-    _Walk(computations, num_devices).visit(entry, 1, 0, False, acc)
-    _add_busiest_device(acc)
-    if acc.sends:  # the busiest device's permutes
-        acc.wire["collective-permute"] += max(acc.sends.values())
+    acc = walk_tally(_Walk(computations, num_devices), entry)
     dtypes: dict[str, set[str]] = {}
     for kind, dtype in acc.dtypes:
         dtypes.setdefault(kind, set()).add(dtype)
@@ -226,6 +225,17 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
         in_loops=acc.in_loops,
         dtypes={k: tuple(sorted(dtypes[k])) for k in KINDS if k in dtypes},
     )
+
+
+def walk_tally(walk: "_Walk", entry: str) -> "_Tally":
+    """What `walk` counts from the entry computation on, the busiest device's
+    collective-permutes (and per-device conditionals) settled."""
+    acc = _tally()
+    walk.visit(entry, 1, 0, False, acc)
+    _add_busiest_device(acc)
+    if acc.sends:  # the busiest device's permutes
+        acc.wire["collective-permute"] += max(acc.sends.values())
+    return acc
 
 
 def _module_devices(text: str) -> int | None:
@@ -309,6 +319,15 @@ class _Walk:
             )
         return self.num_devices
 
+    def counts(self, computation: str, line: str, opcode: str) -> bool:
+        """Whether this collective instruction of `computation` is counted: all are
+        (a subclass counts some, e.g. `_overlap`'s the overlapped ones)."""
+        return True
+
+    def descends(self, line: str, opcode: str) -> bool:
+        """Whether the walk goes into the computations this instruction calls."""
+        return True
+
     def visit(self, name: str, weight: int, depth: int, looped: bool, acc: _Tally) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (recursive computations?)")
@@ -318,12 +337,15 @@ class _Walk:
                 continue
             result_type, opcode = m.group(2), m.group(3)
             base = opcode.removesuffix("-start")
-            if base in KINDS and not opcode.endswith("-done"):
+            if base in KINDS and not opcode.endswith("-done") and self.counts(name, line, opcode):
                 self._add(acc, line, base, opcode, result_type, weight, looped)
+            if not self.descends(line, opcode):
+                continue
             inner = weight
             if opcode == "while":
                 trip = _TRIP.search(line)
-                inner = weight * (int(trip.group(1)) if trip else 1)
+                count = int(trip.group(1)) if trip else inferred_trip_count(line, self.computations[name], self.computations)
+                inner = weight * (1 if count is None else count)
             if opcode == "fusion" or base in KINDS:
                 # Fusions hold no collectives; reducers of collectives are scalars.
                 continue
