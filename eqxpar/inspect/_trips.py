@@ -3,13 +3,13 @@ for compiled HLO that does not write `known_trip_count` (a TPU executable's, e.g
 libtpu 0.0.50's scanned layers and windowed einsums).
 
 It recognises the counted loop XLA leaves behind: the condition's root compares a
-loop-carried integer (`get-tuple-element(param), index=i`) with a constant
-(`direction=LT`, `LE`, `GT`, `GE` or `NE`), the body's root tuple sets element `i`
-to that element plus (or minus) a constant step, and the loop's operand is a
-`tuple` whose element `i` is a constant (or a copy of one). Anything else (a bound read from data, a
-step that is not a constant, an operand built another way) is not guessed at: the
-answer is None and the reader counts the body once, as it does for a loop with no
-known count.
+loop-carried integer (`get-tuple-element(param), index=i`, or a copy of it) with a
+constant (`direction=LT`, `LE`, `GT`, `GE` or `NE`), the body's root tuple sets
+element `i` to that element plus (or minus) a constant step, and the loop's
+operand is a `tuple` whose element `i` is a constant (or a copy of one). Anything
+else (a bound read from data, a step that is not a constant, an operand built
+another way) is not guessed at: the answer is None and the reader counts the body
+once, as it does for a loop with no known count.
 """
 
 import math
@@ -40,23 +40,27 @@ def _operands(rest: str) -> list[str]:
     return _OPERANDS.findall(rest.split(")", 1)[0])
 
 
-def _constant(defs: dict, name: str) -> int | None:
-    """The integer `name` holds where it is a constant, or a copy (or bitcast) of
-    one: XLA copies a loop's initial counter into the loop's operand."""
+def _through_copies(defs: dict, name: str) -> tuple[str, str, str]:
+    """The definition of `name`, or of what it copies where it is a copy (or a
+    bitcast) of another value: XLA copies a loop's counter in and out of the loop."""
     for _ in range(16):
         opcode, rest, line = defs.get(name, ("", "", ""))
-        if opcode == "constant":
-            m = _CONSTANT.search(line)
-            return int(m.group(1)) if m else None
         if opcode not in ("copy", "bitcast") or not _operands(rest):
-            return None
+            return opcode, rest, line
         name = _operands(rest)[0]
-    return None
+    return "", "", ""
+
+
+def _constant(defs: dict, name: str) -> int | None:
+    """The integer `name` holds where it is a constant (or a copy of one)."""
+    opcode, _, line = _through_copies(defs, name)
+    m = _CONSTANT.search(line) if opcode == "constant" else None
+    return int(m.group(1)) if m else None
 
 
 def _element(defs: dict, name: str) -> int | None:
-    """i where `name` is `get-tuple-element(<the parameter>), index=i`."""
-    opcode, rest, line = defs.get(name, ("", "", ""))
+    """i where `name` is (a copy of) `get-tuple-element(<the parameter>), index=i`."""
+    opcode, rest, line = _through_copies(defs, name)
     if opcode != "get-tuple-element":
         return None
     source = defs.get(_operands(rest)[0] if _operands(rest) else "", ("",))[0]
