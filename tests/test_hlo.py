@@ -253,3 +253,64 @@ ENTRY %main (x: f32[8,4]) -> f32[8,4] {
     assert stats.wire_bytes["collective-permute"] == 3 * 128
     one_way = text.replace("{{1,0},{2,1}}", "{{2,0}}")
     assert collective_stats(one_way).wire_bytes["collective-permute"] == 2 * 128
+
+
+COUNTED_LOOP = """
+HloModule m, num_partitions=2
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ag = f32[16]{0} all-gather(%x), replica_groups={{0,1}}, dimensions={0}
+  %s = f32[8]{0} slice(%ag), slice={[0:8]}
+  %step = s32[] constant(STEP)
+  %next = s32[] OP(%i, %step)
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %s)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(BOUND)
+  ROOT %c = pred[] compare(%i, %n), direction=DIRECTION
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %start = s32[] constant(START)
+  %init = (s32[], f32[8]{0}) tuple(%start, %x)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("start", "op", "step", "direction", "bound", "trips"),
+    [
+        (0, "add", 1, "LT", 32, 32),  # a scan over 32 layers
+        (0, "add", 2, "LT", 16, 8),  # a windowed einsum, two blocks a trip
+        (0, "add", 2, "LE", 16, 9),
+        (10, "subtract", 3, "GT", 0, 4),  # 10, 7, 4, 1
+        (0, "add", 1, "NE", 5, 5),
+        (0, "multiply", 2, "LT", 16, 1),  # not a counted loop: its body counts once
+    ],
+)
+def test_trip_count_read_from_a_loop_without_known_trip_count(start, op, step, direction, bound, trips):
+    """TPU executables state no known_trip_count: the count is read from the
+    loop's condition, step and initial value, or the body counts once."""
+    text = COUNTED_LOOP
+    for key, value in {"START": start, "OP": op, "STEP": step, "DIRECTION": direction, "BOUND": bound}.items():
+        text = text.replace(key, str(value))
+    stats = collective_stats(text)
+    assert stats.count["all-gather"] == stats.in_loops["all-gather"] == trips
+
+
+def test_trip_count_read_through_copies_of_the_counter():
+    """libtpu copies the counter before adding the step (the pipeline's loop of
+    MaxText's Llama-3-70B): still a counted loop."""
+    text = COUNTED_LOOP.replace("%next = s32[] OP(%i, %step)", "%ci = s32[] copy(%i)\n  %next = s32[] add(%ci, %step)")
+    for key, value in {"START": 0, "STEP": 1, "DIRECTION": "LT", "BOUND": 83}.items():
+        text = text.replace(key, str(value))
+    assert collective_stats(text).count["all-gather"] == 83

@@ -4,7 +4,8 @@ pictures of array layouts.
 
 Inside: `_table` (`sharding_table`), `_compiled` (a Step, Lowered or Compiled
 turned into one executable), `_hlo` (collective counts and bytes read from
-compiled HLO), `_minimum` (the theoretical minimum of communication of a plan),
+compiled HLO), `_overlap` (`overlap_stats`: the part of that traffic the
+schedule overlaps with compute), `_minimum` (the theoretical minimum of communication of a plan),
 `_report` (`comm_report`: the two side by side), `_memory` (`memory_report`),
 `_flops` (`matmul_flops`: matmul FLOPs per device, loops weighted) and
 `_layout` (text and PNG pictures of an array's layout over the devices) and
@@ -19,6 +20,8 @@ from ._layout import layout as layout
 from ._layout import save_layout_png as save_layout_png
 from ._memory import MemoryReport as MemoryReport
 from ._memory import memory_report as memory_report
+from ._overlap import OverlapStats as OverlapStats
+from ._overlap import overlap_stats as overlap_stats
 from ._minimum import Cost as Cost
 from ._minimum import Minimum as Minimum
 from ._minimum import minimum_comm as minimum_comm

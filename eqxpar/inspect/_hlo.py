@@ -3,8 +3,10 @@
 Counts each collective's *result* bytes (all-reduce: the full tensor; all-gather:
 the gathered tensor; reduce-scatter: the shard; collective-permute: the moved
 tensor; all-to-all: the tensor), per device. A collective inside a `while` body is
-weighted by the loop's trip count (XLA records it as `known_trip_count`), nested
-loops multiply, and computations called from several places count once per call.
+weighted by the loop's trip count (XLA records it as `known_trip_count`; where
+it does not, as in TPU executables, `_trips` reads it from the loop's condition,
+body and initial value, and a loop it cannot read counts once), nested loops
+multiply, and computations called from several places count once per call.
 A conditional (`lax.cond` / `lax.switch`) counts only its branch that moves the
 most wire bytes: each device runs one branch per execution, so summing them would
 count, e.g., every action of a pipeline tick at once. That is an upper bound where
@@ -51,6 +53,7 @@ import numpy as np
 from .._errors import EqxparError
 from .._text import short
 from ._compiled import compiled_stage
+from ._trips import inferred_trip_count
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -230,14 +233,10 @@ def collective_stats(
     computations, entry = _parse(text)
     if num_devices is None:
         num_devices = _module_devices(text)
-    acc = _tally()
     mesh_axes = None if mesh is None else tuple((str(a), int(mesh.shape[a])) for a in mesh.axis_names)
     if num_devices is None and mesh is not None:
         num_devices = math.prod(size for _, size in mesh_axes)
-    _Walk(computations, num_devices, mesh_axes).visit(entry, 1, 0, False, acc)
-    _add_busiest_device(acc)
-    if acc.sends:  # the busiest device's permutes
-        acc.wire["collective-permute"] += max(acc.sends.values())
+    acc = walk_tally(_Walk(computations, num_devices, mesh_axes), entry)
     dtypes: dict[str, set[str]] = {}
     for kind, dtype in acc.dtypes:
         dtypes.setdefault(kind, set()).add(dtype)
@@ -253,6 +252,17 @@ def collective_stats(
             if any(kind == k for kind, _ in acc.axes)
         },
     )
+
+
+def walk_tally(walk: "_Walk", entry: str) -> "_Tally":
+    """What `walk` counts from the entry computation on, the busiest device's
+    collective-permutes (and per-device conditionals) settled."""
+    acc = _tally()
+    walk.visit(entry, 1, 0, False, acc)
+    _add_busiest_device(acc)
+    if acc.sends:  # the busiest device's permutes
+        acc.wire["collective-permute"] += max(acc.sends.values())
+    return acc
 
 
 def _module_devices(text: str) -> int | None:
@@ -340,6 +350,15 @@ class _Walk:
             )
         return self.num_devices
 
+    def counts(self, computation: str, line: str, opcode: str) -> bool:
+        """Whether this collective instruction of `computation` is counted: all are
+        (a subclass counts some, e.g. `_overlap`'s the overlapped ones)."""
+        return True
+
+    def descends(self, line: str, opcode: str) -> bool:
+        """Whether the walk goes into the computations this instruction calls."""
+        return True
+
     def visit(self, name: str, weight: int, depth: int, looped: bool, acc: _Tally) -> None:
         if depth > 64:
             raise ValueError("HLO call graph too deep (recursive computations?)")
@@ -349,12 +368,19 @@ class _Walk:
                 continue
             result_type, opcode = m.group(2), m.group(3)
             base = opcode.removesuffix("-start")
-            if base in KINDS and not opcode.endswith("-done"):
+            if base in KINDS and not opcode.endswith("-done") and self.counts(name, line, opcode):
                 self._add(acc, line, base, opcode, result_type, weight, looped)
+            if not self.descends(line, opcode):
+                continue
             inner = weight
             if opcode == "while":
                 trip = _TRIP.search(line)
-                inner = weight * (int(trip.group(1)) if trip else 1)
+                count = (
+                    int(trip.group(1))
+                    if trip
+                    else inferred_trip_count(line, self.computations[name], self.computations)
+                )
+                inner = weight * (1 if count is None else count)
             if opcode == "fusion" or base in KINDS:
                 # Fusions hold no collectives; reducers of collectives are scalars.
                 continue
