@@ -14,7 +14,6 @@ from .._errors import EqxparError, PlanError
 from .._mesh import CONTEXT_AXIS, make_mesh
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
-from .._sharding import shard_batch
 from .._specs import is_array_like
 from .._text import fmt_int, render, short
 from .._train._resolved_plan import ResolvedPlan
@@ -126,48 +125,54 @@ class Advice:
     def __str__(self) -> str:
         return self.table()
 
-    def plan(self, i: int = 0) -> Plan:
-        """The `i`-th ranked candidate as a `Plan` on a real mesh (`make_mesh`).
-        A pipeline plan runs `pipeline_loss` (`eqxpar.pipeline.PipelineLoss`)."""
+    def plan(self, i: int = 0, *, topology: Any = None) -> Plan:
+        """The `i`-th ranked candidate as a `Plan` on a real mesh (`make_mesh`):
+        this machine's devices, or with `topology` a TPU slice's (a name such as
+        `"v5p-64"`, as `make_mesh` takes it; needs libtpu). A pipeline plan runs
+        `pipeline_loss` (`eqxpar.pipeline.PipelineLoss`)."""
         if not isinstance(i, int) or not 0 <= i < len(self.candidates):
             raise PlanError(
                 f"Advice.plan({i!r}): {len(self.candidates)} candidates fit the budget; expected an index "
                 f"in range({len(self.candidates)}). Raise memory_per_device if none fit."
             )
         layout = self.candidates[i].layout
-        return Plan(make_mesh(**layout.mesh), **layout.options)
+        return Plan(make_mesh(**layout.mesh, topology=topology), **layout.options)
 
-    def check(self, k: int = 3) -> tuple[Comparison, ...]:
-        """Compile (never run) the top `k` candidates' steps, one at a time, and put
-        XLA's memory analysis and the compiled HLO's wire bytes beside the
-        predictions (`compare` for each). Needs the model as arrays (the batch may
-        be outlines), and the candidates' device counts here."""
+    def check(self, k: int = 3, *, topology: Any = None) -> tuple[Comparison, ...]:
+        """Compile (never run) the top `k` candidates' steps from shapes, one at a
+        time, and put the compiler's memory analysis and the compiled HLO's wire
+        bytes beside the predictions (`compare` for each). With `topology` (a TPU
+        slice's name, e.g. `"v5p-256"`; needs libtpu) they compile for that slice,
+        whatever this machine has: the TPU compiler's figures, at the scale the
+        advice is for. Without it, for this machine's devices."""
         if not isinstance(k, int) or k < 1:
             raise PlanError(f"Advice.check(k={k!r}): expected a positive number of candidates.")
-        return tuple(self.compare(i) for i in range(min(k, len(self.candidates))))
+        return tuple(self.compare(i, topology=topology) for i in range(min(k, len(self.candidates))))
 
-    def compare(self, i: int = 0) -> Comparison:
-        """Compile (never run) the `i`-th ranked candidate's step and put its
-        measured bytes per device beside the prediction: XLA's
-        `memory_analysis()` (compiled without LLVM's optimisations, which run after
-        buffer assignment and change no byte) and the compiled HLO's wire bytes."""
+    def compare(self, i: int = 0, *, topology: Any = None) -> Comparison:
+        """Compile (never run) the `i`-th ranked candidate's step from shapes (the
+        model's outline and the optimizer state's, nothing allocated) and put its
+        measured bytes per device beside the prediction: the compiler's
+        `memory_analysis()` and the compiled HLO's wire bytes (a loop's
+        collectives once per trip). For `topology`, see `check`. On this
+        machine's CPU devices the step compiles without LLVM's optimisations,
+        which run after buffer assignment and change no byte."""
         from .. import train
         from ..inspect import collective_stats, memory_report
 
-        if self.devices > jax.device_count():
+        if topology is None and self.devices > jax.device_count():
             raise PlanError(
                 f"Advice.check: the plans are for {self.devices} devices and this process has "
-                f"{jax.device_count()}; compile them where the devices exist."
+                f"{jax.device_count()}. Compile them for a TPU slice of that size with "
+                "check(k, topology=...) (e.g. topology='v5p-64' for 32 chips), or where the devices exist."
             )
-        plan, c = self.plan(i), self.candidates[i]
+        plan, c = self.plan(i, topology=topology), self.candidates[i]
         loss = self.pipeline_loss if BatchLayout.of(plan).pipelined else self.loss_fn
-        # Outlines stand for a batch of zeros: only the shapes reach the compile.
-        batch = jax.tree.map(
-            lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, self.batch
-        )
-        state = train.init(self.model, self.optimizer, plan, key=jax.random.key(0))
+        batch = outline(self.batch)
+        state = train.init(outline(self.model), self.optimizer, plan, key=jax.random.key(0), abstract=True)
         step = train.make_step(loss, self.optimizer, plan)
-        compiled = step.lower(state, shard_batch(batch, plan)).compile(compiler_options=_MEMORY_ONLY)
+        on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
+        compiled = step.lower(state, batch).compile(compiler_options=_MEMORY_ONLY if on_cpu else None)
         memory, stats, p = memory_report(compiled), collective_stats(compiled), c.prediction
         return Comparison(
             name=c.name,

@@ -1,0 +1,147 @@
+"""`python -m eqxpar.aot`: the command line of `compile_train_step`."""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from .._errors import EqxparError, PlanError
+from .._mesh import make_mesh
+from .._plan import Plan
+from ..models import PRESET_NAMES, preset
+from ..pipeline import stage_rules
+from ..rules import FSDP, MEGATRON
+from ._compile import compile_train_step
+
+_AXES = ("data", "pipe", "fsdp", "expert", "context", "tensor")
+_DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32}
+
+
+def parse_axes(text: str) -> dict[str, int]:
+    """`"fsdp=8,tensor=4"` as `{"fsdp": 8, "tensor": 4}` (eqxpar's mesh axes only)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+        axis, _, size = part.partition("=")
+        if axis not in _AXES or not size.isdigit() or int(size) < 1:
+            raise PlanError(
+                f"--plan {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(_AXES)} and SIZE a "
+                "positive integer. Example: --plan fsdp=8,tensor=4"
+            )
+        sizes[axis] = int(size)
+    if not sizes:
+        raise PlanError(f"--plan {text!r}: expected at least one AXIS=SIZE, e.g. --plan fsdp=32")
+    return sizes
+
+
+def parse_batch(text: str) -> tuple[int, int]:
+    """`"1x2048"` as `(1, 2048)`: rows per chip x sequence length."""
+    rows, _, length = text.lower().partition("x")
+    if not (rows.isdigit() and length.isdigit() and int(rows) > 0 and int(length) > 0):
+        raise PlanError(f"--batch {text!r}: expected ROWSxLENGTH per chip, e.g. --batch 1x2048")
+    return int(rows), int(length)
+
+
+def plan_of(
+    sizes: dict[str, int],
+    *,
+    topology: str | None,
+    remat: str = "full",
+    compute_dtype: Any = jnp.bfloat16,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    mode: str | None = None,
+    rows_per_chip: int = 1,
+) -> Plan:
+    """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
+    or this machine's devices), FSDP over `fsdp` (and the batch axes), Megatron
+    tensor/expert/context rules where those axes are split, a pipeline's stage
+    rules and schedule where `pipe` is, its micro-batches by default one row each
+    (`rows_per_chip` x chips / data-parallel devices)."""
+    mesh = make_mesh(**sizes, topology=topology)
+    needs_layers = any(sizes.get(a, 1) > 1 for a in ("tensor", "expert", "context"))
+    rules: Any = [MEGATRON, FSDP()] if needs_layers else FSDP()
+    options: dict[str, Any] = {}
+    if sizes.get("pipe", 1) > 1:
+        rules = stage_rules(rules)
+        batch_devices = math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert"))
+        rows = rows_per_chip * math.prod(sizes.values()) // batch_devices
+        options = dict(schedule=schedule or "1f1b", microbatches=microbatches or rows)
+    elif schedule is not None:
+        raise PlanError(f"--schedule {schedule}: a schedule needs a pipe axis, e.g. --plan pipe=4,fsdp=8")
+    if sizes.get("context", 1) > 1:
+        options["context_attention"] = "ring"
+    return Plan(mesh, rules=rules, remat=remat, compute_dtype=compute_dtype, mode=mode, **options)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eqxpar.aot",
+        description="Compile a model's train step for a TPU topology (or this machine) from shapes, and "
+        "report memory per chip, collectives per mesh axis against the plan's minimum, asynchronous "
+        "overlap and compile time. Needs libtpu for a TPU topology: pip install 'eqxpar[tpu]'.",
+    )
+    parser.add_argument("--model", required=True, help=f"a preset: {', '.join(PRESET_NAMES)}")
+    parser.add_argument(
+        "--topology", help="e.g. v5p-64 (32 chips) or v5p:4x4x2; default this machine's devices"
+    )
+    parser.add_argument("--plan", required=True, help="mesh axis sizes, e.g. fsdp=32 or fsdp=8,tensor=4")
+    parser.add_argument("--batch", default="1x2048", help="rows per chip x sequence length (default 1x2048)")
+    parser.add_argument("--remat", default="full", help="Plan(remat=...) (default full)")
+    parser.add_argument(
+        "--dtype", default="bf16", choices=sorted(_DTYPES), help="compute dtype (default bf16)"
+    )
+    parser.add_argument("--schedule", help="pipeline schedule with a pipe axis (default 1f1b)")
+    parser.add_argument("--microbatches", type=int, help="pipeline micro-batches (default: one row each)")
+    parser.add_argument("--mode", choices=["auto", "manual"], help="Plan(mode=...) (default the plan's)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a GPTConfig field"
+    )
+    parser.add_argument("--json", type=pathlib.Path, help="also write the report as JSON here")
+    return parser
+
+
+def _value(text: str) -> Any:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns its exit status (0: compiled, 1: a plan that does
+    not fit the chip's memory, 2: a bad argument)."""
+    args = _parser().parse_args(argv)
+    # libtpu takes a lock per process; compiling beside a test run or another
+    # compile needs it lifted.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        overrides = dict((field, _value(value)) for field, _, value in (s.partition("=") for s in args.set))
+        config = preset(args.model, **overrides)
+        batch = parse_batch(args.batch)
+        plan = plan_of(
+            parse_axes(args.plan),
+            rows_per_chip=batch[0],
+            topology=args.topology,
+            remat=args.remat,
+            compute_dtype=_DTYPES[args.dtype],
+            schedule=args.schedule,
+            microbatches=args.microbatches,
+            mode=args.mode,
+        )
+        report = compile_train_step(config, plan, batch=batch, name=args.model)
+    except EqxparError as e:
+        print(f"error: {e}")
+        return 2
+    where = args.topology or "this machine"
+    print(f"[{args.model} on {where}]")
+    print(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"topology_name": where, **report.as_dict()}, indent=1) + "\n")
+    return 1 if report.fits is False else 0

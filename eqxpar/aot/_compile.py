@@ -1,0 +1,196 @@
+"""`compile_train_step`: a model's train step compiled from shapes for a plan's
+mesh (a TPU topology this machine does not have, or its own devices), and what
+the compiler says of it."""
+
+import math
+import resource
+import sys
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._errors import PlanError
+from .._plan import Plan
+from ..inspect import collective_stats, minimum_comm, overlap_stats
+from ..models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss, preset
+from ..pipeline import PipelineLoss
+from ..train import init, make_step
+from ._report import AotReport
+
+#: Memory of one device, by `jax.Device.device_kind` (the vendors' figures:
+#: Cloud TPU's documentation gives 95 GB of HBM for a v5p chip, 16 GB for v5e,
+#: 32 GB for v6e and v4).
+DEVICE_MEMORY: dict[str, int] = {
+    "TPU v5": 95 * 10**9,
+    "TPU v5p": 95 * 10**9,
+    "TPU v5 lite": 16 * 10**9,
+    "TPU v5e": 16 * 10**9,
+    "TPU v6 lite": 32 * 10**9,
+    "TPU v6e": 32 * 10**9,
+    "TPU v4": 32 * 10**9,
+}
+
+
+def _peak_rss() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _device_memory(device: Any) -> int | None:
+    if device.platform == "cpu":
+        return None
+    return DEVICE_MEMORY.get(device.device_kind)
+
+
+def _outline(model: Any) -> tuple[str, Any]:
+    """`(name, outline)` of a preset name, a `GPTConfig`, or a model (or outline)."""
+    if isinstance(model, str):
+        model = preset(model)
+    if isinstance(model, GPTConfig):
+        return "GPT", eqx.filter_eval_shape(GPT, model, key=jax.random.key(0))
+    return type(model).__name__, eqx.filter_eval_shape(lambda: model)
+
+
+def _default_loss(outline: Any, plan: Plan) -> Any:
+    if not isinstance(outline, GPT):
+        raise PlanError(
+            f"compile_train_step(model={type(outline).__name__}, loss=None): only a GPT has a default loss "
+            "(eqxpar.models.lm_loss). Pass loss=your_loss_fn(model, batch)."
+        )
+    if plan.schedule is not None:
+        return PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
+    return lm_loss
+
+
+def compile_train_step(
+    model: Any,
+    # Any: checked below, with an eqxpar error that names the value.
+    plan: Any,
+    *,
+    batch: Any,
+    optimizer: optax.GradientTransformation | None = None,
+    loss: Any = None,
+    name: str | None = None,
+    minimum: bool = True,
+) -> AotReport:
+    """Compile `model`'s train step under `plan` from shapes, for the plan's mesh,
+    and report what the compiler says of it. Nothing is allocated: the model, the
+    optimizer state and the batch are outlines (`train.init(..., abstract=True)`).
+
+    With a mesh over a TPU topology (`eqxpar.make_mesh(..., topology="v5p-64")`,
+    needs libtpu) this is the program that slice would run, compiled on this
+    machine: its memory per chip, its collectives and their schedule are the
+    TPU compiler's. GPU topologies cannot be compiled this way (JAX describes
+    only TPU slices that are not attached).
+
+    **Arguments:**
+
+    - `model`: a preset name (`"llama3-8b"`, see `eqxpar.models.PRESET_NAMES`), a
+      `GPTConfig`, or any model (arrays or outlines) with `loss`.
+    - `plan`: the plan; its mesh says where to compile.
+    - `batch`: `(rows per chip, sequence length)`, as MaxText's
+      `per_device_batch_size`: the step's batch is `rows x chips` sequences of
+      `length + 1` token ids (inputs and shifted targets), split over the plan's
+      batch axes.
+    - `optimizer`: default `optax.adamw(1e-4)` (float32 moments).
+    - `loss`: default `eqxpar.models.lm_loss` (a pipeline's `PipelineLoss` of
+      `gpt_first` / `gpt_last` under a pipelined plan).
+    - `name`: the model's name in the report (default the preset's, or its class).
+    - `minimum`: compare the collectives with `eqxpar.inspect.minimum_comm`
+      (default True).
+
+    **Returns:** an `AotReport`; `print(report)` gives the table `python -m
+    eqxpar.aot` prints.
+
+    ```python
+    mesh = eqxpar.make_mesh(fsdp=32, topology="v5p-64")
+    plan = eqxpar.Plan(mesh, rules=eqxpar.rules.FSDP(), remat="full", compute_dtype=jnp.bfloat16)
+    report = eqxpar.aot.compile_train_step("llama3-8b", plan, batch=(1, 2048))
+    print(report)
+    ```
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"compile_train_step(plan={plan!r}): expected an eqxpar.Plan.")
+    if not (
+        isinstance(batch, tuple)
+        and len(batch) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch)
+    ):
+        raise PlanError(
+            f"compile_train_step(batch={batch!r}): expected (rows per chip, sequence length), two positive "
+            "integers, e.g. (1, 2048)."
+        )
+    label = name or (model if isinstance(model, str) else None)
+    kind, outline = _outline(model)
+    label = label or kind
+    loss = _default_loss(outline, plan) if loss is None else loss
+    optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
+    mesh = plan.mesh
+    chips = math.prod(mesh.devices.shape)
+    rows, length = batch
+    tokens = jax.ShapeDtypeStruct((rows * chips, length + 1), jnp.int32)
+    state = init(outline, optimizer, plan, key=jax.random.key(0), abstract=True)
+    step = make_step(loss, optimizer, plan)
+    start = time.perf_counter()
+    lowered = step.lower(state, tokens)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    memory = compiled.memory_analysis()
+    stats = collective_stats(compiled, mesh=mesh)
+    least, note = None, "not asked for"
+    if minimum:
+        least = minimum_comm(plan, state.model, loss=loss, batch=tokens)
+        note = least.note
+    device = mesh.devices.flat[0]
+    topology = getattr(device, "device_kind", device.platform)
+    return AotReport(
+        model=label,
+        topology=topology,
+        chips=chips,
+        mesh={str(a): int(mesh.shape[a]) for a in mesh.axis_names},
+        plan=_describe(plan),
+        tokens_per_step=rows * chips * length,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        memory_per_chip=_device_memory(device),
+        collectives=stats,
+        minimum=least,
+        minimum_note=note,
+        overlap=overlap_stats(compiled),
+        lower_seconds=lowered_at - start,
+        compile_seconds=compiled_at - lowered_at,
+        peak_rss_bytes=_peak_rss(),
+        cost=_cost(compiled),
+    )
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    """`cost_analysis()`'s flops and bytes accessed, where the backend gives them."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without one raises its own error kinds
+        return {}
+    if isinstance(cost, list):  # jax before 0.4.30 gave one dict per program
+        cost = cost[0] if cost else {}
+    return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in (cost or {})}
+
+
+def _describe(plan: Plan) -> str:
+    """One line naming what the plan chose."""
+    parts = [f"mode={plan.mode}", f"remat={plan.remat}"]
+    if plan.compute_dtype is not None:
+        parts.append(f"compute={jnp.dtype(plan.compute_dtype).name}")
+    if plan.param_dtype is not None:
+        parts.append(f"params={jnp.dtype(plan.param_dtype).name}")
+    if plan.schedule is not None:
+        parts.append(f"schedule={plan.schedule} x{plan.microbatches}")
+    return "plan(" + ", ".join(parts) + ")"

@@ -1,0 +1,120 @@
+"""`eqxpar.aot`: a model's train step compiled from shapes (for this machine's
+devices, or a TPU topology where libtpu is installed), its report, its command."""
+
+import importlib.util
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqxpar
+from eqxpar import aot
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='libtpu is not installed (pip install "eqxpar[tpu]"): no TPU topology to compile for',
+)
+SMALL = dict(num_layers=2, max_seq_len=128)
+
+
+def _small_gpt2():
+    return eqxpar.models.preset("gpt2", **SMALL)
+
+
+def test_report_on_this_machine_counts_collectives_per_axis_against_the_minimum():
+    plan = aot.plan_of({"data": 2, "fsdp": 4}, topology=None)
+    report = aot.compile_train_step(_small_gpt2(), plan, batch=(1, 64), name="gpt2-2")
+    assert report.chips == 8 and report.tokens_per_step == 8 * 64
+    assert (
+        report.peak_bytes
+        == report.argument_bytes + report.output_bytes - report.alias_bytes + report.temp_bytes
+    )
+    # The weights are gathered over fsdp: the all-gathers' groups span that axis only.
+    assert set(report.collectives.by_axes["all-gather"]) == {("fsdp",)}
+    by_axes = sum(n for by in report.collectives.by_axes.values() for n in by.values())
+    assert by_axes == sum(report.collectives.wire_bytes.values()) - report.collectives.wire_bytes[
+        "collective-permute"
+    ] + sum(report.collectives.by_axes.get("collective-permute", {}).values())
+    assert report.minimum is not None and report.wire_ratio_to_minimum >= 1.0
+    assert report.fits is None  # a CPU device has no memory figure
+    text = str(report)
+    assert "gpt2-2" in text and re.search(r"all-gather +fsdp +[\d,]+ +[\d,]+", text)
+    record = report.as_dict()
+    assert json.loads(json.dumps(record))["peak_bytes"] == report.peak_bytes
+
+
+@needs_libtpu
+def test_report_for_a_tpu_topology_compares_with_the_chip_and_the_minimum():
+    plan = aot.plan_of({"fsdp": 4}, topology="v5p:2x2x1")
+    report = aot.compile_train_step(_small_gpt2(), plan, batch=(1, 64))
+    assert report.memory_per_chip == 95 * 10**9 and report.fits is True
+    assert report.topology.startswith("TPU v5")
+    # The overlap reader counts the same collectives collective_stats does.
+    assert report.overlap.wire_bytes == report.collectives.total_wire_bytes
+    # One gather per layer per pass (forward, recomputed forward, backward), not
+    # once per program: the scanned stack's trip count is read from the loop.
+    assert 0.95 <= report.wire_ratio_to_minimum <= 1.5
+
+
+def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    status = aot.main(
+        [
+            "--model",
+            "gpt2",
+            "--plan",
+            "data=2,fsdp=4",
+            "--batch",
+            "1x64",
+            "--set",
+            "num_layers=2",
+            "--set",
+            "max_seq_len=128",
+            "--json",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "memory per device" in printed and "measured / minimum" in printed
+    record = json.loads(out.read_text())
+    assert record["topology_name"] == "this machine" and record["mesh"]["fsdp"] == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "llama9", "--plan", "fsdp=8"], "unknown model"),
+        (["--model", "gpt2", "--plan", "fsdp"], "AXIS=SIZE"),
+        (["--model", "gpt2", "--plan", "width=8"], "AXIS=SIZE"),
+        (["--model", "gpt2", "--plan", "fsdp=8", "--batch", "2048"], "ROWSxLENGTH"),
+        (["--model", "gpt2", "--plan", "fsdp=8", "--set", "depth=2"], "no field 'depth'"),
+        (["--model", "gpt2", "--plan", "fsdp=8", "--schedule", "1f1b"], "needs a pipe axis"),
+        (["--model", "gpt2", "--plan", "fsdp=64"], "needs 64 devices"),
+    ],
+)
+def test_command_refuses_bad_arguments_naming_them(argv, message, capsys):
+    assert aot.main(argv) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_compile_train_step_refuses_bad_values():
+    plan = aot.plan_of({"data": 8}, topology=None)
+    with pytest.raises(eqxpar.PlanError, match="rows per chip, sequence length"):
+        aot.compile_train_step("gpt2", plan, batch=(1, 0))
+    with pytest.raises(eqxpar.PlanError, match="only a GPT has a default loss"):
+        aot.compile_train_step(
+            eqxpar.models.MLPClassifier(4, 8, 2, key=jax.random.key(0)), plan, batch=(1, 4)
+        )
+    with pytest.raises(eqxpar.PlanError, match="expected an eqxpar.Plan"):
+        aot.compile_train_step("gpt2", "fsdp=8", batch=(1, 4))
+
+
+def test_a_pipelined_plan_compiles_with_the_gpt_pipeline_loss():
+    plan = aot.plan_of({"pipe": 2, "data": 4}, topology=None, compute_dtype=jnp.float32)
+    report = aot.compile_train_step(_small_gpt2(), plan, batch=(1, 32))
+    # One row per chip, 8 chips over 4 data-parallel devices: 2 micro-batches of one row.
+    assert "schedule=1f1b x2" in report.plan
+    assert ("pipe",) in report.collectives.by_axes["collective-permute"]
