@@ -127,17 +127,15 @@ PLANS = [
 CHUNKS = [3, 4]
 
 
-def _cases():
-    for name, config, make_plan, kw in PLANS:
-        for chunk in CHUNKS:
-            # The dividing chunks of the bigger meshes in make test-slow: the
-            # padded chunk runs the same path plus the padding.
-            slow = chunk == 4 and name not in ("tensor-sp-overlap", "context-tensor-sp")
-            marks = [pytest.mark.slow] if slow else []
-            yield pytest.param(config, make_plan, kw, chunk, id=f"{name}-chunk{chunk}", marks=marks)
-
-
-@pytest.mark.parametrize("config,make_plan,kw,chunk", list(_cases()))
+# (tests/_slow_cases.py keeps the dividing chunk of most plans out of make test.)
+@pytest.mark.parametrize(
+    "config,make_plan,kw,chunk",
+    [
+        pytest.param(config, make_plan, kw, chunk, id=f"{name}-chunk{chunk}")
+        for name, config, make_plan, kw in PLANS
+        for chunk in CHUNKS
+    ],
+)
 def test_chunked_loss_under_a_plan_matches_the_unchunked_one_device_loss(gpts, config, make_plan, kw, chunk):
     model, batch = gpts[config], tokens(1)
     loss, grads = eqxpar.train.make_value_and_grad(lm_loss, make_plan(), **kw)(chunked(model, chunk), batch)
@@ -146,11 +144,12 @@ def test_chunked_loss_under_a_plan_matches_the_unchunked_one_device_loss(gpts, c
     assert_trees_close_to_scale(grads, ref_grads)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 8, 31])
-@pytest.mark.parametrize("config", sorted(CONTEXT_CONFIGS))
+@pytest.mark.parametrize(
+    "config,chunk", [("rotary-gqa", 1), ("rotary-gqa", 8), ("learned-positions", 3), ("learned-positions", 31)]
+)
 def test_chunked_loss_on_one_device_matches(gpts, config, chunk):
-    # 31 positions: chunks of 1, 8 (the last one 7), 3 (the last one 1) and 31 (one
-    # chunk: the unchunked program). Per-row losses too.
+    # 31 positions: chunks of 1 (dividing), 8 (the last one 7), 3 (the last one 1)
+    # and 31 (one chunk: the unchunked program). Per-row losses too.
     model, batch = gpts[config], tokens(2)[:, :32]
     loss, grads = value_and_grad_on_one_device(chunked(model, chunk), lm_loss, batch)
     ref_loss, ref_grads = value_and_grad_on_one_device(model, lm_loss, batch)
@@ -176,7 +175,7 @@ def test_moe_auxiliary_losses_are_unchanged():
     assert_trees_close_to_scale(grads, ref_grads)
 
 
-@pytest.mark.parametrize("chunk", [3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("chunk", [3, 4])
 def test_pipeline_last_stage_loss_matches(gpts, chunk):
     model, batch = gpts["rotary-gqa"], tokens(4)
     plan = pipeline_plan("gpipe", pipe=2, microbatches=2, data=2, tensor=2, rules=eqxpar.rules.MEGATRON)
@@ -254,3 +253,21 @@ def test_chunks_shrink_the_step_temporaries_by_more_than_the_logits():
     logits = 2 * 512 * 32768 * 4
     whole, chunks = temp_bytes(model), temp_bytes(chunked(model, 64))
     assert whole - chunks >= logits, (whole, chunks)
+
+
+def test_chunks_move_no_more_bytes_under_automatic_fsdp():
+    # The loop runs per batch shard: the head's weight is gathered once before it
+    # and its gradient reduced once after it. Left to the compiler, each of the 8
+    # chunks would gather the weight and all-reduce its gradient again (about
+    # twice the step's bytes here, with a vocabulary of 256).
+    config = dataclasses.replace(CONTEXT_CONFIGS["learned-positions"], vocab_size=256)
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=2, fsdp=4), rules=FSDP_ONLY)
+    batch, optimizer = tokens(0, vocab=256), optax.sgd(0.1)
+
+    def wire_bytes(chunk):
+        model = GPT(dataclasses.replace(config, loss_chunk=chunk), key=jax.random.key(0))
+        state = eqxpar.train.init(model, optimizer, plan, key=jax.random.key(0))
+        compiled = eqxpar.train.make_step(lm_loss, optimizer, plan).compile(state, batch)
+        return eqxpar.inspect.collective_stats(compiled).total_wire_bytes
+
+    assert wire_bytes(4) <= 1.01 * wire_bytes(None)

@@ -13,29 +13,38 @@ The per-token losses come back in the layout the unchunked head gives, so the
 GPT reduces them exactly as it does without chunks (and under every plan).
 """
 
+import math
 from collections.abc import Callable
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array
 
 from .. import nn
 from .._errors import SpecError
+from .._parallel_dims import ParallelDims
+from .._plan import current_plan
+from .._shard_map import filter_shard_map
+from .._varying import mark_varying, varying_axes
 from ..nn._sequence import split_context, split_tensor_sequence
 
 
 def chunked_token_losses(
-    logits: Callable[[Array], Array],
-    head: "nn.Unembed | nn.Embedding",
+    logits: Callable[[Any, Array], Array],
+    layers: tuple[Any, "nn.Unembed | nn.Embedding"],
     h: Array,
     labels: Array,
     chunk: int,
 ) -> Array:
-    """`nn.cross_entropy(logits(h), labels, head=head)`, computed `chunk` positions
-    of `h` at a time.
+    """`nn.cross_entropy(logits(layers, h), labels, head=layers[-1])`, computed
+    `chunk` positions of `h` at a time.
 
-    **Arguments:** `logits`: final norm and head, `(batch, n, d_model) -> (batch, n',
-    vocab or its shard)`; `head`: the layer whose output that is; `h` `(batch, seq',
+    **Arguments:** `logits`: `(layers, x) -> logits`, final norm and head, `(batch,
+    n, d_model) -> (batch, n', vocab or its shard)`; `layers`: the modules it runs,
+    the last the head (the layer whose output the logits are); `h` `(batch, seq',
     d_model)`, this device's sequence (block); `labels` `(batch, seq)`, the whole
     label sequence; `chunk`: positions of `h` per chunk (the last chunk is padded
     and its padding dropped, so any `seq'` works).
@@ -43,6 +52,7 @@ def chunked_token_losses(
     **Returns:** the float32 per-token losses, in the layout `nn.cross_entropy`
     returns for the unchunked logits.
     """
+    head = layers[-1]
     ctx = nn.tensor_context(head.axis)
     # The labels of this device's tokens: its part of the context split; under
     # sequence parallelism in manual mode a vocabulary-split head gathers the
@@ -71,10 +81,55 @@ def chunked_token_losses(
 
     # Saving nothing of a chunk: its logits are recomputed in the backward pass.
     @jax.checkpoint
-    def one(xs: tuple[Array, Array]) -> Array:
+    def one(layers: Any, xs: tuple[Array, Array]) -> Array:
         h_chunk, labels_chunk = xs
-        return nn.cross_entropy(logits(h_chunk), labels_chunk, head=head)
+        return nn.cross_entropy(logits(layers, h_chunk), labels_chunk, head=layers[-1])
 
-    losses = jax.lax.map(one, (hs, ls)).reshape(n, batch, blocks, chunk)
+    losses = _map_chunks(one, layers, hs, ls, head.axis).reshape(n, batch, blocks, chunk)
     losses = jnp.moveaxis(losses, 0, 2).reshape(batch, blocks, n * chunk)[:, :, :length]
     return losses.reshape(batch, blocks * length)
+
+
+def _map_chunks(
+    one: Callable[[Any, tuple[Array, Array]], Array], layers: Any, hs: Array, ls: Array, axis: str
+) -> Array:
+    """`one(layers, (h, labels))` of every chunk, stacked.
+
+    In automatic mode under a plan the loop runs per batch shard (a `shard_map`
+    over the plan's batch axes, the tensor `axis` left automatic): the weights are
+    gathered once as it starts and their gradient summed over the shards once as
+    it ends. Left to the compiler, a loop over a batch-split activation gathers
+    the head's weight in every chunk and all-reduces its gradient in every chunk.
+    In a manual region (a manual step, a pipeline, context parallelism) each
+    device runs its own shard already."""
+
+    def run(layers: Any, hs: Array, ls: Array) -> Array:
+        # The weights typed as varying where the activations do, once, before the
+        # loop: JAX would cast them inside its body, and the cast's transpose (a
+        # psum of the weights' gradient) would run in every chunk.
+        varying = varying_axes(hs) | varying_axes(ls)
+        layers = jax.tree.map(lambda x: _varying(x, varying) if eqx.is_array(x) else x, layers)
+        return jax.lax.map(lambda xs: one(layers, xs), (hs, ls))
+
+    plan = current_plan()
+    if plan is None or jax.sharding.get_abstract_mesh().manual_axes:
+        return run(layers, hs, ls)
+    axes = tuple(a for a in ParallelDims.of(plan).batch_axes if a != axis and plan.mesh.shape[a] > 1)
+    shards = math.prod(plan.mesh.shape[a] for a in axes)
+    if not axes or hs.shape[1] % shards:
+        return run(layers, hs, ls)
+    rows = PartitionSpec(None, axes)
+    region = filter_shard_map(
+        run, plan, in_specs=(PartitionSpec(), rows, rows), out_specs=rows, axis_names=axes
+    )
+    return region(layers, hs, ls)
+
+
+def _varying(x: Array, axes: frozenset[str]) -> Array:
+    """`x` marked varying along `axes`. The mark's transpose sums the gradient over
+    them: in at least float32, the parameters' dtype under `Plan(compute_dtype=)`
+    (XLA:CPU also fails to compile that sum in bfloat16)."""
+    if not axes - varying_axes(x):
+        return x
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return mark_varying(x.astype(wide), axes).astype(x.dtype)

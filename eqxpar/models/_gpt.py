@@ -710,12 +710,18 @@ def _cross_entropy(model: GPT, h: Array, tokens: Array, *, per_row: bool = False
     if chunk is None or chunk >= h.shape[1]:
         per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
     else:
-        per_token = chunked_token_losses(model.logits, head, h, tokens[:, 1:], chunk)
+        per_token = chunked_token_losses(_norm_and_head, (model.final_norm, head), h, tokens[:, 1:], chunk)
     # A whole-vocabulary head under sequence parallelism scores only this device's
     # sequence block: average the blocks' means over the axis.
     if split:
         return jnp.mean(per_token, axis=1) if per_row else jnp.mean(per_token)
     return nn.sequence_mean(per_token, per_row=per_row)
+
+
+def _norm_and_head(layers: tuple[nn.RMSNorm | nn.LayerNorm, nn.Unembed | nn.Embedding], h: Array) -> Array:
+    # `GPT.logits` with the layers passed in (for the chunked loss, which gathers them).
+    norm, head = layers
+    return head.attend(norm(h)) if isinstance(head, nn.Embedding) else head(norm(h))
 
 
 def lm_loss(
