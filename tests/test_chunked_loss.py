@@ -12,12 +12,10 @@ step's temporaries shrink by more than the logits' size."""
 import dataclasses
 import functools
 import json
-import pathlib
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -145,7 +143,8 @@ def test_chunked_loss_under_a_plan_matches_the_unchunked_one_device_loss(gpts, c
 
 
 @pytest.mark.parametrize(
-    "config,chunk", [("rotary-gqa", 1), ("rotary-gqa", 8), ("learned-positions", 3), ("learned-positions", 31)]
+    "config,chunk",
+    [("rotary-gqa", 1), ("rotary-gqa", 8), ("learned-positions", 3), ("learned-positions", 31)],
 )
 def test_chunked_loss_on_one_device_matches(gpts, config, chunk):
     # 31 positions: chunks of 1 (dividing), 8 (the last one 7), 3 (the last one 1)
