@@ -688,6 +688,10 @@ def gpt_last(
     without gathering. Where the plan's rules keep `"vocab"` whole, each device scores
     its own sequence block against the whole vocabulary, with no collective.
 
+    With `config.loss_chunk` set, the final norm, the head and the cross-entropy run
+    on that many positions of `h` at a time, in a rematerialised loop, so neither
+    pass holds more than one chunk's logits (see `GPTConfig`).
+
     **Arguments:** `model`; `h` `(batch, seq', d_model)`; `tokens` `(batch, seq + 1)`.
 
     **Returns:** the mean loss over the batch's tokens (a scalar).
@@ -747,6 +751,10 @@ def lm_loss(
     averages per-micro-batch values. The z-loss, a mean over tokens, stays exact;
     the load-balance loss, a product of two batch means, does not, so its gradient
     is not the full batch's: the step warns (`eqxpar.AccumulationWarning`).
+
+    With `config.loss_chunk` set, the final norm, the head and the cross-entropy run
+    that many sequence positions at a time (as in `gpt_last`): the same loss,
+    without the whole `(batch, seq, vocab)` logits in memory.
 
     **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids;
     `key` (keyword-only, default None): for the LoRA adapters' dropout, which
