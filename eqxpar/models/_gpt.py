@@ -15,6 +15,7 @@ from .._config_check import renamed
 from .._errors import BatchError, DivisibilityError, EqxparError, PlanError, SpecError
 from .._param import param
 from ..nn._lora import lora_dropout
+from ._chunked_loss import chunked_token_losses
 
 # The fields an MoE block's routing reads (its `nn.MoEConfig`, in GPTConfig's names).
 _ROUTING_FIELDS = ("experts", "top_k", "moe_score", "capacity_factor", "num_shared_experts")
@@ -71,6 +72,18 @@ class GPTConfig:
       (`eqxpar.nn.Stacked(unroll=...)`: blocks, or with `moe_every` groups; default
       1; `num_layers` runs the stack, or a pipeline stage's part of it, with no
       loop: faster on a GPU where the loop costs, slower to compile).
+    - `loss_chunk`: sequence positions per chunk of the output head and
+      cross-entropy in `lm_loss` / `gpt_last` (default None: the whole sequence at
+      once). With it set, the head's matmul and the float32 log-softmax run on
+      `loss_chunk` positions at a time in a rematerialised loop, so neither pass
+      holds more than one chunk's `(batch, loss_chunk, vocab)` logits (the whole
+      sequence's are `4 * batch * seq * vocab` bytes, and as much again for their
+      gradient): set it for a large vocabulary (e.g. 1024 for Llama 3's 128,256
+      columns), at the cost of running the head's matmul once more in the
+      backward pass. Any sequence length works (the last chunk is padded and its
+      padding left out), and the loss is the same under every plan. A runtime
+      option: `save_pretrained` does not write it, `from_pretrained(...,
+      loss_chunk=)` sets it.
 
     Mixture of experts (all off by default):
 
@@ -132,6 +145,7 @@ class GPTConfig:
     norm_eps: float | None = None
     qkv_bias: bool | None = None
     rotary_scaling: nn.RotaryScaling | None = None
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         # Every field is checked here, when the config is built, so that a bad one
@@ -141,6 +155,13 @@ class GPTConfig:
         # nn.BlockConfig), re-raised under this config's field names.
         for name in ("vocab_size", "d_model", "num_layers", "d_hidden", "max_seq_len", "unroll"):
             _check_positive_int(name, getattr(self, name))
+        chunk = self.loss_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise PlanError(
+                f"GPTConfig(loss_chunk={chunk!r}): expected a positive integer (sequence positions per "
+                "chunk of the output head and cross-entropy, e.g. 1024), or None for the whole "
+                "sequence at once."
+            )
         for name in ("tied", "learned_positions"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"GPTConfig({name}={getattr(self, name)!r}): expected True or False.")
@@ -667,6 +688,10 @@ def gpt_last(
     without gathering. Where the plan's rules keep `"vocab"` whole, each device scores
     its own sequence block against the whole vocabulary, with no collective.
 
+    With `config.loss_chunk` set, the final norm, the head and the cross-entropy run
+    on that many positions of `h` at a time, in a rematerialised loop, so neither
+    pass holds more than one chunk's logits (see `GPTConfig`).
+
     **Arguments:** `model`; `h` `(batch, seq', d_model)`; `tokens` `(batch, seq + 1)`.
 
     **Returns:** the mean loss over the batch's tokens (a scalar).
@@ -685,12 +710,22 @@ def gpt_last(
 def _cross_entropy(model: GPT, h: Array, tokens: Array, *, per_row: bool = False) -> Array:
     head = model.embed if model.head is None else model.head
     split = head.vocab_split()
-    per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
+    chunk = model.config.loss_chunk
+    if chunk is None or chunk >= h.shape[1]:
+        per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
+    else:
+        per_token = chunked_token_losses(_norm_and_head, (model.final_norm, head), h, tokens[:, 1:], chunk)
     # A whole-vocabulary head under sequence parallelism scores only this device's
     # sequence block: average the blocks' means over the axis.
     if split:
         return jnp.mean(per_token, axis=1) if per_row else jnp.mean(per_token)
     return nn.sequence_mean(per_token, per_row=per_row)
+
+
+def _norm_and_head(layers: tuple[nn.RMSNorm | nn.LayerNorm, nn.Unembed | nn.Embedding], h: Array) -> Array:
+    # `GPT.logits` with the layers passed in (for the chunked loss, which gathers them).
+    norm, head = layers
+    return head.attend(norm(h)) if isinstance(head, nn.Embedding) else head(norm(h))
 
 
 def lm_loss(
@@ -716,6 +751,10 @@ def lm_loss(
     averages per-micro-batch values. The z-loss, a mean over tokens, stays exact;
     the load-balance loss, a product of two batch means, does not, so its gradient
     is not the full batch's: the step warns (`eqxpar.AccumulationWarning`).
+
+    With `config.loss_chunk` set, the final norm, the head and the cross-entropy run
+    that many sequence positions at a time (as in `gpt_last`): the same loss,
+    without the whole `(batch, seq, vocab)` logits in memory.
 
     **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids;
     `key` (keyword-only, default None): for the LoRA adapters' dropout, which

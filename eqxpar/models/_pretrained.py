@@ -2,6 +2,7 @@
 (config.json + safetensors) read straight into a plan's sharding, and written
 back one tensor at a time."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -78,7 +79,9 @@ def _check_tensors(files: TensorFiles, leaves: list, kind: str) -> None:
         )
 
 
-def from_pretrained(path: str | os.PathLike, plan: Plan | None = None, *, dtype: Any = None) -> GPT:
+def from_pretrained(
+    path: str | os.PathLike, plan: Plan | None = None, *, dtype: Any = None, loss_chunk: int | None = None
+) -> GPT:
     """Load a Hugging Face checkpoint directory as an `eqxpar.models.GPT`.
 
     Reads `config.json` and the safetensors weights (`model.safetensors`, or the
@@ -101,6 +104,9 @@ def from_pretrained(path: str | os.PathLike, plan: Plan | None = None, *, dtype:
     - `plan`: an `eqxpar.Plan` to shard the model by; None puts it on one device.
     - `dtype`: the dtype of the weights (keyword-only; e.g. `jnp.bfloat16`);
       default None keeps each tensor's stored dtype.
+    - `loss_chunk`: the model's `GPTConfig.loss_chunk` (keyword-only; default
+      None): how `lm_loss` runs, not part of the checkpoint, so config.json has no
+      field for it (e.g. 1024 for a Llama 3 vocabulary of 128,256 ids).
 
     **Returns:** the `GPT`; its `config` reproduces the checkpoint's model.
 
@@ -113,6 +119,8 @@ def from_pretrained(path: str | os.PathLike, plan: Plan | None = None, *, dtype:
     if plan is not None and not isinstance(plan, Plan):
         raise PretrainedError(f"from_pretrained(plan={plan!r}): expected an eqxpar.Plan or None.")
     config, kind = config_from_hf(read_config(directory))
+    if loss_chunk is not None:
+        config = dataclasses.replace(config, loss_chunk=loss_chunk)
     files = TensorFiles(directory)
     prefix = "transformer." if kind == "gpt2" and "transformer.wte.weight" in files.names() else ""
     abstract, leaves = _leaf_sources(config, kind, prefix)
@@ -244,7 +252,8 @@ def save_pretrained(
     -> Mixtral, Q/K/V biases only -> Qwen2, else Llama (`model_type="mistral"`
     writes a Llama-shaped model as Mistral); a config no architecture has (e.g.
     `moe_every=2`) raises `eqxpar.PretrainedError` naming the field. Training-loss
-    settings transformers has no field for (`router_z_coef`) are not written.
+    settings transformers has no field for (`router_z_coef`, `loss_chunk`) are not
+    written.
 
     **Arguments:**
 
