@@ -383,8 +383,9 @@ PLAN_TAKERS_ALLOWED = {
 #: 36 once inspection and the advisor resolved theirs (PlanFacts), 35 with the context
 #: attention folded into ParallelDims, 25 once the private helpers took the resolved
 #: plan (the builders, the resolvers and the public functions); 26 with
-#: eqxpar.models.lower_generate (public, as generate). A ratchet.
-MAX_PLAN_TAKERS = 26
+#: eqxpar.models.lower_generate (public, as generate), 27 with
+#: eqxpar.aot.compile_train_step (public). A ratchet.
+MAX_PLAN_TAKERS = 27
 
 
 def _takes_a_plan(function: ast.FunctionDef | ast.AsyncFunctionDef, *, any_annotation: bool) -> bool:

@@ -49,6 +49,7 @@ PUBLIC_MODULES = (
     "eqxpar.launch",
     "eqxpar.runtime",
     "eqxpar.internal",
+    "eqxpar.aot",
 )
 
 

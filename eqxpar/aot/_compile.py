@@ -16,6 +16,7 @@ import optax
 from .._errors import PlanError
 from .._plan import Plan
 from ..inspect import collective_stats, minimum_comm, overlap_stats
+from ..internal import ResolvedPlan
 from ..models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss, preset
 from ..pipeline import PipelineLoss
 from ..train import init, make_step
@@ -56,13 +57,13 @@ def _outline(model: Any) -> tuple[str, Any]:
     return type(model).__name__, eqx.filter_eval_shape(lambda: model)
 
 
-def _default_loss(outline: Any, plan: Plan) -> Any:
+def _default_loss(outline: Any, pipelined: bool) -> Any:
     if not isinstance(outline, GPT):
         raise PlanError(
             f"compile_train_step(model={type(outline).__name__}, loss=None): only a GPT has a default loss "
             "(eqxpar.models.lm_loss). Pass loss=your_loss_fn(model, batch)."
         )
-    if plan.schedule is not None:
+    if pipelined:
         return PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last)
     return lm_loss
 
@@ -128,7 +129,8 @@ def compile_train_step(
     label = name or (model if isinstance(model, str) else None)
     kind, outline = _outline(model)
     label = label or kind
-    loss = _default_loss(outline, plan) if loss is None else loss
+    dims = ResolvedPlan.of(plan).dims
+    loss = _default_loss(outline, dims.schedule is not None) if loss is None else loss
     optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
     mesh = plan.mesh
     chips = math.prod(mesh.devices.shape)
@@ -154,7 +156,7 @@ def compile_train_step(
         topology=topology,
         chips=chips,
         mesh={str(a): int(mesh.shape[a]) for a in mesh.axis_names},
-        plan=_describe(plan),
+        plan=_describe(dims),
         tokens_per_step=rows * chips * length,
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
@@ -184,13 +186,13 @@ def _cost(compiled: Any) -> dict[str, float]:
     return {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in (cost or {})}
 
 
-def _describe(plan: Plan) -> str:
-    """One line naming what the plan chose."""
-    parts = [f"mode={plan.mode}", f"remat={plan.remat}"]
-    if plan.compute_dtype is not None:
-        parts.append(f"compute={jnp.dtype(plan.compute_dtype).name}")
-    if plan.param_dtype is not None:
-        parts.append(f"params={jnp.dtype(plan.param_dtype).name}")
-    if plan.schedule is not None:
-        parts.append(f"schedule={plan.schedule} x{plan.microbatches}")
+def _describe(dims: Any) -> str:
+    """One line naming what the plan chose (`dims`: its `ParallelDims`)."""
+    parts = [f"mode={dims.mode or 'auto'}", f"remat={dims.remat}"]
+    if dims.compute_dtype is not None:
+        parts.append(f"compute={jnp.dtype(dims.compute_dtype).name}")
+    if dims.param_dtype is not None:
+        parts.append(f"params={jnp.dtype(dims.param_dtype).name}")
+    if dims.schedule is not None:
+        parts.append(f"schedule={dims.schedule} x{dims.microbatches}")
     return "plan(" + ", ".join(parts) + ")"

@@ -1,0 +1,184 @@
+"""Published models compiled for TPU slices from shapes, beside MaxText on the same
+work and compiler (BENCHMARKS.md, "Compiled for TPU slices", says what each column holds).
+
+    python -m benchmarks.tpu_compile [--only NAME,...] [--json benchmarks/results/quick.json] [--markdown BENCHMARKS.md]
+
+Each case compiles in a subprocess of its own (`--case NAME`), one at a time, so
+that its peak RSS is its own: `eqxpar.aot.compile_train_step` on a mesh over the
+topology's chips (libtpu describes the slice; nothing runs), 1 x 2048 tokens per
+chip, full remat, bfloat16 compute over float32 weights and AdamW moments, as
+MaxText's defaults. Beside each: MaxText's figures from
+`benchmarks/results/maxtext_reference.json` (made by `benchmarks/maxtext_reference.py`
+in a venv of its own) and the advisor's prediction for the same plan.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+MAXTEXT = RESULTS / "maxtext_reference.json"
+BEGIN = (
+    "<!-- tpu compile tables (python -m benchmarks.tpu_compile --markdown): edit the prose outside them -->"
+)
+END = "<!-- end of tpu compile tables -->"
+GIB = 2**30
+
+#: name: (preset, topology, mesh axes, GPTConfig overrides). Names are MaxText's
+#: reference records'.
+CASES: dict[str, tuple[str, str, dict[str, int], dict[str, Any]]] = {
+    "llama3-8b_v5p-64_fsdp32": ("llama3-8b", "v5p-64", {"fsdp": 32}, {}),
+    "llama3-8b_v5p-64_fsdp8_tensor4": ("llama3-8b", "v5p-64", {"fsdp": 8, "tensor": 4}, {}),
+    "llama3-70b_v5p-256_fsdp32_tensor4": ("llama3-70b", "v5p-256", {"fsdp": 32, "tensor": 4}, {}),
+    "llama3-70b_v5p-256_pipe4_fsdp32": ("llama3-70b", "v5p-256", {"pipe": 4, "fsdp": 32}, {}),
+    "mixtral-8x7b_v5p-128_expert8_fsdp8": ("mixtral-8x7b", "v5p-128", {"expert": 8, "fsdp": 8}, {}),
+}
+BATCH = (1, 2048)
+#: Sequence positions per chunk of the output head and its loss (GPTConfig.loss_chunk).
+LOSS_CHUNK = 512
+
+
+def run_case(name: str) -> dict[str, Any]:
+    """Compile case `name` in this process: the report's record and the advisor's prediction."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import eqxpar
+    from eqxpar import aot
+    from eqxpar._advise._analysis import analyse
+    from eqxpar._advise._predict import predict
+
+    model, topology, axes, overrides = CASES[name]
+    config = eqxpar.models.preset(model, loss_chunk=LOSS_CHUNK, **overrides)
+    plan = aot.plan_of(axes, topology=topology, rows_per_chip=BATCH[0])
+    start = time.perf_counter()
+    report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
+    record = {"name": name, "topology_name": topology, **report.as_dict()}
+    record["total_seconds"] = round(time.perf_counter() - start, 1)
+    # The advisor's prediction for this very plan, from shapes (no compile).
+    optimizer = optax.adamw(1e-4)
+    outline = eqx.filter_eval_shape(eqxpar.models.GPT, config, key=jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((BATCH[0] * report.chips, BATCH[1] + 1), jnp.int32)
+    loss = eqxpar.models.lm_loss
+    if plan.schedule is not None:
+        loss = eqxpar.pipeline.PipelineLoss(
+            eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last
+        )
+    state = eqxpar.train.init(outline, optimizer, plan, key=jax.random.key(0), abstract=True)
+    analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
+    profile = eqxpar.DEVICE_PROFILES["tpu_v5p"]
+    p = predict(plan, state.model, state.opt_state, tokens, loss, analysis, profile)
+    record["predicted"] = {
+        "argument_bytes": p.argument_bytes,
+        "temp_bytes": p.temp_bytes,
+        "wire_bytes": p.total_wire_bytes,
+    }
+    return record
+
+
+def _maxtext() -> dict[str, dict[str, Any]]:
+    if not MAXTEXT.exists():
+        return {}
+    return {r["name"]: r for r in json.loads(MAXTEXT.read_text())["records"]}
+
+
+def _gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / GIB:.2f}"
+
+
+def markdown(records: dict[str, dict[str, Any]]) -> str:
+    """The BENCHMARKS.md tables: eqxpar beside MaxText, then the advisor's errors."""
+    maxtext = _maxtext()
+    lines = [
+        "| case | eqxpar argument + temp (GiB) | MaxText | eqxpar wire / minimum | async share eqxpar / MaxText "
+        "| compile s eqxpar / MaxText | eqxpar peak RSS |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in records.items():
+        m = maxtext.get(name, {})
+        ours = r["argument_bytes"] + r["temp_bytes"]
+        theirs = m.get("argument_plus_temp_bytes")
+        ratio = r.get("wire_ratio_to_minimum")
+        lines.append(
+            f"| {name} | {_gib(ours)} | {_gib(theirs)} | {'—' if ratio is None else f'{ratio:.2f}x'} "
+            f"| {r['async_share']:.0%} / {'—' if m.get('async_share') is None else format(m['async_share'], '.0%')} "
+            f"| {r['compile_seconds']:.0f} / {'—' if m.get('compile_s') is None else format(m['compile_s'], '.0f')} "
+            f"| {_gib(r['peak_rss_bytes'])} GiB |"
+        )
+    lines += [
+        "",
+        "| case | predicted argument | compiled | error | predicted temp | compiled | error "
+        "| predicted wire | compiled | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in records.items():
+        p = r["predicted"]
+        cells = []
+        for field, measured in (
+            ("argument_bytes", r["argument_bytes"]),
+            ("temp_bytes", r["temp_bytes"]),
+            ("wire_bytes", r["total_wire_bytes"]),
+        ):
+            error = p[field] / measured - 1 if measured else 0.0
+            cells += [_gib(p[field]), _gib(measured), f"{error:+.1%}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _write_markdown(path: pathlib.Path, tables: str) -> None:
+    text = path.read_text()
+    if BEGIN not in text:
+        raise SystemExit(f"{path} has no '{BEGIN}' marker: add the section first")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{tables}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", help="compile one case in this process and print its record (JSON)")
+    parser.add_argument("--only", help="comma-separated case names (default all)")
+    parser.add_argument("--json", type=pathlib.Path, help="merge the records into this results file")
+    parser.add_argument("--markdown", type=pathlib.Path, help="rewrite the tables in this file")
+    args = parser.parse_args(argv)
+    if args.case:
+        print("RECORD " + json.dumps(run_case(args.case)))
+        return
+    names = args.only.split(",") if args.only else list(CASES)
+    records = {}
+    for name in names:
+        result = subprocess.run(
+            [sys.executable, "-m", "benchmarks.tpu_compile", "--case", name], capture_output=True, text=True
+        )
+        lines = [line for line in result.stdout.splitlines() if line.startswith("RECORD ")]
+        if result.returncode or not lines:
+            raise SystemExit(f"{name} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        records[name] = json.loads(lines[-1].removeprefix("RECORD "))
+        print(
+            f"{name}: {records[name]['argument_bytes'] / GIB:.2f} + {records[name]['temp_bytes'] / GIB:.2f} GiB, "
+            f"compile {records[name]['compile_seconds']:.0f} s",
+            flush=True,
+        )
+    if args.json is not None:
+        data = json.loads(args.json.read_text())
+        data.setdefault("tpu_compile", {}).update(records)
+        data["tpu_compile_command"] = (
+            "python -m benchmarks.tpu_compile --json benchmarks/results/quick.json --markdown BENCHMARKS.md"
+        )
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+    tables = markdown(records)
+    print(tables)
+    if args.markdown is not None:
+        _write_markdown(args.markdown, tables)
+
+
+if __name__ == "__main__":
+    main()
