@@ -301,7 +301,13 @@ def test_trip_count_read_from_a_loop_without_known_trip_count(start, op, step, d
     """TPU executables state no known_trip_count: the count is read from the
     loop's condition, step and initial value, or the body counts once."""
     text = COUNTED_LOOP
-    for key, value in {"START": start, "OP": op, "STEP": step, "DIRECTION": direction, "BOUND": bound}.items():
+    for key, value in {
+        "START": start,
+        "OP": op,
+        "STEP": step,
+        "DIRECTION": direction,
+        "BOUND": bound,
+    }.items():
         text = text.replace(key, str(value))
     stats = collective_stats(text)
     assert stats.count["all-gather"] == stats.in_loops["all-gather"] == trips
@@ -310,7 +316,9 @@ def test_trip_count_read_from_a_loop_without_known_trip_count(start, op, step, d
 def test_trip_count_read_through_copies_of_the_counter():
     """libtpu copies the counter before adding the step (the pipeline's loop of
     MaxText's Llama-3-70B): still a counted loop."""
-    text = COUNTED_LOOP.replace("%next = s32[] OP(%i, %step)", "%ci = s32[] copy(%i)\n  %next = s32[] add(%ci, %step)")
+    text = COUNTED_LOOP.replace(
+        "%next = s32[] OP(%i, %step)", "%ci = s32[] copy(%i)\n  %next = s32[] add(%ci, %step)"
+    )
     for key, value in {"START": 0, "STEP": 1, "DIRECTION": "LT", "BOUND": 83}.items():
         text = text.replace(key, str(value))
     assert collective_stats(text).count["all-gather"] == 83

@@ -20,11 +20,11 @@ from ._layout import layout as layout
 from ._layout import save_layout_png as save_layout_png
 from ._memory import MemoryReport as MemoryReport
 from ._memory import memory_report as memory_report
-from ._overlap import OverlapStats as OverlapStats
-from ._overlap import overlap_stats as overlap_stats
 from ._minimum import Cost as Cost
 from ._minimum import Minimum as Minimum
 from ._minimum import minimum_comm as minimum_comm
+from ._overlap import OverlapStats as OverlapStats
+from ._overlap import overlap_stats as overlap_stats
 from ._report import CommReport as CommReport
 from ._report import comm_report as comm_report
 from ._table import Row as Row

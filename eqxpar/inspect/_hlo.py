@@ -344,7 +344,11 @@ class _Walk:
             inner = weight
             if opcode == "while":
                 trip = _TRIP.search(line)
-                count = int(trip.group(1)) if trip else inferred_trip_count(line, self.computations[name], self.computations)
+                count = (
+                    int(trip.group(1))
+                    if trip
+                    else inferred_trip_count(line, self.computations[name], self.computations)
+                )
                 inner = weight * (1 if count is None else count)
             if opcode == "fusion" or base in KINDS:
                 # Fusions hold no collectives; reducers of collectives are scalars.

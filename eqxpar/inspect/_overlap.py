@@ -32,7 +32,17 @@ import re
 from typing import Any
 
 from .._text import fmt_int, render
-from ._hlo import _BRANCHES, _CALLS, _CONDITIONAL, _INSTRUCTION, KINDS, _module_devices, _parse, _Walk, walk_tally
+from ._hlo import (
+    _BRANCHES,
+    _CALLS,
+    _CONDITIONAL,
+    _INSTRUCTION,
+    KINDS,
+    _module_devices,
+    _parse,
+    _Walk,
+    walk_tally,
+)
 from ._hlo import _hlo_text as hlo_text
 
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=")
@@ -95,7 +105,8 @@ class OverlapStats:
 
     def __str__(self) -> str:
         rows = [
-            [kind, fmt_int(a), fmt_int(t), f"{self.kind_share(kind):.1%}"] for kind, (a, t) in self.by_kind.items()
+            [kind, fmt_int(a), fmt_int(t), f"{self.kind_share(kind):.1%}"]
+            for kind, (a, t) in self.by_kind.items()
         ]
         rows.append(["total", fmt_int(self.async_wire_bytes), fmt_int(self.wire_bytes), f"{self.share:.1%}"])
         header = ["collective", "overlapped wire bytes", "wire bytes", "share"]
