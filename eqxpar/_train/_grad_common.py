@@ -51,7 +51,7 @@ class LossFunction:
         """`tree`'s floating-point arrays in the compute dtype (no-op without one).
         Applied to parameters inside the differentiated function, so gradients come
         back in the parameters' (master) dtype."""
-        return tree if self.compute_dtype is None else cast_floating(tree, self.compute_dtype)
+        return tree if self.compute_dtype is None else cast_floating(tree, self.compute_dtype, per_layer=True)
 
     def loss_dtype(self, loss: Array) -> Array:
         # Losses are reported (and summed over micro-batches) in float32.

@@ -22,15 +22,24 @@ from ._step_layout import StepLayout
 from ._trainable import optimized, trainable_mask
 
 
-def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
-    """`tree` with every floating-point array cast to `dtype` (others unchanged)."""
+def cast_floating(tree: PyTree, dtype: Any, *, per_layer: bool = False) -> PyTree:
+    """`tree` with every floating-point array cast to `dtype` (others unchanged).
+
+    `per_layer=True` (the compute dtype of a step) leaves alone the weights of a
+    module that casts them itself, one layer at a time inside its loop (a module
+    whose `casts_per_layer()` is True: an `eqxpar.nn.Stacked`). Cast here, a stack
+    would exist twice, and its gradient in both dtypes, for the whole step:
+    for Llama-3-8B under FSDP over 32 chips, 0.9 GiB of each chip's temporaries."""
 
     def cast(x: Any) -> Any:
         if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
             return x.astype(dtype)
         return x
 
-    return jax.tree.map(cast, tree)
+    if not per_layer:
+        return jax.tree.map(cast, tree)
+    casts_itself = lambda x: callable(getattr(x, "casts_per_layer", None)) and x.casts_per_layer()  # noqa: E731
+    return jax.tree.map(lambda x: x if casts_itself(x) else cast(x), tree, is_leaf=casts_itself)
 
 
 def _warn_unused_axes(model: PyTree, resolved: ResolvedPlan) -> None:

@@ -162,6 +162,13 @@ class Stacked(OrderedStack):
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
         return eqx.combine(jax.tree.map(lambda x: x[index], arrays), static)
 
+    def casts_per_layer(self) -> bool:
+        """True: a step with a compute dtype (`Plan(compute_dtype=...)`) leaves this
+        stack's weights in their own dtype and the stack casts each layer's inside
+        its loop, so no cast copy of the whole stack (nor its gradient in the
+        compute dtype) is ever held."""
+        return True
+
     def with_rows(self, blocks: PyTree) -> "Stacked":
         """This stack (its settings) holding `blocks` instead, read as consecutive
         layers in natural order (e.g. one pipeline stage's rows)."""
@@ -207,7 +214,9 @@ class Stacked(OrderedStack):
     def __call__(self, x: PyTree, *args: Any, **kwargs: Any) -> PyTree:
         key = kwargs.pop("key", None)
         plan = current_plan()
-        policy = "none" if plan is None else ParallelDims.of(plan).remat
+        dims = None if plan is None else ParallelDims.of(plan)
+        policy = "none" if dims is None else dims.remat
+        compute_dtype = None if dims is None else dims.compute_dtype
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
         # Under a manual FSDP step: how each array of a layer is all-gathered in
         # the scanned body (one layer's weights whole at a time; the gather's
@@ -230,6 +239,10 @@ class Stacked(OrderedStack):
         def layer(h, params):
             if key is not None:
                 params, layer_key = params
+            if compute_dtype is not None:
+                # This layer's weights only, before any gather: the step leaves a
+                # stack's weights in their dtype (see casts_per_layer).
+                params = jax.tree.map(lambda x: _in_compute_dtype(x, compute_dtype), params)
             if gathers is not None:
                 leaves, treedef = jax.tree.flatten(params)
                 leaves = [gather_weights(x, g) for x, g in zip(leaves, gathers, strict=True)]
@@ -280,6 +293,12 @@ class Stacked(OrderedStack):
         if key is not None:
             return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
+
+
+def _in_compute_dtype(x: Any, dtype: Any) -> Any:
+    if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+        return x.astype(dtype)
+    return x
 
 
 def _layers_per_iteration(unroll: int | bool, depth: int) -> int:
