@@ -38,6 +38,9 @@ CASES: dict[str, tuple[str, str, dict[str, int], dict[str, Any]]] = {
     "llama3-70b_v5p-256_pipe4_fsdp32": ("llama3-70b", "v5p-256", {"pipe": 4, "fsdp": 32}, {}),
     "mixtral-8x7b_v5p-128_expert8_fsdp8": ("mixtral-8x7b", "v5p-128", {"expert": 8, "fsdp": 8}, {}),
 }
+#: Cases whose axes cut a side of the chip grid (v5p-128 is 4x4x4), as MaxText's
+#: allow_split_physical_axes=true.
+SPLIT_PHYSICAL_AXES = {"mixtral-8x7b_v5p-128_expert8_fsdp8"}
 BATCH = (1, 2048)
 #: Sequence positions per chunk of the output head and its loss (GPTConfig.loss_chunk):
 #: None, as MaxText's default (num_vocab_tiling=1). Chunked under automatic FSDP the
@@ -60,11 +63,14 @@ def run_case(name: str) -> dict[str, Any]:
 
     model, topology, axes, overrides = CASES[name]
     config = eqxpar.models.preset(model, loss_chunk=LOSS_CHUNK, **overrides)
-    plan = aot.plan_of(axes, topology=topology, rows_per_chip=BATCH[0])
+    plan = aot.plan_of(
+        axes, topology=topology, rows_per_chip=BATCH[0], split_physical_axes=name in SPLIT_PHYSICAL_AXES
+    )
     start = time.perf_counter()
     report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
     record = {"name": name, "topology_name": topology, **report.as_dict()}
     record["total_seconds"] = round(time.perf_counter() - start, 1)
+    record["versions"] = {"jax": jax.__version__, "libtpu": _libtpu_version()}
     # The advisor's prediction for this very plan, from shapes (no compile).
     optimizer = optax.adamw(1e-4)
     outline = eqx.filter_eval_shape(eqxpar.models.GPT, config, key=jax.random.key(0))
@@ -86,6 +92,12 @@ def run_case(name: str) -> dict[str, Any]:
     return record
 
 
+def _libtpu_version() -> str:
+    from importlib.metadata import version
+
+    return version("libtpu")
+
+
 def _maxtext() -> dict[str, dict[str, Any]]:
     if not MAXTEXT.exists():
         return {}
@@ -96,41 +108,54 @@ def _gib(n: float | None) -> str:
     return "—" if n is None else f"{n / GIB:.2f}"
 
 
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
 def markdown(records: dict[str, dict[str, Any]]) -> str:
     """The BENCHMARKS.md tables: eqxpar beside MaxText, then the advisor's errors."""
     maxtext = _maxtext()
     lines = [
-        "| case | eqxpar argument + temp (GiB) | MaxText | eqxpar wire / minimum | async share eqxpar / MaxText "
-        "| compile s eqxpar / MaxText | eqxpar peak RSS |",
+        "| case | argument + temp, GiB: eqxpar / MaxText | wire GB: eqxpar / MaxText | eqxpar wire / minimum "
+        "| async share: eqxpar / MaxText | compile s: eqxpar / MaxText | peak RSS GiB: eqxpar / MaxText |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
         m = maxtext.get(name, {})
-        ours = r["argument_bytes"] + r["temp_bytes"]
-        theirs = m.get("argument_plus_temp_bytes")
+        memory = m.get("memory_bytes", {})
+        theirs = memory.get("argument_size", 0) + memory.get("temp_size", 0) if memory else None
+        mine = _gib(r["argument_bytes"] + r["temp_bytes"])
+        if r.get("refused"):
+            mine = f"{mine} (refused: over HBM)"
+        collectives = m.get("collectives", {})
+        their_wire = collectives.get("total_wire_bytes")
         ratio = r.get("wire_ratio_to_minimum")
         lines.append(
-            f"| {name} | {_gib(ours)} | {_gib(theirs)} | {'—' if ratio is None else f'{ratio:.2f}x'} "
-            f"| {r['async_share']:.0%} / {'—' if m.get('async_share') is None else format(m['async_share'], '.0%')} "
+            f"| {name} | {mine} / {_gib(theirs)} "
+            f"| {r['total_wire_bytes'] / 1e9:.1f} / {'—' if their_wire is None else f'{their_wire / 1e9:.1f}'} "
+            f"| {'—' if ratio is None else f'{ratio:.2f}x'} "
+            f"| {_share(r['async_share'])} / {_share(collectives.get('async_share'))} "
             f"| {r['compile_seconds']:.0f} / {'—' if m.get('compile_s') is None else format(m['compile_s'], '.0f')} "
-            f"| {_gib(r['peak_rss_bytes'])} GiB |"
+            f"| {_gib(r['peak_rss_bytes'])} / {_gib(m.get('peak_rss_bytes'))} |"
         )
     lines += [
         "",
-        "| case | predicted argument | compiled | error | predicted temp | compiled | error "
-        "| predicted wire | compiled | error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | argument GiB: predicted / compiled (error) | temp GiB: predicted / compiled (error) "
+        "| wire GB: predicted / compiled (error) |",
+        "|---|---|---|---|",
     ]
     for name, r in records.items():
+        if r.get("refused"):
+            continue
         p = r["predicted"]
         cells = []
-        for field, measured in (
-            ("argument_bytes", r["argument_bytes"]),
-            ("temp_bytes", r["temp_bytes"]),
-            ("wire_bytes", r["total_wire_bytes"]),
+        for field, measured, unit in (
+            ("argument_bytes", r["argument_bytes"], GIB),
+            ("temp_bytes", r["temp_bytes"], GIB),
+            ("wire_bytes", r["total_wire_bytes"], 1e9),
         ):
             error = p[field] / measured - 1 if measured else 0.0
-            cells += [_gib(p[field]), _gib(measured), f"{error:+.1%}"]
+            cells.append(f"{p[field] / unit:.2f} / {measured / unit:.2f} ({error:+.0%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

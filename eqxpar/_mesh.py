@@ -52,6 +52,7 @@ def make_mesh(
     # Any: a name or a jax.experimental.topologies.TopologyDescription, checked
     # below (that module is imported only when a topology is asked for).
     topology: Any = None,
+    split_physical_axes: Any = False,
 ) -> Mesh:
     """Build a device mesh with eqxpar's axes `("data", "pipe", "fsdp", "expert", "context", "tensor")`.
 
@@ -65,6 +66,10 @@ def make_mesh(
       "whatever the device count leaves".
     - `devices`: devices to lay out, in order; defaults to `jax.devices()`. When the
       sizes use fewer devices than given, the first ones are used.
+    - `split_physical_axes`: on a TPU slice, let an axis cut a side of the chip
+      grid where the sizes cannot each cover whole sides (e.g. expert 8 x fsdp 8
+      on a 4x4x4 v5p-128), as MaxText's `allow_split_physical_axes` (default
+      False: such sizes raise `MeshError` naming this option).
     - `topology`: instead of `devices`, a TPU slice that need not be attached, to
       compile for ahead of time on any machine (needs libtpu: `pip install
       "eqxpar[tpu]"`): an accelerator type (`"v5p-64"`: 64 TensorCores, 32 chips;
@@ -114,20 +119,25 @@ def make_mesh(
         devices = topology_devices(topology)
     devices = list(jax.devices() if devices is None else devices)
     total = _resolve_sizes(sizes, len(devices), topology)
+    if not isinstance(split_physical_axes, bool):
+        raise MeshError(f"make_mesh(split_physical_axes={split_physical_axes!r}): expected True or False.")
+    shape = tuple(sizes[a] for a in AXES)
     try:
-        mesh = jax.make_mesh(
-            tuple(sizes[a] for a in AXES),
-            AXES,
-            axis_types=(AxisType.Auto,) * len(AXES),
-            devices=devices[:total],
-        )
+        mesh = jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices[:total])
     # JAX cannot lay the axes on the TPU torus (it raises NotImplementedError for
     # an axis that would split a side of the torus).
     except (ValueError, NotImplementedError) as error:
-        raise MeshError(
-            f"JAX cannot lay mesh {_shape_text(sizes)} over these {total} devices: {error} Choose "
-            "sizes that each cover whole sides of the slice's chip grid."
-        ) from error
+        if not split_physical_axes:
+            raise MeshError(
+                f"JAX cannot lay mesh {_shape_text(sizes)} over these {total} devices: {error} Choose "
+                "sizes that each cover whole sides of the slice's chip grid, or pass "
+                "make_mesh(..., split_physical_axes=True) to let an axis cut a side (its groups then "
+                "span parts of several sides: slower links for that axis)."
+            ) from error
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, devices[:total], allow_split_physical_axes=True)
+        mesh = Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
     ordered = neighbour_layout(mesh.devices, tuple(AXES.index(a) for a in NEIGHBOUR_AXES))
     if ordered is mesh.devices:
         return mesh

@@ -49,7 +49,8 @@ def test_report_on_this_machine_counts_collectives_per_axis_against_the_minimum(
 def test_report_for_a_tpu_topology_compares_with_the_chip_and_the_minimum():
     plan = aot.plan_of({"fsdp": 4}, topology="v5p:2x2x1")
     report = aot.compile_train_step(_small_gpt2(), plan, batch=(1, 64))
-    assert report.memory_per_chip == 95 * 10**9 and report.fits is True
+    assert report.memory_per_chip == aot.DEVICE_MEMORY["TPU v5"] and report.fits is True
+    assert report.refused is None
     assert report.topology.startswith("TPU v5")
     # The overlap reader counts the same collectives collective_stats does.
     assert report.overlap.wire_bytes == report.collectives.total_wire_bytes
@@ -118,3 +119,26 @@ def test_a_pipelined_plan_compiles_with_the_gpt_pipeline_loss():
     # One row per chip, 8 chips over 4 data-parallel devices: 2 micro-batches of one row.
     assert "schedule=1f1b x2" in report.plan
     assert ("pipe",) in report.collectives.by_axes["collective-permute"]
+
+
+@needs_libtpu
+def test_a_plan_the_tpu_compiler_cannot_fit_is_reported_not_raised(capsys):
+    # 512 sequences of 1,024 tokens per chip: the logits alone outgrow the HBM.
+    status = aot.main(
+        ["--model", "gpt2", "--topology", "v5p:2x2x1", "--plan", "fsdp=4", "--batch", "512x1024"]
+        + ["--set", "num_layers=1", "--set", "max_seq_len=1024"]
+    )
+    printed = capsys.readouterr().out
+    assert status == 1, printed
+    assert "DOES NOT FIT" in printed and "Ran out of memory on HBM" in printed
+
+
+@needs_libtpu
+def test_axes_that_cut_a_side_of_the_chip_grid_need_split_physical_axes():
+    # v5p-128 is 4x4x4: axes of 8 and 8 cannot each be whole sides.
+    with pytest.raises(eqxpar.MeshError, match="split_physical_axes=True"):
+        eqxpar.make_mesh(expert=8, fsdp=8, topology="v5p-128")
+    mesh = eqxpar.make_mesh(expert=8, fsdp=8, topology="v5p-128", split_physical_axes=True)
+    assert dict(mesh.shape)["expert"] == 8 and mesh.devices.size == 64
+    with pytest.raises(eqxpar.MeshError, match="expected True or False"):
+        eqxpar.make_mesh(fsdp=4, topology="v5p:2x2x1", split_physical_axes="yes")

@@ -15,7 +15,7 @@ from .._mesh import make_mesh
 from .._plan import Plan
 from ..models import PRESET_NAMES, preset
 from ..pipeline import stage_rules
-from ..rules import FSDP, MEGATRON
+from ..rules import FSDP, MEGATRON, MEGATRON_FSDP
 from ._compile import compile_train_step
 
 _AXES = ("data", "pipe", "fsdp", "expert", "context", "tensor")
@@ -56,15 +56,22 @@ def plan_of(
     microbatches: int | None = None,
     mode: str | None = None,
     rows_per_chip: int = 1,
+    split_physical_axes: bool = False,
 ) -> Plan:
     """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
-    or this machine's devices), FSDP over `fsdp` (and the batch axes), Megatron
-    tensor/expert/context rules where those axes are split, a pipeline's stage
+    or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
+    `rules.FSDP()` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
+    fsdp axis) where a tensor, expert or context axis is split, a pipeline's stage
     rules and schedule where `pipe` is, its micro-batches by default one row each
     (`rows_per_chip` x chips / data-parallel devices)."""
-    mesh = make_mesh(**sizes, topology=topology)
+    mesh = make_mesh(**sizes, topology=topology, split_physical_axes=split_physical_axes)
     needs_layers = any(sizes.get(a, 1) > 1 for a in ("tensor", "expert", "context"))
-    rules: Any = [MEGATRON, FSDP()] if needs_layers else FSDP()
+    # Megatron's rules name the layers' logical axes; with an fsdp axis, their
+    # model dimension splits over it too (first match wins: FSDP() after MEGATRON
+    # would never be reached by a weight MEGATRON places).
+    rules: Any = FSDP()
+    if needs_layers:
+        rules = MEGATRON_FSDP if sizes.get("fsdp", 1) > 1 else MEGATRON
     options: dict[str, Any] = {}
     if sizes.get("pipe", 1) > 1:
         rules = stage_rules(rules)
@@ -98,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", help="pipeline schedule with a pipe axis (default 1f1b)")
     parser.add_argument("--microbatches", type=int, help="pipeline micro-batches (default: one row each)")
     parser.add_argument("--mode", choices=["auto", "manual"], help="Plan(mode=...) (default the plan's)")
+    parser.add_argument(
+        "--split-physical-axes",
+        action="store_true",
+        help="let a mesh axis cut a side of the chip grid (make_mesh(split_physical_axes=True))",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a GPTConfig field"
     )
@@ -134,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule,
             microbatches=args.microbatches,
             mode=args.mode,
+            split_physical_axes=args.split_physical_axes,
         )
         report = compile_train_step(config, plan, batch=batch, name=args.model)
     except EqxparError as e:

@@ -3,9 +3,11 @@ mesh (a TPU topology this machine does not have, or its own devices), and what
 the compiler says of it."""
 
 import math
+import re
 import resource
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import equinox as eqx
@@ -15,19 +17,20 @@ import optax
 
 from .._errors import PlanError
 from .._plan import Plan
-from ..inspect import collective_stats, minimum_comm, overlap_stats
+from ..inspect import CollectiveStats, OverlapStats, collective_stats, minimum_comm, overlap_stats
 from ..internal import ResolvedPlan
 from ..models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss, preset
 from ..pipeline import PipelineLoss
 from ..train import init, make_step
 from ._report import AotReport
 
-#: Memory of one device, by `jax.Device.device_kind` (the vendors' figures:
-#: Cloud TPU's documentation gives 95 GB of HBM for a v5p chip, 16 GB for v5e,
-#: 32 GB for v6e and v4).
+#: Memory of one device, by `jax.Device.device_kind`. v5p: the HBM the TPU
+#: compiler says is available to a program (95.74 GiB in libtpu 0.0.42.1
+#: out-of-memory message); the others: Cloud TPU's documented capacity (16 GB for
+#: v5e, 32 GB for v6e and v4), which a program may not get all of.
 DEVICE_MEMORY: dict[str, int] = {
-    "TPU v5": 95 * 10**9,
-    "TPU v5p": 95 * 10**9,
+    "TPU v5": int(95.74 * 2**30),
+    "TPU v5p": int(95.74 * 2**30),
     "TPU v5 lite": 16 * 10**9,
     "TPU v5e": 16 * 10**9,
     "TPU v6 lite": 32 * 10**9,
@@ -141,16 +144,50 @@ def compile_train_step(
     start = time.perf_counter()
     lowered = step.lower(state, tokens)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as error:  # noqa: BLE001 - the TPU compiler's out-of-memory is a JaxRuntimeError
+        needed = _out_of_memory(error)
+        if needed is None:
+            raise
+        compiled, refusal = None, str(error).splitlines()[0][:300]
     compiled_at = time.perf_counter()
-    memory = compiled.memory_analysis()
-    stats = collective_stats(compiled, mesh=mesh)
     least, note = None, "not asked for"
     if minimum:
         least = minimum_comm(plan, state.model, loss=loss, batch=tokens)
         note = least.note
     device = mesh.devices.flat[0]
     topology = getattr(device, "device_kind", device.platform)
+    arguments = sum(_shard_bytes(x) for x in jax.tree.leaves((state, tokens)))
+    if compiled is None:
+        # The compiler refused the plan before laying out its buffers: what it
+        # says it needed, and the arguments' shards (outputs alias them).
+        empty = CollectiveStats(count=Counter(), bytes=Counter())
+        return AotReport(
+            model=label,
+            topology=topology,
+            chips=chips,
+            mesh={str(a): int(mesh.shape[a]) for a in mesh.axis_names},
+            plan=_describe(dims),
+            tokens_per_step=rows * chips * length,
+            argument_bytes=arguments,
+            output_bytes=0,
+            alias_bytes=0,
+            temp_bytes=needed[0],
+            code_bytes=0,
+            memory_per_chip=needed[1],
+            collectives=empty,
+            minimum=least,
+            minimum_note=note,
+            overlap=OverlapStats(async_wire_bytes=0, wire_bytes=0, by_kind={}),
+            lower_seconds=lowered_at - start,
+            compile_seconds=compiled_at - lowered_at,
+            peak_rss_bytes=_peak_rss(),
+            cost={},
+            refused=refusal,
+        )
+    memory = compiled.memory_analysis()
+    stats = collective_stats(compiled, mesh=mesh)
     return AotReport(
         model=label,
         topology=topology,
@@ -173,6 +210,24 @@ def compile_train_step(
         peak_rss_bytes=_peak_rss(),
         cost=_cost(compiled),
     )
+
+
+_HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
+
+
+def _out_of_memory(error: Exception) -> tuple[int, int] | None:
+    """`(temporary bytes needed, bytes available)` from the TPU compiler's
+    out-of-memory refusal (`CompileTimeHbmOom`, sizes in GiB), else None."""
+    m = _HBM_OOM.search(str(error))
+    if m is None:
+        return None
+    return int(float(m.group(1)) * 2**30), int(float(m.group(2)) * 2**30)
+
+
+def _shard_bytes(x: Any) -> int:
+    """One device's bytes of an outline with a sharding (the whole array without one)."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    return math.prod(shape) * x.dtype.itemsize
 
 
 def _cost(compiled: Any) -> dict[str, float]:

@@ -41,7 +41,8 @@ class AotReport:
     `minimum` (`eqxpar.inspect.Minimum` or None) and `minimum_note`;
     `overlap` (`eqxpar.inspect.OverlapStats`); `lower_seconds`,
     `compile_seconds`; `peak_rss_bytes` (this process's, after compiling);
-    `cost` (`cost_analysis()`'s flops and bytes accessed, or empty).
+    `cost` (`cost_analysis()`'s flops and bytes accessed, or empty); `refused`
+    (the TPU compiler's out-of-memory refusal, or None: see the field).
 
     ```python
     report = eqxpar.aot.compile_train_step("llama3-8b", plan, batch=(1, 2048))
@@ -69,6 +70,10 @@ class AotReport:
     compile_seconds: float
     peak_rss_bytes: int
     cost: dict[str, float]
+    #: The compiler's refusal (its out-of-memory message) where it refused to
+    #: compile: `temp_bytes` is then what it said it needed and
+    #: `memory_per_chip` what it had; None when it compiled.
+    refused: str | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -92,6 +97,7 @@ class AotReport:
         """The report as plain JSON-ready values (for benchmark records)."""
         minimum = self.minimum
         return {
+            "refused": self.refused,
             "model": self.model,
             "topology": self.topology,
             "chips": self.chips,
@@ -136,7 +142,8 @@ class AotReport:
                 [[*map(_gib, sizes), memory]],
                 right=[True] * 6,
             ),
-            f"-> {fits[self.fits]}",
+            f"-> {fits[self.fits]}"
+            + ("" if self.refused is None else f" (the compiler refused it: {self.refused})"),
             "",
             "collectives per device per step (wire bytes; a loop's collectives once per trip)",
             render(
