@@ -120,18 +120,13 @@ def compile_train_step(
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"compile_train_step(plan={plan!r}): expected an eqxpar.Plan.")
-    if not (
-        isinstance(batch, tuple)
-        and len(batch) == 2
-        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch)
-    ):
+    if not (isinstance(batch, tuple) and len(batch) == 2 and all(_positive(n) for n in batch)):
         raise PlanError(
             f"compile_train_step(batch={batch!r}): expected (rows per chip, sequence length), two positive "
             "integers, e.g. (1, 2048)."
         )
     label = name or (model if isinstance(model, str) else None)
     kind, outline = _outline(model)
-    label = label or kind
     dims = ResolvedPlan.of(plan).dims
     loss = _default_loss(outline, dims.schedule is not None) if loss is None else loss
     optimizer = optax.adamw(1e-4) if optimizer is None else optimizer
@@ -140,82 +135,77 @@ def compile_train_step(
     rows, length = batch
     tokens = jax.ShapeDtypeStruct((rows * chips, length + 1), jnp.int32)
     state = init(outline, optimizer, plan, key=jax.random.key(0), abstract=True)
-    step = make_step(loss, optimizer, plan)
     start = time.perf_counter()
-    lowered = step.lower(state, tokens)
+    lowered = make_step(loss, optimizer, plan).lower(state, tokens)
     lowered_at = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except Exception as error:  # noqa: BLE001 - the TPU compiler's out-of-memory is a JaxRuntimeError
-        needed = _out_of_memory(error)
-        if needed is None:
-            raise
-        compiled, refusal = None, str(error).splitlines()[0][:300]
+    compiled, refusal = _compiled_or_refusal(lowered)
     compiled_at = time.perf_counter()
-    least, note = None, "not asked for"
-    if minimum:
-        least = minimum_comm(plan, state.model, loss=loss, batch=tokens)
-        note = least.note
+    least = minimum_comm(plan, state.model, loss=loss, batch=tokens) if minimum else None
     device = mesh.devices.flat[0]
-    topology = getattr(device, "device_kind", device.platform)
-    arguments = sum(_shard_bytes(x) for x in jax.tree.leaves((state, tokens)))
-    if compiled is None:
-        # The compiler refused the plan before laying out its buffers: what it
-        # says it needed, and the arguments' shards (outputs alias them).
-        empty = CollectiveStats(count=Counter(), bytes=Counter())
-        return AotReport(
-            model=label,
-            topology=topology,
-            chips=chips,
-            mesh={str(a): int(mesh.shape[a]) for a in mesh.axis_names},
-            plan=_describe(dims),
-            tokens_per_step=rows * chips * length,
-            argument_bytes=arguments,
-            output_bytes=0,
-            alias_bytes=0,
-            temp_bytes=needed[0],
-            code_bytes=0,
-            memory_per_chip=needed[1],
-            collectives=empty,
-            minimum=least,
-            minimum_note=note,
-            overlap=OverlapStats(async_wire_bytes=0, wire_bytes=0, by_kind={}),
-            lower_seconds=lowered_at - start,
-            compile_seconds=compiled_at - lowered_at,
-            peak_rss_bytes=_peak_rss(),
-            cost={},
-            refused=refusal,
-        )
-    memory = compiled.memory_analysis()
-    stats = collective_stats(compiled, mesh=mesh)
-    return AotReport(
-        model=label,
-        topology=topology,
+    common = dict(
+        model=label or kind,
+        topology=getattr(device, "device_kind", device.platform),
         chips=chips,
         mesh={str(a): int(mesh.shape[a]) for a in mesh.axis_names},
         plan=_describe(dims),
         tokens_per_step=rows * chips * length,
+        minimum=least,
+        minimum_note="not asked for" if least is None else least.note,
+        lower_seconds=lowered_at - start,
+        compile_seconds=compiled_at - lowered_at,
+        peak_rss_bytes=_peak_rss(),
+    )
+    if compiled is None:
+        # The compiler refused the plan before laying out its buffers: what it
+        # says it needed and had, and the arguments' shards (outputs alias them).
+        needed, available = _out_of_memory(refusal)
+        return AotReport(
+            **common,
+            argument_bytes=sum(_shard_bytes(x) for x in jax.tree.leaves((state, tokens))),
+            output_bytes=0,
+            alias_bytes=0,
+            temp_bytes=needed,
+            code_bytes=0,
+            memory_per_chip=available,
+            collectives=CollectiveStats(count=Counter(), bytes=Counter()),
+            overlap=OverlapStats(async_wire_bytes=0, wire_bytes=0, by_kind={}),
+            cost={},
+            refused=str(refusal).splitlines()[0][:300],
+        )
+    memory = compiled.memory_analysis()
+    return AotReport(
+        **common,
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes),
         memory_per_chip=_device_memory(device),
-        collectives=stats,
-        minimum=least,
-        minimum_note=note,
+        collectives=collective_stats(compiled, mesh=mesh),
         overlap=overlap_stats(compiled),
-        lower_seconds=lowered_at - start,
-        compile_seconds=compiled_at - lowered_at,
-        peak_rss_bytes=_peak_rss(),
         cost=_cost(compiled),
     )
+
+
+def _positive(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def _compiled_or_refusal(lowered: Any) -> tuple[Any, Exception | None]:
+    """`(compiled, None)`, or `(None, error)` where the TPU compiler refused the
+    program for memory (its out-of-memory error); any other error is raised."""
+    try:
+        return lowered.compile(), None
+    except Exception as error:  # noqa: BLE001 - the TPU compiler's out-of-memory is a JaxRuntimeError
+        if _out_of_memory(error) is None:
+            raise
+        return None, error
 
 
 _HBM_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 
 
-def _out_of_memory(error: Exception) -> tuple[int, int] | None:
+def _out_of_memory(error: Any) -> tuple[int, int] | None:
     """`(temporary bytes needed, bytes available)` from the TPU compiler's
     out-of-memory refusal (`CompileTimeHbmOom`, sizes in GiB), else None."""
     m = _HBM_OOM.search(str(error))

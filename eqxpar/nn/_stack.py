@@ -215,8 +215,7 @@ class Stacked(OrderedStack):
         key = kwargs.pop("key", None)
         plan = current_plan()
         dims = None if plan is None else ParallelDims.of(plan)
-        policy = "none" if dims is None else dims.remat
-        compute_dtype = None if dims is None else dims.compute_dtype
+        policy, compute_dtype = ("none", None) if dims is None else (dims.remat, dims.compute_dtype)
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
         # Under a manual FSDP step: how each array of a layer is all-gathered in
         # the scanned body (one layer's weights whole at a time; the gather's
@@ -239,10 +238,9 @@ class Stacked(OrderedStack):
         def layer(h, params):
             if key is not None:
                 params, layer_key = params
-            if compute_dtype is not None:
-                # This layer's weights only, before any gather: the step leaves a
-                # stack's weights in their dtype (see casts_per_layer).
-                params = jax.tree.map(lambda x: _in_compute_dtype(x, compute_dtype), params)
+            # This layer's weights only, before any gather: the step leaves a
+            # stack's weights in their dtype (see casts_per_layer).
+            params = _in_compute_dtype(params, compute_dtype)
             if gathers is not None:
                 leaves, treedef = jax.tree.flatten(params)
                 leaves = [gather_weights(x, g) for x, g in zip(leaves, gathers, strict=True)]
@@ -295,10 +293,12 @@ class Stacked(OrderedStack):
         return run(x, arrays)
 
 
-def _in_compute_dtype(x: Any, dtype: Any) -> Any:
-    if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-        return x.astype(dtype)
-    return x
+def _in_compute_dtype(tree: Any, dtype: Any) -> Any:
+    """`tree`'s floating-point arrays in `dtype` (None: unchanged)."""
+    if dtype is None:
+        return tree
+    floating = lambda x: eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+    return jax.tree.map(lambda x: x.astype(dtype) if floating(x) and x.dtype != dtype else x, tree)
 
 
 def _layers_per_iteration(unroll: int | bool, depth: int) -> int:
