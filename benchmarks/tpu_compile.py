@@ -81,7 +81,10 @@ def run_case(name: str) -> dict[str, Any]:
             eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last
         )
     state = eqxpar.train.init(outline, optimizer, plan, key=jax.random.key(0), abstract=True)
-    analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
+    # Traced under the plan, so that the stack's remat policy decides what the
+    # backward keeps (the advisor's own enumeration runs no remat).
+    with plan:
+        analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
     profile = eqxpar.DEVICE_PROFILES["tpu_v5p"]
     p = predict(plan, state.model, state.opt_state, tokens, loss, analysis, profile)
     record["predicted"] = {
