@@ -4,6 +4,8 @@ devices, or a TPU topology where libtpu is installed), its report, its command."
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +144,20 @@ def test_axes_that_cut_a_side_of_the_chip_grid_need_split_physical_axes():
     assert dict(mesh.shape)["expert"] == 8 and mesh.devices.size == 64
     with pytest.raises(eqxpar.MeshError, match="expected True or False"):
         eqxpar.make_mesh(fsdp=4, topology="v5p:2x2x1", split_physical_axes="yes")
+
+
+@needs_libtpu
+@pytest.mark.slow  # a whole Llama-3-8B step: about a minute of compile on two cores
+def test_llama3_8b_compiles_for_v5p_64_from_shapes_in_under_4_gb_of_host_memory(tmp_path):
+    # In a process of its own, so that its peak RSS is this compile's alone.
+    out = tmp_path / "report.json"
+    argv = ["--model", "llama3-8b", "--topology", "v5p-64", "--plan", "fsdp=32", "--batch", "1x2048"]
+    code = "import sys; from eqxpar.aot import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv, "--json", str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    record = json.loads(out.read_text())
+    # 8.03e9 parameters: 32 GB of float32 weights and 64 GB of AdamW moments, none allocated.
+    assert record["peak_rss_bytes"] < 4 * 2**30
+    assert record["argument_bytes"] < 3 * 2**30 and record["fits"] is True
