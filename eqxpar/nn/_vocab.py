@@ -185,7 +185,11 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
     """
     plan = current_plan()
     weight = layer.weight
-    if plan is None or not isinstance(weight, jax.core.Tracer) or jax.sharding.get_abstract_mesh().manual_axes:
+    if (
+        plan is None
+        or not isinstance(weight, jax.core.Tracer)
+        or jax.sharding.get_abstract_mesh().manual_axes
+    ):
         return None
     if ids.ndim < 2:
         return None
@@ -232,7 +236,10 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
     found = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes), PartitionSpec(None, axes)),
+        in_specs=(
+            PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes),
+            PartitionSpec(None, axes),
+        ),
         out_specs=PartitionSpec(None, axes),
         axis_names=set(axes),
     )(weight, grouped)
