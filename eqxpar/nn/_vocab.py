@@ -1,5 +1,7 @@
 """Vocabulary-parallel embedding, output head and cross-entropy."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -65,6 +67,9 @@ class Embedding(eqx.Module):
         split = self.vocab_split()
         ids = split_context(ids)
         if not ctx.manual:
+            looked_up = _lookup_columns(self, ids, ctx)
+            if looked_up is not None:
+                return ctx.constrain(looked_up, ctx.seq(), None)
             table = _whole_rows(self.weight, ctx.axis if split else None)
             return ctx.constrain(jnp.take(table, ids, axis=0), ctx.seq(), None)
         if not split:
@@ -158,6 +163,87 @@ def _whole_rows(weight: Array, axis: str | None) -> Array:
     ):
         return weight
     return jax.lax.with_sharding_constraint(weight, NamedSharding(plan.mesh, PartitionSpec(axis, None)))
+
+
+def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array | None:
+    """Automatic mode, a table split over batch axes only (FSDP rules), on its model
+    dimension or its vocabulary: look the rows up without gathering the table, as
+    MaxText does. None where that does not apply (the caller gathers whole rows).
+
+    In a region manual over those axes only (the others stay automatic), each device
+    gathers its group's ids (int32, tokens only), reads its own columns of every
+    token's row, and one all-to-all turns the feature split into the batch split the
+    activations have. A table split on its vocabulary (`rules.FSDP()` splits the
+    largest dimension) is first turned into column shards by an all-to-all of the
+    table (a shard's worth of wire, not the whole table's). The gradient is then each
+    device's scatter-add into its own columns (and the all-to-all back to its rows):
+    no whole table is gathered for the lookup, no whole-table gradient exists, and
+    there is no whole-table all-reduce over the batch axes. GSPMD does none of this
+    itself: given a table split on its columns it rematerialises the looked-up
+    activations rather than move them (see _whole_rows). The values are those of
+    `jnp.take` on the whole table: a lookup is a copy.
+    """
+    plan = current_plan()
+    weight = layer.weight
+    if (
+        plan is None
+        or not isinstance(weight, jax.core.Tracer)
+        or jax.sharding.get_abstract_mesh().manual_axes
+    ):
+        return None
+    if ids.ndim < 2:
+        return None
+    mesh = plan.mesh
+    spec = tuple(partition_specs(layer, plan).weight) + (None, None)
+
+    def split(entry: object) -> tuple[str, ...]:
+        return tuple(a for a in mesh_axis_names(entry) if mesh.shape[a] > 1)
+
+    vocab, columns = split(spec[0]), split(spec[1])
+    batch = tuple(a for a in ctx.batch_axes if mesh.shape[a] > 1)
+    axes = vocab or columns
+    # One of the two dimensions split, over batch axes only: a vocabulary split over
+    # the tensor axis is vocabulary parallelism, which has its own path.
+    if (vocab and columns) or not axes or not set(axes) <= set(batch):
+        return None
+    # The table's axes must be a run of the batch axes, in the same order: then the
+    # devices of one group hold consecutive blocks of the batch, and gathering the
+    # ids over them (and the all-to-all back) keeps the batch's own layout.
+    start = batch.index(axes[0])
+    if batch[start : start + len(axes)] != axes:
+        return None
+    before, after = batch[:start], batch[start + len(axes) :]
+    groups = math.prod(mesh.shape[a] for a in before)
+    n = math.prod(mesh.shape[a] for a in axes)
+    rows = ids.shape[0]
+    if weight.shape[1] % n or rows % (groups * n * math.prod(mesh.shape[a] for a in after)):
+        return None
+    # (batch, ...) as (groups before the table's axes, group member, rows of each):
+    # one dimension per part of the batch's split, the region manual over the middle one.
+    grouped = ids.reshape(groups, n, rows // (groups * n), *ids.shape[1:])
+    grouped = jax.lax.with_sharding_constraint(
+        grouped,
+        NamedSharding(mesh, PartitionSpec(before or None, axes, after or None, *([None] * (ids.ndim - 1)))),
+    )
+
+    def local(table: Array, ids: Array) -> Array:
+        if vocab:
+            table = jax.lax.all_to_all(table, axes, split_axis=1, concat_axis=0, tiled=True)
+        ids = jax.lax.all_gather(ids, axes, axis=1, tiled=True)
+        found = jnp.take(table, ids, axis=0)
+        return jax.lax.all_to_all(found, axes, split_axis=1, concat_axis=found.ndim - 1, tiled=True)
+
+    found = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes),
+            PartitionSpec(None, axes),
+        ),
+        out_specs=PartitionSpec(None, axes),
+        axis_names=set(axes),
+    )(weight, grouped)
+    return found.reshape(*ids.shape, weight.shape[1])
 
 
 class Unembed(eqx.Module):
