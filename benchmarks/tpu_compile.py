@@ -132,12 +132,14 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
             mine = f"{mine} (refused: over HBM)"
         collectives = m.get("collectives", {})
         their_wire = collectives.get("total_wire_bytes")
-        ratio = r.get("wire_ratio_to_minimum")
+        ratio = None if r.get("refused") else r.get("wire_ratio_to_minimum")
+        wire = "—" if r.get("refused") else f"{r['total_wire_bytes'] / 1e9:.1f}"
+        share = None if r.get("refused") else r["async_share"]
         lines.append(
             f"| {name} | {mine} / {_gib(theirs)} "
-            f"| {r['total_wire_bytes'] / 1e9:.1f} / {'—' if their_wire is None else f'{their_wire / 1e9:.1f}'} "
+            f"| {wire} / {'—' if their_wire is None else f'{their_wire / 1e9:.1f}'} "
             f"| {'—' if ratio is None else f'{ratio:.2f}x'} "
-            f"| {_share(r['async_share'])} / {_share(collectives.get('async_share'))} "
+            f"| {_share(share)} / {_share(collectives.get('async_share'))} "
             f"| {r['compile_seconds']:.0f} / {'—' if m.get('compile_s') is None else format(m['compile_s'], '.0f')} "
             f"| {_gib(r['peak_rss_bytes'])} / {_gib(m.get('peak_rss_bytes'))} |"
         )
@@ -178,9 +180,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", help="comma-separated case names (default all)")
     parser.add_argument("--json", type=pathlib.Path, help="merge the records into this results file")
     parser.add_argument("--markdown", type=pathlib.Path, help="rewrite the tables in this file")
+    parser.add_argument(
+        "--tables-only", action="store_true", help="rewrite the tables from --json's records; compile nothing"
+    )
     args = parser.parse_args(argv)
     if args.case:
         print("RECORD " + json.dumps(run_case(args.case)))
+        return
+    if args.tables_only:
+        if args.json is None or args.markdown is None:
+            raise SystemExit("--tables-only reads --json and rewrites --markdown: pass both")
+        _write_markdown(args.markdown, markdown(json.loads(args.json.read_text())["tpu_compile"]))
         return
     names = args.only.split(",") if args.only else list(CASES)
     records = {}
