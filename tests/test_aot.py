@@ -33,8 +33,11 @@ def test_report_on_this_machine_counts_collectives_per_axis_against_the_minimum(
         report.peak_bytes
         == report.argument_bytes + report.output_bytes - report.alias_bytes + report.temp_bytes
     )
-    # The weights are gathered over fsdp: the all-gathers' groups span that axis only.
-    assert set(report.collectives.by_axes["all-gather"]) == {("fsdp",)}
+    # The weights are gathered over fsdp: nearly all the all-gathers' bytes move in
+    # groups that span that axis only (the token ids of the embedding lookup are
+    # gathered over the other batch axis too, a few bytes).
+    gathers = report.collectives.by_axes["all-gather"]
+    assert gathers[("fsdp",)] > 0.99 * sum(gathers.values())
     by_axes = sum(n for by in report.collectives.by_axes.values() for n in by.values())
     assert by_axes == sum(report.collectives.wire_bytes.values()) - report.collectives.wire_bytes[
         "collective-permute"
