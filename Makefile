@@ -47,7 +47,9 @@ NEWEST_TESTS := tests/test_data_parallel.py tests/test_fsdp.py tests/test_tp_ste
 	tests/test_pipeline.py tests/test_models.py tests/test_expert_parallel.py \
 	tests/test_context_parallel.py tests/test_hlo.py tests/test_nn_comm.py \
 	tests/test_accumulate_comm.py tests/test_docs.py tests/test_x64.py \
-	tests/test_skip_nonfinite.py tests/test_silent_wrongs.py
+	tests/test_skip_nonfinite.py tests/test_silent_wrongs.py tests/test_topology.py \
+	tests/test_aot.py tests/test_compile_from_shapes.py tests/test_embedding_lookup.py \
+	tests/test_overlap.py
 test-newest: $(STAMP)
 	$(PY) -m pytest -n 2 --dist worksteal -m "not slow or newest" $(NEWEST_TESTS)
 
