@@ -28,8 +28,9 @@ def cast_floating(tree: PyTree, dtype: Any, *, per_layer: bool = False) -> PyTre
     `per_layer=True` (the compute dtype of a step) leaves alone the weights of a
     module that casts them itself, one layer at a time inside its loop (a module
     whose `casts_per_layer()` is True: an `eqxpar.nn.Stacked`). Cast here, a stack
-    would exist twice, and its gradient in both dtypes, for the whole step:
-    for Llama-3-8B under FSDP over 32 chips, 0.9 GiB of each chip's temporaries."""
+    could exist twice, and its gradient in both dtypes, for the whole step (on
+    XLA:CPU a bf16 GPT held 16 MiB of temporaries per layer that way, 11 cast per
+    layer; the TPU compiler avoided the copy either way)."""
 
     def cast(x: Any) -> Any:
         if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
