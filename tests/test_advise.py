@@ -1,6 +1,8 @@
 """The plan advisor: predictions from shapes, a budget that rules out pure data
 parallelism, the chosen plan compiled and trained, and bad inputs refused."""
 
+import importlib.util
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -341,3 +343,34 @@ def test_pipeline_temp_under_remat_policies(remat, tolerance):
     predicted, measured = _compare(model, loss, plan, tokens)
     assert (predicted.activation_bytes == 0) == (remat == "full"), predicted
     assert abs(predicted.temp_bytes / measured - 1) <= tolerance, (predicted.temp_bytes, measured)
+
+
+def _gpt2_outline():
+    config = eqxpar.models.preset("gpt2", num_layers=2, max_seq_len=128)
+    return eqx.filter_eval_shape(eqxpar.models.GPT, config, key=jax.random.key(0))
+
+
+def test_check_above_this_machines_devices_names_the_topology_option():
+    tokens = jax.ShapeDtypeStruct((64, 65), jnp.int32)
+    advice = eqxpar.advise(
+        _gpt2_outline(), eqxpar.models.lm_loss, optax.adamw(1e-4), tokens, devices=64, device="tpu_v5p"
+    )
+    with pytest.raises(eqxpar.PlanError, match=r"check\(k, topology=\.\.\.\)"):
+        advice.check(1)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='libtpu is not installed (pip install "eqxpar[tpu]"): no TPU topology to compile for',
+)
+def test_check_compiles_the_candidates_from_shapes_for_a_tpu_topology():
+    # The model as an outline: nothing allocated, the TPU compiler's figures.
+    tokens = jax.ShapeDtypeStruct((8, 65), jnp.int32)
+    advice = eqxpar.advise(
+        _gpt2_outline(), eqxpar.models.lm_loss, optax.adamw(1e-4), tokens, devices=4, device="tpu_v5p"
+    )
+    (comparison,) = advice.check(1, topology="v5p:2x2x1")
+    assert comparison.name == advice.candidates[0].name
+    predicted, measured = comparison.argument_bytes
+    assert measured > 0 and abs(predicted / measured - 1) < 0.05
+    assert advice.plan(0, topology="v5p:2x2x1").mesh.devices.flat[0].platform == "tpu"
