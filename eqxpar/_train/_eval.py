@@ -103,6 +103,17 @@ def _batch_rows(loss: LossFunction, layout: StepLayout, model: PyTree, batch: Py
     )(model, batch, key)
 
 
+def _rows(batch: PyTree, where: str) -> int:
+    """The batch size every leaf of `batch` shares (arrays or outlines)."""
+    sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
+    if len(sizes) != 1:
+        raise BatchError(
+            f"{where}: the batch's leaves have leading sizes {sorted(sizes)}; expected one batch size "
+            "shared by every leaf."
+        )
+    return next(iter(sizes))
+
+
 class EvalStep:
     """A compiled evaluation `(state or model, batch) -> metrics`, built by
     `eqxpar.train.make_eval_step`."""
@@ -134,13 +145,7 @@ class EvalStep:
         model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
         # A model as loaded (natural order) or as a state of this plan holds it.
         model = in_plan_order(model, self._resolved)
-        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
-        if len(sizes) != 1:
-            raise BatchError(
-                f"make_eval_step: the batch's leaves have leading sizes {sorted(sizes)}; expected one "
-                "batch size shared by every leaf."
-            )
-        (rows,) = sizes
+        rows = _rows(batch, "make_eval_step")
         if self._per_row:
             return {"loss": self._masked_mean(model, batch, rows, key), "rows": rows}
         q = self.rows_per_call
@@ -180,12 +185,11 @@ class EvalStep:
         # Outlines are put in the plan's order by tracing it: nothing is allocated.
         order = lambda m: in_plan_order(m, self._resolved)  # noqa: E731
         model = eqx.filter_eval_shape(order, model) if has_outlines(model) else order(model)
-        sizes = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)}
-        q = self.rows_per_call
-        if len(sizes) != 1 or next(iter(sizes)) % q:
+        rows, q = _rows(batch, "EvalStep.lower"), self.rows_per_call
+        if rows % q:
             raise BatchError(
-                f"EvalStep.lower: the batch's leaves have leading sizes {sorted(sizes)}; expected one batch "
-                f"size, a multiple of rows_per_call = {q} (a call runs other sizes as several programs)."
+                f"EvalStep.lower: a batch of {rows} rows; expected a multiple of rows_per_call = {q} (a call "
+                "runs other sizes as several programs)."
             )
         return self._compiled.lower(model, batch, key)
 

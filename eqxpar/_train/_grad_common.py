@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PyTree
 
+from .._casting import cast_floating
 from .._collectives import wire_dtype
 from .._context_split import expect_split
 from .._errors import PlanError
@@ -26,7 +27,6 @@ from .._fsdp import Gather, layer_gathers
 from .._sharding import place_tree
 from .._varying import varying_axes
 from ._step_layout import StepLayout
-from ._train_state import cast_floating
 
 
 @dataclasses.dataclass(frozen=True)

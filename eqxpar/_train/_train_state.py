@@ -11,7 +11,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 
+from .._casting import cast_floating
 from .._errors import PlanError, UnusedAxisWarning
+from .._outline_jit import has_outlines
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sharding import place_tree
@@ -20,27 +22,6 @@ from .._stack_order import in_plan_order
 from ._resolved_plan import ResolvedPlan
 from ._step_layout import StepLayout
 from ._trainable import optimized, trainable_mask
-
-
-def cast_floating(tree: PyTree, dtype: Any, *, per_layer: bool = False) -> PyTree:
-    """`tree` with every floating-point array cast to `dtype` (others unchanged).
-
-    `per_layer=True` (the compute dtype of a step) leaves alone the weights of a
-    module that casts them itself, one layer at a time inside its loop (a module
-    whose `casts_per_layer()` is True: an `eqxpar.nn.Stacked`). Cast here, a stack
-    could exist twice, and its gradient in both dtypes, for the whole step (on
-    XLA:CPU a bf16 GPT held 16 MiB of temporaries per layer that way, 11 cast per
-    layer; the TPU compiler avoided the copy either way)."""
-
-    def cast(x: Any) -> Any:
-        if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
-
-    if not per_layer:
-        return jax.tree.map(cast, tree)
-    casts_itself = lambda x: callable(getattr(x, "casts_per_layer", None)) and x.casts_per_layer()  # noqa: E731
-    return jax.tree.map(lambda x: x if casts_itself(x) else cast(x), tree, is_leaf=casts_itself)
 
 
 def _warn_unused_axes(model: PyTree, resolved: ResolvedPlan) -> None:
@@ -169,7 +150,7 @@ def init(
     _warn_unused_axes(eqx.filter_eval_shape(lambda m: in_plan_order(m, resolved), model), resolved)
     if not isinstance(abstract, bool):
         raise PlanError(f"eqxpar.train.init(abstract={abstract!r}): expected True or False.")
-    if abstract or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model)):
+    if abstract or has_outlines(model):
         return _outline(place, model, resolved, key, trainable)
     try:
         model, opt_state = place(model)

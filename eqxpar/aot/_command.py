@@ -11,14 +11,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from .._errors import EqxparError, PlanError
-from .._mesh import make_mesh
+from .._mesh import AXES, make_mesh
 from .._plan import Plan
 from ..models import PRESET_NAMES, preset
 from ..pipeline import stage_rules
 from ..rules import FSDP, MEGATRON, MEGATRON_FSDP
 from ._compile import compile_train_step
 
-_AXES = ("data", "pipe", "fsdp", "expert", "context", "tensor")
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32}
 
 
@@ -27,9 +26,9 @@ def parse_axes(text: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         axis, _, size = part.partition("=")
-        if axis not in _AXES or not size.isdigit() or int(size) < 1:
+        if axis not in AXES or not size.isdigit() or int(size) < 1:
             raise PlanError(
-                f"--plan {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(_AXES)} and SIZE a "
+                f"--plan {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(AXES)} and SIZE a "
                 "positive integer. Example: --plan fsdp=8,tensor=4"
             )
         sizes[axis] = int(size)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._casting import cast_floating
 from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
 from .._parallel_dims import ParallelDims
@@ -240,7 +241,7 @@ class Stacked(OrderedStack):
                 params, layer_key = params
             # This layer's weights only, before any gather: the step leaves a
             # stack's weights in their dtype (see casts_per_layer).
-            params = _in_compute_dtype(params, compute_dtype)
+            params = params if compute_dtype is None else cast_floating(params, compute_dtype)
             if gathers is not None:
                 leaves, treedef = jax.tree.flatten(params)
                 leaves = [gather_weights(x, g) for x, g in zip(leaves, gathers, strict=True)]
@@ -291,14 +292,6 @@ class Stacked(OrderedStack):
         if key is not None:
             return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
-
-
-def _in_compute_dtype(tree: Any, dtype: Any) -> Any:
-    """`tree`'s floating-point arrays in `dtype` (None: unchanged)."""
-    if dtype is None:
-        return tree
-    floating = lambda x: eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
-    return jax.tree.map(lambda x: x.astype(dtype) if floating(x) and x.dtype != dtype else x, tree)
 
 
 def _layers_per_iteration(unroll: int | bool, depth: int) -> int:
