@@ -33,7 +33,9 @@ class FlatIds:
             return
         array = np.asarray(source) if hasattr(source, "__array__") else None
         if array is None or array.ndim != 1 or array.dtype.kind not in "iu":
-            described = type(source).__name__ if array is None else f"{array.dtype} array of shape {array.shape}"
+            described = type(source).__name__
+            if array is not None:
+                described = f"{array.dtype} array of shape {array.shape}"
             raise BatchError(
                 f"{where}: the token ids are a {described}; expected an eqxpar.data.TokenFile or "
                 "one flat integer array of ids (documents separated by the end-of-document id)."

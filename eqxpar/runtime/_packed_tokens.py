@@ -136,10 +136,11 @@ class PackedTokens:
 
     def __init__(
         self,
-        tokens: TokenFile | Int[np.ndarray, " ids"] | Sequence[int],
+        tokens: TokenFile | np.ndarray | Sequence[int],
         *,
-        eod_id: int,
-        seq_len: int | None = None,
+        # Any: checked below, with an eqxpar error that names the value.
+        eod_id: Any,
+        seq_len: Any = None,
         open_rows: int = 1,
         split: str = "long",
         mask_boundaries: bool = True,
