@@ -8,6 +8,7 @@ are then one fixed dataset: `ShardedIterator` shuffles them each epoch, splits
 each global batch over the processes and saves its position, as for any other.
 """
 
+import dataclasses
 import operator
 import os
 from collections.abc import Sequence
@@ -92,8 +93,9 @@ class PackedTokens:
     `{"step", "seed"}` state resumes the rows.
 
     Building it reads the ids once, a few million at a time, to find the
-    documents, and keeps 16 bytes per document and about 32 per piece; packing
-    takes about a microsecond per document (a Python loop over them).
+    documents, and packs them in a Python loop over the documents; it then keeps
+    8 bytes per document, 28 per piece (a document, or a part of a longer one)
+    and 8 per row.
 
     **Arguments:**
 
@@ -110,7 +112,10 @@ class PackedTokens:
       `open_rows=1`).
     - `mask_boundaries`: weigh a document's first id 0 (default True, so each
       document is trained as if alone in its row: a packed batch gives the loss
-      of its documents run one per row and padded).
+      of its documents run one per row and padded). False suits rows fed without
+      their `segment_ids` (attention across documents, as in unpacked
+      pretraining), where only padding is left out; a loss that reads the segment
+      ids (`eqxpar.models.lm_loss`) leaves predictions across them out anyway.
     - `drop_last`: drop the rows still partly filled when the documents run out,
       instead of padding them (default False).
     - `seed`: None (default) packs the documents in their order in the file; an
@@ -174,8 +179,8 @@ class PackedTokens:
                 f"({int(lengths.sum())} ids) do not fill one row of seq_len + 1 = {self._seq_len + 1}. "
                 "Use drop_last=False or a shorter seq_len."
             )
-        self._layout = layout
-        self._document = order[layout.document]  # the pieces' documents, numbered in file order
+        # The pieces' documents, numbered in the file's order.
+        self._layout = dataclasses.replace(layout, document=order[layout.document])
         self._segment = layout.segment
         self._open_rows = open_rows
 
@@ -224,7 +229,7 @@ class PackedTokens:
         (row,) = self._rows([operator.index(i)])
         lo, hi = self._layout.row_start[row], self._layout.row_start[row + 1]
         offset = self._layout.offset[lo:hi]
-        return np.stack([self._document[lo:hi], offset, offset + self._layout.length[lo:hi]], axis=1)
+        return np.stack([self._layout.document[lo:hi], offset, offset + self._layout.length[lo:hi]], axis=1)
 
     def read(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """The rows at `indices`, stacked: a dict of `tokens`, `segment_ids`,
@@ -242,8 +247,8 @@ class PackedTokens:
         out_row = np.repeat(np.arange(rows.shape[0]), counts)
         piece = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         piece = piece + np.repeat(lay.row_start[rows], counts)
-        length = lay.length[piece]
-        start = self._starts[self._document[piece]] + lay.offset[piece]
+        length = lay.length[piece].astype(np.int64)
+        start = self._starts[lay.document[piece]] + lay.offset[piece]
         ids = self._ids.read_spans(start, start + length)
         of = np.repeat(np.arange(piece.shape[0]), length)  # each id's piece
         within = np.arange(ids.shape[0]) - np.repeat(np.cumsum(length) - length, length)

@@ -141,6 +141,6 @@ def pack_documents(
         row_start=row_start,
         document=table[:, 2],
         offset=table[:, 3],
-        length=table[:, 4],
-        column=table[:, 1],
+        length=table[:, 4].astype(np.int32),
+        column=table[:, 1].astype(np.int32),
     )
