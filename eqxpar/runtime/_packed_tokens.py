@@ -244,29 +244,33 @@ class PackedTokens:
         rows = self._rows(indices)
         lay = self._layout
         counts = lay.row_start[rows + 1] - lay.row_start[rows]
-        out_row = np.repeat(np.arange(rows.shape[0]), counts)
         piece = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         piece = piece + np.repeat(lay.row_start[rows], counts)
         length = lay.length[piece].astype(np.int64)
         start = self._starts[lay.document[piece]] + lay.offset[piece]
         ids = self._ids.read_spans(start, start + length)
+        # A row's pieces lie side by side from its first column, padding after them,
+        # so its ids, in row-major order, are the pieces' ids in order: a mask of the
+        # rows' filled columns places them all without an index per id.
+        row_of = np.repeat(np.arange(rows.shape[0]), counts)
+        used = np.bincount(row_of, weights=length, minlength=rows.shape[0]).astype(np.int64)
+        filled = np.arange(self._seq_len + 1) < used[:, None]
         of = np.repeat(np.arange(piece.shape[0]), length)  # each id's piece
         within = np.arange(ids.shape[0]) - np.repeat(np.cumsum(length) - length, length)
-        r, c = out_row[of], lay.column[piece][of] + within
-        shape = (rows.shape[0], self._seq_len + 1)
+        target = within > 0
+        if not self._mask_boundaries:  # a document's first id, where another precedes it in the row
+            target |= (~lay.continues[piece] & (lay.column[piece] > 0))[of]
+        shape = filled.shape
         out = {
             "tokens": np.full(shape, self._eod_id, np.int32),
             "segment_ids": np.zeros(shape, np.int32),
             "positions": np.zeros(shape, np.int32),
             "weights": np.zeros(shape, np.float32),
         }
-        out["tokens"][r, c] = ids
-        out["segment_ids"][r, c] = self._segment[piece][of]
-        out["positions"][r, c] = within
-        target = within > 0
-        if not self._mask_boundaries:
-            target |= ~lay.continues[piece][of] & (c > 0)
-        out["weights"][r, c] = target.astype(np.float32)
+        out["tokens"][filled] = ids
+        out["segment_ids"][filled] = np.repeat(self._segment[piece], length)
+        out["positions"][filled] = within
+        out["weights"][filled] = target
         return out
 
     def __getitem__(self, i: SupportsIndex) -> dict[str, np.ndarray]:
