@@ -10,6 +10,7 @@ their rows with the single-process stream.
 
 import collections
 import json
+import pickle
 import textwrap
 
 import numpy as np
@@ -129,14 +130,15 @@ def test_rows_unpack_to_every_document_in_order(options):
     pieces = collections.defaultdict(list)
     for r in range(len(packed)):
         for k, (d, start, stop) in enumerate(packed.segments(r)):
-            np.testing.assert_array_equal(rows["tokens"][r][rows["segment_ids"][r] == k + 1], documents[d][start:stop])
+            segment = rows["tokens"][r][rows["segment_ids"][r] == k + 1]
+            np.testing.assert_array_equal(segment, documents[d][start:stop])
             pieces[int(d)].append((int(start), int(stop)))
     assert sorted(pieces) == list(range(len(documents)))
     for d, spans in pieces.items():
         spans.sort()
         end = min(len(documents[d]), seq_len + 1) if options.get("split") == "never" else len(documents[d])
         assert spans[0][0] == 0 and spans[-1][1] == end
-        assert all(b[0] == a[1] - 1 for a, b in zip(spans, spans[1:]))
+        assert all(b[0] == a[1] - 1 for a, b in zip(spans, spans[1:], strict=False))
     if "seed" in options or "open_rows" in options:
         return
     # Sequential packing keeps the documents' order: the ids with weight 1, row
@@ -152,7 +154,7 @@ def _examples(tokens, segment_ids, weights):
     """What a causal model with segment masking and restarting positions is trained
     on: each weighted target with the ids of its segment before it."""
     out = collections.Counter()
-    for toks, seg, w in zip(tokens, segment_ids, weights):
+    for toks, seg, w in zip(tokens, segment_ids, weights, strict=True):
         for j in np.flatnonzero(w[1:]) + 1:
             start = j - 1
             while start > 0 and seg[start - 1] == seg[j]:
@@ -189,8 +191,11 @@ def test_packing_is_deterministic_and_a_file_packs_as_its_array(tmp_path):
     tokens = TokenFile(path, seq_len=31, dtype=np.uint16)
     from_file = PackedTokens(tokens, eod_id=EOD, open_rows=8, seed=5)
     assert from_file.seq_len == 31
-    for again in (PackedTokens(ids, eod_id=EOD, seq_len=31, open_rows=8, seed=5), PackedTokens(tokens, eod_id=EOD, open_rows=8, seed=5)):
-        for a, b in zip(_all_rows(from_file).values(), _all_rows(again).values()):
+    for again in (
+        PackedTokens(ids, eod_id=EOD, seq_len=31, open_rows=8, seed=5),
+        PackedTokens(tokens, eod_id=EOD, open_rows=8, seed=5),
+    ):
+        for a, b in zip(_all_rows(from_file).values(), _all_rows(again).values(), strict=True):
             np.testing.assert_array_equal(a, b)
     other = PackedTokens(tokens, eod_id=EOD, open_rows=8, seed=6)
     assert not np.array_equal(_all_rows(other)["tokens"][:4], _all_rows(from_file)["tokens"][:4])
@@ -199,7 +204,13 @@ def test_packing_is_deterministic_and_a_file_packs_as_its_array(tmp_path):
     one = from_file[3]
     for name, value in from_file.read([3]).items():
         np.testing.assert_array_equal(one[name], value[0])
-    np.testing.assert_array_equal(from_file.read([-1])["tokens"], from_file.read([len(from_file) - 1])["tokens"])
+    last = from_file.read([len(from_file) - 1])["tokens"]
+    np.testing.assert_array_equal(from_file.read([-1])["tokens"], last)
+    # A grain worker gets the file's path and the layout, and reads the same rows.
+    copy = pickle.loads(pickle.dumps(from_file))
+    for a, b in zip(from_file.read([0, 9]).values(), copy.read([0, 9]).values(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert repr(copy) == repr(from_file)
 
 
 def test_a_row_reads_only_its_pieces(tmp_path):
@@ -207,7 +218,7 @@ def test_a_row_reads_only_its_pieces(tmp_path):
         spans = []
 
         def read_spans(self, starts, stops):
-            self.spans.append(list(zip(np.asarray(starts).tolist(), np.asarray(stops).tolist())))
+            self.spans.append(list(zip(np.asarray(starts).tolist(), np.asarray(stops).tolist(), strict=True)))
             return super().read_spans(starts, stops)
 
     ids = _ids(documents=100)
@@ -303,7 +314,7 @@ def test_bad_inputs_name_the_value(tmp_path):
     with pytest.raises(BatchError, match=r"token id -3 at position 1 is outside \[0, 2147483647\]"):
         PackedTokens(np.array([1, -3, 0]), eod_id=0, seq_len=2)
     for seq_len in (0, -4, 2.5, None):
-        with pytest.raises(BatchError, match=rf"seq_len={seq_len} gives rows of seq_len \+ 1 ids.*at least 2"):
+        with pytest.raises(BatchError, match=rf"seq_len={seq_len} gives rows of seq_len \+ 1 ids.*least 2"):
             PackedTokens(ids, eod_id=EOD, seq_len=seq_len)
     with pytest.raises(BatchError, match=r"split='some' is not one of \('long', 'always', 'never'\)"):
         PackedTokens(ids, eod_id=EOD, seq_len=8, split="some")
@@ -325,7 +336,7 @@ def test_bad_inputs_name_the_value(tmp_path):
     path = tmp_path / "ids.bin"
     ids.astype(np.uint16).tofile(path)
     tokens = TokenFile(path, seq_len=8, dtype=np.uint16)
-    with pytest.raises(BatchError, match=rf"span \[5, {ids.size + 1}\) is not inside the file's {ids.size} tokens"):
+    with pytest.raises(BatchError, match=rf"span \[5, {ids.size + 1}\) is not inside the file's {ids.size}"):
         tokens.read_spans([0, 5], [3, ids.size + 1])
     with pytest.raises(BatchError, match="2 starts but 1 stops"):
         tokens.read_spans([0, 5], [3])

@@ -47,7 +47,7 @@ class FlatIds:
         """Ids `[starts[k], stops[k])` for each `k`, concatenated, as int32."""
         if self.file is not None:
             return self.file.read_spans(starts, stops)
-        parts = [self.array[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+        parts = [self.array[a:b] for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
         if not parts:
             return np.zeros((0,), np.int32)
         return np.concatenate(parts).astype(np.int32, copy=False)

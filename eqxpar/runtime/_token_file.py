@@ -285,7 +285,7 @@ class TokenFile:
             )
         out = np.empty((int((last - first).sum()),), self._tokens.dtype)
         at = 0
-        for start, stop in zip(first.tolist(), last.tolist()):
+        for start, stop in zip(first.tolist(), last.tolist(), strict=True):
             out[at : at + stop - start] = self._tokens[start:stop]
             at += stop - start
         self._release()
