@@ -81,7 +81,8 @@ class PackedTokens:
     row-long pieces, each starting a row and repeating the previous piece's last
     id as its first: that id is an input there, not a target, so each id of the
     document but the first is a target exactly once, and positions restart at 0
-    in each piece (`max_seq_len >= seq_len + 1` suffices). `split="always"` fills
+    in each piece (the inputs' stay below `seq_len`, so a model's
+    `max_seq_len >= seq_len` suffices, as unpacked). `split="always"` fills
     every row to its end (a document that does not fit continues in the next row,
     the same way), so only the last row has padding; `split="never"` keeps a long
     document's first `seq_len + 1` ids and drops the rest.
