@@ -7,6 +7,7 @@ the order they are closed (filled, or pushed out by a document that fits no open
 row), which for one open row is the documents' order.
 """
 
+import array
 import dataclasses
 
 import numpy as np
@@ -49,15 +50,24 @@ class _Rows:
 
     def __init__(self, row_len: int, open_rows: int):
         self.row_len, self.open_rows = row_len, open_rows
-        self.pieces: list[tuple[int, int, int, int, int]] = []  # (row, column, document, offset, length)
+        # One column each of (row, column, document, offset, length): 8 bytes a
+        # value, where a list of tuples would hold about 150 bytes a piece.
+        self.pieces = tuple(array.array("q") for _ in range(5))
+        self._append = tuple(column.append for column in self.pieces)
         self.fill: list[int] = []
         self.open: list[int] = []
         self.closed: list[int] = []
 
     def put(self, row: int, document: int, offset: int, length: int) -> None:
-        self.pieces.append((row, self.fill[row], document, offset, length))
-        self.fill[row] += length
-        if self.fill[row] == self.row_len:
+        fill = self.fill
+        to_row, to_column, to_document, to_offset, to_length = self._append
+        to_row(row)
+        to_column(fill[row])
+        to_document(document)
+        to_offset(offset)
+        to_length(length)
+        fill[row] += length
+        if fill[row] == self.row_len:
             self.open.remove(row)
             self.closed.append(row)
 
@@ -130,7 +140,7 @@ def pack_documents(
         rows.closed.extend(rows.open)
     rank = np.full((len(rows.fill),), -1, np.int64)
     rank[np.asarray(rows.closed, np.int64)] = np.arange(len(rows.closed))
-    table = np.asarray(rows.pieces, np.int64).reshape(-1, 5)
+    table = np.stack([np.frombuffer(column, np.int64) for column in rows.pieces], axis=1).reshape(-1, 5)
     row = rank[table[:, 0]]
     keep = row >= 0
     table, row = table[keep], row[keep]
