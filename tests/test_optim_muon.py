@@ -105,3 +105,64 @@ def test_updates_equal_optax_muon_on_one_device(name):
         updates, ref_state = update(_host(recorded_gradients(state.opt_state)), ref_state, params)
         _assert_updated_alike(after, before, updates, rtol=1e-6, where=f"{name} step {i}")
         before = after
+
+
+def _optimizer_wire_bytes(plan, model, optim) -> int:
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    compiled = eqxpar.train.make_step(lm_loss, optim, plan).compile(state, lm_tokens(0, batch=16, seq=16))
+    return eqxpar.inspect.collective_stats(compiled).total_wire_bytes
+
+
+@pytest.mark.parametrize("name", ["fsdp_manual", "hybrid"])
+def test_the_update_moves_at_most_twice_the_parameter_bytes(name):
+    # The optimizer's traffic: the step's wire bytes beyond the same step's with
+    # AdamW (elementwise: it moves nothing). optax's Muon gathers every matrix on
+    # every device, several times per Newton-Schulz iteration.
+    make_plan, config, _ = PLANS[name]
+    plan, model = make_plan(), eqx.filter_jit(GPT)(config, key=jax.random.key(0))
+    adamw = _optimizer_wire_bytes(plan, model, optax.adamw(LR))
+    ours = _optimizer_wire_bytes(plan, model, eqxpar.optim.muon(LR, muon_weight_dimension_numbers=muon_dims)) - adamw
+    theirs = _optimizer_wire_bytes(plan, model, optax.contrib.muon(LR, muon_weight_dimension_numbers=muon_dims)) - adamw
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert 0 < ours <= 2 * param_bytes, (ours, param_bytes)
+    assert ours < theirs / 4, (ours, theirs)
+
+
+def test_outside_a_step_it_is_optax_muon():
+    # No step publishes a layout: optax's arithmetic, leaf by leaf (the default
+    # rule: 2-D leaves on Muon, the rest on AdamW).
+    params = {"w": jax.random.normal(jax.random.key(0), (8, 12)), "b": jax.random.normal(jax.random.key(1), (12,))}
+    ours, theirs = eqxpar.optim.muon(LR, ns_coeffs="dion", ns_steps=5), optax.contrib.muon(LR, ns_coeffs="dion", ns_steps=5)
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
+    for i in range(3):
+        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(10 + i), p.shape), params)
+        u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, params)
+        u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, params)
+        for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_unknown_preset_is_refused():
+    with pytest.raises(eqxpar.EqxparError, match="'polar'"):
+        eqxpar.optim.muon(LR, ns_coeffs="polar")
+
+
+def test_an_old_optax_is_refused(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.5" if name == "optax" else real(name))
+    with pytest.raises(eqxpar.EqxparError, match=r"optax >= 0\.2\.8.*0\.2\.5"):
+        eqxpar.optim.muon(LR)
+
+
+def test_a_matrix_leaf_without_dimension_numbers_is_refused_under_a_plan():
+    # optax's own rule puts 3-D leaves on AdamW; scale_by_muon alone must be told
+    # how to cut one into matrices.
+    plan = eqxpar.Plan(mesh(fsdp=8), rules=rules.FSDP(), mode="manual")
+    model = eqx.filter_jit(GPT)(GPT2_STYLE, key=jax.random.key(0))
+    optim = optax.chain(eqxpar.optim.scale_by_muon(), optax.scale(-LR))
+    trainable = jax.tree_util.tree_map_with_path(lambda p, x: getattr(p[-1], "name", None) == "w_out", model)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0), trainable=trainable)
+    step = eqxpar.train.make_step(lm_loss, optim, plan, trainable=trainable)
+    with pytest.raises(eqxpar.EqxparError, match=r"shape \(2, 64, 32\) without dimension numbers"):
+        step.lower(state, lm_tokens(0, batch=16, seq=16))
