@@ -37,6 +37,7 @@ LANGUAGES = ("python", "bash", "text", "yaml", "toml", "")
 PUBLIC_MODULES = (
     "eqxpar",
     "eqxpar.train",
+    "eqxpar.optim",
     "eqxpar.nn",
     "eqxpar.collectives",
     "eqxpar.pipeline",
