@@ -33,7 +33,9 @@ def muon_dims(params):
 
 
 PLANS = {
-    "fsdp8": lambda: eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"),
+    "fsdp8": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"
+    ),
     "fsdp4_tensor2": lambda: eqxpar.Plan(
         eqxpar.make_mesh(fsdp=4, tensor=2), rules=_workload.TENSOR_FSDP_RULES, mode="manual"
     ),
@@ -84,7 +86,9 @@ def markdown(record: dict) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=pathlib.Path, help="merge the record into this JSON (key 'muon')")
     parser.add_argument("--markdown", type=pathlib.Path, help="write the table into this file's muon markers")
     args = parser.parse_args()
@@ -94,10 +98,13 @@ if __name__ == "__main__":
     if args.json is not None:
         data = json.loads(args.json.read_text()) if args.json.exists() else {}
         data["muon"] = record
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        args.json.write_text(json.dumps(data, indent=1) + "\n")  # the record's own layout
     if args.markdown is not None:
         text = args.markdown.read_text()
-        start, end = "<!-- muon table (python -m benchmarks.muon --markdown): edit the prose outside it -->", "<!-- end of muon table -->"
+        start, end = (
+            "<!-- muon table (python -m benchmarks.muon --markdown): edit the prose outside it -->",
+            "<!-- end of muon table -->",
+        )
         head, rest = text.split(start)
         _, tail = rest.split(end)
         args.markdown.write_text(f"{head}{start}\n\n{table}\n\n{end}{tail}")

@@ -21,7 +21,13 @@ LR = 0.02
 #: matrix per layer (and per q/k/v, per expert); embeddings, norms, biases, the
 #: router and the head on AdamW (None). Negative dimensions: the stack's leading
 #: layer axis (and an MoE's expert axis) index matrices.
-DENSE = {"wqkv": D(-4, (-2, -1)), "wq": D(-3, (-2, -1)), "wo": D((-3, -2), -1), "w_in": D(-3, -1), "w_out": D(-2, -1)}
+DENSE = {
+    "wqkv": D(-4, (-2, -1)),
+    "wq": D(-3, (-2, -1)),
+    "wo": D((-3, -2), -1),
+    "w_in": D(-3, -1),
+    "w_out": D(-2, -1),
+}
 MOE = {**DENSE, "w_in": D(-2, -1)}
 
 
@@ -38,11 +44,17 @@ PIPELINE_LOSS = eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_
 mesh, rules = eqxpar.make_mesh, eqxpar.rules
 PLANS = {
     "data": (lambda: eqxpar.Plan(mesh(data=8)), GPT2_STYLE, lm_loss),
-    "fsdp_manual": (lambda: eqxpar.Plan(mesh(fsdp=8), rules=rules.FSDP(), mode="manual"), GPT2_STYLE, lm_loss),
+    "fsdp_manual": (
+        lambda: eqxpar.Plan(mesh(fsdp=8), rules=rules.FSDP(), mode="manual"),
+        GPT2_STYLE,
+        lm_loss,
+    ),
     "fsdp_auto": (lambda: eqxpar.Plan(mesh(fsdp=8), rules=rules.FSDP()), GPT2_STYLE, lm_loss),
     "zero1": (lambda: eqxpar.Plan(mesh(data=8), zero1=True), GPT2_STYLE, lm_loss),
     "tensor_sp": (
-        lambda: eqxpar.Plan(mesh(data=2, tensor=4), rules=rules.MEGATRON, mode="manual", sequence_parallel=True),
+        lambda: eqxpar.Plan(
+            mesh(data=2, tensor=4), rules=rules.MEGATRON, mode="manual", sequence_parallel=True
+        ),
         GPT2_STYLE,
         lm_loss,
     ),
@@ -68,7 +80,9 @@ PLANS = {
 
 
 def _host(tree):
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]) if eqx.is_array(x) else x, tree)
+    return jax.tree.map(
+        lambda x: jax.device_put(np.asarray(x), jax.devices()[0]) if eqx.is_array(x) else x, tree
+    )
 
 
 def _assert_updated_alike(got, before, updates, *, rtol, where):
@@ -78,7 +92,9 @@ def _assert_updated_alike(got, before, updates, *, rtol, where):
     a rounding apart may round the sum the other way)."""
     want = eqx.apply_updates(before, updates)
     flat = jax.tree_util.tree_flatten_with_path(eqx.filter(got, eqx.is_array))[0]
-    for (path, x), y, u in zip(flat, jax.tree.leaves(eqx.filter(want, eqx.is_array)), jax.tree.leaves(updates), strict=True):
+    for (path, x), y, u in zip(
+        flat, jax.tree.leaves(eqx.filter(want, eqx.is_array)), jax.tree.leaves(updates), strict=True
+    ):
         x, y, u = (np.asarray(a, np.float64) for a in (x, y, u))
         err = float(np.max(np.abs(x - y)))
         bound = rtol * float(np.max(np.abs(u))) + float(np.max(np.abs(y))) * np.finfo(np.float32).eps
@@ -121,8 +137,14 @@ def test_the_update_moves_at_most_twice_the_parameter_bytes(name):
     make_plan, config, _ = PLANS[name]
     plan, model = make_plan(), eqx.filter_jit(GPT)(config, key=jax.random.key(0))
     adamw = _optimizer_wire_bytes(plan, model, optax.adamw(LR))
-    ours = _optimizer_wire_bytes(plan, model, eqxpar.optim.muon(LR, muon_weight_dimension_numbers=muon_dims)) - adamw
-    theirs = _optimizer_wire_bytes(plan, model, optax.contrib.muon(LR, muon_weight_dimension_numbers=muon_dims)) - adamw
+    ours = (
+        _optimizer_wire_bytes(plan, model, eqxpar.optim.muon(LR, muon_weight_dimension_numbers=muon_dims))
+        - adamw
+    )
+    theirs = (
+        _optimizer_wire_bytes(plan, model, optax.contrib.muon(LR, muon_weight_dimension_numbers=muon_dims))
+        - adamw
+    )
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     assert 0 < ours <= 2 * param_bytes, (ours, param_bytes)
     assert ours < theirs / 4, (ours, theirs)
@@ -131,12 +153,18 @@ def test_the_update_moves_at_most_twice_the_parameter_bytes(name):
 def test_outside_a_step_it_is_optax_muon():
     # No step publishes a layout: optax's arithmetic, leaf by leaf (the default
     # rule: 2-D leaves on Muon, the rest on AdamW).
-    params = {"w": jax.random.normal(jax.random.key(0), (8, 12)), "b": jax.random.normal(jax.random.key(1), (12,))}
-    ours, theirs = eqxpar.optim.muon(LR, ns_coeffs="dion", ns_steps=5), optax.contrib.muon(LR, ns_coeffs="dion", ns_steps=5)
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (8, 12)),
+        "b": jax.random.normal(jax.random.key(1), (12,)),
+    }
+    ours, theirs = (
+        eqxpar.optim.muon(LR, ns_coeffs="dion", ns_steps=5),
+        optax.contrib.muon(LR, ns_coeffs="dion", ns_steps=5),
+    )
     s_ours, s_theirs = ours.init(params), theirs.init(params)
     assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
-    for i in range(3):
-        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(10 + i), p.shape), params)
+    for key in jax.random.split(jax.random.key(10), 3):
+        grads = jax.tree.map(lambda p, k=key: jax.random.normal(k, p.shape), params)
         u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, params)
         u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, params)
         for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
@@ -150,7 +178,9 @@ def test_an_unknown_preset_is_refused():
 
 def test_an_old_optax_is_refused(monkeypatch):
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.5" if name == "optax" else real(name))
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "0.2.5" if name == "optax" else real(name)
+    )
     with pytest.raises(eqxpar.EqxparError, match=r"optax >= 0\.2\.8.*0\.2\.5"):
         eqxpar.optim.muon(LR)
 

@@ -65,7 +65,12 @@ def _row(parts: list[Array], width: int, dtype: Any) -> Array:
 
 
 def _owner_branch(
-    device: int, group: OwnerGroup, leaves: Sequence[MatrixLeaf], orthogonalize: Orthogonalize, recv: Array, coeffs: Array
+    device: int,
+    group: OwnerGroup,
+    leaves: Sequence[MatrixLeaf],
+    orthogonalize: Orthogonalize,
+    recv: Array,
+    coeffs: Array,
 ) -> Array:
     """What owner `device` does: assemble each matrix it owns from every device's
     block (`recv` row s: device s's blocks), orthogonalise it whole, and lay its
@@ -83,7 +88,9 @@ def _owner_branch(
     return _row(columns, group.width, recv.dtype)
 
 
-def _exchange(group: OwnerGroup, leaves: Sequence[MatrixLeaf], local: list[Array], orthogonalize, coeffs) -> dict:
+def _exchange(
+    group: OwnerGroup, leaves: Sequence[MatrixLeaf], local: list[Array], orthogonalize, coeffs
+) -> dict:
     """The orthogonalised blocks of the group's leaves on this device: `{leaf: array}`."""
     members = sorted({i for i, _ in group.matrices})
     dtype = local[members[0]].dtype
@@ -94,7 +101,9 @@ def _exchange(group: OwnerGroup, leaves: Sequence[MatrixLeaf], local: list[Array
         rows.append(_row(parts, group.width, dtype))
     send = jnp.stack(rows)
     recv = jax.lax.all_to_all(send, group.axes, 0, 0, tiled=True)
-    branches = [functools.partial(_owner_branch, d, group, leaves, orthogonalize) for d in range(group.devices)]
+    branches = [
+        functools.partial(_owner_branch, d, group, leaves, orthogonalize) for d in range(group.devices)
+    ]
     done = jax.lax.switch(jax.lax.axis_index(group.axes), branches, recv, coeffs)
     back = jax.lax.all_to_all(done, group.axes, 0, 0, tiled=True)
     out: dict[int, list] = {i: [None] * leaves[i].count for i in members}
@@ -121,7 +130,9 @@ def orthogonalize_on_mesh(
     once, so the update moves about twice the Muon leaves' bytes over all devices.
     """
     mesh_shape = dict(mesh.shape)
-    leaves = [MatrixLeaf.of(tuple(x.shape), d, s, mesh_shape) for x, d, s in zip(xs, dims, specs, strict=True)]
+    leaves = [
+        MatrixLeaf.of(tuple(x.shape), d, s, mesh_shape) for x, d, s in zip(xs, dims, specs, strict=True)
+    ]
     groups = owner_groups(leaves, [x.dtype for x in xs], mesh.axis_names)
 
     def per_device(local, coeffs):

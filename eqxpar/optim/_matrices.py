@@ -124,7 +124,9 @@ class OwnerGroup:
         return sorted((k for k, o in enumerate(self.owner) if o == device), key=lambda k: self.offset[k])
 
 
-def owner_groups(leaves: Sequence[MatrixLeaf], dtypes: Sequence[Any], axis_order: Sequence[str]) -> list[OwnerGroup]:
+def owner_groups(
+    leaves: Sequence[MatrixLeaf], dtypes: Sequence[Any], axis_order: Sequence[str]
+) -> list[OwnerGroup]:
     """The exchange groups of `leaves` (those split over at least one axis), owners
     assigned largest matrix first to the least loaded device (by elements moved)."""
     keys: dict[tuple, list[int]] = {}
@@ -135,7 +137,11 @@ def owner_groups(leaves: Sequence[MatrixLeaf], dtypes: Sequence[Any], axis_order
     groups = []
     for (axes, _), members in keys.items():
         first = leaves[members[0]]
-        size_of = {a: n for s, ns in zip(first.splits, first.split_sizes, strict=True) for a, n in zip(s, ns, strict=True)}
+        size_of = {
+            a: n
+            for s, ns in zip(first.splits, first.split_sizes, strict=True)
+            for a, n in zip(s, ns, strict=True)
+        }
         sizes = tuple(size_of[a] for a in axes)
         matrices = tuple((i, b) for i in members for b in range(leaves[i].count))
         devices = math.prod(sizes)

@@ -94,7 +94,11 @@ def scale_by_muon(
 
     def update_fn(updates: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]:
         del params
-        dims = weight_dimension_numbers(updates) if callable(weight_dimension_numbers) else weight_dimension_numbers
+        dims = (
+            weight_dimension_numbers(updates)
+            if callable(weight_dimension_numbers)
+            else weight_dimension_numbers
+        )
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count_inc = optax.safe_increment(state.count)
         if nesterov:

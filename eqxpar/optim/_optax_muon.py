@@ -9,7 +9,6 @@ those of optax 0.2.8, the oldest release this is written against.
 """
 
 import importlib.metadata
-
 from typing import Any
 
 from .._errors import EqxparError
