@@ -36,6 +36,7 @@ PLANS = {
     "fsdp8": lambda: eqxpar.Plan(
         eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(axis="fsdp"), mode="manual"
     ),
+    "fsdp8_auto": lambda: eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(axis="fsdp")),
     "fsdp4_tensor2": lambda: eqxpar.Plan(
         eqxpar.make_mesh(fsdp=4, tensor=2), rules=_workload.TENSOR_FSDP_RULES, mode="manual"
     ),
