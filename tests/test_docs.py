@@ -37,6 +37,7 @@ LANGUAGES = ("python", "bash", "text", "yaml", "toml", "")
 PUBLIC_MODULES = (
     "eqxpar",
     "eqxpar.train",
+    "eqxpar.optim",
     "eqxpar.nn",
     "eqxpar.collectives",
     "eqxpar.pipeline",
@@ -300,6 +301,9 @@ def test_figures_quoted_from_other_scripts_match_the_record():
     from benchmarks.lora import table
 
     quoted.append(table(data["lora"]))  # the LoRA table is the record's
+    from benchmarks.muon import markdown as muon_table
+
+    quoted.append(muon_table(data["muon"]))  # so is Muon's
     for r in data["decode"]["runs"]:  # benchmarks/decode.py's record
         quoted.append(
             f"| {r['steps']:,} | {r['cached_tokens_per_s']:,.0f} | {r['uncached_tokens_per_s']:,.0f} | "

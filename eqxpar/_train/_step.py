@@ -16,6 +16,7 @@ from .._outline_jit import OutlineJit, refuse_outlines
 from .._plan import Plan
 from .._sharding import check_batch, place_tree
 from .._specs import is_array_like
+from .._update_layout import UpdateLayout, updating
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
@@ -60,7 +61,10 @@ def _apply(
         # replicated array moves nothing), then gather the new parameters.
         model = place_tree(model, layout.plan.mesh, layout.updates)
     params, _ = layout.differentiated(model)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    # Published for plan-aware transformations (eqxpar.optim.muon): the arrays'
+    # specs, which they cannot read from the traced arrays themselves.
+    with updating(UpdateLayout.of(layout.plan.mesh, layout.updates)):
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(model, updates)
     if layout.sliced_update:
         model = place_tree(model, layout.plan.mesh, layout.params)
