@@ -10,7 +10,7 @@ leading dimension) keeps each pair whole, with the loss computing it where its
 two sequences are.
 """
 
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -23,12 +23,11 @@ from .._errors import BatchError, PlanError
 from .._mesh import CONTEXT_AXIS
 from ..nn._sequence import split_context, split_tensor_sequence
 from ._chunked_loss import chunked_token_losses
-from ._gpt import GPT
+from ._gpt import GPT, _run_blocks
 from ._lora import has_lora, without_lora
 
 #: The preference losses `dpo_loss` computes, as TRL names them.
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-LossType = Literal["sigmoid", "ipo", "hinge"]
 #: The keys of a preference batch (`dpo_loss`): token rows and their weights.
 PAIR_KEYS = ("chosen", "rejected", "chosen_weights", "rejected_weights")
 #: Optional keys: reference log-probabilities computed before the step.
@@ -73,8 +72,9 @@ def preference_losses(
     reference_chosen: Float[Array, " pairs"],
     reference_rejected: Float[Array, " pairs"],
     *,
-    beta: float,
-    loss_type: LossType = "sigmoid",
+    # Any: checked below, with eqxpar errors that name the value.
+    beta: Any,
+    loss_type: Any = "sigmoid",
 ) -> Float[Array, " pairs"]:
     """The per-pair preference loss of TRL's `DPOTrainer` from the chosen and
     rejected sequences' log-probabilities under the policy and the reference.
@@ -119,7 +119,8 @@ def _token_logprobs(model: GPT, tokens: Array, key: PRNGKeyArray | None) -> Arra
     the model's cross-entropy gives (this device's part of a split sequence),
     through the chunked head when `config.loss_chunk` is set."""
     head = model.embed if model.head is None else model.head
-    h = model.blocks(model.embed_tokens(tokens[:, :-1]), **({"key": key} if key is not None else {}))
+    # An MoE model's auxiliary losses are left out, as TRL leaves them by default.
+    h, _ = _run_blocks(model, model.embed_tokens(tokens[:, :-1]), key)
     chunk = model.config.loss_chunk
     if chunk is None or chunk >= h.shape[1]:
         return -nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
@@ -246,10 +247,12 @@ def _policy_and_reference(model: PyTree) -> tuple[GPT, GPT | None]:
 
 def dpo_loss(
     model: PyTree,
-    batch: dict[str, Array],
+    # Any: checked below, with an eqxpar error that names the pair format.
+    batch: Any,
     *,
-    beta: float = 0.1,
-    loss_type: LossType = "sigmoid",
+    # Any: checked below, with eqxpar errors that name the value.
+    beta: Any = 0.1,
+    loss_type: Any = "sigmoid",
     metrics: bool = False,
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, ""] | tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
