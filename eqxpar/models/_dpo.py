@@ -21,6 +21,7 @@ from .. import nn
 from .._context_split import context_size
 from .._errors import BatchError, PlanError
 from .._mesh import CONTEXT_AXIS
+from .._varying import mark_varying
 from ..nn._sequence import split_context, split_tensor_sequence
 from ._chunked_loss import chunked_token_losses
 from ._gpt import GPT, _run_blocks
@@ -170,7 +171,16 @@ def sequence_logprobs(
         weights = split_tensor_sequence(weights, axis=head.axis)
         axes.append(head.axis)
     sums = jnp.sum(per_token * weights, axis=1)
-    return jax.lax.psum(sums, tuple(axes)) if axes else sums
+    if not axes:
+        return sums
+    sums = jax.lax.psum(sums, tuple(axes))
+    if CONTEXT_AXIS in axes:
+        # A step averages a loss over `context` as over the batch (each device's
+        # share; see `eqxpar.nn.sequence_mean`): typed varying there again, each
+        # device's copy of the whole sum is one share of that average, and the
+        # gradient each device gets back is its part of the sequence's.
+        sums = mark_varying(sums, frozenset({CONTEXT_AXIS}))
+    return sums
 
 
 def _check_batch(batch: Any) -> tuple[int, int]:

@@ -328,4 +328,6 @@ def without_lora(model: PyTree) -> PyTree:
             "without_lora: the model has no adapters to switch off. Add them with "
             "eqxpar.models.add_lora(model, rank=..., key=...)."
         )
-    return _map_layers(lambda layer: eqx.tree_at(lambda m: m.lora, layer, None), model)
+    return _map_layers(
+        lambda layer: layer if layer.lora is None else eqx.tree_at(lambda m: m.lora, layer, None), model
+    )
