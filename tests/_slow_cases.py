@@ -487,3 +487,13 @@ _keep_only(
     "tensor-sp-overlap-chunk4",
 )
 _keep_only("test_chunked_loss.py::test_pipeline_last_stage_loss_matches", "3")
+
+# --- Preference tuning (eqxpar.models.dpo_loss) -------------------------------------
+# Manual tensor + sequence parallelism and context parallelism (the per-sequence
+# sums over context) in make test; the other plans run the automatic and manual
+# step paths those and tests/test_lora.py's kept cases run.
+_keep_only(
+    "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device", "tp-manual-sp", "context"
+)
+# The pipeline loss under 1F1B in make test; interleaved runs the same loss on the same engine.
+_keep_only("test_dpo.py::test_dpo_pipeline_step_with_precomputed_reference_equals_one_device", "1f1b-1")

@@ -325,3 +325,41 @@ def test_bad_batches_and_options_name_the_fix(change, kwargs, error, match):
 def test_a_model_without_a_reference_is_refused():
     with pytest.raises(eqxpar.PlanError, match="no reference"):
         dpo_loss(GPT(CONFIG, key=jax.random.key(0)), pair_batch(0))
+
+
+def _with_reference(model, batch):
+    base = without_lora(model)
+    seq = eqx.filter_jit(sequence_logprobs)
+    return dict(
+        batch,
+        reference_chosen=seq(base, batch["chosen"], batch["chosen_weights"]),
+        reference_rejected=seq(base, batch["rejected"], batch["rejected_weights"]),
+    )
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_dpo_pipeline_step_with_precomputed_reference_equals_one_device(schedule, chunks):
+    plan = eqxpar.Plan(
+        eqxpar.make_mesh(pipe=2, data=4),
+        rules=eqxpar.pipeline.stage_rules(None),
+        schedule=schedule,
+        microbatches=2,
+        chunks=chunks,
+    )
+    model = _lora_model(dataclasses.replace(CONFIG, num_layers=4))
+    trainable = lora_trainable(model)
+    state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0), trainable=trainable)
+    loss_fn = eqxpar.models.dpo_pipeline_loss(beta=0.5)
+    step = eqxpar.train.make_step(loss_fn, OPTIM, plan, trainable=trainable)
+    adapters, frozen = eqx.partition(model, trainable)
+    ref, ref_state = adapters, OPTIM.init(adapters)
+    for i in range(2):
+        batch = _with_reference(model, pair_batch(20 + i))
+        state, metrics = step(state, batch)
+        ref, ref_state, ref_loss = _one_device_step(ref, frozen, ref_state, batch)
+        assert_trees_close(float(metrics["loss"]), float(ref_loss), err_msg=f"loss at step {i}")
+    got_adapters, _ = eqx.partition(eqxpar.nn.in_natural_order(state.model), trainable)
+    assert_params_close(got_adapters, ref)
+    # Without reference log-probs in the batch the pipeline loss names the fix.
+    with pytest.raises(eqxpar.PlanError, match="compute the reference log-probs beforehand"):
+        step(state, pair_batch(0))

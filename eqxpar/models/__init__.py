@@ -17,6 +17,7 @@ parallelism, and manual tensor-parallel steps.
 from .._errors import PretrainedError as PretrainedError
 from ._dpo import PolicyWithReference as PolicyWithReference
 from ._dpo import dpo_loss as dpo_loss
+from ._dpo import dpo_pipeline_loss as dpo_pipeline_loss
 from ._dpo import preference_losses as preference_losses
 from ._dpo import sequence_logprobs as sequence_logprobs
 from ._flops import flops_per_token as flops_per_token

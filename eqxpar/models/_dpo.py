@@ -24,7 +24,8 @@ from .._mesh import CONTEXT_AXIS
 from .._varying import mark_varying
 from ..nn._sequence import split_context, split_tensor_sequence
 from ._chunked_loss import chunked_token_losses
-from ._gpt import GPT, _run_blocks
+from ..pipeline import PipelineLoss
+from ._gpt import GPT, _no_pipeline, _run_blocks, gpt_first
 from ._lora import has_lora, without_lora
 
 #: The preference losses `dpo_loss` computes, as TRL names them.
@@ -117,11 +118,16 @@ def _check_options(beta: Any, loss_type: Any, where: str) -> None:
 
 def _token_logprobs(model: GPT, tokens: Array, key: PRNGKeyArray | None) -> Array:
     """`log p(tokens[:, t+1] | tokens[:, :t+1])` per token, float32, in the layout
-    the model's cross-entropy gives (this device's part of a split sequence),
-    through the chunked head when `config.loss_chunk` is set."""
-    head = model.embed if model.head is None else model.head
+    the model's cross-entropy gives (this device's part of a split sequence)."""
     # An MoE model's auxiliary losses are left out, as TRL leaves them by default.
     h, _ = _run_blocks(model, model.embed_tokens(tokens[:, :-1]), key)
+    return _head_logprobs(model, h, tokens)
+
+
+def _head_logprobs(model: GPT, h: Array, tokens: Array) -> Array:
+    """The per-token log-probabilities of the blocks' output `h`: final norm, head
+    and log-softmax, through the chunked head when `config.loss_chunk` is set."""
+    head = model.embed if model.head is None else model.head
     chunk = model.config.loss_chunk
     if chunk is None or chunk >= h.shape[1]:
         return -nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
@@ -159,7 +165,12 @@ def sequence_logprobs(
     logp = eqxpar.models.sequence_logprobs(model, tokens, completion_mask[:, 1:])
     ```
     """
-    per_token = _token_logprobs(model, tokens, key)
+    return _weighted_sums(model, _token_logprobs(model, tokens, key), weights)
+
+
+def _weighted_sums(model: GPT, per_token: Array, weights: Array) -> Array:
+    """`sum_t weights * per_token` per row, `per_token` in the layout the head gives
+    (see `sequence_logprobs`)."""
     head = model.embed if model.head is None else model.head
     weights = weights.astype(per_token.dtype)
     axes = []
@@ -319,20 +330,40 @@ def dpo_loss(
             f"reference), pass eqxpar.models.PolicyWithReference(policy=model, reference=frozen_copy), or "
             f"put {REFERENCE_KEYS} (pairs,) in the batch."
         )
-    tokens = _pairs_as_rows(batch["chosen"], batch["rejected"])
-    weights = _pairs_as_rows(batch["chosen_weights"], batch["rejected_weights"]).astype(jnp.float32)
-    # IPO compares per-token means (TRL divides by the completion's token count).
-    counts = jnp.maximum(jnp.sum(weights, axis=1), 1.0).reshape(pairs, 2)
-    logps = sequence_logprobs(policy, tokens, weights, key=key).reshape(pairs, 2)
+    tokens, weights = _rows(batch)
+    logps = sequence_logprobs(policy, tokens, weights, key=key)
     if precomputed:
-        ref = jnp.stack([batch[k].astype(jnp.float32) for k in REFERENCE_KEYS], axis=1)
+        ref = _precomputed(batch)
     else:
         ref = jax.lax.stop_gradient(sequence_logprobs(reference, tokens, weights).reshape(pairs, 2))
+    return _preference_loss(logps.reshape(pairs, 2), ref, weights, beta, loss_type, metrics)
+
+
+def _rows(batch: dict[str, Array]) -> tuple[Array, Array]:
+    """The pairs' tokens `(2 pairs, seq + 1)` and weights `(2 pairs, seq)`, float32."""
+    tokens = _pairs_as_rows(batch["chosen"], batch["rejected"])
+    weights = _pairs_as_rows(batch["chosen_weights"], batch["rejected_weights"])
+    return tokens, weights.astype(jnp.float32)
+
+
+def _precomputed(batch: dict[str, Array]) -> Array:
+    return jnp.stack([batch[k].astype(jnp.float32) for k in REFERENCE_KEYS], axis=1)
+
+
+def _preference_loss(
+    logps: Array, ref: Array, weights: Array, beta: float, loss_type: str, metrics: bool
+) -> Array | tuple[Array, dict[str, Array]]:
+    """The mean preference loss (and metrics) of `(pairs, 2)` policy and reference
+    log-probs, chosen first; `weights` `(2 pairs, seq)` for IPO's token counts."""
     ratios = logps - ref
-    scores = ratios / counts if loss_type == "ipo" else ratios
-    zeros = jnp.zeros_like(scores[:, 0])
-    losses = preference_losses(scores[:, 0], scores[:, 1], zeros, zeros, beta=beta, loss_type=loss_type)
-    loss = jnp.mean(losses)
+    if loss_type == "ipo":
+        # IPO compares per-token means (TRL divides by the completion's token count).
+        ratios_for_loss = ratios / jnp.maximum(jnp.sum(weights, axis=1), 1.0).reshape(ratios.shape)
+    else:
+        ratios_for_loss = ratios
+    zeros = jnp.zeros_like(ratios[:, 0])
+    chosen, rejected = ratios_for_loss[:, 0], ratios_for_loss[:, 1]
+    loss = jnp.mean(preference_losses(chosen, rejected, zeros, zeros, beta=beta, loss_type=loss_type))
     if not metrics:
         return loss
     rewards = beta * jax.lax.stop_gradient(ratios)
@@ -342,3 +373,47 @@ def dpo_loss(
         "reward_margin": jnp.mean(rewards[:, 0] - rewards[:, 1]),
         "reward_accuracy": jnp.mean((rewards[:, 0] > rewards[:, 1]).astype(jnp.float32)),
     }
+
+
+def dpo_pipeline_loss(*, beta: Any = 0.1, loss_type: Any = "sigmoid") -> PipelineLoss:
+    """`dpo_loss` cut for a pipeline plan: an `eqxpar.pipeline.PipelineLoss` whose
+    first stage embeds each micro-batch's pairs and whose last stage scores them
+    against the reference log-probs the batch carries.
+
+    A pipeline runs the stack once per micro-batch, so the reference is not run
+    in the step: compute `reference_chosen` / `reference_rejected` beforehand
+    (`sequence_logprobs` of the reference, e.g. `without_lora(model)`, under a
+    plan without pipe or on one device) and put them in the batch. Micro-batches
+    are cut by pairs, so each stays whole.
+
+    **Arguments:** keyword-only `beta`, `loss_type`, as `dpo_loss`'s.
+
+    **Returns:** a `PipelineLoss` for `make_step` under a plan with a schedule
+    (dense GPTs, as `gpt_first` / `gpt_last`).
+
+    ```python
+    step = eqxpar.train.make_step(eqxpar.models.dpo_pipeline_loss(beta=0.1), optimizer, plan)
+    ```
+    """
+    _check_options(beta, loss_type, "dpo_pipeline_loss")
+
+    def first(model: GPT, batch: Any) -> Array:
+        _check_batch(batch)
+        if REFERENCE_KEYS[0] not in batch:
+            raise PlanError(
+                f"dpo_pipeline_loss: the batch has no {REFERENCE_KEYS}. A pipeline runs the stack once "
+                "per micro-batch, the policy's; compute the reference log-probs beforehand "
+                "(eqxpar.models.sequence_logprobs of the reference, e.g. without_lora(model)) and put them "
+                "in the batch, or train under a plan without pipe with eqxpar.models.dpo_loss."
+            )
+        tokens, _ = _rows(batch)
+        return gpt_first(model, tokens)
+
+    def last(model: GPT, h: Array, batch: Any) -> Array:
+        pairs, _ = _check_batch(batch)
+        tokens, weights = _rows(batch)
+        _no_pipeline(model, "dpo_pipeline_loss")
+        logps = _weighted_sums(model, _head_logprobs(model, h, tokens), weights).reshape(pairs, 2)
+        return _preference_loss(logps, _precomputed(batch), weights, beta, loss_type, False)
+
+    return PipelineLoss(first, lambda m: m.blocks, last)
