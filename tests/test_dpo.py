@@ -7,6 +7,7 @@ equals one device under every plan family, and misuse raises eqxpar errors."""
 
 import dataclasses
 import functools
+import json
 import pathlib
 
 import equinox as eqx
@@ -363,3 +364,31 @@ def test_dpo_pipeline_step_with_precomputed_reference_equals_one_device(schedule
     # Without reference log-probs in the batch the pipeline loss names the fix.
     with pytest.raises(eqxpar.PlanError, match="compute the reference log-probs beforehand"):
         step(state, pair_batch(0))
+
+
+def test_dpo_step_memory_is_within_5_percent_of_the_lora_step_on_the_same_rows():
+    """The contract benchmarks/dpo.py records at the workload's size (`dpo` in
+    benchmarks/results/quick.json), here on a small model: the compiled DPO step
+    with the LoRA reference against the LoRA `lm_loss` step on the same rows."""
+    plan = eqxpar.Plan(eqxpar.make_mesh(data=8))
+    model = _lora_model()
+    trainable = lora_trainable(model)
+    state = eqxpar.train.init(model, OPTIM, plan, key=jax.random.key(0), trainable=trainable)
+    batch = pair_batch(0, pairs=16, seq=CONFIG.max_seq_len - 1)
+    rows = _pairs_as_rows_for_test(batch)
+
+    def total(loss_fn, data):
+        step = eqxpar.train.make_step(loss_fn, OPTIM, plan, trainable=trainable, donate=False)
+        m = step.compile(state, data).memory_analysis()
+        return m.argument_size_in_bytes + m.temp_size_in_bytes
+
+    lora, dpo = total(eqxpar.models.lm_loss, rows), total(LOSS, batch)
+    assert dpo <= 1.05 * lora, (dpo, lora)
+    quick = pathlib.Path(__file__).parents[1] / "benchmarks" / "results" / "quick.json"
+    record = json.loads(quick.read_text())
+    for name, r in record["dpo"]["plans"].items():
+        assert r["ratios"]["mem_total_bytes"] <= record["dpo"]["limit"] == 1.05, name
+
+
+def _pairs_as_rows_for_test(batch):
+    return jnp.stack([batch["chosen"], batch["rejected"]], axis=1).reshape(-1, batch["chosen"].shape[1])
