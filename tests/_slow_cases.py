@@ -497,3 +497,9 @@ _keep_only(
 )
 # The pipeline loss under 1F1B in make test; interleaved runs the same loss on the same engine.
 _keep_only("test_dpo.py::test_dpo_pipeline_step_with_precomputed_reference_equals_one_device", "1f1b-1")
+# The DPO example (a pre-trained checkpoint, pairs, the adapters saved) in make
+# test-slow, as the LoRA one; its step is the LoRA-reference DPO step make test runs.
+_pair(
+    "test_examples.py::test_preference_lora_runs",
+    "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device[tp-manual-sp]",
+)
