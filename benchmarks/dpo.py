@@ -28,7 +28,10 @@ from .lora import ALPHA, CFG, RANK, TARGETS
 
 #: The LoRA record's plan and a data-parallel one.
 PLANS = {
-    "fsdp_tp": (dict(data=2, fsdp=2, tensor=2), dict(rules=_workload.TENSOR_FSDP_RULES, mode="manual", sequence_parallel=True)),
+    "fsdp_tp": (
+        dict(data=2, fsdp=2, tensor=2),
+        dict(rules=_workload.TENSOR_FSDP_RULES, mode="manual", sequence_parallel=True),
+    ),
     "data8": (dict(data=8), {}),
 }
 #: The contract: a DPO step's memory at most this times the LoRA step's.
@@ -43,7 +46,12 @@ def pairs_of(rows: jax.Array) -> dict[str, jax.Array]:
     prompt = rows.shape[1] // 4
     weights = (jnp.arange(1, rows.shape[1]) >= prompt).astype(jnp.float32)
     weights = jnp.broadcast_to(weights, (rows.shape[0] // 2, rows.shape[1] - 1))
-    return {"chosen": rows[0::2], "rejected": rows[1::2], "chosen_weights": weights, "rejected_weights": weights}
+    return {
+        "chosen": rows[0::2],
+        "rejected": rows[1::2],
+        "chosen_weights": weights,
+        "rejected_weights": weights,
+    }
 
 
 def _figures(loss_fn, model, plan, batch) -> dict[str, int]:
@@ -65,7 +73,13 @@ def measure(name: str) -> dict:
     lora = _figures(eqxpar.models.lm_loss, adapted, plan, rows)
     dpo = _figures(functools.partial(eqxpar.models.dpo_loss, beta=0.1), adapted, plan, pairs_of(rows))
     ratios = {k: dpo[k] / lora[k] for k in lora}
-    return {"mesh": mesh, "lora": lora, "dpo": dpo, "ratios": ratios, "within": ratios["mem_total_bytes"] <= LIMIT}
+    return {
+        "mesh": mesh,
+        "lora": lora,
+        "dpo": dpo,
+        "ratios": ratios,
+        "within": ratios["mem_total_bytes"] <= LIMIT,
+    }
 
 
 def main() -> None:
@@ -99,8 +113,23 @@ def table(record: dict) -> str:
     rows = []
     for name, r in record["plans"].items():
         for side in ("lora", "dpo"):
-            rows.append([name, side, *(kib(r[side][f]) for f in ("mem_argument_bytes", "mem_temp_bytes", "mem_total_bytes"))])
-        rows.append([name, "dpo / lora", *(f"{r['ratios'][f]:.3f}" for f in ("mem_argument_bytes", "mem_temp_bytes", "mem_total_bytes"))])
+            rows.append(
+                [
+                    name,
+                    side,
+                    *(kib(r[side][f]) for f in ("mem_argument_bytes", "mem_temp_bytes", "mem_total_bytes")),
+                ]
+            )
+        rows.append(
+            [
+                name,
+                "dpo / lora",
+                *(
+                    f"{r['ratios'][f]:.3f}"
+                    for f in ("mem_argument_bytes", "mem_temp_bytes", "mem_total_bytes")
+                ),
+            ]
+        )
     columns = ["plan", "step", "arguments per device", "temporaries per device", "total per device"]
     return report.markdown_table(columns, rows)
 

@@ -40,8 +40,12 @@ from eqxpar.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="where to write adapter/ and metrics.jsonl (default: a temporary directory)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", help="where to write adapter/ and metrics.jsonl (default: a temporary directory)"
+    )
     parser.add_argument("--pretrain-steps", type=int, default=40, help="of the base made here")
     parser.add_argument("--steps", type=int, default=30, help="DPO steps")
     parser.add_argument("--eval-every", type=int, default=10)

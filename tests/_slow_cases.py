@@ -493,7 +493,10 @@ _keep_only("test_chunked_loss.py::test_pipeline_last_stage_loss_matches", "3")
 # sums over context) in make test; the other plans run the automatic and manual
 # step paths those and tests/test_lora.py's kept cases run.
 _keep_only(
-    "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device", "tp-manual-sp", "context"
+    "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device",
+    "tp-manual-sp",
+    "tp-manual-sp-whole-vocab",
+    "context",
 )
 # The pipeline loss under 1F1B in make test; interleaved runs the same loss on the same engine.
 _keep_only("test_dpo.py::test_dpo_pipeline_step_with_precomputed_reference_equals_one_device", "1f1b-1")

@@ -151,8 +151,11 @@ def pair_batch(seed: int, *, pairs: int = PAIRS, seq: int = SEQ, vocab: int = CO
 
 def _lora_model(config=CONFIG, targets=ALL):
     base = GPT(config, key=jax.random.key(0))
-    return with_drawn_b(add_lora(base, rank=2, alpha=4, targets=targets, key=jax.random.key(1)),
-                        key=jax.random.key(2), scale=0.2)
+    return with_drawn_b(
+        add_lora(base, rank=2, alpha=4, targets=targets, key=jax.random.key(1)),
+        key=jax.random.key(2),
+        scale=0.2,
+    )
 
 
 LOSS = functools.partial(dpo_loss, beta=0.5)
@@ -175,12 +178,23 @@ PLANS = {
     "tp-manual-sp": lambda: eqxpar.Plan(
         eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
     ),
+    # The vocabulary whole: each device scores its own sequence block, summed over tensor.
+    "tp-manual-sp-whole-vocab": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(data=4, tensor=2),
+        rules=eqxpar.rules.Logical({"mlp": "tensor", "heads": "tensor", "kv_heads": "tensor"}),
+        mode="manual",
+        sequence_parallel=True,
+    ),
     "context": lambda: eqxpar.Plan(
         eqxpar.make_mesh(context=2, data=4), mode="manual", context_attention="allgather"
     ),
-    "context-tp": lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, context=2, tensor=2), rules=eqxpar.rules.MEGATRON),
+    "context-tp": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(data=2, context=2, tensor=2), rules=eqxpar.rules.MEGATRON
+    ),
     "expert": lambda: eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT),
-    "zero1-accumulate": lambda: eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, zero1=True),
+    "zero1-accumulate": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, zero1=True
+    ),
 }
 ACCUMULATE = {"zero1-accumulate": 2}
 
@@ -189,7 +203,10 @@ ACCUMULATE = {"zero1-accumulate": 2}
 def test_dpo_step_with_the_lora_reference_equals_one_device(name):
     plan = PLANS[name]()
     if plan.expert_size > 1:  # an MoE GPT: adapters on the attention
-        config, targets = dataclasses.replace(CONFIG, moe_every=2, experts=4, num_shared_experts=1), ("q", "v")
+        config, targets = (
+            dataclasses.replace(CONFIG, moe_every=2, experts=4, num_shared_experts=1),
+            ("q", "v"),
+        )
     else:
         config, targets = CONFIG, ALL
     model = _lora_model(config, targets)
@@ -275,7 +292,9 @@ def test_every_split_keeps_pairs_whole():
     batch = pair_batch(0)
     # Tag each row with its pair index in the first token of both completions.
     tags = jnp.arange(PAIRS, dtype=jnp.int32)
-    batch = dict(batch, chosen=batch["chosen"].at[:, 0].set(tags), rejected=batch["rejected"].at[:, 0].set(tags))
+    batch = dict(
+        batch, chosen=batch["chosen"].at[:, 0].set(tags), rejected=batch["rejected"].at[:, 0].set(tags)
+    )
     plan = eqxpar.Plan(eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON)
     sharded = eqxpar.shard_batch(batch, plan)
     for micro in (1, 2):

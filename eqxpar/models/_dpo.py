@@ -23,9 +23,9 @@ from .._errors import BatchError, PlanError
 from .._mesh import CONTEXT_AXIS
 from .._varying import mark_varying
 from ..nn._sequence import split_context, split_tensor_sequence
-from ._chunked_loss import chunked_token_losses
 from ..pipeline import PipelineLoss
-from ._gpt import GPT, _no_pipeline, _run_blocks, gpt_first
+from ._chunked_loss import chunked_token_losses
+from ._gpt import GPT, _no_pipeline, _norm_and_head, _run_blocks, gpt_first
 from ._lora import has_lora, without_lora
 
 #: The preference losses `dpo_loss` computes, as TRL names them.
@@ -133,11 +133,6 @@ def _head_logprobs(model: GPT, h: Array, tokens: Array) -> Array:
         return -nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
     layers = (model.final_norm, head)
     return -chunked_token_losses(_norm_and_head, layers, h, tokens[:, 1:], chunk)
-
-
-def _norm_and_head(layers: tuple[Any, Any], h: Array) -> Array:
-    norm, head = layers
-    return head.attend(norm(h)) if isinstance(head, nn.Embedding) else head(norm(h))
 
 
 def sequence_logprobs(
