@@ -44,8 +44,8 @@ def pairs_of(rows: jax.Array) -> dict[str, jax.Array]:
     """The workload's rows as preference pairs: rows 2i and 2i + 1 the chosen and
     rejected completions of pair i, the first quarter of each row its prompt."""
     prompt = rows.shape[1] // 4
-    weights = (jnp.arange(1, rows.shape[1]) >= prompt).astype(jnp.float32)
-    weights = jnp.broadcast_to(weights, (rows.shape[0] // 2, rows.shape[1] - 1))
+    weights = (jnp.arange(rows.shape[1]) >= prompt).astype(jnp.float32)
+    weights = jnp.broadcast_to(weights, (rows.shape[0] // 2, rows.shape[1]))
     return {
         "chosen": rows[0::2],
         "rejected": rows[1::2],

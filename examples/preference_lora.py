@@ -90,14 +90,14 @@ def pretrain_base(directory: pathlib.Path, text: CharData, plan: eqxpar.Plan, ar
 def preference_pairs(text: CharData, rng: np.random.Generator, args, *, split: str = "train") -> dict:
     """`dpo_loss`'s batch: per pair a prompt of the text, its true continuation
     (chosen) and those characters shuffled (rejected); the weights mark the
-    completions' predicted tokens."""
+    completions' tokens."""
     n, p, c = args.pairs, args.prompt_len, args.completion_len
     windows = text.windows(rng, n, p + c, split=split)
     shuffled = windows.copy()
     for row in shuffled:
         rng.shuffle(row[p:])
-    weights = np.zeros((n, p + c - 1), np.float32)
-    weights[:, p - 1 :] = 1.0  # entry t weighs the prediction of token t + 1: the completion's
+    weights = np.zeros((n, p + c), np.float32)
+    weights[:, p:] = 1.0  # aligned with the tokens: the completion's count
     return {"chosen": windows, "rejected": shuffled, "chosen_weights": weights, "rejected_weights": weights}
 
 

@@ -49,12 +49,12 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 def _trl_batch() -> dict:
     r = REFERENCE
-    # TRL's completion mask marks tokens; a weight marks the prediction of token t + 1.
+    # The weights are TRL's completion masks as they are (aligned with the tokens).
     return {
         "chosen": jnp.asarray(r["chosen"], jnp.int32),
         "rejected": jnp.asarray(r["rejected"], jnp.int32),
-        "chosen_weights": jnp.asarray(r["chosen_mask"][:, 1:], jnp.float32),
-        "rejected_weights": jnp.asarray(r["rejected_mask"][:, 1:], jnp.float32),
+        "chosen_weights": jnp.asarray(r["chosen_mask"], jnp.float32),
+        "rejected_weights": jnp.asarray(r["rejected_mask"], jnp.float32),
     }
 
 
@@ -142,7 +142,7 @@ def pair_batch(seed: int, *, pairs: int = PAIRS, seq: int = SEQ, vocab: int = CO
         tokens = rng.integers(0, vocab, (pairs, seq + 1))
         tokens[:, :3] = np.arange(3)[None] + seed  # the prompt (its first 1-3 tokens count)
         ends = rng.integers(prompt + 2, seq + 2)
-        positions = np.arange(1, seq + 1)[None]
+        positions = np.arange(seq + 1)[None]
         weights = (positions >= prompt[:, None]) & (positions < ends[:, None])
         out[name] = jnp.asarray(tokens, jnp.int32)
         out[f"{name}_weights"] = jnp.asarray(weights, jnp.float32)
@@ -329,7 +329,7 @@ def test_a_batch_that_would_split_pairs_is_refused():
     [
         (lambda b: {k: v for k, v in b.items() if k != "rejected_weights"}, {}, eqxpar.BatchError, "missing"),
         (lambda b: dict(b, extra=b["chosen"]), {}, eqxpar.BatchError, "unknown"),
-        (lambda b: dict(b, chosen_weights=b["chosen_weights"][:, :-1]), {}, eqxpar.BatchError, "one weight"),
+        (lambda b: dict(b, chosen_weights=b["chosen_weights"][:, :-1]), {}, eqxpar.BatchError, "the tokens'"),
         (lambda b: dict(b, reference_chosen=jnp.zeros(PAIRS)), {}, eqxpar.BatchError, "without its partner"),
         (lambda b: dict(b, chosen=b["chosen"].astype(jnp.float32)), {}, eqxpar.BatchError, "integer"),
         (lambda b: b, {"beta": 0.0}, eqxpar.PlanError, "positive"),

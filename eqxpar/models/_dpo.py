@@ -15,7 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from .. import nn
 from .._context_split import context_size
@@ -138,34 +138,46 @@ def _head_logprobs(model: GPT, h: Array, tokens: Array) -> Array:
 def sequence_logprobs(
     model: GPT,
     tokens: Int[Array, "batch seq_plus_1"],
-    weights: Float[Array, "batch seq"],
+    weights: Shaped[Array, "batch seq_plus_1"],
     *,
     key: PRNGKeyArray | None = None,
 ) -> Float[Array, " batch"]:
     """Each row's weighted sum of next-token log-probabilities: `sum_t weights[b, t]
-    * log p(tokens[b, t+1] | tokens[b, :t+1])` (weights 1 on a completion's
-    tokens, 0 on its prompt and padding: the completion's log-probability).
+    * log p(tokens[b, t] | tokens[b, :t])` over `t >= 1` (weights 1 on a
+    completion's tokens, 0 on its prompt and padding: the completion's
+    log-probability; TRL's completion mask).
 
     Under every plan: where a device holds part of the sequence (context
     parallelism; sequence parallelism with a whole-vocabulary head), it sums its
     part and the parts are summed over the devices that split it.
 
     **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` ids; `weights`
-    `(batch, seq)` (entry `t` weighs the prediction of `tokens[:, t + 1]`);
+    `(batch, seq + 1)` aligned with `tokens`, as `lm_loss`'s (entry `t` weighs the
+    prediction of `tokens[:, t]`; entry 0, which nothing predicts, is unused);
     keyword-only `key` (LoRA adapter dropout, as `lm_loss`'s).
 
     **Returns:** `(batch,)` float32.
 
     ```python
-    logp = eqxpar.models.sequence_logprobs(model, tokens, completion_mask[:, 1:])
+    logp = eqxpar.models.sequence_logprobs(model, tokens, completion_mask)
     ```
     """
+    if weights.shape != tokens.shape:
+        raise BatchError(
+            f"sequence_logprobs: weights of shape {tuple(weights.shape)} for tokens of shape "
+            f"{tuple(tokens.shape)}; expected the tokens' shape (entry t weighs the prediction of token t)."
+        )
+    return _logprob_sums(model, tokens, weights[:, 1:], key)
+
+
+def _logprob_sums(model: GPT, tokens: Array, weights: Array, key: PRNGKeyArray | None) -> Array:
+    """`sequence_logprobs` with the predictions' weights `(batch, seq)`."""
     return _weighted_sums(model, _token_logprobs(model, tokens, key), weights)
 
 
 def _weighted_sums(model: GPT, per_token: Array, weights: Array) -> Array:
     """`sum_t weights * per_token` per row, `per_token` in the layout the head gives
-    (see `sequence_logprobs`)."""
+    (see `sequence_logprobs`), `weights` `(batch, seq)`, the predictions'."""
     head = model.embed if model.head is None else model.head
     weights = weights.astype(per_token.dtype)
     axes = []
@@ -194,7 +206,7 @@ def _check_batch(batch: Any) -> tuple[int, int]:
     fmt = (
         "a dict of pairs: 'chosen' and 'rejected' token ids (pairs, seq + 1), row i of each the two "
         "completions of pair i (right-padded to one length), and 'chosen_weights', 'rejected_weights' "
-        "(pairs, seq), 1.0 on the completion's predicted tokens and 0.0 on the prompt and padding; "
+        "of the same shape, 1.0 on completion tokens and 0.0 on the prompt and padding; "
         f"optionally {REFERENCE_KEYS} (pairs,), reference log-probs computed beforehand"
     )
     if not isinstance(batch, dict):
@@ -231,10 +243,10 @@ def _check_batch(batch: Any) -> tuple[int, int]:
     pairs, length = chosen.shape
     for name in ("chosen_weights", "rejected_weights"):
         w = batch[name]
-        if w.shape != (pairs, length - 1):
+        if w.shape != (pairs, length):
             raise BatchError(
-                f"dpo_loss: {name!r} of shape {tuple(w.shape)}; expected {(pairs, length - 1)}, one "
-                "weight per predicted token (entry t weighs the prediction of token t + 1)."
+                f"dpo_loss: {name!r} of shape {tuple(w.shape)}; expected {(pairs, length)}, the tokens' "
+                "shape: entry t weighs the prediction of token t (TRL's completion mask)."
             )
     for name in given:
         if batch[name].shape != (pairs,):
@@ -292,9 +304,9 @@ def dpo_loss(
       reference log-probs in the batch.
     - `batch`: a dict of pairs: `chosen`, `rejected` `(pairs, seq + 1)` token ids
       (row i of each the two completions of pair i's prompt, right-padded to one
-      length); `chosen_weights`, `rejected_weights` `(pairs, seq)`, 1.0 where the
-      predicted token (`t + 1`) is a completion token, 0.0 on the prompt and
-      padding; optionally `reference_chosen`, `reference_rejected` `(pairs,)`.
+      length); `chosen_weights`, `rejected_weights` `(pairs, seq + 1)`, aligned
+      with the tokens as `lm_loss`'s weights (TRL's completion mask): 1.0 on
+      completion tokens, 0.0 on the prompt and padding; optionally `reference_chosen`, `reference_rejected` `(pairs,)`.
       Every split a plan makes cuts pairs, never a pair.
     - `beta`: the preference strength (keyword-only; default 0.1, TRL's).
     - `loss_type`: `"sigmoid"` (DPO), `"ipo"` (on per-token mean log-probs, as
@@ -326,19 +338,20 @@ def dpo_loss(
             f"put {REFERENCE_KEYS} (pairs,) in the batch."
         )
     tokens, weights = _rows(batch)
-    logps = sequence_logprobs(policy, tokens, weights, key=key)
+    logps = _logprob_sums(policy, tokens, weights, key)
     if precomputed:
         ref = _precomputed(batch)
     else:
-        ref = jax.lax.stop_gradient(sequence_logprobs(reference, tokens, weights).reshape(pairs, 2))
+        ref = jax.lax.stop_gradient(_logprob_sums(reference, tokens, weights, None).reshape(pairs, 2))
     return _preference_loss(logps.reshape(pairs, 2), ref, weights, beta, loss_type, metrics)
 
 
 def _rows(batch: dict[str, Array]) -> tuple[Array, Array]:
-    """The pairs' tokens `(2 pairs, seq + 1)` and weights `(2 pairs, seq)`, float32."""
+    """The pairs' tokens `(2 pairs, seq + 1)` and their predictions' weights
+    `(2 pairs, seq)`, float32."""
     tokens = _pairs_as_rows(batch["chosen"], batch["rejected"])
     weights = _pairs_as_rows(batch["chosen_weights"], batch["rejected_weights"])
-    return tokens, weights.astype(jnp.float32)
+    return tokens, weights[:, 1:].astype(jnp.float32)
 
 
 def _precomputed(batch: dict[str, Array]) -> Array:
