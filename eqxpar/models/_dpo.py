@@ -176,12 +176,13 @@ def _logprob_sums(model: GPT, tokens: Array, weights: Array, key: PRNGKeyArray |
 
 
 def _weighted_sums(model: GPT, per_token: Array, weights: Array) -> Array:
-    """`sum_t weights * per_token` per row, `per_token` in the layout the head gives
-    (see `sequence_logprobs`), `weights` `(batch, seq)`, the predictions'."""
+    """`sum_t weights * per_token` per row, `weights` `(batch, seq)` (the
+    predictions'); `per_token` the whole sequence, or in the layout the head gives
+    (this device's part of a split sequence, see `sequence_logprobs`)."""
     head = model.embed if model.head is None else model.head
     weights = weights.astype(per_token.dtype)
     axes = []
-    if context_size() > 1:
+    if per_token.shape[1] != weights.shape[1] and context_size() > 1:
         weights = split_context(weights)
         axes.append(CONTEXT_AXIS)
     if per_token.shape[1] != weights.shape[1]:
@@ -189,14 +190,13 @@ def _weighted_sums(model: GPT, per_token: Array, weights: Array) -> Array:
         weights = split_tensor_sequence(weights, axis=head.axis)
         axes.append(head.axis)
     sums = jnp.sum(per_token * weights, axis=1)
-    if not axes:
-        return sums
-    sums = jax.lax.psum(sums, tuple(axes))
-    if CONTEXT_AXIS in axes:
+    if axes:
+        sums = jax.lax.psum(sums, tuple(axes))
+    if context_size() > 1:
         # A step averages a loss over `context` as over the batch (each device's
-        # share; see `eqxpar.nn.sequence_mean`): typed varying there again, each
-        # device's copy of the whole sum is one share of that average, and the
-        # gradient each device gets back is its part of the sequence's.
+        # share; see `eqxpar.nn.sequence_mean`): typed varying there, each device's
+        # copy of the whole sum is one share of that average, and the gradient each
+        # device gets back is its part of the sequence's. (A no-op where it varies.)
         sums = mark_varying(sums, frozenset({CONTEXT_AXIS}))
     return sums
 
