@@ -504,3 +504,21 @@ _keep_only(
     "hybrid",
 )
 _keep_only("test_optim_muon.py::test_the_update_moves_at_most_twice_the_parameter_bytes", "fsdp_manual")
+# --- Preference tuning (eqxpar.models.dpo_loss) -------------------------------------
+# Manual tensor + sequence parallelism and context parallelism (the per-sequence
+# sums over context) in make test; the other plans run the automatic and manual
+# step paths those and tests/test_lora.py's kept cases run.
+_keep_only(
+    "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device",
+    "tp-manual-sp",
+    "tp-manual-sp-whole-vocab",
+    "context",
+)
+# The pipeline loss under 1F1B in make test; interleaved runs the same loss on the same engine.
+_keep_only("test_dpo.py::test_dpo_pipeline_step_with_precomputed_reference_equals_one_device", "1f1b-1")
+# The DPO example (a pre-trained checkpoint, pairs, the adapters saved) in make
+# test-slow, as the LoRA one; its step is the LoRA-reference DPO step make test runs.
+_pair(
+    "test_examples.py::test_preference_lora_runs",
+    "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device[tp-manual-sp]",
+)

@@ -143,6 +143,25 @@ def test_finetune_lora_runs(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 2
 
 
+def test_preference_lora_runs(tmp_path):
+    # A checkpoint made and read back, preference pairs from the shipped text, DPO
+    # with the adapters' base as reference, the trackers' lines, the PEFT adapter.
+    args = ["--pretrain-steps", "2", "--steps", "2", "--eval-every", "1", "--pairs", "8"]
+    args += ["--prompt-len", "8", "--completion-len", "8", "--out", str(tmp_path)]
+    result = run_example("preference_lora.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    # Before any step the policy is the reference: the loss is log 2.
+    before = float(re.search(r"held-out DPO loss before ([0-9.]+)", out).group(1))
+    assert before == pytest.approx(0.6931, abs=1e-4), out[-2000:]
+    assert re.search(r"held-out DPO loss after [0-9.]+; reward accuracy [0-9.]+", out), out[-2000:]
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2], lines
+    assert all({"aux/reward_accuracy", "aux/reward_margin", "grad_norm"} <= set(line) for line in steps)
+
+
 def test_finetune_pretrained_runs(tmp_path):
     # No --path: the script writes a tiny random checkpoint, fine-tunes it under a
     # plan of the table, saves it in Hugging Face format and reads it back.

@@ -15,6 +15,11 @@ parallelism, and manual tensor-parallel steps.
 """
 
 from .._errors import PretrainedError as PretrainedError
+from ._dpo import PolicyWithReference as PolicyWithReference
+from ._dpo import dpo_loss as dpo_loss
+from ._dpo import dpo_pipeline_loss as dpo_pipeline_loss
+from ._dpo import preference_losses as preference_losses
+from ._dpo import sequence_logprobs as sequence_logprobs
 from ._flops import flops_per_token as flops_per_token
 from ._flops import transformer_flops_per_token as transformer_flops_per_token
 from ._generate import Generation as Generation
@@ -30,6 +35,7 @@ from ._gpt import lm_loss as lm_loss
 from ._lora import add_lora as add_lora
 from ._lora import lora_trainable as lora_trainable
 from ._lora import merge_lora as merge_lora
+from ._lora import without_lora as without_lora
 from ._lora_peft import save_lora as save_lora
 from ._mlp import MLPClassifier as MLPClassifier
 from ._presets import PRESET_NAMES as PRESET_NAMES

@@ -299,3 +299,35 @@ def lora_trainable(model: PyTree) -> PyTree:
     return jax.tree.map(
         lambda x: jax.tree.map(lambda _: True, x) if _is_adapter(x) else False, model, is_leaf=_is_adapter
     )
+
+
+def has_lora(model: PyTree) -> bool:
+    """Whether any `eqxpar.nn.Attention` / `MLP` of `model` has adapters."""
+    return any(layer.lora is not None for layer in _layers(model))
+
+
+def without_lora(model: PyTree) -> PyTree:
+    """`model` with its adapters switched off: every `eqxpar.nn.Attention` and
+    `eqxpar.nn.MLP` without its `lora`, computing what the base model computes.
+
+    The result shares every base weight with `model` (a new pytree of the same
+    arrays, no copy), so inside a step it is the base model at no memory cost:
+    what `dpo_loss` uses as the reference of an adapted model (PEFT's
+    `disable_adapter()`).
+
+    **Arguments:** `model`, a pytree with adapters from `add_lora`.
+
+    **Returns:** the model without adapters.
+
+    ```python
+    base_logits = eqxpar.models.without_lora(model)(tokens)
+    ```
+    """
+    if not has_lora(model):
+        raise PlanError(
+            "without_lora: the model has no adapters to switch off. Add them with "
+            "eqxpar.models.add_lora(model, rank=..., key=...)."
+        )
+    return _map_layers(
+        lambda layer: layer if layer.lora is None else eqx.tree_at(lambda m: m.lora, layer, None), model
+    )
