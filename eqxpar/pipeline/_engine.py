@@ -473,6 +473,8 @@ class Device:
         # so each is traced once, not once per tick position.
         self._branches: dict[tuple, Any] = {}
         self._resolve_types()
+        if uses is not None:
+            self._find_uses()
         self._resolve_residuals()
 
     def layers_of(self, chunk: Any, layers: int | None) -> Any:
@@ -491,14 +493,15 @@ class Device:
             replace_fn=lambda s: s.with_rows(eqx.combine(chunk, self.static_blocks)),
         )
 
-    def at_use(self, rest: Any, chunk: Any) -> tuple[Any, dict]:
-        """Under `Plan(stage_gradients="sharded")`: `rest` gathered whole, and the
-        per-layer gathers of `chunk` for `layer_gathers`; else `(rest, {})`.
-        Called inside the differentiated function, so the gradients come back
-        reduce-scattered, split like the weights."""
+    def at_use(self, rest: Any, chunk: Any, first: bool, last: bool) -> tuple[Any, dict]:
+        """Under `Plan(stage_gradients="sharded")`: `rest` gathered whole where the
+        stage's ends (`first`, `last`) read it, and the per-layer gathers of
+        `chunk` for `layer_gathers`; else `(rest, {})`. Called inside the
+        differentiated function, so the gradients come back reduce-scattered,
+        split like the weights."""
         if self.uses is None:
             return rest, {}
-        rest, self._gathered = self.uses.gather_rest(rest)
+        rest, self._gathered = self.uses.gather_rest(rest, first=first, last=last)
         return rest, self.uses.per_layer(chunk, self.static_blocks)
 
     def stage(
@@ -512,7 +515,7 @@ class Device:
         # differentiated function, so gradients come back in the parameters'
         # dtype; activations travel in the compute dtype.
         rest, chunk = loss.compute((rest, chunk)) if cast else (rest, chunk)
-        rest, per_layer = self.at_use(rest, chunk)
+        rest, per_layer = self.at_use(rest, chunk, first, last)
         model = self.assemble(rest, chunk)
         with layer_gathers(per_layer):
             if first:
@@ -529,7 +532,7 @@ class Device:
         act = jax.eval_shape(lambda r, c, b: self.stage(r, c, None, b, True, False), self.rest, chunk0, mb0)
 
         def first_only(rest, mb):
-            rest, per_layer = self.at_use(rest, chunk0)
+            rest, per_layer = self.at_use(rest, chunk0, True, False)
             with layer_gathers(per_layer):
                 return parts.first(self.assemble(rest, chunk0), mb)
 
@@ -558,6 +561,18 @@ class Device:
             )
         self.loss_type, self.loss_axes = loss_type, varying_axes(loss_type) | local
         self.loss_varies = varying_axes(loss_type)
+
+    def _find_uses(self) -> None:
+        """Which weights outside the stack `first` and `last` read, so that a stage
+        gathers only its ends' (`StageGathers.find_uses`)."""
+        parts, uses = self.engine.parts, self.uses
+        mb0, chunk0 = _index(self.micro_batches, jnp.asarray(0)), _index(self.blocks, jnp.asarray(0))
+        rest, _ = self.engine.loss.compute((self.rest, chunk0))
+        uses.find_uses(
+            uses.whole_outlines(rest),
+            lambda r: parts.first(self.assemble(r, chunk0), mb0),
+            lambda r: parts.last(self.assemble(r, chunk0), self.zeros_act(), mb0),
+        )
 
     def _vjp(self, first: bool, last: bool, chunk: Any, x: Any, mb: Any) -> tuple:
         """`(stage output, pull-back leaves, their treedef, indices of the kept

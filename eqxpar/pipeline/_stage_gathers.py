@@ -15,14 +15,17 @@ weights, and are summed into split accumulators.
 """
 
 import dataclasses
-from collections.abc import Collection
+import math
+from collections.abc import Callable, Collection
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._fsdp import Gather, gather_weights, gathers_of
+from .._varying import mark_varying, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,21 +69,71 @@ class StageGathers:
         #: Per leaf of the blocks (in `jax.tree.leaves` order): one layer's gather.
         self.layer = [gathers_of(s.spec, axes, skip=1, where=where) for s in jax.tree.leaves(blocks)]
 
-    def gather_rest(self, rest: Any) -> tuple[Any, list[Any]]:
-        """`rest` (the model's weights outside the stack, shards) gathered whole,
-        and the gathered arrays (residuals a stage forward need not store: its
-        backward gathers them again)."""
+        #: Per leaf of the rest (in `jax.tree.leaves` order): whether `first` and
+        #: whether `last` uses it (`find_uses`); None: not found yet (all are).
+        self.used: tuple[tuple[bool, ...], tuple[bool, ...]] | None = None
+
+    def whole_outlines(self, rest: Any) -> Any:
+        """The outlines of `rest` (shards) gathered whole."""
+
+        def whole(g: _Whole | None, x: Any) -> Any:
+            if x is None:
+                return x
+            shape = x.shape if g is None else self._whole_shape(x, g)
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+
+        return jax.tree.map(whole, self.rest, rest, is_leaf=lambda x: x is None or isinstance(x, _Whole))
+
+    def find_uses(self, whole: Any, first: Callable[[Any], Any], last: Callable[[Any], Any]) -> None:
+        """Record which leaves of the rest `first` and `last` read (each a function
+        of the whole rest, outlines `whole`): a stage gathers only those of the
+        ends it runs. Found from the functions' jaxprs: an input no equation
+        reads is not used."""
+
+        def reads(fn: Callable[[Any], Any]) -> tuple[bool, ...]:
+            closed = jax.make_jaxpr(fn)(whole)
+            used = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars}
+            used |= {id(v) for v in closed.jaxpr.outvars}
+            return tuple(id(v) in used for v in closed.jaxpr.invars)
+
+        self.used = (reads(first), reads(last))
+
+    def gather_rest(self, rest: Any, *, first: bool, last: bool) -> tuple[Any, list[Any]]:
+        """`rest` (the model's weights outside the stack, shards) gathered whole
+        where the stage's ends (`first`, `last`) read them, zeros of the whole
+        shape elsewhere (XLA removes them: nothing reads them); and the gathered
+        arrays (residuals a stage forward need not store: its backward gathers
+        them again)."""
         gathered: list[Any] = []
+        leaves = jax.tree.leaves(rest)
+        wanted = [
+            self.used is None or (first and self.used[0][i]) or (last and self.used[1][i])
+            for i in range(len(leaves))
+        ]
+        index = iter(range(len(leaves)))
 
         def gather(g: _Whole | None, x: Any) -> Any:
-            if x is None or g is None or not g.gather:
+            if x is None:
                 return x
+            i = next(index)
+            if g is None or not g.gather:
+                return x
+            if not wanted[i]:
+                axes = varying_axes(x)
+                return mark_varying(jnp.zeros(self._whole_shape(x, g), x.dtype), axes)
             out = gather_weights(x, g.gather)
             gathered.append(out)
             return out
 
         out = jax.tree.map(gather, self.rest, rest, is_leaf=lambda x: x is None or isinstance(x, _Whole))
         return out, gathered
+
+    @staticmethod
+    def _whole_shape(x: Any, g: _Whole) -> tuple[int, ...]:
+        shape = list(x.shape)
+        for dim, axes in g.gather:
+            shape[dim] *= math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+        return tuple(shape)
 
     def per_layer(self, chunk: Any, static_blocks: Any) -> dict[int, Gather]:
         """For `eqxpar._fsdp.layer_gathers`: each array of a stage's stack (its
