@@ -286,10 +286,7 @@ def predict(
     keeps = not dims.zero1 and not auto_fsdp
     gathered = grads - params_bytes if keeps else 0
     at_use = dims.pipelined and dims.stage_gradients == "sharded"
-    if at_use:
-        # Plan(stage_gradients="sharded"): the sums are split like the weights;
-        # whole at a time are one layer's weights and its gradient before the
-        # reduce-scatter, and the rest's (the stage's ends), in the compute dtype.
+    if at_use:  # the sums split like the weights (`_gathered_at_use`)
         grads, gathered = params_bytes, _gathered_at_use(facts, params, layout, loss, grads - params_bytes)
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
@@ -304,16 +301,11 @@ def predict(
         buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
-        slots = engine_slots(layout.resolved, loss, params, batch)
-        # What one layer's backward holds: under a remat policy it recomputes what
-        # the policy dropped, so about one layer's residuals under "none".
-        # (Its slots: the layout the engine keeps, whatever the stage gradients.)
-        unremat = (
-            None if dims.remat == "none" else dataclasses.replace(plan, remat="none", stage_gradients="whole")
-        )
-        whole = slots if unremat is None else engine_slots(ResolvedPlan.of(unremat), loss, params, batch)
+        # One layer's backward, as under remat "none" (`_engine_layouts`).
+        unremat = dataclasses.replace(plan, remat="none", stage_gradients="whole")
+        engine = _engine_layouts(layout, ResolvedPlan.of(unremat), loss, params, batch)
         activations, buffers = _pipeline_memory(
-            facts, sched, (slots, whole), params, batch, loss, layout, grads, split_sums=at_use
+            facts, sched, engine, params, batch, loss, layout, grads, split_sums=at_use
         )
         # The update runs after the tick loops, in the memory their residual
         # buffers and transients held: only what it needs beyond them adds.
@@ -441,9 +433,23 @@ def _pipeline_memory(
     return max(1, bufs.residuals) * slot + max(1, bufs.stashes) * stash, io + transients
 
 
+def _engine_layouts(
+    layout: StepLayout, unremat: ResolvedPlan, loss: Any, params: Any, batch: Any
+) -> tuple[Slots, Slots]:
+    """The engine's slot layouts under the step's plan and, for one layer's
+    backward, under `unremat` (the plan with `remat="none"`): under a remat policy
+    the backward recomputes what the policy dropped, so it holds about one layer's
+    residuals under "none" (the engine's layout whatever the stage gradients,
+    whose sharded mode refuses "none")."""
+    slots = engine_slots(layout.resolved, loss, params, batch)
+    if layout.resolved.dims.remat == "none":
+        return slots, slots
+    return slots, engine_slots(unremat, loss, params, batch)
+
+
 def _gathered_at_use(facts: PlanFacts, params: Any, layout: StepLayout, loss: Any, gathered: int) -> int:
-    """What a device holds whole at once under `Plan(stage_gradients="sharded")`:
-    one layer's weights and that layer's gradient before its reduce-scatter, and
+    """What a device holds whole at once under `Plan(stage_gradients="sharded")`,
+    whose gradient sums are split like the weights: one layer's weights and that layer's gradient before its reduce-scatter, and
     the weights outside the stack (`gathered` of them all, whole, less the stack's),
     all in the compute dtype."""
     dims = facts.dims
