@@ -37,6 +37,7 @@ class ParallelDims:
     remat: str
     sequence_parallel: bool
     tp_overlap: bool
+    stage_gradients: str
     zero1: bool
     compute_dtype: Any
     reduce_dtype: Any
@@ -64,6 +65,7 @@ class ParallelDims:
             remat=plan.remat,
             sequence_parallel=plan.sequence_parallel,
             tp_overlap=plan.tp_overlap,
+            stage_gradients=plan.stage_gradients,
             zero1=plan.zero1,
             compute_dtype=plan.compute_dtype,
             reduce_dtype=plan.reduce_dtype,

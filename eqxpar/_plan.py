@@ -33,6 +33,9 @@ REMAT_POLICIES = ("none", "dots", "inputs", "full")
 CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")
 
 #: Pipeline schedules (`eqxpar.pipeline.schedule`, `Plan(schedule=...)`).
+#: How a pipeline step holds FSDP-split weights and their gradients
+#: (`Plan(stage_gradients=...)`).
+STAGE_GRADIENTS = ("whole", "sharded")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zb_v", "dualpipe_v")
 #: The schedules of a V placement: two chunks per device, device d holding
 #: virtual stages d and 2p-1-d (so device 0 runs both the first and the last).
@@ -141,6 +144,23 @@ class Plan:
       store a natural-order stack in it, and the stack records it, so that
       `save_pretrained`, checkpoints and calling the model outside the pipeline
       see the natural order again; no user code reorders layers.
+    - `stage_gradients`: under a pipeline whose rules split weights over the
+      batch axes (FSDP, e.g. `stage_rules(rules.FSDP())`), how a device holds its
+      stage's weights and gradients during the step. `"whole"` (the default):
+      gathered once before the schedule's loops and reduce-scattered once after
+      them, so each weight crosses the wire the fewest times, but the device holds
+      its stage's weights and float32 gradient sums whole (gathered over the batch
+      axes) for the whole step: `2 x 4` bytes per parameter of the stage.
+      `"sharded"`: every weight is gathered where it is used, a layer at a time
+      inside the stage's layer scan (one layer whole at a time), and each
+      action's gradient reduce-scattered into sums kept split like the weights:
+      the stage's memory falls by the FSDP size, while the weights cross the
+      wire once per micro-batch and use rather than once per step (see
+      `eqxpar.inspect.minimum_comm`). Choose `"sharded"` when the stage's whole
+      weights and gradients would not fit a device (Llama-3-70B over pipe 4 x
+      fsdp 32: 69 GB of float32 stage gradients per chip whole, 2 GB sharded).
+      Needs a remat policy other than `"none"` (which would keep every layer's
+      gathered weights for the backward actions).
     - `zero1`: ZeRO-1: parameters stay as the rules place them (typically
       replicated) while the optimizer state is split over `batch_axes`; each step
       reduce-scatters the gradients, updates the parameter shards and all-gathers
@@ -189,6 +209,7 @@ class Plan:
     microbatches: int
     chunks: int
     stage_layers: tuple[int, ...] | None
+    stage_gradients: str
     zero1: bool
     param_dtype: Any
     compute_dtype: Any
@@ -214,6 +235,7 @@ class Plan:
         microbatches: int = 1,
         chunks: int = 1,
         stage_layers: Any = None,
+        stage_gradients: str = "whole",
         zero1: bool = False,
         param_dtype: Any = None,
         compute_dtype: Any = None,
@@ -246,6 +268,7 @@ class Plan:
                     f"one of {PIPELINE_SCHEDULES}, or leave stage_layers out."
                 )
             stage_layers = checked_stage_layers(stage_layers, stages=mesh.shape["pipe"], chunks=chunks)
+        _check_stage_gradients(stage_gradients, schedule, remat)
         values = dict(
             mesh=mesh,
             rules=rules,
@@ -262,6 +285,7 @@ class Plan:
             microbatches=microbatches,
             chunks=chunks,
             stage_layers=stage_layers,
+            stage_gradients=stage_gradients,
             zero1=bool(zero1),
             param_dtype=_checked_dtype(param_dtype, "param_dtype"),
             compute_dtype=_checked_dtype(compute_dtype, "compute_dtype"),
@@ -629,6 +653,26 @@ def _check_ulysses(mesh: Mesh, impl: Any, mode: Mode | None, manual_axes: Any, t
         f"cannot cut by hand. Use mode='manual' (with {tensor_axis!r} among manual_axes), or "
         "context_attention='ring' / 'allgather'."
     )
+
+
+def _check_stage_gradients(value: Any, schedule: Any, remat: str) -> None:
+    if value not in STAGE_GRADIENTS:
+        raise PlanError(f"Plan(stage_gradients={value!r}): expected one of {STAGE_GRADIENTS}.")
+    if value == "whole":
+        return
+    if schedule is None:
+        raise PlanError(
+            f"Plan(stage_gradients={value!r}) says how a pipeline holds its stages' FSDP gradients, "
+            f"but the plan has no schedule: set schedule= one of {PIPELINE_SCHEDULES}, or leave "
+            "stage_gradients out (a step without a pipeline gathers FSDP weights a layer at a time already)."
+        )
+    if remat == "none":
+        raise PlanError(
+            f"Plan(stage_gradients={value!r}, remat='none'): remat 'none' keeps each layer's gathered "
+            "weights for the backward actions, one copy per micro-batch in flight, more than the whole "
+            "stage the sharded sums save. Set remat='full' (or 'dots' / 'inputs'), or "
+            "stage_gradients='whole'."
+        )
 
 
 def _check_pipeline(schedule: Any, microbatches: int, chunks: int, mesh: Mesh) -> tuple[int, int]:

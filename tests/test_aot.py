@@ -98,6 +98,7 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
         (["--model", "gpt2", "--plan", "fsdp=8", "--batch", "2048"], "ROWSxLENGTH"),
         (["--model", "gpt2", "--plan", "fsdp=8", "--set", "depth=2"], "no field 'depth'"),
         (["--model", "gpt2", "--plan", "fsdp=8", "--schedule", "1f1b"], "needs a pipe axis"),
+        (["--model", "gpt2", "--plan", "fsdp=8", "--stage-gradients", "sharded"], "needs a pipe axis"),
         (["--model", "gpt2", "--plan", "fsdp=64"], "needs 64 devices"),
     ],
 )

@@ -192,7 +192,7 @@ def engine_slots(resolved: Any, loss: Any, model: Any, batch: Any) -> Slots:
     def per_device(model: Any, batch: Any) -> jax.Array:
         params, static = eqx.partition(model, eqx.is_inexact_array)
         params = jax.tree.map(lambda x: mark_varying(x, engine.local), params)
-        device = Device(engine, params, static, batch)
+        device = Device(engine, params, static, batch, None)
         groups, layout, stash = _packings(device)
         found["groups"] = {key: int(n) for key, n in groups.items()}
         found["leaves"] = {

@@ -285,6 +285,9 @@ def predict(
     auto_fsdp = _auto_fsdp(dims, layout.params)
     keeps = not dims.zero1 and not auto_fsdp
     gathered = grads - params_bytes if keeps else 0
+    at_use = dims.pipelined and dims.stage_gradients == "sharded"
+    if at_use:  # the sums split like the weights (`_gathered_at_use`)
+        grads, gathered = params_bytes, _gathered_at_use(facts, params, layout, loss, grads - params_bytes)
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
@@ -298,13 +301,11 @@ def predict(
         buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
-        slots = engine_slots(layout.resolved, loss, params, batch)
-        # What one layer's backward holds: under a remat policy it recomputes what
-        # the policy dropped, so about one layer's residuals under "none".
-        unremat = None if dims.remat == "none" else dataclasses.replace(plan, remat="none")
-        whole = slots if unremat is None else engine_slots(ResolvedPlan.of(unremat), loss, params, batch)
+        # One layer's backward, as under remat "none" (`_engine_layouts`).
+        unremat = dataclasses.replace(plan, remat="none", stage_gradients="whole")
+        engine = _engine_layouts(layout, ResolvedPlan.of(unremat), loss, params, batch)
         activations, buffers = _pipeline_memory(
-            facts, sched, (slots, whole), params, batch, loss, layout, grads
+            facts, sched, engine, params, batch, loss, layout, grads, split_sums=at_use
         )
         # The update runs after the tick loops, in the memory their residual
         # buffers and transients held: only what it needs beyond them adds.
@@ -389,6 +390,8 @@ def _pipeline_memory(
     loss: Any,
     layout: StepLayout,
     grads: int,
+    *,
+    split_sums: bool = False,
 ) -> tuple[int, int]:
     """`(kept residuals, buffers)` per device of a pipeline step (see
     `eqxpar.pipeline`'s engine), from the engine's own slot layout
@@ -398,7 +401,8 @@ def _pipeline_memory(
     `remat="full"` none: each backward recomputes its stage).
 
     Buffers: the stage-input and cotangent slots, and what a tick holds beside
-    the loop's carry (`_tick_transients`)."""
+    the loop's carry (`_tick_transients`). `split_sums`: the gradient sums are
+    split like the weights (`Plan(stage_gradients="sharded")`)."""
     dims = facts.dims
     p, v, m = facts.mesh.shape.get("pipe", 1), dims.chunks, dims.microbatches
     layers = max(1, loss.stack_of(params).depth // (p * v))
@@ -409,7 +413,10 @@ def _pipeline_memory(
     bufs = sched.buffers
     io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * nbytes(slots.activation)
     stack_grads = _per_device(
-        loss.stack(params).blocks, loss.stack(layout.params).blocks, facts.mesh, frozenset(dims.batch_axes)
+        loss.stack(params).blocks,
+        loss.stack(layout.params).blocks,
+        facts.mesh,
+        frozenset() if split_sums else frozenset(dims.batch_axes),
     )
     if dims.remat == "full":
         # Nothing is kept between ticks: a backward recomputes its stage, whose
@@ -424,6 +431,37 @@ def _pipeline_memory(
     backward = _backward_working_set(stacked, layers, layer, stack_grads // v)
     transients = max(_run_transients(run, slot, stash, backward) for run in _engine_runs(sched))
     return max(1, bufs.residuals) * slot + max(1, bufs.stashes) * stash, io + transients
+
+
+def _engine_layouts(
+    layout: StepLayout, unremat: ResolvedPlan, loss: Any, params: Any, batch: Any
+) -> tuple[Slots, Slots]:
+    """The engine's slot layouts under the step's plan and, for one layer's
+    backward, under `unremat` (the plan with `remat="none"`): under a remat policy
+    the backward recomputes what the policy dropped, so it holds about one layer's
+    residuals under "none" (the engine's layout whatever the stage gradients,
+    whose sharded mode refuses "none")."""
+    slots = engine_slots(layout.resolved, loss, params, batch)
+    if layout.resolved.dims.remat == "none":
+        return slots, slots
+    return slots, engine_slots(unremat, loss, params, batch)
+
+
+def _gathered_at_use(facts: PlanFacts, params: Any, layout: StepLayout, loss: Any, gathered: int) -> int:
+    """What a device holds whole at once under `Plan(stage_gradients="sharded")`,
+    whose gradient sums are split like the weights: one layer's weights and that layer's gradient before its reduce-scatter, and
+    the weights outside the stack (`gathered` of them all, whole, less the stack's),
+    all in the compute dtype."""
+    dims = facts.dims
+    blocks, specs = loss.stack(params).blocks, loss.stack(layout.params).blocks
+    drop = frozenset(dims.batch_axes)
+    stack_whole = _per_device(blocks, specs, facts.mesh, drop)
+    stack_split = _per_device(blocks, specs, facts.mesh)
+    rows = max(1, loss.stack_of(params).depth // facts.mesh.shape.get("pipe", 1))
+    rest = gathered - (stack_whole - stack_split)
+    stored = next((x.dtype for x in jax.tree.leaves(blocks) if jnp.issubdtype(x.dtype, jnp.floating)), None)
+    scale = 1.0 if dims.compute_dtype is None or stored is None else itemsize(dims.compute_dtype) / itemsize(stored)
+    return int(scale * (2 * stack_whole // rows + max(0, rest)))
 
 
 def _engine_runs(sched: Any) -> list[dict[str, bool]]:

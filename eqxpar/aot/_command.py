@@ -53,6 +53,7 @@ def plan_of(
     compute_dtype: Any = jnp.bfloat16,
     schedule: str | None = None,
     microbatches: int | None = None,
+    stage_gradients: str = "whole",
     mode: str | None = None,
     rows_per_chip: int = 1,
     split_physical_axes: bool = False,
@@ -61,8 +62,8 @@ def plan_of(
     or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
     `rules.FSDP()` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
     fsdp axis) where a tensor, expert or context axis is split, a pipeline's stage
-    rules and schedule where `pipe` is, its micro-batches by default one row each
-    (`rows_per_chip` x chips / data-parallel devices)."""
+    rules, schedule and `stage_gradients` where `pipe` is, its micro-batches by
+    default one row each (`rows_per_chip` x chips / data-parallel devices)."""
     mesh = make_mesh(**sizes, topology=topology, split_physical_axes=split_physical_axes)
     needs_layers = any(sizes.get(a, 1) > 1 for a in ("tensor", "expert", "context"))
     # Megatron's rules name the layers' logical axes; with an fsdp axis, their
@@ -76,9 +77,12 @@ def plan_of(
         rules = stage_rules(rules)
         batch_devices = math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert"))
         rows = rows_per_chip * math.prod(sizes.values()) // batch_devices
-        options = dict(schedule=schedule or "1f1b", microbatches=microbatches or rows)
-    elif schedule is not None:
-        raise PlanError(f"--schedule {schedule}: a schedule needs a pipe axis, e.g. --plan pipe=4,fsdp=8")
+        options = dict(
+            schedule=schedule or "1f1b", microbatches=microbatches or rows, stage_gradients=stage_gradients
+        )
+    elif schedule is not None or stage_gradients != "whole":
+        what = f"--schedule {schedule}" if schedule is not None else f"--stage-gradients {stage_gradients}"
+        raise PlanError(f"{what}: a pipeline option needs a pipe axis, e.g. --plan pipe=4,fsdp=8")
     if sizes.get("context", 1) > 1:
         options["context_attention"] = "ring"
     return Plan(mesh, rules=rules, remat=remat, compute_dtype=compute_dtype, mode=mode, **options)
@@ -103,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--schedule", help="pipeline schedule with a pipe axis (default 1f1b)")
     parser.add_argument("--microbatches", type=int, help="pipeline micro-batches (default: one row each)")
+    parser.add_argument(
+        "--stage-gradients",
+        default="whole",
+        choices=["whole", "sharded"],
+        help="Plan(stage_gradients=...) with a pipe axis: sharded gathers FSDP weights at their uses and "
+        "keeps gradient sums split (default whole)",
+    )
     parser.add_argument("--mode", choices=["auto", "manual"], help="Plan(mode=...) (default the plan's)")
     parser.add_argument(
         "--split-physical-axes",
@@ -144,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             compute_dtype=_DTYPES[args.dtype],
             schedule=args.schedule,
             microbatches=args.microbatches,
+            stage_gradients=args.stage_gradients,
             mode=args.mode,
             split_physical_axes=args.split_physical_axes,
         )

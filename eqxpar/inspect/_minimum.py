@@ -187,6 +187,17 @@ def _gathers(remat: str, in_stack: bool, gathers: int | None) -> int:
     return 3 if remat == "full" else 2
 
 
+def _gathers_at_use(remat: str, in_stack: bool, gathers: int | None) -> int:
+    # Per micro-batch, under a pipeline's `stage_gradients="sharded"`: a stack's
+    # weights as a stack's (the stage forward, and the backward's re-gathers; a
+    # policy other than "none", which the plan refuses there); a weight outside
+    # the stack once in its stage's forward and once more in the backward,
+    # which does not keep it whole.
+    if gathers is not None:
+        return gathers
+    return _gathers(remat, True, None) if in_stack else 2
+
+
 def _first(dtype: Any, default: Any) -> Any:
     # A plan's optional dtype, else the leaf's own.
     return default if dtype is None else dtype
@@ -219,6 +230,7 @@ def _param_items(
     groups: dict[tuple[str, str, int, int], int] = defaultdict(int)
     why: dict[str, tuple[str, tuple[str, ...]]] = {}  # part -> (source, axes)
     trained = [True] * len(flat) if trains is None else jax.tree.structure(params).flatten_up_to(trains)
+    at_use = dims.schedule is not None and dims.stage_gradients == "sharded"
     for (path, leaf), spec, stacked, trains_leaf in zip(flat, specs, _in_stack(params), trained, strict=True):
         if not _is_inexact(leaf):
             continue
@@ -247,17 +259,21 @@ def _param_items(
         if g > 1:
             dtype = moved if moved is not None else _first(dims.compute_dtype, leaf.dtype)
             whole = local * itemsize(dtype) // size
-            k = _gathers(dims.remat, stacked, gathers)
+            k, scatters = _gathers(dims.remat, stacked, gathers), 1
+            if at_use:
+                # Plan(stage_gradients="sharded"): gathered at each use, each
+                # micro-batch's gradient reduce-scattered.
+                k, scatters = _gathers_at_use(dims.remat, stacked, gathers) * dims.microbatches, dims.microbatches
             over = _axes_text(split, sizes)
             gather, scatter = (
                 f"FSDP all-gather over {over} ({k} per step)",
-                f"FSDP gradient reduce-scatter over {over}",
+                f"FSDP gradient reduce-scatter over {over}" + (f" ({scatters} per step)" if at_use else ""),
             )
             groups[(gather, "all-gather", g, k)] += whole
             why[gather] = (FSDP, tuple(split))
             if not trains_leaf:
                 continue
-            groups[(scatter, "reduce-scatter", g, 1)] += whole // g
+            groups[(scatter, "reduce-scatter", g, scatters)] += whole // g
             groups[(reduced, "all-reduce", r, 1)] += whole // g
             why[scatter] = (FSDP, tuple(split))
         elif not trains_leaf:
@@ -463,7 +479,12 @@ def minimum_comm(
       under `remat="dots"|"inputs"` gathers again for the backward (2 per step),
       under `"full"` once more for the recomputed forward (3). Then one
       reduce-scatter of its gradient, and (HSDP) an all-reduce of the shard over
-      the other batch devices.
+      the other batch devices. A pipeline under `Plan(stage_gradients="sharded")`
+      gathers at each use instead: per micro-batch, a stack's weights as above
+      (2 or 3) and a weight outside the stack twice (its stage's forward, and
+      its backward; a last stage whose forward the schedule runs inside its
+      backward gathers once there, so this counts one gather more than it
+      needs), and one reduce-scatter of each micro-batch's gradient.
     - **Tensor parallelism** (`t` devices of `plan.tensor_axis`): one activation
       all-reduce per row-parallel matmul output (forward), per column-parallel
       matmul input (backward; once for Q, K, V sharing it) and per lookup in

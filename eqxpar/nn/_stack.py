@@ -331,28 +331,34 @@ def _wait_for(a: jax.Array, b: Sequence[jax.Array]) -> jax.Array:
     tied: adding a zero must change no type."""
     varying = tuple(varying_axes(x) for x in b)
     tied = tuple(v == varying_axes(a) for v in varying)
-    return _after(a, list(b), tied, varying) if any(tied) else a
+    # The arrays' shapes and dtypes travel as static arguments, not residuals: an
+    # outline residual would be closed over as a constant where the stack runs
+    # inside a `lax.switch` branch (a pipeline stage), which cannot be lowered.
+    outline = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in b)
+    return _after(a, list(b), tied, varying, outline) if any(tied) else a
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _after(a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _after(a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple, outline: tuple) -> jax.Array:
     return a + _zero_of([x for x, t in zip(b, tied, strict=True) if t]).astype(a.dtype)
 
 
-def _after_fwd(a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple) -> tuple[jax.Array, Any]:
-    return _after(a, b, tied, varying), [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in b]
+def _after_fwd(
+    a: jax.Array, b: list, tied: tuple[bool, ...], varying: tuple, outline: tuple
+) -> tuple[jax.Array, None]:
+    return _after(a, b, tied, varying, outline), None
 
 
 def _after_bwd(
-    tied: tuple[bool, ...], varying: tuple, outline: list, ct: jax.Array
+    tied: tuple[bool, ...], varying: tuple, outline: tuple, _: None, ct: jax.Array
 ) -> tuple[jax.Array, list]:
     # Each cotangent has its array's type: zero, plus `ct`'s data-dependent zero
     # where tied, cast to the array's varying axes where not.
     zero = _zero_of([ct])
     cts = []
-    for o, t, axes in zip(outline, tied, varying, strict=True):
-        z = jnp.zeros(o.shape, o.dtype)
-        cts.append(z + zero.astype(o.dtype) if t else mark_varying(z, axes))
+    for (shape, dtype), t, axes in zip(outline, tied, varying, strict=True):
+        z = jnp.zeros(shape, dtype)
+        cts.append(z + zero.astype(dtype) if t else mark_varying(z, axes))
     return ct, cts
 
 

@@ -51,7 +51,10 @@ FSDP under a pipeline: weights the rules split over the data-parallel axes (e.g.
 their gradients reduce-scattered once, after it. Gathering per tick instead would
 move a stage's weights once per micro-batch and action; gathered once, a device
 holds its own stage's whole weights (1 / pipe of the model) during the step,
-while parameters and optimizer state stay split between steps.
+while parameters and optimizer state stay split between steps. Under
+`Plan(stage_gradients="sharded")` they are gathered at their uses instead
+(`_stage_gathers`): in each action's stage function, the stack's a layer at a
+time, each action's gradients reduce-scattered into sums split like the weights.
 """
 
 import dataclasses
@@ -67,7 +70,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .._errors import PlanError
-from .._fsdp import gather_weights, gathers_of, kept_axes
+from .._fsdp import gather_weights, gathers_of, kept_axes, layer_gathers
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._stack_order import check_stack_order
@@ -99,6 +102,7 @@ from ._program import (
 )
 from ._schedule import Schedule
 from ._split_backward import split_pull_back
+from ._stage_gathers import StageGathers
 
 
 def _int32(*indices: Any) -> tuple[jax.Array, ...]:
@@ -267,14 +271,25 @@ class Engine:
             self.layout.params,
             is_leaf=lambda x: x is None,
         )
-        params = jax.tree.map(
-            lambda x, g: x if x is None else gather_weights(x, g),
-            params,
-            gathers,
-            is_leaf=lambda x: x is None,
-        )
+        uses = None
+        if self.sharded(split_axes):
+            # Plan(stage_gradients="sharded"): the shards stay shards; each
+            # action's stage gathers them where it uses them.
+            uses = StageGathers(params, self.layout.params, self.blocks_of, split_axes)
+        else:
+            params = jax.tree.map(
+                lambda x, g: x if x is None else gather_weights(x, g),
+                params,
+                gathers,
+                is_leaf=lambda x: x is None,
+            )
         params = jax.tree.map(lambda x: mark_varying(x, self.local), params)
-        return Device(self, params, static, batch), params, gathers
+        return Device(self, params, static, batch, uses), params, gathers
+
+    def sharded(self, split_axes: tuple[str, ...]) -> bool:
+        """Whether the weights are gathered at their uses and their gradients summed
+        split (`Plan(stage_gradients="sharded")` over batch axes of size > 1)."""
+        return self.pipeline.sharded_gradients and bool(split_axes)
 
     def loss_per_device(self, model: Any, batch: Any) -> jax.Array:
         """The mean loss of the batch (forward actions only): summed over the
@@ -315,6 +330,10 @@ class Engine:
         The rest's sum over pipe and over the batch axes is one all-reduce over
         both (two would send more)."""
         axes = self.layout.reduced_axes
+        mesh = self.layout.plan.mesh
+        # Sharded sums arrive reduce-scattered already (each action's gathers
+        # transposed): only the other axes remain to sum over.
+        scattered = self.sharded(tuple(a for a in axes if mesh.shape[a] > 1))
         loss = lax.psum(loss_sum, PIPE) / self.pipeline.microbatches
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         in_rest = eqx.tree_at(
@@ -334,11 +353,11 @@ class Engine:
             gather, kept = gather_kept
             rest = tuple(a for a in axes if a not in kept and all(a not in over for _, over in gather))
             psum_axes = ((PIPE,) if rest_leaf else ()) + rest
-            if not gather and not psum_axes and divide == 1:
+            if (scattered or not gather) and not psum_axes and divide == 1:
                 return g
             return reduce_gradient(
                 g,
-                scatter=tuple(reversed(gather)),
+                scatter=() if scattered else tuple(reversed(gather)),
                 psum_axes=psum_axes,
                 divide=divide,
                 dtype=self.pipeline.reduce_dtype,
@@ -434,9 +453,14 @@ class Device:
     """One device's step: its parameters split into the rest and its chunks, its
     micro-batches, the types of what crosses stages, and the scan over ticks."""
 
-    def __init__(self, engine: Engine, params: Any, static: Any, batch: Any):
+    def __init__(self, engine: Engine, params: Any, static: Any, batch: Any, uses: StageGathers | None):
         pipeline = engine.pipeline
         self.engine, self.static = engine, static
+        # Plan(stage_gradients="sharded"): the gathers each stage runs where it
+        # uses its weights (None: the weights are whole already).
+        self.uses = uses
+        # The weights the stage function traced last gathered (see `_vjp`).
+        self._gathered: list[Any] = []
         self.p, self.v, self.m = pipeline.stages, pipeline.chunks, pipeline.microbatches
         blocks = engine.blocks_of(params)
         self.rest = eqx.tree_at(engine.blocks_of, params, jax.tree.map(lambda _: None, blocks))
@@ -449,6 +473,8 @@ class Device:
         # so each is traced once, not once per tick position.
         self._branches: dict[tuple, Any] = {}
         self._resolve_types()
+        if uses is not None:
+            self._find_uses()
         self._resolve_residuals()
 
     def layers_of(self, chunk: Any, layers: int | None) -> Any:
@@ -467,6 +493,17 @@ class Device:
             replace_fn=lambda s: s.with_rows(eqx.combine(chunk, self.static_blocks)),
         )
 
+    def at_use(self, rest: Any, chunk: Any, first: bool, last: bool) -> tuple[Any, dict]:
+        """Under `Plan(stage_gradients="sharded")`: `rest` gathered whole where the
+        stage's ends (`first`, `last`) read it, and the per-layer gathers of
+        `chunk` for `layer_gathers`; else `(rest, {})`. Called inside the
+        differentiated function, so the gradients come back reduce-scattered,
+        split like the weights."""
+        if self.uses is None:
+            return rest, {}
+        rest, self._gathered = self.uses.gather_rest(rest, first=first, last=last)
+        return rest, self.uses.per_layer(chunk, self.static_blocks)
+
     def stage(
         self, rest: Any, chunk: Any, x: Any, mb_batch: Any, first: bool, last: bool, *, cast: bool = True
     ) -> Any:  # an array; anything else is refused by `_resolve_types`, naming the fix
@@ -477,20 +514,29 @@ class Device:
         # Mixed precision as in the other steps: the cast sits inside the
         # differentiated function, so gradients come back in the parameters'
         # dtype; activations travel in the compute dtype.
-        model = self.assemble(*loss.compute((rest, chunk))) if cast else self.assemble(rest, chunk)
-        if first:
-            # As varying as the stage's weights (it is, unless `first` uses no
-            # weight), so the stack's scan carry keeps one type.
-            x = mark_varying(parts.first(model, mb_batch), self.engine.local)
-        h = parts.stack(model)(x, **parts.stack_inputs(mb_batch))
-        return loss.loss_dtype(parts.last(model, h, mb_batch)) if last else h
+        rest, chunk = loss.compute((rest, chunk)) if cast else (rest, chunk)
+        rest, per_layer = self.at_use(rest, chunk, first, last)
+        model = self.assemble(rest, chunk)
+        with layer_gathers(per_layer):
+            if first:
+                # As varying as the stage's weights (it is, unless `first` uses no
+                # weight), so the stack's scan carry keeps one type.
+                x = mark_varying(parts.first(model, mb_batch), self.engine.local)
+            h = parts.stack(model)(x, **parts.stack_inputs(mb_batch))
+            return loss.loss_dtype(parts.last(model, h, mb_batch)) if last else h
 
     def _resolve_types(self) -> None:
         # The types of an activation and of the loss, from abstract evaluation.
         local, parts = self.engine.local, self.engine.parts
         mb0, chunk0 = _index(self.micro_batches, jnp.asarray(0)), _index(self.blocks, jnp.asarray(0))
         act = jax.eval_shape(lambda r, c, b: self.stage(r, c, None, b, True, False), self.rest, chunk0, mb0)
-        first_out = jax.eval_shape(lambda r, b: parts.first(self.assemble(r, chunk0), b), self.rest, mb0)
+
+        def first_only(rest, mb):
+            rest, per_layer = self.at_use(rest, chunk0, True, False)
+            with layer_gathers(per_layer):
+                return parts.first(self.assemble(rest, chunk0), mb)
+
+        first_out = jax.eval_shape(first_only, self.rest, mb0)
         if not isinstance(act, jax.ShapeDtypeStruct):
             raise PlanError(
                 "the pipelined stack returns "
@@ -516,6 +562,18 @@ class Device:
         self.loss_type, self.loss_axes = loss_type, varying_axes(loss_type) | local
         self.loss_varies = varying_axes(loss_type)
 
+    def _find_uses(self) -> None:
+        """Which weights outside the stack `first` and `last` read, so that a stage
+        gathers only its ends' (`StageGathers.find_uses`)."""
+        parts, uses = self.engine.parts, self.uses
+        mb0, chunk0 = _index(self.micro_batches, jnp.asarray(0)), _index(self.blocks, jnp.asarray(0))
+        rest, _ = self.engine.loss.compute((self.rest, chunk0))
+        uses.find_uses(
+            uses.whole_outlines(rest),
+            lambda r: parts.first(self.assemble(r, chunk0), mb0),
+            lambda r: parts.last(self.assemble(r, chunk0), self.zeros_act(), mb0),
+        )
+
     def _vjp(self, first: bool, last: bool, chunk: Any, x: Any, mb: Any) -> tuple:
         """`(stage output, pull-back leaves, their treedef, indices of the kept
         leaves)` of `jax.vjp` of one virtual stage, taken w.r.t. the weights in
@@ -534,7 +592,10 @@ class Device:
             args = (*args, x)
         out, pull = jax.vjp(fn, *args)
         leaves, treedef = jax.tree.flatten(pull)
-        known = {id(a) for a in jax.tree.leaves((args, mb))}
+        # Weights gathered at their use (`Plan(stage_gradients="sharded")`) are
+        # gathered again by the backward rather than stored whole.
+        known = {id(a) for a in (*jax.tree.leaves((args, mb)), *self._gathered)}
+        self._gathered = []
         kept = tuple(
             i
             for i, leaf in enumerate(leaves)

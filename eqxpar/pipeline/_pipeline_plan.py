@@ -33,6 +33,10 @@ class PipelinePlan:
     - `reduce_dtype`: the dtype gradients are reduced in (None: theirs).
     - `ring_tensor_matmuls`: `tp_overlap` over a tensor axis of size > 1 (which a
       stage cannot run).
+    - `sharded_gradients`: `Plan(stage_gradients="sharded")`: FSDP weights are
+      gathered where used (a layer at a time in the stack) and each action's
+      gradients reduce-scattered into sums split like the weights, instead of
+      gathered once before the loops and reduce-scattered once after them.
     """
 
     name: Any
@@ -46,6 +50,7 @@ class PipelinePlan:
     batch_axes: tuple[str, ...]
     reduce_dtype: Any
     ring_tensor_matmuls: bool
+    sharded_gradients: bool
 
     @classmethod
     def of(cls, plan: Plan) -> "PipelinePlan":
@@ -66,4 +71,5 @@ class PipelinePlan:
             batch_axes=plan.batch_layout.axes,
             reduce_dtype=plan.reduce_dtype,
             ring_tensor_matmuls=bool(plan.tp_overlap) and plan.mesh.shape[plan.tensor_axis] > 1,
+            sharded_gradients=plan.stage_gradients == "sharded",
         )
