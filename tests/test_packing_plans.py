@@ -19,22 +19,25 @@ from eqxpar.models import GPT, gpt_first, gpt_last, gpt_stack_kwargs, lm_loss
 from eqxpar.pipeline import PipelineLoss, stage_rules
 
 from ._helpers import (
+    PACKED_CONFIGS,
     RecordedGradients,
     assert_steps_match_one_device,
     assert_trees_close,
+    packed_batch,
+    packed_documents,
+    padded_batch,
     record_gradients,
     recorded_gradients,
 )
-from .test_packing import CONFIGS, documents, packed_batch, padded_batch
 
 #: Packed rows per step (two documents each): 32 padded rows on one device.
 ROWS = 16
 
 MOE = dataclasses.replace(
-    CONFIGS["rotary"], moe_every=2, experts=4, top_k=2, load_balance_coef=0, router_z_coef=0
+    PACKED_CONFIGS["rotary"], moe_every=2, experts=4, top_k=2, load_balance_coef=0, router_z_coef=0
 )
 # Four layers: two stages of two chunks (interleaved, V).
-DEEP = dataclasses.replace(CONFIGS["rotary"], num_layers=4)
+DEEP = dataclasses.replace(PACKED_CONFIGS["rotary"], num_layers=4)
 
 PIPELINE_LOSS = PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last, stack_kwargs=gpt_stack_kwargs)
 
@@ -59,14 +62,20 @@ PLANS = {
     ),
     "data4-tensor2-sp-manual": (
         lambda: eqxpar.Plan(
-            eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+            eqxpar.make_mesh(data=4, tensor=2),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            sequence_parallel=True,
         ),
         "rotary-blockwise",
         1,
     ),
     "data4-tensor2-sp-auto-accumulate2": (
         lambda: eqxpar.Plan(
-            eqxpar.make_mesh(data=4, tensor=2), rules=eqxpar.rules.MEGATRON, mode="auto", sequence_parallel=True
+            eqxpar.make_mesh(data=4, tensor=2),
+            rules=eqxpar.rules.MEGATRON,
+            mode="auto",
+            sequence_parallel=True,
         ),
         "rotary",
         2,
@@ -82,7 +91,9 @@ PLANS = {
         2,
     ),
     "context4-allgather": (
-        lambda: eqxpar.Plan(eqxpar.make_mesh(context=4, data=2), mode="manual", context_attention="allgather"),
+        lambda: eqxpar.Plan(
+            eqxpar.make_mesh(context=4, data=2), mode="manual", context_attention="allgather"
+        ),
         "rotary-blockwise",
         1,
     ),
@@ -102,7 +113,7 @@ PLANS = {
     "zero_bubble": (lambda: _pipeline("zero_bubble"), "rotary", 1),
     "zb_v": (lambda: _pipeline("zb_v"), "deep", 1),
 }
-MODELS = {**CONFIGS, "moe": MOE, "deep": DEEP}
+MODELS = {**PACKED_CONFIGS, "moe": MOE, "deep": DEEP}
 
 
 def packed_loss(model, batch):
@@ -117,7 +128,7 @@ def padded_reference(model, batches):
 def steps(seed: int) -> list[tuple[dict, dict]]:
     out = []
     for i in range(2):
-        docs = documents(seed + i, ROWS)
+        docs = packed_documents(seed + i, ROWS)
         out.append((packed_batch(docs), padded_batch(docs)))
     return out
 
@@ -150,14 +161,16 @@ def test_packed_evaluation_equals_padded(name):
     make_plan, config, _ = PLANS[name]
     plan = make_plan()
     model = GPT(MODELS[config], key=jax.random.key(0))
-    docs = documents(7, 11)
+    docs = packed_documents(7, 11)
     loss = PIPELINE_LOSS if plan.schedule is not None else packed_loss
     got = eqxpar.train.make_eval_step(loss, plan)(model, packed_batch(docs))
     want = lm_loss(model, padded_batch(docs))
     assert_trees_close((got["loss"], got["weight"]), (want.value(), want.weight))
     # evaluate() weighs the batches by their weight, not their rows.
     halves = [packed_batch(docs[:3]), packed_batch(docs[3:])]
-    mean = eqxpar.train.evaluate(eqxpar.train.make_eval_step(packed_loss, eqxpar.Plan(eqxpar.make_mesh(data=1))), model, halves)
+    mean = eqxpar.train.evaluate(
+        eqxpar.train.make_eval_step(packed_loss, eqxpar.Plan(eqxpar.make_mesh(data=1))), model, halves
+    )
     assert_trees_close(mean["loss"], want.value())
 
 
@@ -165,8 +178,8 @@ def test_unweighted_step_is_unchanged_bit_for_bit():
     # Tokens alone take the scalar-mean path: the lowered step is the same
     # program as a loss that cannot return a weighted mean.
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8), mode="manual")
-    model = GPT(CONFIGS["rotary"], key=jax.random.key(0))
-    tokens = jnp.asarray(packed_batch(documents(0, 8))["tokens"])
+    model = GPT(PACKED_CONFIGS["rotary"], key=jax.random.key(0))
+    tokens = jnp.asarray(packed_batch(packed_documents(0, 8))["tokens"])
     plain = eqxpar.train.make_value_and_grad(lambda m, t: lm_loss(m, t), plan)
     mapped = eqxpar.train.make_value_and_grad(lambda m, t: lm_loss(m, {"tokens": t}), plan)
     a, b = plain(model, tokens), mapped(model, tokens)
@@ -181,8 +194,8 @@ def test_all_zero_weights_in_a_step_give_nan_not_a_silent_number():
     # refused eagerly: its loss is 0 / 0, which the step reports (and
     # skip_nonfinite skips) rather than a made-up number.
     plan = eqxpar.Plan(eqxpar.make_mesh(data=8), mode="manual")
-    model = GPT(CONFIGS["rotary"], key=jax.random.key(0))
-    batch = packed_batch(documents(0, 8))
+    model = GPT(PACKED_CONFIGS["rotary"], key=jax.random.key(0))
+    batch = packed_batch(packed_documents(0, 8))
     batch["weights"] = jnp.zeros_like(batch["weights"])
     state = eqxpar.train.init(model, optax.sgd(0.1), plan, key=jax.random.key(0))
     step = eqxpar.train.make_step(packed_loss, optax.sgd(0.1), plan, skip_nonfinite=True)

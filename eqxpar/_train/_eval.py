@@ -46,7 +46,9 @@ def _per_device(loss: LossFunction, layout: StepLayout, model: PyTree, batch: Py
     # mean's sums added over them.
     axes = layout.reduced_axes
     value, aux = _device_loss(loss, layout, model, batch, key)
-    varying = tuple(a for a in axes if a in varying_axes(value.total if isinstance(value, WeightedMean) else value))
+    varying = tuple(
+        a for a in axes if a in varying_axes(value.total if isinstance(value, WeightedMean) else value)
+    )
     if isinstance(value, WeightedMean):
         value = summed_over(value, axes)
     elif varying:
@@ -170,8 +172,14 @@ class EvalStep:
         if isinstance(parts[0][1], WeightedMean):
             # Each part's sums count its rows once: the repeated rows' sums are q times theirs.
             runs = ([whole] if whole else []) + ([q * (rows - whole)] if rows > whole else [])
-            total = sum(n / run * value.total.astype(jnp.float32) for (n, value, _), run in zip(parts, runs, strict=True))
-            weight = sum(n / run * value.weight.astype(jnp.float32) for (n, value, _), run in zip(parts, runs, strict=True))
+            total = sum(
+                n / run * value.total.astype(jnp.float32)
+                for (n, value, _), run in zip(parts, runs, strict=True)
+            )
+            weight = sum(
+                n / run * value.weight.astype(jnp.float32)
+                for (n, value, _), run in zip(parts, runs, strict=True)
+            )
             metrics |= {"loss": total / weight, "weight": weight}
         else:
             metrics["loss"] = sum(n * value.astype(jnp.float32) for n, value, _ in parts) / rows
@@ -343,7 +351,11 @@ def evaluate(eval_step: EvalStep, state_or_model: Any, batches: Iterable[PyTree]
             aux = weighted if aux is None else jax.tree.map(jnp.add, aux, weighted)
     if rows == 0:
         raise BatchError("evaluate: `batches` gave no batch; pass at least one.")
-    out: dict[str, Any] = {"loss": total / (rows if weight is None else weight), "rows": rows, "batches": count}
+    out: dict[str, Any] = {
+        "loss": total / (rows if weight is None else weight),
+        "rows": rows,
+        "batches": count,
+    }
     if weight is not None:
         out["weight"] = weight
     if aux is not None:

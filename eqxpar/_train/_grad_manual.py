@@ -221,7 +221,11 @@ def _weighted(
     if axes:
         is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
         grads = jax.tree.map(
-            functools.partial(_reduce, layout, merged, 1), layout.params, layout.updates, grads, is_leaf=is_spec
+            functools.partial(_reduce, layout, merged, 1),
+            layout.params,
+            layout.updates,
+            grads,
+            is_leaf=is_spec,
         )
     loss, grads = normalised(summed_over(value, axes), grads)
     return loss, (mean_aux(aux, axes) if has_aux and axes else aux), grads
