@@ -201,3 +201,23 @@ def test_all_zero_weights_in_a_step_give_nan_not_a_silent_number():
     step = eqxpar.train.make_step(packed_loss, optax.sgd(0.1), plan, skip_nonfinite=True)
     new, metrics = step(state, batch)
     assert bool(metrics["skipped"]) and np.isnan(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_weighted_mean_adds_only_scalars_to_the_communication(accumulate):
+    # Manual FSDP: the packed step reduce-scatters the same gradient bytes as
+    # the unpacked one, once (not per micro-batch); the weighted mean adds the
+    # sums of two scalars (total, weight) over the batch axes, nothing per token.
+    plan = eqxpar.Plan(eqxpar.make_mesh(fsdp=8), rules=eqxpar.rules.FSDP(), mode="manual")
+    model = GPT(PACKED_CONFIGS["rotary"], key=jax.random.key(0))
+    batch = packed_batch(packed_documents(0, 16))
+    stats = {}
+    for name, data in (("plain", batch["tokens"]), ("packed", batch)):
+        vg = eqxpar.train.make_value_and_grad(packed_loss, plan, accumulate=accumulate)
+        stats[name] = eqxpar.inspect.collective_stats(vg.lower(model, data).compile())
+    plain, packed = stats["plain"], stats["packed"]
+    for kind in ("all-gather", "reduce-scatter"):
+        assert packed.bytes.get(kind, 0) == plain.bytes.get(kind, 0), kind
+        assert packed.in_loops.get(kind, 0) == plain.in_loops.get(kind, 0), kind
+    extra = packed.bytes.get("all-reduce", 0) - plain.bytes.get("all-reduce", 0)
+    assert 0 <= extra <= 2 * 4, (packed.bytes, plain.bytes)
