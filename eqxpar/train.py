@@ -10,7 +10,6 @@ from ._tracking import JsonLinesTracker as JsonLinesTracker
 from ._tracking import TensorBoardTracker as TensorBoardTracker
 from ._tracking import Tracker as Tracker
 from ._tracking import Trackers as Trackers
-from ._weighted import WeightedMean as WeightedMean
 from ._train._eval import EvalStep as EvalStep
 from ._train._eval import evaluate as evaluate
 from ._train._eval import make_eval_step as make_eval_step
@@ -21,3 +20,4 @@ from ._train._step import make_step as make_step
 from ._train._step import make_value_and_grad as make_value_and_grad
 from ._train._train_state import TrainState as TrainState
 from ._train._train_state import init as init
+from ._weighted import WeightedMean as WeightedMean

@@ -938,3 +938,69 @@ def with_drawn_b(model, *, key, scale):
         for x, k in zip(leaves, keys, strict=True)
     ]
     return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
+
+
+# --- Packed sequences: the same documents packed into rows, or one per row ------
+
+#: Tokens per row of the packing tests: 16 model inputs (a multiple of 2 x 4
+#: context chunks) plus one.
+PACKED_ROW = 17
+
+#: The packing tests' GPTs.
+PACKED_CONFIGS = {
+    "rotary": GPTConfig(
+        vocab_size=32, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_hidden=64, max_seq_len=16
+    ),
+    # Blockwise attention in blocks of 4 tokens: segments across tile boundaries.
+    "rotary-blockwise": GPTConfig(
+        vocab_size=32,
+        d_model=32,
+        num_heads=4,
+        num_layers=2,
+        d_hidden=64,
+        max_seq_len=16,
+        attention="blockwise",
+        attention_block=4,
+    ),
+    "learned-positions": GPT2_STYLE,
+}
+
+
+def packed_documents(seed: int, rows: int) -> list[list[np.ndarray]]:
+    """`rows` rows of two random documents each that fit in `PACKED_ROW` tokens together
+    (the rest of the row padding); ids 1..31 (0 is padding)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rows):
+        a = int(rng.integers(3, 10))
+        b = int(rng.integers(3, PACKED_ROW - a + 1))
+        out.append([rng.integers(1, 32, size=n).astype(np.int32) for n in (a, b)])
+    return out
+
+
+def packed_batch(docs: list[list[np.ndarray]]) -> dict[str, jax.Array]:
+    """Each row's documents packed into one row of `PACKED_ROW` tokens: segment ids 0, 1,
+    ... per document and the padding's own (9), positions restarting at 0, weight
+    0 on the padding."""
+    cols = {k: [] for k in ("tokens", "segment_ids", "positions", "weights")}
+    for row in docs:
+        tokens, seg, pos, w = [], [], [], []
+        for i, d in enumerate(row):
+            tokens += list(d)
+            seg += [i] * len(d)
+            pos += list(range(len(d)))
+            w += [1.0] * len(d)
+        pad = PACKED_ROW - len(tokens)
+        tokens += [0] * pad
+        seg += [9] * pad
+        pos += [0] * pad
+        w += [0.0] * pad
+        for k, v in zip(cols, (tokens, seg, pos, w), strict=True):
+            cols[k].append(v)
+    dtypes = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32, "weights": jnp.float32}
+    return {k: jnp.asarray(np.array(v), dtypes[k]) for k, v in cols.items()}
+
+
+def padded_batch(docs: list[list[np.ndarray]]) -> dict[str, jax.Array]:
+    """The same documents one per row, padded to `PACKED_ROW` tokens (weight 0)."""
+    return packed_batch([[d] for row in docs for d in row])

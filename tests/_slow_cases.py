@@ -111,6 +111,17 @@ _keep_only(
     "docs/guides/schedules.md:*",
 )
 
+# --- Packed sequences -------------------------------------------------------------
+# The weighted mean's paths once each in make test: manual shards with
+# accumulation (the gradient reduction divided by the summed weight) and a
+# pipeline's micro-batches (the engine's (total, weight) sums); automatic FSDP,
+# tensor + SP, the context kernels, experts and the other schedules run the same
+# paths under other plans, in make test-slow.
+_keep_only(
+    "test_packing_plans.py::test_packed_steps_equal_padded_one_device", "fsdp8-manual-accumulate2", "gpipe"
+)
+_keep_only("test_packing_plans.py::test_packed_evaluation_equals_padded", "data8-manual")
+
 # --- Pipelines -----------------------------------------------------------------
 # Every schedule once at pipe 2 (pipe 1 and 4 are other sizes of the same tables).
 _keep_only(

@@ -20,7 +20,8 @@ from .._shard_map import filter_shard_map
 from .._sharding import place_tree
 from .._stack_order import in_plan_order
 from .._varying import varying_axes
-from ._grad_common import LossFunction, context_guard, device_key, mean_aux, mean_over
+from .._weighted import WeightedMean
+from ._grad_common import LossFunction, context_guard, device_key, mean_aux, mean_over, summed_over
 from ._resolved_plan import ResolvedPlan
 from ._step_layout import StepLayout
 from ._train_state import TrainState
@@ -41,11 +42,17 @@ def _device_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: P
 
 
 def _per_device(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any) -> tuple:
-    # Each device's mean averaged over the devices it differs between.
+    # Each device's mean averaged over the devices it differs between; a weighted
+    # mean's sums added over them.
     axes = layout.reduced_axes
     value, aux = _device_loss(loss, layout, model, batch, key)
-    varying = tuple(a for a in axes if a in varying_axes(value))
-    value = mean_over(value, varying) if varying else value
+    varying = tuple(
+        a for a in axes if a in varying_axes(value.total if isinstance(value, WeightedMean) else value)
+    )
+    if isinstance(value, WeightedMean):
+        value = summed_over(value, axes)
+    elif varying:
+        value = mean_over(value, varying)
     return value, (mean_aux(aux, axes) if loss.has_aux and axes else aux)
 
 
@@ -161,8 +168,21 @@ class EvalStep:
             # mask needs the loss per row (per_row=True).
             tail = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x)[whole:], q, axis=0), batch)
             parts.append((rows - whole, *self._compiled(model, tail, key)))
-        loss = sum(n * value.astype(jnp.float32) for n, value, _ in parts) / rows
-        metrics: dict[str, Any] = {"loss": loss, "rows": rows}
+        metrics: dict[str, Any] = {"rows": rows}
+        if isinstance(parts[0][1], WeightedMean):
+            # Each part's sums count its rows once: the repeated rows' sums are q times theirs.
+            runs = ([whole] if whole else []) + ([q * (rows - whole)] if rows > whole else [])
+            total = sum(
+                n / run * value.total.astype(jnp.float32)
+                for (n, value, _), run in zip(parts, runs, strict=True)
+            )
+            weight = sum(
+                n / run * value.weight.astype(jnp.float32)
+                for (n, value, _), run in zip(parts, runs, strict=True)
+            )
+            metrics |= {"loss": total / weight, "weight": weight}
+        else:
+            metrics["loss"] = sum(n * value.astype(jnp.float32) for n, value, _ in parts) / rows
         if self._loss.has_aux:
             metrics["aux"] = jax.tree.map(
                 lambda *xs: (
@@ -234,6 +254,10 @@ def make_eval_step(
     statistics of the whole batch inside the loss (an MoE layer's load-balance and
     z-losses, its capacity) see the padding (or repeated) rows too.
 
+    A loss returning an `eqxpar.train.WeightedMean` (`lm_loss` with weights or
+    segment ids) is the weighted mean over the whole batch: the sums of its parts
+    are added before dividing, and the metrics hold their `"weight"` too.
+
     No dropout unless asked for: the loss gets `key=None` (a loss taking `key=`,
     such as `lm_loss` with LoRA adapter dropout, then drops nothing) unless the
     call passes a key. A model whose layers need a key when not in inference mode
@@ -250,8 +274,9 @@ def make_eval_step(
       `has_aux`, not under pipelines).
 
     **Returns:** an `EvalStep`: `eval_step(state_or_model, batch, *, key=None) ->
-    {"loss": float32 scalar, "rows": int, "aux": ... (with has_aux; floating-point
-    leaves averaged over the rows)}`. Takes a `TrainState` or a model (as loaded, or
+    {"loss": float32 scalar, "rows": int, "weight": float32 scalar (for a weighted
+    mean: the weight it is over), "aux": ... (with has_aux; floating-point leaves
+    averaged over the rows)}`. Takes a `TrainState` or a model (as loaded, or
     as a state of this plan holds it), and `key` (default None: no dropout).
 
     ```python
@@ -296,8 +321,9 @@ def evaluate(eval_step: EvalStep, state_or_model: Any, batches: Iterable[PyTree]
     - `batches`: any iterable of batches (a list, a generator, an
       `eqxpar.data.ShardedIterator` over a `TokenFile` for a given number of steps).
 
-    **Returns:** `{"loss": mean over every row, "rows": how many, "batches": how
-    many, "aux": ... (row-weighted mean, with has_aux)}`.
+    **Returns:** `{"loss": mean over every row (for a weighted mean, over the
+    whole weight), "rows": how many, "batches": how many, "weight": the summed
+    weight (weighted means only), "aux": ... (row-weighted mean, with has_aux)}`.
 
     ```python
     eqxpar.train.evaluate(eval_step, state, [valid[i : i + 16] for i in range(0, len(valid), 16)])
@@ -308,16 +334,30 @@ def evaluate(eval_step: EvalStep, state_or_model: Any, batches: Iterable[PyTree]
             f"evaluate(eval_step={eval_step!r}): expected the EvalStep of eqxpar.train.make_eval_step."
         )
     total, rows, count, aux = jnp.zeros((), jnp.float32), 0, 0, None
+    weight = None
     for batch in batches:
         metrics = eval_step(state_or_model, batch)
         n = metrics["rows"]
-        total, rows, count = total + n * metrics["loss"], rows + n, count + 1
+        if "weight" in metrics:
+            # Weighted means: weighted by what each is over, not by rows.
+            w = metrics["weight"]
+            weight = w if weight is None else weight + w
+            total = total + w * metrics["loss"]
+        else:
+            total = total + n * metrics["loss"]
+        rows, count = rows + n, count + 1
         if "aux" in metrics:
             weighted = jax.tree.map(lambda x, n=n: n * x, metrics["aux"])
             aux = weighted if aux is None else jax.tree.map(jnp.add, aux, weighted)
     if rows == 0:
         raise BatchError("evaluate: `batches` gave no batch; pass at least one.")
-    out: dict[str, Any] = {"loss": total / rows, "rows": rows, "batches": count}
+    out: dict[str, Any] = {
+        "loss": total / (rows if weight is None else weight),
+        "rows": rows,
+        "batches": count,
+    }
+    if weight is not None:
+        out["weight"] = weight
     if aux is not None:
         out["aux"] = jax.tree.map(lambda x: x / rows, aux)
     return out

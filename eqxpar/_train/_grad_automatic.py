@@ -6,7 +6,7 @@ from typing import Any
 from jaxtyping import Array, PyTree
 
 from .._sharding import place_tree
-from ._grad_common import LossFunction, accumulated_value_and_grad, specs_for, value_and_grad
+from ._grad_common import LossFunction, accumulated_value_and_grad, normalised, specs_for, value_and_grad
 from ._step_layout import StepLayout
 
 
@@ -21,4 +21,6 @@ def automatic_gradients(
         value, aux, grads = value_and_grad(loss, params, static, batch, key)
     else:
         value, aux, grads = accumulated_value_and_grad(loss, params, static, batch, key, layout=layout)
+    # The arrays are the global batch's: a weighted mean's sums are the whole batch's.
+    value, grads = normalised(value, grads)
     return value, aux, place_tree(grads, layout.plan.mesh, specs_for(grads, layout.updates))

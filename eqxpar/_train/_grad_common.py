@@ -5,6 +5,12 @@ reduction and the checks on per-device results.
 Every implementation has one signature,
 `gradients(loss, layout, model, batch, key) -> (loss, aux, grads)`, over the
 global batch, with the gradients in the layout's `updates` specs.
+
+A loss may return a mean, or an `eqxpar.train.WeightedMean` (a weighted sum and
+its weight). Means of equal parts average exactly, so a mean is averaged over
+devices and micro-batches as before; a weighted mean's parts weigh differently,
+so each implementation adds their totals, weights and the totals' gradients over
+the whole batch and divides once by the whole batch's weight (`normalised`).
 """
 
 import contextlib
@@ -25,7 +31,8 @@ from .._context_split import expect_split
 from .._errors import PlanError
 from .._fsdp import Gather, layer_gathers
 from .._sharding import place_tree
-from .._varying import varying_axes
+from .._varying import mark_varying, varying_axes
+from .._weighted import WeightedMean, constant_weight
 from ._step_layout import StepLayout
 
 
@@ -53,14 +60,43 @@ class LossFunction:
         back in the parameters' (master) dtype."""
         return tree if self.compute_dtype is None else cast_floating(tree, self.compute_dtype, per_layer=True)
 
-    def loss_dtype(self, loss: Array) -> Array:
-        # Losses are reported (and summed over micro-batches) in float32.
+    def loss_dtype(self, loss: Array | WeightedMean) -> Array | WeightedMean:
+        # Losses are reported (and summed over micro-batches) in float32; a
+        # weighted mean's weight is a constant of the batch.
+        if isinstance(loss, WeightedMean):
+            return WeightedMean(self.loss_dtype(loss.total), constant_weight(self.loss_dtype(loss.weight)))
         return loss if self.compute_dtype is None else loss.astype(jnp.float32)
 
-    def __call__(self, model: PyTree, batch: PyTree, key: Any) -> tuple[Array, PyTree]:
+    def __call__(self, model: PyTree, batch: PyTree, key: Any) -> tuple[Array | WeightedMean, PyTree]:
         out = self.fn(model, batch, key=key) if self.takes_key else self.fn(model, batch)
         loss, aux = out if self.has_aux else (out, None)
         return self.loss_dtype(loss), aux
+
+
+def summed_over(value: WeightedMean, axes: tuple[str, ...]) -> WeightedMean:
+    """Inside a manual region, a weighted mean's sums added over the devices of
+    `axes` that hold a share of the batch: the total where it differs between
+    them (a total the loss summed over an axis itself is whole there already);
+    the weight there too, even where it is the same on each (a count of each
+    device's tokens made from a shape is each device's own)."""
+    total_axes = tuple(a for a in axes if a in varying_axes(value.total))
+    weight_axes = tuple(a for a in axes if a in total_axes or a in varying_axes(value.weight))
+    total, weight = value.total, value.weight
+    if total_axes:
+        total = lax.psum(total, total_axes)
+    if weight_axes:
+        weight = lax.psum(mark_varying(weight, weight_axes), weight_axes)
+    return WeightedMean(total, weight)
+
+
+def normalised(value: Array | WeightedMean, grads: PyTree) -> tuple[Array, PyTree]:
+    """The step's loss and gradients from what its implementation summed over the
+    whole batch: a scalar mean and its gradients as they are; a `WeightedMean`'s
+    total and the gradients of the total divided by the whole batch's weight."""
+    if not isinstance(value, WeightedMean):
+        return value, grads
+    weight = value.weight
+    return value.value(), jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
 
 
 def device_key(key: Any, layout: StepLayout) -> Any:
@@ -168,7 +204,7 @@ def value_and_grad(
     *,
     prepare: Callable | None = None,
     allowed: tuple[str, ...] = (),
-) -> tuple[Array, PyTree, PyTree]:
+) -> tuple[Array | WeightedMean, PyTree, PyTree]:
     """Loss, aux and gradients w.r.t. `params` of one batch (already in the compute
     dtype). `prepare` maps the model inside the differentiated function to
     `(model, per-layer gathers)` (manual FSDP: gradients flow back through its
@@ -185,11 +221,16 @@ def value_and_grad(
         if prepare is not None:
             model, per_layer = prepare(model)
         with layer_gathers(per_layer):
-            return loss(model, batch, key)
+            value, aux = loss(model, batch, key)
+        # A weighted mean: differentiate its total; the caller divides by the
+        # whole batch's weight once the totals of every part are added.
+        if isinstance(value, WeightedMean):
+            return value.total, (aux, value.weight)
+        return value, (aux, None)
 
-    (value, aux), grads = jax.value_and_grad(scalar_loss, has_aux=True)(params)
+    (value, (aux, weight)), grads = jax.value_and_grad(scalar_loss, has_aux=True)(params)
     check_same_on_devices(value, aux, allowed=allowed)
-    return value, aux, grads
+    return (value if weight is None else WeightedMean(value, weight)), aux, grads
 
 
 def accumulated_value_and_grad(
@@ -203,11 +244,13 @@ def accumulated_value_and_grad(
     prepare: Callable | None = None,
     allowed: tuple[str, ...] = (),
     sum_dtypes: PyTree | None = None,
-) -> tuple[Array, PyTree, PyTree]:
+) -> tuple[Array | WeightedMean, PyTree, PyTree]:
     """As `value_and_grad`, averaged over the layout's `accumulate` micro-batches
     with `lax.scan`, each constrained to the layout's batch spec: the gradients
     are summed on each device (in `sum_dtypes`, default the parameters' dtypes)
-    and divided once."""
+    and divided once. A loss returning a `WeightedMean` gives the `WeightedMean`
+    of the micro-batches' summed totals and weights, and the gradients of the
+    summed totals (not divided: the whole batch's weight is the caller's)."""
     k = layout.accumulate
     micro = split_microbatches(batch, k)
     # Frozen weights cast to the compute dtype once, before the loop, rather than
@@ -234,10 +277,15 @@ def accumulated_value_and_grad(
         sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
     zeros = jax.tree.map(lambda p, dtype: jnp.zeros_like(p, dtype=dtype), params, sum_dtypes)
     grads, (aux, values) = lax.scan(step, zeros, (jnp.arange(k), micro))
-    # At least float32 (a bfloat16 loss summed over micro-batches loses bits), and
-    # float64 stays float64 under jax_enable_x64.
-    total = jnp.sum(values.astype(jnp.promote_types(values.dtype, jnp.float32)))
-    return total / k, aux, jax.tree.map(lambda g: g / k, grads)
+
+    def summed(x: Array) -> Array:
+        # At least float32 (a bfloat16 loss summed over micro-batches loses bits),
+        # and float64 stays float64 under jax_enable_x64.
+        return jnp.sum(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+
+    if isinstance(values, WeightedMean):
+        return WeightedMean(summed(values.total), summed(values.weight)), aux, grads
+    return summed(values) / k, aux, jax.tree.map(lambda g: g / k, grads)
 
 
 def specs_for(tree: PyTree, specs: PyTree) -> PyTree:

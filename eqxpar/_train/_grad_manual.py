@@ -21,6 +21,7 @@ from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._sharding import place_tree
 from .._varying import mark_varying, varying_axes
+from .._weighted import WeightedMean
 from ._grad_common import (
     LossFunction,
     accumulated_value_and_grad,
@@ -28,8 +29,10 @@ from ._grad_common import (
     device_key,
     mean_aux,
     mean_over,
+    normalised,
     reduce_gradient,
     specs_for,
+    summed_over,
     value_and_grad,
     varies_along,
 )
@@ -96,7 +99,7 @@ def _check_foreign_tensor_splits(model: PyTree, specs: PyTree, layout: StepLayou
 
 def _local_gradients(
     loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyTree, key: Any, *, vary: tuple[str, ...]
-) -> tuple[Array, PyTree, PyTree]:
+) -> tuple[Array | WeightedMean, PyTree, PyTree]:
     """This device's loss, aux and (accumulated) gradients, before any reduction
     over the batch axes.
 
@@ -189,6 +192,8 @@ def _per_device(
         merged = False
         with context_guard(layout):
             value, aux, grads = _local_gradients(loss, layout, model, batch, key, vary=axes)
+    if isinstance(value, WeightedMean):
+        return _weighted(layout, merged, value, aux, grads, has_aux=loss.has_aux)
     if not axes:
         return value, aux, grads
     divide = layout.loss_divisor(varying_axes(value))
@@ -204,6 +209,26 @@ def _per_device(
         is_leaf=is_spec,
     )
     return mean_over(value, axes), (mean_aux(aux, axes) if loss.has_aux else aux), grads
+
+
+def _weighted(
+    layout: StepLayout, merged: bool, value: WeightedMean, aux: PyTree, grads: PyTree, *, has_aux: bool
+) -> tuple[Array, PyTree, PyTree]:
+    """`_per_device`'s end for a weighted mean: the totals, weights
+    (`summed_over`) and the totals' gradients summed over the reduced axes, then
+    the loss and the gradients divided by the whole batch's weight."""
+    axes = layout.reduced_axes
+    if axes:
+        is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
+        grads = jax.tree.map(
+            functools.partial(_reduce, layout, merged, 1),
+            layout.params,
+            layout.updates,
+            grads,
+            is_leaf=is_spec,
+        )
+    loss, grads = normalised(summed_over(value, axes), grads)
+    return loss, (mean_aux(aux, axes) if has_aux and axes else aux), grads
 
 
 def manual_gradients(

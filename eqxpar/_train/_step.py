@@ -312,8 +312,15 @@ def make_step(
 
     - `loss_fn`: `loss_fn(model, batch) -> loss` (a float scalar), or
       `-> (loss, aux)` with `has_aux=True`. The loss must be a mean over the batch's
-      examples so that sharded and accumulated steps equal the full-batch one. If
-      it takes a `key=` keyword it gets a fresh key each step.
+      examples so that sharded and accumulated steps equal the full-batch one. Or
+      it returns an `eqxpar.train.WeightedMean(total, weight)` (a weighted sum and
+      its weight, as `eqxpar.models.lm_loss` does for packed or masked tokens):
+      the step then adds the totals and weights of every part of the batch (the
+      data-parallel devices' shares, the `accumulate` micro-batches, a pipeline's
+      micro-batches), reports `sum(total) / sum(weight)` as the loss and divides
+      the summed totals' gradients by `sum(weight)`: the whole batch's weighted
+      mean and its gradient, however the batch is split. If it takes a `key=`
+      keyword it gets a fresh key each step.
     - `optimizer`: an optax transformation (wrap it in `optax.inject_hyperparams` to
       report the learning rate).
     - `plan`: the plan.

@@ -656,7 +656,9 @@ class GPT(eqx.Module):
         """
         packing = _Packing.check(self.config, tokens, segment_ids, positions, None, "GPT")
         _Packing.check_positions(self.config, positions, "GPT")
-        h, aux = _run_blocks(self, self.embed_tokens(tokens, positions=positions), key, packing.stack_kwargs())
+        h, aux = _run_blocks(
+            self, self.embed_tokens(tokens, positions=positions), key, packing.stack_kwargs()
+        )
         return self.logits(h), aux
 
 
@@ -908,7 +910,9 @@ def gpt_stack_kwargs(batch: Int[Array, "batch seq_plus_1"] | Mapping[str, Array]
 
 
 def gpt_last(
-    model: GPT, h: Float[Array, "batch seq d_model"], tokens: Int[Array, "batch seq_plus_1"] | Mapping[str, Array]
+    model: GPT,
+    h: Float[Array, "batch seq d_model"],
+    tokens: Int[Array, "batch seq_plus_1"] | Mapping[str, Array],
 ) -> Float[Array, ""] | WeightedMean:
     """The last pipeline piece of `lm_loss`: final norm, head and the mean
     next-token cross-entropy of the blocks' output `h` against `tokens[:, 1:]`.
@@ -1064,7 +1068,9 @@ def lm_loss(
     """
     if not isinstance(per_row, bool):
         raise PlanError(f"lm_loss(per_row={per_row!r}): expected True or False.")
-    inputs = _LossInputs.of(model, tokens, "lm_loss", segment_ids=segment_ids, positions=positions, weights=weights)
+    inputs = _LossInputs.of(
+        model, tokens, "lm_loss", segment_ids=segment_ids, positions=positions, weights=weights
+    )
     c = model.config
     ids, kw = inputs.inputs()
     if not c.moe_every:

@@ -74,9 +74,10 @@ from .._fsdp import gather_weights, gathers_of, kept_axes, layer_gathers
 from .._rules import mesh_axis_names
 from .._shard_map import filter_shard_map
 from .._stack_order import check_stack_order
-from .._train._grad_common import LossFunction, reduce_gradient, split_microbatches
+from .._train._grad_common import LossFunction, normalised, reduce_gradient, split_microbatches
 from .._train._step_layout import StepLayout
 from .._varying import mark_varying, varying_axes
+from .._weighted import WeightedMean
 from ._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE
 from ._builtin import forward_only
 from ._loss import PipelineLoss
@@ -291,14 +292,30 @@ class Engine:
         split (`Plan(stage_gradients="sharded")` over batch axes of size > 1)."""
         return self.pipeline.sharded_gradients and bool(split_axes)
 
-    def loss_per_device(self, model: Any, batch: Any) -> jax.Array:
+    def loss_per_device(self, model: Any, batch: Any) -> jax.Array | WeightedMean:
         """The mean loss of the batch (forward actions only): summed over the
-        last stage's micro-batches, averaged over the batch axes."""
+        last stage's micro-batches, averaged over the batch axes; a weighted
+        mean's sums over the whole batch."""
         device, _, _ = self._device(model, batch)
         loss_sum, _, _ = device.run()
         axes = self.layout.reduced_axes
+        if device.weighted:
+            return self.weighted_sums(loss_sum, device)
         loss = lax.psum(loss_sum, PIPE) / self.sched.microbatches
         return lax.pmean(loss, axes) if axes else loss
+
+    def weighted_sums(self, loss_sum: jax.Array, device: "Device") -> WeightedMean:
+        """The whole batch's (total, weight) from this device's sums over its
+        micro-batches: added over pipe (the last stage's) and over the reduced
+        axes along which the loss differs between devices."""
+        axes = self.layout.reduced_axes
+        over = tuple(a for a in axes if a in device.loss_varies)
+        sums = lax.psum(loss_sum, (PIPE, *over))
+        # Along the other reduced axes every device holds the same sums (the
+        # loss summed there itself), typed as differing: their mean is them.
+        same = tuple(a for a in axes if a not in over)
+        sums = lax.pmean(sums, same) if same else sums
+        return WeightedMean(sums[0], sums[1])
 
     def per_device(self, model: Any, batch: Any) -> tuple[jax.Array, Any]:
         device, params, gathers = self._device(model, batch)
@@ -318,6 +335,11 @@ class Engine:
             kept,
             is_leaf=lambda x: x is None,
         )
+        if device.weighted:
+            # Gradients of the totals: summed (divide 1), then divided by the weight.
+            sums = self.weighted_sums(loss_sum, device)
+            _, grads = self.reduce(loss_sum[0], g_rest, g_blocks, gathers, 1)
+            return normalised(sums, grads)
         return self.reduce(loss_sum, g_rest, g_blocks, gathers, self.layout.loss_divisor(device.loss_varies))
 
     def reduce(
@@ -523,7 +545,13 @@ class Device:
                 # weight), so the stack's scan carry keeps one type.
                 x = mark_varying(parts.first(model, mb_batch), self.engine.local)
             h = parts.stack(model)(x, **parts.stack_inputs(mb_batch))
-            return loss.loss_dtype(parts.last(model, h, mb_batch)) if last else h
+            if not last:
+                return h
+            out = loss.loss_dtype(parts.last(model, h, mb_batch))
+        if isinstance(out, WeightedMean):
+            # One array crosses the schedule's buffers and seeds: (total, weight).
+            return jnp.stack([out.total, out.weight.astype(out.total.dtype)])
+        return out
 
     def _resolve_types(self) -> None:
         # The types of an activation and of the loss, from abstract evaluation.
@@ -551,13 +579,18 @@ class Device:
                 f"shape; got {first_out} from first and {act} from the stack."
             )
         self.act, self.act_axes = act, varying_axes(act) | varying_axes(first_out) | local
+        last_out = jax.eval_shape(
+            lambda r, b: parts.last(self.assemble(r, chunk0), self.zeros_act(), b), self.rest, mb0
+        )
+        #: `last` returns a weighted mean: the loss sums are (total, weight).
+        self.weighted = isinstance(last_out, WeightedMean)
         loss_type = jax.eval_shape(
             lambda r, c, b: self.stage(r, c, self.zeros_act(), b, False, True), self.rest, chunk0, mb0
         )
-        if loss_type.shape != ():
+        if loss_type.shape != ((2,) if self.weighted else ()):
             raise PlanError(
-                f"PipelineLoss.last must return a scalar loss (the mean over the micro-batch), got shape "
-                f"{loss_type.shape}."
+                "PipelineLoss.last must return a scalar loss (the mean over the micro-batch), or an "
+                f"eqxpar.train.WeightedMean of scalars; got {last_out}."
             )
         self.loss_type, self.loss_axes = loss_type, varying_axes(loss_type) | local
         self.loss_varies = varying_axes(loss_type)
@@ -644,6 +677,10 @@ class Device:
     def seed(self, last: bool, cotangent: jax.Array | None) -> jax.Array:
         """What a backward pulls back: the received cotangent, or on the last
         stage the loss's weight in the step's mean over micro-batches."""
+        if last and self.weighted:
+            # The gradient of the total (the weight is a constant): the step
+            # divides by the whole batch's weight once the totals are added.
+            return mark_varying(jnp.asarray([1.0, 0.0], self.loss_type.dtype), self.loss_axes)
         if last:
             return mark_varying(jnp.full((), 1.0 / self.m, self.loss_type.dtype), self.loss_axes)
         return mark_varying(cotangent, self.act_axes)
@@ -840,7 +877,7 @@ class Device:
             mark_varying(jnp.zeros((n_cots, *act.shape), act.dtype), self.act_axes),
             jax.tree.map(jnp.zeros_like, self.rest),
             jax.tree.map(jnp.zeros_like, self.blocks),
-            mark_varying(jnp.zeros((), self.loss_type.dtype), self.loss_axes),
+            mark_varying(jnp.zeros(self.loss_type.shape, self.loss_type.dtype), self.loss_axes),
             self.residuals.zeros(n_res),
             # What a split backward's `I` hands its `W`, in slots of their own.
             self.stash.zeros(max(1, buffers.stashes)),
@@ -962,7 +999,7 @@ def _lanes(rows: np.ndarray, sends: tuple[tuple[int, ...], tuple[int, ...]]) -> 
     return out
 
 
-def pipeline_loss(loss: LossFunction, layout: StepLayout, model: Any, batch: Any) -> jax.Array:
+def pipeline_loss(loss: LossFunction, layout: StepLayout, model: Any, batch: Any) -> jax.Array | WeightedMean:
     """The mean loss of a pipeline plan over the global batch, running the
     schedule's forward actions only (`forward_only`): evaluation."""
     engine = Engine(loss, layout, forward_only=True)
