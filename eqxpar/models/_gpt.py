@@ -612,11 +612,15 @@ class GPT(eqx.Module):
         return self.logits(h), aux
 
 
-def _run_blocks(model: GPT, h: Array, key: PRNGKeyArray | None = None) -> tuple[Array, nn.MoEAux | None]:
+def _run_blocks(
+    model: GPT, h: Array, key: PRNGKeyArray | None = None, *, segment_ids: Array | None = None
+) -> tuple[Array, nn.MoEAux | None]:
     # A dense stack returns h; an MoE stack (h, aux stacked over its groups). The
     # key reaches the blocks only if an adapter drops out: otherwise the stack's
     # scan would carry per-layer keys nothing reads.
     kw = {"key": key} if key is not None and _drops_out(model) else {}
+    if segment_ids is not None:
+        kw["segment_ids"] = segment_ids
     if model.config.moe_every:
         return model.blocks(h, **kw)
     return model.blocks(h, **kw), None
@@ -707,14 +711,27 @@ def gpt_last(
     return _cross_entropy(model, h, tokens)
 
 
-def _cross_entropy(model: GPT, h: Array, tokens: Array, *, per_row: bool = False) -> Array:
-    head = model.embed if model.head is None else model.head
-    split = head.vocab_split()
-    chunk = model.config.loss_chunk
+def output_head(model: GPT) -> "nn.Unembed | nn.Embedding":
+    """The layer whose output `model`'s logits are: the `Unembed`, or the
+    `Embedding` when the embeddings are tied."""
+    return model.embed if model.head is None else model.head
+
+
+def token_losses(model: GPT, h: Array, labels: Array, chunk: int | None) -> Array:
+    """The float32 next-token cross-entropy of every position of the blocks'
+    output `h` against `labels` `(batch, seq)`, in the layout `nn.cross_entropy`
+    returns (this device's part of the sequence where the head leaves it split);
+    the final norm, the head and the log-softmax run `chunk` positions of `h` at a
+    time (None, or at least `h`'s length: all at once)."""
+    head = output_head(model)
     if chunk is None or chunk >= h.shape[1]:
-        per_token = nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
-    else:
-        per_token = chunked_token_losses(_norm_and_head, (model.final_norm, head), h, tokens[:, 1:], chunk)
+        return nn.cross_entropy(model.logits(h), labels, head=head)
+    return chunked_token_losses(_norm_and_head, (model.final_norm, head), h, labels, chunk)
+
+
+def _cross_entropy(model: GPT, h: Array, tokens: Array, *, per_row: bool = False) -> Array:
+    split = output_head(model).vocab_split()
+    per_token = token_losses(model, h, tokens[:, 1:], model.config.loss_chunk)
     # A whole-vocabulary head under sequence parallelism scores only this device's
     # sequence block: average the blocks' means over the axis.
     if split:
