@@ -16,6 +16,7 @@ from .._errors import BatchError, DivisibilityError, EqxparError, PlanError, Spe
 from .._param import param
 from ..nn._lora import lora_dropout
 from ._chunked_loss import chunked_token_losses
+from ._vocab_tiles import vocab_tiled_losses
 
 # The fields an MoE block's routing reads (its `nn.MoEConfig`, in GPTConfig's names).
 _ROUTING_FIELDS = ("experts", "top_k", "moe_score", "capacity_factor", "num_shared_experts")
@@ -726,6 +727,9 @@ def token_losses(model: GPT, h: Array, labels: Array, chunk: int | None) -> Arra
     head = output_head(model)
     if chunk is None or chunk >= h.shape[1]:
         return nn.cross_entropy(model.logits(h), labels, head=head)
+    tiled = vocab_tiled_losses(model.final_norm, head, h, labels, chunk)
+    if tiled is not None:
+        return tiled
     return chunked_token_losses(_norm_and_head, (model.final_norm, head), h, labels, chunk)
 
 
