@@ -27,7 +27,10 @@ VOCAB, TOKENS, TENSOR = 151_936, 32_768, 4
 TOPOLOGY, CHUNK = "v5p-8", 1024
 #: The model around the head: one block, so the head dominates.
 MODEL = dict(d_model=1024, num_heads=8, num_layers=1, d_hidden=2048, tied=False)
-BEGIN = "<!-- logprobs memory table (python -m benchmarks.logprobs_memory --markdown): edit the prose outside it -->"
+BEGIN = (
+    "<!-- logprobs memory table (python -m benchmarks.logprobs_memory --markdown): "
+    "edit the prose outside it -->"
+)
 END = "<!-- end of logprobs memory table -->"
 #: The bound, checked: chunked temporaries above the headless step's, in chunks of logits.
 CHUNKS_BOUND = 4
@@ -109,9 +112,11 @@ def table(record: dict) -> str:
     mib = lambda x: f"{x / 2**20:,.0f} MiB"  # noqa: E731
     rest = record["headless"]["temp_bytes"]
     rows = []
-    for name, what in (("whole", "unchunked"), ("chunked", f"chunk={record['chunk']}"), ("headless", "no head")):
+    sides = (("whole", "unchunked"), ("chunked", f"chunk={record['chunk']}"), ("headless", "no head"))
+    for name, what in sides:
         temp = record[name]["temp_bytes"]
-        rows.append([what, mib(temp), mib(temp - rest) if name != "headless" else "", f"{record[name]['compile_seconds']} s"])
+        above = mib(temp - rest) if name != "headless" else ""
+        rows.append([what, mib(temp), above, f"{record[name]['compile_seconds']} s"])
     columns = ["log-probs step", "temporaries per chip", "above the headless step", "compile"]
     return report.markdown_table(columns, rows)
 

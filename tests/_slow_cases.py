@@ -487,3 +487,20 @@ _keep_only(
     "tensor-sp-overlap-chunk4",
 )
 _keep_only("test_chunked_loss.py::test_pipeline_last_stage_loss_matches", "3")
+
+# --- Token log-probabilities (eqxpar.models.token_logprobs) -----------------------
+# The padded chunk under one plan of each kind of layout: automatic FSDP (vocabulary
+# tiles), manual FSDP, the vocabulary split and whole under sequence parallelism, a
+# context split (the all-gather and Ulysses attentions beside the ring's), context x
+# tensor, experts; on one device, a chunk with a short last chunk and none.
+_keep_only(
+    "test_token_logprobs.py::test_logprobs_under_a_plan_match_one_device_log_softmax",
+    "data-fsdp-auto-chunk3",
+    "fsdp-manual-chunk3",
+    "tensor-sp-manual-chunk3",
+    "whole-vocab-sp-tied-chunk3",
+    "context-ring-chunk3",
+    "context-tensor-sp-chunk3",
+    "expert-data-chunk3",
+)
+_keep_only("test_token_logprobs.py::test_values_on_one_device", "5-*", "64-rotary-gqa")

@@ -300,6 +300,9 @@ def test_figures_quoted_from_other_scripts_match_the_record():
     from benchmarks.lora import table
 
     quoted.append(table(data["lora"]))  # the LoRA table is the record's
+    from benchmarks.logprobs_memory import table as logprobs_table
+
+    quoted.append(logprobs_table(data["logprobs_memory"]))  # and the log-probs memory table
     for r in data["decode"]["runs"]:  # benchmarks/decode.py's record
         quoted.append(
             f"| {r['steps']:,} | {r['cached_tokens_per_s']:,.0f} | {r['uncached_tokens_per_s']:,.0f} | "

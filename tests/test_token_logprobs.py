@@ -73,7 +73,11 @@ def gpts():
 # (id, config, plan factory). Each device's sequence: 32 positions, 16 under
 # context 2 (or sequence parallel 2), 8 under context 4 (or sequence parallel 4).
 PLANS = [
-    ("data-fsdp-auto", "learned-positions", lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, fsdp=4), rules=FSDP_ONLY)),
+    (
+        "data-fsdp-auto",
+        "learned-positions",
+        lambda: eqxpar.Plan(eqxpar.make_mesh(data=2, fsdp=4), rules=FSDP_ONLY),
+    ),
     (
         "fsdp-manual",
         "rotary-gqa",
@@ -88,7 +92,10 @@ PLANS = [
         "tensor-sp-manual",
         "learned-positions",
         lambda: eqxpar.Plan(
-            eqxpar.make_mesh(data=2, tensor=4), rules=eqxpar.rules.MEGATRON, mode="manual", sequence_parallel=True
+            eqxpar.make_mesh(data=2, tensor=4),
+            rules=eqxpar.rules.MEGATRON,
+            mode="manual",
+            sequence_parallel=True,
         ),
     ),
     (
@@ -102,7 +109,9 @@ PLANS = [
     (
         "context-allgather",
         "learned-positions",
-        lambda: eqxpar.Plan(eqxpar.make_mesh(context=2, data=4), mode="manual", context_attention="allgather"),
+        lambda: eqxpar.Plan(
+            eqxpar.make_mesh(context=2, data=4), mode="manual", context_attention="allgather"
+        ),
     ),
     (
         "context-ulysses",
@@ -210,7 +219,8 @@ def test_chunks_keep_the_float32_logits_out_of_memory():
 
     def temp_bytes(chunk):
         loss = lambda m, t: jnp.sum(token_logprobs(m, t, chunk=chunk))  # noqa: E731
-        return eqx.filter_jit(eqx.filter_grad(loss)).lower(model, batch).compile().memory_analysis().temp_size_in_bytes
+        compiled = eqx.filter_jit(eqx.filter_grad(loss)).lower(model, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
 
     logits = 2 * 512 * 32768 * 4
     whole, chunks = temp_bytes(None), temp_bytes(64)

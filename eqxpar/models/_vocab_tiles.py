@@ -65,7 +65,8 @@ def vocab_tiled_losses(
     # The weight as (d_model, vocab): which of the two the batch axes split, over which.
     vocab_dim = 1 if isinstance(head, nn.Unembed) else 0
     spec = tuple(partition_specs(head, plan).weight) + (None, None)
-    split = [tuple(a for a in mesh_axis_names(spec[d]) if a in batch_axes) for d in (1 - vocab_dim, vocab_dim)]
+    dims = (1 - vocab_dim, vocab_dim)
+    split = [tuple(a for a in mesh_axis_names(spec[d]) if a in batch_axes) for d in dims]
     if bool(split[0]) == bool(split[1]):
         return None
     model_axes, vocab_axes = split
@@ -87,7 +88,11 @@ def vocab_tiled_losses(
         return _tiled_cross_entropy(x, weight, labels, tiles, model_axes, vocab_axes, columns)
 
     region = filter_shard_map(
-        local, plan, in_specs=(PartitionSpec(), PartitionSpec(*weight_spec), rows, rows), out_specs=rows, axis_names=batch_axes
+        local,
+        plan,
+        in_specs=(PartitionSpec(), PartitionSpec(*weight_spec), rows, rows),
+        out_specs=rows,
+        axis_names=batch_axes,
     )
     return region(norm, head.weight, h, labels)
 
