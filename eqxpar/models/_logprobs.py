@@ -13,11 +13,13 @@ from ._gpt import GPT, _check_tokens, _run_blocks, output_head, token_losses
 
 
 def token_logprobs(
-    model: GPT,
+    # Any: checked below, with an eqxpar error that names the type.
+    model: Any,
     tokens: Int[Array, "batch seq_plus_1"],
     *,
-    segment_ids: Int[Array, "batch seq_plus_1"] | None = None,
-    positions: Int[Array, "batch seq_plus_1"] | None = None,
+    # Their shape is checked below, with an error that names both shapes.
+    segment_ids: Int[Array, "_batch _seq_plus_1"] | None = None,
+    positions: Int[Array, "_batch _seq_plus_1"] | None = None,
     # Any: checked below, with an eqxpar error that names the value.
     chunk: Any = None,
     key: PRNGKeyArray | None = None,
