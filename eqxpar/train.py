@@ -2,13 +2,15 @@
 `make_eval_step` and `evaluate` for held-out losses under any plan; metric
 trackers (`Tracker`, `JsonLinesTracker`, `TensorBoardTracker`, `Trackers`);
 `Throughput`, a training loop's tokens per second
-and MFU; and `SkipMonitor` for steps skipped as non-finite."""
+and MFU; `SkipMonitor` for steps skipped as non-finite; and `WeightedMean`, a
+loss kept as a weighted sum and its weight (packed or masked tokens)."""
 
 from ._throughput import Throughput as Throughput
 from ._tracking import JsonLinesTracker as JsonLinesTracker
 from ._tracking import TensorBoardTracker as TensorBoardTracker
 from ._tracking import Tracker as Tracker
 from ._tracking import Trackers as Trackers
+from ._weighted import WeightedMean as WeightedMean
 from ._train._eval import EvalStep as EvalStep
 from ._train._eval import evaluate as evaluate
 from ._train._eval import make_eval_step as make_eval_step

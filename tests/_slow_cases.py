@@ -316,6 +316,13 @@ _pair(
     "test_long_runs.py::test_a_job_restarted_after_a_rank_fails_ends_bit_identical",
     "test_launch.py::test_max_restarts_restarts_the_whole_job",
 )
+# Packed rows across two processes (one launch, 18 s on 2 busy cores) in make
+# test-slow: each process packs the same rows and ShardedIterator splits them as it
+# splits a token file's, whose two-process test runs in make test.
+_pair(
+    "test_packed_tokens.py::test_two_processes_read_their_rows_of_the_single_process_stream",
+    "test_token_file.py::test_two_processes_read_their_halves_of_the_same_global_batches",
+)
 _pair(
     "test_token_file.py::test_grain_loader_with_worker_processes_yields_the_iterator_batches",
     "test_token_file.py::test_grain_sampler_order_does_not_depend_on_the_shard_count[True]",

@@ -208,6 +208,11 @@ def test_segment_ids_reach_the_attention(gpts):
     alone = jax.jit(token_logprobs)(model, batch[:, 9:])
     assert_trees_close(packed[:, 9:], alone)
     assert_trees_close(packed[:, :8], jax.jit(token_logprobs)(model, batch[:, :9]))
+    # With each document's positions restarting at 0, learned positions too.
+    learned = gpts["learned-positions"]
+    positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(9), jnp.arange(8)]), batch.shape)
+    packed = jax.jit(token_logprobs)(learned, batch, segment_ids=segments, positions=positions)
+    assert_trees_close(packed[:, 9:], jax.jit(token_logprobs)(learned, batch[:, 9:]))
 
 
 def test_chunks_keep_the_float32_logits_out_of_memory():
@@ -241,7 +246,9 @@ def test_bad_inputs_raise(gpts):
     model, batch = gpts["rotary-gqa"], tokens(0)
     with pytest.raises(eqxpar.BatchError, match="at least 2 tokens"):
         token_logprobs(model, batch[:, :1])
-    with pytest.raises(eqxpar.BatchError, match=r"segment_ids=.*expected the tokens' shape"):
+    with pytest.raises(eqxpar.BatchError, match=r"segment_ids=.*expected an array of the tokens' shape"):
         token_logprobs(model, batch, segment_ids=batch[:, :-1])
+    with pytest.raises(eqxpar.BatchError, match=r"positions=.*expected an array of the tokens' shape"):
+        token_logprobs(model, batch, positions=batch[:1])
     with pytest.raises(eqxpar.PlanError, match="expected an eqxpar.models.GPT"):
         token_logprobs(eqxpar.models.MLPClassifier(4, 8, 2, key=jax.random.key(0)), batch)

@@ -25,6 +25,7 @@ from ._gpt import GPTConfig as GPTConfig
 from ._gpt import MoEGroup as MoEGroup
 from ._gpt import gpt_first as gpt_first
 from ._gpt import gpt_last as gpt_last
+from ._gpt import gpt_stack_kwargs as gpt_stack_kwargs
 from ._gpt import lm_loss as lm_loss
 from ._logprobs import token_logprobs as token_logprobs
 from ._lora import add_lora as add_lora

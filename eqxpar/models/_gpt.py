@@ -2,19 +2,21 @@
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from .. import nn
 from .._config_check import renamed
 from .._errors import BatchError, DivisibilityError, EqxparError, PlanError, SpecError
 from .._param import param
+from .._weighted import WeightedMean, constant_weight
 from ..nn._lora import lora_dropout
+from ..nn._sequence import split_context, split_tensor_sequence
 from ._chunked_loss import chunked_token_losses
 from ._vocab_tiles import vocab_tiled_losses
 
@@ -401,9 +403,10 @@ class MoEGroup(eqx.Module):
     **Arguments:** `dense`: the dense `eqxpar.nn.TransformerBlock`s, in order (may
     be empty); `moe`: a `TransformerBlock` whose config has `moe`.
 
-    Calling it: `group(x, *, key=None, segment_ids=None) -> (y, aux)`, `x` and `y`
-    `(batch, seq, d_model)`, `aux` the MoE block's `eqxpar.nn.MoEAux`; `key` is split
-    into one key per block.
+    Calling it: `group(x, *, key=None, segment_ids=None, positions=None) -> (y,
+    aux)`, `x` and `y` `(batch, seq, d_model)`, `aux` the MoE block's
+    `eqxpar.nn.MoEAux`; `key` is split into one key per block; `segment_ids` and
+    `positions` reach every block's attention.
 
     ```python
     group = eqxpar.models.MoEGroup((dense_block,), moe_block)
@@ -433,12 +436,14 @@ class MoEGroup(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
+        positions: Int[Array, "_batch _seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq d_model"], nn.MoEAux]:
         n = len(self.dense) + 1
         keys = [None] * n if key is None else list(jax.random.split(key, n))
+        packing = dict(segment_ids=segment_ids, positions=positions)
         for block, k in zip(self.dense, keys, strict=False):
-            x = block(x, key=k, segment_ids=segment_ids)
-        return self.moe(x, key=keys[-1], segment_ids=segment_ids)
+            x = block(x, key=k, **packing)
+        return self.moe(x, key=keys[-1], **packing)
 
 
 class GPT(eqx.Module):
@@ -468,6 +473,12 @@ class GPT(eqx.Module):
     entry per MoE block. `logits_and_aux(tokens)` returns it with the logits, and
     `lm_loss` adds the config's auxiliary losses. MoE models do not run in
     pipelines (`gpt_first` / `gpt_last` raise `PlanError`).
+
+    Packed sequences (several documents per row): `model(tokens,
+    segment_ids=seg, positions=pos)`, both `(batch, seq)` integers. No token
+    attends to a token of another segment, in every attention kernel and under
+    every plan, and the rotary angles and the learned position table read `pos`
+    (each document's positions restart at 0) instead of the index in the row.
 
     ```python
     model = eqxpar.models.GPT(config, key=jax.random.key(0))
@@ -537,13 +548,18 @@ class GPT(eqx.Module):
         )
         return what, "GPTConfig(load_balance_coef=0) (e.g. balance with eqxpar.nn.update_router_bias instead)"
 
-    def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq_out d_model"]:
+    def embed_tokens(
+        self, tokens: Int[Array, "batch seq"], *, positions: Int[Array, "_batch _seq"] | None = None
+    ) -> Float[Array, "batch seq_out d_model"]:
         """The residual stream entering the blocks: token embeddings, plus the
-        learned position table's first `seq` rows if the config has one (rotary
-        attention adds its positions later). Under sequence parallelism in manual
-        mode, this device's sequence block.
+        learned position table's rows if the config has one (its first `seq` rows,
+        or with `positions` the row of each token's position; rotary attention adds
+        its positions later). Under sequence parallelism in manual mode, this
+        device's sequence block.
 
-        **Arguments:** `tokens`: `(batch, seq)` ids, `seq <= config.max_seq_len`.
+        **Arguments:** `tokens`: `(batch, seq)` ids, `seq <= config.max_seq_len`;
+        keyword-only `positions`: `(batch, seq)` integer positions, each below
+        `config.max_seq_len` (default None: `0 .. seq - 1` in every row).
 
         **Returns:** `(batch, seq', d_model)`.
 
@@ -560,10 +576,14 @@ class GPT(eqx.Module):
         h = self.embed(tokens)
         if self.positions is None:
             return h
-        # Under sequence parallelism in manual mode the embedding returns this
-        # device's sequence block, so take the same block of the table (a slice).
-        positions = nn.split_sequence(self.positions[: tokens.shape[1]], seq_dim=0)
-        return h + positions[None]
+        if positions is None:
+            # Under sequence parallelism in manual mode the embedding returns this
+            # device's sequence block, so take the same block of the table (a slice).
+            table = nn.split_sequence(self.positions[: tokens.shape[1]], seq_dim=0)
+            return h + table[None]
+        # Cut the positions before the lookup, as the embedding cuts the ids: the
+        # backward pass then sums the table's small gradient, not the activations.
+        return h + self.positions[nn.split_sequence(positions)]
 
     def logits(self, h: Float[Array, "batch seq_in d_model"]) -> Float[Array, "batch seq vocab"]:
         """Final norm and output head: `(batch, seq', d_model) -> (batch, seq, vocab)`,
@@ -583,45 +603,136 @@ class GPT(eqx.Module):
         return self.embed.attend(h) if self.head is None else self.head(h)
 
     def __call__(
-        self, tokens: Int[Array, "batch seq"], *, key: PRNGKeyArray | None = None
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        segment_ids: Shaped[Array, "_batch _seq"] | None = None,
+        positions: Shaped[Array, "_batch _seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits `(batch, seq, vocab)` of token ids `(batch, seq)`, vocabulary split
         over the tensor axis: `logits(blocks(embed_tokens(tokens)))` (an MoE model's
-        auxiliary outputs dropped: see `logits_and_aux`). `key`: for the LoRA
-        adapters' dropout (`add_lora(..., dropout=)`; without it, or without
-        adapter dropout, none)."""
-        return self.logits_and_aux(tokens, key=key)[0]
+        auxiliary outputs dropped: see `logits_and_aux`). `segment_ids` and
+        `positions` (`(batch, seq)` integers, default None) for packed documents:
+        see `logits_and_aux`. `key`: for the LoRA adapters' dropout (`add_lora(...,
+        dropout=)`; without it, or without adapter dropout, none)."""
+        return self.logits_and_aux(tokens, segment_ids=segment_ids, positions=positions, key=key)[0]
 
     def logits_and_aux(
-        self, tokens: Int[Array, "batch seq"], *, key: PRNGKeyArray | None = None
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        segment_ids: Shaped[Array, "_batch _seq"] | None = None,
+        positions: Shaped[Array, "_batch _seq"] | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, "batch seq vocab"], nn.MoEAux | None]:
         """The logits and the MoE blocks' auxiliary outputs.
 
-        **Arguments:** `tokens`: `(batch, seq)` ids; `key` as `__call__`'s.
+        **Arguments:** `tokens`: `(batch, seq)` ids; keyword-only `segment_ids`:
+        `(batch, seq)` integers, token `i` attends to token `j` only where
+        `segment_ids[b, i] == segment_ids[b, j]` (documents packed in a row;
+        padding as a segment of its own), in every block; `positions`: `(batch,
+        seq)` integers below `config.max_seq_len`, each token's position in its
+        document, for the rotary angles and the learned position table (default
+        `0 .. seq - 1`); `key` as `__call__`'s. Both are the whole sequence's under
+        every plan (split like the tokens: over the batch axes by rows, under
+        context or sequence parallelism by the layers themselves).
 
         **Returns:** `(logits, aux)`: logits as `__call__`'s; `aux` an
         `eqxpar.nn.MoEAux` whose every leaf has a leading dimension of
         `config.moe_layers` (one entry per MoE block: `expert_load` is `(moe_layers,
         experts)`), or None for a dense model.
 
+        **Raises:** `eqxpar.BatchError` for segment ids or positions of another
+        shape than the tokens' or not integers, and for positions outside `0 ..
+        max_seq_len - 1` (checked where the positions are concrete arrays).
+
         ```python
         logits, aux = model.logits_and_aux(tokens)
         print(aux.expert_load.sum(0))            # tokens * top_k per MoE block, per expert
+        seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])   # two documents in one row
+        pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+        logits, _ = model.logits_and_aux(tokens8, segment_ids=seg, positions=pos)
         ```
         """
-        h, aux = _run_blocks(self, self.embed_tokens(tokens), key)
+        packing = _Packing.check(self.config, tokens, segment_ids, positions, None, "GPT")
+        _Packing.check_positions(self.config, positions, "GPT")
+        h, aux = _run_blocks(self, self.embed_tokens(tokens, positions=positions), key, packing.stack_kwargs())
         return self.logits(h), aux
 
 
+@dataclasses.dataclass(frozen=True)
+class _Packing:
+    """The packing inputs of one call, checked: `segment_ids`, `positions` and
+    `weights` of the tokens' shape (each None when not given)."""
+
+    segment_ids: Array | None
+    positions: Array | None
+    weights: Array | None
+
+    @classmethod
+    def check(
+        cls,
+        config: GPTConfig,
+        tokens: Array,
+        segment_ids: Any,
+        positions: Any,
+        weights: Any,
+        where: str,
+    ) -> "_Packing":
+        """Refuse, naming the argument, packing inputs a call cannot use: another
+        shape than `tokens`, non-integer ids or positions, positions outside the
+        position table, weights that count no token (the last two where the
+        arrays are concrete: under `jit` they are traced values)."""
+        shape = tuple(tokens.shape)
+        for name, x in (("segment_ids", segment_ids), ("positions", positions), ("weights", weights)):
+            if x is None:
+                continue
+            if not hasattr(x, "shape") or not hasattr(x, "dtype") or tuple(x.shape) != shape:
+                got = f"shape {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+                raise BatchError(
+                    f"{where}({name}=...): {got}; expected an array of the tokens' shape {shape}, one "
+                    "value per token (aligned with the tokens: the loss reads the inputs' and the "
+                    "targets' parts itself)."
+                )
+            numeric = jnp.issubdtype(x.dtype, jnp.integer)
+            if name == "weights":
+                numeric = numeric or jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.bool_
+            if not numeric:
+                kind = "numbers (float, int or bool)" if name == "weights" else "integers"
+                raise BatchError(f"{where}({name}=...): dtype {x.dtype}; expected {kind}.")
+        return cls(segment_ids, positions, weights)
+
+    @staticmethod
+    def check_positions(config: GPTConfig, positions: Any, where: str) -> None:
+        """Refuse concrete `positions` (the model's inputs') outside the position
+        table; traced ones (under `jit`) cannot be read here."""
+        if positions is None or isinstance(positions, jax.core.Tracer):
+            return
+        low, high = int(jnp.min(positions)), int(jnp.max(positions))
+        if low < 0 or high >= config.max_seq_len:
+            raise BatchError(
+                f"{where}(positions=...): positions from {low} to {high}; expected 0 .. "
+                f"{config.max_seq_len - 1} (config.max_seq_len={config.max_seq_len}: the learned "
+                "position table's rows, and the longest sequence the model takes). Restart the "
+                "positions with each document, or build the model with a larger max_seq_len."
+            )
+
+    def stack_kwargs(self) -> dict[str, Array]:
+        """What the blocks take: the segment ids and positions given."""
+        given = dict(segment_ids=self.segment_ids, positions=self.positions)
+        return {k: v for k, v in given.items() if v is not None}
+
+
 def _run_blocks(
-    model: GPT, h: Array, key: PRNGKeyArray | None = None, *, segment_ids: Array | None = None
+    model: GPT, h: Array, key: PRNGKeyArray | None = None, packing: dict | None = None
 ) -> tuple[Array, nn.MoEAux | None]:
-    # A dense stack returns h; an MoE stack (h, aux stacked over its groups). The
+    # A dense stack returns h; an MoE stack (h, aux) stacked over its groups. The
     # key reaches the blocks only if an adapter drops out: otherwise the stack's
-    # scan would carry per-layer keys nothing reads.
+    # scan would carry per-layer keys nothing reads. Segment ids and positions
+    # reach them only when given, so unpacked programs stay as they were.
     kw = {"key": key} if key is not None and _drops_out(model) else {}
-    if segment_ids is not None:
-        kw["segment_ids"] = segment_ids
+    kw |= packing or {}
     if model.config.moe_every:
         return model.blocks(h, **kw)
     return model.blocks(h, **kw), None
@@ -649,22 +760,117 @@ def _no_pipeline(model: GPT, where: str) -> None:
 
 def _check_tokens(tokens: Array, where: str) -> None:
     # One token per sequence predicts nothing: the mean over no predictions is NaN.
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2 or tokens.shape[1] < 2:
+        got = tuple(tokens.shape) if hasattr(tokens, "shape") else type(tokens).__name__
         raise BatchError(
-            f"{where}: tokens of shape {tuple(tokens.shape)}; expected (batch, seq + 1) with at least 2 "
+            f"{where}: tokens of shape {got}; expected (batch, seq + 1) with at least 2 "
             "tokens per sequence (each token predicts the next one, so a sequence of n tokens gives "
             "n - 1 predictions). Pass sequences of length 2 or more."
         )
 
 
-def gpt_first(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, "batch seq d_model"]:
+#: The keys of a packed batch (a mapping) the loss functions read.
+_BATCH_KEYS = ("tokens", "segment_ids", "positions", "weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossInputs:
+    """One call's tokens `(batch, seq + 1)` and packing inputs, checked, aligned
+    with the tokens."""
+
+    tokens: Array
+    packing: _Packing
+
+    @classmethod
+    def of(cls, model: GPT, batch: Any, where: str, **given: Any) -> "_LossInputs":
+        """From `batch` (tokens, or a mapping with `_BATCH_KEYS`) and the keyword
+        arguments `given` (segment_ids, positions, weights; None: not given)."""
+        given = {name: given.get(name) for name in _BATCH_KEYS[1:]}
+        if isinstance(batch, Mapping):
+            unknown = sorted(set(batch) - set(_BATCH_KEYS))
+            if unknown or "tokens" not in batch:
+                raise BatchError(
+                    f"{where}: a batch mapping with keys {sorted(batch)}; expected 'tokens' and any of "
+                    f"{list(_BATCH_KEYS[1:])} (unknown: {unknown})."
+                )
+            for name, value in given.items():
+                if value is not None and name in batch:
+                    raise BatchError(
+                        f"{where}({name}=...): given both as an argument and in the batch mapping; "
+                        "give it once."
+                    )
+                if value is None:
+                    given[name] = batch.get(name)
+            batch = batch["tokens"]
+        _check_tokens(batch, where)
+        if not jnp.issubdtype(batch.dtype, jnp.integer):
+            raise BatchError(f"{where}: tokens of dtype {batch.dtype}; expected integer token ids.")
+        positions = given.get("positions")
+        # The model reads positions[:, :-1] (its inputs'), so only those are bounded.
+        packing = _Packing.check(
+            model.config,
+            batch,
+            given.get("segment_ids"),
+            positions,
+            given.get("weights"),
+            where,
+        )
+        if positions is not None:
+            _Packing.check_positions(model.config, positions[:, :-1], where)
+        weights = packing.weights
+        if weights is not None and not isinstance(weights, jax.core.Tracer):
+            if not bool(jnp.any(weights[:, 1:] != 0)):
+                raise BatchError(
+                    f"{where}(weights=...): every target's weight is 0 (weights[:, 1:], shape "
+                    f"{tuple(weights[:, 1:].shape)}), so the loss is a mean over no token. Give a "
+                    "nonzero weight to the tokens to train on (1 for a target, 0 for a prompt or "
+                    "padding), or leave such a batch out."
+                )
+        return cls(batch, packing)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the loss is a weighted mean: weights given, or segment ids (whose
+        boundaries leave the predictions that cross them out)."""
+        return self.packing.weights is not None or self.packing.segment_ids is not None
+
+    def inputs(self) -> tuple[Array, dict[str, Array]]:
+        """The model's inputs: `tokens[:, :-1]`, and the stack's keyword arguments
+        (segment ids and positions of those tokens) with the positions."""
+        p = self.packing
+        kw = {}
+        if p.segment_ids is not None:
+            kw["segment_ids"] = p.segment_ids[:, :-1]
+        if p.positions is not None:
+            kw["positions"] = p.positions[:, :-1]
+        return self.tokens[:, :-1], kw
+
+    def target_weights(self) -> Array:
+        """The float32 weight of each prediction `(batch, seq)`: `weights[:, 1:]`
+        (1 where not given), 0 where the target starts another segment than its
+        input's (a prediction across a document boundary)."""
+        p = self.tokens[:, 1:]
+        w = jnp.ones(p.shape, jnp.float32)
+        if self.packing.weights is not None:
+            w = self.packing.weights[:, 1:].astype(jnp.float32)
+        seg = self.packing.segment_ids
+        if seg is not None:
+            w = jnp.where(seg[:, 1:] == seg[:, :-1], w, jnp.zeros((), jnp.float32))
+        return w
+
+
+def gpt_first(
+    model: GPT, tokens: Int[Array, "batch seq_plus_1"] | Mapping[str, Array]
+) -> Float[Array, "batch seq d_model"]:
     """The first pipeline piece of `lm_loss`: the embedding of `tokens[:, :-1]`.
 
-    `lm_loss(m, t) == gpt_last(m, m.blocks(gpt_first(m, t)), t)`; a pipeline engine
-    runs `gpt_first` on the first stage, `model.blocks` over the stages and
-    `gpt_last` on the last.
+    `lm_loss(m, t) == gpt_last(m, m.blocks(gpt_first(m, t), **gpt_stack_kwargs(t)), t)`;
+    a pipeline engine runs `gpt_first` on the first stage, `model.blocks` over the
+    stages and `gpt_last` on the last.
 
-    **Arguments:** `model`; `tokens` `(batch, seq + 1)`.
+    **Arguments:** `model`; `tokens` `(batch, seq + 1)`, or a packed batch: a
+    mapping with `"tokens"` and any of `"segment_ids"`, `"positions"`,
+    `"weights"`, each `(batch, seq + 1)` (as `lm_loss` takes them).
 
     **Returns:** activations `(batch, seq', d_model)` (`seq'` the local sequence block
     under sequence parallelism in manual mode).
@@ -677,13 +883,34 @@ def gpt_first(model: GPT, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array
     ```
     """
     _no_pipeline(model, "gpt_first")
-    _check_tokens(tokens, "gpt_first")
-    return model.embed_tokens(tokens[:, :-1])
+    inputs, kw = _LossInputs.of(model, tokens, "gpt_first").inputs()
+    return model.embed_tokens(inputs, positions=kw.get("positions"))
+
+
+def gpt_stack_kwargs(batch: Int[Array, "batch seq_plus_1"] | Mapping[str, Array]) -> dict[str, Array]:
+    """The keyword arguments the blocks of a pipelined GPT take for `batch`: the
+    segment ids and positions of its inputs (`[:, :-1]`), for a packed batch
+    mapping; `{}` for plain tokens. The `stack_kwargs` of
+    `eqxpar.pipeline.PipelineLoss(gpt_first, lambda m: m.blocks, gpt_last,
+    stack_kwargs=gpt_stack_kwargs)`.
+
+    **Arguments:** `batch`: tokens `(batch, seq + 1)`, or a mapping as `lm_loss` takes.
+
+    **Returns:** a dict with `"segment_ids"` and `"positions"` `(batch, seq)` where
+    the batch has them.
+
+    ```python
+    model.blocks(gpt_first(model, batch), **gpt_stack_kwargs(batch))
+    ```
+    """
+    if not isinstance(batch, Mapping):
+        return {}
+    return {k: batch[k][:, :-1] for k in ("segment_ids", "positions") if k in batch}
 
 
 def gpt_last(
-    model: GPT, h: Float[Array, "batch seq d_model"], tokens: Int[Array, "batch seq_plus_1"]
-) -> Float[Array, ""]:
+    model: GPT, h: Float[Array, "batch seq d_model"], tokens: Int[Array, "batch seq_plus_1"] | Mapping[str, Array]
+) -> Float[Array, ""] | WeightedMean:
     """The last pipeline piece of `lm_loss`: final norm, head and the mean
     next-token cross-entropy of the blocks' output `h` against `tokens[:, 1:]`.
 
@@ -697,9 +924,11 @@ def gpt_last(
     on that many positions of `h` at a time, in a rematerialised loop, so neither
     pass holds more than one chunk's logits (see `GPTConfig`).
 
-    **Arguments:** `model`; `h` `(batch, seq', d_model)`; `tokens` `(batch, seq + 1)`.
+    **Arguments:** `model`; `h` `(batch, seq', d_model)`; `tokens` `(batch, seq +
+    1)`, or a packed batch mapping (as `gpt_first` takes).
 
-    **Returns:** the mean loss over the batch's tokens (a scalar).
+    **Returns:** the mean loss over the batch's tokens (a scalar); for a batch
+    with weights or segment ids an `eqxpar.train.WeightedMean` (as `lm_loss`).
 
     Dense models only, as `gpt_first`.
 
@@ -708,8 +937,7 @@ def gpt_last(
     ```
     """
     _no_pipeline(model, "gpt_last")
-    _check_tokens(tokens, "gpt_last")
-    return _cross_entropy(model, h, tokens)
+    return _cross_entropy(model, h, _LossInputs.of(model, tokens, "gpt_last"))
 
 
 def output_head(model: GPT) -> "nn.Unembed | nn.Embedding":
@@ -733,14 +961,39 @@ def token_losses(model: GPT, h: Array, labels: Array, chunk: int | None) -> Arra
     return chunked_token_losses(_norm_and_head, (model.final_norm, head), h, labels, chunk)
 
 
-def _cross_entropy(model: GPT, h: Array, tokens: Array, *, per_row: bool = False) -> Array:
-    split = output_head(model).vocab_split()
-    per_token = token_losses(model, h, tokens[:, 1:], model.config.loss_chunk)
+def _cross_entropy(model: GPT, h: Array, inputs: _LossInputs, *, per_row: bool = False) -> Any:
+    head = output_head(model)
+    split = head.vocab_split()
+    per_token = token_losses(model, h, inputs.tokens[:, 1:], model.config.loss_chunk)
+    if inputs.weighted:
+        return _weighted_sums(per_token, inputs.target_weights(), split, head.axis, per_row=per_row)
     # A whole-vocabulary head under sequence parallelism scores only this device's
     # sequence block: average the blocks' means over the axis.
     if split:
         return jnp.mean(per_token, axis=1) if per_row else jnp.mean(per_token)
     return nn.sequence_mean(per_token, per_row=per_row)
+
+
+def _weighted_sums(per_token: Array, weights: Array, split: bool, axis: str, *, per_row: bool) -> Any:
+    """The weighted sums of the per-token losses, in their layout: this device's
+    part of a context split; under sequence parallelism in manual mode, with a
+    whole-vocabulary head, this device's sequence block (the sums are then added
+    over the axis). Per row: each row's weighted mean (0 for a row that counts no
+    token)."""
+    weights = split_context(weights)
+    if not split:
+        weights = split_tensor_sequence(weights, axis=axis)
+    ctx = nn.tensor_context(axis)
+    over_blocks = not split and ctx.manual and ctx.sequence_parallel
+    weights = constant_weight(weights)
+    dims = 1 if per_row else None
+    total = jnp.sum(weights * per_token, axis=dims)
+    weight = jnp.sum(weights, axis=dims)
+    if over_blocks:
+        total, weight = jax.lax.psum(total, axis), jax.lax.psum(weight, axis)
+    if per_row:
+        return jnp.where(weight > 0, total / jnp.maximum(weight, 1e-30), jnp.zeros((), total.dtype))
+    return WeightedMean(total, weight)
 
 
 def _norm_and_head(layers: tuple[nn.RMSNorm | nn.LayerNorm, nn.Unembed | nn.Embedding], h: Array) -> Array:
@@ -751,17 +1004,39 @@ def _norm_and_head(layers: tuple[nn.RMSNorm | nn.LayerNorm, nn.Unembed | nn.Embe
 
 def lm_loss(
     model: GPT,
-    tokens: Int[Array, "batch seq_plus_1"],
+    tokens: Int[Array, "batch seq_plus_1"] | Mapping[str, Array],
     *,
+    # Shaped, with dimensions of their own: checked below, with an eqxpar error
+    # that names the argument.
+    segment_ids: Shaped[Array, "_batch _seq_plus_1"] | None = None,
+    positions: Shaped[Array, "_batch _seq_plus_1"] | None = None,
+    weights: Shaped[Array, "_batch _seq_plus_1"] | None = None,
     key: PRNGKeyArray | None = None,
     # Any: checked below, with an eqxpar error that names the value.
     per_row: Any = False,
-) -> Float[Array, ""] | Float[Array, " batch"]:
+) -> Float[Array, ""] | Float[Array, " batch"] | WeightedMean:
     """Next-token cross-entropy of `model` on `tokens`, the mean over every predicted token.
 
     Predicts `tokens[:, 1:]` from `tokens[:, :-1]`; a mean over the batch, so it is a
     valid `loss_fn` for `eqxpar.train.make_step` under any plan (sharded and
     accumulated steps equal the full-batch one).
+
+    Packed rows and masked tokens: `segment_ids`, `positions` and `weights` are
+    `(batch, seq + 1)`, aligned with `tokens` (as `eqxpar.data` packs them). The
+    model reads `segment_ids[:, :-1]` and `positions[:, :-1]` (see
+    `GPT.logits_and_aux`: no attention across segments, positions restarting per
+    document); the prediction of `tokens[:, t]` counts with weight `weights[:,
+    t]` (default 1; 0 leaves a prompt or padding token out), and not at all where
+    `segment_ids[:, t] != segment_ids[:, t - 1]` (it would cross a document
+    boundary). With `weights` or `segment_ids` the loss is the weighted mean
+    `sum(w * loss) / sum(w)` over the whole batch, and `lm_loss` returns it as an
+    `eqxpar.train.WeightedMean` (the two sums): every step (`make_step`,
+    `make_value_and_grad`, `make_eval_step`, with accumulation, sharded,
+    pipelined) adds the sums over the batch's parts and divides once, so the
+    result is the whole batch's weighted mean, never an average of the parts'
+    means. Call `.value()` for the number. The tokens may also come as one
+    mapping, `{"tokens": ..., "segment_ids": ..., "positions": ..., "weights":
+    ...}` (any of the last three), which is what a step passes a packed batch as.
 
     For an MoE model the auxiliary losses are added:
     `+ load_balance_coef * mean(aux.load_balance_loss) + router_z_coef *
@@ -771,39 +1046,60 @@ def lm_loss(
     micro-batch's under `accumulate` (or a pipeline's micro-batches), which then
     averages per-micro-batch values. The z-loss, a mean over tokens, stays exact;
     the load-balance loss, a product of two batch means, does not, so its gradient
-    is not the full batch's: the step warns (`eqxpar.AccumulationWarning`).
+    is not the full batch's: the step warns (`eqxpar.AccumulationWarning`). In a
+    weighted mean the auxiliary terms count once per unit of weight (the
+    micro-batches' terms weighted by their weights).
 
     With `config.loss_chunk` set, the final norm, the head and the cross-entropy run
     that many sequence positions at a time (as in `gpt_last`): the same loss,
     without the whole `(batch, seq, vocab)` logits in memory.
 
-    **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids;
+    **Arguments:** `model` (a `GPT`); `tokens` `(batch, seq + 1)` integer ids (or a
+    mapping, above); keyword-only `segment_ids`, `positions` (integers) and
+    `weights` (float, int or bool), each `(batch, seq + 1)` (default None);
     `key` (keyword-only, default None): for the LoRA adapters' dropout, which
     `make_step` passes each step (without it, or without adapter dropout, none);
-    `per_row` (keyword-only, default False): one loss per row, the mean over its
-    tokens (plus the auxiliary losses), for `make_eval_step(..., per_row=True)`.
+    `per_row` (keyword-only, default False): one loss per row, the (weighted) mean
+    over its tokens (plus the auxiliary losses; 0 for a row whose weights are all
+    0), for `make_eval_step(..., per_row=True)`.
 
     **Returns:** a float scalar (nats per token, plus the auxiliary losses); with
-    `per_row`, `(batch,)`.
+    `weights` or `segment_ids` an `eqxpar.train.WeightedMean`; with `per_row`,
+    `(batch,)`.
+
+    **Raises:** `eqxpar.BatchError` for packing inputs of another shape than the
+    tokens', segment ids or positions that are not integers, and (where the arrays
+    are concrete, not traced under `jit`) positions outside `0 .. max_seq_len - 1`
+    or weights that are 0 for every target.
 
     ```python
     step = eqxpar.train.make_step(eqxpar.models.lm_loss, optimizer, plan)
     state, metrics = step(state, tokens)
+    packed = {"tokens": tokens, "segment_ids": seg, "positions": pos, "weights": w}
+    state, metrics = step(state, packed)            # the weighted mean over the batch
     ```
     """
     if not isinstance(per_row, bool):
         raise PlanError(f"lm_loss(per_row={per_row!r}): expected True or False.")
-    if not model.config.moe_every:
-        h, _ = _run_blocks(model, gpt_first(model, tokens), key)
-        return _cross_entropy(model, h, tokens, per_row=True) if per_row else gpt_last(model, h, tokens)
-    _check_tokens(tokens, "lm_loss")
+    inputs = _LossInputs.of(model, tokens, "lm_loss", segment_ids=segment_ids, positions=positions, weights=weights)
     c = model.config
-    h, aux = _run_blocks(model, model.embed_tokens(tokens[:, :-1]), key)
-    loss = _cross_entropy(model, h, tokens, per_row=per_row)
+    ids, kw = inputs.inputs()
+    if not c.moe_every:
+        h, _ = _run_blocks(model, model.embed_tokens(ids, positions=kw.get("positions")), key, kw)
+        return _cross_entropy(model, h, inputs, per_row=per_row)
+    h, aux = _run_blocks(model, model.embed_tokens(ids, positions=kw.get("positions")), key, kw)
+    loss = _cross_entropy(model, h, inputs, per_row=per_row)
     # Coefficients of 0 leave their terms out (not even a zero times a value).
     # Per row, each row carries the batch's terms: their mean over rows is the same.
+    terms = []
     if c.load_balance_coef:
-        loss = loss + c.load_balance_coef * jnp.mean(aux.load_balance_loss)
+        terms.append(c.load_balance_coef * jnp.mean(aux.load_balance_loss))
     if c.router_z_coef:
-        loss = loss + c.router_z_coef * jnp.mean(aux.router_z_loss)
+        terms.append(c.router_z_coef * jnp.mean(aux.router_z_loss))
+    for term in terms:
+        if isinstance(loss, WeightedMean):
+            # Once per unit of weight: `value()` is the mean plus the term.
+            loss = WeightedMean(loss.total + loss.weight.astype(loss.total.dtype) * term, loss.weight)
+        else:
+            loss = loss + term
     return loss

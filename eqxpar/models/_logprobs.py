@@ -5,11 +5,11 @@ than a chunk of float32 logits and works under every plan `lm_loss` does."""
 from typing import Any
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from .._errors import BatchError, PlanError
+from .._errors import PlanError
 from ..nn._sequence import whole_sequence
-from ._gpt import GPT, _check_tokens, _run_blocks, output_head, token_losses
+from ._gpt import GPT, _LossInputs, _run_blocks, output_head, token_losses
 
 
 def token_logprobs(
@@ -17,9 +17,10 @@ def token_logprobs(
     model: Any,
     tokens: Int[Array, "batch seq_plus_1"],
     *,
-    # Their shape is checked below, with an error that names both shapes.
-    segment_ids: Int[Array, "_batch _seq_plus_1"] | None = None,
-    positions: Int[Array, "_batch _seq_plus_1"] | None = None,
+    # Shaped, with dimensions of their own: checked below (as lm_loss's), with an
+    # eqxpar error that names the argument.
+    segment_ids: Shaped[Array, "_batch _seq_plus_1"] | None = None,
+    positions: Shaped[Array, "_batch _seq_plus_1"] | None = None,
     # Any: checked below, with an eqxpar error that names the value.
     chunk: Any = None,
     key: PRNGKeyArray | None = None,
@@ -52,13 +53,14 @@ def token_logprobs(
 
     - `model`: a `GPT`.
     - `tokens`: `(batch, seq + 1)` integer ids; `seq + 1 >= 2`.
-    - `segment_ids`: `(batch, seq + 1)`, aligned with `tokens`, or None: packed
-      sequences, each token attends only to earlier tokens of its own segment
-      (the ids of `tokens[:, :-1]` reach every attention). The entry of a
-      position whose next token starts a new segment is a prediction across
-      the boundary: mask it out of a loss.
-    - `positions`: `(batch, seq + 1)` positions, aligned with `tokens`, or None (not
-      taken by this `GPT` yet: passing them raises `PlanError`).
+    - `segment_ids`: `(batch, seq + 1)` integers aligned with `tokens`, or None:
+      documents packed in a row, each token attending only to earlier tokens of
+      its own segment (as `lm_loss` takes them). The entry of a position whose
+      next token starts another segment is a prediction across the boundary:
+      leave it out of a loss (`segment_ids[:, 1:] == segment_ids[:, :-1]` says
+      which are not).
+    - `positions`: `(batch, seq + 1)` integer positions aligned with `tokens` (each
+      document's restarting at 0), or None: the index in the row.
     - `chunk`: sequence positions of logits computed at a time, a positive integer,
       or None: the model's `GPTConfig.loss_chunk` (None there too: all at once).
     - `key`: for the LoRA adapters' dropout (as `lm_loss`'s), or None.
@@ -66,8 +68,8 @@ def token_logprobs(
     **Returns:** float32 `(batch, seq)`, every entry `<= 0`.
 
     **Raises:** `PlanError` for a `chunk` that is not a positive integer, or a model
-    that is not a `GPT`; `BatchError` for tokens shorter than 2 positions or
-    `segment_ids` / `positions` of another shape.
+    that is not a `GPT`; `BatchError` for tokens shorter than 2 positions, not
+    integers, or `segment_ids` / `positions` of another shape (as `lm_loss`).
 
     ```python
     logp = eqxpar.models.token_logprobs(model, tokens, chunk=512)   # (batch, seq)
@@ -79,23 +81,14 @@ def token_logprobs(
             f"token_logprobs(model={type(model).__name__}): expected an eqxpar.models.GPT (its head "
             "and cross-entropy give the log-probabilities)."
         )
-    _check_tokens(tokens, "token_logprobs")
     chunk = _resolved_chunk(chunk, model.config.loss_chunk)
-    for name, ids in (("segment_ids", segment_ids), ("positions", positions)):
-        if ids is not None and tuple(ids.shape) != tuple(tokens.shape):
-            raise BatchError(
-                f"token_logprobs({name}=...): shape {tuple(ids.shape)}; expected the tokens' shape "
-                f"{tuple(tokens.shape)} (one entry per token, aligned with them)."
-            )
-    if positions is not None:
-        raise PlanError(
-            "token_logprobs(positions=...): this GPT takes no positions (rotary attention numbers "
-            "each row's tokens 0, 1, 2, ...). Pass positions=None; for packed rows pass segment_ids, "
-            "which keep each sequence's attention to its own tokens."
-        )
-    blocks_kw = {} if segment_ids is None else {"segment_ids": segment_ids[:, :-1]}
-    h, _ = _run_blocks(model, model.embed_tokens(tokens[:, :-1]), key, **blocks_kw)
-    losses = token_losses(model, h, tokens[:, 1:], chunk)
+    # The checks and the model's inputs of lm_loss: the same shapes, dtypes and positions.
+    loss_inputs = _LossInputs.of(
+        model, tokens, "token_logprobs", segment_ids=segment_ids, positions=positions
+    )
+    ids, kw = loss_inputs.inputs()
+    h, _ = _run_blocks(model, model.embed_tokens(ids, positions=kw.get("positions")), key, kw)
+    losses = token_losses(model, h, loss_inputs.tokens[:, 1:], chunk)
     # A whole-vocabulary head under sequence parallelism scores this device's block
     # only; every head scores this device's part of a context-split sequence.
     head = output_head(model)

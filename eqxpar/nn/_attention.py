@@ -69,7 +69,7 @@ class Attention(eqx.Module):
     the `context` size), rotary angles at the tokens' global
     positions, and `mask` is not supported (use `segment_ids`).
 
-    Calling it: `attn(x, *, mask=None, segment_ids=None, key=None)` (`key`: for
+    Calling it: `attn(x, *, mask=None, segment_ids=None, positions=None, key=None)` (`key`: for
     the config's `dropout` and the adapters' `lora.dropout`; without it no dropout). `mask`
     `(seq, seq)` bool
     keeps key `j` for query `i` (not under context parallelism). `segment_ids`
@@ -80,7 +80,10 @@ class Attention(eqx.Module):
     under sequence parallelism the projections hold the whole sequence, and under
     context parallelism the layer cuts this device's chunks itself, as
     `eqxpar.nn.split_sequence` cuts the activations, and the ids travel with the
-    keys and values.
+    keys and values. `positions` `(batch, seq)` integers, given like `segment_ids`
+    (the whole sequence's, in global order): the rotary angle of each token (a
+    packed document's positions restart at 0), instead of its index in the row;
+    without rotary they are unused.
 
     Input and output `(batch, seq, d_model)` (the local sequence block under
     sequence parallelism in manual mode).
@@ -162,6 +165,7 @@ class Attention(eqx.Module):
         *,
         mask: Bool[Array, "seq seq"] | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
+        positions: Int[Array, "_batch _seq"] | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "batch seq_out d_model"]:
         ctx = tensor_context(self.axis)
@@ -174,21 +178,26 @@ class Attention(eqx.Module):
         note_keys(k)
         n = context_size()
         split = n > 1
-        if segment_ids is not None:
-            # q and k hold the whole sequence (or, under context parallelism, this
-            # device's part of it): the ids are the whole sequence's, in order.
-            expected = (q.shape[0], q.shape[1] * n)
-            if segment_ids.shape != expected or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        # q and k hold the whole sequence (or, under context parallelism, this
+        # device's part of it): ids and positions are the whole sequence's, in order.
+        expected = (q.shape[0], q.shape[1] * n)
+        for name, ids in (("segment_ids", segment_ids), ("positions", positions)):
+            if ids is not None and (ids.shape != expected or not jnp.issubdtype(ids.dtype, jnp.integer)):
                 raise SpecError(
-                    f"Attention(segment_ids=...): shape {segment_ids.shape}, dtype {segment_ids.dtype}; "
-                    f"expected integers of shape (batch, seq) = {expected}: one id per token of the whole "
+                    f"Attention({name}=...): shape {ids.shape}, dtype {ids.dtype}; "
+                    f"expected integers of shape (batch, seq) = {expected}: one per token of the whole "
                     "sequence in its global order (this device's batch rows under a manual data split), "
                     "as token ids are given; the layer takes this device's part itself."
                 )
         if self.rotary:
             # q and k hold the whole sequence here (column_matmul gathers it under
             # sequence parallelism), or under context parallelism this device's part.
-            positions = context_positions(q.shape[1], load_balanced=True) if split else None
+            if positions is not None:
+                # Per-token positions (packed documents restart at 0): this
+                # device's part of them, cut as the activations were.
+                positions = split_context(positions)
+            elif split:
+                positions = context_positions(q.shape[1], load_balanced=True)
             rope = dict(base=self.rotary_base, positions=positions, scaling=self.rotary_scaling)
             q = apply_rotary(q, **rope)
             k = apply_rotary(k, **rope)

@@ -57,9 +57,9 @@ class TransformerBlock(eqx.Module):
     y, aux = eqxpar.nn.TransformerBlock(256, 512, moe, key=key)(x)  # aux.load_balance_loss, ...
     ```
 
-    Calling it: `block(x, *, key=None, segment_ids=None)`; `segment_ids` go to the
-    attention (see `Attention`), e.g. `model.blocks(h, segment_ids=seg)` through
-    `eqxpar.nn.Stacked`.
+    Calling it: `block(x, *, key=None, segment_ids=None, positions=None)`;
+    `segment_ids` and `positions` go to the attention (see `Attention`), e.g.
+    `model.blocks(h, segment_ids=seg, positions=pos)` through `eqxpar.nn.Stacked`.
     """
 
     norm1: LayerNorm | RMSNorm
@@ -104,6 +104,7 @@ class TransformerBlock(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
         segment_ids: Int[Array, "_batch _seq"] | None = None,
+        positions: Int[Array, "_batch _seq"] | None = None,
     ) -> Float[Array, "batch seq d_model"] | tuple[Float[Array, "batch seq d_model"], MoEAux]:
         k1 = k2 = k_attn = k_mlp = None
         if key is not None and (self.attn.dropout > 0 or lora_dropout(self.attn) > 0):
@@ -114,7 +115,7 @@ class TransformerBlock(eqx.Module):
             key, k_mlp = jax.random.split(key)
         if key is not None and self.dropout.rate > 0:
             k1, k2 = jax.random.split(key)
-        h = self.attn(self.norm1(x), segment_ids=segment_ids, key=k_attn)
+        h = self.attn(self.norm1(x), segment_ids=segment_ids, positions=positions, key=k_attn)
         x = x + self.dropout(h, key=k1)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.norm2(x))

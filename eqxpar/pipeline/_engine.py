@@ -482,7 +482,7 @@ class Device:
             # As varying as the stage's weights (it is, unless `first` uses no
             # weight), so the stack's scan carry keeps one type.
             x = mark_varying(parts.first(model, mb_batch), self.engine.local)
-        h = parts.stack(model)(x)
+        h = parts.stack(model)(x, **parts.stack_inputs(mb_batch))
         return loss.loss_dtype(parts.last(model, h, mb_batch)) if last else h
 
     def _resolve_types(self) -> None:

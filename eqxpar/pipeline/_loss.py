@@ -8,6 +8,7 @@ import jax
 from jaxtyping import Array, Float, PyTree
 
 from .._errors import PlanError
+from .._weighted import WeightedMean
 from ..nn._attention import Attention
 from ..nn._linear import MLP
 from ..nn._lora import lora_dropout
@@ -37,6 +38,17 @@ class PipelineLoss(eqx.Module):
     `first` and `last` must not use the stack (under a pipeline they see only
     the current stage's part of it).
 
+    - `stack_kwargs(batch) -> dict` (keyword-only, optional): keyword arguments
+      the stack takes with each micro-batch, e.g. the segment ids and positions of
+      packed documents (`eqxpar.models.gpt_stack_kwargs`); default None: none.
+      Leaves of that micro-batch, so they travel to every stage with it.
+
+    `last` may return an `eqxpar.train.WeightedMean` (a weighted sum and its
+    weight: packed or masked tokens) instead of a mean: the step then adds the
+    sums over the micro-batches and the data-parallel devices and divides once,
+    by the weight of the whole batch (every micro-batch of one plan must return
+    the same kind).
+
     Called as `loss(model, batch)` it is the plain sequential composition
     `last(model, stack(model)(first(model, batch)), batch)`: an ordinary loss
     function for non-pipeline plans and for a single-device reference (a stack
@@ -56,18 +68,37 @@ class PipelineLoss(eqx.Module):
 
     first: Callable[[Any, PyTree], PyTree]
     stack: Callable[[Any], Stacked]
-    last: Callable[[Any, PyTree, PyTree], Float[Array, ""]]
+    last: Callable[[Any, PyTree, PyTree], Float[Array, ""] | WeightedMean]
+    stack_kwargs: Callable[[PyTree], dict[str, Any]] | None = None
 
     def __init__(
         self,
         first: Callable[[Any, PyTree], PyTree],
         stack: Callable[[Any], Stacked],
-        last: Callable[[Any, PyTree, PyTree], Float[Array, ""]],
+        last: Callable[[Any, PyTree, PyTree], Float[Array, ""] | WeightedMean],
+        *,
+        stack_kwargs: Callable[[PyTree], dict[str, Any]] | None = None,
     ):
-        for name, fn in (("first", first), ("stack", stack), ("last", last)):
+        parts = (("first", first), ("stack", stack), ("last", last))
+        if stack_kwargs is not None:
+            parts += (("stack_kwargs", stack_kwargs),)
+        for name, fn in parts:
             if not callable(fn):
                 raise PlanError(f"PipelineLoss({name}={fn!r}): expected a callable.")
         self.first, self.stack, self.last = first, stack, last
+        self.stack_kwargs = stack_kwargs
+
+    def stack_inputs(self, batch: PyTree) -> dict[str, Any]:
+        """`stack_kwargs(batch)`, checked to be a dict (`{}` without `stack_kwargs`)."""
+        if self.stack_kwargs is None:
+            return {}
+        kwargs = self.stack_kwargs(batch)
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise PlanError(
+                f"PipelineLoss.stack_kwargs(batch) returned {type(kwargs).__name__}; expected a dict of "
+                "keyword arguments for the stack's call, e.g. {'segment_ids': ...}."
+            )
+        return kwargs
 
     def stack_of(self, model: Any) -> Stacked:
         """`stack(model)`, checked to be an `eqxpar.nn.Stacked`."""
@@ -90,7 +121,7 @@ class PipelineLoss(eqx.Module):
             )
         return found
 
-    def __call__(self, model: Any, batch: PyTree) -> Float[Array, ""]:
+    def __call__(self, model: Any, batch: PyTree) -> Float[Array, ""] | WeightedMean:
         h = self.first(model, batch)
-        h = self.stack_of(model)(h)
+        h = self.stack_of(model)(h, **self.stack_inputs(batch))
         return self.last(model, h, batch)

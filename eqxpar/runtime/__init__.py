@@ -14,6 +14,9 @@ what belongs to none of them:
   SIGTERM (`eqxpar.distributed`);
 - `_data`: `ShardedIterator`, `global_batch`, `process_slice` (`eqxpar.data`);
 - `_token_file`: `TokenFile`, token ids on disk read as sequences (`eqxpar.data`);
+- `_packed_tokens`: `PackedTokens`, documents packed into rows with segment ids,
+  positions and loss weights (`eqxpar.data`), from `_documents` (finding the
+  documents in flat ids) and `_packing` (laying them into rows from their lengths);
 - `_grain`: `GrainSampler`, `grain_sampler`, `grain_loader` (`eqxpar.data`; grain
   is imported only when a sampler's shard options or a loader are built);
 - `_checkpoint`: `CheckpointManager` (`eqxpar.checkpoint`; orbax-checkpoint is

@@ -21,7 +21,11 @@ from .._batch_layout import BatchLayout
 from .._errors import BatchError, PlanError
 from .._plan import Plan
 from .._specs import is_array_like
+from ._packed_tokens import PackedTokens
 from ._token_file import TokenFile
+
+# Datasets on disk that read only the rows asked for (`len`, `read(indices)`).
+_ON_DISK = (TokenFile, PackedTokens)
 
 
 def _local_blocks(layout: BatchLayout) -> list[int]:
@@ -186,7 +190,7 @@ class EpochOrder:
 
 
 def _dataset_size(data: Any) -> int:
-    if isinstance(data, TokenFile):
+    if isinstance(data, _ON_DISK):
         return len(data)
     sizes = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]:
@@ -194,8 +198,8 @@ def _dataset_size(data: Any) -> int:
         if not is_array_like(leaf) or len(leaf.shape) == 0:
             raise BatchError(
                 f"ShardedIterator: dataset leaf {where} is not an array with a leading "
-                "example dimension. Pass a pytree of arrays of shape (examples, ...), or an "
-                "eqxpar.data.TokenFile."
+                "example dimension. Pass a pytree of arrays of shape (examples, ...), an "
+                "eqxpar.data.TokenFile or an eqxpar.data.PackedTokens."
             )
         sizes.add(leaf.shape[0])
     if not sizes:
@@ -225,13 +229,16 @@ class ShardedIterator:
 
     With a `TokenFile` as its dataset the examples are the file's sequences, and
     each step reads from disk only this process's rows: an int32 array of shape
-    `(rows, seq_len + 1)`, the batch `eqxpar.models.lm_loss` takes.
+    `(rows, seq_len + 1)`, the batch `eqxpar.models.lm_loss` takes. With a
+    `PackedTokens` the examples are its packed rows, and each step is a dict of
+    `tokens`, `segment_ids`, `positions` and `weights`, each `(rows, seq_len + 1)`.
 
     **Arguments:**
 
     - `data`: a pytree of arrays sharing their leading (example) dimension (every
-      process holds the same dataset), or an `eqxpar.data.TokenFile` (every
-      process maps the same file).
+      process holds the same dataset), an `eqxpar.data.TokenFile` (every
+      process maps the same file) or an `eqxpar.data.PackedTokens` (every process
+      packs the same documents the same way).
     - `plan`: the plan whose `batch_spec` splits the batch.
     - `batch_size`: rows in the global batch (a multiple of
       `plan.batch_size_multiple`, at most the dataset size).
@@ -251,7 +258,7 @@ class ShardedIterator:
 
     def __init__(
         self,
-        data: PyTree[ArrayLike] | TokenFile,
+        data: PyTree[ArrayLike] | TokenFile | PackedTokens,
         plan: Plan,
         *,
         batch_size: int,
@@ -271,7 +278,7 @@ class ShardedIterator:
         self._rows = process_slice(self._batch_size, plan)
         # Arrays are held as numpy once, so each step only gathers rows; a token
         # file stays on disk and each step reads its rows.
-        self._data = data if isinstance(data, TokenFile) else jax.tree.map(np.asarray, data)
+        self._data = data if isinstance(data, _ON_DISK) else jax.tree.map(np.asarray, data)
         self._order = EpochOrder(self._examples, seed=check_int(seed, "seed", 0), shuffle=bool(shuffle))
         self._step = check_int(step, "step", 0)
 
@@ -309,7 +316,7 @@ class ShardedIterator:
     def __next__(self) -> PyTree[np.ndarray]:
         indices = self.global_indices(self._step)[self._rows]
         self._step += 1
-        if isinstance(self._data, TokenFile):
+        if isinstance(self._data, _ON_DISK):
             return self._data.read(indices)
         return jax.tree.map(lambda leaf: leaf[indices], self._data)
 

@@ -253,6 +253,44 @@ class TokenFile:
         self._release()
         return self._checked(out)
 
+    def read_spans(
+        self, starts: Sequence[int] | np.ndarray, stops: Sequence[int] | np.ndarray
+    ) -> Int[np.ndarray, " tokens"]:
+        """Token ids `[starts[k], stops[k])` of the file for each `k`, concatenated, int32.
+
+        Offsets count tokens from the start of the file, not sequences: this reads
+        the file as one flat array (`eqxpar.data.PackedTokens` reads its documents
+        so). Only those tokens' bytes are read, and the mapping is released once.
+
+        **Raises:** `BatchError` when the two have different lengths or a span is
+        not inside `[0, num_tokens]`.
+
+        ```python
+        ids = tokens.read_spans([0, 500], [3, 502])     # tokens 0, 1, 2, 500 and 501
+        ```
+        """
+        first = np.asarray(starts, dtype=np.int64).reshape(-1)
+        last = np.asarray(stops, dtype=np.int64).reshape(-1)
+        if first.shape != last.shape:
+            raise BatchError(
+                f"TokenFile.read_spans: {first.shape[0]} starts but {last.shape[0]} stops; "
+                "pass one stop per start."
+            )
+        bad = (first < 0) | (last < first) | (last > self.num_tokens)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise BatchError(
+                f"TokenFile.read_spans: span [{first[k]}, {last[k]}) is not inside the file's "
+                f"{self.num_tokens} tokens; each span needs 0 <= start <= stop <= {self.num_tokens}."
+            )
+        out = np.empty((int((last - first).sum()),), self._tokens.dtype)
+        at = 0
+        for start, stop in zip(first.tolist(), last.tolist(), strict=True):
+            out[at : at + stop - start] = self._tokens[start:stop]
+            at += stop - start
+        self._release()
+        return self._checked(out)
+
     def __getstate__(self) -> dict[str, Any]:
         # A mapping cannot be pickled; a TokenFile carries its path, and the
         # unpickled copy (a grain worker) maps the file again.
