@@ -47,7 +47,7 @@ BATCH = (1, 2048)
 #: where a case does not set it: None, as MaxText's default (num_vocab_tiling=1). Under
 #: automatic FSDP a chunk runs the head in tiles of the vocabulary, never whole on a
 #: chip: Llama-3-8B on FSDP 32 sets 512 (5.58 GiB of arguments + temporaries per chip
-#: against 7.48 unchunked; BENCHMARKS.md). Under tensor x FSDP the head runs sequence
+#: against 6.95 unchunked, JAX 0.12.1; BENCHMARKS.md). Under tensor x FSDP the head runs sequence
 #: chunks per batch shard, its fsdp shards gathered once: not measured, left unchunked.
 LOSS_CHUNK = None
 
