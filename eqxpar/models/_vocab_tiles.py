@@ -4,19 +4,22 @@ Under automatic FSDP (the head's weight split over the batch axes, its
 vocabulary whole on every tensor device) the sequence chunks of
 `_chunked_loss.py` run per batch shard, which gathers the head's weight whole
 before the loop and holds its gradient whole (in float32) until the loop ends:
-two whole-head buffers beside the chunks, more than the chunks save (Llama 3 8B
-on 32 chips, 2,048 tokens each: 4.55 GiB of temporaries against 3.65 GiB
-unchunked). Here the loop runs over tiles of the vocabulary instead, each
-device's tokens all at once: tile `j` is column block `j` of every device's
-shard, gathered as the loop reaches it (whole along the model dimension), and
-the log-softmax is accumulated across tiles online (a running maximum, sum of
-exponentials and target logit per token). The loop's body is rematerialised,
-so the backward pass gathers each tile again and reduce-scatters its gradient
-into this device's shard at once: the head's weight and its gradient are never
-whole, the wire bytes are the unchunked step's (each column gathered once per
-pass, its gradient reduce-scattered once), and the float32 logits of a tile are
-`tokens x vocab / tiles` per device, with `tiles` chosen so that this is at most
-`chunk` positions' worth (`chunk x vocab` per row).
+two whole-head buffers beside the chunks, more than the chunks save (4 layers of
+Llama 3 8B compiled for 32 TPU v5p chips, 2,048 tokens each: 4.55 GiB of
+temporaries against 3.65 GiB unchunked; in tiles, 1.29 GiB).
+
+Here the loop runs over tiles of the vocabulary instead, each device's tokens
+all at once: tile `j` is column block `j` of every device's shard, gathered as
+the loop reaches it (whole along the model dimension), and the log-softmax is
+accumulated across tiles online (a running maximum, sum of exponentials and
+target logit per token). The loop's body is rematerialised, so the backward
+pass gathers each tile again and sends its gradient back into this device's
+shard at once: the head's weight and its gradient are never whole, each column
+is gathered once per pass and its gradient reduced once (the TPU compiler
+all-reduces each tile's gradient rather than reduce-scattering it: 2 GB more
+wire on Llama 3 8B over FSDP 32, 61.1 GB against 59.1), and the float32 logits
+of a tile are `tokens x vocab / tiles` per device, with `tiles` chosen so that
+this is at most `chunk` positions' worth (`chunk x vocab` per row).
 
 MaxText's vocabulary tiling (`num_vocab_tiling`) cuts the same memory; its
 tiles are cut along the tokens.
