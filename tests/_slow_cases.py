@@ -533,3 +533,19 @@ _pair(
     "test_examples.py::test_preference_lora_runs",
     "test_dpo.py::test_dpo_step_with_the_lora_reference_equals_one_device[tp-manual-sp]",
 )
+# --- Token log-probabilities (eqxpar.models.token_logprobs) -----------------------
+# The padded chunk under one plan of each kind of layout: automatic FSDP (vocabulary
+# tiles), manual FSDP, the vocabulary split and whole under sequence parallelism, a
+# context split (the all-gather and Ulysses attentions beside the ring's), context x
+# tensor, experts; on one device, a chunk with a short last chunk and none.
+_keep_only(
+    "test_token_logprobs.py::test_logprobs_under_a_plan_match_one_device_log_softmax",
+    "data-fsdp-auto-chunk3",
+    "fsdp-manual-chunk3",
+    "tensor-sp-manual-chunk3",
+    "whole-vocab-sp-tied-chunk3",
+    "context-ring-chunk3",
+    "context-tensor-sp-chunk3",
+    "expert-data-chunk3",
+)
+_keep_only("test_token_logprobs.py::test_values_on_one_device", "5-*", "64-rotary-gqa")

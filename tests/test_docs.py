@@ -304,6 +304,9 @@ def test_figures_quoted_from_other_scripts_match_the_record():
     from benchmarks.muon import markdown as muon_table
 
     quoted.append(muon_table(data["muon"]))  # so is Muon's
+    from benchmarks.logprobs_memory import table as logprobs_table
+
+    quoted.append(logprobs_table(data["logprobs_memory"]))  # and the log-probs memory table
     for r in data["decode"]["runs"]:  # benchmarks/decode.py's record
         quoted.append(
             f"| {r['steps']:,} | {r['cached_tokens_per_s']:,.0f} | {r['uncached_tokens_per_s']:,.0f} | "

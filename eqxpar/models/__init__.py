@@ -7,7 +7,7 @@ parallelism, and manual tensor-parallel steps.
 - `GPT` (`GPTConfig`): a pre-norm decoder with rotary or learned positions,
   SwiGLU or GELU MLPs, RMSNorm or LayerNorm, optional biases and fused QKV, tied or
   untied embeddings and its blocks in one scanned `eqxpar.nn.Stacked`; `lm_loss`,
-  `generate`, and the pipeline pieces `gpt_first` / `gpt_last`. With
+  `token_logprobs`, `generate`, and the pipeline pieces `gpt_first` / `gpt_last`. With
   `GPTConfig(moe_every=k, experts=n)` every k-th block is a mixture of experts
   (the stack holds `MoEGroup`s) and `lm_loss` adds the auxiliary losses.
   `preset(name)` gives published shapes (`"gpt2"`, `"llama3-8b"`, `"llama3-70b"`,
@@ -32,6 +32,7 @@ from ._gpt import gpt_first as gpt_first
 from ._gpt import gpt_last as gpt_last
 from ._gpt import gpt_stack_kwargs as gpt_stack_kwargs
 from ._gpt import lm_loss as lm_loss
+from ._logprobs import token_logprobs as token_logprobs
 from ._lora import add_lora as add_lora
 from ._lora import lora_trainable as lora_trainable
 from ._lora import merge_lora as merge_lora

@@ -24,8 +24,7 @@ from .._mesh import CONTEXT_AXIS
 from .._varying import mark_varying
 from ..nn._sequence import split_context, split_tensor_sequence
 from ..pipeline import PipelineLoss
-from ._chunked_loss import chunked_token_losses
-from ._gpt import GPT, _no_pipeline, _norm_and_head, _run_blocks, gpt_first
+from ._gpt import GPT, _no_pipeline, _run_blocks, gpt_first, token_losses
 from ._lora import has_lora, without_lora
 
 #: The preference losses `dpo_loss` computes, as TRL names them.
@@ -126,13 +125,10 @@ def _token_logprobs(model: GPT, tokens: Array, key: PRNGKeyArray | None) -> Arra
 
 def _head_logprobs(model: GPT, h: Array, tokens: Array) -> Array:
     """The per-token log-probabilities of the blocks' output `h`: final norm, head
-    and log-softmax, through the chunked head when `config.loss_chunk` is set."""
-    head = model.embed if model.head is None else model.head
-    chunk = model.config.loss_chunk
-    if chunk is None or chunk >= h.shape[1]:
-        return -nn.cross_entropy(model.logits(h), tokens[:, 1:], head=head)
-    layers = (model.final_norm, head)
-    return -chunked_token_losses(_norm_and_head, layers, h, tokens[:, 1:], chunk)
+    and log-softmax, `token_logprobs`'s own (`_gpt.token_losses`: the chunked
+    head when `config.loss_chunk` is set, in vocabulary tiles under automatic
+    FSDP), in the layout the head gives."""
+    return -token_losses(model, h, tokens[:, 1:], model.config.loss_chunk)
 
 
 def sequence_logprobs(

@@ -18,6 +18,7 @@ from .._weighted import WeightedMean, constant_weight
 from ..nn._lora import lora_dropout
 from ..nn._sequence import split_context, split_tensor_sequence
 from ._chunked_loss import chunked_token_losses
+from ._vocab_tiles import vocab_tiled_losses
 
 # The fields an MoE block's routing reads (its `nn.MoEConfig`, in GPTConfig's names).
 _ROUTING_FIELDS = ("experts", "top_k", "moe_score", "capacity_factor", "num_shared_experts")
@@ -943,15 +944,31 @@ def gpt_last(
     return _cross_entropy(model, h, _LossInputs.of(model, tokens, "gpt_last"))
 
 
-def _cross_entropy(model: GPT, h: Array, inputs: _LossInputs, *, per_row: bool = False) -> Any:
-    head = model.embed if model.head is None else model.head
-    split = head.vocab_split()
-    chunk = model.config.loss_chunk
-    labels = inputs.tokens[:, 1:]
+def output_head(model: GPT) -> "nn.Unembed | nn.Embedding":
+    """The layer whose output `model`'s logits are: the `Unembed`, or the
+    `Embedding` when the embeddings are tied."""
+    return model.embed if model.head is None else model.head
+
+
+def token_losses(model: GPT, h: Array, labels: Array, chunk: int | None) -> Array:
+    """The float32 next-token cross-entropy of every position of the blocks'
+    output `h` against `labels` `(batch, seq)`, in the layout `nn.cross_entropy`
+    returns (this device's part of the sequence where the head leaves it split);
+    the final norm, the head and the log-softmax run `chunk` positions of `h` at a
+    time (None, or at least `h`'s length: all at once)."""
+    head = output_head(model)
     if chunk is None or chunk >= h.shape[1]:
-        per_token = nn.cross_entropy(model.logits(h), labels, head=head)
-    else:
-        per_token = chunked_token_losses(_norm_and_head, (model.final_norm, head), h, labels, chunk)
+        return nn.cross_entropy(model.logits(h), labels, head=head)
+    tiled = vocab_tiled_losses(model.final_norm, head, h, labels, chunk)
+    if tiled is not None:
+        return tiled
+    return chunked_token_losses(_norm_and_head, (model.final_norm, head), h, labels, chunk)
+
+
+def _cross_entropy(model: GPT, h: Array, inputs: _LossInputs, *, per_row: bool = False) -> Any:
+    head = output_head(model)
+    split = head.vocab_split()
+    per_token = token_losses(model, h, inputs.tokens[:, 1:], model.config.loss_chunk)
     if inputs.weighted:
         return _weighted_sums(per_token, inputs.target_weights(), split, head.axis, per_row=per_row)
     # A whole-vocabulary head under sequence parallelism scores only this device's

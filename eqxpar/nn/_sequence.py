@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
+from .._collectives import all_gather
 from .._context_split import context_size, note_split
 from .._errors import DivisibilityError, SpecError
 from .._mesh import CONTEXT_AXIS
 from ._context import TensorContext, tensor_context
-from ._sequence_layout import device_chunks
+from ._sequence_layout import context_unlayout, device_chunks
 
 
 def check_sequence_splits(length: int, ctx: TensorContext, where: str) -> None:
@@ -132,3 +133,39 @@ def sequence_mean(
     if ctx.manual and ctx.sequence_parallel:
         return jax.lax.pmean(local, axis)
     return local
+
+
+
+def whole_sequence(
+    x: Shaped[Array, "batch seq_in *rest"], *, axis: str = "tensor", tensor_blocks: bool = False
+) -> Shaped[Array, "batch seq *rest"]:
+    """The inverse of `split_sequence` for per-token values: the whole sequence.
+
+    With `tensor_blocks`, under sequence parallelism in a manual region over
+    `axis`, `x` is this device's block of its part of the sequence
+    (`split_tensor_sequence`): each device writes its block at its place in an
+    array of zeros and the arrays are summed over `axis` (an all-reduce of `batch x
+    seq` numbers, each added to zeros only, so exact); the result is the same on
+    every device of `axis`, and its gradient reaches each block with no
+    collective. Under context parallelism `x` is then this device's part
+    (`split_context`'s two chunks): the parts are all-gathered over `context` and
+    put back in sequence order. As a loss computed on a context-split sequence
+    does, the result varies over `context` (its gradient is the reduce-scatter of
+    every device's; a step averages such losses over `context`). Elsewhere `x`
+    unchanged.
+
+    **Arguments:** `x` `(batch, seq', ...)`; keyword-only `axis` (the tensor axis)
+    and `tensor_blocks` (whether `x` is split over `axis` too).
+
+    **Returns:** `(batch, seq, ...)`, `seq` the whole sequence's length.
+    """
+    ctx = tensor_context(axis)
+    if tensor_blocks and ctx.manual and ctx.sequence_parallel and ctx.size > 1:
+        block = x.shape[1]
+        whole = jnp.zeros((x.shape[0], ctx.size * block, *x.shape[2:]), x.dtype)
+        whole = jax.lax.dynamic_update_slice_in_dim(whole, x, jax.lax.axis_index(axis) * block, axis=1)
+        x = jax.lax.psum(whole, axis)
+    n = context_size()
+    if n == 1:
+        return x
+    return context_unlayout(all_gather(x, axis_name=CONTEXT_AXIS, axis=1), n, load_balanced=True)
