@@ -12,10 +12,10 @@ from . import inspect as inspect
 from . import internal as internal
 from . import models as models
 from . import nn as nn
+from . import optim as optim
 from . import pipeline as pipeline
 from . import rules as rules
 from . import runtime as runtime
-from . import optim as optim
 from . import train as train
 from ._advise import PROFILES as DEVICE_PROFILES  # noqa: F401  (re-exported under this name)
 from ._advise import Advice as Advice

@@ -69,7 +69,9 @@ def test_sharded_stage_gradients_match_one_device(schedule, chunks, remat):
     # Gradients leave split like the weights.
     assert grads.blocks.blocks.w.sharding.spec[:2] == ("pipe", "fsdp")
     assert_trees_close(float(value), float(ref_loss))
-    assert_trees_close_to_scale(eqxpar.nn.in_natural_order(grads), eqx.filter(ref_grads, eqx.is_inexact_array))
+    assert_trees_close_to_scale(
+        eqxpar.nn.in_natural_order(grads), eqx.filter(ref_grads, eqx.is_inexact_array)
+    )
 
 
 def test_sharded_stage_gradients_train_like_one_device():
@@ -117,7 +119,9 @@ def test_sharded_stage_gradients_move_the_minimum(remat, gathers):
     whole_bytes = _stage_fsdp_bytes(model, _plan("1f1b", rules=STACK_SPLIT))
     for mode in ("sharded", "whole"):
         plan = _plan("1f1b", microbatches=m, remat=remat, rules=STACK_SPLIT, mode=mode)
-        compiled = eqxpar.train.make_value_and_grad(loss, plan).lower(eqxpar.shard(model, plan), batch).compile()
+        compiled = (
+            eqxpar.train.make_value_and_grad(loss, plan).lower(eqxpar.shard(model, plan), batch).compile()
+        )
         stats = eqxpar.inspect.collective_stats(compiled)
         if mode == "sharded":
             least = eqxpar.inspect.minimum_comm(plan, model, loss=loss, batch=batch)

@@ -460,7 +460,11 @@ def _gathered_at_use(facts: PlanFacts, params: Any, layout: StepLayout, loss: An
     rows = max(1, loss.stack_of(params).depth // facts.mesh.shape.get("pipe", 1))
     rest = gathered - (stack_whole - stack_split)
     stored = next((x.dtype for x in jax.tree.leaves(blocks) if jnp.issubdtype(x.dtype, jnp.floating)), None)
-    scale = 1.0 if dims.compute_dtype is None or stored is None else itemsize(dims.compute_dtype) / itemsize(stored)
+    scale = (
+        1.0
+        if dims.compute_dtype is None or stored is None
+        else itemsize(dims.compute_dtype) / itemsize(stored)
+    )
     return int(scale * (2 * stack_whole // rows + max(0, rest)))
 
 

@@ -263,7 +263,10 @@ def _param_items(
             if at_use:
                 # Plan(stage_gradients="sharded"): gathered at each use, each
                 # micro-batch's gradient reduce-scattered.
-                k, scatters = _gathers_at_use(dims.remat, stacked, gathers) * dims.microbatches, dims.microbatches
+                k, scatters = (
+                    _gathers_at_use(dims.remat, stacked, gathers) * dims.microbatches,
+                    dims.microbatches,
+                )
             over = _axes_text(split, sizes)
             gather, scatter = (
                 f"FSDP all-gather over {over} ({k} per step)",

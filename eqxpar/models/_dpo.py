@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree, Shaped
 
-from .. import nn
 from .._context_split import context_size
 from .._errors import BatchError, PlanError
 from .._mesh import CONTEXT_AXIS

@@ -135,7 +135,6 @@ def sequence_mean(
     return local
 
 
-
 def whole_sequence(
     x: Shaped[Array, "batch seq_in *rest"], *, axis: str = "tensor", tensor_blocks: bool = False
 ) -> Shaped[Array, "batch seq *rest"]:
