@@ -62,15 +62,25 @@ LOSS_CHUNK = None
 def run_case(name: str) -> dict[str, Any]:
     """Compile case `name` in this process: the report's record and the advisor's prediction."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    import equinox as eqx
     import jax
-    import jax.numpy as jnp
-    import optax
 
+    from eqxpar import aot
+
+    config, plan = case_config_and_plan(name)
+    model = CASES[name][0]
+    start = time.perf_counter()
+    report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
+    record = {"name": name, "topology_name": CASES[name][1], **report.as_dict()}
+    record["total_seconds"] = round(time.perf_counter() - start, 1)
+    record["versions"] = {"jax": jax.__version__, "libtpu": _libtpu_version()}
+    record["predicted"] = predict_case(name)
+    return record
+
+
+def case_config_and_plan(name: str) -> tuple[Any, Any]:
+    """The `GPTConfig` and `Plan` case `name` compiles (a mesh over its topology's chips)."""
     import eqxpar
     from eqxpar import aot
-    from eqxpar._advise._analysis import analyse
-    from eqxpar._advise._predict import predict
 
     model, topology, axes, overrides = CASES[name]
     config = eqxpar.models.preset(model, **{"loss_chunk": LOSS_CHUNK, **overrides})
@@ -81,15 +91,26 @@ def run_case(name: str) -> dict[str, Any]:
         split_physical_axes=name in SPLIT_PHYSICAL_AXES,
         **PLAN_OPTIONS.get(name, {}),
     )
-    start = time.perf_counter()
-    report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
-    record = {"name": name, "topology_name": topology, **report.as_dict()}
-    record["total_seconds"] = round(time.perf_counter() - start, 1)
-    record["versions"] = {"jax": jax.__version__, "libtpu": _libtpu_version()}
-    # The advisor's prediction for this very plan, from shapes (no compile).
+    return config, plan
+
+
+def predict_case(name: str) -> dict[str, int]:
+    """The advisor's prediction for case `name`'s plan, from shapes (nothing compiled):
+    per-device argument and temporary bytes, and wire bytes, on the `tpu_v5p` profile."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import eqxpar
+    from eqxpar._advise._analysis import analyse
+    from eqxpar._advise._predict import predict
+
+    config, plan = case_config_and_plan(name)
     optimizer = optax.adamw(1e-4)
     outline = eqx.filter_eval_shape(eqxpar.models.GPT, config, key=jax.random.key(0))
-    tokens = jax.ShapeDtypeStruct((BATCH[0] * report.chips, BATCH[1] + 1), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((BATCH[0] * plan.mesh.size, BATCH[1] + 1), jnp.int32)
     loss = eqxpar.models.lm_loss
     if plan.schedule is not None:
         loss = eqxpar.pipeline.PipelineLoss(
@@ -102,12 +123,7 @@ def run_case(name: str) -> dict[str, Any]:
         analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
     profile = eqxpar.DEVICE_PROFILES["tpu_v5p"]
     p = predict(plan, state.model, state.opt_state, tokens, loss, analysis, profile)
-    record["predicted"] = {
-        "argument_bytes": p.argument_bytes,
-        "temp_bytes": p.temp_bytes,
-        "wire_bytes": p.total_wire_bytes,
-    }
-    return record
+    return {"argument_bytes": p.argument_bytes, "temp_bytes": p.temp_bytes, "wire_bytes": p.total_wire_bytes}
 
 
 def _libtpu_version() -> str:
@@ -161,21 +177,22 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
     lines += [
         "",
         "| case | argument GiB: predicted / compiled (error) | temp GiB: predicted / compiled (error) "
-        "| wire GB: predicted / compiled (error) |",
-        "|---|---|---|---|",
+        "| argument + temp GiB: predicted / compiled (error) | wire GB: predicted / compiled (error) |",
+        "|---|---|---|---|---|",
     ]
     for name, r in records.items():
         if r.get("refused"):
             continue
         p = r["predicted"]
         cells = []
-        for field, measured, unit in (
-            ("argument_bytes", r["argument_bytes"], GIB),
-            ("temp_bytes", r["temp_bytes"], GIB),
-            ("wire_bytes", r["total_wire_bytes"], 1e9),
+        for predicted, measured, unit in (
+            (p["argument_bytes"], r["argument_bytes"], GIB),
+            (p["temp_bytes"], r["temp_bytes"], GIB),
+            (p["argument_bytes"] + p["temp_bytes"], r["argument_bytes"] + r["temp_bytes"], GIB),
+            (p["wire_bytes"], r["total_wire_bytes"], 1e9),
         ):
-            error = p[field] / measured - 1 if measured else 0.0
-            cells.append(f"{p[field] / unit:.2f} / {measured / unit:.2f} ({error:+.0%})")
+            error = predicted / measured - 1 if measured else 0.0
+            cells.append(f"{predicted / unit:.2f} / {measured / unit:.2f} ({error:+.1%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -45,6 +45,7 @@ from ..pipeline._program import (
 )
 from ._analysis import Analysis, Slots, engine_slots
 from ._profile import DeviceProfile
+from ._tpu import expert_terms, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
 #: optimizer update holds about this share of the updated parameters' bytes in
@@ -288,6 +289,14 @@ def predict(
     at_use = dims.pipelined and dims.stage_gradients == "sharded"
     if at_use:  # the sums split like the weights (`_gathered_at_use`)
         grads, gathered = params_bytes, _gathered_at_use(facts, params, layout, loss, grads - params_bytes)
+    # The TPU compiler partitions automatic FSDP otherwise (`_tpu`).
+    tpu = (
+        tpu_terms(dims, mesh, analysis, params, layout.params, params_bytes)
+        if (auto_fsdp and profile.platform == "tpu")
+        else None
+    )
+    if tpu is not None:
+        grads, gathered = tpu.gradients, tpu.head
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
@@ -299,6 +308,9 @@ def predict(
         activations = _activations(facts, analysis, params, layout.params, manual)
         activations += _kept_inputs(facts, analysis)
         buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
+        if tpu is not None:
+            activations += tpu.inputs
+            buffers += tpu.layer
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
         # One layer's backward, as under remat "none" (`_engine_layouts`).
@@ -318,8 +330,20 @@ def predict(
     sent = None if dims.schedule is None else _engine_sends(sched)
     repeats = _repeated_sums(facts, params, loss, batch, moved)
     wire, by_axis = _wire(
-        facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats
+        facts,
+        least,
+        analysis,
+        moved=moved,
+        auto_fsdp=auto_fsdp,
+        sent=sent,
+        repeats=repeats,
+        scatters=profile.platform == "tpu",
     )
+    if tpu is not None:
+        # The experts' gradients are scattered in the parameters' dtype (`_tpu`).
+        for axes, w in expert_terms(dims, mesh, params, layout.params)[1].items():
+            wire["reduce-scatter"] = wire.get("reduce-scatter", 0) + w
+            by_axis[axes] = by_axis.get(axes, 0) + w
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
     flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)
@@ -558,6 +582,7 @@ def _wire(
     auto_fsdp: bool,
     sent: int | None,
     repeats: int,
+    scatters: bool = False,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """Wire bytes by kind and by axes: `least` (`minimum_comm`, automatic FSDP
     counted as gathering twice) plus what eqxpar's implementations move beyond
@@ -565,7 +590,9 @@ def _wire(
     busiest device's, `_engine_sends`; None without a pipeline); ring attention
     re-sends keys and values; dropless expert parallelism sends `n` times the
     routed rows plus their ids; automatic FSDP all-reduces; column-parallel
-    weights sharing an input sum apart (`repeats`, `_repeated_sums`)."""
+    weights sharing an input sum apart (`repeats`, `_repeated_sums`). With
+    `scatters` (the TPU compiler) automatic FSDP reduce-scatters its gradients
+    as the minimum does, instead of all-reducing them."""
     dims = facts.dims
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
@@ -603,7 +630,7 @@ def _wire(
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
                 add("collective-permute" if dims.tp_overlap else k, axes, w / 2)
-        elif auto_fsdp and kind == "reduce-scatter":
+        elif auto_fsdp and kind == "reduce-scatter" and not scatters:
             add("all-reduce", axes, 2 * w)
         else:
             add(kind, axes, w)

@@ -37,6 +37,13 @@ class DeviceProfile:
     sheet shows first (and 1,979 is also its dense fp8 rate); an MFU computed
     against 1,979 reads half what it is. Take the dense figure.
 
+    - `platform`: `"cpu"`, `"gpu"` (the default) or `"tpu"`: the XLA backend the
+      step compiles for. On `"tpu"` the advisor predicts the TPU compiler's
+      automatic partitioning (`eqxpar.advise`: each layer's weight gradient
+      reduce-scattered as the backward pass reaches it, so no gradient is whole
+      per device); elsewhere every gradient whole per device until it is reduced,
+      as XLA:CPU compiles it.
+
     Build your own for other hardware; `PROFILES` holds eqxpar's.
 
     ```python
@@ -57,6 +64,7 @@ class DeviceProfile:
     devices_per_node: int
     memory_bytes: int
     peak_flops_per_s: Mapping[str, float] | None = None
+    platform: str = "gpu"
 
     def __post_init__(self):
         rates = dict(self.flops_per_s)
@@ -72,6 +80,11 @@ class DeviceProfile:
             raise PlanError(
                 f"DeviceProfile(devices_per_node={self.devices_per_node!r}, memory_bytes="
                 f"{self.memory_bytes!r}): expected positive integers."
+            )
+        if self.platform not in ("cpu", "gpu", "tpu"):
+            raise PlanError(
+                f"DeviceProfile(platform={self.platform!r}): expected 'cpu', 'gpu' or 'tpu', the XLA "
+                "backend the step compiles for."
             )
         # A plain dict, frozen by convention: the profile is a value.
         object.__setattr__(self, "flops_per_s", rates)
@@ -188,6 +201,7 @@ PROFILES: dict[str, DeviceProfile] = {
         devices_per_node=64,
         memory_bytes=95 * 10**9,
         peak_flops_per_s={"bfloat16": 459e12},
+        platform="tpu",
     ),
     "cpu": DeviceProfile(
         name="cpu",
@@ -197,6 +211,7 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_node_bytes_per_s=8.347e9,
         devices_per_node=8,
         memory_bytes=8 * 2**30,
+        platform="cpu",
     ),
 }
 

@@ -32,6 +32,12 @@ class TensorSum:
     where: str  # "forward" (a row-parallel output) or "backward" (a column-parallel input)
     count: int
     nbytes: int
+    # Inside a scan (a stack's layers), whose forward a remat policy runs again in
+    # the backward pass, and a forward sum with it (see `sum_items`); `last`: the
+    # scan body's last forward sum, whose output is the layer's (a layer's
+    # backward does not read its own output, so that sum is not recomputed for it).
+    scanned: bool = False
+    last: bool = False
 
 
 def aval_bytes(aval: Any, moved: Any) -> int:
@@ -110,6 +116,8 @@ class TensorSumWalk:
     # Column-parallel inputs already counted (their cotangents are summed once
     # however many weights multiply them: Q, K and V share one).
     seen: set = dataclasses.field(default_factory=set)
+    # Scans entered (a sum found at depth > 0 is `scanned`).
+    depth: int = 0
 
     def dot(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
         (lc, rc), _ = eqn.params["dimension_numbers"]
@@ -119,20 +127,24 @@ class TensorSumWalk:
         dims, contract, act = (rhs, rc, eqn.invars[0]) if rhs is not None else (lhs, lc, eqn.invars[1])
         if dims & set(contract):
             # Row-parallel: each device holds a partial product, summed forward.
-            self.sums.append(TensorSum("forward", count, aval_bytes(eqn.outvars[0].aval, self.moved)))
+            self.sums.append(
+                TensorSum("forward", count, aval_bytes(eqn.outvars[0].aval, self.moved), self.depth > 0)
+            )
             return
         # Column-parallel: the input's cotangent is a partial sum, summed backward.
         key = alias.get(act, act)
         if key not in self.seen:
             self.seen.add(key)
-            self.sums.append(TensorSum("backward", count, aval_bytes(act.aval, self.moved)))
+            self.sums.append(TensorSum("backward", count, aval_bytes(act.aval, self.moved), self.depth > 0))
 
     def gather(self, eqn: Any, ins: list, count: int) -> None:
         # A lookup in rows split over the tensor axis (a vocabulary-parallel
         # embedding): each device finds its own rows, summed forward.
         dims = ins[0]
         if dims and dims & set(eqn.params["dimension_numbers"].start_index_map):
-            self.sums.append(TensorSum("forward", count, aval_bytes(eqn.outvars[0].aval, self.moved)))
+            self.sums.append(
+                TensorSum("forward", count, aval_bytes(eqn.outvars[0].aval, self.moved), self.depth > 0)
+            )
 
     def scan(self, eqn: Any, ins: list, alias: dict, count: int) -> None:
         params = eqn.params
@@ -144,7 +156,15 @@ class TensorSumWalk:
             if dims is not None:
                 # Scanned-over operands lose their leading (layer) dimension.
                 env[inner] = dims if i < consts + carry else frozenset(d - 1 for d in dims if d > 0)
-        self.run(body, env, inner_alias, count * params["length"])
+        self.depth += 1
+        before = len(self.sums)
+        try:
+            self.run(body, env, inner_alias, count * params["length"])
+        finally:
+            self.depth -= 1
+        forward = [i for i in range(before, len(self.sums)) if self.sums[i].where == "forward"]
+        if forward:
+            self.sums[forward[-1]] = dataclasses.replace(self.sums[forward[-1]], last=True)
 
     def run(self, jaxpr: Any, env: dict, alias: dict, count: int) -> dict:
         """Walk `jaxpr`, `env` mapping the variables that hold a tensor-split weight to

@@ -315,7 +315,8 @@ def _tensor_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: A
     sums = tensor_sums(with_key(loss), args, split, "loss(model, batch)", moved)
     _check_found(sums, dims.tensor_axis)
     t = dims.tensor_size
-    return sum_items(sums, t, per_device=dims.batch_size_multiple * dims.context_size, axis=dims.tensor_axis)
+    per_device = dims.batch_size_multiple * dims.context_size
+    return sum_items(sums, t, per_device=per_device, axis=dims.tensor_axis, remat=dims.remat)
 
 
 def _check_found(sums: list[TensorSum], tensor_axis: str) -> None:
@@ -407,7 +408,7 @@ def _pipeline_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved:
         ]
         # The stack's layers are shared out over the stages; every micro-batch runs through them.
         tensor = dims.tensor_axis
-        items += sum_items(stack, t, per_device=share, axis=tensor, repeat=(m, p))
+        items += sum_items(stack, t, per_device=share, axis=tensor, repeat=(m, p), remat=dims.remat)
         items += sum_items(first if d == 0 else [], t, per_device=share, axis=tensor, repeat=(m, 1))
         items += sum_items(last if d == head else [], t, per_device=share, axis=tensor, repeat=(m, 1))
         if not busiest or sum(i.wire for i in items) > sum(i.wire for i in busiest):
@@ -492,7 +493,9 @@ def minimum_comm(
       all-reduce per row-parallel matmul output (forward), per column-parallel
       matmul input (backward; once for Q, K, V sharing it) and per lookup in
       vocabulary-split rows (forward): 4 per transformer layer, on this device's
-      rows. Sequence parallelism and ring overlap move the same wire bytes.
+      rows. A stack's recomputed forward sums again: under `remat="inputs"` all
+      but each layer's last sum (5 per layer), under `"full"` every one once
+      more (7 per layer); `"dots"` keeps the summed outputs. Sequence parallelism and ring overlap move the same wire bytes.
     - **Context parallelism** (`n` devices of the `context` axis): the gradient
       all-reduce also runs over `context`; every attention layer's keys and
       values reach the other `n-1` devices (an all-gather's wire bytes, compute
@@ -508,7 +511,8 @@ def minimum_comm(
       layer sends this device's routed activations (`tokens * top_k` rows of
       `d_model`, compute dtype) to their experts' devices and the outputs back,
       forward, and both transposed backward: four all-to-alls of those rows,
-      `(n-1)/n` of each leaving the device. (A dropless step with static
+      `(n-1)/n` of each leaving the device; a stack's recompute runs the forward
+      pair again (six under `remat="inputs"`, eight under `"full"`). (A dropless step with static
       shapes moves `n` times as much, see `eqxpar.nn.MoE`; with a capacity
       factor `c`, about `c` times.)
     - **Pipelines** (`p` stages, `v` chunks, `m` micro-batches): the busiest
@@ -573,8 +577,9 @@ def _expert_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: A
     """Expert parallelism over `n` devices: every MoE layer sends this device's
     routed activations (`tokens * top_k` rows of `d_model`, compute dtype) to the
     devices of their experts and the outputs back (two all-to-alls, `(n-1)/n`
-    of them leaving the device), and the backward pass runs both transposed; in
-    a pipeline, the busiest stage's `1/p` of the layers."""
+    of them leaving the device), and the backward pass runs both transposed; a
+    stack's layers run their forward pair again where the plan's remat
+    recomputes it; in a pipeline, the busiest stage's `1/p` of the layers."""
     dims = facts.dims
     from ..nn._moe import record_dispatches
 
@@ -594,9 +599,14 @@ def _expert_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: A
     if not seen:
         return []
     # One layer per MoE module, times its stack depth (a stacked layer's expert
-    # weights have a leading depth dimension).
-    layers = sum(m.w_in.shape[0] if m.w_in.ndim == 4 else 1 for m in moes)
-    layers //= facts.mesh.shape.get(PIPE, 1)
+    # weights have a leading depth dimension). A stack's recomputed forward runs
+    # its two all-to-alls again: once under remat "inputs", twice under "full"
+    # (counted on compiled steps: XLA:CPU and the TPU compiler alike).
+    runs = {"inputs": 2, "full": 3}.get(dims.remat, 1)
+    p = facts.mesh.shape.get(PIPE, 1)
+    stacked = sum(m.w_in.shape[0] for m in moes if m.w_in.ndim == 4) // p
+    single = sum(1 for m in moes if m.w_in.ndim != 4) // p
+    count = (2 * runs + 2) * stacked + 4 * single
     routed = seen[0]
     per_device = dims.batch_size_multiple * dims.context_size
     rows = routed.shape[0] // per_device
@@ -608,7 +618,7 @@ def _expert_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: A
             "all-to-all",
             n,
             size,
-            4 * layers,
+            count,
             source=MOE_DISPATCH,
             axes=(EXPERT_AXIS,),
         )

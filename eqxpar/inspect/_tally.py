@@ -53,20 +53,32 @@ def sum_items(
     per_device: int,
     axis: str,
     repeat: tuple[int, int] = (1, 1),
+    remat: str = "none",
 ) -> list[Item]:
     """Activation all-reduces over `t` devices of the tensor axis `axis`: each sum's global bytes split
-    `per_device` ways, repeated `count * repeat[0] // repeat[1]` times."""
+    `per_device` ways, repeated `count * repeat[0] // repeat[1]` times, and again where `remat`
+    recomputes it. Under `"inputs"` each layer of a stack runs its forward again in its backward
+    pass, but for its last sum (the layer's output, which its backward does not read): a forward
+    sum inside a scan but the last runs twice. Under `"full"` the stack also recomputes its whole
+    forward first (keeping each layer's input): every forward sum inside a scan runs once more.
+    (Counted on compiled steps, XLA:CPU and the TPU compiler alike; `"dots"` keeps the sums.)"""
     num, den = repeat
     part = "tensor-parallel activation sums ({})"
-    return [
-        Item(
-            part.format(s.where),
-            "all-reduce",
-            t,
-            s.nbytes // per_device,
-            s.count * num // den,
-            source=TENSOR_SUMS,
-            axes=(axis,),
+    items = []
+    for s in sums:
+        runs = 1
+        if s.where == "forward" and s.scanned:
+            runs += (remat in ("inputs", "full") and not s.last) + (remat == "full")
+        where = s.where if runs == 1 else f"{s.where}, {runs} runs"
+        items.append(
+            Item(
+                part.format(where),
+                "all-reduce",
+                t,
+                s.nbytes // per_device,
+                runs * s.count * num // den,
+                source=TENSOR_SUMS,
+                axes=(axis,),
+            )
         )
-        for s in sums
-    ]
+    return items

@@ -1,0 +1,157 @@
+"""What the TPU compiler holds per device in a step it partitions itself
+(automatic mode, the weights split over batch axes), where that differs from
+what XLA:CPU holds (`_predict`'s model).
+
+Read off the TPU compiler's buffer assignments of Llama-3 8B and 70B and
+Mixtral 8x7B steps compiled ahead of time for v5p slices (`eqxpar.aot`; the
+`benchmarks.tpu_compile` records, whose tables show the prediction beside the
+compiled figure). Four things differ:
+
+- **Gradients stay split.** The TPU compiler reduce-scatters each layer's weight
+  gradient inside the backward loop as it is made (often as a windowed einsum
+  that never forms it whole): a device holds the gradients' shards, in the
+  parameters' dtype, not every gradient whole (XLA:CPU's program, 30 GB on 8B).
+- **The stack's inputs.** Under `remat="full"` the stack's recomputed forward
+  keeps each layer's input for the layers' own recomputation: one activation per
+  layer per row (compute dtype; split along the sequence over `tensor` under
+  sequence parallelism), which the loss's own residuals do not show (the stack
+  saves only its input).
+- **The head is gathered whole.** The largest weight outside the stacks (the
+  output head) is all-gathered over the batch axes for its matmul, in compute
+  dtype; the layers' matmuls run as windowed einsums instead.
+- **One layer's backward.** While a layer runs backward it holds its recomputed
+  forward and its gradients: the attention kernel's score, probability and
+  gradient blocks in float32 (`block_size` keys per block), the MLP's hidden
+  activations and their gradients (gate, up, activation), and a few copies of
+  the residual stream.
+- **Experts are gathered, not windowed.** An MoE layer's expert weights (grouped
+  matmuls) are all-gathered over the batch axes for the layer, in compute dtype,
+  and their gradient is made whole over them in the parameters' dtype, then
+  reduce-scattered in that dtype (twice the bytes of a bfloat16 scatter).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .._sizes import itemsize
+from .._mesh import EXPERT_AXIS
+from .._rules import mesh_axis_names
+from .._specs import is_array_like
+from ..inspect._model_layers import attention_layers
+from ._analysis import Analysis
+
+#: Live float32 blocks of the attention kernel's backward per query row, head and
+#: key of a block: scores, probabilities and their gradient.
+_SCORE_BLOCKS = 3
+#: Hidden activations of a gated MLP live in its backward: gate, up, their product.
+_HIDDEN_COPIES = 3
+#: Residual-stream activations (d_model wide) live in a layer's backward: its
+#: input, the two norms' outputs, the attention output and their gradients.
+_STREAM_COPIES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTerms:
+    """Per device: `gradients` (their shards), `inputs` (the stack's kept layer
+    inputs), `head` (the gathered head weight), `layer` (one layer's backward)."""
+
+    gradients: int
+    inputs: int
+    head: int
+    layer: int
+
+
+def tpu_terms(
+    dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, gradients: int
+) -> TpuTerms:
+    """The four terms (see the module) of a step under `dims` (`ParallelDims`) on
+    `mesh`, with `params` and their `specs` (the step layout's) as outlines;
+    `gradients`: the parameters' bytes per device (their shards)."""
+    compute = dims.compute_dtype
+    attention = attention_layers(params)
+    t, c = dims.tensor_size, dims.context_size
+    rows = max(1, analysis.batch_size // dims.batch_size_multiple)
+    seq = (analysis.seq_len or 1) // c
+    if not attention:
+        return TpuTerms(gradients, 0, _head(params, specs, mesh, dims, compute), 0)
+    layer = attention[0]
+    d_model = layer.wo.shape[-1]
+    size = itemsize(compute or layer.wo.dtype)
+    inputs = 0
+    if dims.remat == "full":
+        split = t if dims.sequence_parallel else 1
+        inputs = analysis.layers * rows * seq * d_model * size // split
+    heads = max(1, layer.num_heads // t)
+    block = min(getattr(layer, "attention_block", seq), seq)
+    scores = _SCORE_BLOCKS * rows * heads * seq * block * 4
+    hidden = _mlp_hidden(params) // t
+    mlp = _HIDDEN_COPIES * rows * seq * hidden * size
+    stream = _STREAM_COPIES * rows * seq * d_model * size
+    experts, _ = expert_terms(dims, mesh, params, specs)
+    layer_bytes = scores + mlp + stream + experts
+    return TpuTerms(gradients, inputs, _head(params, specs, mesh, dims, compute), layer_bytes)
+
+
+def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, dict[tuple[str, ...], int]]:
+    """One MoE layer's expert weights gathered over the batch axes (compute dtype)
+    with their gradient whole over them (parameters' dtype), per device; and by
+    batch axes, the wire bytes their gradients' reduce-scatters move beyond a
+    compute-dtype scatter (what `minimum_comm` counts)."""
+    from ..nn._moe import MoE
+
+    is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
+    moes = [x for x in jax.tree.leaves(params, is_leaf=is_moe) if is_moe(x)]
+    moe_specs = [x for x in jax.tree.leaves(specs, is_leaf=is_moe) if is_moe(x)]
+    # Experts split over the expert axis stay there: only the other batch axes gather.
+    batch = set(dims.batch_axes) - {EXPERT_AXIS}
+    layer, extra = 0, {}
+    for moe, spec in zip(moes, moe_specs, strict=True):
+        depth = moe.w_in.shape[0] if moe.w_in.ndim == 4 else 1
+        for name in ("w_in", "w_gate", "w_out"):
+            x, s = getattr(moe, name), getattr(spec, name)
+            if x is None or not isinstance(s, PartitionSpec):
+                continue
+            names = [a for e in s for a in mesh_axis_names(e)]
+            kept = math.prod(mesh.shape[a] for a in names if a not in batch)
+            over = tuple(a for a in names if a in batch)
+            g = math.prod(mesh.shape[a] for a in over)
+            param = itemsize(x.dtype)
+            size = itemsize(dims.compute_dtype or x.dtype)
+            whole = x.size // depth // kept
+            layer += whole * (size + param)
+            if g > 1 and param > size:
+                extra[over] = extra.get(over, 0) + x.size // kept * (param - size) * (g - 1) // g
+    # One layer's experts at a time (the largest MoE layer's).
+    return layer // max(1, len(moes)), extra
+
+
+def _mlp_hidden(params: Any) -> int:
+    from ..nn._linear import MLP
+
+    is_mlp = lambda x: isinstance(x, MLP)  # noqa: E731
+    mlps = [x for x in jax.tree.leaves(params, is_leaf=is_mlp) if is_mlp(x)]
+    return max((m.d_hidden for m in mlps), default=0)
+
+
+def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any) -> int:
+    """The largest weight outside a stack (no leading layer dimension named in its
+    spec), gathered over the batch axes, in compute dtype, per device."""
+    batch = set(dims.batch_axes)
+    best = 0
+    flat = jax.tree.structure(params).flatten_up_to(specs)
+    for x, spec in zip(jax.tree.leaves(params), flat, strict=True):
+        if not is_array_like(x) or x.ndim != 2 or not isinstance(spec, PartitionSpec):
+            continue
+        names = [mesh_axis_names(e) for e in spec]
+        if not any(batch & set(n) for n in names):
+            continue
+        kept = math.prod(mesh.shape[a] for n in names for a in n if a not in batch)
+        dtype = compute if compute is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        best = max(best, x.size * itemsize(dtype) // kept)
+    return best
+
