@@ -30,9 +30,16 @@ RECORDS = json.loads((pathlib.Path(tpu_compile.RESULTS) / "quick.json").read_tex
 WIRE = {"llama3-8b_v5p-64_fsdp8_tensor4": 0.07}
 
 
-@pytest.mark.parametrize(
-    "name", [n for n, r in RECORDS.items() if not r.get("refused") and n in tpu_compile.CASES]
+#: The records beside MaxText's (the advisor's TPU model is read off these).
+HELD = (
+    "llama3-8b_v5p-64_fsdp32",
+    "llama3-8b_v5p-64_fsdp8_tensor4",
+    "llama3-70b_v5p-256_fsdp32_tensor4",
+    "mixtral-8x7b_v5p-128_expert8_fsdp8",
 )
+
+
+@pytest.mark.parametrize("name", [n for n in HELD if n in RECORDS and not RECORDS[n].get("refused")])
 def test_the_tpu_prediction_matches_the_tpu_compilers_record(name):
     record = RECORDS[name]
     p = tpu_compile.predict_case(name)
