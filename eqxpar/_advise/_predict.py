@@ -296,7 +296,7 @@ def predict(
         else None
     )
     if tpu is not None:
-        grads, gathered = tpu.gradients, tpu.head
+        grads = tpu.gradients
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
@@ -309,8 +309,9 @@ def predict(
         activations += _kept_inputs(facts, analysis)
         buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
         if tpu is not None:
+            # The head's phase or one layer's backward, whichever holds more (`_tpu`).
             activations += tpu.inputs
-            buffers += tpu.layer
+            buffers = max(tpu.head, tpu.layer + buffers)
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
         # One layer's backward, as under remat "none" (`_engine_layouts`).

@@ -18,7 +18,13 @@ compiled figure). Four things differ:
   saves only its input).
 - **The head is gathered whole.** The largest weight outside the stacks (the
   output head) is all-gathered over the batch axes for its matmul, in compute
-  dtype; the layers' matmuls run as windowed einsums instead.
+  dtype, beside two compute-dtype copies of the logits (the float32 ones are the
+  loss's residual); the layers' matmuls run as windowed einsums instead. With
+  `GPTConfig(loss_chunk=...)` the head runs in tiles of the vocabulary, each
+  gathered in turn with its float32 logits (`eqxpar.models`' vocabulary tiles).
+- **Two phases.** The head's working set and one layer's backward are not live
+  at once: a step holds the larger of the two beside what lives throughout
+  (gradient shards, kept inputs, residuals, the update's temporaries).
 - **One layer's backward.** While a layer runs backward it holds its recomputed
   forward and its gradients: the attention kernel's score, probability and
   gradient blocks in float32 (`block_size` keys per block), the MLP's hidden
@@ -58,7 +64,8 @@ _STREAM_COPIES = 5
 @dataclasses.dataclass(frozen=True)
 class TpuTerms:
     """Per device: `gradients` (their shards), `inputs` (the stack's kept layer
-    inputs), `head` (the gathered head weight), `layer` (one layer's backward)."""
+    inputs), `head` (the head's working set: its gathered weight, or a tile of
+    it, and its logits), `layer` (one layer's backward)."""
 
     gradients: int
     inputs: int
@@ -66,9 +73,7 @@ class TpuTerms:
     layer: int
 
 
-def tpu_terms(
-    dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, gradients: int
-) -> TpuTerms:
+def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, gradients: int) -> TpuTerms:
     """The four terms (see the module) of a step under `dims` (`ParallelDims`) on
     `mesh`, with `params` and their `specs` (the step layout's) as outlines;
     `gradients`: the parameters' bytes per device (their shards)."""
@@ -77,8 +82,9 @@ def tpu_terms(
     t, c = dims.tensor_size, dims.context_size
     rows = max(1, analysis.batch_size // dims.batch_size_multiple)
     seq = (analysis.seq_len or 1) // c
+    head = _head(params, specs, mesh, dims, compute, rows * seq)
     if not attention:
-        return TpuTerms(gradients, 0, _head(params, specs, mesh, dims, compute), 0)
+        return TpuTerms(gradients, 0, head, 0)
     layer = attention[0]
     d_model = layer.wo.shape[-1]
     size = itemsize(compute or layer.wo.dtype)
@@ -94,7 +100,7 @@ def tpu_terms(
     stream = _STREAM_COPIES * rows * seq * d_model * size
     experts, _ = expert_terms(dims, mesh, params, specs)
     layer_bytes = scores + mlp + stream + experts
-    return TpuTerms(gradients, inputs, _head(params, specs, mesh, dims, compute), layer_bytes)
+    return TpuTerms(gradients, inputs, head, layer_bytes)
 
 
 def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, dict[tuple[str, ...], int]]:
@@ -138,11 +144,14 @@ def _mlp_hidden(params: Any) -> int:
     return max((m.d_hidden for m in mlps), default=0)
 
 
-def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any) -> int:
-    """The largest weight outside a stack (no leading layer dimension named in its
-    spec), gathered over the batch axes, in compute dtype, per device."""
+def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any, tokens: int) -> int:
+    """The head's working set per device for `tokens` positions: the largest 2-D
+    weight split over the batch axes (the head) gathered over them in compute
+    dtype, and its logits (its longer side is the vocabulary); in vocabulary tiles
+    where the model's `config.loss_chunk` is set and the vocabulary is not split
+    over other axes."""
     batch = set(dims.batch_axes)
-    best = 0
+    best = None
     flat = jax.tree.structure(params).flatten_up_to(specs)
     for x, spec in zip(jax.tree.leaves(params), flat, strict=True):
         if not is_array_like(x) or x.ndim != 2 or not isinstance(spec, PartitionSpec):
@@ -151,7 +160,16 @@ def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any) -> int:
         if not any(batch & set(n) for n in names):
             continue
         kept = math.prod(mesh.shape[a] for n in names for a in n if a not in batch)
-        dtype = compute if compute is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-        best = max(best, x.size * itemsize(dtype) // kept)
-    return best
-
+        if best is None or x.size // kept > best[0].size // best[1]:
+            best = (x, kept)
+    if best is None:
+        return 0
+    x, kept = best
+    size = itemsize(compute if compute is not None else x.dtype)
+    vocab = max(x.shape) // kept
+    weight = x.size * size // kept
+    chunk = getattr(getattr(params, "config", None), "loss_chunk", None)
+    if chunk is not None and chunk < tokens and kept == 1:
+        tiles = -(-tokens // chunk)
+        return weight // tiles + tokens * vocab // tiles * 4
+    return weight + 2 * tokens * vocab * size
