@@ -41,12 +41,11 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .._sizes import itemsize
 from .._mesh import EXPERT_AXIS
 from .._rules import mesh_axis_names
+from .._sizes import itemsize
 from .._specs import is_array_like
 from ..inspect._model_layers import attention_layers
 from ._analysis import Analysis
