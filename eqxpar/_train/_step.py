@@ -87,6 +87,10 @@ def _train_step(
     # here with the global loss and gradients, so the check and the update below
     # are one code path for every plan.
     value, aux, grads = _gradients(loss, layout, state.model, batch, key)
+    # An offloaded optimizer state comes onto the device now, for the update
+    # (and the skip's select), and goes back to host memory with the new state.
+    opt_state, grads = layout.optimizer_state_onto_device(state.opt_state, grads)
+    state = eqx.tree_at(lambda s: s.opt_state, state, opt_state, is_leaf=lambda x: x is None)
     grad_norm = gradient_norm(grads)
     new_state = _apply(optimizer, layout, state, grads)
     metrics: Metrics = {"loss": value, "grad_norm": grad_norm}

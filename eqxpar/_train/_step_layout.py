@@ -250,6 +250,25 @@ class StepLayout:
             is_leaf=lambda x: x is None,
         )
 
+    def optimizer_state_onto_device(self, opt_state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
+        """Inside the compiled step: `(opt_state, grads)` with an offloaded
+        optimizer state (`Plan(offload=("optimizer",))`) moved to the device's
+        memory once the gradients exist. The optimization barrier ties the
+        transfer to them: issued at the top of the step, the compiler may start it
+        at once and hold the device copy through the backward pass, whose peak it
+        would raise by its size (measured on the TPU compiler)."""
+        if self.memory_kind("optimizer") is None:
+            return opt_state, grads
+        opt_state, grads = jax.lax.optimization_barrier((opt_state, grads))
+        mesh = self.plan.mesh
+        moved = jax.tree.map(
+            lambda spec, x: x if spec is None else jax.device_put(x, NamedSharding(mesh, spec, memory_kind="device")),
+            self.opt_state,
+            opt_state,
+            is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+        )
+        return moved, grads
+
     def onto_device(self, state: Any) -> Any:
         """Inside the compiled step: the offloaded parts of `state` (the array part
         of a `TrainState`, None elsewhere, with this layout's `state_shardings`)
@@ -267,7 +286,9 @@ class StepLayout:
         mesh = self.plan.mesh
         parts = [("params", lambda s: s.model), ("optimizer", lambda s: s.opt_state)]
         for part, where in parts:
-            if self.memory_kind(part) is None:
+            # The optimizer state comes onto the device after the gradients
+            # (`optimizer_state_onto_device`), not here.
+            if self.memory_kind(part) is None or (part == "optimizer" and kind == "device"):
                 continue
             moved = jax.tree.map(
                 lambda spec, x: x if spec is None else jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind)),

@@ -17,6 +17,7 @@ from .._outline_jit import has_outlines
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sharding import place_tree
+from .._sharding import shardings_of as shardings_of_specs
 from .._specs import is_array_like, partition_specs
 from .._stack_order import in_plan_order
 from ._resolved_plan import ResolvedPlan
@@ -236,3 +237,14 @@ def specs_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:
     if isinstance(tree, TrainState):
         return StepLayout.of(resolved, tree.model, tree.opt_state).state_specs(tree)
     return partition_specs(tree, resolved.plan)
+
+
+def shardings_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:
+    """The `NamedSharding` of every array leaf of `tree` where a train step keeps
+    it (None elsewhere): `specs_of`'s specs on the plan's mesh, and for a
+    `TrainState` in host memory for the parts the plan offloads
+    (`Plan(offload=...)`). For checkpoint restore, which reads each array
+    straight into it."""
+    if isinstance(tree, TrainState):
+        return StepLayout.of(resolved, tree.model, tree.opt_state).state_shardings(tree)
+    return shardings_of_specs(partition_specs(tree, resolved.plan), resolved.mesh)
