@@ -38,6 +38,14 @@ CASES: dict[str, tuple[str, str, dict[str, int], dict[str, Any]]] = {
     "llama3-70b_v5p-256_pipe4_fsdp32": ("llama3-70b", "v5p-256", {"pipe": 4, "fsdp": 32}, {}),
     "mixtral-8x7b_v5p-128_expert8_fsdp8": ("mixtral-8x7b", "v5p-128", {"expert": 8, "fsdp": 8}, {}),
 }
+#: Cases compiled with host offload (`Plan(offload=...)`, `python -m eqxpar.aot
+#: --offload`): name -> (the case it offloads from, the parts offloaded). Their
+#: device bytes fall, and host bytes rise, by what is offloaded.
+OFFLOAD_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llama3-8b_v5p-64_fsdp32_offload-optimizer": ("llama3-8b_v5p-64_fsdp32", ("optimizer",)),
+    "llama3-8b_v5p-64_fsdp32_offload-params": ("llama3-8b_v5p-64_fsdp32", ("params",)),
+    "llama3-70b_v5p-256_fsdp32_tensor4_offload-optimizer": ("llama3-70b_v5p-256_fsdp32_tensor4", ("optimizer",)),
+}
 #: Cases whose axes cut a side of the chip grid (v5p-128 is 4x4x4), as MaxText's
 #: allow_split_physical_axes=true.
 SPLIT_PHYSICAL_AXES = {"mixtral-8x7b_v5p-128_expert8_fsdp8"}
@@ -61,10 +69,15 @@ def run_case(name: str) -> dict[str, Any]:
     from eqxpar._advise._analysis import analyse
     from eqxpar._advise._predict import predict
 
-    model, topology, axes, overrides = CASES[name]
+    base, offload = OFFLOAD_CASES.get(name, (name, ()))
+    model, topology, axes, overrides = CASES[base]
     config = eqxpar.models.preset(model, loss_chunk=LOSS_CHUNK, **overrides)
     plan = aot.plan_of(
-        axes, topology=topology, rows_per_chip=BATCH[0], split_physical_axes=name in SPLIT_PHYSICAL_AXES
+        axes,
+        topology=topology,
+        rows_per_chip=BATCH[0],
+        split_physical_axes=base in SPLIT_PHYSICAL_AXES,
+        offload=offload,
     )
     start = time.perf_counter()
     report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
@@ -91,6 +104,7 @@ def run_case(name: str) -> dict[str, Any]:
         "argument_bytes": p.argument_bytes,
         "temp_bytes": p.temp_bytes,
         "wire_bytes": p.total_wire_bytes,
+        "host_bytes": p.host_bytes,
     }
     return record
 
@@ -192,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--tables-only reads --json and rewrites --markdown: pass both")
         _write_markdown(args.markdown, markdown(json.loads(args.json.read_text())["tpu_compile"]))
         return
-    names = args.only.split(",") if args.only else list(CASES)
+    names = args.only.split(",") if args.only else [*CASES, *OFFLOAD_CASES]
     records = {}
     for name in names:
         result = subprocess.run(

@@ -81,7 +81,9 @@ class Prediction:
     `update_bytes` (optimizer temporaries): the temporaries. `wire_bytes` by
     collective kind and `wire_bytes_by_axis` by mesh axes (what one device
     sends); `flops` per device; `compute_s`, `comm_s` and `step_time_s` on the
-    profile (communication not overlapped: an upper bound).
+    profile (communication not overlapped: an upper bound). `host_argument_bytes`:
+    the part of the state a plan offloads (`Plan(offload=...)`), in host memory
+    (`host_bytes`), not among the device's `argument_bytes`.
 
     ```python
     p = advice.candidates[0].prediction
@@ -103,11 +105,24 @@ class Prediction:
     compute_s: float
     comm_s: float
     step_time_s: float
+    #: Of `params_bytes + opt_state_bytes`, what the plan keeps in host memory
+    #: (`Plan(offload=("params" / "optimizer",))`): arguments, but not the device's.
+    host_argument_bytes: int = 0
 
     @property
     def argument_bytes(self) -> int:
-        """The step's arguments: state arrays and batch (`memory_analysis().argument_size_in_bytes`)."""
-        return self.params_bytes + self.opt_state_bytes + self.batch_bytes + STATE_SCALARS
+        """The step's arguments in device memory: state arrays and batch, less
+        what the plan offloads (`memory_analysis().argument_size_in_bytes`)."""
+        return (
+            self.params_bytes + self.opt_state_bytes + self.batch_bytes + STATE_SCALARS - self.host_argument_bytes
+        )
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the step holds per device: the offloaded state
+        (`memory_analysis()`'s `host_argument_size_in_bytes`; the new state is
+        written over it)."""
+        return self.host_argument_bytes
 
     @property
     def temp_bytes(self) -> int:
@@ -276,6 +291,11 @@ def predict(
     batch_axes = frozenset(dims.batch_axes)
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
+    # The offloaded parts live in host memory between steps (and the new state
+    # goes back there): arguments of the host's, not the device's.
+    host_arguments = (params_bytes if layout.memory_kind("params") else 0) + (
+        opt_bytes if layout.memory_kind("optimizer") else 0
+    )
     batch_bytes = sum(nbytes(x) // dims.batch_size_multiple for x in jax.tree.leaves(batch))
     # Gradients come out whole over the batch axes (then reduced or scattered);
     # experts split over `expert` are never gathered.
@@ -337,6 +357,7 @@ def predict(
         compute_s=compute,
         comm_s=comm,
         step_time_s=compute + comm,
+        host_argument_bytes=host_arguments,
     )
 
 
