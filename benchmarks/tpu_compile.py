@@ -164,7 +164,7 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|",
     ]
     for name, r in records.items():
-        if r.get("refused"):
+        if r.get("refused") or name in OFFLOAD_CASES:
             continue
         p = r["predicted"]
         cells = []
@@ -176,7 +176,34 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
             error = p[field] / measured - 1 if measured else 0.0
             cells.append(f"{p[field] / unit:.2f} / {measured / unit:.2f} ({error:+.0%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + offload_table(records))
+
+
+def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
+    """The host-offload rows: each offloaded case beside the case it offloads from
+    (device bytes: arguments + outputs not aliased + temporaries, `peak_bytes`)."""
+    rows = [
+        "",
+        "| case | device GiB: plain / offloaded (fall) | host GiB | fall / host | "
+        "device arguments GiB: predicted / compiled (error) | host GiB: predicted / compiled (error) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in records.items():
+        base = records.get(OFFLOAD_CASES.get(name, ("",))[0])
+        if name not in OFFLOAD_CASES or base is None or r.get("refused"):
+            continue
+        fall = base["peak_bytes"] - r["peak_bytes"]
+        host = r["host_bytes"]
+        p = r["predicted"]
+        arg_error = p["argument_bytes"] / r["argument_bytes"] - 1
+        host_error = p["host_bytes"] / host - 1 if host else 0.0
+        rows.append(
+            f"| {name} | {_gib(base['peak_bytes'])} / {_gib(r['peak_bytes'])} ({_gib(fall)}) | {_gib(host)} "
+            f"| {fall / host if host else 0:.0%} "
+            f"| {_gib(p['argument_bytes'])} / {_gib(r['argument_bytes'])} ({arg_error:+.0%}) "
+            f"| {_gib(p['host_bytes'])} / {_gib(host)} ({host_error:+.0%}) |"
+        )
+    return rows if len(rows) > 3 else []
 
 
 def _write_markdown(path: pathlib.Path, tables: str) -> None:

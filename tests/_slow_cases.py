@@ -487,3 +487,8 @@ _keep_only(
     "tensor-sp-overlap-chunk4",
 )
 _keep_only("test_chunked_loss.py::test_pipeline_last_stage_loss_matches", "3")
+
+# Host offload: the same offload path (state moved onto the device and back inside
+# the step) under data parallelism and a pipeline in `make test`, beside the FSDP
+# and tensor plans, each a minute of CPU training here.
+_keep_only("test_offload.py::test_an_offloaded_step_is_the_plain_one_bit_for_bit", "data", "pipeline")
