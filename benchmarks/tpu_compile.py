@@ -138,6 +138,8 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
+        if name in OFFLOAD_CASES:
+            continue  # their own table, beside the case they offload from
         m = maxtext.get(name, {})
         memory = m.get("memory_bytes", {})
         theirs = memory.get("argument_size", 0) + memory.get("temp_size", 0) if memory else None

@@ -185,3 +185,19 @@ def test_bad_offload_options_raise_naming_the_fix(options, match):
 def test_bad_remat_policies_raise_naming_the_fix(arguments, match):
     with pytest.raises(eqxpar.PlanError, match=match):
         eqxpar.RematPolicy(**arguments)
+
+
+def test_aot_command_refuses_an_unknown_offload_part(capsys):
+    from eqxpar import aot
+
+    status = aot.main(["--model", "gpt2", "--plan", "data=8", "--set", "num_layers=1", "--offload", "optimizer,disk"])
+    assert status == 2
+    assert "['disk'] unknown" in capsys.readouterr().out
+
+
+def test_aot_plan_of_offloads_the_named_activations():
+    from eqxpar import aot
+
+    plan = aot.plan_of({"fsdp": 8}, topology=None, offload=("activations", "optimizer"))
+    assert plan.offload == ("optimizer", "activations")
+    assert plan.remat == eqxpar.RematPolicy(offloaded=QKV)

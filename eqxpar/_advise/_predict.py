@@ -291,11 +291,6 @@ def predict(
     batch_axes = frozenset(dims.batch_axes)
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
-    # The offloaded parts live in host memory between steps (and the new state
-    # goes back there): arguments of the host's, not the device's.
-    host_arguments = (params_bytes if layout.memory_kind("params") else 0) + (
-        opt_bytes if layout.memory_kind("optimizer") else 0
-    )
     batch_bytes = sum(nbytes(x) // dims.batch_size_multiple for x in jax.tree.leaves(batch))
     # Gradients come out whole over the batch axes (then reduced or scattered);
     # experts split over `expert` are never gathered.
@@ -357,7 +352,16 @@ def predict(
         compute_s=compute,
         comm_s=comm,
         step_time_s=compute + comm,
-        host_argument_bytes=host_arguments,
+        host_argument_bytes=_host_arguments(layout, params_bytes, opt_bytes),
+    )
+
+
+def _host_arguments(layout: StepLayout, params_bytes: int, opt_bytes: int) -> int:
+    """The state bytes a plan keeps in host memory (`Plan(offload=...)`): between
+    steps there, and the new state goes back there, so they are host arguments,
+    not the device's."""
+    return (params_bytes if layout.memory_kind("params") else 0) + (
+        opt_bytes if layout.memory_kind("optimizer") else 0
     )
 
 
