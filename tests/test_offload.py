@@ -200,4 +200,4 @@ def test_aot_plan_of_offloads_the_named_activations():
 
     plan = aot.plan_of({"fsdp": 8}, topology=None, offload=("activations", "optimizer"))
     assert plan.offload == ("optimizer", "activations")
-    assert plan.remat == eqxpar.RematPolicy(offloaded=QKV)
+    assert plan.remat == eqxpar.RematPolicy(offloaded=(*QKV, "qkv_proj"))

@@ -20,8 +20,9 @@ from ..rules import FSDP, MEGATRON, MEGATRON_FSDP
 from ._compile import compile_train_step
 
 #: The activations `--offload activations` moves to host memory by default:
-#: MaxText's `qkv_proj_offloaded`.
-OFFLOADED_NAMES = ("query_proj", "key_proj", "value_proj")
+#: MaxText's `qkv_proj_offloaded` (the query, key and value projections), and the
+#: fused projection's output where the model stores them as one weight (GPT-2).
+OFFLOADED_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32}
 
