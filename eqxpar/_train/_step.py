@@ -89,7 +89,7 @@ def _train_step(
     value, aux, grads = _gradients(loss, layout, state.model, batch, key)
     # An offloaded optimizer state comes onto the device now, for the update
     # (and the skip's select), and goes back to host memory with the new state.
-    opt_state, grads = layout.optimizer_state_onto_device(state.opt_state, grads)
+    opt_state = layout.optimizer_state_onto_device(state.opt_state)
     state = eqx.tree_at(lambda s: s.opt_state, state, opt_state, is_leaf=lambda x: x is None)
     grad_norm = gradient_norm(grads)
     new_state = _apply(optimizer, layout, state, grads)
