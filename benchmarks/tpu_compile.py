@@ -46,6 +46,17 @@ CASES: dict[str, tuple[str, str, dict[str, int], dict[str, Any]]] = {
 PLAN_OPTIONS: dict[str, dict[str, Any]] = {
     "llama3-70b_v5p-256_pipe4_fsdp32": {"stage_gradients": "sharded"},
 }
+#: Cases compiled with host offload (`Plan(offload=...)`, `python -m eqxpar.aot
+#: --offload`): name -> (the case it offloads from, the parts offloaded). Their
+#: device bytes fall, and host bytes rise, by what is offloaded.
+OFFLOAD_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llama3-8b_v5p-64_fsdp32_offload-optimizer": ("llama3-8b_v5p-64_fsdp32", ("optimizer",)),
+    "llama3-8b_v5p-64_fsdp32_offload-params": ("llama3-8b_v5p-64_fsdp32", ("params",)),
+    "llama3-70b_v5p-256_fsdp32_tensor4_offload-optimizer": (
+        "llama3-70b_v5p-256_fsdp32_tensor4",
+        ("optimizer",),
+    ),
+}
 #: Cases whose axes cut a side of the chip grid (v5p-128 is 4x4x4), as MaxText's
 #: allow_split_physical_axes=true.
 SPLIT_PHYSICAL_AXES = {"mixtral-8x7b_v5p-128_expert8_fsdp8"}
@@ -67,10 +78,10 @@ def run_case(name: str) -> dict[str, Any]:
     from eqxpar import aot
 
     config, plan = case_config_and_plan(name)
-    model = CASES[name][0]
+    model, topology = CASES[OFFLOAD_CASES.get(name, (name,))[0]][:2]
     start = time.perf_counter()
     report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
-    record = {"name": name, "topology_name": CASES[name][1], **report.as_dict()}
+    record = {"name": name, "topology_name": topology, **report.as_dict()}
     record["total_seconds"] = round(time.perf_counter() - start, 1)
     record["versions"] = {"jax": jax.__version__, "libtpu": _libtpu_version()}
     record["predicted"] = predict_case(name)
@@ -82,14 +93,16 @@ def case_config_and_plan(name: str) -> tuple[Any, Any]:
     import eqxpar
     from eqxpar import aot
 
-    model, topology, axes, overrides = CASES[name]
+    base, offload = OFFLOAD_CASES.get(name, (name, ()))
+    model, topology, axes, overrides = CASES[base]
     config = eqxpar.models.preset(model, **{"loss_chunk": LOSS_CHUNK, **overrides})
+    options = dict(PLAN_OPTIONS.get(base, {}), **({"offload": offload} if offload else {}))
     plan = aot.plan_of(
         axes,
         topology=topology,
         rows_per_chip=BATCH[0],
-        split_physical_axes=name in SPLIT_PHYSICAL_AXES,
-        **PLAN_OPTIONS.get(name, {}),
+        split_physical_axes=base in SPLIT_PHYSICAL_AXES,
+        **options,
     )
     return config, plan
 
@@ -123,7 +136,12 @@ def predict_case(name: str) -> dict[str, int]:
         analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
     profile = eqxpar.DEVICE_PROFILES["tpu_v5p"]
     p = predict(plan, state.model, state.opt_state, tokens, loss, analysis, profile)
-    return {"argument_bytes": p.argument_bytes, "temp_bytes": p.temp_bytes, "wire_bytes": p.total_wire_bytes}
+    return {
+        "argument_bytes": p.argument_bytes,
+        "temp_bytes": p.temp_bytes,
+        "wire_bytes": p.total_wire_bytes,
+        "host_bytes": p.host_bytes,
+    }
 
 
 def _libtpu_version() -> str:
@@ -155,6 +173,8 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
+        if name in OFFLOAD_CASES:
+            continue  # their own table, beside the case they offload from
         m = maxtext.get(name, {})
         memory = m.get("memory_bytes", {})
         theirs = memory.get("argument_size", 0) + memory.get("temp_size", 0) if memory else None
@@ -181,7 +201,7 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in records.items():
-        if r.get("refused"):
+        if r.get("refused") or name in OFFLOAD_CASES:
             continue
         p = r["predicted"]
         cells = []
@@ -194,7 +214,34 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
             error = predicted / measured - 1 if measured else 0.0
             cells.append(f"{predicted / unit:.2f} / {measured / unit:.2f} ({error:+.1%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + offload_table(records))
+
+
+def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
+    """The host-offload rows: each offloaded case beside the case it offloads from
+    (device bytes: arguments + outputs not aliased + temporaries, `peak_bytes`)."""
+    rows = [
+        "",
+        "| case | device GiB: plain / offloaded (fall) | host GiB | fall / host | "
+        "device arguments GiB: predicted / compiled (error) | host GiB: predicted / compiled (error) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in records.items():
+        base = records.get(OFFLOAD_CASES.get(name, ("",))[0])
+        if name not in OFFLOAD_CASES or base is None or r.get("refused"):
+            continue
+        fall = base["peak_bytes"] - r["peak_bytes"]
+        host = r["host_bytes"]
+        p = r["predicted"]
+        arg_error = p["argument_bytes"] / r["argument_bytes"] - 1
+        host_error = p["host_bytes"] / host - 1 if host else 0.0
+        rows.append(
+            f"| {name} | {_gib(base['peak_bytes'])} / {_gib(r['peak_bytes'])} ({_gib(fall)}) | {_gib(host)} "
+            f"| {fall / host if host else 0:.0%} "
+            f"| {_gib(p['argument_bytes'])} / {_gib(r['argument_bytes'])} ({arg_error:+.0%}) "
+            f"| {_gib(p['host_bytes'])} / {_gib(host)} ({host_error:+.0%}) |"
+        )
+    return rows if len(rows) > 3 else []
 
 
 def _write_markdown(path: pathlib.Path, tables: str) -> None:
@@ -224,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--tables-only reads --json and rewrites --markdown: pass both")
         _write_markdown(args.markdown, markdown(json.loads(args.json.read_text())["tpu_compile"]))
         return
-    names = args.only.split(",") if args.only else list(CASES)
+    names = args.only.split(",") if args.only else [*CASES, *OFFLOAD_CASES]
     records = {}
     for name in names:
         result = subprocess.run(

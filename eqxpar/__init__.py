@@ -43,6 +43,9 @@ from ._errors import (
     NonFiniteError as NonFiniteError,
 )
 from ._errors import (
+    OffloadWarning as OffloadWarning,
+)
+from ._errors import (
     PipelineScheduleError as PipelineScheduleError,
 )
 from ._errors import (
@@ -64,6 +67,9 @@ from ._param import param as param
 from ._param import stacked as stacked
 from ._plan import Plan as Plan
 from ._plan import current_plan as current_plan
+from ._remat import ACTIVATION_NAMES as ACTIVATION_NAMES
+from ._remat import OFFLOAD_PARTS as OFFLOAD_PARTS
+from ._remat import RematPolicy as RematPolicy
 from ._shard_map import filter_shard_map as filter_shard_map
 from ._sharding import (
     annotate as annotate,

@@ -60,6 +60,15 @@ class UnusedAxisWarning(UserWarning):
     """
 
 
+class OffloadWarning(UserWarning):
+    """A backend ignores part of a plan's host offload (`Plan(offload=...)`).
+
+    XLA:CPU lowers a remat policy's offloaded activations to plain saves: they
+    stay in device memory, and the step computes the same as without the offload.
+    Said once per step built, naming the backend, rather than dropped silently.
+    """
+
+
 class AccumulationWarning(UserWarning):
     """A step splits the batch into micro-batches (`accumulate=k`, or a pipeline's
     micro-batches) for a loss that is not a mean over rows, so its gradient is the

@@ -34,7 +34,8 @@ class ParallelDims:
     microbatches: int
     chunks: int
     placement: str | None
-    remat: str
+    remat: Any  # str | RematPolicy
+    offload: tuple[str, ...]
     sequence_parallel: bool
     tp_overlap: bool
     stage_gradients: str
@@ -63,6 +64,7 @@ class ParallelDims:
             chunks=plan.chunks,
             placement=plan.placement,
             remat=plan.remat,
+            offload=plan.offload,
             sequence_parallel=plan.sequence_parallel,
             tp_overlap=plan.tp_overlap,
             stage_gradients=plan.stage_gradients,

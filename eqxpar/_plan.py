@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ._batch_layout import BatchLayout
 from ._errors import AxisNameError, DivisibilityError, PlanError
 from ._mesh import BATCH_AXES, CONTEXT_AXIS, EXPERT_AXIS
+from ._remat import RematPolicy, checked_offload
 from ._rules import Rule, as_rules, as_spec, mesh_axis_names
 from ._stack_order import StackOrder, pipeline_order
 from ._text import short
@@ -116,7 +117,20 @@ class Plan:
       `"inputs"`). Under a pipeline, every policy but `"full"` also keeps each
       stage forward's residuals (by this policy) for its backward actions;
       `"full"` keeps the stage input only and recomputes the stage forward in
-      each backward action.
+      each backward action. An `eqxpar.RematPolicy` instead keeps (or, with
+      `offload=("activations",)`, moves to host memory) the intermediate values
+      it names (`eqxpar.ACTIVATION_NAMES`: each block's input, the attention's
+      projections, the MLP's) and recomputes the rest.
+    - `offload`: what lives in host memory (`"pinned_host"`) instead of the
+      device's, any of `"optimizer"` (the optimizer state: the step moves it to
+      the device for the update and the new state back), `"params"` (the
+      parameters: moved to the device inside the step, the updated ones back)
+      and `"activations"` (the activations `remat`'s `RematPolicy` names as
+      offloaded: copied to the host in the forward pass, back in the backward
+      pass). Default `()`: everything on the device. The step moves what it needs
+      inside the compiled program. XLA:CPU ignores activation offload (it keeps
+      them on the device, as saved): a step built for a CPU mesh warns
+      (`eqxpar.OffloadWarning`).
     - `schedule`: run the step as a pipeline over mesh axis `pipe` with this
       schedule (`"gpipe"`, `"1f1b"`, `"interleaved"`, `"zero_bubble"`, `"zb_v"`,
       `"dualpipe_v"` (the last two in a V placement: two chunks per device,
@@ -204,7 +218,8 @@ class Plan:
     tensor_axis: str
     context_attention: str | None
     manual_axes: tuple[str, ...] | None
-    remat: str
+    remat: Any  # str | RematPolicy
+    offload: tuple[str, ...]
     schedule: Any  # str | eqxpar.pipeline.Schedule | None
     microbatches: int
     chunks: int
@@ -230,7 +245,8 @@ class Plan:
         tensor_axis: str = "tensor",
         context_attention: str | None = None,
         manual_axes: Any = None,
-        remat: str = "none",
+        remat: Any = "none",
+        offload: Any = (),
         schedule: Any = None,
         microbatches: int = 1,
         chunks: int = 1,
@@ -258,8 +274,11 @@ class Plan:
         _check_expert_manual(mesh, manual_axes)
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         _check_ulysses(mesh, context_attention, mode, manual_axes, tensor_axis)
-        if remat not in REMAT_POLICIES:
-            raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES}.")
+        if not isinstance(remat, RematPolicy) and remat not in REMAT_POLICIES:
+            raise PlanError(
+                f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES} or an eqxpar.RematPolicy."
+            )
+        offload = checked_offload(offload, remat)
         microbatches, chunks = _check_pipeline(schedule, microbatches, chunks, mesh)
         if stage_layers is not None:
             if schedule is None:
@@ -281,6 +300,7 @@ class Plan:
             context_attention=context_attention,
             manual_axes=manual_axes,
             remat=remat,
+            offload=offload,
             schedule=schedule,
             microbatches=microbatches,
             chunks=chunks,

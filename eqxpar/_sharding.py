@@ -68,6 +68,22 @@ def named_shardings(tree: PyTree, plan: Plan) -> PyTree:
     return shardings_of(partition_specs(tree, plan), plan.mesh)
 
 
+#: The memory kind of host memory the device can read and write directly
+#: (`Plan(offload=...)` keeps offloaded arrays there).
+HOST_MEMORY = "pinned_host"
+
+
+def in_memory(shardings: PyTree, kind: str | None) -> PyTree:
+    """`shardings` (NamedShardings, None elsewhere) in memory `kind` (None: as they are)."""
+    if kind is None:
+        return shardings
+    return jax.tree.map(
+        lambda s: None if s is None else s.with_memory_kind(kind),
+        shardings,
+        is_leaf=lambda s: isinstance(s, NamedSharding) or s is None,
+    )
+
+
 def shardings_of(specs: PyTree, mesh: Mesh) -> PyTree:
     """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on `mesh`."""
     return jax.tree.map(

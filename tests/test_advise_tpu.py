@@ -70,7 +70,13 @@ def test_the_cpu_profile_keeps_every_gradient_whole_where_the_tpu_scatters_them(
     with plan:
         analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
     run = lambda device: predict(  # noqa: E731
-        plan, state.model, state.opt_state, tokens, eqxpar.models.lm_loss, analysis, eqxpar.DEVICE_PROFILES[device]
+        plan,
+        state.model,
+        state.opt_state,
+        tokens,
+        eqxpar.models.lm_loss,
+        analysis,
+        eqxpar.DEVICE_PROFILES[device],
     )
     cpu, tpu = run("cpu"), run("tpu_v5p")
     assert tpu.gradient_bytes == tpu.params_bytes

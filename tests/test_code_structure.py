@@ -304,7 +304,8 @@ PLAN_READS: dict[str, int] = {}
 #: Layer constructors over 10 parameters, as they stand (the goal: none, each layer
 #: built from small config objects). A class not listed may take at most 10.
 WIDE_CONSTRUCTORS = {
-    "eqxpar/_plan.py:Plan": 20,
+    # 21 with `stage_gradients=` (pipelines under FSDP) and `offload=` (host offload).
+    "eqxpar/_plan.py:Plan": 21,
 }
 
 

@@ -82,7 +82,9 @@ class Prediction:
     `update_bytes` (optimizer temporaries): the temporaries. `wire_bytes` by
     collective kind and `wire_bytes_by_axis` by mesh axes (what one device
     sends); `flops` per device; `compute_s`, `comm_s` and `step_time_s` on the
-    profile (communication not overlapped: an upper bound).
+    profile (communication not overlapped: an upper bound). `host_argument_bytes`:
+    the part of the state a plan offloads (`Plan(offload=...)`), in host memory
+    (`host_bytes`), not among the device's `argument_bytes`.
 
     ```python
     p = advice.candidates[0].prediction
@@ -104,11 +106,28 @@ class Prediction:
     compute_s: float
     comm_s: float
     step_time_s: float
+    #: Of `params_bytes + opt_state_bytes`, what the plan keeps in host memory
+    #: (`Plan(offload=("params" / "optimizer",))`): arguments, but not the device's.
+    host_argument_bytes: int = 0
 
     @property
     def argument_bytes(self) -> int:
-        """The step's arguments: state arrays and batch (`memory_analysis().argument_size_in_bytes`)."""
-        return self.params_bytes + self.opt_state_bytes + self.batch_bytes + STATE_SCALARS
+        """The step's arguments in device memory: state arrays and batch, less
+        what the plan offloads (`memory_analysis().argument_size_in_bytes`)."""
+        return (
+            self.params_bytes
+            + self.opt_state_bytes
+            + self.batch_bytes
+            + STATE_SCALARS
+            - self.host_argument_bytes
+        )
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the step holds per device: the offloaded state
+        (`memory_analysis()`'s `host_argument_size_in_bytes`; the new state is
+        written over it)."""
+        return self.host_argument_bytes
 
     @property
     def temp_bytes(self) -> int:
@@ -363,6 +382,16 @@ def predict(
         compute_s=compute,
         comm_s=comm,
         step_time_s=compute + comm,
+        host_argument_bytes=_host_arguments(layout, params_bytes, opt_bytes),
+    )
+
+
+def _host_arguments(layout: StepLayout, params_bytes: int, opt_bytes: int) -> int:
+    """The state bytes a plan keeps in host memory (`Plan(offload=...)`): between
+    steps there, and the new state goes back there, so they are host arguments,
+    not the device's."""
+    return (params_bytes if layout.memory_kind("params") else 0) + (
+        opt_bytes if layout.memory_kind("optimizer") else 0
     )
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .._batch_layout import BatchLayout
-from .._errors import PlanError
+from .._errors import OffloadWarning, PlanError
 from .._mesh import CONTEXT_AXIS
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
@@ -232,6 +232,23 @@ def warn_cpu_collective_order(resolved: ResolvedPlan) -> None:
         "('Unexpected number of participants'). Set XLA_FLAGS to include "
         f"{CPU_COLLECTIVE_ORDER_FLAG} before importing jax (as the eqxpar examples do).",
         RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def warn_cpu_offload(resolved: ResolvedPlan) -> None:
+    """Warn (`OffloadWarning`) when the plan offloads activations on XLA:CPU,
+    which lowers a remat policy's offloaded values to plain saves: they stay in
+    device memory (the step's result is the same), so the offload does nothing."""
+    if "activations" not in resolved.dims.offload or not _on_cpu(resolved.mesh):
+        return
+    warnings.warn(
+        f"Plan(offload=('activations', ...)) on XLA:CPU (platform {resolved.mesh.devices.flat[0].platform!r}): "
+        "this backend ignores activation offload and keeps the activations the remat policy names as "
+        f"offloaded ({resolved.dims.remat.offloaded}) in device memory, as saved ones. The step computes "
+        "the same; the memory it saves shows on TPU and GPU only (compile for a TPU topology to measure "
+        "it: eqxpar.aot). To silence: warnings.filterwarnings('ignore', category=eqxpar.OffloadWarning).",
+        OffloadWarning,
         stacklevel=3,
     )
 

@@ -21,7 +21,7 @@ from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
-from ._resolved_plan import ResolvedPlan, warn_cpu_collective_order
+from ._resolved_plan import ResolvedPlan, warn_cpu_collective_order, warn_cpu_offload
 from ._step_layout import StepLayout
 from ._train_state import TrainState
 from ._trainable import optimized, trainable_mask
@@ -91,6 +91,10 @@ def _train_step(
     # here with the global loss and gradients, so the check and the update below
     # are one code path for every plan.
     value, aux, grads = _gradients(loss, layout, state.model, batch, key)
+    # An offloaded optimizer state comes onto the device now, for the update
+    # (and the skip's select), and goes back to host memory with the new state.
+    opt_state = layout.optimizer_state_onto_device(state.opt_state)
+    state = eqx.tree_at(lambda s: s.opt_state, state, opt_state, is_leaf=lambda x: x is None)
     grad_norm = gradient_norm(grads)
     new_state = _apply(optimizer, layout, state, grads)
     metrics: Metrics = {"loss": value, "grad_norm": grad_norm}
@@ -165,17 +169,20 @@ class Step:
         _warn_batch_statistics(state.model, resolved, stacklevel=4)
         layout = self.layout(state)
         _check_optimizer_state(state, self._optimizer, layout)
-        state_shardings = layout.shardings(layout.state_specs(dynamic))
+        state_shardings = layout.state_shardings(dynamic)
         batch_sharding = resolved.batch.sharding
         replicated = NamedSharding(resolved.mesh, PartitionSpec())
 
         def step(dynamic, batch):
             with plan:
-                state = eqx.combine(dynamic, static)
+                # What the plan offloads comes onto the device here, inside the
+                # program, and goes back to host memory at its end.
+                state = eqx.combine(layout.onto_device(dynamic), static)
                 new_state, metrics = _train_step(
                     self._loss, self._optimizer, layout, state, batch, skip_nonfinite=self._skip_nonfinite
                 )
             new_dynamic, new_static = eqx.partition(new_state, eqx.is_array)
+            new_dynamic = layout.onto_host(new_dynamic)
             if jax.tree.structure(new_static) != static_def:
                 raise PlanError(
                     "the step changed the non-array part of the train state; the "
@@ -401,6 +408,7 @@ def make_step(
     if not isinstance(skip_nonfinite, bool):
         raise PlanError(f"make_step(skip_nonfinite={skip_nonfinite!r}): expected True or False.")
     warn_cpu_collective_order(resolved)
+    warn_cpu_offload(resolved)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
     return Step(loss, optimizer, resolved, donate=donate, skip_nonfinite=skip_nonfinite, trainable=trainable)
 
@@ -434,6 +442,7 @@ def make_value_and_grad(
     """
     resolved = ResolvedPlan.of(plan, accumulate, training="make_value_and_grad")
     _check_loss(loss_fn, resolved, has_aux, "make_value_and_grad")
+    warn_cpu_offload(resolved)
     loss = LossFunction.wrap(loss_fn, has_aux=has_aux, compute_dtype=resolved.compute_dtype)
 
     def compiled(model, batch, key):

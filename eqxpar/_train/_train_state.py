@@ -17,7 +17,8 @@ from .._outline_jit import has_outlines
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._sharding import place_tree
-from .._specs import partition_specs
+from .._sharding import shardings_of as shardings_of_specs
+from .._specs import is_array_like, partition_specs
 from .._stack_order import in_plan_order
 from ._resolved_plan import ResolvedPlan
 from ._step_layout import StepLayout
@@ -176,7 +177,8 @@ def init(
     if not isinstance(key_data, jax.core.Tracer):
         key_data = jax.device_put(np.asarray(key_data), replicated)
         key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(key))
-    return TrainState(model=model, opt_state=opt_state, step=step, key=key, skipped_steps=skipped_steps)
+    state = TrainState(model=model, opt_state=opt_state, step=step, key=key, skipped_steps=skipped_steps)
+    return _offloaded(state, resolved, trainable)
 
 
 def _outline(place: Any, model: PyTree, resolved: ResolvedPlan, key: Any, trainable: Any) -> TrainState:
@@ -197,13 +199,33 @@ def _outline(place: Any, model: PyTree, resolved: ResolvedPlan, key: Any, traina
     else:
         key_outline = jax.ShapeDtypeStruct(jnp.shape(key), key.dtype, sharding=replicated)
     counter = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return TrainState(
+    state = TrainState(
         model=place_tree(model, resolved.mesh, layout.params),
         opt_state=place_tree(opt_state, resolved.mesh, layout.opt_state),
         step=counter,
         key=key_outline,
         skipped_steps=counter,
     )
+    return _offloaded(state, resolved, trainable)
+
+
+def _offloaded(state: TrainState, resolved: ResolvedPlan, trainable: Any) -> TrainState:
+    """`state` with the parts the plan offloads (`Plan(offload=...)`) in host
+    memory: arrays moved there, outlines given the host sharding (what a step
+    compiled from them expects)."""
+    if not resolved.dims.offload:
+        return state
+    mask = trainable_mask(state.model, trainable, resolved, where="eqxpar.train.init")
+    layout = StepLayout.of(resolved, state.model, state.opt_state, trainable=mask)
+    dynamic, static = eqx.partition(state, is_array_like)
+    shardings = layout.state_shardings(dynamic)
+
+    def put(x: Any, sharding: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+        return jax.device_put(x, sharding)
+
+    return eqx.combine(jax.tree.map(put, dynamic, shardings), static)
 
 
 def specs_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:
@@ -215,3 +237,14 @@ def specs_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:
     if isinstance(tree, TrainState):
         return StepLayout.of(resolved, tree.model, tree.opt_state).state_specs(tree)
     return partition_specs(tree, resolved.plan)
+
+
+def shardings_of(tree: PyTree, resolved: ResolvedPlan) -> PyTree:
+    """The `NamedSharding` of every array leaf of `tree` where a train step keeps
+    it (None elsewhere): `specs_of`'s specs on the plan's mesh, and for a
+    `TrainState` in host memory for the parts the plan offloads
+    (`Plan(offload=...)`). For checkpoint restore, which reads each array
+    straight into it."""
+    if isinstance(tree, TrainState):
+        return StepLayout.of(resolved, tree.model, tree.opt_state).state_shardings(tree)
+    return shardings_of_specs(partition_specs(tree, resolved.plan), resolved.mesh)

@@ -13,10 +13,16 @@ import jax.numpy as jnp
 from .._errors import EqxparError, PlanError
 from .._mesh import AXES, make_mesh
 from .._plan import Plan
+from .._remat import OFFLOAD_PARTS, RematPolicy
 from ..models import PRESET_NAMES, preset
 from ..pipeline import stage_rules
 from ..rules import FSDP, MEGATRON, MEGATRON_FSDP
 from ._compile import compile_train_step
+
+#: The activations `--offload activations` moves to host memory by default:
+#: MaxText's `qkv_proj_offloaded` (the query, key and value projections), and the
+#: fused projection's output where the model stores them as one weight (GPT-2).
+OFFLOADED_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32}
 
@@ -57,13 +63,19 @@ def plan_of(
     mode: str | None = None,
     rows_per_chip: int = 1,
     split_physical_axes: bool = False,
+    offload: Sequence[str] = (),
+    offloaded_names: Sequence[str] = OFFLOADED_NAMES,
 ) -> Plan:
     """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
     or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
     `rules.FSDP()` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
     fsdp axis) where a tensor, expert or context axis is split, a pipeline's stage
     rules, schedule and `stage_gradients` where `pipe` is, its micro-batches by
-    default one row each (`rows_per_chip` x chips / data-parallel devices)."""
+    default one row each (`rows_per_chip` x chips / data-parallel devices).
+    `offload` as `Plan(offload=...)`; with `"activations"` the remat policy is
+    `RematPolicy(offloaded=offloaded_names)` (default MaxText's
+    `qkv_proj_offloaded`: the query, key and value projections) instead of
+    `remat`."""
     mesh = make_mesh(**sizes, topology=topology, split_physical_axes=split_physical_axes)
     needs_layers = any(sizes.get(a, 1) > 1 for a in ("tensor", "expert", "context"))
     # Megatron's rules name the layers' logical axes; with an fsdp axis, their
@@ -85,7 +97,18 @@ def plan_of(
         raise PlanError(f"{what}: a pipeline option needs a pipe axis, e.g. --plan pipe=4,fsdp=8")
     if sizes.get("context", 1) > 1:
         options["context_attention"] = "ring"
-    return Plan(mesh, rules=rules, remat=remat, compute_dtype=compute_dtype, mode=mode, **options)
+    policy: Any = remat
+    if "activations" in offload:
+        policy = RematPolicy(offloaded=tuple(offloaded_names))
+    return Plan(
+        mesh,
+        rules=rules,
+        remat=policy,
+        offload=tuple(offload),
+        compute_dtype=compute_dtype,
+        mode=mode,
+        **options,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,6 +142,18 @@ def _parser() -> argparse.ArgumentParser:
         "--split-physical-axes",
         action="store_true",
         help="let a mesh axis cut a side of the chip grid (make_mesh(split_physical_axes=True))",
+    )
+    parser.add_argument(
+        "--offload",
+        default="",
+        help=f"what to keep in host memory, some of {','.join(OFFLOAD_PARTS)} (Plan(offload=...)), "
+        "e.g. --offload optimizer,params",
+    )
+    parser.add_argument(
+        "--offload-names",
+        default=",".join(OFFLOADED_NAMES),
+        help="with --offload activations: the named activations moved to host memory (default "
+        f"{','.join(OFFLOADED_NAMES)}; the rest are recomputed)",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a GPTConfig field"
@@ -158,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stage_gradients=args.stage_gradients,
             mode=args.mode,
             split_physical_axes=args.split_physical_axes,
+            offload=[p for p in args.offload.split(",") if p],
+            offloaded_names=[n for n in args.offload_names.split(",") if n],
         )
         report = compile_train_step(config, plan, batch=batch, name=args.model)
     except EqxparError as e:

@@ -180,11 +180,21 @@ def compile_train_step(
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes),
+        **_host_memory(memory),
         memory_per_chip=_device_memory(device),
         collectives=collective_stats(compiled, mesh=mesh),
         overlap=overlap_stats(compiled),
         cost=_cost(compiled),
     )
+
+
+def _host_memory(memory: Any) -> dict[str, int]:
+    """`memory_analysis()`'s host memory figures (what `Plan(offload=...)` moves
+    there) as `AotReport` fields; 0 where a backend has none."""
+    return {
+        f"host_{part}_bytes": int(getattr(memory, f"host_{part}_size_in_bytes", 0))
+        for part in ("argument", "output", "alias", "temp")
+    }
 
 
 def _positive(n: Any) -> bool:

@@ -42,7 +42,10 @@ class AotReport:
     `overlap` (`eqxpar.inspect.OverlapStats`); `lower_seconds`,
     `compile_seconds`; `peak_rss_bytes` (this process's, after compiling);
     `cost` (`cost_analysis()`'s flops and bytes accessed, or empty); `refused`
-    (the TPU compiler's out-of-memory refusal, or None: see the field).
+    (the TPU compiler's out-of-memory refusal, or None: see the field);
+    `host_argument_bytes`, `host_output_bytes`, `host_alias_bytes`,
+    `host_temp_bytes` (host memory, what `Plan(offload=...)` moves there) and
+    their `host_bytes`.
 
     ```python
     report = eqxpar.aot.compile_train_step("llama3-8b", plan, batch=(1, 2048))
@@ -74,6 +77,21 @@ class AotReport:
     #: compile: `temp_bytes` is then what it said it needed and
     #: `memory_per_chip` what it had; None when it compiled.
     refused: str | None = None
+    #: `memory_analysis()`'s host memory (`pinned_host`) per device: what a plan
+    #: offloads (`Plan(offload=...)`), as arguments, outputs, outputs written
+    #: over donated arguments, and temporaries (offloaded activations).
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Per-device bytes of host memory the step holds at once: arguments,
+        outputs not written over a donated argument, and temporaries."""
+        return (
+            self.host_argument_bytes + self.host_output_bytes - self.host_alias_bytes + self.host_temp_bytes
+        )
 
     @property
     def peak_bytes(self) -> int:
@@ -109,6 +127,11 @@ class AotReport:
             "alias_bytes": self.alias_bytes,
             "temp_bytes": self.temp_bytes,
             "peak_bytes": self.peak_bytes,
+            "host_argument_bytes": self.host_argument_bytes,
+            "host_output_bytes": self.host_output_bytes,
+            "host_alias_bytes": self.host_alias_bytes,
+            "host_temp_bytes": self.host_temp_bytes,
+            "host_bytes": self.host_bytes,
             "memory_per_chip": self.memory_per_chip,
             "fits": self.fits,
             "wire_bytes": dict(self.collectives.wire_bytes),
@@ -144,6 +167,7 @@ class AotReport:
             ),
             f"-> {fits[self.fits]}"
             + ("" if self.refused is None else f" (the compiler refused it: {self.refused})"),
+            *self._host_lines(),
             "",
             "collectives per device per step (wire bytes; a loop's collectives once per trip)",
             render(
@@ -166,6 +190,25 @@ class AotReport:
             cost = ", ".join(f"{k} {v:.3e}" for k, v in self.cost.items())
             lines.append(f"cost: {cost} ({COST_CAVEAT})")
         return "\n".join(lines)
+
+    def _host_lines(self) -> list[str]:
+        if not self.host_bytes:
+            return []
+        sizes = [
+            self.host_argument_bytes,
+            self.host_output_bytes,
+            self.host_alias_bytes,
+            self.host_temp_bytes,
+        ]
+        return [
+            "",
+            "host memory per device (offloaded: pinned_host)",
+            render(
+                ["argument", "output", "alias", "temp", "held"],
+                [[*map(_gib, sizes), _gib(self.host_bytes)]],
+                right=[True] * 5,
+            ),
+        ]
 
     def _collective_rows(self) -> list[list[str]]:
         """One row per (kind, mesh axes) measured or in the minimum, then the total."""

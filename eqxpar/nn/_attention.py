@@ -15,6 +15,7 @@ from .._context_split import (
 from .._errors import PlanError, SpecError
 from .._mesh import CONTEXT_AXIS
 from .._param import param
+from .._remat import name_activation
 from ._attention_config import AttentionConfig
 from ._blockwise import (
     blockwise_attention,
@@ -211,7 +212,7 @@ class Attention(eqx.Module):
             core = self._context_core(q, k, v, mask, segment_ids, drop)
         else:
             core = self._core(q, k, v, mask, segment_ids, drop)
-        return self.output(core, ctx, key=k_out)
+        return name_activation(self.output(core, ctx, key=k_out), "out_proj")
 
     def project(
         self, x: Array, ctx: TensorContext, *, key: PRNGKeyArray | None = None
@@ -224,12 +225,17 @@ class Attention(eqx.Module):
         if self.wqkv is not None:
             check_split(self.wqkv.shape[2], self.num_heads, ctx, what="Attention.wqkv (num_heads)")
             (qkv,) = self._project(x, [self.wqkv], ("qkv",), ctx, split_dim=2, key=key)
+            qkv = name_activation(qkv, "qkv_proj")
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
             check_split(self.wq.shape[1], self.num_heads, ctx, what="Attention.wq (num_heads)")
             check_split(self.wk.shape[1], self.num_kv_heads, ctx, what="Attention.wk (num_kv_heads)")
             q, k, v = self._project(
                 x, [self.wq, self.wk, self.wv], ("q", "k", "v"), ctx, split_dim=1, key=key
+            )
+            # Named for a RematPolicy (MaxText's names): an identity otherwise.
+            q, k, v = (
+                name_activation(a, n) for a, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj"))
             )
         check_bias(
             self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._errors import PlanError
+from .._remat import name_activation
 from ._attention import Attention
 from ._block_config import BlockConfig
 from ._dropout import Dropout
@@ -115,6 +116,8 @@ class TransformerBlock(eqx.Module):
             key, k_mlp = jax.random.split(key)
         if key is not None and self.dropout.rate > 0:
             k1, k2 = jax.random.split(key)
+        # Named for a RematPolicy (an identity otherwise): MaxText's name.
+        x = name_activation(x, "decoder_layer_input")
         h = self.attn(self.norm1(x), segment_ids=segment_ids, positions=positions, key=k_attn)
         x = x + self.dropout(h, key=k1)
         if isinstance(self.mlp, MoE):

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._errors import PlanError
 from .._param import param
+from .._remat import name_activation
 from ._context import tensor_context
 from ._lora import MLPLoRA, adapter_pairs, column_with_adapters, lora_dropout, row_adapter
 from ._matmul import check_bias, check_split, column_matmul, lift, row_matmul
@@ -183,6 +184,8 @@ class MLP(eqx.Module):
             (h,) = column_matmul(x, [self.w_in], ctx)  # (batch, seq, n_in, hidden)
         else:
             h = self._adapted_input(x, ctx, k_in)
+        # The hidden state before the activation, named for a RematPolicy.
+        h = name_activation(h, "mlpwi")
         if self.b_in is not None:
             h = h + lift(self.b_in, h.ndim)
         if self.activation == "gelu":
@@ -195,6 +198,7 @@ class MLP(eqx.Module):
         if lora is not None and lora.down_a is not None:
             drop = dict(dropout=lora.dropout, key=k_out)
             y = y + row_adapter(h, lora.down_a, lora.down_b, lora.scale, ctx, in_dims=1, **drop)
+        y = name_activation(y, "mlpwo")
         return y if self.b_out is None else y + lift(self.b_out, y.ndim)
 
     def _adapted_input(self, x: Array, ctx, key: PRNGKeyArray | None) -> Array:

@@ -17,6 +17,7 @@ from .._fsdp import gather_weights, layer_gathers_for
 from .._parallel_dims import ParallelDims
 from .._param import stacked
 from .._plan import current_plan
+from .._remat import RematPolicy
 from .._stack_order import OrderedStack, StackOrder
 from .._varying import mark_varying, varying_axes
 
@@ -24,7 +25,11 @@ from .._varying import mark_varying, varying_axes
 _SUMS = frozenset({"psum", "psum_invariant", "reduce_scatter"})
 
 
-def _checkpoint(fn: Callable, policy: str) -> Callable:
+def _checkpoint(fn: Callable, policy: Any) -> Callable:
+    if isinstance(policy, RematPolicy):
+        # Only what the policy names is kept (or moved to host memory): no
+        # gathered weight is named, so none is kept.
+        return jax.checkpoint(fn, policy=policy.checkpoint_policy(), prevent_cse=False)
     if policy == "none":
         # Under manual FSDP this keeps each layer's gathered weights for the
         # backward pass (one gather per step, like GSPMD); any other policy

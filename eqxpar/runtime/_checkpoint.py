@@ -29,7 +29,8 @@ from .._errors import EqxparError
 from .._plan import Plan
 from .._stack_order import describe_order, in_natural_order, in_plan_order
 from .._train._resolved_plan import ResolvedPlan
-from .._train._train_state import TrainState, specs_of
+from .._train._train_state import TrainState
+from .._train._train_state import shardings_of as state_shardings
 from ..nn._stack import Stacked
 from ._distributed import get_logger
 
@@ -760,8 +761,8 @@ def _target_shardings(
     plan (`resolved`), or, without one, the leaf's own."""
     if resolved is not None:
         _, treedef = jax.tree.flatten(like)
-        specs = treedef.flatten_up_to(specs_of(like, resolved))
-        shardings = [resolved.plan.sharding(s) for s in specs if s is not None]
+        # In host memory where the plan offloads (Plan(offload=...)): read there directly.
+        shardings = [s for s in treedef.flatten_up_to(state_shardings(like, resolved)) if s is not None]
         if len(shardings) != len(leaves):
             raise CheckpointError(
                 "CheckpointManager.restore: the plan's rules did not give every array leaf of `like` "
