@@ -235,7 +235,8 @@ class Attention(eqx.Module):
             )
             # Named for a RematPolicy (MaxText's names): an identity otherwise.
             q, k, v = (
-                name_activation(a, n) for a, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj"))
+                name_activation(a, n)
+                for a, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj"), strict=True)
             )
         check_bias(
             self.bq, self.num_heads, ctx, what="Attention.bq", like="the query weight", split=True, dim=0
