@@ -579,9 +579,14 @@ class Device:
                 f"shape; got {first_out} from first and {act} from the stack."
             )
         self.act, self.act_axes = act, varying_axes(act) | varying_axes(first_out) | local
-        last_out = jax.eval_shape(
-            lambda r, b: parts.last(self.assemble(r, chunk0), self.zeros_act(), b), self.rest, mb0
-        )
+        def last_only(rest, mb):
+            # The end's weights as the stage reads them (gathered at their use
+            # under Plan(stage_gradients="sharded")).
+            rest, per_layer = self.at_use(rest, chunk0, False, True)
+            with layer_gathers(per_layer):
+                return parts.last(self.assemble(rest, chunk0), self.zeros_act(), mb)
+
+        last_out = jax.eval_shape(last_only, self.rest, mb0)
         #: `last` returns a weighted mean: the loss sums are (total, weight).
         self.weighted = isinstance(last_out, WeightedMean)
         loss_type = jax.eval_shape(
