@@ -21,19 +21,19 @@ from ._compile import compile_train_step
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32}
 
 
-def parse_axes(text: str) -> dict[str, int]:
+def parse_axes(text: str, option: str = "--plan") -> dict[str, int]:
     """`"fsdp=8,tensor=4"` as `{"fsdp": 8, "tensor": 4}` (eqxpar's mesh axes only)."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         axis, _, size = part.partition("=")
         if axis not in AXES or not size.isdigit() or int(size) < 1:
             raise PlanError(
-                f"--plan {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(AXES)} and SIZE a "
-                "positive integer. Example: --plan fsdp=8,tensor=4"
+                f"{option} {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(AXES)} and SIZE a "
+                f"positive integer. Example: {option} {'data=2' if option == '--dcn' else 'fsdp=8,tensor=4'}"
             )
         sizes[axis] = int(size)
     if not sizes:
-        raise PlanError(f"--plan {text!r}: expected at least one AXIS=SIZE, e.g. --plan fsdp=32")
+        raise PlanError(f"{option} {text!r}: expected at least one AXIS=SIZE, e.g. {option} data=2")
     return sizes
 
 
@@ -56,14 +56,20 @@ def plan_of(
     mode: str | None = None,
     rows_per_chip: int = 1,
     split_physical_axes: bool = False,
+    dcn: dict[str, int] | None = None,
+    slices: int | None = None,
 ) -> Plan:
     """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
     or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
     `rules.FSDP()` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
     fsdp axis) where a tensor, expert or context axis is split, a pipeline's stage
     rules and schedule where `pipe` is, its micro-batches by default one row each
-    (`rows_per_chip` x chips / data-parallel devices)."""
-    mesh = make_mesh(**sizes, topology=topology, split_physical_axes=split_physical_axes)
+    (`rows_per_chip` x chips / data-parallel devices). `dcn` and `slices` as
+    `make_mesh` takes them: `plan_of({"data": 2, "fsdp": 32}, topology="2xv5p-64",
+    dcn={"data": 2})` is HSDP over two slices."""
+    mesh = make_mesh(
+        **sizes, topology=topology, split_physical_axes=split_physical_axes, dcn=dcn, slices=slices
+    )
     needs_layers = any(sizes.get(a, 1) > 1 for a in ("tensor", "expert", "context"))
     # Megatron's rules name the layers' logical axes; with an fsdp axis, their
     # model dimension splits over it too (first match wins: FSDP() after MEGATRON
@@ -93,7 +99,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help=f"a preset: {', '.join(PRESET_NAMES)}")
     parser.add_argument(
-        "--topology", help="e.g. v5p-64 (32 chips) or v5p:4x4x2; default this machine's devices"
+        "--topology",
+        help="e.g. v5p-64 (32 chips), v5p:4x4x2, or 2xv5p-64 (two slices); default this machine's devices",
+    )
+    parser.add_argument("--slices", type=int, help="copies of the topology's slice, joined by DCN (default 1)")
+    parser.add_argument(
+        "--dcn",
+        help="the factor of each axis that spans slices, e.g. data=2 (HSDP with --plan data=2,fsdp=32); "
+        "default: the slices go to data, then pipe, then fsdp",
     )
     parser.add_argument("--plan", required=True, help="mesh axis sizes, e.g. fsdp=32 or fsdp=8,tensor=4")
     parser.add_argument("--batch", default="1x2048", help="rows per chip x sequence length (default 1x2048)")
@@ -146,12 +159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             microbatches=args.microbatches,
             mode=args.mode,
             split_physical_axes=args.split_physical_axes,
+            dcn=None if args.dcn is None else parse_axes(args.dcn, "--dcn"),
+            slices=args.slices,
         )
         report = compile_train_step(config, plan, batch=batch, name=args.model)
     except EqxparError as e:
         print(f"error: {e}")
         return 2
     where = args.topology or "this machine"
+    if args.slices:
+        where = f"{args.slices}x{where}"
     print(f"[{args.model} on {where}]")
     print(report)
     if args.json is not None:

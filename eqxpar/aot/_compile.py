@@ -17,6 +17,7 @@ import optax
 
 from .._errors import PlanError
 from .._plan import Plan
+from .._slices import slice_factors
 from ..inspect import CollectiveStats, OverlapStats, collective_stats, minimum_comm, overlap_stats
 from ..internal import ResolvedPlan
 from ..models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss, preset
@@ -142,7 +143,10 @@ def compile_train_step(
     compiled_at = time.perf_counter()
     least = minimum_comm(plan, state.model, loss=loss, batch=tokens) if minimum else None
     device = mesh.devices.flat[0]
+    factors = dict(zip(mesh.axis_names, slice_factors(mesh.devices), strict=True))
     common = dict(
+        slices=math.prod(factors.values()),
+        dcn={str(a): n for a, n in factors.items() if n > 1},
         model=label or kind,
         topology=getattr(device, "device_kind", device.platform),
         chips=chips,

@@ -42,7 +42,9 @@ class AotReport:
     `overlap` (`eqxpar.inspect.OverlapStats`); `lower_seconds`,
     `compile_seconds`; `peak_rss_bytes` (this process's, after compiling);
     `cost` (`cost_analysis()`'s flops and bytes accessed, or empty); `refused`
-    (the TPU compiler's out-of-memory refusal, or None: see the field).
+    (the TPU compiler's out-of-memory refusal, or None: see the field); `slices`
+    and `dcn` (the mesh's slices and the axes across them: what crosses is
+    `collectives.dcn_wire_bytes`, its floor `dcn_minimum_wire_bytes`).
 
     ```python
     report = eqxpar.aot.compile_train_step("llama3-8b", plan, batch=(1, 2048))
@@ -74,6 +76,10 @@ class AotReport:
     #: compile: `temp_bytes` is then what it said it needed and
     #: `memory_per_chip` what it had; None when it compiled.
     refused: str | None = None
+    #: How many TPU slices the mesh spans, and how many of them each axis that
+    #: crosses slices spans (`make_mesh(dcn=...)`; empty inside one slice).
+    slices: int = 1
+    dcn: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -92,6 +98,24 @@ class AotReport:
         if self.minimum is None or not self.minimum.total_wire_bytes:
             return None
         return self.collectives.total_wire_bytes / self.minimum.total_wire_bytes
+
+    @property
+    def dcn_minimum_wire_bytes(self) -> int:
+        """Of the plan's minimum, the collectives over axes that all cross slices
+        (HSDP's gradient reduction over `data`): the floor of what crosses."""
+        if self.minimum is None or not self.dcn:
+            return 0
+        return sum(
+            cost.wire_bytes
+            for cost in self.minimum.costs
+            if (axes := [a for a in cost.axes if self.mesh.get(a, 1) > 1]) and set(axes) <= set(self.dcn)
+        )
+
+    @property
+    def dcn_ratio_to_minimum(self) -> float | None:
+        """Wire bytes that cross slices / `dcn_minimum_wire_bytes` (None without one)."""
+        least = self.dcn_minimum_wire_bytes
+        return self.collectives.total_dcn_wire_bytes / least if least else None
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-ready values (for benchmark records)."""
@@ -119,6 +143,12 @@ class AotReport:
             "total_wire_bytes": self.collectives.total_wire_bytes,
             "minimum_wire_bytes": None if minimum is None else minimum.total_wire_bytes,
             "wire_ratio_to_minimum": self.wire_ratio_to_minimum,
+            "slices": self.slices,
+            "dcn": self.dcn,
+            "dcn_wire_bytes": dict(self.collectives.dcn_wire_bytes),
+            "total_dcn_wire_bytes": self.collectives.total_dcn_wire_bytes,
+            "dcn_minimum_wire_bytes": self.dcn_minimum_wire_bytes,
+            "dcn_ratio_to_minimum": self.dcn_ratio_to_minimum,
             "async_wire_bytes": self.overlap.async_wire_bytes,
             "async_share": self.overlap.share,
             "lower_seconds": round(self.lower_seconds, 2),
@@ -129,6 +159,8 @@ class AotReport:
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{a} {n}" for a, n in self.mesh.items() if n > 1) or "one device"
+        if self.slices > 1:
+            mesh += f"; {self.slices} slices: " + ", ".join(f"{a} over {n}" for a, n in self.dcn.items())
         fits = {None: "unknown (no memory figure for this device)", True: "fits", False: "DOES NOT FIT"}
         memory = "?" if self.memory_per_chip is None else _gib(self.memory_per_chip)
         sizes = [self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes, self.peak_bytes]
@@ -152,6 +184,7 @@ class AotReport:
                 right=[False, False, True, True],
             ),
             f"measured / minimum: {fmt_ratio(self.wire_ratio_to_minimum)} ({self.minimum_note})",
+            *self._dcn_lines(),
             "scheduled asynchronously (compute between start and done): "
             + (
                 ", ".join(f"{k} {self.overlap.kind_share(k):.0%}" for k in self.overlap.by_kind)
@@ -166,6 +199,16 @@ class AotReport:
             cost = ", ".join(f"{k} {v:.3e}" for k, v in self.cost.items())
             lines.append(f"cost: {cost} ({COST_CAVEAT})")
         return "\n".join(lines)
+
+    def _dcn_lines(self) -> list[str]:
+        if self.slices <= 1:
+            return []
+        kinds = ", ".join(f"{k} {fmt_int(n)}" for k, n in self.collectives.dcn_wire_bytes.items() if n)
+        return [
+            f"across slices (DCN): {fmt_int(self.collectives.total_dcn_wire_bytes)} ({kinds or 'nothing'}); "
+            f"minimum over {','.join(self.dcn)} {fmt_int(self.dcn_minimum_wire_bytes)}: "
+            f"{fmt_ratio(self.dcn_ratio_to_minimum)}"
+        ]
 
     def _collective_rows(self) -> list[list[str]]:
         """One row per (kind, mesh axes) measured or in the minimum, then the total."""
