@@ -206,7 +206,7 @@ def _dcn_factors(dcn: Any, sizes: dict[str, int], devices: list[Any]) -> dict[st
     them; None for a mesh inside one slice."""
     if dcn is None:
         count = slice_count(devices)
-        if count == 1 or getattr(devices[0], "slice_index", None) is None:
+        if count == 1 or devices[0].platform != "tpu":
             return None
         return _infer_dcn(sizes, count)
     if not isinstance(dcn, Mapping):

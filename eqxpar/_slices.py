@@ -18,10 +18,19 @@ import numpy as np
 from ._errors import MeshError
 
 
+def _tpu_slice(device: Any) -> int | None:
+    """A TPU device's `slice_index`; None for other devices (CPU devices of a
+    multi-process run carry one too, 0 on every process)."""
+    if getattr(device, "platform", None) != "tpu":
+        return None
+    index = getattr(device, "slice_index", None)
+    return None if index is None else int(index)
+
+
 def slice_key(device: Any) -> int:
     """The slice a device belongs to: its TPU `slice_index`, else its process."""
-    index = getattr(device, "slice_index", None)
-    return int(device.process_index if index is None else index)
+    index = _tpu_slice(device)
+    return int(device.process_index) if index is None else index
 
 
 def granules(devices: Sequence[Any]) -> list[list[Any]]:
@@ -67,7 +76,7 @@ def check_granules(groups: list[list[Any]], dcn: dict[str, int], per_slice: int,
     wanted = math.prod(dcn.values())
     sizes = sorted({len(g) for g in groups})
     if len(groups) != wanted:
-        where = "slices" if getattr(groups[0][0], "slice_index", None) is not None else "processes"
+        where = "slices" if _tpu_slice(groups[0][0]) is not None else "processes"
         raise MeshError(
             f"make_mesh(dcn={dcn}) spreads the mesh over {wanted} slices, but the {total} devices "
             f"form {len(groups)} slice(s) ({where}; on CPU each process is one). Use dcn sizes whose "
@@ -89,5 +98,5 @@ def slice_factors(devices: np.ndarray) -> tuple[int, ...]:
     factors = []
     for axis in range(devices.ndim):
         line = devices[tuple(slice(None) if i == axis else 0 for i in range(devices.ndim))]
-        factors.append(len({getattr(d, "slice_index", None) for d in line}))
+        factors.append(len({_tpu_slice(d) for d in line}))
     return tuple(factors)

@@ -233,15 +233,16 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
         found = jnp.take(table, ids, axis=0)
         return jax.lax.all_to_all(found, axes, split_axis=1, concat_axis=found.ndim - 1, tiled=True)
 
+    # Manual over the other batch axes too (the table is whole over them): left
+    # automatic, the partitioner gathered the looked-up rows over them inside the
+    # region (over `data`, across slices in HSDP) and sliced them again after.
+    rows_spec = PartitionSpec(before or None, axes, after or None)
     found = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(
-            PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes),
-            PartitionSpec(None, axes),
-        ),
-        out_specs=PartitionSpec(None, axes),
-        axis_names=set(axes),
+        in_specs=(PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes), rows_spec),
+        out_specs=rows_spec,
+        axis_names=set(before) | set(axes) | set(after),
     )(weight, grouped)
     return found.reshape(*ids.shape, weight.shape[1])
 
