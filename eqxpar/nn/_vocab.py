@@ -237,6 +237,13 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
     # automatic, the partitioner gathered the looked-up rows over them inside the
     # region (over `data`, across slices in HSDP) and sliced them again after.
     rows_spec = PartitionSpec(before or None, axes, after or None)
+    # The table is whole over those axes, so the region's transpose sums its
+    # gradient over them: XLA:CPU aborts compiling that sum in bfloat16 in a
+    # partial-manual region (`_collectives.wire_dtype`), so there the table enters
+    # in float32 (a lookup is a copy: the same values either way).
+    dtype = weight.dtype
+    if (before or after) and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        weight = weight.astype(jnp.float32)
     found = jax.shard_map(
         local,
         mesh=mesh,
@@ -244,7 +251,7 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
         out_specs=rows_spec,
         axis_names=set(before) | set(axes) | set(after),
     )(weight, grouped)
-    return found.reshape(*ids.shape, weight.shape[1])
+    return found.astype(dtype).reshape(*ids.shape, weight.shape[1])
 
 
 class Unembed(eqx.Module):
