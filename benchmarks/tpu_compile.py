@@ -37,6 +37,15 @@ CASES: dict[str, tuple[str, str, dict[str, int], dict[str, Any]]] = {
     "llama3-70b_v5p-256_fsdp32_tensor4": ("llama3-70b", "v5p-256", {"fsdp": 32, "tensor": 4}, {}),
     "llama3-70b_v5p-256_pipe4_fsdp32": ("llama3-70b", "v5p-256", {"pipe": 4, "fsdp": 32}, {}),
     "mixtral-8x7b_v5p-128_expert8_fsdp8": ("mixtral-8x7b", "v5p-128", {"expert": 8, "fsdp": 8}, {}),
+    # HSDP over slices joined by the data-centre network: fsdp=32 inside each
+    # v5p-64 slice, data across the slices (make_mesh(dcn={"data": n})).
+    "llama3-8b_2xv5p-64_data2_fsdp32": ("llama3-8b", "2xv5p-64", {"data": 2, "fsdp": 32}, {}),
+    "llama3-8b_4xv5p-64_data4_fsdp32": ("llama3-8b", "4xv5p-64", {"data": 4, "fsdp": 32}, {}),
+}
+#: The factor of each axis that spans slices, for the cases over several slices.
+DCN = {
+    "llama3-8b_2xv5p-64_data2_fsdp32": {"data": 2},
+    "llama3-8b_4xv5p-64_data4_fsdp32": {"data": 4},
 }
 #: Cases whose axes cut a side of the chip grid (v5p-128 is 4x4x4), as MaxText's
 #: allow_split_physical_axes=true.
@@ -64,7 +73,11 @@ def run_case(name: str) -> dict[str, Any]:
     model, topology, axes, overrides = CASES[name]
     config = eqxpar.models.preset(model, loss_chunk=LOSS_CHUNK, **overrides)
     plan = aot.plan_of(
-        axes, topology=topology, rows_per_chip=BATCH[0], split_physical_axes=name in SPLIT_PHYSICAL_AXES
+        axes,
+        topology=topology,
+        rows_per_chip=BATCH[0],
+        split_physical_axes=name in SPLIT_PHYSICAL_AXES,
+        dcn=DCN.get(name),
     )
     start = time.perf_counter()
     report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
@@ -162,6 +175,21 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
             error = p[field] / measured - 1 if measured else 0.0
             cells.append(f"{p[field] / unit:.2f} / {measured / unit:.2f} ({error:+.0%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    sliced = {name: r for name, r in records.items() if r.get("slices", 1) > 1 and not r.get("refused")}
+    if sliced:
+        lines += [
+            "",
+            "| case | slices | across slices (DCN) MB per chip | its floor (gradient reduction over data) MB "
+            "| DCN / floor | mesh axes of the DCN traffic | ICI replica groups |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in sliced.items():
+            axes = sorted({a for kind in r["dcn_wire_bytes_by_axes"].values() for a in kind})
+            lines.append(
+                f"| {name} | {r['slices']} | {r['total_dcn_wire_bytes'] / 1e6:.1f} "
+                f"| {r['dcn_minimum_wire_bytes'] / 1e6:.1f} | {r['dcn_ratio_to_minimum']:.3f}x "
+                f"| {', '.join(axes)} | {', '.join(r['ici_replica_groups'])} |"
+            )
     return "\n".join(lines)
 
 

@@ -177,8 +177,11 @@ def compile_train_step(
             refused=str(refusal).splitlines()[0][:300],
         )
     memory = compiled.memory_analysis()
+    text = compiled.as_text()
     return AotReport(
         **common,
+        replica_groups=_first_groups(text),
+        dcn_targets=tuple(sorted(set(_DCN_TARGET.findall(text)))),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
@@ -189,6 +192,20 @@ def compile_train_step(
         overlap=overlap_stats(compiled),
         cost=_cost(compiled),
     )
+
+
+_FIRST_GROUP = re.compile(r"replica_groups=\{\{([\d,]+)\}")
+_DCN_TARGET = re.compile(r'_xla_megascale_target=("\{[^"]*"|\{\{[\d,]{0,60})')
+
+
+def _first_groups(text: str) -> tuple[str, ...]:
+    """The distinct first replica groups written in `text`, a run of ids as `a-b`."""
+    seen = set()
+    for ids in _FIRST_GROUP.findall(text):
+        members = [int(i) for i in ids.split(",") if i]
+        run = members == list(range(members[0], members[0] + len(members))) if members else False
+        seen.add(f"{{{members[0]}-{members[-1]}}}" if run and len(members) > 2 else f"{{{ids}}}")
+    return tuple(sorted(seen))
 
 
 def _positive(n: Any) -> bool:

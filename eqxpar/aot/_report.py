@@ -80,6 +80,11 @@ class AotReport:
     #: crosses slices spans (`make_mesh(dcn=...)`; empty inside one slice).
     slices: int = 1
     dcn: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The distinct first replica groups of the collectives inside a slice
+    #: (device ids, `a-b` for a run), and the megascale targets of those across
+    #: slices (see `eqxpar.inspect.collective_stats`), as the HLO writes them.
+    replica_groups: tuple[str, ...] = ()
+    dcn_targets: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -147,6 +152,12 @@ class AotReport:
             "dcn": self.dcn,
             "dcn_wire_bytes": dict(self.collectives.dcn_wire_bytes),
             "total_dcn_wire_bytes": self.collectives.total_dcn_wire_bytes,
+            "dcn_wire_bytes_by_axes": {
+                kind: {",".join(axes) or "-": n for axes, n in by.items()}
+                for kind, by in self.collectives.dcn_by_axes.items()
+            },
+            "ici_replica_groups": list(self.replica_groups),
+            "dcn_targets": list(self.dcn_targets),
             "dcn_minimum_wire_bytes": self.dcn_minimum_wire_bytes,
             "dcn_ratio_to_minimum": self.dcn_ratio_to_minimum,
             "async_wire_bytes": self.overlap.async_wire_bytes,

@@ -151,6 +151,8 @@ class CollectiveStats:
     #: Of `wire_bytes`, what crosses slices over the data-centre network, by kind
     #: (empty for a program of one slice; see the module docstring).
     dcn_wire_bytes: Counter = dataclasses.field(default_factory=Counter)
+    #: Of `by_axes`, what crosses slices (with a mesh).
+    dcn_by_axes: dict[str, dict[tuple[str, ...], int]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_dcn_wire_bytes(self) -> int:
@@ -294,7 +296,12 @@ def collective_stats(
             for k in KINDS
             if any(kind == k for kind, _ in acc.axes)
         },
-        dcn_wire_bytes=acc.dcn,
+        dcn_wire_bytes=Counter({k: n for k in KINDS if (n := sum(v for (kind, _), v in acc.dcn.items() if kind == k))}),
+        dcn_by_axes={
+            k: {axes: n for (kind, axes), n in sorted(acc.dcn.items()) if kind == k and axes is not None}
+            for k in KINDS
+            if any(kind == k and axes is not None for kind, axes in acc.dcn)
+        },
     )
 
 
@@ -330,7 +337,8 @@ class _Tally(NamedTuple):
     dtypes: Counter
     # Wire bytes by (kind, the mesh axes a collective's group spans), with a mesh.
     axes: Counter
-    # Wire bytes by kind that cross slices (the megascale runtime's sends).
+    # Wire bytes by (kind, mesh axes or None without a mesh) that cross slices
+    # (the megascale runtime's sends).
     dcn: Counter
     # Collective-permute bytes each device sends, by device id.
     sends: Counter
@@ -486,9 +494,10 @@ class _Walk:
             if dtype in _DTYPE_BYTES and dtype not in ("u32",):
                 acc.dtypes[base, dtype] += weight
         acc.wire[base] += weight * wire
-        acc.dcn[base] += weight * wire
-        if self.mesh_axes is not None:
-            acc.axes[base, self._dcn_axes(members)] += weight * wire
+        axes = None if self.mesh_axes is None else self._dcn_axes(members)
+        acc.dcn[base, axes] += weight * wire
+        if axes is not None:
+            acc.axes[base, axes] += weight * wire
 
     def _dcn_axes(self, members: list[int] | None) -> tuple[str, ...]:
         """The mesh axes along which the devices of a send's first group across
