@@ -143,10 +143,8 @@ def compile_train_step(
     compiled_at = time.perf_counter()
     least = minimum_comm(plan, state.model, loss=loss, batch=tokens) if minimum else None
     device = mesh.devices.flat[0]
-    factors = dict(zip(mesh.axis_names, slice_factors(mesh.devices), strict=True))
     common = dict(
-        slices=math.prod(factors.values()),
-        dcn={str(a): n for a, n in factors.items() if n > 1},
+        **_slices_of(mesh),
         model=label or kind,
         topology=getattr(device, "device_kind", device.platform),
         chips=chips,
@@ -177,11 +175,9 @@ def compile_train_step(
             refused=str(refusal).splitlines()[0][:300],
         )
     memory = compiled.memory_analysis()
-    text = compiled.as_text()
     return AotReport(
         **common,
-        replica_groups=_first_groups(text),
-        dcn_targets=tuple(sorted(set(_DCN_TARGET.findall(text)))),
+        **_groups_of(compiled.as_text()),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
@@ -196,6 +192,17 @@ def compile_train_step(
 
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 _DCN_TARGET = re.compile(r'_xla_megascale_target=("\{[^"]*"|\{\{[\d,]{0,60})')
+
+
+def _slices_of(mesh: Any) -> dict[str, Any]:
+    """The report's `slices` and `dcn` of a mesh."""
+    factors = dict(zip(mesh.axis_names, slice_factors(mesh.devices), strict=True))
+    return dict(slices=math.prod(factors.values()), dcn={str(a): n for a, n in factors.items() if n > 1})
+
+
+def _groups_of(text: str) -> dict[str, tuple[str, ...]]:
+    """The report's `replica_groups` and `dcn_targets` of compiled HLO `text`."""
+    return dict(replica_groups=_first_groups(text), dcn_targets=tuple(sorted(set(_DCN_TARGET.findall(text)))))
 
 
 def _first_groups(text: str) -> tuple[str, ...]:
