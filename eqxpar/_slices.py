@@ -19,16 +19,17 @@ from ._errors import MeshError
 
 
 def _tpu_slice(device: Any) -> int | None:
-    """A TPU device's `slice_index`; None for other devices (CPU devices of a
-    multi-process run carry one too, 0 on every process)."""
+    """A TPU device's `slice_index` (0 where a slice's description has none, its
+    hosts being processes of one slice); None for other devices (CPU devices of a
+    multi-process run carry a `slice_index` too, 0 on every process)."""
     if getattr(device, "platform", None) != "tpu":
         return None
     index = getattr(device, "slice_index", None)
-    return None if index is None else int(index)
+    return 0 if index is None else int(index)
 
 
 def slice_key(device: Any) -> int:
-    """The slice a device belongs to: its TPU `slice_index`, else its process."""
+    """The slice a device belongs to: its TPU `slice_index`, else (CPU, GPU) its process."""
     index = _tpu_slice(device)
     return int(device.process_index) if index is None else index
 
