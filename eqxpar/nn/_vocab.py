@@ -242,7 +242,9 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
     # partial-manual region (`_collectives.wire_dtype`), so there the table enters
     # in float32 (a lookup is a copy: the same values either way).
     dtype = weight.dtype
-    if (before or after) and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    # The mesh's platform, not the default backend's: a program compiled here for a
+    # TPU topology keeps its bfloat16 sum.
+    if (before or after) and dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
         weight = weight.astype(jnp.float32)
     found = jax.shard_map(
         local,
