@@ -38,6 +38,15 @@ CASES: dict[str, tuple[str, str, dict[str, int], dict[str, Any]]] = {
     "llama3-70b_v5p-256_fsdp32_tensor4": ("llama3-70b", "v5p-256", {"fsdp": 32, "tensor": 4}, {}),
     "llama3-70b_v5p-256_pipe4_fsdp32": ("llama3-70b", "v5p-256", {"pipe": 4, "fsdp": 32}, {}),
     "mixtral-8x7b_v5p-128_expert8_fsdp8": ("mixtral-8x7b", "v5p-128", {"expert": 8, "fsdp": 8}, {}),
+    # HSDP over slices joined by the data-centre network: fsdp=32 inside each
+    # v5p-64 slice, data across the slices (make_mesh(dcn={"data": n})).
+    "llama3-8b_2xv5p-64_data2_fsdp32": ("llama3-8b", "2xv5p-64", {"data": 2, "fsdp": 32}, {}),
+    "llama3-8b_4xv5p-64_data4_fsdp32": ("llama3-8b", "4xv5p-64", {"data": 4, "fsdp": 32}, {}),
+}
+#: The factor of each axis that spans slices, for the cases over several slices.
+DCN = {
+    "llama3-8b_2xv5p-64_data2_fsdp32": {"data": 2},
+    "llama3-8b_4xv5p-64_data4_fsdp32": {"data": 4},
 }
 #: Plan options beyond the mesh (`eqxpar.aot.plan_of`'s keywords). The 70B
 #: pipeline gathers its FSDP weights at their uses and keeps its gradient sums
@@ -102,6 +111,7 @@ def case_config_and_plan(name: str) -> tuple[Any, Any]:
         topology=topology,
         rows_per_chip=BATCH[0],
         split_physical_axes=base in SPLIT_PHYSICAL_AXES,
+        dcn=DCN.get(base),
         **options,
     )
     return config, plan
@@ -214,6 +224,21 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
             error = predicted / measured - 1 if measured else 0.0
             cells.append(f"{predicted / unit:.2f} / {measured / unit:.2f} ({error:+.1%})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    sliced = {name: r for name, r in records.items() if r.get("slices", 1) > 1 and not r.get("refused")}
+    if sliced:
+        lines += [
+            "",
+            "| case | slices | across slices (DCN) MB per chip | its floor (gradient reduction over data) MB "
+            "| DCN / floor | mesh axes of the DCN traffic | ICI replica groups |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in sliced.items():
+            axes = sorted({a for kind in r["dcn_wire_bytes_by_axes"].values() for a in kind})
+            lines.append(
+                f"| {name} | {r['slices']} | {r['total_dcn_wire_bytes'] / 1e6:.1f} "
+                f"| {r['dcn_minimum_wire_bytes'] / 1e6:.1f} | {r['dcn_ratio_to_minimum']:.3f}x "
+                f"| {', '.join(axes)} | {', '.join(r['ici_replica_groups'])} |"
+            )
     return "\n".join(lines + offload_table(records))
 
 

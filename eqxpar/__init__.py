@@ -62,6 +62,7 @@ from ._errors import (
 )
 from ._mesh import AXES as AXES
 from ._mesh import BATCH_AXES as BATCH_AXES
+from ._mesh import DCN_AXES as DCN_AXES
 from ._mesh import make_mesh as make_mesh
 from ._param import param as param
 from ._param import stacked as stacked

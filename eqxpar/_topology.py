@@ -35,11 +35,14 @@ _SMALL_V5P = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}
 
 _GPU_NAME = re.compile(r"^(gpu|cuda|rocm|nvidia|amd|\d*x?(a|h|b|gb|l)\d+|v100|mi\d+)", re.IGNORECASE)
 _TYPE_NAME = re.compile(r"^(v\d+[a-z]*)-(\d+)$")
+#: `2xv5p-64`: two slices of a v5p-64, joined by the data-centre network (DCN).
+_SLICES_NAME = re.compile(r"^(\d+)x(v\d.*)$")
 _SHAPE_NAME = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)*)$")
 
 _KNOWN = (
     "a TPU v5p, v5e or v6e slice, as an accelerator type (`v5p-64`, `v5litepod-16`, "
-    "`v6e-16`) or as a generation and chip shape (`v5p:2x4x4`, `v5e:4x4`, `v6e:16x16`)"
+    "`v6e-16`) or as a generation and chip shape (`v5p:2x4x4`, `v5e:4x4`, `v6e:16x16`), "
+    "with `Nx` in front for N slices (`2xv5p-64`)"
 )
 
 
@@ -112,9 +115,19 @@ def _check_generation(name: str, generation: str) -> None:
     raise MeshError(f"topology={name!r} names an unknown TPU generation; expected {_KNOWN}.")
 
 
-def topology_devices(topology: Any) -> list[Any]:
-    """The devices of `topology`: a name (see `topology_name`) or a
-    `jax.experimental.topologies.TopologyDescription`."""
+def split_slices(name: str) -> tuple[str, int]:
+    """`("v5p-64", 2)` for `"2xv5p-64"`; `(name, 1)` for a name without a slice count."""
+    if m := _SLICES_NAME.match(name):
+        return m[2], int(m[1])
+    return name, 1
+
+
+def topology_devices(topology: Any, slices: Any = None) -> list[Any]:
+    """The devices of `topology`: a name (see `topology_name`; `"2xv5p-64"` for two
+    slices) or a `jax.experimental.topologies.TopologyDescription`. `slices` (an
+    int, default 1, or the count in the name) asks libtpu for that many copies of
+    the slice joined by the data-centre network: each device then carries its
+    `slice_index`."""
     if not isinstance(topology, str):
         devices = getattr(topology, "devices", None)
         if devices is None:
@@ -123,8 +136,22 @@ def topology_devices(topology: Any) -> list[Any]:
                 "expected a string such as 'v5p-64' or the result of "
                 "jax.experimental.topologies.get_topology_desc(...)."
             )
+        if slices is not None:
+            raise MeshError(
+                f"make_mesh(topology=<TopologyDescription>, slices={slices!r}): a description already "
+                "has its slice count. Pass get_topology_desc(..., num_slices=N) alone, or a name."
+            )
         return list(devices)
-    name = topology_name(topology.strip().lower())
+    base, named = split_slices(topology.strip().lower())
+    if slices is not None and named != 1 and slices != named:
+        raise MeshError(
+            f"make_mesh(topology={topology!r}, slices={slices!r}): the name says {named} slices. "
+            "Give the count once, in the name or in slices=."
+        )
+    count = named if slices is None else slices
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise MeshError(f"make_mesh(slices={slices!r}): expected a positive number of slices, e.g. slices=2.")
+    name = topology_name(base)
     if importlib.util.find_spec("libtpu") is None:
         raise MeshError(
             f"topology={topology!r} needs libtpu, which describes TPU slices to JAX, and "
@@ -135,7 +162,9 @@ def topology_devices(topology: Any) -> list[Any]:
 
     try:
         # A slice of one chip has hosts of one chip; the default host is 2x2.
-        options = {"chips_per_host_bounds": [1, 1, 1]} if name.endswith(":1x1") else {}
+        options: dict[str, Any] = {"chips_per_host_bounds": [1, 1, 1]} if name.endswith(":1x1") else {}
+        if count > 1:
+            options["num_slices"] = count
         return list(topologies.get_topology_desc(name, "tpu", **options).devices)
     except Exception as error:  # JaxRuntimeError (INVALID_ARGUMENT), RuntimeError
         raise MeshError(

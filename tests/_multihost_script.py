@@ -1,4 +1,4 @@
-"""Subprocess helper for the multi-process tests (run as a script, never imported by pytest).
+"""Subprocess helper for the multi-process tests (run as a script; tests import only `hsdp_problem`).
 
 _multihost_script.py train [--die-after-step N --die-rank R] -- <examples/multihost.py args>
     Trains with examples/multihost.py; with --die-after-step, once step N is done
@@ -16,6 +16,11 @@ _multihost_script.py restore-truncated DIR
     file, prints the CheckpointError its restore raises, then restores step 1 and
     prints whether it equals what was saved. (A subprocess: the reads orbax
     abandons report errors from tensorstore's threads for a while afterwards.)
+_multihost_script.py hsdp DIR   (under eqxpar.launch, 2 processes)
+    Joins the run, lays a two-slice HSDP mesh (data across the processes, fsdp
+    over each one's devices: make_mesh(dcn={"data": 2})), prints its groups'
+    processes, trains `HSDP_STEPS` steps of the teacher MLP, saves the state
+    (eqxpar.checkpoint) and, on process 0, the losses and final parameters.
 _multihost_script.py fault KIND RANK DIR   (under eqxpar.launch)
     Joins the run, starts a grandchild that sleeps, writes "pid grandchild-pid"
     to DIR/pids<rank> and waits for every rank's file; then process RANK fails
@@ -166,6 +171,87 @@ def restore_truncated(directory: str) -> None:
     print(f"step 1 restored equal: {same}, data_state {data_state}", flush=True)
 
 
+HSDP_STEPS = 4
+
+
+def hsdp_problem():
+    """The model, optimizer, loss and global batches the HSDP run trains (and its
+    one-device reference): every process builds the same ones."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(HSDP_STEPS, 32, 16)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(size=(16, 4)).astype(np.float32) / 4)
+    model = eqx.nn.MLP(16, 4, 64, 2, key=jax.random.key(0))
+
+    def loss(model, batch):
+        inputs, targets = batch
+        return jnp.mean((jax.vmap(model)(inputs) - targets) ** 2)
+
+    # SGD with momentum: unlike Adam it does not amplify the last-bit differences
+    # of a gradient summed in another order (tests/_helpers.py, assert_params_close).
+    return model, optax.sgd(0.1, momentum=0.9), loss, list(zip(x, y, strict=True))
+
+
+def hsdp(directory: str) -> None:
+    import eqxpar.distributed as dist
+
+    assert dist.initialize(), "run me under eqxpar.launch"
+    import json
+
+    import equinox as eqx
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import eqxpar
+    import eqxpar.checkpoint
+    import eqxpar.data
+
+    mesh = eqxpar.make_mesh(data=2, fsdp=4, dcn={"data": 2})
+    groups = {
+        axis: [
+            d.process_index
+            for d in np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])[
+                0
+            ]
+        ]
+        for axis in ("data", "fsdp")
+    }
+    dist.print_once(f"groups by process: {json.dumps(groups)}")
+    plan = eqxpar.Plan(mesh, rules=eqxpar.rules.FSDP(min_size=256))
+    model, optimizer, loss, batches = hsdp_problem()
+    key = jax.random.wrap_key_data(
+        jax.device_put(
+            np.asarray(jax.random.key_data(jax.random.key(1))), plan.sharding(jax.sharding.PartitionSpec())
+        )
+    )
+    state = eqxpar.train.init(model, optimizer, plan, key=key)
+    step = eqxpar.train.make_step(loss, optimizer, plan)
+    rows = eqxpar.data.process_slice(32, plan)
+    dist.log(f"feeds rows {rows}")
+    losses = []
+    for x, y in batches:
+        state, metrics = step(state, eqxpar.data.global_batch((x[rows], y[rows]), plan))
+        losses.append(float(metrics["loss"]))
+    with eqxpar.checkpoint.CheckpointManager(pathlib.Path(directory) / "ckpt") as manager:
+        manager.save(HSDP_STEPS, state)
+    params = eqx.filter(state.model, eqx.is_inexact_array)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    gathered = multihost_utils.process_allgather([leaf for _, leaf in flat], tiled=True)
+    if dist.is_main_process():
+        names = [jax.tree_util.keystr(path) for path, _ in flat]
+        np.savez(
+            pathlib.Path(directory) / "params.npz", **dict(zip(names, map(np.asarray, gathered), strict=True))
+        )
+        (pathlib.Path(directory) / "losses.json").write_text(json.dumps(losses))
+    dist.print_once("hsdp done")
+
+
 def fault(kind: str, rank: str, directory: str) -> None:
     import subprocess
 
@@ -210,5 +296,7 @@ if __name__ == "__main__":
         restore_truncated(*rest)
     elif mode == "fault":
         fault(*rest)
+    elif mode == "hsdp":
+        hsdp(*rest)
     else:
         raise SystemExit(f"unknown mode {mode!r}")

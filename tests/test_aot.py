@@ -100,6 +100,16 @@ def test_command_prints_the_report_and_writes_json(tmp_path, capsys):
         (["--model", "gpt2", "--plan", "fsdp=8", "--schedule", "1f1b"], "needs a pipe axis"),
         (["--model", "gpt2", "--plan", "fsdp=8", "--stage-gradients", "sharded"], "needs a pipe axis"),
         (["--model", "gpt2", "--plan", "fsdp=64"], "needs 64 devices"),
+        (
+            ["--model", "gpt2", "--plan", "data=2,fsdp=4", "--dcn", "data"],
+            "--dcn 'data': 'data' is not AXIS=SIZE",
+        ),
+        # One process is one slice on CPU.
+        (
+            ["--model", "gpt2", "--plan", "data=2,fsdp=4", "--dcn", "data=2"],
+            "which does not divide the 1 slices",
+        ),
+        (["--model", "gpt2", "--plan", "data=2", "--slices", "2"], "slices=2) without a topology"),
     ],
 )
 def test_command_refuses_bad_arguments_naming_them(argv, message, capsys):

@@ -200,6 +200,7 @@ def advise(
     memory_per_device: int | None = None,
     device: Any = "h100",
     pipeline_loss: Any = None,
+    slices: int | None = None,
 ) -> Advice:
     """Enumerate the plans eqxpar runs on `devices` devices, predict each one's
     memory, wire bytes and step time from shapes (nothing compiles), drop those
@@ -226,6 +227,12 @@ def advise(
       (`"h100"`, `"tpu_v5p"`, `"cpu"`).
     - `pipeline_loss`: an `eqxpar.pipeline.PipelineLoss` computing `loss_fn`, to
       include pipeline plans.
+    - `slices`: the devices are this many slices joined by the data-centre
+      network (TPU multislice, e.g. 2 x v5p-64): a collective whose group spans
+      slices is charged the profile's `dcn_bytes_per_s` (default: the profile's
+      own `devices_per_slice`, None for one slice). The outermost axes cross
+      slices, as `make_mesh(dcn=...)` lays them: HSDP's `data`, all of FSDP's
+      `fsdp`.
 
     **Returns:** an `Advice`.
 
@@ -239,6 +246,7 @@ def advise(
     ```
     """
     profile, budget = _checked(devices, device, memory_per_device, pipeline_loss)
+    profile = _sliced(profile, devices, slices)
     shapes = outline(model)
     params = eqx.filter(shapes, lambda x: is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact))
     if not jax.tree.leaves(params):
@@ -307,6 +315,24 @@ def _checked(
                 "(or None for no pipeline plans)."
             )
     return profile, budget
+
+
+def _sliced(profile: DeviceProfile, devices: int, slices: Any) -> DeviceProfile:
+    """`profile` with `devices_per_slice` for `devices` over `slices` slices."""
+    if slices is None:
+        return profile
+    if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1 or devices % slices:
+        raise PlanError(
+            f"advise(devices={devices}, slices={slices!r}): expected a positive number of slices that "
+            f"divides the {devices} devices, e.g. slices=2."
+        )
+    if slices > 1 and profile.dcn_bytes_per_s is None:
+        raise PlanError(
+            f"advise(slices={slices}, device={profile.name!r}): the profile has no dcn_bytes_per_s, the "
+            "rate between slices. Pass a DeviceProfile with one (dataclasses.replace(profile, "
+            "dcn_bytes_per_s=...))."
+        )
+    return dataclasses.replace(profile, devices_per_slice=devices // slices if slices > 1 else None)
 
 
 def _predict_layout(

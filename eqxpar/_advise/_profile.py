@@ -24,6 +24,13 @@ class DeviceProfile:
     - `inter_node_bytes_per_s`: bytes per second one device sends across nodes.
     - `devices_per_node`: devices that share the fast intra-node links.
     - `memory_bytes`: device memory, the default budget of `eqxpar.advise`.
+    - `dcn_bytes_per_s`: bytes per second one device sends to other slices over
+      the data-centre network (DCN), where the hardware is run as several slices
+      (TPU multislice); default None.
+    - `devices_per_slice`: devices in one slice (default None: the run is one
+      slice). A collective whose group spans more devices than a slice moves
+      at `dcn_bytes_per_s`; `eqxpar.advise(..., slices=N)` sets it to the
+      device count over `N`.
     - `peak_flops_per_s`: dtype name -> the vendor's *dense* peak matmul FLOP/s, the
       denominator of model FLOPs utilisation (`peak`, `eqxpar.train.Throughput`);
       default None: no published peak, and `peak` answers with the measured
@@ -65,6 +72,8 @@ class DeviceProfile:
     memory_bytes: int
     peak_flops_per_s: Mapping[str, float] | None = None
     platform: str = "gpu"
+    dcn_bytes_per_s: float | None = None
+    devices_per_slice: int | None = None
 
     def __post_init__(self):
         rates = dict(self.flops_per_s)
@@ -86,6 +95,20 @@ class DeviceProfile:
                 f"DeviceProfile(platform={self.platform!r}): expected 'cpu', 'gpu' or 'tpu', the XLA "
                 "backend the step compiles for."
             )
+        if self.dcn_bytes_per_s is not None and not self.dcn_bytes_per_s > 0:
+            raise PlanError(
+                f"DeviceProfile(dcn_bytes_per_s={self.dcn_bytes_per_s!r}): expected a positive rate."
+            )
+        if self.devices_per_slice is not None:
+            if not isinstance(self.devices_per_slice, int) or self.devices_per_slice < 1:
+                raise PlanError(
+                    f"DeviceProfile(devices_per_slice={self.devices_per_slice!r}): expected a positive integer."
+                )
+            if self.dcn_bytes_per_s is None:
+                raise PlanError(
+                    f"DeviceProfile(name={self.name!r}, devices_per_slice={self.devices_per_slice}) has no "
+                    "dcn_bytes_per_s: the rate between slices is what a slice size is for. Give both."
+                )
         # A plain dict, frozen by convention: the profile is a value.
         object.__setattr__(self, "flops_per_s", rates)
         if self.peak_flops_per_s is not None:
@@ -147,9 +170,13 @@ class DeviceProfile:
     def link(self, group: int, stride: int) -> float:
         """Bytes per second per device of a collective over `group` devices whose
         neighbours are `stride` devices apart in the mesh's device order: within a
-        node when the whole group fits inside one."""
-        within = group * stride <= self.devices_per_node
-        return self.intra_node_bytes_per_s if within else self.inter_node_bytes_per_s
+        node when the whole group fits inside one; across slices (the data-centre
+        network, `dcn_bytes_per_s`) when it spans more devices than a slice."""
+        span = group * stride
+        if self.devices_per_slice is not None and span > self.devices_per_slice:
+            assert self.dcn_bytes_per_s is not None  # __post_init__
+            return self.dcn_bytes_per_s
+        return self.intra_node_bytes_per_s if span <= self.devices_per_node else self.inter_node_bytes_per_s
 
 
 #: eqxpar's profiles. "h100": an 8-GPU H100 SXM node. Matmul and copy rates are
@@ -160,7 +187,14 @@ class DeviceProfile:
 #: ConnectX-7 InfiniBand NIC per GPU (50 GB/s) across nodes; 80 GB HBM3.
 #: "tpu_v5p": Google's public TPU v5p figures (459 TFLOP/s bf16, 2.765 TB/s HBM,
 #: 95 GB HBM; ICI 4,800 Gb/s per chip, taken as 600 GB/s within a 4x4x4 cube of
-#: 64 chips, float32 matmuls at a quarter of bf16); nothing measured here.
+#: 64 chips, float32 matmuls at a quarter of bf16); nothing measured here. Its
+#: data-centre network (DCN), between slices: 50 Gb/s per chip, 6.25 GB/s, the
+#: "Data center network (DCN) bandwidth per chip" of Cloud TPU's v5p page
+#: (https://cloud.google.com/tpu/docs/v5p), taken as each chip's rate in one
+#: direction with all chips of a slice sending at once (a ring over slices pairs
+#: each chip with its peer in the next slice), no congestion; one slice unless
+#: told (`devices_per_slice`, or `advise(..., slices=N)`). ICI at 600 GB/s is 96x
+#: that.
 #: "cpu": this repository's simulated devices, measured on the 2-core CPU machine
 #: (benchmarks/results/one_device_cpu.json: 0.29 TFLOP/s f32, 0.26 bf16, 8.3 GB/s
 #: copy); the 8 devices share the host's memory, so a collective moves at the
@@ -202,6 +236,7 @@ PROFILES: dict[str, DeviceProfile] = {
         memory_bytes=95 * 10**9,
         peak_flops_per_s={"bfloat16": 459e12},
         platform="tpu",
+        dcn_bytes_per_s=50e9 / 8,
     ),
     "cpu": DeviceProfile(
         name="cpu",

@@ -27,19 +27,19 @@ OFFLOADED_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 _DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f32": jnp.float32, "float32": jnp.float32}
 
 
-def parse_axes(text: str) -> dict[str, int]:
+def parse_axes(text: str, option: str = "--plan") -> dict[str, int]:
     """`"fsdp=8,tensor=4"` as `{"fsdp": 8, "tensor": 4}` (eqxpar's mesh axes only)."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
         axis, _, size = part.partition("=")
         if axis not in AXES or not size.isdigit() or int(size) < 1:
             raise PlanError(
-                f"--plan {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(AXES)} and SIZE a "
-                "positive integer. Example: --plan fsdp=8,tensor=4"
+                f"{option} {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {list(AXES)} and SIZE a "
+                f"positive integer. Example: {option} {'data=2' if option == '--dcn' else 'fsdp=8,tensor=4'}"
             )
         sizes[axis] = int(size)
     if not sizes:
-        raise PlanError(f"--plan {text!r}: expected at least one AXIS=SIZE, e.g. --plan fsdp=32")
+        raise PlanError(f"{option} {text!r}: expected at least one AXIS=SIZE, e.g. {option} data=2")
     return sizes
 
 
@@ -65,6 +65,8 @@ def plan_of(
     split_physical_axes: bool = False,
     offload: Sequence[str] = (),
     offloaded_names: Sequence[str] = OFFLOADED_NAMES,
+    dcn: dict[str, int] | None = None,
+    slices: int | None = None,
 ) -> Plan:
     """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
     or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
@@ -75,8 +77,11 @@ def plan_of(
     `offload` as `Plan(offload=...)`; with `"activations"` the remat policy is
     `RematPolicy(offloaded=offloaded_names)` (default MaxText's
     `qkv_proj_offloaded`: the query, key and value projections) instead of
-    `remat`."""
-    mesh = make_mesh(**sizes, topology=topology, split_physical_axes=split_physical_axes)
+    `remat`. `dcn` and `slices` as `make_mesh` takes them: `plan_of({"data": 2,
+    "fsdp": 32}, topology="2xv5p-64", dcn={"data": 2})` is HSDP over two slices."""
+    mesh = make_mesh(
+        **sizes, topology=topology, split_physical_axes=split_physical_axes, dcn=dcn, slices=slices
+    )
     needs_layers = any(sizes.get(a, 1) > 1 for a in ("tensor", "expert", "context"))
     # Megatron's rules name the layers' logical axes; with an fsdp axis, their
     # model dimension splits over it too (first match wins: FSDP() after MEGATRON
@@ -120,7 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help=f"a preset: {', '.join(PRESET_NAMES)}")
     parser.add_argument(
-        "--topology", help="e.g. v5p-64 (32 chips) or v5p:4x4x2; default this machine's devices"
+        "--topology",
+        help="e.g. v5p-64 (32 chips), v5p:4x4x2, or 2xv5p-64 (two slices); default this machine's devices",
+    )
+    parser.add_argument(
+        "--slices", type=int, help="copies of the topology's slice, joined by DCN (default 1)"
+    )
+    parser.add_argument(
+        "--dcn",
+        help="the factor of each axis that spans slices, e.g. data=2 (HSDP with --plan data=2,fsdp=32); "
+        "default: the slices go to data, then pipe, then fsdp",
     )
     parser.add_argument("--plan", required=True, help="mesh axis sizes, e.g. fsdp=32 or fsdp=8,tensor=4")
     parser.add_argument("--batch", default="1x2048", help="rows per chip x sequence length (default 1x2048)")
@@ -195,12 +209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             split_physical_axes=args.split_physical_axes,
             offload=[p for p in args.offload.split(",") if p],
             offloaded_names=[n for n in args.offload_names.split(",") if n],
+            dcn=None if args.dcn is None else parse_axes(args.dcn, "--dcn"),
+            slices=args.slices,
         )
         report = compile_train_step(config, plan, batch=batch, name=args.model)
     except EqxparError as e:
         print(f"error: {e}")
         return 2
     where = args.topology or "this machine"
+    if args.slices:
+        where = f"{args.slices}x{where}"
     print(f"[{args.model} on {where}]")
     print(report)
     if args.json is not None:

@@ -17,6 +17,7 @@ import optax
 
 from .._errors import PlanError
 from .._plan import Plan
+from .._slices import slice_factors
 from ..inspect import CollectiveStats, OverlapStats, collective_stats, minimum_comm, overlap_stats
 from ..internal import ResolvedPlan
 from ..models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss, preset
@@ -143,6 +144,7 @@ def compile_train_step(
     least = minimum_comm(plan, state.model, loss=loss, batch=tokens) if minimum else None
     device = mesh.devices.flat[0]
     common = dict(
+        **_slices_of(mesh),
         model=label or kind,
         topology=getattr(device, "device_kind", device.platform),
         chips=chips,
@@ -175,6 +177,7 @@ def compile_train_step(
     memory = compiled.memory_analysis()
     return AotReport(
         **common,
+        **_groups_of(compiled.as_text()),
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
@@ -195,6 +198,31 @@ def _host_memory(memory: Any) -> dict[str, int]:
         f"host_{part}_bytes": int(getattr(memory, f"host_{part}_size_in_bytes", 0))
         for part in ("argument", "output", "alias", "temp")
     }
+
+
+_FIRST_GROUP = re.compile(r"replica_groups=\{\{([\d,]+)\}")
+_DCN_TARGET = re.compile(r'_xla_megascale_target=("\{[^"]*"|\{\{[\d,]{0,60})')
+
+
+def _slices_of(mesh: Any) -> dict[str, Any]:
+    """The report's `slices` and `dcn` of a mesh."""
+    factors = dict(zip(mesh.axis_names, slice_factors(mesh.devices), strict=True))
+    return dict(slices=math.prod(factors.values()), dcn={str(a): n for a, n in factors.items() if n > 1})
+
+
+def _groups_of(text: str) -> dict[str, tuple[str, ...]]:
+    """The report's `replica_groups` and `dcn_targets` of compiled HLO `text`."""
+    return dict(replica_groups=_first_groups(text), dcn_targets=tuple(sorted(set(_DCN_TARGET.findall(text)))))
+
+
+def _first_groups(text: str) -> tuple[str, ...]:
+    """The distinct first replica groups written in `text`, a run of ids as `a-b`."""
+    seen = set()
+    for ids in _FIRST_GROUP.findall(text):
+        members = [int(i) for i in ids.split(",") if i]
+        run = members == list(range(members[0], members[0] + len(members))) if members else False
+        seen.add(f"{{{members[0]}-{members[-1]}}}" if run and len(members) > 2 else f"{{{ids}}}")
+    return tuple(sorted(seen))
 
 
 def _positive(n: Any) -> bool:

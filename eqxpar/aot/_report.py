@@ -46,6 +46,9 @@ class AotReport:
     `host_argument_bytes`, `host_output_bytes`, `host_alias_bytes`,
     `host_temp_bytes` (host memory, what `Plan(offload=...)` moves there) and
     their `host_bytes`.
+    (the TPU compiler's out-of-memory refusal, or None: see the field); `slices`
+    and `dcn` (the mesh's slices and the axes across them: what crosses is
+    `collectives.dcn_wire_bytes`, its floor `dcn_minimum_wire_bytes`).
 
     ```python
     report = eqxpar.aot.compile_train_step("llama3-8b", plan, batch=(1, 2048))
@@ -92,6 +95,15 @@ class AotReport:
         return (
             self.host_argument_bytes + self.host_output_bytes - self.host_alias_bytes + self.host_temp_bytes
         )
+    #: How many TPU slices the mesh spans, and how many of them each axis that
+    #: crosses slices spans (`make_mesh(dcn=...)`; empty inside one slice).
+    slices: int = 1
+    dcn: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The distinct first replica groups of the collectives inside a slice
+    #: (device ids, `a-b` for a run), and the megascale targets of those across
+    #: slices (see `eqxpar.inspect.collective_stats`), as the HLO writes them.
+    replica_groups: tuple[str, ...] = ()
+    dcn_targets: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -110,6 +122,24 @@ class AotReport:
         if self.minimum is None or not self.minimum.total_wire_bytes:
             return None
         return self.collectives.total_wire_bytes / self.minimum.total_wire_bytes
+
+    @property
+    def dcn_minimum_wire_bytes(self) -> int:
+        """Of the plan's minimum, the collectives over axes that all cross slices
+        (HSDP's gradient reduction over `data`): the floor of what crosses."""
+        if self.minimum is None or not self.dcn:
+            return 0
+        return sum(
+            cost.wire_bytes
+            for cost in self.minimum.costs
+            if (axes := [a for a in cost.axes if self.mesh.get(a, 1) > 1]) and set(axes) <= set(self.dcn)
+        )
+
+    @property
+    def dcn_ratio_to_minimum(self) -> float | None:
+        """Wire bytes that cross slices / `dcn_minimum_wire_bytes` (None without one)."""
+        least = self.dcn_minimum_wire_bytes
+        return self.collectives.total_dcn_wire_bytes / least if least else None
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-ready values (for benchmark records)."""
@@ -142,6 +172,18 @@ class AotReport:
             "total_wire_bytes": self.collectives.total_wire_bytes,
             "minimum_wire_bytes": None if minimum is None else minimum.total_wire_bytes,
             "wire_ratio_to_minimum": self.wire_ratio_to_minimum,
+            "slices": self.slices,
+            "dcn": self.dcn,
+            "dcn_wire_bytes": dict(self.collectives.dcn_wire_bytes),
+            "total_dcn_wire_bytes": self.collectives.total_dcn_wire_bytes,
+            "dcn_wire_bytes_by_axes": {
+                kind: {",".join(axes) or "-": n for axes, n in by.items()}
+                for kind, by in self.collectives.dcn_by_axes.items()
+            },
+            "ici_replica_groups": list(self.replica_groups),
+            "dcn_targets": list(self.dcn_targets),
+            "dcn_minimum_wire_bytes": self.dcn_minimum_wire_bytes,
+            "dcn_ratio_to_minimum": self.dcn_ratio_to_minimum,
             "async_wire_bytes": self.overlap.async_wire_bytes,
             "async_share": self.overlap.share,
             "lower_seconds": round(self.lower_seconds, 2),
@@ -152,6 +194,8 @@ class AotReport:
 
     def __str__(self) -> str:
         mesh = " x ".join(f"{a} {n}" for a, n in self.mesh.items() if n > 1) or "one device"
+        if self.slices > 1:
+            mesh += f"; {self.slices} slices: " + ", ".join(f"{a} over {n}" for a, n in self.dcn.items())
         fits = {None: "unknown (no memory figure for this device)", True: "fits", False: "DOES NOT FIT"}
         memory = "?" if self.memory_per_chip is None else _gib(self.memory_per_chip)
         sizes = [self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes, self.peak_bytes]
@@ -176,6 +220,7 @@ class AotReport:
                 right=[False, False, True, True],
             ),
             f"measured / minimum: {fmt_ratio(self.wire_ratio_to_minimum)} ({self.minimum_note})",
+            *self._dcn_lines(),
             "scheduled asynchronously (compute between start and done): "
             + (
                 ", ".join(f"{k} {self.overlap.kind_share(k):.0%}" for k in self.overlap.by_kind)
@@ -208,6 +253,14 @@ class AotReport:
                 [[*map(_gib, sizes), _gib(self.host_bytes)]],
                 right=[True] * 5,
             ),
+    def _dcn_lines(self) -> list[str]:
+        if self.slices <= 1:
+            return []
+        kinds = ", ".join(f"{k} {fmt_int(n)}" for k, n in self.collectives.dcn_wire_bytes.items() if n)
+        return [
+            f"across slices (DCN): {fmt_int(self.collectives.total_dcn_wire_bytes)} ({kinds or 'nothing'}); "
+            f"minimum over {','.join(self.dcn)} {fmt_int(self.dcn_minimum_wire_bytes)}: "
+            f"{fmt_ratio(self.dcn_ratio_to_minimum)}"
         ]
 
     def _collective_rows(self) -> list[list[str]]:

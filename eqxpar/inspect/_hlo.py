@@ -40,6 +40,19 @@ backward one none on the first). n comes from `replica_groups=`,
 written either explicitly (`{{0,1,2,3},{4,5,6,7}}`: the first group's size) or as
 an iota (`[G,n]<=[...]`: G groups of n); an empty or missing list means every
 device in one group.
+
+A program compiled for several TPU slices (a mesh made with `make_mesh(dcn=...)`)
+is the program of one slice: its collectives' replica groups number the devices
+of that slice, and what crosses slices over the data-centre network (DCN) is a
+`send` to the megascale runtime whose `_xla_megascale_transfer_type` says the
+kind (ALL_REDUCE, ALL_GATHER, ...) and `_xla_megascale_target` the groups, as
+device ids (`(slice + 1) x 100000 + the device's id in its slice`, explicitly
+`{{100000,200000},...}` or as a product `{1,2}x{0:3}`: slices 1 and 2, each
+device 0 to 3 with its peers in the others). Each such send is counted as a
+collective of its kind over the slices of its first group (n = their number):
+an all-reduce sends its whole buffer (wire 2 (n-1)/n x it), an all-gather its
+shard (wire (n-1) x it, result n x it), others their buffer ((n-1)/n x it). These
+are the bytes that cross slices, also kept apart in `dcn_wire_bytes`.
 """
 
 import dataclasses
@@ -51,6 +64,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._errors import EqxparError
+from .._slices import slice_factors
 from .._text import short
 from ._compiled import compiled_stage
 from ._trips import inferred_trip_count
@@ -101,6 +115,18 @@ _MODULE_SIZE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 # A pipeline tick's switch, as the engine names it (eqxpar/pipeline/_engine.py, `Device._tick_scope`).
 _TICK = re.compile(r"eqxpar_tick_s(\d+)_b(\d+(?:_\d+)*)")
+# What crosses slices: a send to the megascale runtime (see the module docstring).
+_DCN_KIND = re.compile(r'_xla_megascale_transfer_type="?([A-Z_]+)')
+_DCN_GROUPS = re.compile(r"_xla_megascale_target=\{\{([\d,]+)\}")
+_DCN_PRODUCT = re.compile(r'_xla_megascale_target="\{([\d,]+)\}x\{(\d+)(?::\d+)?\}"')
+#: The megascale runtime's device ids: slice s's device d is (s + 1) x 100000 + d.
+DCN_ID_STRIDE = 100_000
+_DCN_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}
 
 
 @dataclasses.dataclass
@@ -122,6 +148,16 @@ class CollectiveStats:
     #: (empty unless `collective_stats` was given the mesh). A collective-permute
     #: counts its result once per instruction here, whoever sends it.
     by_axes: dict[str, dict[tuple[str, ...], int]] = dataclasses.field(default_factory=dict)
+    #: Of `wire_bytes`, what crosses slices over the data-centre network, by kind
+    #: (empty for a program of one slice; see the module docstring).
+    dcn_wire_bytes: Counter = dataclasses.field(default_factory=Counter)
+    #: Of `by_axes`, what crosses slices (with a mesh).
+    dcn_by_axes: dict[str, dict[tuple[str, ...], int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def total_dcn_wire_bytes(self) -> int:
+        """Wire bytes one device sends to other slices per step."""
+        return sum(self.dcn_wire_bytes.values())
 
     @property
     def total_bytes(self) -> int:
@@ -214,10 +250,13 @@ def collective_stats(
     - `mesh`: the `jax.sharding.Mesh` the computation was compiled for (keyword
       only, optional): with it, `by_axes` splits each kind's wire bytes by the
       mesh axes its groups span (device ids read as positions in the mesh's
-      device order, as jit assigns them).
+      device order, as jit assigns them; over several slices, positions in one
+      slice's part of the mesh, and the megascale runtime's ids of what crosses
+      slices as the mesh's devices).
 
     **Returns:** a `CollectiveStats` (`.count`, `.bytes`, `.wire_bytes`, `.in_loops`
-    and `.dtypes` by kind; `.total_bytes`, `.total_wire_bytes`).
+    and `.dtypes` by kind; `.total_bytes`, `.total_wire_bytes`; `.dcn_wire_bytes`,
+    what crosses slices).
 
     **Raises:** `EqxparError` (a `ValueError`) for an argument it cannot read, text
     with no `ENTRY` computation, or a collective that spans all devices when their
@@ -233,10 +272,18 @@ def collective_stats(
     computations, entry = _parse(text)
     if num_devices is None:
         num_devices = _module_devices(text)
-    mesh_axes = None if mesh is None else tuple((str(a), int(mesh.shape[a])) for a in mesh.axis_names)
-    if num_devices is None and mesh is not None:
+    mesh_axes = dcn_ids = None
+    if mesh is not None:
+        factors = slice_factors(mesh.devices)
+        # A program of one slice numbers that slice's devices: its part of the mesh.
+        mesh_axes = tuple(
+            (str(a), int(mesh.shape[a]) // f) for a, f in zip(mesh.axis_names, factors, strict=True)
+        )
+        if math.prod(factors) > 1:
+            dcn_ids = {int(d.id): tuple(map(int, at)) for at, d in np.ndenumerate(mesh.devices)}
+    if num_devices is None and mesh_axes is not None:
         num_devices = math.prod(size for _, size in mesh_axes)
-    acc = walk_tally(_Walk(computations, num_devices, mesh_axes), entry)
+    acc = walk_tally(_Walk(computations, num_devices, mesh_axes, dcn_ids), entry)
     dtypes: dict[str, set[str]] = {}
     for kind, dtype in acc.dtypes:
         dtypes.setdefault(kind, set()).add(dtype)
@@ -250,6 +297,14 @@ def collective_stats(
             k: {axes: n for (kind, axes), n in sorted(acc.axes.items()) if kind == k}
             for k in KINDS
             if any(kind == k for kind, _ in acc.axes)
+        },
+        dcn_wire_bytes=Counter(
+            {k: n for k in KINDS if (n := sum(v for (kind, _), v in acc.dcn.items() if kind == k))}
+        ),
+        dcn_by_axes={
+            k: {axes: n for (kind, axes), n in sorted(acc.dcn.items()) if kind == k and axes is not None}
+            for k in KINDS
+            if any(kind == k and axes is not None for kind, axes in acc.dcn)
         },
     )
 
@@ -286,6 +341,9 @@ class _Tally(NamedTuple):
     dtypes: Counter
     # Wire bytes by (kind, the mesh axes a collective's group spans), with a mesh.
     axes: Counter
+    # Wire bytes by (kind, mesh axes or None without a mesh) that cross slices
+    # (the megascale runtime's sends).
+    dcn: Counter
     # Collective-permute bytes each device sends, by device id.
     sends: Counter
     # What each device adds in the conditionals whose branch per device is known.
@@ -293,13 +351,13 @@ class _Tally(NamedTuple):
 
 
 def _tally() -> _Tally:
-    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), {})
+    return _Tally(Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), Counter(), {})
 
 
 def _merge(into: _Tally, part: _Tally, device: int | None = None) -> None:
     """Add `part` to `into`; with `device`, `part`'s own per-device counts of that
     device too (the branch that device runs), else all of them as they are."""
-    for total, counts in zip(into[:7], part[:7], strict=True):
+    for total, counts in zip(into[:8], part[:8], strict=True):
         total.update(counts)
     for d, extra in part.devices.items():
         if device is None:
@@ -317,7 +375,7 @@ def _add_busiest_device(acc: _Tally) -> None:
     for d, extra in acc.devices.items():
         acc.sends[d] += extra.sends[d]
     busiest = max(acc.devices.values(), key=lambda t: (sum(t.wire.values()), sum(t.bytes.values())))
-    for total, counts in zip(acc[:6], busiest[:6], strict=True):
+    for total, counts in zip(acc[:7], busiest[:7], strict=True):
         total.update(counts)
     acc.devices.clear()
 
@@ -337,8 +395,11 @@ class _Walk:
 
     computations: dict[str, list[str]]
     num_devices: int | None
-    # The mesh's (axis, size) in device order, to name the axes a group spans.
+    # The mesh's (axis, size) in device order, to name the axes a group spans
+    # (over several slices, one slice's part of the mesh).
     mesh_axes: tuple[tuple[str, int], ...] | None = None
+    # Over several slices: each device's id -> its position in the whole mesh.
+    dcn_ids: dict[int, tuple[int, ...]] | None = None
 
     def all_devices(self) -> int:
         # Raised lazily: text whose collectives all name their groups needs no count.
@@ -367,6 +428,11 @@ class _Walk:
             if not m:
                 continue
             result_type, opcode = m.group(2), m.group(3)
+            if opcode == "send" and (dcn := _DCN_KIND.search(line)) and self.counts(name, line, opcode):
+                self._add_dcn(
+                    acc, line, _DCN_KINDS.get(dcn.group(1), "all-to-all"), result_type, weight, looped
+                )
+                continue
             base = opcode.removesuffix("-start")
             if base in KINDS and not opcode.endswith("-done") and self.counts(name, line, opcode):
                 self._add(acc, line, base, opcode, result_type, weight, looped)
@@ -416,6 +482,39 @@ class _Walk:
             acc.wire[base] += wire
         if self.mesh_axes is not None:
             acc.axes[base, self._group_axes(line, base)] += wire
+
+    def _add_dcn(
+        self, acc: _Tally, line: str, base: str, result_type: str, weight: int, looped: bool
+    ) -> None:
+        """Count one send across slices (see the module docstring), run `weight` times."""
+        payload = shape_bytes(_tuple_elements(result_type)[0])  # (operand, u32[], token[])
+        members = _dcn_first_group(line)
+        n = len({m // DCN_ID_STRIDE for m in members}) if members else 2
+        if base == "all-gather":
+            size, wire = n * payload, (n - 1) * payload
+        else:
+            size, wire = payload, _ring_bytes(base, payload, n)
+        acc.count[base] += weight
+        if looped:
+            acc.in_loops[base] += weight
+        acc.bytes[base] += weight * size
+        for dtype, _ in _SHAPE.findall(result_type):
+            if dtype in _DTYPE_BYTES and dtype not in ("u32",):
+                acc.dtypes[base, dtype] += weight
+        acc.wire[base] += weight * wire
+        axes = None if self.mesh_axes is None else self._dcn_axes(members)
+        acc.dcn[base, axes] += weight * wire
+        if axes is not None:
+            acc.axes[base, axes] += weight * wire
+
+    def _dcn_axes(self, members: list[int] | None) -> tuple[str, ...]:
+        """The mesh axes along which the devices of a send's first group across
+        slices differ ("?" where the ids are not the mesh's)."""
+        assert self.mesh_axes is not None
+        if not members or self.dcn_ids is None or any(m not in self.dcn_ids for m in members):
+            return ("?",)
+        coords = np.array([self.dcn_ids[m] for m in members]).T
+        return tuple(name for (name, _), row in zip(self.mesh_axes, coords, strict=True) if len(set(row)) > 1)
 
     def _group_axes(self, line: str, base: str) -> tuple[str, ...]:
         """The mesh axes along which the devices of the collective's (first)
@@ -502,6 +601,19 @@ def _first_group(line: str, base: str) -> list[int] | None:
     return None
 
 
+def _dcn_first_group(line: str) -> list[int] | None:
+    """The megascale device ids of a send's first group across slices."""
+    m = _DCN_GROUPS.search(line)
+    if m:
+        return [int(d) for d in m.group(1).split(",") if d]
+    m = _DCN_PRODUCT.search(line)
+    if m:
+        # {1,2}x{0:3}: slices 1 and 2 (the ids' leading digit), each device 0..3 of
+        # a slice with the same device of the others: the first group is device 0's.
+        return [int(s) * DCN_ID_STRIDE + int(m.group(2)) for s in m.group(1).split(",") if s]
+    return None
+
+
 def _group_size(line: str) -> int | None:
     # None: empty or missing replica_groups, i.e. all devices in one group.
     m = _GROUPS_MESH.search(line)
@@ -532,8 +644,14 @@ def _ring_bytes(kind: str, size: int, n: int) -> int:
 
 
 def _async_result(result_type: str) -> str:
-    # "((f32[8,4]{1,0}), f32[16,4]{1,0}, ...)": take the second top-level element
-    # (the commas of shapes and layouts sit deeper).
+    # "((f32[8,4]{1,0}), f32[16,4]{1,0}, ...)": take the second top-level element.
+    parts = _tuple_elements(result_type)
+    return parts[1] if len(parts) > 1 else result_type.strip()
+
+
+def _tuple_elements(result_type: str) -> list[str]:
+    """The top-level elements of a tuple type `(a, b, ...)` (the commas of shapes
+    and layouts sit deeper)."""
     depth, parts, start = 0, [], 1
     body = result_type.strip()
     for i, ch in enumerate(body):
@@ -545,4 +663,4 @@ def _async_result(result_type: str) -> str:
             parts.append(body[start:i])
             start = i + 1
     parts.append(body[start:-1])
-    return parts[1] if len(parts) > 1 else body
+    return parts

@@ -233,17 +233,27 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
         found = jnp.take(table, ids, axis=0)
         return jax.lax.all_to_all(found, axes, split_axis=1, concat_axis=found.ndim - 1, tiled=True)
 
+    # Manual over the other batch axes too (the table is whole over them): left
+    # automatic, the partitioner gathered the looked-up rows over them inside the
+    # region (over `data`, across slices in HSDP) and sliced them again after.
+    rows_spec = PartitionSpec(before or None, axes, after or None)
+    # The table is whole over those axes, so the region's transpose sums its
+    # gradient over them: XLA:CPU aborts compiling that sum in bfloat16 in a
+    # partial-manual region (`_collectives.wire_dtype`), so there the table enters
+    # in float32 (a lookup is a copy: the same values either way).
+    dtype = weight.dtype
+    # The mesh's platform, not the default backend's: a program compiled here for a
+    # TPU topology keeps its bfloat16 sum.
+    if (before or after) and dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
+        weight = weight.astype(jnp.float32)
     found = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(
-            PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes),
-            PartitionSpec(None, axes),
-        ),
-        out_specs=PartitionSpec(None, axes),
-        axis_names=set(axes),
+        in_specs=(PartitionSpec(axes, None) if vocab else PartitionSpec(None, axes), rows_spec),
+        out_specs=rows_spec,
+        axis_names=set(before) | set(axes) | set(after),
     )(weight, grouped)
-    return found.reshape(*ids.shape, weight.shape[1])
+    return found.astype(dtype).reshape(*ids.shape, weight.shape[1])
 
 
 class Unembed(eqx.Module):

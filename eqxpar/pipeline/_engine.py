@@ -579,6 +579,7 @@ class Device:
                 f"shape; got {first_out} from first and {act} from the stack."
             )
         self.act, self.act_axes = act, varying_axes(act) | varying_axes(first_out) | local
+
         def last_only(rest, mb):
             # The end's weights as the stage reads them (gathered at their use
             # under Plan(stage_gradients="sharded")).
