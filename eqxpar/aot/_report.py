@@ -95,6 +95,7 @@ class AotReport:
         return (
             self.host_argument_bytes + self.host_output_bytes - self.host_alias_bytes + self.host_temp_bytes
         )
+
     #: How many TPU slices the mesh spans, and how many of them each axis that
     #: crosses slices spans (`make_mesh(dcn=...)`; empty inside one slice).
     slices: int = 1
@@ -253,6 +254,8 @@ class AotReport:
                 [[*map(_gib, sizes), _gib(self.host_bytes)]],
                 right=[True] * 5,
             ),
+        ]
+
     def _dcn_lines(self) -> list[str]:
         if self.slices <= 1:
             return []
