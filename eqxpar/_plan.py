@@ -675,7 +675,7 @@ def _check_ulysses(mesh: Mesh, impl: Any, mode: Mode | None, manual_axes: Any, t
     )
 
 
-def _check_stage_gradients(value: Any, schedule: Any, remat: str) -> None:
+def _check_stage_gradients(value: Any, schedule: Any, remat: Any) -> None:
     if value not in STAGE_GRADIENTS:
         raise PlanError(f"Plan(stage_gradients={value!r}): expected one of {STAGE_GRADIENTS}.")
     if value == "whole":

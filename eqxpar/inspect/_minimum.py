@@ -175,7 +175,7 @@ def _in_stack(params: Any) -> list[bool]:
     return jax.tree.leaves(marked)
 
 
-def _gathers(remat: str, in_stack: bool, gathers: int | None) -> int:
+def _gathers(remat: Any, in_stack: bool, gathers: int | None) -> int:
     # How often a weight split over batch axes is all-gathered per step: once when
     # the gathered weight is kept for the backward pass; a scanned stack under
     # remat "dots"/"inputs" gathers again for the backward, "full" once more for
@@ -187,7 +187,7 @@ def _gathers(remat: str, in_stack: bool, gathers: int | None) -> int:
     return 3 if remat == "full" else 2
 
 
-def _gathers_at_use(remat: str, in_stack: bool, gathers: int | None) -> int:
+def _gathers_at_use(remat: Any, in_stack: bool, gathers: int | None) -> int:
     # Per micro-batch, under a pipeline's `stage_gradients="sharded"`: a stack's
     # weights as a stack's (the stage forward, and the backward's re-gathers; a
     # policy other than "none", which the plan refuses there); a weight outside

@@ -6,6 +6,7 @@ same way): internal names, not public API.
 """
 
 import dataclasses
+from typing import Any
 
 from ._hlo import _ring_bytes
 from ._jaxpr_walk import TensorSum
@@ -53,7 +54,7 @@ def sum_items(
     per_device: int,
     axis: str,
     repeat: tuple[int, int] = (1, 1),
-    remat: str = "none",
+    remat: Any = "none",
 ) -> list[Item]:
     """Activation all-reduces over `t` devices of the tensor axis `axis`: each sum's global bytes split
     `per_device` ways, repeated `count * repeat[0] // repeat[1]` times, and again where `remat`
