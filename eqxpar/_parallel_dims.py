@@ -22,6 +22,12 @@ class ParallelDims:
     `ResolvedPlan`. `batch` is the plan's `BatchLayout` (the batch axes and the
     data-parallel size live there only).
 
+    `split_saved_inputs`: a scanned stack (`eqxpar.nn.Stacked`) keeps the layer
+    inputs it saves for the backward pass split over the tensor axis along their
+    last (feature) dimension: in automatic mode, where the rules split weights over
+    a tensor axis of more than one device that the batch is not split over, with
+    no sequence parallelism, no context axis and no pipeline.
+
     Fields of the same name as `Plan`'s hold the plan's option as given (`schedule`
     and `context_attention` may be None); `context_attention_run` is the attention a
     step runs: the plan's `context_attention`, by default `"ring"`, or `"allgather"`
@@ -48,6 +54,7 @@ class ParallelDims:
     context_attention: str | None
     context_attention_run: str
     expert_size: int
+    split_saved_inputs: bool
 
     @classmethod
     def of(cls, plan: Plan) -> "ParallelDims":
@@ -75,6 +82,7 @@ class ParallelDims:
             context_attention=plan.context_attention,
             context_attention_run=attention,
             expert_size=plan.expert_size,
+            split_saved_inputs=_splits_saved_inputs(plan),
         )
 
     @property
@@ -97,3 +105,24 @@ class ParallelDims:
         """The devices a batch's tokens are split over: the batch axes' times the
         context axis' (each holds a part of the sequence)."""
         return self.batch_size_multiple * self.context_size
+
+
+def _splits_saved_inputs(plan: Plan) -> bool:
+    # Between blocks a tensor-parallel model's activations are whole on every
+    # device of the tensor axis; a stack that saves each layer's input for the
+    # backward pass would hold `tensor` copies of it. Split along the features,
+    # the saved copy is a 1/tensor share, and the row-parallel all-reduce that
+    # ends each block becomes a reduce-scatter plus the next block's all-gather
+    # (the same bytes). Sequence parallelism already splits it (along the
+    # sequence); a context axis splits the sequence too, and a pipeline runs
+    # manual over every axis.
+    tensor = int(plan.mesh.shape.get(plan.tensor_axis, 1))
+    if plan.mode != "auto" or plan.schedule is not None or tensor < 2:
+        return False
+    if plan.sequence_parallel or plan.context_size > 1 or plan.tensor_axis in plan.batch_axes:
+        return False
+    declared: set[str] = set()
+    for rule in plan.rules:
+        found = getattr(rule, "mesh_axes", None)
+        declared |= set(found() if found else ())
+    return plan.tensor_axis in declared
