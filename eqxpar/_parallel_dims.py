@@ -82,7 +82,21 @@ class ParallelDims:
             context_attention=plan.context_attention,
             context_attention_run=attention,
             expert_size=plan.expert_size,
-            split_saved_inputs=_splits_saved_inputs(plan),
+            # Between blocks a tensor-parallel model's activations are whole on
+            # every device of the tensor axis; a stack that saves each layer's
+            # input for the backward pass would hold `tensor` copies of it.
+            # Sequence parallelism already splits it (along the sequence); a
+            # context axis splits the sequence too, and a pipeline runs manual
+            # over every axis.
+            split_saved_inputs=(
+                plan.mode == "auto"
+                and plan.schedule is None
+                and int(plan.mesh.shape.get(plan.tensor_axis, 1)) > 1
+                and not plan.sequence_parallel
+                and plan.context_size == 1
+                and plan.tensor_axis not in plan.batch_axes
+                and plan.tensor_axis in _declared_axes(plan.rules)
+            ),
         )
 
     @property
@@ -107,22 +121,10 @@ class ParallelDims:
         return self.batch_size_multiple * self.context_size
 
 
-def _splits_saved_inputs(plan: Plan) -> bool:
-    # Between blocks a tensor-parallel model's activations are whole on every
-    # device of the tensor axis; a stack that saves each layer's input for the
-    # backward pass would hold `tensor` copies of it. Split along the features,
-    # the saved copy is a 1/tensor share, and the row-parallel all-reduce that
-    # ends each block becomes a reduce-scatter plus the next block's all-gather
-    # (the same bytes). Sequence parallelism already splits it (along the
-    # sequence); a context axis splits the sequence too, and a pipeline runs
-    # manual over every axis.
-    tensor = int(plan.mesh.shape.get(plan.tensor_axis, 1))
-    if plan.mode != "auto" or plan.schedule is not None or tensor < 2:
-        return False
-    if plan.sequence_parallel or plan.context_size > 1 or plan.tensor_axis in plan.batch_axes:
-        return False
+def _declared_axes(rules: tuple) -> set[str]:
+    """The mesh axes `rules` may split weights over."""
     declared: set[str] = set()
-    for rule in plan.rules:
+    for rule in rules:
         found = getattr(rule, "mesh_axes", None)
         declared |= set(found() if found else ())
-    return plan.tensor_axis in declared
+    return declared

@@ -258,7 +258,7 @@ class Stacked(OrderedStack):
 
         carry = jax.tree.structure(x)
 
-        split = _saved_input_split(plan, dims)
+        split = _saved_input_split(None if plan is None else plan.mesh, dims)
 
         def body(h, p):
             # The layer's checkpoint saves its input `h`: kept split over the tensor
@@ -300,7 +300,7 @@ class Stacked(OrderedStack):
         return run(x, arrays)
 
 
-def _saved_input_split(plan: Any, dims: ParallelDims | None) -> Callable[[PyTree], PyTree]:
+def _saved_input_split(mesh: Any, dims: ParallelDims | None) -> Callable[[PyTree], PyTree]:
     """What the stack applies to its carry at each layer boundary: under a plan
     whose `split_saved_inputs` holds, constrain every `(batch, ..., features)` leaf
     to the batch axes and the tensor axis along the features (leaves that do not
@@ -315,7 +315,7 @@ def _saved_input_split(plan: Any, dims: ParallelDims | None) -> Callable[[PyTree
         if x.shape[0] % blocks or x.shape[-1] % dims.tensor_size:
             return x
         spec = PartitionSpec(batch or None, *([None] * (x.ndim - 2)), tensor)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return lambda h: jax.tree.map(constrain, h)
 
