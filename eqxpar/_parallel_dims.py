@@ -24,9 +24,10 @@ class ParallelDims:
 
     `split_saved_inputs`: a scanned stack (`eqxpar.nn.Stacked`) keeps the layer
     inputs it saves for the backward pass split over the tensor axis along their
-    last (feature) dimension: in automatic mode, where the rules split weights over
-    a tensor axis of more than one device that the batch is not split over, with
-    no sequence parallelism, no context axis and no pipeline.
+    last (feature) dimension: under remat `"inputs"` or `"full"` in automatic
+    mode, where the rules split weights over a tensor axis of more than one
+    device that the batch is not split over, with no sequence parallelism, no
+    context axis and no pipeline.
 
     Fields of the same name as `Plan`'s hold the plan's option as given (`schedule`
     and `context_attention` may be None); `context_attention_run` is the attention a
@@ -87,9 +88,12 @@ class ParallelDims:
             # input for the backward pass would hold `tensor` copies of it.
             # Sequence parallelism already splits it (along the sequence); a
             # context axis splits the sequence too, and a pipeline runs manual
-            # over every axis.
+            # over every axis. Only where the stack saves nothing but its layers'
+            # inputs (remat "inputs" or "full"): elsewhere the saved matmul
+            # outputs dominate.
             split_saved_inputs=(
-                plan.mode == "auto"
+                plan.remat in ("inputs", "full")
+                and plan.mode == "auto"
                 and plan.schedule is None
                 and int(plan.mesh.shape.get(plan.tensor_axis, 1)) > 1
                 and not plan.sequence_parallel

@@ -17,7 +17,9 @@ from eqxpar.models import GPT, GPTConfig, lm_loss
 
 from ._helpers import lm_tokens, train_checked
 
-CONFIG = GPTConfig(vocab_size=32, d_model=32, num_heads=8, num_kv_heads=4, num_layers=3, d_hidden=64, max_seq_len=16)
+CONFIG = GPTConfig(
+    vocab_size=32, d_model=32, num_heads=8, num_kv_heads=4, num_layers=3, d_hidden=64, max_seq_len=16
+)
 
 
 def _plan(**options):
@@ -56,14 +58,25 @@ def test_saved_inputs_are_held_split_over_tensor():
 @pytest.mark.parametrize(
     "options",
     [
-        dict(mode="manual"),
-        dict(sequence_parallel=True),
-        dict(sizes=dict(fsdp=8), rules=eqxpar.rules.FSDP()),
-        dict(sizes=dict(fsdp=2, tensor=4), rules=eqxpar.rules.FSDP(axis="fsdp")),
-        dict(sizes=dict(data=8, tensor=1), rules=eqxpar.rules.MEGATRON),
-        dict(sizes=dict(context=2, tensor=4), rules=eqxpar.rules.MEGATRON),
+        dict(remat="none"),
+        dict(remat="dots"),
+        dict(mode="manual", remat="full"),
+        dict(sequence_parallel=True, remat="full"),
+        dict(sizes=dict(fsdp=8), rules=eqxpar.rules.FSDP(), remat="full"),
+        dict(sizes=dict(fsdp=2, tensor=4), rules=eqxpar.rules.FSDP(axis="fsdp"), remat="full"),
+        dict(sizes=dict(data=8, tensor=1), rules=eqxpar.rules.MEGATRON, remat="full"),
+        dict(sizes=dict(context=2, tensor=4), rules=eqxpar.rules.MEGATRON, remat="full"),
     ],
-    ids=["manual", "sequence-parallel", "no-tensor-axis", "no-tensor-rule", "tensor-1", "context"],
+    ids=[
+        "remat-none",
+        "remat-dots",
+        "manual",
+        "sequence-parallel",
+        "no-tensor-axis",
+        "no-tensor-rule",
+        "tensor-1",
+        "context",
+    ],
 )
 def test_split_saved_inputs_only_under_automatic_tensor_parallelism(options):
     assert not ResolvedPlan.of(_plan(**options)).dims.split_saved_inputs
