@@ -264,18 +264,8 @@ class Stacked(OrderedStack):
             # The layer's checkpoint saves its input `h`: kept split over the tensor
             # axis, and its output handed on split, the row-parallel sum that ends a
             # block becomes a reduce-scatter and the next block all-gathers.
-            out = layer(split(h), p)
-            if jax.tree.structure(out) == carry:
-                return split(out), None
-            if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == carry:
-                # (h, aux): carry h, and let the scan stack aux over the layers.
-                return split(out[0]), out[1]
-            raise PlanError(
-                "a block of this eqxpar.nn.Stacked returned a value of structure "
-                f"{jax.tree.structure(out)} for an input of structure {carry}; expected the input's "
-                "structure (the carried activation) or a pair (activation, aux) whose first part has "
-                "it. Return the activation, or (activation, aux)."
-            )
+            h, aux = _carried(layer(split(h), p), carry)
+            return split(h), aux
 
         def run(h, arrays):
             try:
@@ -298,6 +288,22 @@ class Stacked(OrderedStack):
         if key is not None:
             return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
+
+
+def _carried(out: PyTree, carry: Any) -> tuple[PyTree, PyTree]:
+    """A block's output as (carried activation, aux or None), for an input of
+    structure `carry`."""
+    if jax.tree.structure(out) == carry:
+        return out, None
+    if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == carry:
+        # (h, aux): carry h, and let the scan stack aux over the layers.
+        return out
+    raise PlanError(
+        "a block of this eqxpar.nn.Stacked returned a value of structure "
+        f"{jax.tree.structure(out)} for an input of structure {carry}; expected the input's "
+        "structure (the carried activation) or a pair (activation, aux) whose first part has "
+        "it. Return the activation, or (activation, aux)."
+    )
 
 
 def _saved_input_split(mesh: Any, dims: ParallelDims | None) -> Callable[[PyTree], PyTree]:
