@@ -22,6 +22,13 @@ class ParallelDims:
     `ResolvedPlan`. `batch` is the plan's `BatchLayout` (the batch axes and the
     data-parallel size live there only).
 
+    `split_saved_inputs`: a scanned stack (`eqxpar.nn.Stacked`) keeps the layer
+    inputs it saves for the backward pass split over the tensor axis along their
+    last (feature) dimension: under remat `"inputs"` or `"full"` in automatic
+    mode, where the rules split weights over a tensor axis of more than one
+    device that the batch is not split over, with no sequence parallelism, no
+    context axis and no pipeline.
+
     Fields of the same name as `Plan`'s hold the plan's option as given (`schedule`
     and `context_attention` may be None); `context_attention_run` is the attention a
     step runs: the plan's `context_attention`, by default `"ring"`, or `"allgather"`
@@ -50,6 +57,7 @@ class ParallelDims:
     context_attention: str | None
     context_attention_run: str
     expert_size: int
+    split_saved_inputs: bool
 
     @classmethod
     def of(cls, plan: Plan) -> "ParallelDims":
@@ -79,6 +87,24 @@ class ParallelDims:
             context_attention=plan.context_attention,
             context_attention_run=attention,
             expert_size=plan.expert_size,
+            # Between blocks a tensor-parallel model's activations are whole on
+            # every device of the tensor axis; a stack that saves each layer's
+            # input for the backward pass would hold `tensor` copies of it.
+            # Sequence parallelism already splits it (along the sequence); a
+            # context axis splits the sequence too, and a pipeline runs manual
+            # over every axis. Only where the stack saves nothing but its layers'
+            # inputs (remat "inputs" or "full"): elsewhere the saved matmul
+            # outputs dominate.
+            split_saved_inputs=(
+                plan.remat in ("inputs", "full")
+                and plan.mode == "auto"
+                and plan.schedule is None
+                and int(plan.mesh.shape.get(plan.tensor_axis, 1)) > 1
+                and not plan.sequence_parallel
+                and plan.context_size == 1
+                and plan.tensor_axis not in plan.batch_axes
+                and plan.tensor_axis in _declared_axes(plan.rules)
+            ),
         )
 
     @property
@@ -101,3 +127,12 @@ class ParallelDims:
         """The devices a batch's tokens are split over: the batch axes' times the
         context axis' (each holds a part of the sequence)."""
         return self.batch_size_multiple * self.context_size
+
+
+def _declared_axes(rules: tuple) -> set[str]:
+    """The mesh axes `rules` may split weights over."""
+    declared: set[str] = set()
+    for rule in rules:
+        found = getattr(rule, "mesh_axes", None)
+        declared |= set(found() if found else ())
+    return declared

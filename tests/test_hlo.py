@@ -322,3 +322,54 @@ def test_trip_count_read_through_copies_of_the_counter():
     for key, value in {"START": 0, "STEP": 1, "DIRECTION": "LT", "BOUND": 83}.items():
         text = text.replace(key, str(value))
     assert collective_stats(text).count["all-gather"] == 83
+
+
+# As a TPU executable writes a reduce-scatter: a fusion of an all-reduce and this
+# device's slice, in a computation named all-reduce-scatter, here in a loop of 2.
+TPU_REDUCE_SCATTER = """
+HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.1 (input.1: f32[8,16]) -> f32[8,4] {
+  %input.1 = f32[8,16]{1,0} parameter(0)
+  %all-reduce.1 = f32[8,16]{1,0} all-reduce(%input.1), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %zero = u32[] constant(0)
+  %pid = u32[] partition-id()
+  ROOT %slice = f32[8,4]{1,0} dynamic-slice(%all-reduce.1, %zero, %pid), dynamic_slice_sizes={8,4}
+}
+
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %rs = f32[8,4]{1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.1
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,16]) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8,16]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %init = (s32[], f32[8,16]) tuple(s32[] constant(0), %x)
+  %w = (s32[], f32[8,16]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_fused_tpu_reduce_scatter_counts_as_one():
+    stats = collective_stats(TPU_REDUCE_SCATTER)
+    # Its shard (8 x 4 f32, 128 bytes) over groups of 4, twice: (4 - 1) x 128 each;
+    # the all-reduce inside is not counted apart.
+    assert stats.count == {"reduce-scatter": 2}
+    assert stats.bytes["reduce-scatter"] == 2 * 128
+    assert stats.wire_bytes["reduce-scatter"] == 2 * 3 * 128
+    assert stats.in_loops["reduce-scatter"] == 2

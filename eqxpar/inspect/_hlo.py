@@ -39,7 +39,10 @@ device's sum (a pipeline's forward permute has no sender on the last stage, its
 backward one none on the first). n comes from `replica_groups=`,
 written either explicitly (`{{0,1,2,3},{4,5,6,7}}`: the first group's size) or as
 an iota (`[G,n]<=[...]`: G groups of n); an empty or missing list means every
-device in one group.
+device in one group. TPU executables fuse a reduce-scatter (a fusion calling a
+computation named `all-reduce-scatter...`: an all-reduce, then this device's
+slice): it counts as a reduce-scatter of the fusion's result over the
+all-reduce's groups.
 
 A program compiled for several TPU slices (a mesh made with `make_mesh(dcn=...)`)
 is the program of one slice: its collectives' replica groups number the devices
@@ -447,12 +450,34 @@ class _Walk:
                     else inferred_trip_count(line, self.computations[name], self.computations)
                 )
                 inner = weight * (1 if count is None else count)
-            if opcode == "fusion" or base in KINDS:
-                # Fusions hold no collectives; reducers of collectives are scalars.
+            if opcode == "fusion":
+                inner_all_reduce = self._fused_reduce_scatter(line)
+                if inner_all_reduce is not None and self.counts(name, line, "reduce-scatter"):
+                    # The fusion's result is the shard; the groups are the all-reduce's.
+                    inner, kind = inner_all_reduce, "reduce-scatter"
+                    self._add(acc, inner, kind, kind, result_type, weight, looped)
+                # Fusions hold no other collectives.
+                continue
+            if base in KINDS:
+                # Reducers of collectives are scalars.
                 continue
             for callee in _CALLS.findall(line):
                 self.visit(callee, inner, depth + 1, looped or opcode == "while", acc)
             self._visit_branches(line, inner, depth, looped, acc)
+
+    def _fused_reduce_scatter(self, line: str) -> str | None:
+        """The all-reduce instruction of a fused reduce-scatter that `line` (a
+        fusion) calls, or None. TPU executables write a reduce-scatter as a
+        fusion of an all-reduce and this device's slice, in a computation named
+        `all-reduce-scatter...`; it moves a reduce-scatter's bytes."""
+        for callee in _CALLS.findall(line):
+            if not callee.startswith("all-reduce-scatter"):
+                continue
+            for inner in self.computations.get(callee, ()):
+                m = _INSTRUCTION.match(inner)
+                if m and m.group(3) in ("all-reduce", "all-reduce-start"):
+                    return inner
+        return None
 
     def _add(
         self, acc: _Tally, line: str, base: str, opcode: str, result_type: str, weight: int, looped: bool

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._casting import cast_floating
@@ -262,19 +263,14 @@ class Stacked(OrderedStack):
 
         carry = jax.tree.structure(x)
 
+        split = _saved_input_split(None if plan is None else plan.mesh, dims)
+
         def body(h, p):
-            out = layer(h, p)
-            if jax.tree.structure(out) == carry:
-                return out, None
-            if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == carry:
-                # (h, aux): carry h, and let the scan stack aux over the layers.
-                return out
-            raise PlanError(
-                "a block of this eqxpar.nn.Stacked returned a value of structure "
-                f"{jax.tree.structure(out)} for an input of structure {carry}; expected the input's "
-                "structure (the carried activation) or a pair (activation, aux) whose first part has "
-                "it. Return the activation, or (activation, aux)."
-            )
+            # The layer's checkpoint saves its input `h`: kept split over the tensor
+            # axis, and its output handed on split, the row-parallel sum that ends a
+            # block becomes a reduce-scatter and the next block all-gathers.
+            h, aux = _carried(layer(split(h), p), carry)
+            return split(h), aux
 
         def run(h, arrays):
             try:
@@ -297,6 +293,42 @@ class Stacked(OrderedStack):
         if key is not None:
             return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
+
+
+def _carried(out: PyTree, carry: Any) -> tuple[PyTree, PyTree]:
+    """A block's output as (carried activation, aux or None), for an input of
+    structure `carry`."""
+    if jax.tree.structure(out) == carry:
+        return out, None
+    if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == carry:
+        # (h, aux): carry h, and let the scan stack aux over the layers.
+        return out
+    raise PlanError(
+        "a block of this eqxpar.nn.Stacked returned a value of structure "
+        f"{jax.tree.structure(out)} for an input of structure {carry}; expected the input's "
+        "structure (the carried activation) or a pair (activation, aux) whose first part has "
+        "it. Return the activation, or (activation, aux)."
+    )
+
+
+def _saved_input_split(mesh: Any, dims: ParallelDims | None) -> Callable[[PyTree], PyTree]:
+    """What the stack applies to its carry at each layer boundary: under a plan
+    whose `split_saved_inputs` holds, constrain every `(batch, ..., features)` leaf
+    to the batch axes and the tensor axis along the features (leaves that do not
+    divide are left alone); otherwise nothing."""
+    if dims is None or not dims.split_saved_inputs or jax.sharding.get_abstract_mesh().manual_axes:
+        return lambda h: h
+    batch, tensor, blocks = dims.batch_axes, dims.tensor_axis, dims.batch_size_multiple
+
+    def constrain(x: Any) -> Any:
+        if not isinstance(x, jax.core.Tracer) or x.ndim < 3:
+            return x
+        if x.shape[0] % blocks or x.shape[-1] % dims.tensor_size:
+            return x
+        spec = PartitionSpec(batch or None, *([None] * (x.ndim - 2)), tensor)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return lambda h: jax.tree.map(constrain, h)
 
 
 def _layers_per_iteration(unroll: int | bool, depth: int) -> int:
