@@ -13,9 +13,9 @@ compiled figure). Four things differ:
   parameters' dtype, not every gradient whole (XLA:CPU's program, 30 GB on 8B).
 - **The stack's inputs.** Under `remat="full"` the stack's recomputed forward
   keeps each layer's input for the layers' own recomputation: one activation per
-  layer per row (compute dtype; split along the sequence over `tensor` under
-  sequence parallelism), which the loss's own residuals do not show (the stack
-  saves only its input).
+  layer per row (compute dtype; split over `tensor` under sequence parallelism,
+  or where the stack splits what it keeps, `ParallelDims.split_saved_inputs`),
+  which the loss's own residuals do not show (the stack saves only its input).
 - **The head is gathered whole.** The largest weight outside the stacks (the
   output head) is all-gathered over the batch axes for its matmul, in compute
   dtype, beside two compute-dtype copies of the logits (the float32 ones are the
@@ -89,7 +89,9 @@ def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any,
     size = itemsize(compute or layer.wo.dtype)
     inputs = 0
     if dims.remat == "full":
-        split = t if dims.sequence_parallel else 1
+        # Split over the tensor axis under sequence parallelism (along the
+        # sequence) and where the stack splits what it keeps (along the features).
+        split = t if dims.sequence_parallel or dims.split_saved_inputs else 1
         inputs = analysis.layers * rows * seq * d_model * size // split
     heads = max(1, layer.num_heads // t)
     block = min(getattr(layer, "attention_block", seq), seq)
