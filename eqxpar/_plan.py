@@ -274,19 +274,10 @@ class Plan:
         _check_expert_manual(mesh, manual_axes)
         mode = _checked_mode(mode, schedule, tp_overlap, sequence_parallel)
         _check_ulysses(mesh, context_attention, mode, manual_axes, tensor_axis)
-        if not isinstance(remat, RematPolicy) and remat not in REMAT_POLICIES:
-            raise PlanError(
-                f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES} or an eqxpar.RematPolicy."
-            )
+        _check_remat(remat)
         offload = checked_offload(offload, remat)
         microbatches, chunks = _check_pipeline(schedule, microbatches, chunks, mesh)
-        if stage_layers is not None:
-            if schedule is None:
-                raise PlanError(
-                    f"Plan(stage_layers={stage_layers!r}) needs a pipeline schedule: set schedule= "
-                    f"one of {PIPELINE_SCHEDULES}, or leave stage_layers out."
-                )
-            stage_layers = checked_stage_layers(stage_layers, stages=mesh.shape["pipe"], chunks=chunks)
+        stage_layers = _checked_stage_layers(stage_layers, schedule, mesh, chunks)
         _check_stage_gradients(stage_gradients, schedule, remat)
         values = dict(
             mesh=mesh,
@@ -673,6 +664,22 @@ def _check_ulysses(mesh: Mesh, impl: Any, mode: Mode | None, manual_axes: Any, t
         f"cannot cut by hand. Use mode='manual' (with {tensor_axis!r} among manual_axes), or "
         "context_attention='ring' / 'allgather'."
     )
+
+
+def _check_remat(remat: Any) -> None:
+    if not isinstance(remat, RematPolicy) and remat not in REMAT_POLICIES:
+        raise PlanError(f"Plan(remat={remat!r}): expected one of {REMAT_POLICIES} or an eqxpar.RematPolicy.")
+
+
+def _checked_stage_layers(stage_layers: Any, schedule: Any, mesh: Mesh, chunks: int) -> Any:
+    if stage_layers is None:
+        return None
+    if schedule is None:
+        raise PlanError(
+            f"Plan(stage_layers={stage_layers!r}) needs a pipeline schedule: set schedule= "
+            f"one of {PIPELINE_SCHEDULES}, or leave stage_layers out."
+        )
+    return checked_stage_layers(stage_layers, stages=mesh.shape["pipe"], chunks=chunks)
 
 
 def _check_stage_gradients(value: Any, schedule: Any, remat: Any) -> None:

@@ -45,7 +45,7 @@ from ..pipeline._program import (
 )
 from ._analysis import Analysis, Slots, engine_slots
 from ._profile import DeviceProfile
-from ._tpu import expert_terms, tpu_terms
+from ._tpu import TpuTerms, expert_terms, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
 #: optimizer update holds about this share of the updated parameters' bytes in
@@ -309,13 +309,9 @@ def predict(
     if at_use:  # the sums split like the weights (`_gathered_at_use`)
         grads, gathered = params_bytes, _gathered_at_use(facts, params, layout, loss, grads - params_bytes)
     # The TPU compiler partitions automatic FSDP otherwise (`_tpu`).
-    tpu = (
-        tpu_terms(dims, mesh, analysis, params, layout.params, params_bytes)
-        if (auto_fsdp and profile.platform == "tpu")
-        else None
-    )
-    if tpu is not None:
-        grads = tpu.gradients
+    on_tpu = auto_fsdp and profile.platform == "tpu"
+    tpu = tpu_terms(dims, mesh, analysis, params, layout.params, params_bytes) if on_tpu else None
+    grads = grads if tpu is None else tpu.gradients
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
@@ -323,14 +319,7 @@ def predict(
     update = int(UPDATE_SHARE * updated)
     buffers = 0
     if dims.schedule is None:
-        manual = layout.manual_axes
-        activations = _activations(facts, analysis, params, layout.params, manual)
-        activations += _kept_inputs(facts, analysis)
-        buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
-        if tpu is not None:
-            # The head's phase or one layer's backward, whichever holds more (`_tpu`).
-            activations += tpu.inputs
-            buffers = max(tpu.head, tpu.layer + buffers)
+        activations, buffers = _step_memory(facts, analysis, params, layout, tpu)
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
         # One layer's backward, as under remat "none" (`_engine_layouts`).
@@ -342,28 +331,15 @@ def predict(
         # The update runs after the tick loops, in the memory their residual
         # buffers and transients held: only what it needs beyond them adds.
         update = max(0, update - activations - buffers)
+    sent = None if dims.schedule is None else _engine_sends(sched)
     moved = jnp.float32 if profile.name == "cpu" and dims.compute_dtype is not None else None
     # The compiler gathers automatic FSDP's weights again for the backward pass,
     # as a stack under remat "dots" does: counted so.
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
-    sent = None if dims.schedule is None else _engine_sends(sched)
-    repeats = _repeated_sums(facts, params, loss, batch, moved)
-    wire, by_axis = _wire(
-        facts,
-        least,
-        analysis,
-        moved=moved,
-        auto_fsdp=auto_fsdp,
-        sent=sent,
-        repeats=repeats,
-        scatters=profile.platform == "tpu",
+    wire, by_axis = _predicted_wire(
+        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, on_tpu
     )
-    if tpu is not None:
-        # The experts' gradients are scattered in the parameters' dtype (`_tpu`).
-        for axes, w in expert_terms(dims, mesh, params, layout.params)[1].items():
-            wire["reduce-scatter"] = wire.get("reduce-scatter", 0) + w
-            by_axis[axes] = by_axis.get(axes, 0) + w
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
     flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)
@@ -384,6 +360,49 @@ def predict(
         step_time_s=compute + comm,
         host_argument_bytes=_host_arguments(layout, params_bytes, opt_bytes),
     )
+
+
+def _step_memory(
+    facts: PlanFacts, analysis: Analysis, params: Any, layout: StepLayout, tpu: TpuTerms | None
+) -> tuple[int, int]:
+    """`(activations, buffers)` per device of a step without a pipeline; on the TPU
+    compiler's automatic partitioning (`tpu`), the stack's kept inputs and the
+    head's phase or one layer's backward, whichever holds more (`_tpu`)."""
+    manual = layout.manual_axes
+    activations = _activations(facts, analysis, params, layout.params, manual)
+    activations += _kept_inputs(facts, analysis)
+    buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
+    if tpu is not None:
+        activations += tpu.inputs
+        buffers = max(tpu.head, tpu.layer + buffers)
+    return activations, buffers
+
+
+def _predicted_wire(
+    facts: PlanFacts,
+    least: Minimum,
+    layout: StepLayout,
+    params: Any,
+    loss: Any,
+    batch: Any,
+    analysis: Analysis,
+    moved: Any,
+    auto_fsdp: bool,
+    sent: int | None,
+    on_tpu: bool,
+) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
+    """`_wire` of the plan's minimum `least`; on the TPU compiler's automatic
+    partitioning (`on_tpu`) the gradients are reduce-scattered, the experts' in the
+    parameters' dtype (`_tpu`)."""
+    repeats = _repeated_sums(facts, params, loss, batch, moved)
+    wire, by_axis = _wire(
+        facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats, scatters=on_tpu
+    )
+    if on_tpu:
+        for axes, w in expert_terms(facts.dims, facts.mesh, params, layout.params)[1].items():
+            wire["reduce-scatter"] = wire.get("reduce-scatter", 0) + w
+            by_axis[axes] = by_axis.get(axes, 0) + w
+    return wire, by_axis
 
 
 def _host_arguments(layout: StepLayout, params_bytes: int, opt_bytes: int) -> int:

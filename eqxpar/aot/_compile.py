@@ -158,22 +158,7 @@ def compile_train_step(
         peak_rss_bytes=_peak_rss(),
     )
     if compiled is None:
-        # The compiler refused the plan before laying out its buffers: what it
-        # says it needed and had, and the arguments' shards (outputs alias them).
-        needed, available = _out_of_memory(refusal)
-        return AotReport(
-            **common,
-            argument_bytes=sum(_shard_bytes(x) for x in jax.tree.leaves((state, tokens))),
-            output_bytes=0,
-            alias_bytes=0,
-            temp_bytes=needed,
-            code_bytes=0,
-            memory_per_chip=available,
-            collectives=CollectiveStats(count=Counter(), bytes=Counter()),
-            overlap=OverlapStats(async_wire_bytes=0, wire_bytes=0, by_kind={}),
-            cost={},
-            refused=str(refusal).splitlines()[0][:300],
-        )
+        return _refused(common, refusal, sum(_shard_bytes(x) for x in jax.tree.leaves((state, tokens))))
     memory = compiled.memory_analysis()
     return AotReport(
         **common,
@@ -188,6 +173,25 @@ def compile_train_step(
         collectives=collective_stats(compiled, mesh=mesh),
         overlap=overlap_stats(compiled),
         cost=_cost(compiled),
+    )
+
+
+def _refused(common: dict[str, Any], refusal: Exception, argument_bytes: int) -> AotReport:
+    """The report of a plan the compiler refused before laying out its buffers:
+    what it says it needed and had, and the arguments' shards (outputs alias them)."""
+    needed, available = _out_of_memory(refusal)
+    return AotReport(
+        **common,
+        argument_bytes=argument_bytes,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=needed,
+        code_bytes=0,
+        memory_per_chip=available,
+        collectives=CollectiveStats(count=Counter(), bytes=Counter()),
+        overlap=OverlapStats(async_wire_bytes=0, wire_bytes=0, by_kind={}),
+        cost={},
+        refused=str(refusal).splitlines()[0][:300],
     )
 
 
