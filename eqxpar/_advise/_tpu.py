@@ -47,7 +47,7 @@ from .._mesh import EXPERT_AXIS
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
 from .._specs import is_array_like
-from ..inspect._model_layers import attention_layers
+from ..inspect._model_layers import attention_layers, moe_layers
 from ._analysis import Analysis
 
 #: Live float32 blocks of the attention kernel's backward per query row, head and
@@ -109,16 +109,12 @@ def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, di
     with their gradient whole over them (parameters' dtype), per device; and by
     batch axes, the wire bytes their gradients' reduce-scatters move beyond a
     compute-dtype scatter (what `minimum_comm` counts)."""
-    from ..nn._moe import MoE
-
-    is_moe = lambda x: isinstance(x, MoE)  # noqa: E731
-    moes = [x for x in jax.tree.leaves(params, is_leaf=is_moe) if is_moe(x)]
-    moe_specs = [x for x in jax.tree.leaves(specs, is_leaf=is_moe) if is_moe(x)]
     # Experts split over the expert axis stay there: only the other batch axes gather.
     batch = set(dims.batch_axes) - {EXPERT_AXIS}
     layer, extra = 0, {}
-    for moe, spec in zip(moes, moe_specs, strict=True):
+    for moe, spec in zip(moe_layers(params), moe_layers(specs), strict=True):
         depth = moe.w_in.shape[0] if moe.w_in.ndim == 4 else 1
+        one = 0
         for name in ("w_in", "w_gate", "w_out"):
             x, s = getattr(moe, name), getattr(spec, name)
             if x is None or not isinstance(s, PartitionSpec):
@@ -130,11 +126,12 @@ def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, di
             param = itemsize(x.dtype)
             size = itemsize(dims.compute_dtype or x.dtype)
             whole = x.size // depth // kept
-            layer += whole * (size + param)
+            one += whole * (size + param)
             if g > 1 and param > size:
                 extra[over] = extra.get(over, 0) + x.size // kept * (param - size) * (g - 1) // g
-    # One layer's experts at a time (the largest MoE layer's).
-    return layer // max(1, len(moes)), extra
+        # One layer's experts at a time: the largest MoE layer's.
+        layer = max(layer, one)
+    return layer, extra
 
 
 def _mlp_hidden(params: Any) -> int:
