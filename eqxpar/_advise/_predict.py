@@ -45,7 +45,7 @@ from ..pipeline._program import (
 )
 from ._analysis import Analysis, Slots, engine_slots
 from ._profile import DeviceProfile
-from ._tpu import TpuTerms, expert_terms, tpu_terms
+from ._tpu import TpuTerms, expert_terms, extra_wire, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
 #: optimizer update holds about this share of the updated parameters' bytes in
@@ -399,9 +399,12 @@ def _predicted_wire(
         facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats, scatters=on_tpu
     )
     if on_tpu:
-        for axes, w in expert_terms(facts.dims, facts.mesh, params, layout.params)[1].items():
-            wire["reduce-scatter"] = wire.get("reduce-scatter", 0) + w
-            by_axis[axes] = by_axis.get(axes, 0) + w
+        extra = extra_wire(facts.dims, facts.mesh, analysis, params, layout.params)
+        experts = expert_terms(facts.dims, facts.mesh, params, layout.params)[1]
+        for kind, by in (*extra.items(), ("reduce-scatter", experts)):
+            for axes, w in by.items():
+                wire[kind] = wire.get(kind, 0) + w
+                by_axis[axes] = by_axis.get(axes, 0) + w
     return wire, by_axis
 
 

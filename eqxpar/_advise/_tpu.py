@@ -30,6 +30,13 @@ compiled figure). Four things differ:
   gradient blocks in float32 (`block_size` keys per block), the MLP's hidden
   activations and their gradients (gate, up, activation), and a few copies of
   the residual stream.
+- **Collectives beyond the minimum.** Where the stack keeps its layer inputs
+  split over `tensor` (`ParallelDims.split_saved_inputs`), the recomputed
+  forward all-gathers each layer's input over `tensor` before its first matmul
+  (one per layer; the forward's own gather and the output's reduce-scatter make
+  the all-reduce the minimum counts). In vocabulary tiles under automatic FSDP,
+  each tile's weight gradient is all-reduced over the batch axes in compute
+  dtype where the minimum reduce-scatters it: the head's gradient moves twice.
 - **Experts are gathered, not windowed.** An MoE layer's expert weights (grouped
   matmuls) are all-gathered over the batch axes for the layer, in compute dtype,
   and their gradient is made whole over them in the parameters' dtype, then
@@ -104,6 +111,37 @@ def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any,
     return TpuTerms(gradients, inputs, head, layer_bytes)
 
 
+def extra_wire(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any) -> dict[str, dict[tuple[str, ...], int]]:
+    """Wire bytes per device, by kind and mesh axes, of the collectives the TPU
+    compiler's program runs beyond `minimum_comm`'s (see the module): the split
+    saved inputs' all-gathers over `tensor`, and the vocabulary tiles' gradient
+    all-reduces beyond the reduce-scatter the minimum counts."""
+    extra: dict[str, dict[tuple[str, ...], int]] = {}
+    t = dims.tensor_size
+    attention = attention_layers(params)
+    if dims.split_saved_inputs and dims.remat == "full" and t > 1 and attention:
+        rows = max(1, analysis.batch_size // dims.batch_size_multiple)
+        seq = (analysis.seq_len or 1) // dims.context_size
+        d_model = attention[0].wo.shape[-1]
+        size = itemsize(dims.compute_dtype or attention[0].wo.dtype)
+        # One gather of each layer's saved input (split along its features) in
+        # the recomputed forward: (t - 1) / t of it comes over the wire.
+        gather = analysis.layers * rows * seq * d_model * size * (t - 1) // t
+        extra.setdefault("all-gather", {})[(dims.tensor_axis,)] = gather
+    head = _head_weight(params, specs, mesh, dims)
+    chunk = getattr(getattr(params, "config", None), "loss_chunk", None)
+    tokens = max(1, analysis.batch_size // dims.batch_size_multiple) * (analysis.seq_len or 1)
+    if head is not None and chunk is not None and chunk < tokens and head[1] == 1:
+        x, _, over = head
+        g = math.prod(mesh.shape[a] for a in over)
+        size = itemsize(dims.compute_dtype or x.dtype)
+        # Each tile's gradient all-reduced whole (2 (g - 1) / g of it on the wire)
+        # where the minimum counts its reduce-scatter ((g - 1) / g): the difference.
+        extra.setdefault("all-reduce", {})[over] = x.size * size * 2 * (g - 1) // g
+        extra.setdefault("reduce-scatter", {})[over] = -(x.size * size * (g - 1) // g)
+    return extra
+
+
 def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, dict[tuple[str, ...], int]]:
     """One MoE layer's expert weights gathered over the batch axes (compute dtype)
     with their gradient whole over them (parameters' dtype), per device; and by
@@ -142,12 +180,9 @@ def _mlp_hidden(params: Any) -> int:
     return max((m.d_hidden for m in mlps), default=0)
 
 
-def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any, tokens: int) -> int:
-    """The head's working set per device for `tokens` positions: the largest 2-D
-    weight split over the batch axes (the head) gathered over them in compute
-    dtype, and its logits (its longer side is the vocabulary); in vocabulary tiles
-    where the model's `config.loss_chunk` is set and the vocabulary is not split
-    over other axes."""
+def _head_weight(params: Any, specs: Any, mesh: Any, dims: Any) -> tuple[Any, int, tuple[str, ...]] | None:
+    """The head: the largest 2-D weight (per device, less its batch axes) split over
+    the batch axes; with the product of its other axes' sizes, and its batch axes."""
     batch = set(dims.batch_axes)
     best = None
     flat = jax.tree.structure(params).flatten_up_to(specs)
@@ -155,14 +190,25 @@ def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any, tokens: i
         if not is_array_like(x) or x.ndim != 2 or not isinstance(spec, PartitionSpec):
             continue
         names = [mesh_axis_names(e) for e in spec]
-        if not any(batch & set(n) for n in names):
+        over = tuple(a for n in names for a in n if a in batch)
+        if not over:
             continue
         kept = math.prod(mesh.shape[a] for n in names for a in n if a not in batch)
         if best is None or x.size // kept > best[0].size // best[1]:
-            best = (x, kept)
+            best = (x, kept, over)
+    return best
+
+
+def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any, tokens: int) -> int:
+    """The head's working set per device for `tokens` positions: the largest 2-D
+    weight split over the batch axes (the head) gathered over them in compute
+    dtype, and its logits (its longer side is the vocabulary); in vocabulary tiles
+    where the model's `config.loss_chunk` is set and the vocabulary is not split
+    over other axes."""
+    best = _head_weight(params, specs, mesh, dims)
     if best is None:
         return 0
-    x, kept = best
+    x, kept, _ = best
     size = itemsize(compute if compute is not None else x.dtype)
     vocab = max(x.shape) // kept
     weight = x.size * size // kept
