@@ -399,7 +399,7 @@ def _predicted_wire(
         facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats, scatters=on_tpu
     )
     if on_tpu:
-        extra = extra_wire(facts.dims, facts.mesh, analysis, params, layout.params)
+        extra = extra_wire(facts.dims, facts.mesh, analysis, params, layout.params, layout.manual_axes)
         experts = expert_terms(facts.dims, facts.mesh, params, layout.params)[1]
         for kind, by in (*extra.items(), ("reduce-scatter", experts)):
             for axes, w in by.items():

@@ -111,35 +111,133 @@ def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any,
     return TpuTerms(gradients, inputs, head, layer_bytes)
 
 
-def extra_wire(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any) -> dict[str, dict[tuple[str, ...], int]]:
-    """Wire bytes per device, by kind and mesh axes, of the collectives the TPU
-    compiler's program runs beyond `minimum_comm`'s (see the module): the split
-    saved inputs' all-gathers over `tensor`, and the vocabulary tiles' gradient
-    all-reduces beyond the reduce-scatter the minimum counts."""
+def extra_wire(
+    dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, manual: frozenset[str]
+) -> dict[str, dict[tuple[str, ...], int]]:
+    """Wire bytes per device, by kind and mesh axes, that the TPU compiler's program
+    moves beyond (or, negative, short of) `minimum_comm`'s count (see the module's
+    "Collectives beyond the minimum"): the split saved inputs' all-gathers, the
+    windowed einsums' extra shards, the head's and the embedding's collectives.
+    `manual`: the step's manual axes (a model run manual over its batch axes, as
+    an expert-parallel one is, looks its tokens up as the minimum counts)."""
     extra: dict[str, dict[tuple[str, ...], int]] = {}
+
+    def add(kind: str, axes: tuple[str, ...], w: int) -> None:
+        extra.setdefault(kind, {})
+        extra[kind][axes] = extra[kind].get(axes, 0) + w
+
     t = dims.tensor_size
     attention = attention_layers(params)
+    rows = max(1, analysis.batch_size // dims.batch_size_multiple)
+    seq = (analysis.seq_len or 1) // dims.context_size
     if dims.split_saved_inputs and dims.remat == "full" and t > 1 and attention:
-        rows = max(1, analysis.batch_size // dims.batch_size_multiple)
-        seq = (analysis.seq_len or 1) // dims.context_size
         d_model = attention[0].wo.shape[-1]
         size = itemsize(dims.compute_dtype or attention[0].wo.dtype)
         # One gather of each layer's saved input (split along its features) in
         # the recomputed forward: (t - 1) / t of it comes over the wire.
-        gather = analysis.layers * rows * seq * d_model * size * (t - 1) // t
-        extra.setdefault("all-gather", {})[(dims.tensor_axis,)] = gather
+        add("all-gather", (dims.tensor_axis,), analysis.layers * rows * seq * d_model * size * (t - 1) // t)
+    for axes, w in _windowed(dims, mesh, params, specs, manual).items():
+        add("collective-permute", axes, w)
     head = _head_weight(params, specs, mesh, dims)
     chunk = getattr(getattr(params, "config", None), "loss_chunk", None)
-    tokens = max(1, analysis.batch_size // dims.batch_size_multiple) * (analysis.seq_len or 1)
-    if head is not None and chunk is not None and chunk < tokens and head[1] == 1:
-        x, _, over = head
+    if head is not None:
+        x, kept, over = head
         g = math.prod(mesh.shape[a] for a in over)
-        size = itemsize(dims.compute_dtype or x.dtype)
-        # Each tile's gradient all-reduced whole (2 (g - 1) / g of it on the wire)
-        # where the minimum counts its reduce-scatter ((g - 1) / g): the difference.
-        extra.setdefault("all-reduce", {})[over] = x.size * size * 2 * (g - 1) // g
-        extra.setdefault("reduce-scatter", {})[over] = -(x.size * size * (g - 1) // g)
+        whole = x.size * itemsize(dims.compute_dtype or x.dtype) // kept
+        if chunk is not None and chunk < rows * seq and kept == 1:
+            # Vocabulary tiles: each tile is gathered again in the backward (the
+            # tile loop is rematerialised) and its gradient all-reduced whole
+            # (2 (g - 1) / g of it) where the minimum reduce-scatters it once.
+            add("all-gather", over, whole * (g - 1) // g)
+            add("all-reduce", over, 2 * whole * (g - 1) // g)
+            add("reduce-scatter", over, -(whole * (g - 1) // g))
+        elif not manual & set(over):
+            # The head's gradient reduce-scattered as a windowed einsum (`_windowed`).
+            add("collective-permute", over, 2 * whole // g)
+    if not manual:
+        for kind, axes, w in _lookup_wire(dims, mesh, rows * seq, params, specs):
+            add(kind, axes, w)
     return extra
+
+
+def _windowed(dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str]) -> dict[tuple[str, ...], int]:
+    """What the layers' windowed einsums move beyond the gathers and scatters the
+    minimum counts, per device by batch axes. A windowed einsum over `g` devices
+    passes `g + 1` shards of the weight (or of its gradient) round a ring in both
+    directions, where an all-gather or reduce-scatter moves `g - 1`: two shards
+    more per use. The compiler windows the forward and recomputed forward's
+    matmuls of every weight whose product is not summed over `tensor` (a
+    row-parallel weight under tensor parallelism is gathered there instead), every
+    weight gradient's reduce-scatter, and the input gradient of the MLP's output
+    weight (the widest product, `d_hidden`); the other input gradients gather.
+    Where the step runs manual over the weight's axes (`manual`; an expert-parallel
+    model is) eqxpar gathers it itself: nothing is windowed. Read off the compiled programs of Llama-3 8B and 70B on v5p slices under FSDP
+    and FSDP x tensor."""
+    from ..nn._linear import MLP
+
+    batch = set(dims.batch_axes)
+    is_mlp = lambda x: isinstance(x, MLP)  # noqa: E731
+    mlps = [x for x in jax.tree.leaves(params, is_leaf=is_mlp) if is_mlp(x)]
+    mlp_specs = [x for x in jax.tree.leaves(specs, is_leaf=is_mlp) if is_mlp(x)]
+    groups = [
+        *((a, s, ("wq", "wk", "wv", "wqkv"), ("wo",)) for a, s in zip(attention_layers(params), attention_layers(specs), strict=True)),
+        *((m, s, ("w_in",), ("w_out",)) for m, s in zip(mlps, mlp_specs, strict=True)),
+    ]
+    out: dict[tuple[str, ...], int] = {}
+    for layer, spec, columns, row_weights in groups:
+        for name in (*columns, *row_weights):
+            x, s = getattr(layer, name, None), getattr(spec, name, None)
+            if x is None or not isinstance(s, PartitionSpec):
+                continue
+            names = [a for e in s for a in mesh_axis_names(e)]
+            over = tuple(a for a in names if a in batch)
+            g = math.prod(mesh.shape[a] for a in over)
+            if g <= 1 or manual & set(over):
+                continue
+            kept = math.prod(mesh.shape[a] for a in names if a not in batch)
+            whole = x.size * itemsize(dims.compute_dtype or x.dtype) // kept
+            summed = name in row_weights and dims.tensor_size > 1 and dims.tensor_axis in names
+            uses = 1 + (0 if summed else 2) + (1 if name == "w_out" else 0)
+            out[over] = out.get(over, 0) + uses * 2 * whole // g
+    return out
+
+
+def _lookup_wire(dims: Any, mesh: Any, tokens: int, params: Any, specs: Any) -> list[tuple[str, tuple[str, ...], int]]:
+    """The embedding's collectives where its lookup runs without gathering the table
+    (`eqxpar.nn.Embedding` under FSDP rules, one dimension split over a run of the
+    batch axes): per device, less the all-gather and reduce-scatter the minimum
+    counts for the table, plus the all-to-all of the table's shard from rows to
+    columns (forward) and of its gradient back, the all-to-all of the looked-up
+    rows to the batch split and of their cotangent back, and the ids' all-gather
+    (int32); `tokens`: a device's positions."""
+    from ..nn._vocab import Embedding
+
+    is_embedding = lambda x: isinstance(x, Embedding)  # noqa: E731
+    layers = [x for x in jax.tree.leaves(params, is_leaf=is_embedding) if is_embedding(x)]
+    layer_specs = [x for x in jax.tree.leaves(specs, is_leaf=is_embedding) if is_embedding(x)]
+    batch = tuple(a for a in dims.batch_axes if mesh.shape[a] > 1)
+    out = []
+    for layer, spec in zip(layers, layer_specs, strict=True):
+        s = spec.weight
+        if not isinstance(s, PartitionSpec):
+            continue
+        entries = (*s, None, None)
+        vocab, columns = ([a for a in mesh_axis_names(e) if mesh.shape[a] > 1] for e in entries[:2])
+        axes = tuple(vocab or columns)
+        if (vocab and columns) or not axes or not set(axes) <= set(batch):
+            continue
+        start = batch.index(axes[0])
+        if batch[start : start + len(axes)] != axes:
+            continue
+        n = math.prod(mesh.shape[a] for a in axes)
+        size = itemsize(dims.compute_dtype or layer.weight.dtype)
+        table = layer.weight.size * size
+        d_model = layer.weight.shape[1]
+        counted = table * (n - 1) // n
+        out += [("all-gather", axes, -counted), ("reduce-scatter", axes, -counted)]
+        moved = 2 * (tokens * d_model * size + (table // n if vocab else 0)) * (n - 1) // n
+        out += [("all-to-all", axes, moved), ("all-gather", axes, tokens * 4 * (n - 1))]
+    return out
 
 
 def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, dict[tuple[str, ...], int]]:
