@@ -45,7 +45,7 @@ from ..pipeline._program import (
 )
 from ._analysis import Analysis, Slots, engine_slots
 from ._profile import DeviceProfile
-from ._tpu import TpuTerms, expert_terms, extra_wire, tpu_terms
+from ._tpu import TpuTerms, expert_terms, extra_wire, pipeline_wire, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
 #: optimizer update holds about this share of the updated parameters' bytes in
@@ -340,6 +340,11 @@ def predict(
     wire, by_axis = _predicted_wire(
         facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, on_tpu
     )
+    if at_use and profile.platform == "tpu":
+        for kind, by in pipeline_wire(dims, mesh, params, layout.params, loss).items():
+            for axes, w in by.items():
+                wire[kind] = wire.get(kind, 0) + w
+                by_axis[axes] = by_axis.get(axes, 0) + w
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
     flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)

@@ -160,7 +160,9 @@ def extra_wire(
     return extra
 
 
-def _windowed(dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str]) -> dict[tuple[str, ...], int]:
+def _windowed(
+    dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str]
+) -> dict[tuple[str, ...], int]:
     """What the layers' windowed einsums move beyond the gathers and scatters the
     minimum counts, per device by batch axes. A windowed einsum over `g` devices
     passes `g + 1` shards of the weight (or of its gradient) round a ring in both
@@ -180,7 +182,10 @@ def _windowed(dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[s
     mlps = [x for x in jax.tree.leaves(params, is_leaf=is_mlp) if is_mlp(x)]
     mlp_specs = [x for x in jax.tree.leaves(specs, is_leaf=is_mlp) if is_mlp(x)]
     groups = [
-        *((a, s, ("wq", "wk", "wv", "wqkv"), ("wo",)) for a, s in zip(attention_layers(params), attention_layers(specs), strict=True)),
+        *(
+            (a, s, ("wq", "wk", "wv", "wqkv"), ("wo",))
+            for a, s in zip(attention_layers(params), attention_layers(specs), strict=True)
+        ),
         *((m, s, ("w_in",), ("w_out",)) for m, s in zip(mlps, mlp_specs, strict=True)),
     ]
     out: dict[tuple[str, ...], int] = {}
@@ -202,7 +207,71 @@ def _windowed(dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[s
     return out
 
 
-def _lookup_wire(dims: Any, mesh: Any, tokens: int, params: Any, specs: Any) -> list[tuple[str, tuple[str, ...], int]]:
+def pipeline_wire(
+    dims: Any, mesh: Any, params: Any, specs: Any, loss: Any
+) -> dict[str, dict[tuple[str, ...], int]]:
+    """What a pipeline step with sharded stage gradients (`Plan(stage_gradients=
+    "sharded")`) moves on the TPU compiler beyond (negative: short of) the
+    minimum's count, per device by kind and batch axes: the MLP input weight's
+    gradient (`[d_model, 2, d_hidden]`, split over the batch axes along its last
+    dimension) all-reduced each micro-batch where the minimum reduce-scatters it,
+    and the weights outside the stack on the device's own stages only (the
+    minimum counts every such weight's gathers and scatters on every device; a
+    device runs the embedding on the first stage or the head on the last, and
+    the busiest holds the larger)."""
+    from ..nn._linear import MLP
+
+    batch = set(dims.batch_axes)
+    m = dims.microbatches
+    out: dict[str, dict[tuple[str, ...], int]] = {}
+
+    def add(kind: str, axes: tuple[str, ...], w: int) -> None:
+        out.setdefault(kind, {})
+        out[kind][axes] = out[kind].get(axes, 0) + w
+
+    def split(x: Any, s: Any) -> tuple[int, int, tuple[str, ...]]:
+        names = [a for e in s for a in mesh_axis_names(e) if mesh.shape[a] > 1]
+        over = tuple(a for a in names if a in batch)
+        kept = math.prod(mesh.shape[a] for a in names if a not in batch)
+        return (
+            x.size * itemsize(dims.compute_dtype or x.dtype) // kept,
+            math.prod(mesh.shape[a] for a in over),
+            over,
+        )
+
+    stack, stack_specs = loss.stack(params), loss.stack(specs)
+    is_mlp = lambda x: isinstance(x, MLP)  # noqa: E731
+    mlps = [x for x in jax.tree.leaves(stack, is_leaf=is_mlp) if is_mlp(x)]
+    mlp_specs = [x for x in jax.tree.leaves(stack_specs, is_leaf=is_mlp) if is_mlp(x)]
+    for mlp, spec in zip(mlps, mlp_specs, strict=True):
+        if not isinstance(spec.w_in, PartitionSpec):
+            continue
+        whole, g, over = split(mlp.w_in, spec.w_in)
+        if g > 1:
+            # `whole` is a device's stages' part (the stack is split over `pipe`).
+            scatter = m * whole * (g - 1) // g
+            add("all-reduce", over, 2 * scatter)
+            add("reduce-scatter", over, -scatter)
+    # The weights outside the stack, largest first: all but the largest are
+    # another stage's (2 gathers and a scatter per micro-batch in the minimum).
+    stack_leaves = {id(x) for x in jax.tree.leaves(stack)}
+    flat = jax.tree.structure(params).flatten_up_to(specs)
+    outside = []
+    for x, s in zip(jax.tree.leaves(params), flat, strict=True):
+        if id(x) in stack_leaves or not is_array_like(x) or x.ndim != 2 or not isinstance(s, PartitionSpec):
+            continue
+        whole, g, over = split(x, s)
+        if g > 1:
+            outside.append((whole, g, over))
+    for whole, g, over in sorted(outside, reverse=True)[1:]:
+        add("all-gather", over, -2 * m * whole * (g - 1) // g)
+        add("reduce-scatter", over, -m * whole * (g - 1) // g)
+    return out
+
+
+def _lookup_wire(
+    dims: Any, mesh: Any, tokens: int, params: Any, specs: Any
+) -> list[tuple[str, tuple[str, ...], int]]:
     """The embedding's collectives where its lookup runs without gathering the table
     (`eqxpar.nn.Embedding` under FSDP rules, one dimension split over a run of the
     batch axes): per device, less the all-gather and reduce-scatter the minimum
