@@ -532,7 +532,10 @@ def _gathered_at_use(facts: PlanFacts, params: Any, layout: StepLayout, loss: An
     """What a device holds whole at once under `Plan(stage_gradients="sharded")`,
     whose gradient sums are split like the weights: one layer's weights and that layer's gradient before its reduce-scatter, and
     the weights outside the stack (`gathered` of them all, whole, less the stack's),
-    all in the compute dtype."""
+    all in the compute dtype. Of the weights outside the stack, the largest only:
+    a device runs the embedding on the first stage and the head on the last, in
+    branches of the engine's ticks that share their memory (the 70B pipeline's
+    TPU program holds one 1.05 B-parameter table whole, not two)."""
     dims = facts.dims
     blocks, specs = loss.stack(params).blocks, loss.stack(layout.params).blocks
     drop = frozenset(dims.batch_axes)
@@ -540,6 +543,15 @@ def _gathered_at_use(facts: PlanFacts, params: Any, layout: StepLayout, loss: An
     stack_split = _per_device(blocks, specs, facts.mesh)
     rows = max(1, loss.stack_of(params).depth // facts.mesh.shape.get("pipe", 1))
     rest = gathered - (stack_whole - stack_split)
+    in_stack = {id(x) for x in jax.tree.leaves(blocks)}
+    flat = jax.tree.structure(params).flatten_up_to(layout.params)
+    outside = [
+        nbytes(x) // _split(s, facts.mesh, drop) - nbytes(x) // _split(s, facts.mesh)
+        for x, s in zip(jax.tree.leaves(params), flat, strict=True)
+        if is_array_like(x) and id(x) not in in_stack
+    ]
+    # Every weight outside the stack but the largest is another stage's.
+    rest -= sum(outside) - max(outside, default=0)
     stored = next((x.dtype for x in jax.tree.leaves(blocks) if jnp.issubdtype(x.dtype, jnp.floating)), None)
     scale = (
         1.0
