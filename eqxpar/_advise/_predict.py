@@ -29,6 +29,7 @@ from ..inspect._jaxpr_walk import (
     with_key,
 )
 from ..inspect._minimum import boundary_sends, pipeline_placement
+from ..inspect._model_layers import moe_layers
 from ..inspect._plan_facts import PlanFacts
 from ..inspect._tally import CONTEXT_KEYS_VALUES, MOE_DISPATCH, PIPELINE_BOUNDARIES, TENSOR_SUMS, sum_items
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
@@ -319,7 +320,9 @@ def predict(
     update = int(UPDATE_SHARE * updated)
     buffers = 0
     if dims.schedule is None:
-        activations, buffers = _step_memory(facts, analysis, params, layout, tpu)
+        activations, buffers = _step_memory(facts, analysis, params, layout, tpu, update)
+        if tpu is not None and not moe_layers(params):
+            update = 0  # among the phases `_step_memory` took the largest of
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
         # One layer's backward, as under remat "none" (`_engine_layouts`).
@@ -368,15 +371,21 @@ def predict(
 
 
 def _step_memory(
-    facts: PlanFacts, analysis: Analysis, params: Any, layout: StepLayout, tpu: TpuTerms | None
+    facts: PlanFacts, analysis: Analysis, params: Any, layout: StepLayout, tpu: TpuTerms | None, update: int
 ) -> tuple[int, int]:
     """`(activations, buffers)` per device of a step without a pipeline; on the TPU
     compiler's automatic partitioning (`tpu`), the stack's kept inputs and the
-    head's phase or one layer's backward, whichever holds more (`_tpu`)."""
+    rest of the largest phase (a dense model's, with the `update`'s temporaries
+    among them) or the head's phase or one layer's backward, whichever holds more
+    (an MoE model's; `_tpu`)."""
     manual = layout.manual_axes
     activations = _activations(facts, analysis, params, layout.params, manual)
     activations += _kept_inputs(facts, analysis)
     buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
+    if tpu is not None and not moe_layers(params):
+        # A dense step's phases (`_tpu`): the kept inputs, and the rest of the
+        # largest phase beside them and the gradient shards (`predict` adds those).
+        return tpu.inputs, max(0, tpu.phases(update) - tpu.inputs - tpu.gradients)
     if tpu is not None:
         activations += tpu.inputs
         buffers = max(tpu.head, tpu.layer + buffers)

@@ -18,18 +18,27 @@ compiled figure). Four things differ:
   which the loss's own residuals do not show (the stack saves only its input).
 - **The head is gathered whole.** The largest weight outside the stacks (the
   output head) is all-gathered over the batch axes for its matmul, in compute
-  dtype, beside two compute-dtype copies of the logits (the float32 ones are the
-  loss's residual); the layers' matmuls run as windowed einsums instead. With
-  `GPTConfig(loss_chunk=...)` the head runs in tiles of the vocabulary, each
-  gathered in turn with its float32 logits (`eqxpar.models`' vocabulary tiles).
-- **Two phases.** The head's working set and one layer's backward are not live
-  at once: a step holds the larger of the two beside what lives throughout
-  (gradient shards, kept inputs, residuals, the update's temporaries).
+  dtype; its backward holds it beside its gradient, whole in compute dtype
+  before the reduce-scatter, the float32 logits and a compute-dtype copy of
+  them. With `GPTConfig(loss_chunk=...)` the head runs in tiles of the
+  vocabulary, each tile's the same, one tile at a time.
+- **The weights cast once.** The layer loops read the weights in compute dtype
+  from casts the compiler hoists out of them: a compute-dtype copy of every
+  weight shard lives through the backward.
+- **Phases.** Of a dense model's step (no MoE layer), what is live at the peak
+  is the larger of the head's phase (the kept inputs and the head's working
+  set), the layers' backward (the kept inputs, the gradient shards, the cast
+  weights and one layer's backward) and the update (the gradient shards and
+  the update's temporaries). Read off the compiled 8B and 70B programs (their
+  live ranges at the peak, `--xla_dump_to`'s buffer assignment).
 - **One layer's backward.** While a layer runs backward it holds its recomputed
   forward and its gradients: the attention kernel's score, probability and
   gradient blocks in float32 (`block_size` keys per block), the MLP's hidden
   activations and their gradients (gate, up, activation), and a few copies of
-  the residual stream.
+  the residual stream. Of an MoE model the head's phase and one layer's
+  backward are not live at once: it holds the larger of the two beside what
+  lives throughout (gradient shards, kept inputs, residuals, the update's
+  temporaries).
 - **Collectives beyond the minimum.** Where the stack keeps its layer inputs
   split over `tensor` (`ParallelDims.split_saved_inputs`), the recomputed
   forward all-gathers each layer's input over `tensor` before its first matmul
@@ -70,27 +79,38 @@ _STREAM_COPIES = 5
 @dataclasses.dataclass(frozen=True)
 class TpuTerms:
     """Per device: `gradients` (their shards), `inputs` (the stack's kept layer
-    inputs), `head` (the head's working set: its gathered weight, or a tile of
-    it, and its logits), `layer` (one layer's backward)."""
+    inputs), `head` (the head's working set: its gathered weight and gradient,
+    or a tile's, and its logits), `layer` (one layer's backward), `weights` (the
+    weight shards cast to compute dtype)."""
 
     gradients: int
     inputs: int
     head: int
     layer: int
+    weights: int = 0
+
+    def phases(self, update: int) -> int:
+        """A dense step's temporaries: the largest of its phases (see the
+        module), with `update` the optimizer update's temporaries."""
+        backward = self.inputs + self.gradients + self.weights + self.layer
+        return max(self.inputs + self.head, backward, self.gradients + update)
 
 
 def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, gradients: int) -> TpuTerms:
     """The four terms (see the module) of a step under `dims` (`ParallelDims`) on
     `mesh`, with `params` and their `specs` (the step layout's) as outlines;
-    `gradients`: the parameters' bytes per device (their shards)."""
+    `gradients`: the parameters' bytes per device (their shards), in the
+    parameters' dtype."""
     compute = dims.compute_dtype
     attention = attention_layers(params)
     t, c = dims.tensor_size, dims.context_size
     rows = max(1, analysis.batch_size // dims.batch_size_multiple)
     seq = (analysis.seq_len or 1) // c
     head = _head(params, specs, mesh, dims, compute, rows * seq)
+    stored = next((x.dtype for x in jax.tree.leaves(params) if is_array_like(x)), None)
+    weights = gradients * itemsize(compute or stored) // itemsize(stored) if stored is not None else 0
     if not attention:
-        return TpuTerms(gradients, 0, head, 0)
+        return TpuTerms(gradients, 0, head, 0, weights)
     layer = attention[0]
     d_model = layer.wo.shape[-1]
     size = itemsize(compute or layer.wo.dtype)
@@ -108,7 +128,7 @@ def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any,
     stream = _STREAM_COPIES * rows * seq * d_model * size
     experts, _ = expert_terms(dims, mesh, params, specs)
     layer_bytes = scores + mlp + stream + experts
-    return TpuTerms(gradients, inputs, head, layer_bytes)
+    return TpuTerms(gradients, inputs, head, layer_bytes, weights)
 
 
 def extra_wire(
@@ -368,10 +388,11 @@ def _head_weight(params: Any, specs: Any, mesh: Any, dims: Any) -> tuple[Any, in
 
 def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any, tokens: int) -> int:
     """The head's working set per device for `tokens` positions: the largest 2-D
-    weight split over the batch axes (the head) gathered over them in compute
-    dtype, and its logits (its longer side is the vocabulary); in vocabulary tiles
-    where the model's `config.loss_chunk` is set and the vocabulary is not split
-    over other axes."""
+    weight split over the batch axes (the head) gathered over them and its
+    gradient whole, in compute dtype, and its logits in float32 and in compute
+    dtype (its longer side is the vocabulary); one tile's where the model's
+    `config.loss_chunk` is set and the vocabulary is not split over other axes
+    (vocabulary tiles)."""
     best = _head_weight(params, specs, mesh, dims)
     if best is None:
         return 0
@@ -380,7 +401,5 @@ def _head(params: Any, specs: Any, mesh: Any, dims: Any, compute: Any, tokens: i
     vocab = max(x.shape) // kept
     weight = x.size * size // kept
     chunk = getattr(getattr(params, "config", None), "loss_chunk", None)
-    if chunk is not None and chunk < tokens and kept == 1:
-        tiles = -(-tokens // chunk)
-        return weight // tiles + tokens * vocab // tiles * 4
-    return weight + 2 * tokens * vocab * size
+    tiles = -(-tokens // chunk) if chunk is not None and chunk < tokens and kept == 1 else 1
+    return (2 * weight + tokens * vocab * (4 + size)) // tiles
