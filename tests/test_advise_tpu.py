@@ -6,12 +6,13 @@ per-device argument and temporary bytes and the collectives' wire bytes. Each
 case here predicts the same plan again from shapes with today's code (nothing
 compiled: a few seconds) and checks it against those compiled figures.
 
-The bounds are each record's error today, so that the model cannot drift
-further unnoticed; the goal is 10 % on memory and 5 % on wire. Mixtral meets
-it; BENCHMARKS.md says where the others miss (the model was read off the
-programs before the stack's saved inputs were split over `tensor`, and the
-records' libtpu 0.0.50.1 keeps more of the vocabulary-tiled head than 0.0.52,
-whose 2.77 GiB of temporaries on 8B the model predicts).
+The goal is 10 % on memory and 5 % on wire. The wire meets it on every
+record (each collective the compiled program runs, `eqxpar/_advise/_tpu.py`),
+the memory on three: on 8B FSDP 32 and 70B FSDP 32 x tensor 4, libtpu 0.0.50.1
+reports temporaries beyond its own buffer assignment (1.29 and 3.06 GiB, which
+no buffer of the HLO program holds) and on 70B it keeps a second copy of the
+stack's saved inputs (2.5 GiB); those two are held to today's error, so that
+the model cannot drift further unnoticed (BENCHMARKS.md, the compile-ahead guide).
 """
 
 import importlib.util
@@ -31,9 +32,10 @@ RECORDS = json.loads((pathlib.Path(tpu_compile.RESULTS) / "quick.json").read_tex
 
 #: (memory, wire) bound per record beside MaxText's: the relative error of the prediction.
 BOUNDS = {
-    "llama3-8b_v5p-64_fsdp32": (0.20, 0.05),
-    "llama3-8b_v5p-64_fsdp8_tensor4": (0.33, 0.10),
-    "llama3-70b_v5p-256_fsdp32_tensor4": (0.08, 0.06),
+    "llama3-8b_v5p-64_fsdp32": (0.24, 0.05),
+    "llama3-8b_v5p-64_fsdp8_tensor4": (0.10, 0.05),
+    "llama3-70b_v5p-256_fsdp32_tensor4": (0.22, 0.05),
+    "llama3-70b_v5p-256_pipe4_fsdp32": (0.10, 0.05),
     "mixtral-8x7b_v5p-128_expert8_fsdp8": (0.10, 0.05),
 }
 
