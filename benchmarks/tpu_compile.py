@@ -3,6 +3,8 @@ work and compiler (BENCHMARKS.md, "Compiled for TPU slices", says what each colu
 
     python -m benchmarks.tpu_compile [--only NAME,...] [--json benchmarks/results/quick.json] [--markdown BENCHMARKS.md]
 
+`--predict-only` refreshes the advisor's predictions in the records (seconds, nothing compiled).
+
 Each case compiles in a subprocess of its own (`--case NAME`), one at a time, so
 that its peak RSS is its own: `eqxpar.aot.compile_train_step` on a mesh over the
 topology's chips (libtpu describes the slice; nothing runs), 1 x 2048 tokens per
@@ -287,10 +289,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tables-only", action="store_true", help="rewrite the tables from --json's records; compile nothing"
     )
+    parser.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="refresh the advisor's predictions in --json's records (--only's, default all), then the tables; "
+        "compile nothing",
+    )
     args = parser.parse_args(argv)
     if args.case:
         print("RECORD " + json.dumps(run_case(args.case)))
         return
+    if args.predict_only:
+        if args.json is None:
+            raise SystemExit("--predict-only rewrites --json's records: pass it")
+        data = json.loads(args.json.read_text())
+        records = data["tpu_compile"]
+        for name in args.only.split(",") if args.only else list(records):
+            if name in records and not records[name].get("refused"):
+                records[name]["predicted"] = predict_case(name)
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        args.tables_only = args.markdown is not None
     if args.tables_only:
         if args.json is None or args.markdown is None:
             raise SystemExit("--tables-only reads --json and rewrites --markdown: pass both")

@@ -91,5 +91,7 @@ def test_the_cpu_profile_keeps_every_gradient_whole_where_the_tpu_scatters_them(
     # embedding, whose lookup moves its table's shard by all-to-all instead.
     assert "reduce-scatter" not in cpu.wire_bytes and "all-reduce" not in tpu.wire_bytes
     table = config.vocab_size * config.d_model * 2 * 31 // 32
-    assert 4 * (tpu.wire_bytes["reduce-scatter"] + table) == pytest.approx(cpu.wire_bytes["all-reduce"], rel=1e-3)
+    assert 4 * (tpu.wire_bytes["reduce-scatter"] + table) == pytest.approx(
+        cpu.wire_bytes["all-reduce"], rel=1e-3
+    )
     assert tpu.wire_bytes["all-to-all"] > 0

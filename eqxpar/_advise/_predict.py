@@ -320,9 +320,7 @@ def predict(
     update = int(UPDATE_SHARE * updated)
     buffers = 0
     if dims.schedule is None:
-        activations, buffers = _step_memory(facts, analysis, params, layout, tpu, update)
-        if tpu is not None and not moe_layers(params):
-            update = 0  # among the phases `_step_memory` took the largest of
+        activations, buffers, update = _step_memory(facts, analysis, params, layout, tpu, update)
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
         # One layer's backward, as under remat "none" (`_engine_layouts`).
@@ -341,13 +339,8 @@ def predict(
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
     wire, by_axis = _predicted_wire(
-        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, on_tpu
+        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, profile.platform == "tpu"
     )
-    if at_use and profile.platform == "tpu":
-        for kind, by in pipeline_wire(dims, mesh, params, layout.params, loss).items():
-            for axes, w in by.items():
-                wire[kind] = wire.get(kind, 0) + w
-                by_axis[axes] = by_axis.get(axes, 0) + w
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
     flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)
@@ -372,8 +365,9 @@ def predict(
 
 def _step_memory(
     facts: PlanFacts, analysis: Analysis, params: Any, layout: StepLayout, tpu: TpuTerms | None, update: int
-) -> tuple[int, int]:
-    """`(activations, buffers)` per device of a step without a pipeline; on the TPU
+) -> tuple[int, int, int]:
+    """`(activations, buffers, update)` per device of a step without a pipeline
+    (`update`: the optimizer's temporaries, as given); on the TPU
     compiler's automatic partitioning (`tpu`), the stack's kept inputs and the
     rest of the largest phase (a dense model's, with the `update`'s temporaries
     among them) or the head's phase or one layer's backward, whichever holds more
@@ -384,12 +378,13 @@ def _step_memory(
     buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
     if tpu is not None and not moe_layers(params):
         # A dense step's phases (`_tpu`): the kept inputs, and the rest of the
-        # largest phase beside them and the gradient shards (`predict` adds those).
-        return tpu.inputs, max(0, tpu.phases(update) - tpu.inputs - tpu.gradients)
+        # largest phase beside them and the gradient shards (`predict` adds
+        # those); the update is among the phases.
+        return tpu.inputs, max(0, tpu.phases(update) - tpu.inputs - tpu.gradients), 0
     if tpu is not None:
         activations += tpu.inputs
         buffers = max(tpu.head, tpu.layer + buffers)
-    return activations, buffers
+    return activations, buffers, update
 
 
 def _predicted_wire(
@@ -403,15 +398,24 @@ def _predicted_wire(
     moved: Any,
     auto_fsdp: bool,
     sent: int | None,
-    on_tpu: bool,
+    tpu: bool,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
-    """`_wire` of the plan's minimum `least`; on the TPU compiler's automatic
-    partitioning (`on_tpu`) the gradients are reduce-scattered, the experts' in the
-    parameters' dtype (`_tpu`)."""
+    """`_wire` of the plan's minimum `least`; on the TPU compiler (`tpu`), under
+    its automatic partitioning the gradients are reduce-scattered, the experts'
+    in the parameters' dtype, and the program's collectives beyond the minimum
+    are added (`_tpu.extra_wire`); a pipeline's with sharded stage gradients
+    likewise (`_tpu.pipeline_wire`)."""
+    on_tpu = auto_fsdp and tpu
     repeats = _repeated_sums(facts, params, loss, batch, moved)
     wire, by_axis = _wire(
         facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats, scatters=on_tpu
     )
+    if tpu and facts.dims.pipelined and facts.dims.stage_gradients == "sharded":
+        # A pipeline with sharded stage gradients on the TPU compiler (`_tpu`).
+        for kind, by in pipeline_wire(facts.dims, facts.mesh, params, layout.params, loss).items():
+            for axes, w in by.items():
+                wire[kind] = wire.get(kind, 0) + w
+                by_axis[axes] = by_axis.get(axes, 0) + w
     if on_tpu:
         extra = extra_wire(facts.dims, facts.mesh, analysis, params, layout.params, layout.manual_axes)
         experts = expert_terms(facts.dims, facts.mesh, params, layout.params)[1]
