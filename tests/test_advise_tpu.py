@@ -9,10 +9,11 @@ compiled: a few seconds) and checks it against those compiled figures.
 The goal is 10 % on memory and 5 % on wire. The wire meets it on every
 record (each collective the compiled program runs, `eqxpar/_advise/_tpu.py`),
 the memory on three: on 8B FSDP 32 and 70B FSDP 32 x tensor 4, libtpu 0.0.50.1
-reports temporaries beyond its own buffer assignment (1.29 and 3.06 GiB, which
-no buffer of the HLO program holds) and on 70B it keeps a second copy of the
-stack's saved inputs (2.5 GiB); those two are held to today's error, so that
-the model cannot drift further unnoticed (BENCHMARKS.md, the compile-ahead guide).
+(the records' compiler) reports temporaries beyond its own buffer assignment
+(1.29 and 3.06 GiB, which no buffer of the HLO program holds; libtpu 0.0.52
+reports its heap alone, and the prediction is within 5 % of it on both). Those
+two are held to today's error, so that the model cannot drift further unnoticed
+(BENCHMARKS.md, the compile-ahead guide).
 """
 
 import importlib.util
