@@ -5,7 +5,8 @@ what XLA:CPU holds (`_predict`'s model).
 Read off the TPU compiler's buffer assignments of Llama-3 8B and 70B and
 Mixtral 8x7B steps compiled ahead of time for v5p slices (`eqxpar.aot`; the
 `benchmarks.tpu_compile` records, whose tables show the prediction beside the
-compiled figure). Four things differ:
+compiled figure; the programs' buffer assignments, live ranges and collectives
+as `--xla_dump_to` writes them). What differs:
 
 - **Gradients stay split.** The TPU compiler reduce-scatters each layer's weight
   gradient inside the backward loop as it is made (often as a windowed einsum
@@ -39,13 +40,18 @@ compiled figure). Four things differ:
   backward are not live at once: it holds the larger of the two beside what
   lives throughout (gradient shards, kept inputs, residuals, the update's
   temporaries).
-- **Collectives beyond the minimum.** Where the stack keeps its layer inputs
-  split over `tensor` (`ParallelDims.split_saved_inputs`), the recomputed
-  forward all-gathers each layer's input over `tensor` before its first matmul
-  (one per layer; the forward's own gather and the output's reduce-scatter make
-  the all-reduce the minimum counts). In vocabulary tiles under automatic FSDP,
-  each tile's weight gradient is all-reduced over the batch axes in compute
-  dtype where the minimum reduce-scatters it: the head's gradient moves twice.
+- **Collectives beyond the minimum** (`extra_wire`, `pipeline_wire`). Where
+  the stack keeps its layer inputs split over `tensor`
+  (`ParallelDims.split_saved_inputs`), the recomputed forward all-gathers each
+  layer's input over `tensor` before its first matmul (one per layer; the
+  forward's own gather and the output's reduce-scatter make the all-reduce the
+  minimum counts). Most FSDP matmuls run as windowed einsums, whose rings pass
+  two shards more than a gather or scatter (`_windowed`). In vocabulary tiles
+  each tile is gathered again in the backward and its gradient all-reduced
+  where the minimum reduce-scatters it once. The embedding's lookup moves its
+  table's shard and the looked-up rows by all-to-all, never gathering the table
+  (`eqxpar.nn.Embedding`). A pipeline with sharded stage gradients all-reduces
+  the MLP input weight's gradient each micro-batch.
 - **Experts are gathered, not windowed.** An MoE layer's expert weights (grouped
   matmuls) are all-gathered over the batch axes for the layer, in compute dtype,
   and their gradient is made whole over them in the parameters' dtype, then
