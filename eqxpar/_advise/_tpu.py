@@ -270,10 +270,12 @@ def pipeline_wire(
     mlps = [x for x in jax.tree.leaves(stack, is_leaf=is_mlp) if is_mlp(x)]
     mlp_specs = [x for x in jax.tree.leaves(stack_specs, is_leaf=is_mlp) if is_mlp(x)]
     for mlp, spec in zip(mlps, mlp_specs, strict=True):
-        if not isinstance(spec.w_in, PartitionSpec):
+        if not isinstance(spec.w_in, PartitionSpec) or len(spec.w_in) < mlp.w_in.ndim:
             continue
         whole, g, over = split(mlp.w_in, spec.w_in)
-        if g > 1:
+        # Split along its last (hidden) dimension only: split along `d_model`
+        # (`rules.FSDP(dim="leading")`) its gradient is reduce-scattered.
+        if g > 1 and set(over) & set(mesh_axis_names(spec.w_in[-1])):
             # `whole` is a device's stages' part (the stack is split over `pipe`).
             scatter = m * whole * (g - 1) // g
             add("all-reduce", over, 2 * scatter)
