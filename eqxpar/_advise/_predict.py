@@ -417,7 +417,18 @@ def _predicted_wire(
                 wire[kind] = wire.get(kind, 0) + w
                 by_axis[axes] = by_axis.get(axes, 0) + w
     if on_tpu:
-        extra = extra_wire(facts.dims, facts.mesh, analysis, params, layout.params, layout.manual_axes)
+        # A minimum that counts the split saved inputs' gathers (an all-gather
+        # among its tensor sums) leaves them out of the extra.
+        gathers = any(c.kind == "all-gather" and c.source == TENSOR_SUMS for c in least.costs)
+        extra = extra_wire(
+            facts.dims,
+            facts.mesh,
+            analysis,
+            params,
+            layout.params,
+            layout.manual_axes,
+            inputs_counted=gathers,
+        )
         experts = expert_terms(facts.dims, facts.mesh, params, layout.params)[1]
         for kind, by in (*extra.items(), ("reduce-scatter", experts)):
             for axes, w in by.items():

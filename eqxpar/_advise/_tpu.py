@@ -138,14 +138,22 @@ def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any,
 
 
 def extra_wire(
-    dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, manual: frozenset[str]
+    dims: Any,
+    mesh: Any,
+    analysis: Analysis,
+    params: Any,
+    specs: Any,
+    manual: frozenset[str],
+    *,
+    inputs_counted: bool = False,
 ) -> dict[str, dict[tuple[str, ...], int]]:
     """Wire bytes per device, by kind and mesh axes, that the TPU compiler's program
     moves beyond (or, negative, short of) `minimum_comm`'s count (see the module's
     "Collectives beyond the minimum"): the split saved inputs' all-gathers, the
     windowed einsums' extra shards, the head's and the embedding's collectives.
     `manual`: the step's manual axes (a model run manual over its batch axes, as
-    an expert-parallel one is, looks its tokens up as the minimum counts)."""
+    an expert-parallel one is, looks its tokens up as the minimum counts);
+    `inputs_counted`: the minimum already counts the split saved inputs' gathers."""
     extra: dict[str, dict[tuple[str, ...], int]] = {}
 
     def add(kind: str, axes: tuple[str, ...], w: int) -> None:
@@ -156,7 +164,7 @@ def extra_wire(
     attention = attention_layers(params)
     rows = max(1, analysis.batch_size // dims.batch_size_multiple)
     seq = (analysis.seq_len or 1) // dims.context_size
-    if dims.split_saved_inputs and dims.remat == "full" and t > 1 and attention:
+    if dims.split_saved_inputs and dims.remat == "full" and t > 1 and attention and not inputs_counted:
         d_model = attention[0].wo.shape[-1]
         size = itemsize(dims.compute_dtype or attention[0].wo.dtype)
         # One gather of each layer's saved input (split along its features) in
