@@ -152,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Plan(stage_gradients=...) with a pipe axis: sharded gathers FSDP weights at their uses and "
         "keeps gradient sums split (default whole)",
     )
+    parser.add_argument(
+        "--fsdp-dim",
+        default="largest",
+        choices=["largest", "leading"],
+        help="rules.FSDP(dim=...): split each weight along its largest divisible dimension (default) or "
+        "its first; a pipeline with --stage-gradients sharded reduce-scatters the latter on TPU",
+    )
     parser.add_argument("--mode", choices=["auto", "manual"], help="Plan(mode=...) (default the plan's)")
     parser.add_argument(
         "--split-physical-axes",
@@ -206,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule,
             microbatches=args.microbatches,
             stage_gradients=args.stage_gradients,
+            fsdp_dim=args.fsdp_dim,
             mode=args.mode,
             split_physical_axes=args.split_physical_axes,
             offload=[p for p in args.offload.split(",") if p],
