@@ -53,9 +53,12 @@ DCN = {
 #: Plan options beyond the mesh (`eqxpar.aot.plan_of`'s keywords). The 70B
 #: pipeline gathers its FSDP weights at their uses and keeps its gradient sums
 #: split (`Plan(stage_gradients="sharded")`): whole, a stage's float32 sums are
-#: 69 GB per chip and the TPU compiler refuses the step.
+#: 69 GB per chip and the TPU compiler refuses the step. It splits each weight
+#: along its first divisible dimension (`rules.FSDP(dim="leading")`): split
+#: along its last, the MLP input weight's gradient (d_model, 2, hidden) was
+#: all-reduced per layer and micro-batch rather than reduce-scattered (146 GB).
 PLAN_OPTIONS: dict[str, dict[str, Any]] = {
-    "llama3-70b_v5p-256_pipe4_fsdp32": {"stage_gradients": "sharded"},
+    "llama3-70b_v5p-256_pipe4_fsdp32": {"stage_gradients": "sharded", "fsdp_dim": "leading"},
 }
 #: Cases compiled with host offload (`Plan(offload=...)`, `python -m eqxpar.aot
 #: --offload`): name -> (the case it offloads from, the parts offloaded). Their

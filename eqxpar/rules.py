@@ -4,7 +4,7 @@ Give a plan one rule or a sequence (first match wins; unclaimed leaves are
 replicated):
 
 - `Logical(mapping)`: logical axis names declared with `eqxpar.param` -> mesh axes.
-- `FSDP(axis=, min_size=)`: shard each large array's largest divisible dimension.
+- `FSDP(axis=, min_size=, dim=)`: shard each large array's largest (or first) divisible dimension.
 - `ByPath([(regex, spec), ...], strict=)`: specs by regular expression on leaf paths.
 - `Policy(fn)`: any function of the leaf.
 - `ZeroShard(base, axis=)`: another rule set's specs plus a split over the

@@ -117,6 +117,18 @@ def test_command_refuses_bad_arguments_naming_them(argv, message, capsys):
     assert message in capsys.readouterr().out
 
 
+def test_plan_of_splits_weights_along_their_first_dimension_when_asked():
+    # --fsdp-dim leading: the fused MLP input weight (layers, d_model, 2, hidden)
+    # splits along d_model, not hidden (the 70B pipeline record's plan).
+    config = eqxpar.models.GPTConfig(vocab_size=64, d_model=32, num_heads=4, num_layers=2, d_hidden=64)
+    outline = jax.eval_shape(lambda: eqxpar.models.GPT(config, key=jax.random.key(0)))
+    specs = {}
+    for dim in ("largest", "leading"):
+        plan = aot.plan_of({"pipe": 2, "fsdp": 4}, topology=None, stage_gradients="sharded", fsdp_dim=dim)
+        specs[dim] = tuple(eqxpar.partition_specs(outline, plan).blocks.blocks.mlp.w_in)
+    assert specs == {"largest": ("pipe", None, None, "fsdp"), "leading": ("pipe", "fsdp", None, None)}
+
+
 def test_compile_train_step_refuses_bad_values():
     plan = aot.plan_of({"data": 8}, topology=None)
     with pytest.raises(eqxpar.PlanError, match="rows per chip, sequence length"):

@@ -159,3 +159,33 @@ def test_stage_gradients_bad_options():
         eqxpar.Plan(mesh, rules=ALL_SPLIT, remat="full", stage_gradients="sharded")
     with pytest.raises(eqxpar.PlanError, match="remat='full'"):
         eqxpar.Plan(mesh, rules=rules, schedule="1f1b", microbatches=2, stage_gradients="sharded")
+
+
+def test_sharded_stage_gradients_split_along_leading_dimensions_match_one_device():
+    # rules.FSDP(dim="leading") splits each weight along its first divisible
+    # dimension: the fused MLP input weight (layers, d_model, 2, hidden) along
+    # d_model rather than hidden (a gradient the TPU compiler then
+    # reduce-scatters rather than all-reduces). The layout changes; the loss and
+    # gradients are one device's.
+    config = eqxpar.models.GPTConfig(
+        vocab_size=32, d_model=16, num_heads=4, num_kv_heads=2, num_layers=4, d_hidden=32, max_seq_len=8
+    )
+    model = eqx.filter_jit(eqxpar.models.GPT)(config, key=jax.random.key(3))
+    loss = eqxpar.pipeline.PipelineLoss(eqxpar.models.gpt_first, lambda m: m.blocks, eqxpar.models.gpt_last)
+    tokens = jax.random.randint(jax.random.key(4), (8, 9), 0, config.vocab_size)
+    ref_loss, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(eqxpar.models.lm_loss))(model, tokens)
+    plan = _plan("1f1b", rules=eqxpar.rules.FSDP(min_size=0, dim="leading"))
+    stored = eqxpar.shard(model, plan)
+    assert tuple(stored.blocks.blocks.mlp.w_in.sharding.spec) == ("pipe", "fsdp", None, None)
+    assert tuple(eqxpar.shard(model, _plan("1f1b")).blocks.blocks.mlp.w_in.sharding.spec) == (
+        "pipe",
+        None,
+        None,
+        "fsdp",
+    )
+    value, grads = eqxpar.train.make_value_and_grad(loss, plan)(stored, tokens)
+    assert tuple(grads.blocks.blocks.mlp.w_in.sharding.spec)[:2] == ("pipe", "fsdp")
+    assert_trees_close(float(value), float(ref_loss))
+    assert_trees_close_to_scale(
+        eqxpar.nn.in_natural_order(grads), eqx.filter(ref_grads, eqx.is_inexact_array)
+    )

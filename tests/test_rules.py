@@ -65,6 +65,20 @@ def test_fsdp_rule_on_plain_mlp_and_its_optax_state(mesh):
         assert opt_specs[f"[0].nu{path}"] == spec
 
 
+def test_fsdp_rule_splits_the_first_divisible_dimension_when_asked():
+    # (16, 2, 64): the largest divisible dimension is the last; dim="leading"
+    # takes the first that divides, skipping the 2 (not divisible by fsdp=4).
+    mesh = eqxpar.make_mesh(fsdp=4, data=2)
+    leaf = jax.ShapeDtypeStruct((16, 2, 64), jax.numpy.float32)
+    odd = jax.ShapeDtypeStruct((6, 2, 64), jax.numpy.float32)
+    assert eqxpar.partition_specs(leaf, eqxpar.Plan(mesh, rules=FSDP(min_size=1))) == P(None, None, "fsdp")
+    leading = eqxpar.Plan(mesh, rules=FSDP(min_size=1, dim="leading"))
+    assert eqxpar.partition_specs(leaf, leading) == P("fsdp", None, None)
+    assert eqxpar.partition_specs(odd, leading) == P(None, None, "fsdp")
+    with pytest.raises(eqxpar.PlanError, match=r"dim='first'.*'largest', 'leading'"):
+        FSDP(dim="first")
+
+
 def test_fsdp_rule_skips_indivisible_dimensions():
     mesh = eqxpar.make_mesh(fsdp=8)
     model = eqx.nn.Linear(12, 20, key=jax.random.key(0))  # weight (20, 12): neither divisible by 8

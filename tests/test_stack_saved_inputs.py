@@ -80,3 +80,29 @@ def test_saved_inputs_are_held_split_over_tensor():
 )
 def test_split_saved_inputs_only_under_automatic_tensor_parallelism(options):
     assert not ResolvedPlan.of(_plan(**options)).dims.split_saved_inputs
+
+
+def test_minimum_counts_one_gather_of_each_split_saved_input():
+    # Held split over tensor, each layer's saved input is all-gathered whole again
+    # by its backward before the layer is recomputed: a collective no sum stands
+    # in for (the forward's sums land split, an all-reduce's bytes either way).
+    # minimum_comm counts one all-gather per layer of the layer's input, 8 rows
+    # over fsdp=2 (4 per device) x 64 tokens x d_model 64 in float32, over
+    # tensor=4; the compiled step (XLA:CPU) runs at least that over tensor.
+    config = GPTConfig(vocab_size=64, d_model=64, num_heads=4, num_layers=4, d_hidden=128, max_seq_len=64)
+    plan = _plan(remat="full")
+    model = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
+    optim = optax.sgd(0.1)
+    state = eqxpar.train.init(model, optim, plan, key=jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((8, 65), jnp.int32)
+    least = eqxpar.inspect.minimum_comm(plan, state.model, loss=lm_loss, batch=batch)
+    layer_input = 4 * 64 * 64 * 4
+    (cost,) = [c for c in least.costs if c.label == "split saved layer inputs gathered for the backward"]
+    assert (cost.kind, cost.axes, cost.bytes) == ("all-gather", ("tensor",), 4 * layer_input)
+    assert cost.wire_bytes == 4 * layer_input * 3 // 4
+    compiled = eqxpar.train.make_step(lm_loss, optim, plan).lower(state, batch).compile()
+    stats = eqxpar.inspect.collective_stats(compiled, mesh=plan.mesh)
+    assert stats.by_axes["all-gather"][("tensor",)] >= cost.wire_bytes
+    # Kept whole (remat "dots" saves the summed outputs instead), nothing to gather.
+    whole = eqxpar.inspect.minimum_comm(_plan(remat="dots"), state.model, loss=lm_loss, batch=batch)
+    assert "split saved layer inputs gathered for the backward" not in whole.parts

@@ -60,6 +60,7 @@ def plan_of(
     schedule: str | None = None,
     microbatches: int | None = None,
     stage_gradients: str = "whole",
+    fsdp_dim: str = "largest",
     mode: str | None = None,
     rows_per_chip: int = 1,
     split_physical_axes: bool = False,
@@ -70,7 +71,7 @@ def plan_of(
 ) -> Plan:
     """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
     or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
-    `rules.FSDP()` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
+    `rules.FSDP(dim=fsdp_dim)` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
     fsdp axis) where a tensor, expert or context axis is split, a pipeline's stage
     rules, schedule and `stage_gradients` where `pipe` is, its micro-batches by
     default one row each (`rows_per_chip` x chips / data-parallel devices).
@@ -86,7 +87,7 @@ def plan_of(
     # Megatron's rules name the layers' logical axes; with an fsdp axis, their
     # model dimension splits over it too (first match wins: FSDP() after MEGATRON
     # would never be reached by a weight MEGATRON places).
-    rules: Any = FSDP()
+    rules: Any = FSDP(dim=fsdp_dim)
     if needs_layers:
         rules = MEGATRON_FSDP if sizes.get("fsdp", 1) > 1 else MEGATRON
     options: dict[str, Any] = {}
@@ -151,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Plan(stage_gradients=...) with a pipe axis: sharded gathers FSDP weights at their uses and "
         "keeps gradient sums split (default whole)",
     )
+    parser.add_argument(
+        "--fsdp-dim",
+        default="largest",
+        choices=["largest", "leading"],
+        help="rules.FSDP(dim=...): split each weight along its largest divisible dimension (default) or "
+        "its first; a pipeline with --stage-gradients sharded reduce-scatters the latter on TPU",
+    )
     parser.add_argument("--mode", choices=["auto", "manual"], help="Plan(mode=...) (default the plan's)")
     parser.add_argument(
         "--split-physical-axes",
@@ -205,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule,
             microbatches=args.microbatches,
             stage_gradients=args.stage_gradients,
+            fsdp_dim=args.fsdp_dim,
             mode=args.mode,
             split_physical_axes=args.split_physical_axes,
             offload=[p for p in args.offload.split(",") if p],

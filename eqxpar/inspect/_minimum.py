@@ -49,6 +49,7 @@ from ._tally import (
     GRADIENT_REDUCTION,
     MOE_DISPATCH,
     PIPELINE_BOUNDARIES,
+    TENSOR_SUMS,
     Item,
     sum_items,
 )
@@ -316,7 +317,33 @@ def _tensor_items(facts: PlanFacts, params: Any, loss: Any, batch: Any, moved: A
     _check_found(sums, dims.tensor_axis)
     t = dims.tensor_size
     per_device = dims.batch_size_multiple * dims.context_size
-    return sum_items(sums, t, per_device=per_device, axis=dims.tensor_axis, remat=dims.remat)
+    items = sum_items(sums, t, per_device=per_device, axis=dims.tensor_axis, remat=dims.remat)
+    if dims.split_saved_inputs:
+        items += _saved_input_gathers(sums, t, per_device=per_device, axis=dims.tensor_axis)
+    return items
+
+
+def _saved_input_gathers(sums: list[TensorSum], t: int, *, per_device: int, axis: str) -> list[Item]:
+    """Where the stack keeps the layer inputs it saves split over the tensor axis
+    along their features (`ParallelDims.split_saved_inputs`): each layer's backward
+    all-gathers its input whole again before it recomputes the layer, one
+    all-gather per layer of what its last forward sum outputs (the layer's
+    output, the next layer's input). The layout's price for holding `1/t` of the
+    inputs; no sum replaces it (the forward's sums land split and are gathered
+    for the next layer, an all-reduce's bytes)."""
+    return [
+        Item(
+            "split saved layer inputs gathered for the backward",
+            "all-gather",
+            t,
+            s.nbytes // per_device,
+            s.count,
+            source=TENSOR_SUMS,
+            axes=(axis,),
+        )
+        for s in sums
+        if s.where == "forward" and s.scanned and s.last
+    ]
 
 
 def _check_found(sums: list[TensorSum], tensor_axis: str) -> None:
@@ -496,6 +523,9 @@ def minimum_comm(
       rows. A stack's recomputed forward sums again: under `remat="inputs"` all
       but each layer's last sum (5 per layer), under `"full"` every one once
       more (7 per layer); `"dots"` keeps the summed outputs. Sequence parallelism and ring overlap move the same wire bytes.
+      Where the stack keeps the layer inputs it saves split over the tensor axis
+      (remat `"inputs"` or `"full"` in automatic mode, `ParallelDims.split_saved_inputs`),
+      each layer's backward all-gathers its input again: one all-gather per layer.
     - **Context parallelism** (`n` devices of the `context` axis): the gradient
       all-reduce also runs over `context`; every attention layer's keys and
       values reach the other `n-1` devices (an all-gather's wire bytes, compute
