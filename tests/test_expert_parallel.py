@@ -74,6 +74,33 @@ def test_expert_parallel_matches_one_device(name):
     assert state.model.moe.router.sharding.shard_shape(state.model.moe.router.shape)[0] in (D, D // 2)
 
 
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_expert_fsdp_splits_every_weight_over_expert_too(mode):
+    """`rules.EXPERT_FSDP`: the weights outside the experts (here the input
+    projection and the router) and their Adam moments split over fsdp x expert,
+    1/8 per device, gathered over both where used; the experts' model dimension
+    over fsdp. Parity with one device over three steps, and the gathers and
+    reduce-scatters over both axes in the compiled step, as `minimum_comm` counts
+    them."""
+    plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, fsdp=2), rules=eqxpar.rules.EXPERT_FSDP, mode=mode)
+    model = MoEModel(top_k=2, num_shared=1)
+    _, state = train_checked(plan, model, optax.adamw(1e-2), moe_regression_loss, batches(3))
+    router = state.model.moe.router
+    assert router.sharding.spec[0] == ("fsdp", "expert"), router.sharding.spec
+    assert router.sharding.shard_shape(router.shape)[0] == D // 8
+    w_in = state.model.moe.w_in
+    assert tuple(w_in.sharding.spec)[:2] == ("expert", "fsdp"), w_in.sharding.spec
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.shape == router.shape]
+    assert moments and all(m.sharding.spec == router.sharding.spec for m in moments)
+    compiled = _compiled_step(plan, model)
+    stats = eqxpar.inspect.collective_stats(compiled, mesh=plan.mesh)
+    data = batches(1)[0]
+    minimum = eqxpar.inspect.minimum_comm(plan, model, loss=moe_regression_loss, batch=data)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert stats.by_axes[kind].get(("fsdp", "expert"), 0) > 0, stats.by_axes
+        assert stats.wire_bytes[kind] == minimum.wire_bytes[kind], (kind, stats.as_dict(), minimum)
+
+
 def test_tensor_and_expert_axes_match_one_device():
     for mode in ("auto", "manual"):
         plan = eqxpar.Plan(
