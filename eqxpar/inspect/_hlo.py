@@ -447,7 +447,7 @@ class _Walk:
             base = opcode.removesuffix("-start")
             if base == RAGGED_ALL_TO_ALL:
                 if not opcode.endswith("-done") and self.counts(name, line, opcode):
-                    moved = _ragged_moved(line, result_type)
+                    moved = _ragged_moved(line, opcode, self.computations[name])
                     self._add(acc, line, "all-to-all", "all-to-all", moved, weight, looped)
                 continue
             if base in KINDS and not opcode.endswith("-done") and self.counts(name, line, opcode):
@@ -652,15 +652,30 @@ def _dcn_first_group(line: str) -> list[int] | None:
     return None
 
 
-def _ragged_moved(line: str, result_type: str) -> str:
+def _ragged_moved(line: str, opcode: str, lines: list[str]) -> str:
     """The type of what a ragged all-to-all moves: the smaller of its operand
-    and output buffers (its first two operands; the result where they are not
-    written out)."""
-    args = line.split(f"{RAGGED_ALL_TO_ALL}(", 1)[-1]
-    shapes = [f"{t}[{d}]" for t, d in _SHAPE.findall(args)[:2]]
-    if len(shapes) < 2:
-        return result_type
-    return min(shapes, key=shape_bytes)
+    and output buffers. An async start's result tuple begins with their types;
+    a synchronous one writes them beside its operands, or (compiled TPU text)
+    names the operands only, whose types are read from the instructions of its
+    computation (`lines`) that define them."""
+    if opcode.endswith("-start"):
+        shapes = _SHAPE.findall(line.split("=", 1)[1])[:2]
+    else:
+        args = line.split(f"{opcode}(", 1)[1]
+        shapes = _SHAPE.findall(args.split(")", 1)[0])[:2]
+        if len(shapes) < 2:
+            names = re.findall(r"%([\w.\-]+)", args)[:2]
+            shapes = [_SHAPE.search(_defined_type(n, lines)).groups() for n in names]
+    return min((f"{t}[{d}]" for t, d in shapes), key=shape_bytes)
+
+
+def _defined_type(name: str, lines: list[str]) -> str:
+    """The result type of instruction `%name` among `lines` (one computation)."""
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if m and re.match(rf"^\s*(ROOT\s+)?%?{re.escape(name)}\s+=", line):
+            return m.group(2)
+    raise ValueError(f"collective_stats: no instruction %{name} defines a ragged all-to-all's operand")
 
 
 def _group_size(line: str) -> int | None:

@@ -332,9 +332,11 @@ class MoE(eqx.Module):
         # Bias rows for the empty group read the last expert's: their outputs are never used.
         bias_of = jnp.minimum(ids[by_expert], local - 1)
         y = self._grouped(rows[by_expert], group_sizes, bias_of, dtype)
-        y = jnp.zeros_like(y).at[by_expert].set(y)
+        y = y[jnp.argsort(by_expert)]
         back = return_rows(y, counts, starts, from_each, ragged=ragged)
-        return jnp.zeros((n_assign, back.shape[1]), back.dtype).at[order].set(back)
+        # Every row is written: a permutation, not a scatter into zeros (whose
+        # cotangent, invariant over the batch axes, would be summed over them).
+        return back[jnp.argsort(order)]
 
     def _expert_split(self) -> tuple[int, tuple[str, ...]]:
         """`(ep, over)`: the devices this call's experts are split over (1: every

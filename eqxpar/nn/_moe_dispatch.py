@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from .._mesh import EXPERT_AXIS
 from .._plan import current_plan
+from .._varying import mark_varying, varying_axes
 
 #: The platforms whose compilers implement `ragged-all-to-all` and where eqxpar
 #: uses it (XLA:CPU does not; GPU is not checked yet, so it takes the padded path).
@@ -34,12 +35,17 @@ def ragged_exchange(exchange: str) -> bool:
     `jax.lax.ragged_all_to_all`: `"ragged"`, or `"auto"` where the plan being
     traced (`with plan:`, or an eqxpar step's) lays its mesh over devices of a
     platform in `RAGGED_PLATFORMS` (outside a plan: padded)."""
+    plan = current_plan()
+    return ragged_on(exchange, None if plan is None else plan.mesh.devices.flat[0].platform)
+
+
+def ragged_on(exchange: str, platform: str | None) -> bool:
+    """Whether an exchange configured `exchange` is ragged on devices of
+    `platform` (None: not known, padded under `"auto"`); the advisor asks this
+    of a device profile's platform."""
     if exchange != "auto":
         return exchange == "ragged"
-    plan = current_plan()
-    if plan is None:
-        return False
-    return plan.mesh.devices.flat[0].platform in RAGGED_PLATFORMS
+    return platform in RAGGED_PLATFORMS
 
 
 def send_rows(
@@ -57,7 +63,7 @@ def send_rows(
     ep = counts.shape[0]
     if ragged:
         me = jax.lax.axis_index(EXPERT_AXIS).astype(jnp.int32)
-        out = jnp.zeros((ep * n, d), rows.dtype)
+        out = _blank((ep * n, d), rows)
         offsets = jnp.full((ep,), me * n, jnp.int32)
         return jax.lax.ragged_all_to_all(rows, out, starts, counts, offsets, arriving, axis_name=EXPERT_AXIS)
     send = jnp.zeros((ep * n, d), rows.dtype).at[_slots(counts, starts, n)].set(rows)
@@ -81,10 +87,20 @@ def return_rows(
         # Where each source keeps the rows it sent here: its own `starts[me]`.
         at_source = jax.lax.all_to_all(starts[:, None], EXPERT_AXIS, 0, 0, tiled=True)[:, 0]
         blocks = jnp.arange(ep, dtype=jnp.int32) * n
-        out = jnp.zeros((n, d), y.dtype)
+        out = _blank((n, d), y)
         return jax.lax.ragged_all_to_all(y, out, blocks, arriving, at_source, counts, axis_name=EXPERT_AXIS)
     back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
     return back[_slots(counts, starts, n)]
+
+
+def _blank(shape: tuple[int, ...], like: Array) -> Array:
+    """A zero buffer for a ragged all-to-all to write into, typed as varying
+    along the manual axes `like` (its operand) varies along. JAX types the
+    collective's result as its output buffer (JAX 0.10.2 to 0.12): a buffer
+    invariant over the batch axes would make the received rows invariant too,
+    and their cotangents then get summed over those axes (an all-reduce of the
+    whole buffer each backward pass, on TPU)."""
+    return mark_varying(jnp.zeros(shape, like.dtype), varying_axes(like))
 
 
 def _slots(counts: Array, starts: Array, n: int) -> Array:
