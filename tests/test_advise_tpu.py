@@ -34,7 +34,7 @@ BOUNDS = {
     "llama3-8b_v5p-64_fsdp32": (0.20, 0.05),
     "llama3-8b_v5p-64_fsdp8_tensor4": (0.33, 0.10),
     "llama3-70b_v5p-256_fsdp32_tensor4": (0.08, 0.06),
-    "mixtral-8x7b_v5p-128_expert8_fsdp8": (0.10, 0.05),
+    "mixtral-8x7b_v5p-128_expert8_fsdp8": (0.10, 0.01),
 }
 
 
