@@ -319,9 +319,7 @@ def predict(
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
     batch_bytes = sum(nbytes(x) // dims.batch_size_multiple for x in jax.tree.leaves(batch))
-    # Gradients come out whole over the batch axes (then reduced or scattered);
-    # experts split over `expert` are never gathered (a dimension split over
-    # `expert` beside other batch axes, rules.EXPERT_FSDP's, is).
+    # Gradients come out whole over the batch axes but the experts' (`_gradient_bytes`).
     grads = _gradient_bytes(params, layout.params, mesh, batch_axes)
     # Manual FSDP keeps the gathered weights for the backward pass; the compiler
     # gathers them again there instead (see `_wire`).
