@@ -101,7 +101,9 @@ def test_expert_fsdp_splits_every_weight_over_expert_too(mode):
         assert stats.wire_bytes[kind] == minimum.wire_bytes[kind], (kind, stats.as_dict(), minimum)
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+def _emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
     """`jax.lax.ragged_all_to_all` as its docstring specifies it, from dense
     all-to-alls (XLA:CPU runs no ragged one): slice `i` of the operand goes to
     device `i`, written at `output_offsets[i]` of its output."""

@@ -726,7 +726,7 @@ def _wire(
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
                 add("collective-permute" if dims.tp_overlap else k, axes, w / 2)
-        elif joint_as_sums and kind in ("all-gather", "reduce-scatter") and EXPERT_AXIS in axes and len(axes) > 1:
+        elif joint_as_sums and kind in ("all-gather", "reduce-scatter") and {EXPERT_AXIS} < set(axes):
             add("all-reduce", axes, 2 * w)
         elif auto_fsdp and kind == "reduce-scatter" and not scatters:
             add("all-reduce", axes, 2 * w)
