@@ -48,17 +48,19 @@ def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int =
     """The gathers that make an array with `spec` whole along the manual `axes`.
 
     `skip` leading dimensions (a stack's layer dimension) are dropped from the
-    dims, and must not be split over `axes`. A split over the `expert` axis is
-    never gathered: it splits the experts of an MoE layer, each device keeping
-    its own (the gradient is already whole there: the layer's all-to-alls bring
-    every token of the expert group to them).
+    dims, and must not be split over `axes`. A dimension split over the `expert`
+    axis alone is never gathered: it splits the experts of an MoE layer, each
+    device keeping its own (the gradient is already whole there: the layer's
+    all-to-alls bring every token of the expert group to them). A dimension
+    split over `expert` beside other batch axes (`rules.EXPERT_FSDP`'s model
+    dimension) is an FSDP split like any other, gathered over all of them.
     """
     if spec is None:
         return ()
     out = []
     for dim, entry in enumerate(spec):
         names = mesh_axis_names(entry)
-        if EXPERT_AXIS in names:
+        if names == (EXPERT_AXIS,):
             continue
         hit = tuple(a for a in names if a in axes)
         if not hit:
@@ -102,10 +104,11 @@ def added_splits(spec: PartitionSpec | None, out_spec: PartitionSpec | None, axe
 
 def kept_axes(spec: PartitionSpec | None) -> frozenset[str]:
     """The mesh axes `spec` splits that a step keeps split rather than gathers
-    (`expert`): a gradient there is already whole, summed over nothing more."""
+    (`expert`, where it splits a dimension alone: the experts): a gradient there
+    is already whole, summed over nothing more."""
     if spec is None:
         return frozenset()
-    return frozenset(a for entry in spec for a in mesh_axis_names(entry) if a == EXPERT_AXIS)
+    return frozenset(EXPERT_AXIS for entry in spec if mesh_axis_names(entry) == (EXPERT_AXIS,))
 
 
 def gathered_axes(spec: PartitionSpec | None, axes: Collection[str]) -> frozenset[str]:

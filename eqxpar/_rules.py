@@ -122,7 +122,10 @@ class Logical:
     gradients and optimizer moments that mirror it); leaves without them are left to
     the next rule. Names missing from the mapping are not split. When two dimensions
     of one leaf map to the same mesh axis, the first keeps it and the later one is
-    not split (a mesh axis can split only one dimension).
+    split over the rest of its axes, if any (a mesh axis can split only one
+    dimension): with `{"experts": "expert", "embed": ("fsdp", "expert")}` an
+    expert's `("experts", "embed", ...)` weight splits its model dimension over
+    `fsdp` alone.
 
     **Arguments:**
 
@@ -166,10 +169,10 @@ class Logical:
         for name in leaf.axes:
             target = table.get(name) if name is not None else None
             names = mesh_axis_names(target)
-            if any(a in used for a in names):
-                target = None
-            else:
-                used.update(names)
+            kept = tuple(a for a in names if a not in used)
+            used.update(kept)
+            if kept != names:
+                target = None if not kept else kept[0] if len(kept) == 1 else kept
             entries.append(target)
         return PartitionSpec(*entries)
 

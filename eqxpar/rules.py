@@ -11,7 +11,8 @@ replicated):
   data-parallel axes (the ZeRO-1 optimizer-state layout).
 
 Ready-made: `EXPERT` (expert parallelism of `eqxpar.nn.MoE`), `MEGATRON` (tensor
-parallelism of eqxpar.nn layers, experts over `expert` too) and `MEGATRON_FSDP`.
+parallelism of eqxpar.nn layers, experts over `expert` too), `MEGATRON_FSDP` and
+`EXPERT_FSDP` (FSDP over `fsdp` and `expert` beside expert parallelism).
 
 The last three need no metadata, so they also shard plain Equinox models.
 """
@@ -58,5 +59,25 @@ MEGATRON_FSDP = Logical(
         "vocab": "tensor",
         "experts": "expert",
         "embed": "fsdp",
+    }
+)
+
+#: `MEGATRON_FSDP` with the model dimension split over `expert` too, as over
+#: `fsdp` (as MaxText's `embed` rule lists its expert axis): beside expert
+#: parallelism, the weights outside the experts (attention, embedding, head,
+#: norms, routers) and their optimizer state are split over every batch-like
+#: axis rather than replicated over `expert`, and gathered over both where used.
+#: An expert's weight keeps `expert` for its experts and splits its model
+#: dimension over `fsdp` alone (`Logical`: a mesh axis splits one dimension).
+#: For a mesh whose `fsdp` and `expert` axes are both larger than 1 (else
+#: `MEGATRON_FSDP` or `MEGATRON`).
+EXPERT_FSDP = Logical(
+    {
+        "mlp": "tensor",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "vocab": "tensor",
+        "experts": "expert",
+        "embed": ("fsdp", "expert"),
     }
 )

@@ -37,7 +37,7 @@ BOUNDS = {
     "llama3-8b_v5p-64_fsdp8_tensor4": (0.10, 0.05),
     "llama3-70b_v5p-256_fsdp32_tensor4": (0.22, 0.05),
     "llama3-70b_v5p-256_pipe4_fsdp32": (0.10, 0.05),
-    "mixtral-8x7b_v5p-128_expert8_fsdp8": (0.10, 0.05),
+    "mixtral-8x7b_v5p-128_expert8_fsdp8": (0.10, 0.01),
 }
 
 

@@ -74,6 +74,69 @@ def test_expert_parallel_matches_one_device(name):
     assert state.model.moe.router.sharding.shard_shape(state.model.moe.router.shape)[0] in (D, D // 2)
 
 
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_expert_fsdp_splits_every_weight_over_expert_too(mode):
+    """`rules.EXPERT_FSDP`: the weights outside the experts (here the input
+    projection and the router) and their Adam moments split over fsdp x expert,
+    1/8 per device, gathered over both where used; the experts' model dimension
+    over fsdp. Parity with one device over three steps, and the gathers and
+    reduce-scatters over both axes in the compiled step, as `minimum_comm` counts
+    them."""
+    plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, fsdp=2), rules=eqxpar.rules.EXPERT_FSDP, mode=mode)
+    model = MoEModel(top_k=2, num_shared=1)
+    _, state = train_checked(plan, model, optax.adamw(1e-2), moe_regression_loss, batches(3))
+    router = state.model.moe.router
+    assert router.sharding.spec[0] == ("fsdp", "expert"), router.sharding.spec
+    assert router.sharding.shard_shape(router.shape)[0] == D // 8
+    w_in = state.model.moe.w_in
+    assert tuple(w_in.sharding.spec)[:2] == ("expert", "fsdp"), w_in.sharding.spec
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.shape == router.shape]
+    assert moments and all(m.sharding.spec == router.sharding.spec for m in moments)
+    compiled = _compiled_step(plan, model)
+    stats = eqxpar.inspect.collective_stats(compiled, mesh=plan.mesh)
+    data = batches(1)[0]
+    minimum = eqxpar.inspect.minimum_comm(plan, model, loss=moe_regression_loss, batch=data)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert stats.by_axes[kind].get(("fsdp", "expert"), 0) > 0, stats.by_axes
+        assert stats.wire_bytes[kind] == minimum.wire_bytes[kind], (kind, stats.as_dict(), minimum)
+
+
+def _emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """`jax.lax.ragged_all_to_all` as its docstring specifies it, from dense
+    all-to-alls (XLA:CPU runs no ragged one): slice `i` of the operand goes to
+    device `i`, written at `output_offsets[i]` of its output."""
+    m, n = operand.shape[0], input_offsets.shape[0]
+    r = jnp.arange(m)
+    blocks = jnp.where(
+        (r[None, :] < send_sizes[:, None])[..., None],
+        operand[jnp.minimum(input_offsets[:, None] + r[None, :], m - 1)],
+        0,
+    )
+    received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    rows = jnp.where(r[None, :] < recv_sizes[:, None], at[:, None] + r[None, :], output.shape[0])
+    return output.at[rows.reshape(-1)].set(received.reshape(n * m, -1), mode="drop")
+
+
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_ragged_exchange_matches_one_device(monkeypatch, mode):
+    """The ragged exchange (`MoEConfig(exchange="ragged")`, TPU's default: only
+    the routed rows sent) gives one device's numbers: run here with
+    `ragged_all_to_all` emulated as its docstring specifies (XLA:CPU has none),
+    which checks the offsets and sizes the layer passes."""
+    plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT, mode=mode)
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    model = MoEModel(top_k=2, num_shared=1, exchange="ragged")
+    train_checked(plan, model, optax.adamw(1e-2), moe_regression_loss, batches(3))
+    # Adversarial routing: every token of every device to one device's experts.
+    train_checked(plan, _forced(2, exchange="ragged"), optax.sgd(1e-2), moe_regression_loss, batches(2))
+    # Left to choose, the layer pads on CPU: the emulation is never called.
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", None)
+    train_checked(plan, MoEModel(top_k=2), optax.sgd(1e-2), moe_regression_loss, batches(1))
+
+
 def test_tensor_and_expert_axes_match_one_device():
     for mode in ("auto", "manual"):
         plan = eqxpar.Plan(
@@ -172,8 +235,9 @@ def _compiled_step(plan, model, *, batch=16):
 def test_collectives_are_the_all_to_alls(mode):
     """Per MoE layer: the dispatch and combine all-to-alls forward and their
     transposes backward, of `(devices * tokens * top_k, d_model)` rows each
-    (dropless: room for every assignment of a device going to one other), plus
-    the expert ids forward; no all-gather of expert weights."""
+    (dropless, padded on CPU: room for every assignment of a device going to
+    one other), plus the counts per expert forward; no all-gather of expert
+    weights."""
     n, top_k, batch = 4, 2, 16
     plan = eqxpar.Plan(eqxpar.make_mesh(expert=n, data=2), rules=eqxpar.rules.EXPERT, mode=mode)
     compiled = _compiled_step(plan, MoEModel(top_k=top_k), batch=batch)
@@ -186,11 +250,11 @@ def test_collectives_are_the_all_to_alls(mode):
             shapes = re.findall(r"([a-z]+\d+)\[(\d+)(?:,(\d+))?\]", result)
             assert len({(t, c) for t, _, c in shapes}) == 1, result
             found.append((shapes[0][0], sum(int(r) for _, r, _ in shapes), shapes[0][2]))
-    assert sorted(found) == [("f32", rows, str(D))] * 4 + [("s32", rows, "")], found
+    assert sorted(found) == [("f32", rows, str(D))] * 4 + [("s32", n, str(E // n))], found
     stats = eqxpar.inspect.collective_stats(compiled)
     assert stats.count["all-gather"] == 0, stats.as_dict()
     # All-to-all over 4 devices: 3/4 of each operand leaves the device.
-    assert stats.wire_bytes["all-to-all"] == 3 * (4 * rows * D * 4 + rows * 4) // 4
+    assert stats.wire_bytes["all-to-all"] == 3 * (4 * rows * D * 4 + E * 4) // 4
 
 
 class MoEBlock(eqx.Module):
@@ -298,7 +362,7 @@ def test_minimum_comm_counts_the_routed_activations(capacity_factor):
     """The minimum: four all-to-alls of this device's routed activations per
     layer, experts neither gathered nor reduced over `expert`. A dropless step
     moves `n` times that (static buffers with room for the worst case) plus the
-    expert ids; at capacity factor 1 (with every expert's capacity a whole
+    counts per expert; at capacity factor 1 (with every expert's capacity a whole
     number of rows) exactly the minimum."""
     n, batch = 4, 16
     plan = eqxpar.Plan(eqxpar.make_mesh(expert=n, data=2), rules=eqxpar.rules.EXPERT, mode="manual")
@@ -308,9 +372,9 @@ def test_minimum_comm_counts_the_routed_activations(capacity_factor):
     rows = batch // (2 * n) * SEQ * 2
     assert minimum.wire_bytes["all-to-all"] == 4 * (n - 1) * (rows * D * 4) // n
     stats = eqxpar.inspect.collective_stats(_compiled_step(plan, model, batch=batch))
-    ids = 0 if capacity_factor else (n - 1) * n * rows * 4 // n
+    counts = 0 if capacity_factor else (n - 1) * E * 4 // n
     factor = n if capacity_factor is None else 1
-    assert stats.wire_bytes["all-to-all"] == factor * minimum.wire_bytes["all-to-all"] + ids
+    assert stats.wire_bytes["all-to-all"] == factor * minimum.wire_bytes["all-to-all"] + counts
     # The gradient all-reduce: every weight over the 8 batch devices, the experts over data only.
     assert stats.wire_bytes["all-reduce"] <= 1.05 * minimum.wire_bytes["all-reduce"], (
         stats.as_dict(),

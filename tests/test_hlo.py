@@ -109,6 +109,30 @@ ENTRY %main (x: f32[8,4]) -> f32[8,4] {
     assert collective_stats(named).wire_bytes == {"all-reduce": 2 * 1 * 128 // 2}
 
 
+def test_a_ragged_all_to_all_counts_the_smaller_buffer():
+    """A ragged all-to-all (the MoE dispatch on TPU) moves data-dependent rows: it
+    counts as an all-to-all of the smaller of its operand and output buffers
+    (the routed rows, sent one way and received the other), (n-1)/n of them."""
+    text = """
+HloModule m, num_partitions=4
+ENTRY %main (x: bf16[16,8], o: bf16[64,8], s: s32[4]) -> bf16[16,8] {
+  %x = bf16[16,8]{1,0} parameter(0)
+  %o = bf16[64,8]{1,0} parameter(1)
+  %s = s32[4]{0} parameter(2)
+  %out = bf16[64,8]{1,0} ragged-all-to-all(bf16[16,8]{1,0} %x, bf16[64,8]{1,0} %o, s32[4]{0} %s, s32[4]{0} %s, s32[4]{0} %s, s32[4]{0} %s), replica_groups={{0,1,2,3}}
+  %z = bf16[16,8]{1,0} slice(%out), slice={[0:16], [0:8]}
+  ROOT %back = bf16[16,8]{1,0} ragged-all-to-all(bf16[64,8]{1,0} %out, bf16[16,8]{1,0} %z, s32[4]{0} %s, s32[4]{0} %s, s32[4]{0} %s, s32[4]{0} %s), replica_groups={{0,1,2,3}}
+}
+"""
+    stats = collective_stats(text)
+    assert stats.count == {"all-to-all": 2}
+    assert stats.wire_bytes == {"all-to-all": 2 * (3 * 16 * 8 * 2 // 4)}
+    # Compiled TPU text names the operands without their types: read from their definitions.
+    untyped = re.sub(r"(ragged-all-to-all\()[^)]*\)", r"\1%x, %o, %s, %s, %s, %s)", text)
+    assert "bf16[16,8]{1,0} %x," not in untyped
+    assert collective_stats(untyped).wire_bytes == stats.wire_bytes
+
+
 def test_compiled_scan_of_ppermutes_is_weighted():
     mesh = eqxpar.make_mesh(data=8)
 

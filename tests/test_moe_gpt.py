@@ -237,6 +237,11 @@ PLANS = {
     "data8": lambda: eqxpar.Plan(eqxpar.make_mesh(data=8)),
     # The examples' mesh: each device of `expert` holds one of the 4 experts.
     "expert4_data2": lambda: eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT),
+    # The weights outside the experts split over fsdp x expert (gathered over both
+    # where used), the experts' model dimension over fsdp: MaxText's layout.
+    "expert4_fsdp2_expert_fsdp": lambda: eqxpar.Plan(
+        eqxpar.make_mesh(expert=4, fsdp=2), rules=eqxpar.rules.EXPERT_FSDP
+    ),
 }
 
 

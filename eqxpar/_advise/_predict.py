@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from .._fsdp import kept_axes
 from .._mesh import AXES, EXPERT_AXIS, axis_size
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
@@ -32,6 +33,7 @@ from ..inspect._minimum import boundary_sends, pipeline_placement
 from ..inspect._model_layers import moe_layers
 from ..inspect._plan_facts import PlanFacts
 from ..inspect._tally import CONTEXT_KEYS_VALUES, MOE_DISPATCH, PIPELINE_BOUNDARIES, TENSOR_SUMS, sum_items
+from ..nn._moe_dispatch import ragged_on
 from ..pipeline._actions import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
 from ..pipeline._program import (
     RES_READ,
@@ -165,6 +167,15 @@ def _per_device(tree: Any, specs: Any, mesh: Mesh, drop: frozenset[str] = frozen
     return sum(nbytes(x) // _split(s, mesh, drop) for x, s in pairs if is_array_like(x))
 
 
+def _gradient_bytes(params: Any, specs: Any, mesh: Mesh, batch_axes: frozenset[str]) -> int:
+    """Per device, the gradients as they come out of the loss: whole over the
+    batch axes (then reduced or scattered), except over `expert` where it splits
+    a dimension alone (the experts, never gathered: `kept_axes`)."""
+    flat = jax.tree.structure(params).flatten_up_to(specs)
+    pairs = zip(jax.tree.leaves(params), flat, strict=True)
+    return sum(nbytes(x) // _split(s, mesh, batch_axes - kept_axes(s)) for x, s in pairs if is_array_like(x))
+
+
 def _tensor_dims(params: Any, specs: Any, tensor: str) -> set[int]:
     # Sizes of the weight dimensions split over the tensor axis (heads, MLP features).
     sizes = set()
@@ -253,19 +264,27 @@ def _moe_split(facts: PlanFacts, params: Any, specs: Any, manual: frozenset[str]
         "dropless": dropless,
         "local": max(layer.experts for layer in layers) // n,
         "hidden": max(layer.w_in.shape[-1] for layer in layers) // (t if tensor else 1),
+        "exchange": layers[0].exchange,
     }
 
 
 def _moe_buffers(
-    facts: PlanFacts, analysis: Analysis, params: Any, specs: Any, manual: frozenset[str]
+    facts: PlanFacts,
+    analysis: Analysis,
+    params: Any,
+    specs: Any,
+    manual: frozenset[str],
+    platform: str | None = None,
 ) -> int:
     """Per device, what one dropless MoE layer holds while it runs besides its
     residuals: the grouped matmuls (`ragged_dot`, which XLA:CPU computes as every
     local expert's product for all rows, then selects: local experts x rows x
     hidden, and the result, rows x hidden), and under expert parallelism the
-    static send and receive buffers (`n` x a device's assignments each, of
-    d_model, plus their int32 ids). Rows: the device's routed assignments, `n`
-    times over under expert parallelism over `n` devices (all of them on every
+    static receive buffer (`n` x a device's assignments, of d_model, plus the
+    int32 expert of each row) and the send buffer (as large, padded; the routed
+    rows alone where the exchange is ragged on the device's `platform`). Rows: the
+    device's routed assignments, `n` times over under expert parallelism over `n`
+    devices (all of them on every
     device over the batch axes the compiler partitions: see `_moe_split`)."""
     dims = facts.dims
     moe = _moe_split(facts, params, specs, manual)
@@ -275,7 +294,10 @@ def _moe_buffers(
     size = itemsize(analysis.routed.dtype)
     rows = routed * moe["rows"] // (dims.batch_size_multiple * dims.context_size)
     grouped = rows * (moe["local"] + 1) * moe["hidden"] * size
-    dispatch = 2 * rows * (d * size + 4) if dims.expert_size > 1 else 0
+    dispatch = 0
+    if dims.expert_size > 1:
+        sent = rows // dims.expert_size if ragged_on(moe["exchange"], platform) else rows
+        dispatch = rows * (d * size + 4) + sent * d * size
     return grouped + dispatch
 
 
@@ -298,9 +320,8 @@ def predict(
     params_bytes = _per_device(params, layout.params, mesh)
     opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
     batch_bytes = sum(nbytes(x) // dims.batch_size_multiple for x in jax.tree.leaves(batch))
-    # Gradients come out whole over the batch axes (then reduced or scattered);
-    # experts split over `expert` are never gathered.
-    grads = _per_device(params, layout.params, mesh, drop=batch_axes - {EXPERT_AXIS})
+    # Gradients come out whole over the batch axes but the experts' (`_gradient_bytes`).
+    grads = _gradient_bytes(params, layout.params, mesh, batch_axes)
     # Manual FSDP keeps the gathered weights for the backward pass; the compiler
     # gathers them again there instead (see `_wire`).
     auto_fsdp = _auto_fsdp(dims, layout.params)
@@ -318,9 +339,10 @@ def predict(
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
     updated = _per_device(params, layout.params if dims.zero1 else layout.updates, mesh)
     update = int(UPDATE_SHARE * updated)
-    buffers = 0
     if dims.schedule is None:
-        activations, buffers, update = _step_memory(facts, analysis, params, layout, tpu, update)
+        activations, buffers, update = _step_memory(
+            facts, analysis, params, layout, tpu, update, profile.platform
+        )
     else:
         sched = _schedule(dims, mesh.shape.get("pipe", 1))
         # One layer's backward, as under remat "none" (`_engine_layouts`).
@@ -339,7 +361,7 @@ def predict(
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
     wire, by_axis = _predicted_wire(
-        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, profile.platform == "tpu"
+        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, profile.platform
     )
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
@@ -364,10 +386,17 @@ def predict(
 
 
 def _step_memory(
-    facts: PlanFacts, analysis: Analysis, params: Any, layout: StepLayout, tpu: TpuTerms | None, update: int
+    facts: PlanFacts,
+    analysis: Analysis,
+    params: Any,
+    layout: StepLayout,
+    tpu: TpuTerms | None,
+    update: int,
+    platform: str | None = None,
 ) -> tuple[int, int, int]:
     """`(activations, buffers, update)` per device of a step without a pipeline
-    (`update`: the optimizer's temporaries, as given); on the TPU
+    (`update`: the optimizer's temporaries, as given; an MoE exchange ragged or
+    padded as it is on the device's `platform`); on the TPU
     compiler's automatic partitioning (`tpu`), the stack's kept inputs and the
     rest of the largest phase (a dense model's, with the `update`'s temporaries
     among them) or the head's phase or one layer's backward, whichever holds more
@@ -375,7 +404,7 @@ def _step_memory(
     manual = layout.manual_axes
     activations = _activations(facts, analysis, params, layout.params, manual)
     activations += _kept_inputs(facts, analysis)
-    buffers = _moe_buffers(facts, analysis, params, layout.params, manual)
+    buffers = _moe_buffers(facts, analysis, params, layout.params, manual, platform)
     if tpu is not None and not moe_layers(params):
         # A dense step's phases (`_tpu`): the kept inputs, and the rest of the
         # largest phase beside them and the gradient shards (`predict` adds
@@ -398,17 +427,30 @@ def _predicted_wire(
     moved: Any,
     auto_fsdp: bool,
     sent: int | None,
-    tpu: bool,
+    platform: str | None = None,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
-    """`_wire` of the plan's minimum `least`; on the TPU compiler (`tpu`), under
-    its automatic partitioning the gradients are reduce-scattered, the experts'
-    in the parameters' dtype, and the program's collectives beyond the minimum
-    are added (`_tpu.extra_wire`); a pipeline's with sharded stage gradients
-    likewise (`_tpu.pipeline_wire`)."""
+    """`_wire` of the plan's minimum `least` (an MoE exchange ragged or padded as
+    it is on the device's `platform`); on the TPU compiler, under its automatic
+    partitioning the gradients are reduce-scattered, the experts' in the
+    parameters' dtype, and the program's collectives beyond the minimum are added
+    (`_tpu.extra_wire`); a pipeline's with sharded stage gradients likewise
+    (`_tpu.pipeline_wire`)."""
+    tpu = platform == "tpu"
     on_tpu = auto_fsdp and tpu
     repeats = _repeated_sums(facts, params, loss, batch, moved)
+    moe = _moe_split(facts, params, layout.params, layout.manual_axes)
+    ragged = "exchange" in moe and ragged_on(moe["exchange"], platform)
     wire, by_axis = _wire(
-        facts, least, analysis, moved=moved, auto_fsdp=auto_fsdp, sent=sent, repeats=repeats, scatters=on_tpu
+        facts,
+        least,
+        analysis,
+        moved=moved,
+        auto_fsdp=auto_fsdp,
+        sent=sent,
+        repeats=repeats,
+        scatters=on_tpu,
+        ragged=ragged,
+        joint_as_sums=platform == "tpu",
     )
     if tpu and facts.dims.pipelined and facts.dims.stage_gradients == "sharded":
         # A pipeline with sharded stage gradients on the TPU compiler (`_tpu`).
@@ -676,16 +718,25 @@ def _wire(
     sent: int | None,
     repeats: int,
     scatters: bool = False,
+    ragged: bool = False,
+    joint_as_sums: bool = False,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """Wire bytes by kind and by axes: `least` (`minimum_comm`, automatic FSDP
     counted as gathering twice) plus what eqxpar's implementations move beyond
     it: a pipeline's boundary sends as its engine makes them (`sent`, the
     busiest device's, `_engine_sends`; None without a pipeline); ring attention
-    re-sends keys and values; dropless expert parallelism sends `n` times the
-    routed rows plus their ids; automatic FSDP all-reduces; column-parallel
+    re-sends keys and values; dropless expert parallelism sends the routed rows
+    (`ragged`: a ragged all-to-all) or `n` times them (padded buffers), plus the
+    counts per expert; automatic FSDP all-reduces; column-parallel
     weights sharing an input sum apart (`repeats`, `_repeated_sums`). With
     `scatters` (the TPU compiler) automatic FSDP reduce-scatters its gradients
-    as the minimum does, instead of all-reducing them."""
+    as the minimum does, instead of all-reducing them. With `joint_as_sums`
+    (the TPU compiler), an FSDP all-gather or reduce-scatter over `expert` and
+    another batch axis together (`rules.EXPERT_FSDP`'s weights outside the
+    experts) is an all-reduce, twice its wire: the compiler writes such a gather
+    as an all-reduce of a zero-padded buffer and such a scatter as an
+    all-reduce and a slice (Mixtral on v5p-128, libtpu 0.0.50.1; MaxText's step
+    has the same all-reduces)."""
     dims = facts.dims
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
@@ -713,16 +764,15 @@ def _wire(
             add("collective-permute", axes, w)
         elif cost.source == MOE_DISPATCH and dims.expert_size > 1:
             n = dims.expert_size
-            d = analysis.routed.shape[1] if analysis.routed is not None else 1
-            size = itemsize(moved or analysis.routed.dtype)
-            # Dropless static buffers: room for all of a device's rows going to one other.
-            ids = w * n // (d * size)
-            add(kind, axes, w * n + ids)
+            # Padded static buffers: room for all of a device's rows going to one other.
+            add(kind, axes, w if ragged else w * n)
         elif cost.source == TENSOR_SUMS and dims.sequence_parallel:
             # Sequence parallel: each sum is a reduce-scatter and an all-gather
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
                 add("collective-permute" if dims.tp_overlap else k, axes, w / 2)
+        elif joint_as_sums and kind in ("all-gather", "reduce-scatter") and {EXPERT_AXIS} < set(axes):
+            add("all-reduce", axes, 2 * w)
         elif auto_fsdp and kind == "reduce-scatter" and not scatters:
             add("all-reduce", axes, 2 * w)
         else:

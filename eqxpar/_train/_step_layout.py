@@ -32,12 +32,15 @@ from ._trainable import split_trainable
 
 
 def check_expert_specs(model: PyTree, specs: PyTree) -> None:
-    """Raise unless every dimension split over the `expert` axis is an `experts`
-    dimension (the stacked experts of an `eqxpar.nn.MoE`).
+    """Raise unless every dimension split over the `expert` axis alone is an
+    `experts` dimension (the stacked experts of an `eqxpar.nn.MoE`), and every
+    `experts` dimension split over it is split over it alone.
 
-    A weight split over `expert` is never gathered (each device keeps its own
-    experts), so a split of any other dimension would leave a layer computing on
-    a fragment of its weight.
+    A dimension split over `expert` alone is never gathered (each device keeps
+    its own experts), so such a split of any other dimension would leave a layer
+    computing on a fragment of its weight. Beside other batch axes
+    (`rules.EXPERT_FSDP`'s model dimension) `expert` is an FSDP split, gathered
+    where the weight is used.
     """
     leaves, treedef = jax.tree.flatten(model)
     spec_leaves = treedef.flatten_up_to(specs)
@@ -49,13 +52,15 @@ def check_expert_specs(model: PyTree, specs: PyTree) -> None:
             if EXPERT_AXIS not in names:
                 continue
             logical = None if axes is None else axes[dim]
-            if logical != "experts" or names != (EXPERT_AXIS,):
+            if (logical == "experts") != (names == (EXPERT_AXIS,)):
                 raise PlanError(
                     f"the plan's rules give the weight {keystr(path)} the spec {spec}, splitting its "
                     f"dimension {dim} (logical axis {logical!r}) over {names}; the {EXPERT_AXIS!r} axis "
-                    "splits the stacked experts of eqxpar.nn.MoE layers only (logical axis 'experts', "
-                    "on its own), which each device keeps and never gathers. Map only 'experts' to "
-                    f"{EXPERT_AXIS!r} (rules.EXPERT), and shard other weights over 'fsdp'."
+                    "alone splits the stacked experts of eqxpar.nn.MoE layers only (logical axis "
+                    "'experts'), which each device keeps and never gathers; other weights may split over "
+                    "it beside 'fsdp' (gathered where used). Map 'experts' to "
+                    f"{EXPERT_AXIS!r} alone (rules.EXPERT), and other weights to 'fsdp' or "
+                    f"('fsdp', {EXPERT_AXIS!r}) (rules.EXPERT_FSDP)."
                 )
 
 

@@ -16,7 +16,7 @@ from .._plan import Plan
 from .._remat import OFFLOAD_PARTS, RematPolicy
 from ..models import PRESET_NAMES, preset
 from ..pipeline import stage_rules
-from ..rules import FSDP, MEGATRON, MEGATRON_FSDP
+from ..rules import EXPERT_FSDP, FSDP, MEGATRON, MEGATRON_FSDP
 from ._compile import compile_train_step
 
 #: The activations `--offload activations` moves to host memory by default:
@@ -72,7 +72,8 @@ def plan_of(
     """The plan the command compiles: a mesh of `sizes` (over `topology`'s chips,
     or this machine's devices; `split_physical_axes` as `make_mesh` takes it),
     `rules.FSDP(dim=fsdp_dim)` over `fsdp`, `rules.MEGATRON_FSDP` (or `MEGATRON` without an
-    fsdp axis) where a tensor, expert or context axis is split, a pipeline's stage
+    fsdp axis) where a tensor, expert or context axis is split (`EXPERT_FSDP`
+    where both fsdp and expert are), a pipeline's stage
     rules, schedule and `stage_gradients` where `pipe` is, its micro-batches by
     default one row each (`rows_per_chip` x chips / data-parallel devices).
     `offload` as `Plan(offload=...)`; with `"activations"` the remat policy is
@@ -90,6 +91,9 @@ def plan_of(
     rules: Any = FSDP(dim=fsdp_dim)
     if needs_layers:
         rules = MEGATRON_FSDP if sizes.get("fsdp", 1) > 1 else MEGATRON
+    if sizes.get("fsdp", 1) > 1 and sizes.get("expert", 1) > 1:
+        # The weights outside the experts split over expert too, as MaxText's.
+        rules = EXPERT_FSDP
     options: dict[str, Any] = {}
     if sizes.get("pipe", 1) > 1:
         rules = stage_rules(rules)

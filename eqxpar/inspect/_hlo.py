@@ -32,6 +32,12 @@ ring over its replica group of n devices:
 | all-to-all         | (n-1)/n x result       |
 | collective-permute | result, per source     |
 
+A ragged all-to-all (`jax.lax.ragged_all_to_all`, eqxpar's MoE dispatch on TPU)
+counts as an all-to-all of the smaller of its operand and output buffers: how many
+of their rows move depends on the data, but a device sends at most its operand
+and receives at most its output, and with balanced routing both are the routed
+rows (the larger buffer has room for the worst case).
+
 with 0 when n == 1, rounded down per instruction. A collective-permute's wire
 bytes are the busiest device's: each permute charges its result to the devices
 its `source_target_pairs` name as sources, and the kind's total is the largest
@@ -95,6 +101,8 @@ _DTYPE_BYTES = {
 }
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+#: Counted as an all-to-all of the routed rows (see the module docstring).
+RAGGED_ALL_TO_ALL = "ragged-all-to-all"
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+(\([^)]*\)|\S).*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s+=\s+(.*?)\s+([\w\-]+)\((.*)$")
@@ -437,6 +445,11 @@ class _Walk:
                 )
                 continue
             base = opcode.removesuffix("-start")
+            if base == RAGGED_ALL_TO_ALL:
+                if not opcode.endswith("-done") and self.counts(name, line, opcode):
+                    moved = _ragged_moved(line, opcode, self.computations[name])
+                    self._add(acc, line, "all-to-all", "all-to-all", moved, weight, looped)
+                continue
             if base in KINDS and not opcode.endswith("-done") and self.counts(name, line, opcode):
                 self._add(acc, line, base, opcode, result_type, weight, looped)
             if not self.descends(line, opcode):
@@ -637,6 +650,32 @@ def _dcn_first_group(line: str) -> list[int] | None:
         # a slice with the same device of the others: the first group is device 0's.
         return [int(s) * DCN_ID_STRIDE + int(m.group(2)) for s in m.group(1).split(",") if s]
     return None
+
+
+def _ragged_moved(line: str, opcode: str, lines: list[str]) -> str:
+    """The type of what a ragged all-to-all moves: the smaller of its operand
+    and output buffers. An async start's result tuple begins with their types;
+    a synchronous one writes them beside its operands, or (compiled TPU text)
+    names the operands only, whose types are read from the instructions of its
+    computation (`lines`) that define them."""
+    if opcode.endswith("-start"):
+        shapes = _SHAPE.findall(line.split("=", 1)[1])[:2]
+    else:
+        args = line.split(f"{opcode}(", 1)[1]
+        shapes = _SHAPE.findall(args.split(")", 1)[0])[:2]
+        if len(shapes) < 2:
+            names = re.findall(r"%([\w.\-]+)", args)[:2]
+            shapes = [_SHAPE.search(_defined_type(n, lines)).groups() for n in names]
+    return min((f"{t}[{d}]" for t, d in shapes), key=shape_bytes)
+
+
+def _defined_type(name: str, lines: list[str]) -> str:
+    """The result type of instruction `%name` among `lines` (one computation)."""
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if m and re.match(rf"^\s*(ROOT\s+)?%?{re.escape(name)}\s+=", line):
+            return m.group(2)
+    raise ValueError(f"collective_stats: no instruction %{name} defines a ragged all-to-all's operand")
 
 
 def _group_size(line: str) -> int | None:

@@ -246,8 +246,9 @@ def _param_items(
                 )
         size = itemsize(leaf.dtype)
         # Experts split over `expert` stay split (never gathered), and their
-        # gradients are whole there: like a tensor split, not like FSDP.
-        kept = [a for a in axes if a == EXPERT_AXIS]
+        # gradients are whole there: like a tensor split, not like FSDP. Beside
+        # other batch axes (rules.EXPERT_FSDP) `expert` is an FSDP split.
+        kept = [EXPERT_AXIS] if any(mesh_axis_names(e) == (EXPERT_AXIS,) for e in spec) else []
         local = (
             math.prod(leaf.shape) * size // math.prod(sizes[a] for a in axes if a not in batch or a in kept)
         )

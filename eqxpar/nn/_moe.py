@@ -20,6 +20,7 @@ from ._context import tensor_context
 from ._linear import MLP, _normal
 from ._matmul import check_bias, check_split, lift
 from ._moe_config import MoEConfig
+from ._moe_dispatch import ragged_exchange, return_rows, send_rows
 
 # The routed activations of every MoE call traced inside `record_dispatches`
 # (`eqxpar.inspect.minimum_comm` reads them off the loss's trace).
@@ -103,10 +104,13 @@ class MoE(eqx.Module):
     assignment to the device holding its expert with one all-to-all, runs its
     experts on what arrives (from every device of the axis) and sends the outputs
     back with a second; the backward pass runs both transposed. Dropless, the
-    buffers have room for the worst case (every assignment of a device going to
-    one other: `n * tokens * top_k` rows per device, `n` times the routed
-    activations on the wire; XLA:CPU implements no ragged all-to-all, which would
-    send only the rows routed). With `capacity_factor=c` each device's tokens
+    receiving buffers have room for the worst case (every assignment of a device
+    going to one other: `n * tokens * top_k` rows per device). On TPU the
+    exchanges are ragged all-to-alls (`jax.lax.ragged_all_to_all`), which send
+    only the rows routed: the routed activations on the wire. Elsewhere (XLA:CPU
+    implements no ragged all-to-all) they are padded all-to-alls of the whole
+    buffers, `n` times the routed activations; the layer chooses from the
+    platform of the plan it is traced under (`MoEConfig(exchange=...)` sets it). With `capacity_factor=c` each device's tokens
     form a group (as in GShard): expert `e` takes at most
     `ceil(c * group tokens * top_k / experts)` of each device's assignments, and
     the buffers are `c` times the routed activations.
@@ -128,7 +132,7 @@ class MoE(eqx.Module):
     - `d_model`: model features; `hidden`: each expert's hidden features.
     - `config`: an `eqxpar.nn.MoEConfig`: `experts`, `top_k`, `score`,
       `normalize_top_k`, `route_scale`, `capacity_factor`, `num_shared`,
-      `shared_hidden`.
+      `shared_hidden`, `exchange`.
     - keyword-only: `activation="swiglu" | "gelu"`, `use_bias=False` (expert
       biases), `axis="tensor"`, `dtype=jnp.float32`, `key`.
 
@@ -162,6 +166,7 @@ class MoE(eqx.Module):
     activation: str = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
     axis: str = eqx.field(static=True)
+    exchange: str = eqx.field(static=True, default="auto")
 
     def __init__(
         self,
@@ -206,6 +211,7 @@ class MoE(eqx.Module):
         self.score, self.normalize_top_k, self.route_scale = c.score, c.normalize_top_k, float(c.route_scale)
         self.activation = activation
         self.capacity_factor = None if c.capacity_factor is None else float(c.capacity_factor)
+        self.exchange = c.exchange
         self.axis = axis
 
     # -- routing ---------------------------------------------------------------
@@ -295,38 +301,42 @@ class MoE(eqx.Module):
         `(tokens * top_k, d_model)` in assignment order.
 
         Each device sorts its assignments by expert (so by the device holding
-        it) and sends each device its rows with one all-to-all; the receiver
-        groups what arrives by its local experts, runs them as grouped matmuls
-        and sends the outputs back with a second all-to-all. Shapes are static,
-        so a dropless buffer must hold the worst case: every assignment of a
-        device going to one other device (`tokens * top_k` rows per device
-        pair; a ragged all-to-all, which would send only the rows routed, is not
-        implemented by XLA:CPU).
+        it) and sends each device its rows (`_moe_dispatch.send_rows`: a ragged
+        all-to-all of the routed rows on TPU, a padded all-to-all elsewhere);
+        the receiver groups what arrives by its local experts, runs them as
+        grouped matmuls and sends the outputs back. Shapes are static, so the
+        receiving buffer has room for the worst case: a block of `tokens *
+        top_k` rows per source device. Only the counts per expert cross the
+        axis besides the rows (a small all-to-all); each device works out which
+        expert each received row is for from them.
         """
         local = self.experts // ep
         n_assign = idx.size
-        d = xf.shape[1]
         flat = idx.reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        expert_of = flat[order]
-        device_of = expert_of // local
-        counts = jnp.bincount(device_of, length=ep).astype(jnp.int32)
+        per_expert = jnp.bincount(flat, length=self.experts).astype(jnp.int32).reshape(ep, local)
+        counts = jnp.sum(per_expert, axis=1)
         starts = jnp.cumsum(counts) - counts
-        # Row of each sorted assignment in the (devices, n_assign) send buffer.
-        slot = device_of * n_assign + jnp.arange(n_assign, dtype=jnp.int32) - starts[device_of]
-        send = jnp.zeros((ep * n_assign, d), xf.dtype).at[slot].set(xf[order // self.top_k])
-        # Empty rows carry local expert `local`: a group past the last one.
-        ids = jnp.full((ep * n_assign,), local, jnp.int32).at[slot].set(expert_of % local)
-        rows = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0, tiled=True)
-        ids = jax.lax.all_to_all(ids, EXPERT_AXIS, 0, 0, tiled=True)
+        # What each source sends here, per local expert: (sources, local).
+        arriving = jax.lax.all_to_all(per_expert, EXPERT_AXIS, 0, 0, tiled=True)
+        from_each = jnp.sum(arriving, axis=1)
+        ragged = ragged_exchange(self.exchange)
+        rows = send_rows(xf[order // self.top_k], counts, starts, from_each, ragged=ragged)
+        # The local expert of each received row (block j: source j's rows, sorted
+        # by expert); rows past a block's rows get `local`, a group past the last.
+        ends = jnp.cumsum(arriving, axis=1)
+        within = jnp.arange(n_assign, dtype=jnp.int32)
+        ids = jnp.sum(within[None, :, None] >= ends[:, None, :], axis=2, dtype=jnp.int32).reshape(-1)
         by_expert = jnp.argsort(ids, stable=True)
-        group_sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
+        group_sizes = jnp.sum(arriving, axis=0)
         # Bias rows for the empty group read the last expert's: their outputs are never used.
         bias_of = jnp.minimum(ids[by_expert], local - 1)
         y = self._grouped(rows[by_expert], group_sizes, bias_of, dtype)
-        y = jnp.zeros_like(y).at[by_expert].set(y)
-        back = jax.lax.all_to_all(y, EXPERT_AXIS, 0, 0, tiled=True)
-        return jnp.zeros((n_assign, d), back.dtype).at[order].set(back[slot])
+        y = y[jnp.argsort(by_expert)]
+        back = return_rows(y, counts, starts, from_each, ragged=ragged)
+        # Every row is written: a permutation, not a scatter into zeros (whose
+        # cotangent, invariant over the batch axes, would be summed over them).
+        return back[jnp.argsort(order)]
 
     def _expert_split(self) -> tuple[int, tuple[str, ...]]:
         """`(ep, over)`: the devices this call's experts are split over (1: every

@@ -6,6 +6,7 @@ from .._config_check import check_bool, check_choice, check_positive_int, field_
 from .._errors import PlanError
 
 SCORES = ("softmax", "sigmoid")
+EXCHANGES = ("auto", "ragged", "padded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,12 @@ class MoEConfig:
     - `num_shared`: shared experts applied to every token (default 0).
     - `shared_hidden`: each shared expert's hidden features (default None: the
       layer's `hidden`).
+    - `exchange`: how a dropless layer under expert parallelism sends tokens to
+      their experts' devices and back: `"ragged"` (`jax.lax.ragged_all_to_all`:
+      only the routed rows cross; XLA:CPU cannot run it), `"padded"` (dense
+      all-to-alls of buffers with room for the worst case: `devices` times the
+      routed rows; every backend), or `"auto"` (default: ragged where the plan
+      being traced is on TPU, padded elsewhere). Both give the same numbers.
 
     ```python
     config = eqxpar.nn.MoEConfig(8, top_k=2, num_shared=1)
@@ -42,6 +49,7 @@ class MoEConfig:
     capacity_factor: int | float | None = None
     num_shared: int = 0
     shared_hidden: int | None = None
+    exchange: str = "auto"
 
     def __post_init__(self):
         owner = "MoEConfig"
@@ -79,3 +87,4 @@ class MoEConfig:
                 num_shared=self.num_shared,
             )
         check_positive_int(owner, "shared_hidden", self.shared_hidden, optional=True)
+        check_choice(owner, "exchange", self.exchange, EXCHANGES)
