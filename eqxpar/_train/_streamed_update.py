@@ -160,18 +160,28 @@ def _chunk_axes(
         for x, spec in zip(leaves, specs, strict=True):
             if tuple(x.shape) == shape:
                 split |= {d for d, entry in enumerate(spec) if entry is not None}
-        fits = [d for d, n in enumerate(shape) if n % chunks == 0 and d not in split]
+        fits = [d for d, n in enumerate(shape) if _chunks_along(shape, d, chunks) and d not in split]
         axes[shape] = fits[0] if fits and chunks > 1 else None
     return axes
 
 
-def _chunk(x: Array, axis: int | None, index: Any, size: int | None) -> Array:
-    """Chunk `index` of `x` along `axis` (`size` positions), or an empty slice of
-    it (`size` 0), or `x` itself (`axis` None or a scalar)."""
-    if not x.ndim or axis is None:
-        return x
-    if size == 0:
-        return jax.lax.slice_in_dim(x, 0, 0, axis=axis)
+#: Positions a chunk along an array's second-to-last dimension spans a multiple
+#: of: the sublanes of the TPU's (8, 128) memory tiles. Along the last dimension
+#: nothing is chunked: the TPU compiler cannot write part of a tile's lanes into
+#: host memory ("lane slice updating is not supported in async dynamic update
+#: slice", libtpu 0.0.42.1; 0.0.50.1 took whole 128-lane chunks).
+_SUBLANES = 8
+
+
+def _chunks_along(shape: tuple[int, ...], axis: int, chunks: int) -> bool:
+    """Whether `chunks` chunks of `shape` along `axis` are whole and span whole tiles."""
+    if shape[axis] % chunks or axis == len(shape) - 1:
+        return False
+    return axis < len(shape) - 2 or (shape[axis] // chunks) % _SUBLANES == 0
+
+
+def _chunk(x: Array, axis: int, index: Any, size: int) -> Array:
+    """Chunk `index` of `x` along `axis` (`size` positions)."""
     return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
@@ -211,10 +221,7 @@ def streamed_update(
         return axes.get(tuple(x.shape)) if x.ndim else None
 
     def moved(xs: list[Array], specs: list[PartitionSpec], kind: str) -> list[Array]:
-        return [
-            jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind)) if x.ndim else x
-            for x, spec in zip(xs, specs, strict=True)
-        ]
+        return [jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind)) for x, spec in zip(xs, specs, strict=True)]
 
     def update(g: list[Array], s: list[Array], p: list[Array]) -> tuple[list[Array], list[Array]]:
         # One call of the optimizer on chunks (or whole arrays): the state
@@ -233,13 +240,12 @@ def streamed_update(
             new_p = [jnp.where(finite, new, old) for new, old in zip(new_p, p, strict=True)]
         return moved(new_s, s_specs, HOST_MEMORY), new_p
 
-    def chunks_of(xs: list[Array], index: Any, streamed: bool) -> list[Array]:
-        # In the loop, chunk `index` of each streamed array; in the call outside
-        # it, an empty slice of them (that call updates the rest).
-        return [
-            x if axis(x) is None else _chunk(x, axis(x), index, x.shape[axis(x)] // chunks if streamed else 0)
-            for x in xs
-        ]
+    def chunks_of(xs: list[Array], index: Any) -> list[Array]:
+        return [x if axis(x) is None else _chunk(x, axis(x), index, x.shape[axis(x)] // chunks) for x in xs]
+
+    def only(xs: list[Array], shape: tuple[int, ...]) -> list[Array]:
+        # The arrays of `shape` and the scalars whole, an empty slice of the rest.
+        return [x if not x.ndim or tuple(x.shape) == shape else jax.lax.slice_in_dim(x, 0, 0) for x in xs]
 
     def written(full: list[Array], part: list[Array], index: Any) -> list[Array]:
         return [
@@ -249,14 +255,29 @@ def streamed_update(
 
     def body(i: Any, carry: tuple[list[Array], list[Array]]) -> tuple[list[Array], list[Array]]:
         s_full, p_full = carry
-        new_s, new_p = update(chunks_of(g_leaves, i, True), chunks_of(s_full, i, True), chunks_of(p_full, i, True))
+        new_s, new_p = update(chunks_of(g_leaves, i), chunks_of(s_full, i), chunks_of(p_full, i))
         return written(s_full, new_s, i), written(p_full, new_p, i)
 
+    # The arrays no chunking fits, updated whole one shape at a time (so only the
+    # largest is on the device at once), each call tied to the previous one's
+    # result so that the compiler cannot move them all at once; the scalars (a
+    # step count) in every call. Before the loop: read after it, the old host
+    # buffers would outlive it, which could then not write its chunks in place
+    # (a copy of each in host memory).
+    rest = {tuple(x.shape) for x in [*g_leaves, *s_leaves, *p_leaves] if x.ndim and axis(x) is None}
+    new_s, new_p = list(s_leaves), list(p_leaves)
+    previous: list[Array] = []
+    for shape in sorted(rest) or [()]:
+        s_in = only(s_leaves, shape)
+        if previous:
+            s_in, _ = jax.lax.optimization_barrier((s_in, previous))
+        out_s, out_p = update(only(g_leaves, shape), s_in, only(p_leaves, shape))
+        for new, old, out in ((new_s, s_leaves, out_s), (new_p, p_leaves, out_p)):
+            for k, x in enumerate(old):
+                if not x.ndim or tuple(x.shape) == shape:
+                    new[k] = out[k]
+        previous = out_p
     streamed_s, streamed_p = jax.lax.fori_loop(0, chunks, body, (list(s_leaves), list(p_leaves)))
-    # The arrays no chunking fits (and the scalars: a step count), updated whole.
-    rest_s, rest_p = update(
-        chunks_of(g_leaves, 0, False), chunks_of(s_leaves, 0, False), chunks_of(p_leaves, 0, False)
-    )
-    new_s = [r if axis(x) is None else s for x, s, r in zip(s_leaves, streamed_s, rest_s, strict=True)]
-    new_p = [r if axis(x) is None else p for x, p, r in zip(p_leaves, streamed_p, rest_p, strict=True)]
+    new_s = [n if axis(x) is None else c for x, c, n in zip(s_leaves, streamed_s, new_s, strict=True)]
+    new_p = [n if axis(x) is None else c for x, c, n in zip(p_leaves, streamed_p, new_p, strict=True)]
     return jax.tree.unflatten(p_def, new_p), jax.tree.unflatten(s_def, new_s)
