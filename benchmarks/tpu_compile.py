@@ -244,11 +244,13 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
 
 def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
     """The host-offload rows: each offloaded case beside the case it offloads from
-    (device bytes: arguments + outputs not aliased + temporaries, `peak_bytes`)."""
+    (device bytes: arguments + outputs not aliased + temporaries, `peak_bytes`;
+    host bytes: the offloaded state, the host's arguments, and the host
+    temporaries the compiler adds), and the advisor's errors on both."""
     rows = [
         "",
-        "| case | device GiB: plain / offloaded (fall) | host GiB | fall / host | "
-        "device arguments GiB: predicted / compiled (error) | host GiB: predicted / compiled (error) |",
+        "| case | device GiB: plain / offloaded (fall) | host GiB: arguments + temporaries | fall / host arguments "
+        "| device argument + temp GiB: predicted / compiled (error) | host GiB: predicted / compiled (error) |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
@@ -256,14 +258,14 @@ def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
         if name not in OFFLOAD_CASES or base is None or r.get("refused"):
             continue
         fall = base["peak_bytes"] - r["peak_bytes"]
-        host = r["host_bytes"]
+        host_args, host = r["host_argument_bytes"], r["host_bytes"]
         p = r["predicted"]
-        arg_error = p["argument_bytes"] / r["argument_bytes"] - 1
+        device, predicted = r["argument_bytes"] + r["temp_bytes"], p["argument_bytes"] + p["temp_bytes"]
         host_error = p["host_bytes"] / host - 1 if host else 0.0
         rows.append(
-            f"| {name} | {_gib(base['peak_bytes'])} / {_gib(r['peak_bytes'])} ({_gib(fall)}) | {_gib(host)} "
-            f"| {fall / host if host else 0:.0%} "
-            f"| {_gib(p['argument_bytes'])} / {_gib(r['argument_bytes'])} ({arg_error:+.0%}) "
+            f"| {name} | {_gib(base['peak_bytes'])} / {_gib(r['peak_bytes'])} ({_gib(fall)}) "
+            f"| {_gib(host_args)} + {_gib(host - host_args)} | {fall / host_args if host_args else 0:.0%} "
+            f"| {_gib(predicted)} / {_gib(device)} ({predicted / device - 1:+.0%}) "
             f"| {_gib(p['host_bytes'])} / {_gib(host)} ({host_error:+.0%}) |"
         )
     return rows if len(rows) > 3 else []

@@ -44,6 +44,7 @@ from ..pipeline._program import (
     tick_loops,
 )
 from ._analysis import Analysis, Slots, engine_slots
+from ._offload import offload_terms
 from ._profile import DeviceProfile
 from ._tpu import TpuTerms, expert_terms, tpu_terms
 
@@ -109,6 +110,9 @@ class Prediction:
     #: Of `params_bytes + opt_state_bytes`, what the plan keeps in host memory
     #: (`Plan(offload=("params" / "optimizer",))`): arguments, but not the device's.
     host_argument_bytes: int = 0
+    #: The device temporaries bringing the offloaded state onto the device adds
+    #: (`_offload.offload_terms`).
+    offload_bytes: int = 0
 
     @property
     def argument_bytes(self) -> int:
@@ -138,6 +142,7 @@ class Prediction:
             + self.gathered_bytes
             + self.buffer_bytes
             + self.update_bytes
+            + self.offload_bytes
         )
 
     @property
@@ -340,6 +345,7 @@ def predict(
     wire, by_axis = _predicted_wire(
         facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, on_tpu
     )
+    offloaded = offload_terms(layout, params, params_bytes, opt_bytes, profile.platform)
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
     flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)
@@ -358,7 +364,8 @@ def predict(
         compute_s=compute,
         comm_s=comm,
         step_time_s=compute + comm,
-        host_argument_bytes=_host_arguments(layout, params_bytes, opt_bytes),
+        host_argument_bytes=offloaded.host_arguments,
+        offload_bytes=offloaded.device_temporaries,
     )
 
 
@@ -403,15 +410,6 @@ def _predicted_wire(
             wire["reduce-scatter"] = wire.get("reduce-scatter", 0) + w
             by_axis[axes] = by_axis.get(axes, 0) + w
     return wire, by_axis
-
-
-def _host_arguments(layout: StepLayout, params_bytes: int, opt_bytes: int) -> int:
-    """The state bytes a plan keeps in host memory (`Plan(offload=...)`): between
-    steps there, and the new state goes back there, so they are host arguments,
-    not the device's."""
-    return (params_bytes if layout.memory_kind("params") else 0) + (
-        opt_bytes if layout.memory_kind("optimizer") else 0
-    )
 
 
 def _step_times(

@@ -32,7 +32,7 @@ from jax.tree_util import keystr
 from jaxtyping import Array, Bool, PyTree
 
 from .._sharding import HOST_MEMORY
-from .._specs import leaves_with_layout
+from .._specs import is_array_like, leaves_with_layout
 
 #: Primitives whose output at a position is a function of their operands at that
 #: position (or of scalar operands): slicing commutes with them.
@@ -135,7 +135,7 @@ def chunk_count(model: PyTree, specs: PyTree) -> int:
     spec_of = _specs_by_path(specs)
     lengths = [1]
     for path, leaf, _, leading in leaves_with_layout(model):
-        if leading and eqx.is_array(leaf) and leaf.ndim:
+        if leading and is_array_like(leaf) and len(leaf.shape):
             spec = spec_of.get(keystr(path), PartitionSpec())
             if len(spec) == 0 or spec[0] is None:
                 lengths.append(leaf.shape[0])
