@@ -113,6 +113,8 @@ class Prediction:
     #: The device temporaries bringing the offloaded state onto the device adds
     #: (`_offload.offload_terms`).
     offload_bytes: int = 0
+    #: The host temporaries: the activations the plan offloads (`_offload`).
+    host_temp_bytes: int = 0
 
     @property
     def argument_bytes(self) -> int:
@@ -130,8 +132,8 @@ class Prediction:
     def host_bytes(self) -> int:
         """Host memory the step holds per device: the offloaded state
         (`memory_analysis()`'s `host_argument_size_in_bytes`; the new state is
-        written over it)."""
-        return self.host_argument_bytes
+        written over it) and the offloaded activations (its host temporaries)."""
+        return self.host_argument_bytes + self.host_temp_bytes
 
     @property
     def temp_bytes(self) -> int:
@@ -345,7 +347,6 @@ def predict(
     wire, by_axis = _predicted_wire(
         facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, on_tpu
     )
-    offloaded = offload_terms(layout, params, params_bytes, opt_bytes, profile.platform)
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
     flops, compute, comm = _step_times(facts, analysis, profile, traffic, by_axis, bubble)
@@ -364,8 +365,7 @@ def predict(
         compute_s=compute,
         comm_s=comm,
         step_time_s=compute + comm,
-        host_argument_bytes=offloaded.host_arguments,
-        offload_bytes=offloaded.device_temporaries,
+        **offload_terms(layout, params, params_bytes, opt_bytes, profile.platform, loss=loss, batch=batch),
     )
 
 

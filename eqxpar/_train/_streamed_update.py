@@ -124,7 +124,9 @@ def elementwise_update(update: Callable, grads: PyTree, opt_state: PyTree, param
     ) == jax.tree.structure(opt_state)
     return same and all(
         a.shape == b.shape
-        for a, b in zip(jax.tree.leaves((updates, new_state)), jax.tree.leaves((grads, opt_state)), strict=True)
+        for a, b in zip(
+            jax.tree.leaves((updates, new_state)), jax.tree.leaves((grads, opt_state)), strict=True
+        )
     )
 
 
@@ -185,6 +187,23 @@ def _chunk(x: Array, axis: int, index: Any, size: int) -> Array:
     return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
+def _spec_list(tree: PyTree, specs: PyTree) -> list[PartitionSpec]:
+    """The spec of each array leaf of `tree` (a part of the state), from `specs`
+    (the state's, by key path)."""
+    spec_of = _specs_by_path(specs)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [spec_of.get(keystr(path), PartitionSpec()) for path, _ in flat]
+
+
+def _written(full: list[Array], part: list[Array], index: Any, axis: Callable) -> list[Array]:
+    """Each of `full` with chunk `index` (`part`'s) written along `axis(array)`,
+    or as it is where that is None."""
+    return [
+        f if axis(f) is None else jax.lax.dynamic_update_slice_in_dim(f, c, index * c.shape[axis(f)], axis(f))
+        for f, c in zip(full, part, strict=True)
+    ]
+
+
 def streamed_update(
     optimizer: optax.GradientTransformation,
     grads: PyTree,
@@ -207,21 +226,18 @@ def streamed_update(
     g_leaves, g_def = jax.tree.flatten(grads)
     s_leaves, s_def = jax.tree.flatten(opt_state)
     p_leaves, p_def = jax.tree.flatten(params)
-    state_spec_of, update_spec_of = _specs_by_path(state_specs), _specs_by_path(update_specs)
-
-    def spec_list(tree: PyTree, spec_of: dict[str, PartitionSpec]) -> list[PartitionSpec]:
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return [spec_of.get(keystr(path), PartitionSpec()) for path, _ in flat]
-
-    s_specs = spec_list(opt_state, state_spec_of)
-    g_specs, p_specs = spec_list(grads, update_spec_of), spec_list(params, update_spec_of)
+    s_specs = _spec_list(opt_state, state_specs)
+    g_specs, p_specs = _spec_list(grads, update_specs), _spec_list(params, update_specs)
     axes = _chunk_axes([*g_leaves, *s_leaves, *p_leaves], [*g_specs, *s_specs, *p_specs], chunks)
 
     def axis(x: Array) -> int | None:
         return axes.get(tuple(x.shape)) if x.ndim else None
 
     def moved(xs: list[Array], specs: list[PartitionSpec], kind: str) -> list[Array]:
-        return [jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind)) for x, spec in zip(xs, specs, strict=True)]
+        return [
+            jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind))
+            for x, spec in zip(xs, specs, strict=True)
+        ]
 
     def update(g: list[Array], s: list[Array], p: list[Array]) -> tuple[list[Array], list[Array]]:
         # One call of the optimizer on chunks (or whole arrays): the state
@@ -247,16 +263,10 @@ def streamed_update(
         # The arrays of `shape` and the scalars whole, an empty slice of the rest.
         return [x if not x.ndim or tuple(x.shape) == shape else jax.lax.slice_in_dim(x, 0, 0) for x in xs]
 
-    def written(full: list[Array], part: list[Array], index: Any) -> list[Array]:
-        return [
-            f if axis(f) is None else jax.lax.dynamic_update_slice_in_dim(f, c, index * c.shape[axis(f)], axis(f))
-            for f, c in zip(full, part, strict=True)
-        ]
-
     def body(i: Any, carry: tuple[list[Array], list[Array]]) -> tuple[list[Array], list[Array]]:
         s_full, p_full = carry
         new_s, new_p = update(chunks_of(g_leaves, i), chunks_of(s_full, i), chunks_of(p_full, i))
-        return written(s_full, new_s, i), written(p_full, new_p, i)
+        return _written(s_full, new_s, i, axis), _written(p_full, new_p, i, axis)
 
     # The arrays no chunking fits, updated whole one shape at a time (so only the
     # largest is on the device at once), each call tied to the previous one's
