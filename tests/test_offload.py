@@ -260,9 +260,9 @@ def test_only_an_elementwise_update_streams(optimizer, elementwise):
 
 @pytest.mark.parametrize("finite", [True, False])
 def test_the_streamed_update_is_the_whole_update_chunk_by_chunk(finite):
-    # One layer's chunk of every array at a time (4 chunks: the embedding, head
-    # and norms chunked along a dimension 4 divides), over several steps; a
-    # non-finite step keeps every old chunk.
+    # One layer's chunk of every stacked array at a time (4 chunks), the
+    # embedding, head and norms whole one shape at a time, over several steps;
+    # a non-finite step keeps every old chunk.
     from eqxpar._train._streamed_update import chunk_count, streamed_update
 
     plan = _plan("fsdp-auto")
@@ -341,7 +341,7 @@ def test_on_the_tpu_compiler_the_streamed_update_takes_the_state_off_the_device(
     assert moments == plain.argument_bytes - offloaded.argument_bytes
     # What the offload adds to the temporaries: a layer's chunk of the moments
     # in flight and the next one fetched (a quarter each of 4 layers'), and the
-    # embedding's, which no chunking fits here; whole, the state came back
+    # embedding's, which is updated whole; whole, the state came back
     # (on Llama-3-8B, 47 % of it).
     assert offloaded.temp_bytes - plain.temp_bytes <= 0.4 * moments, (plain, offloaded)
     from importlib.metadata import version

@@ -167,19 +167,14 @@ def _chunk_axes(
     return axes
 
 
-#: Positions a chunk along an array's second-to-last dimension spans a multiple
-#: of: the sublanes of the TPU's (8, 128) memory tiles. Along the last dimension
-#: nothing is chunked: the TPU compiler cannot write part of a tile's lanes into
-#: host memory ("lane slice updating is not supported in async dynamic update
-#: slice", libtpu 0.0.42.1; 0.0.50.1 took whole 128-lane chunks).
-_SUBLANES = 8
-
-
 def _chunks_along(shape: tuple[int, ...], axis: int, chunks: int) -> bool:
-    """Whether `chunks` chunks of `shape` along `axis` are whole and span whole tiles."""
-    if shape[axis] % chunks or axis == len(shape) - 1:
-        return False
-    return axis < len(shape) - 2 or (shape[axis] // chunks) % _SUBLANES == 0
+    """Whether `chunks` whole chunks of `shape` fit along `axis`, one of its
+    leading dimensions. Never along the last two: the TPU compiler lays those
+    out in (8, 128) tiles, in either order (a `[128, 192]` buffer with its first
+    dimension minor), and cannot write part of a tile's lanes into host memory
+    ("lane slice updating is not supported in async dynamic update slice",
+    libtpu 0.0.42.1)."""
+    return axis < len(shape) - 2 and shape[axis] % chunks == 0
 
 
 def _chunk(x: Array, axis: int, index: Any, size: int) -> Array:
