@@ -114,6 +114,10 @@ def test_the_offload_prediction_matches_the_tpu_compilers_record(name):
     base = tpu_compile.OFFLOAD_CASES[name][0]
     record, plain = RECORDS[name], RECORDS[base]
     p, q = tpu_compile.predict_case(name), tpu_compile.predict_case(base)
+    if tpu_compile.OFFLOAD_CASES[name][1] == ("optimizer",):
+        # The record itself meets the bar: the peak falls by 90 % of the
+        # state offloaded (the streamed update; a rerun that regresses fails here).
+        assert plain["peak_bytes"] - record["peak_bytes"] >= 0.9 * record["host_argument_bytes"]
     assert p["host_bytes"] == pytest.approx(record["host_bytes"], rel=0.10)
     if OFFLOAD_BOUNDS[name] is None:
         return
