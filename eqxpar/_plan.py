@@ -122,8 +122,11 @@ class Plan:
       it names (`eqxpar.ACTIVATION_NAMES`: each block's input, the attention's
       projections, the MLP's) and recomputes the rest.
     - `offload`: what lives in host memory (`"pinned_host"`) instead of the
-      device's, any of `"optimizer"` (the optimizer state: the step moves it to
-      the device for the update and the new state back), `"params"` (the
+      device's, any of `"optimizer"` (the optimizer state: the update streams
+      it through the device a layer at a time, each chunk read from host memory
+      and the new one written back, where the update is elementwise; otherwise,
+      and on XLA:CPU, the whole state comes to the device for the update),
+      `"params"` (the
       parameters: moved to the device inside the step, the updated ones back)
       and `"activations"` (the activations `remat`'s `RematPolicy` names as
       offloaded: copied to the host in the forward pass, back in the backward

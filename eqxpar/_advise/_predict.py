@@ -47,6 +47,7 @@ from ..pipeline._program import (
     tick_loops,
 )
 from ._analysis import Analysis, Slots, engine_slots
+from ._offload import offload_terms
 from ._profile import DeviceProfile
 from ._tpu import TpuTerms, expert_terms, extra_wire, pipeline_wire, tpu_terms
 
@@ -112,6 +113,11 @@ class Prediction:
     #: Of `params_bytes + opt_state_bytes`, what the plan keeps in host memory
     #: (`Plan(offload=("params" / "optimizer",))`): arguments, but not the device's.
     host_argument_bytes: int = 0
+    #: The device temporaries bringing the offloaded state onto the device adds
+    #: (`_offload.offload_terms`).
+    offload_bytes: int = 0
+    #: The host temporaries: the activations the plan offloads (`_offload`).
+    host_temp_bytes: int = 0
 
     @property
     def argument_bytes(self) -> int:
@@ -129,8 +135,8 @@ class Prediction:
     def host_bytes(self) -> int:
         """Host memory the step holds per device: the offloaded state
         (`memory_analysis()`'s `host_argument_size_in_bytes`; the new state is
-        written over it)."""
-        return self.host_argument_bytes
+        written over it) and the offloaded activations (its host temporaries)."""
+        return self.host_argument_bytes + self.host_temp_bytes
 
     @property
     def temp_bytes(self) -> int:
@@ -141,6 +147,7 @@ class Prediction:
             + self.gathered_bytes
             + self.buffer_bytes
             + self.update_bytes
+            + self.offload_bytes
         )
 
     @property
@@ -381,7 +388,7 @@ def predict(
         compute_s=compute,
         comm_s=comm,
         step_time_s=compute + comm,
-        host_argument_bytes=_host_arguments(layout, params_bytes, opt_bytes),
+        **offload_terms(layout, params, params_bytes, opt_bytes, profile.platform, loss=loss, batch=batch),
     )
 
 
@@ -477,15 +484,6 @@ def _predicted_wire(
                 wire[kind] = wire.get(kind, 0) + w
                 by_axis[axes] = by_axis.get(axes, 0) + w
     return wire, by_axis
-
-
-def _host_arguments(layout: StepLayout, params_bytes: int, opt_bytes: int) -> int:
-    """The state bytes a plan keeps in host memory (`Plan(offload=...)`): between
-    steps there, and the new state goes back there, so they are host arguments,
-    not the device's."""
-    return (params_bytes if layout.memory_kind("params") else 0) + (
-        opt_bytes if layout.memory_kind("optimizer") else 0
-    )
 
 
 def _step_times(

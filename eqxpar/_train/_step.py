@@ -11,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from .._errors import AccumulationWarning, PlanError
+from .._errors import AccumulationWarning, OffloadWarning, PlanError
 from .._outline_jit import OutlineJit, refuse_outlines
 from .._plan import Plan
 from .._sharding import check_batch, place_tree
@@ -23,6 +23,7 @@ from ._grad_manual import manual_gradients
 from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
 from ._resolved_plan import ResolvedPlan, warn_cpu_collective_order, warn_cpu_offload
 from ._step_layout import StepLayout
+from ._streamed_update import chunk_count, elementwise_update, streamed_update
 from ._train_state import TrainState
 from ._trainable import optimized, trainable_mask
 
@@ -52,10 +53,39 @@ def _gradients(loss: LossFunction, layout: StepLayout, model: PyTree, batch: PyT
 
 
 def _apply(
-    optimizer: optax.GradientTransformation, layout: StepLayout, state: TrainState, grads: PyTree
+    optimizer: optax.GradientTransformation,
+    layout: StepLayout,
+    state: TrainState,
+    grads: PyTree,
+    *,
+    streamed: bool = False,
+    finite: Array | None = None,
 ) -> TrainState:
-    """The optimizer update: the new state."""
+    """The optimizer update: the new state. `streamed`: the offloaded optimizer
+    state streams through the device chunk by chunk (`_streams_update`), and then
+    a non-finite step (`finite` False) keeps its old parameters and state chunk by
+    chunk."""
     model = state.model
+    if streamed:
+        params, _ = layout.differentiated(model)
+        new_params, opt_state = streamed_update(
+            optimizer,
+            grads,
+            state.opt_state,
+            params,
+            chunks=chunk_count(model, layout.updates),
+            mesh=layout.plan.mesh,
+            state_specs=layout.opt_state,
+            update_specs=layout.updates,
+            finite=finite,
+        )
+        return TrainState(
+            model=eqx.combine(new_params, layout.differentiated(model)[1]),
+            opt_state=opt_state,
+            step=state.step + 1,
+            key=state.key,
+            skipped_steps=state.skipped_steps,
+        )
     if layout.sliced_update:
         # ZeRO-1: update this device's slice of every parameter (slicing a
         # replicated array moves nothing), then gather the new parameters.
@@ -77,6 +107,40 @@ def _apply(
     )
 
 
+def _streams_update(
+    optimizer: optax.GradientTransformation, layout: StepLayout, state: TrainState, grads: PyTree
+) -> bool:
+    """Whether the update streams an offloaded optimizer state through the device
+    chunk by chunk (`_streamed_update`): the plan offloads it, off XLA:CPU, the model has stacked
+    layers to chunk it by, each device updates whole parameters (not ZeRO-1's
+    slices), and the optimizer's update is elementwise. An offloaded state that
+    cannot stream comes onto the device whole, with a warning saying why."""
+    if layout.memory_kind("optimizer") is None or layout.sliced_update:
+        return False
+    if layout.plan.mesh.devices.flat[0].platform == "cpu":
+        # XLA:CPU's host and device memory are one, so streaming saves nothing
+        # there; and it fuses a chunk's update otherwise than the whole one's (a
+        # new moment recomputed inside the parameter's fusion), a rounding apart
+        # from the plain step, which the CPU matches bit for bit.
+        return False
+    if chunk_count(state.model, layout.updates) == 1:
+        return False
+    params, _ = layout.differentiated(state.model)
+    if elementwise_update(optimizer.update, grads, state.opt_state, params):
+        return True
+    warnings.warn(
+        "Plan(offload=('optimizer',)): the optimizer's update is not elementwise (each new moment a "
+        "function of the same positions of the gradients, moments and parameters: a global-norm clip "
+        "or a per-matrix transformation is not), so the offloaded state cannot stream through the "
+        "device a layer at a time and comes onto it whole for the update; the device's peak falls by "
+        "less than the state's size. To silence: warnings.filterwarnings('ignore', "
+        "category=eqxpar.OffloadWarning).",
+        OffloadWarning,
+        stacklevel=2,
+    )
+    return False
+
+
 def _train_step(
     loss: LossFunction,
     optimizer: optax.GradientTransformation,
@@ -91,16 +155,26 @@ def _train_step(
     # here with the global loss and gradients, so the check and the update below
     # are one code path for every plan.
     value, aux, grads = _gradients(loss, layout, state.model, batch, key)
-    # An offloaded optimizer state comes onto the device now, for the update
-    # (and the skip's select), and goes back to host memory with the new state.
-    opt_state = layout.optimizer_state_onto_device(state.opt_state)
-    state = eqx.tree_at(lambda s: s.opt_state, state, opt_state, is_leaf=lambda x: x is None)
     grad_norm = gradient_norm(grads)
-    new_state = _apply(optimizer, layout, state, grads)
     metrics: Metrics = {"loss": value, "grad_norm": grad_norm}
+    if _streams_update(optimizer, layout, state, grads):
+        # The offloaded state streams through the device chunk by chunk; a
+        # non-finite step keeps each old chunk there.
+        finite = is_finite_step(value, grad_norm) if skip_nonfinite else None
+        new_state = _apply(optimizer, layout, state, grads, streamed=True, finite=finite)
+        if finite is not None:
+            skipped = state.skipped_steps + jnp.logical_not(finite).astype(state.skipped_steps.dtype)
+            new_state = eqx.tree_at(lambda s: s.skipped_steps, new_state, skipped)
+    else:
+        # An offloaded optimizer state comes onto the device now, for the update
+        # (and the skip's select), and goes back to host memory with the new state.
+        opt_state = layout.optimizer_state_onto_device(state.opt_state)
+        state = eqx.tree_at(lambda s: s.opt_state, state, opt_state, is_leaf=lambda x: x is None)
+        new_state = _apply(optimizer, layout, state, grads)
+        if skip_nonfinite:
+            finite = is_finite_step(value, grad_norm)
+            new_state = keep_unless_finite(state, new_state, finite)
     if skip_nonfinite:
-        finite = is_finite_step(value, grad_norm)
-        new_state = keep_unless_finite(state, new_state, finite)
         metrics["skipped"] = jnp.logical_not(finite)
         metrics["skipped_steps"] = new_state.skipped_steps
     lr = _learning_rate(new_state.opt_state)

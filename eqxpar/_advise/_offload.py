@@ -1,0 +1,110 @@
+"""The advisor's host-offload terms (`Plan(offload=...)`), read off the TPU
+compiler's programs for Llama-3-8B under FSDP 32 (BENCHMARKS.md, "Host offload on
+the TPU compiler").
+
+- **Host arguments.** What the plan offloads lives in host memory between steps
+  and the new state is written over it: the parameters' and the optimizer
+  state's bytes per device, exactly.
+- **Optimizer state.** Off XLA:CPU the update streams it through the device a
+  layer at a time (`eqxpar/_train/_streamed_update.py`): one chunk of the
+  moments is counted (8B: the compiled temporaries rose by 0.09 GiB, 70B fell by
+  0.12: the plain update's own temporaries shrink to a chunk's too, and the
+  next chunk's fetch overlaps them).
+  Where nothing streams (XLA:CPU, a model without stacked layers, ZeRO-1) the
+  whole state comes onto the device for the update.
+- **Parameters.** They come onto the device whole at the top of the step and
+  may stay there for the forward and backward pass: their bytes leave the
+  arguments and are counted back as temporaries (libtpu 0.0.52's program on 8B:
+  1.02 GiB more temporaries for 0.93 GiB offloaded; 0.0.50.1's keeps 0.45, an
+  upper bound then).
+- **Activations.** The values a `RematPolicy` names as offloaded are kept in
+  host memory instead of the device's: each named value's bytes (once per layer
+  of a scanned stack), split as the batch is (and over the tensor axis, but for
+  a block's input), leave the device's residuals for the host's temporaries.
+  XLA:CPU ignores activation offload.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from .._sizes import itemsize
+from .._specs import is_array_like
+from .._train._step_layout import StepLayout
+from .._train._streamed_update import chunk_count
+
+
+def offload_terms(
+    layout: StepLayout,
+    model: Any,
+    params_bytes: int,
+    opt_bytes: int,
+    platform: str,
+    *,
+    loss: Callable,
+    batch: Any,
+) -> dict[str, int]:
+    """The offload terms of a step over `model` (an outline) laid out by `layout`
+    on a `platform` (`DeviceProfile.platform`), with `params_bytes` and
+    `opt_bytes` of state per device; `loss` and the global `batch` (an outline)
+    give the named activations. Per device, as `Prediction`'s fields:
+    `host_argument_bytes` (the state kept in host memory), `offload_bytes` (what
+    bringing it onto the device adds to the device's temporaries, less the
+    activations kept on the host) and `host_temp_bytes` (those activations)."""
+    host = device = activations = 0
+    dims = layout.resolved.dims
+    if "activations" in dims.offload and platform != "cpu":
+        activations = _offloaded_activations(layout, model, loss, batch)
+        device -= activations
+    if layout.memory_kind("params"):
+        host += params_bytes
+        device += params_bytes
+    if layout.memory_kind("optimizer"):
+        streams = platform != "cpu" and not layout.sliced_update
+        chunks = chunk_count(model, layout.updates) if streams else 1
+        host += opt_bytes
+        device += opt_bytes // chunks
+    return {"host_argument_bytes": host, "offload_bytes": device, "host_temp_bytes": activations}
+
+
+def _offloaded_activations(layout: StepLayout, model: Any, loss: Callable, batch: Any) -> int:
+    """Per device, the bytes of the activations the plan's `RematPolicy` offloads:
+    the values its layers name (`checkpoint_name`), each once per trip of the
+    scans around it, traced on outlines under the plan (float32 weights: each
+    value in the plan's compute dtype)."""
+    dims = layout.resolved.dims
+    names = frozenset(dims.remat.offloaded)
+    floating = lambda x: is_array_like(x) and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)  # noqa: E731
+    params, static = eqx.partition(model, floating)
+    with layout.plan:
+        closed = jax.make_jaxpr(lambda p, b: loss(eqx.combine(p, static), b))(params, batch)
+    split = dims.batch_size_multiple * dims.context_size
+    found: dict[str, int] = {}
+    # Traced in the weights' dtype; the step computes (and names) them in the
+    # plan's compute dtype.
+    _named_bytes(closed.jaxpr, names, 1, found, dims.compute_dtype)
+    # A block's input is whole over the tensor axis; the projections split there.
+    tensor = {name: 1 if name == "decoder_layer_input" else dims.tensor_size for name in found}
+    return sum(n // split // tensor[name] for name, n in found.items())
+
+
+def _named_bytes(
+    jaxpr: Any, names: frozenset[str], trips: int, found: dict[str, int], compute_dtype: Any
+) -> None:
+    """Add to `found` the global bytes of each value `jaxpr` names in `names` (a
+    floating one in `compute_dtype` where that is not None), times the trips of
+    the scans it runs in."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name" and eqn.params.get("name") in names:
+            name, aval = eqn.params["name"], eqn.outvars[0].aval
+            floating = jax.numpy.issubdtype(aval.dtype, jax.numpy.floating)
+            dtype = aval.dtype if compute_dtype is None or not floating else compute_dtype
+            size = aval.size * itemsize(dtype)
+            found[name] = found.get(name, 0) + trips * size
+        inner_trips = trips * int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else trips
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                _named_bytes(inner, names, inner_trips, found, compute_dtype)
