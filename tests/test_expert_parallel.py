@@ -128,6 +128,7 @@ def test_ragged_exchange_matches_one_device(monkeypatch, mode):
     which checks the offsets and sizes the layer passes."""
     plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT, mode=mode)
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    monkeypatch.setattr("eqxpar.nn._moe_dispatch.NO_RAGGED_PLATFORMS", ())
     model = MoEModel(top_k=2, num_shared=1, exchange="ragged")
     train_checked(plan, model, optax.adamw(1e-2), moe_regression_loss, batches(3))
     # Adversarial routing: every token of every device to one device's experts.
@@ -135,6 +136,16 @@ def test_ragged_exchange_matches_one_device(monkeypatch, mode):
     # Left to choose, the layer pads on CPU: the emulation is never called.
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", None)
     train_checked(plan, MoEModel(top_k=2), optax.sgd(1e-2), moe_regression_loss, batches(1))
+
+
+def test_a_ragged_exchange_on_cpu_is_refused_naming_the_fix():
+    # XLA:CPU cannot compile a ragged all-to-all: refused when traced, not left
+    # to the compiler's UNIMPLEMENTED.
+    plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT)
+    with pytest.raises(eqxpar.PlanError, match=r"exchange='ragged'.*exchange='auto'"):
+        train_checked(
+            plan, MoEModel(top_k=2, exchange="ragged"), optax.sgd(1e-2), moe_regression_loss, batches(1)
+        )
 
 
 def test_tensor_and_expert_axes_match_one_device():

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._errors import PlanError
 from .._mesh import EXPERT_AXIS
 from .._plan import current_plan
 from .._varying import mark_varying, varying_axes
@@ -28,15 +29,28 @@ from .._varying import mark_varying, varying_axes
 #: The platforms whose compilers implement `ragged-all-to-all` and where eqxpar
 #: uses it (XLA:CPU does not; GPU is not checked yet, so it takes the padded path).
 RAGGED_PLATFORMS = ("tpu",)
+#: The platforms whose compilers refuse `ragged-all-to-all` (UNIMPLEMENTED at
+#: compile time on XLA:CPU, JAX 0.10.2 to 0.12.1): `"ragged"` is refused there
+#: when traced, naming the fix, rather than left to the compiler's error.
+NO_RAGGED_PLATFORMS = ("cpu",)
 
 
 def ragged_exchange(exchange: str) -> bool:
     """Whether an MoE exchange configured `exchange` (`MoEConfig.exchange`) uses
     `jax.lax.ragged_all_to_all`: `"ragged"`, or `"auto"` where the plan being
     traced (`with plan:`, or an eqxpar step's) lays its mesh over devices of a
-    platform in `RAGGED_PLATFORMS` (outside a plan: padded)."""
+    platform in `RAGGED_PLATFORMS` (outside a plan: padded). Raises `PlanError`
+    for `"ragged"` on a platform in `NO_RAGGED_PLATFORMS`."""
     plan = current_plan()
-    return ragged_on(exchange, None if plan is None else plan.mesh.devices.flat[0].platform)
+    platform = None if plan is None else plan.mesh.devices.flat[0].platform
+    ragged = ragged_on(exchange, platform)
+    if ragged and platform in NO_RAGGED_PLATFORMS:
+        raise PlanError(
+            f"MoEConfig(exchange={exchange!r}) under a plan on {platform} devices: XLA:{platform.upper()} "
+            "cannot compile jax.lax.ragged_all_to_all. Use exchange='auto' (padded here, ragged on TPU) "
+            "or 'padded'."
+        )
+    return ragged
 
 
 def ragged_on(exchange: str, platform: str | None) -> bool:
