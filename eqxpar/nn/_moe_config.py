@@ -29,7 +29,8 @@ class MoEConfig:
       layer's `hidden`).
     - `exchange`: how a dropless layer under expert parallelism sends tokens to
       their experts' devices and back: `"ragged"` (`jax.lax.ragged_all_to_all`:
-      only the routed rows cross; XLA:CPU cannot run it), `"padded"` (dense
+      only the routed rows cross; XLA:CPU cannot compile it, so a CPU plan
+      refuses it with a `PlanError`), `"padded"` (dense
       all-to-alls of buffers with room for the worst case: `devices` times the
       routed rows; every backend), or `"auto"` (default: ragged where the plan
       being traced is on TPU, padded elsewhere). Both give the same numbers.
