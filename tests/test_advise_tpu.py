@@ -100,15 +100,16 @@ def test_the_cpu_profile_keeps_every_gradient_whole_where_the_tpu_scatters_them(
 
 #: Per offload record: the bound on the error of what the offload changes on the
 #: device, as a share of what it offloads; the goal is 10 %. The parameters'
-#: term counts them on the device for the whole pass (libtpu 0.0.52's program:
-#: 1.02 GiB more temporaries for 0.93 offloaded); 0.0.50.1 keeps half as many.
+#: term counts the weights outside the stack back on the device whole and the
+#: stacked gradients off it (8B: the compiled temporaries fell by 0.82 GiB, the
+#: term says 0.69).
 #: None: not held. Under a RematPolicy the plain model counts the policy's
 #: residuals on top of the stack's kept inputs (+1.97 GiB on 8B against full
 #: remat, where the compiled temporaries fell by 0.30), so what the activations'
 #: offload changes is lost in that error; their host bytes are held.
 OFFLOAD_BOUNDS = {
     "llama3-8b_v5p-64_fsdp32_offload-optimizer": 0.10,
-    "llama3-8b_v5p-64_fsdp32_offload-params": 0.55,
+    "llama3-8b_v5p-64_fsdp32_offload-params": 0.20,
     "llama3-70b_v5p-256_fsdp32_tensor4_offload-optimizer": 0.10,
     "llama3-8b_v5p-64_fsdp32_offload-activations": None,
 }
@@ -123,9 +124,10 @@ def test_the_offload_prediction_matches_the_tpu_compilers_record(name):
     base = tpu_compile.OFFLOAD_CASES[name][0]
     record, plain = RECORDS[name], RECORDS[base]
     p, q = tpu_compile.predict_case(name), tpu_compile.predict_case(base)
-    if tpu_compile.OFFLOAD_CASES[name][1] == ("optimizer",):
+    if tpu_compile.OFFLOAD_CASES[name][1] in (("optimizer",), ("params",)):
         # The record itself meets the issue's bar: the peak falls by 90 % of the
-        # state offloaded (the streamed update; a rerun that regresses fails here).
+        # state offloaded (the streamed update, the stack's weights moved a layer
+        # at a time; a rerun that regresses fails here).
         assert plain["peak_bytes"] - record["peak_bytes"] >= 0.9 * record["host_argument_bytes"]
     assert p["host_bytes"] == pytest.approx(record["host_bytes"], rel=0.10)
     if OFFLOAD_BOUNDS[name] is None:

@@ -12,11 +12,15 @@ the TPU compiler").
   next chunk's fetch overlaps them).
   Where nothing streams (XLA:CPU, a model without stacked layers, ZeRO-1) the
   whole state comes onto the device for the update.
-- **Parameters.** They come onto the device whole at the top of the step and
-  may stay there for the forward and backward pass: their bytes leave the
-  arguments and are counted back as temporaries (libtpu 0.0.52's program on 8B:
-  1.02 GiB more temporaries for 0.93 GiB offloaded; 0.0.50.1's keeps 0.45, an
-  upper bound then).
+- **Parameters.** Off XLA:CPU and outside pipelines the step brings those
+  outside a scanned stack onto the device whole and leaves the stack's weights in
+  host memory; the scan moves each layer's slice over and each layer's gradient
+  back, so the stacked gradients wait in host memory through the backward pass
+  (counted off the device's temporaries) and the compiler keeps about three
+  stacks' bytes of host temporaries (8B: 2.44 GiB for 0.81 of stacked weights per
+  chip; the same ratio on a toy stack at 4, 8 and 16 layers). Elsewhere they come
+  onto the device whole at the top of the step and are counted back as
+  temporaries (libtpu 0.0.52's program: 1.02 GiB for 0.93 offloaded).
 - **Activations.** The values a `RematPolicy` names as offloaded are kept in
   host memory instead of the device's: each named value's bytes (once per layer
   of a scanned stack), split as the batch is (and over the tensor axis, but for
@@ -29,9 +33,13 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.sharding import PartitionSpec
 
-from .._sizes import itemsize
+from .._mesh import axis_size
+from .._rules import mesh_axis_names
+from .._sizes import itemsize, nbytes
 from .._specs import is_array_like
+from .._stack_order import OrderedStack
 from .._train._step_layout import StepLayout
 from .._train._streamed_update import chunk_count
 
@@ -52,21 +60,47 @@ def offload_terms(
     give the named activations. Per device, as `Prediction`'s fields:
     `host_argument_bytes` (the state kept in host memory), `offload_bytes` (what
     bringing it onto the device adds to the device's temporaries, less the
-    activations kept on the host) and `host_temp_bytes` (those activations)."""
-    host = device = activations = 0
+    activations kept on the host) and `host_temp_bytes` (those activations, and the
+    compiler's host copies of offloaded stacked parameters' gradients)."""
+    host = device = host_temp = 0
     dims = layout.resolved.dims
     if "activations" in dims.offload and platform != "cpu":
-        activations = _offloaded_activations(layout, model, loss, batch)
-        device -= activations
+        host_temp = _offloaded_activations(layout, model, loss, batch)
+        device -= host_temp
     if layout.memory_kind("params"):
         host += params_bytes
-        device += params_bytes
+        if platform != "cpu" and layout.kind != "pipeline":
+            stacked_bytes = _stacked_bytes(model, layout.params, layout.plan.mesh)
+            # The weights outside the stacks come whole; the stacked gradients
+            # wait in host memory, beside the compiler's copies.
+            device += params_bytes - 2 * stacked_bytes
+            host_temp += 3 * stacked_bytes
+        else:
+            device += params_bytes
     if layout.memory_kind("optimizer"):
         streams = platform != "cpu" and not layout.sliced_update
         chunks = chunk_count(model, layout.updates) if streams else 1
         host += opt_bytes
         device += opt_bytes // chunks
-    return {"host_argument_bytes": host, "offload_bytes": device, "host_temp_bytes": activations}
+    return {"host_argument_bytes": host, "offload_bytes": device, "host_temp_bytes": host_temp}
+
+
+def _stacked_bytes(params: Any, specs: Any, mesh: Any) -> int:
+    """Per device, the bytes of the parameters inside scanned stacks (`eqxpar.nn.Stacked`)."""
+
+    def stacks(tree: Any) -> list:
+        nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (OrderedStack, PartitionSpec)))
+        return [n for n in nodes if isinstance(n, OrderedStack)]
+
+    total = 0
+    for stack, stack_specs in zip(stacks(params), stacks(specs), strict=True):
+        flat = jax.tree.structure(stack).flatten_up_to(stack_specs)
+        for x, spec in zip(jax.tree.leaves(stack), flat, strict=True):
+            if is_array_like(x):
+                split = spec if isinstance(spec, PartitionSpec) else ()
+                axes = [a for e in split for a in mesh_axis_names(e)]
+                total += nbytes(x) // axis_size(mesh, axes)
+    return total
 
 
 def _offloaded_activations(layout: StepLayout, model: Any, loss: Callable, batch: Any) -> int:

@@ -155,6 +155,14 @@ def _train_step(
     # here with the global loss and gradients, so the check and the update below
     # are one code path for every plan.
     value, aux, grads = _gradients(loss, layout, state.model, batch, key)
+    # An offloaded model's stacked weights stayed in host memory through the
+    # passes (each layer's slice came over in the stack's scan): whole on the
+    # device now, for the update.
+    model = layout.stacked_params_onto_device(state.model)
+    state = eqx.tree_at(lambda s: s.model, state, model, is_leaf=lambda x: x is None)
+    # Their gradients came out where the slices came from (a transfer's
+    # transpose moves the cotangent back): onto the device too.
+    grads = layout.stacked_params_onto_device(grads)
     grad_norm = gradient_norm(grads)
     metrics: Metrics = {"loss": value, "grad_norm": grad_norm}
     if _streams_update(optimizer, layout, state, grads):

@@ -27,6 +27,7 @@ from .._rules import mesh_axis_names
 from .._shard_map import region_manual_axes
 from .._sharding import HOST_MEMORY, in_memory, shardings_of
 from .._specs import leaves_with_layout, partition_specs
+from .._stack_order import OrderedStack
 from ._resolved_plan import Kind, ResolvedPlan
 from ._trainable import split_trainable
 
@@ -283,6 +284,30 @@ class StepLayout:
         moved to the device's memory."""
         return self._moved(state, "device")
 
+    @property
+    def streams_stacked_params(self) -> bool:
+        """Whether the passes leave an offloaded model's stacked weights in host
+        memory and the stack's scan brings one layer's slice at a time onto the
+        device: under `Plan(offload=("params",))`, off XLA:CPU (one memory there,
+        nothing to gain, and the transfers in the loop changed its float32
+        rounding) and outside pipelines (whose stages run the stack themselves)."""
+        return (
+            self.memory_kind("params") is not None
+            and self.kind != "pipeline"
+            and self.plan.mesh.devices.flat[0].platform != "cpu"
+        )
+
+    def stacked_params_onto_device(self, model: PyTree) -> PyTree:
+        """Inside the compiled step, once the gradients exist: the weights of an
+        offloaded model's scanned stacks (`eqxpar.nn.Stacked`) moved to the
+        device's memory for the update. `onto_device` leaves them in host memory
+        for the forward and backward passes, where the stack's scan moves one
+        layer's slice at a time (so the passes never hold the whole stack on the
+        device). The same for the gradients (a model-shaped tree)."""
+        if not self.streams_stacked_params:
+            return model
+        return _moved_leaves(model, self.params, self.plan.mesh, "device", stacks=True)
+
     def onto_host(self, state: Any) -> Any:
         """Inside the compiled step: the offloaded parts of `state` moved back to host memory."""
         return self._moved(state, HOST_MEMORY)
@@ -298,20 +323,41 @@ class StepLayout:
             # (`optimizer_state_onto_device`), not here.
             if self.memory_kind(part) is None or (part == "optimizer" and kind == "device"):
                 continue
-            moved = jax.tree.map(
-                lambda spec, x: (
-                    x if spec is None else jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind))
-                ),
-                where(specs),
-                where(state),
-                is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
-            )
+            # The stacks' weights stay in host memory for the passes: the stack's
+            # scan brings each layer's slice over (`stacked_params_onto_device`
+            # brings them whole for the update).
+            stacks = False if part == "params" and kind == "device" and self.streams_stacked_params else None
+            moved = _moved_leaves(where(state), where(specs), mesh, kind, stacks=stacks)
             state = eqx.tree_at(where, state, moved, is_leaf=lambda x: x is None)
         return state
 
     def shardings(self, specs: PyTree) -> PyTree:
         """`specs` (PartitionSpecs, None elsewhere) as NamedShardings on the plan's mesh."""
         return shardings_of(specs, self.plan.mesh)
+
+
+def _moved_leaves(tree: PyTree, specs: PyTree, mesh: Any, kind: str, *, stacks: bool | None) -> PyTree:
+    """`tree`'s arrays (those with a PartitionSpec in `specs`) moved to memory
+    `kind`: all of them (`stacks=None`), only those inside an
+    `eqxpar.nn.Stacked` (`True`) or only those outside one (`False`)."""
+
+    def move(spec: Any, x: Any) -> Any:
+        if spec is None:
+            return x
+        return jax.device_put(x, NamedSharding(mesh, spec, memory_kind=kind))
+
+    def node(spec: Any, x: Any) -> Any:
+        if isinstance(spec, OrderedStack):
+            if stacks is False:
+                return x
+            return jax.tree.map(move, spec, x, is_leaf=lambda v: v is None or isinstance(v, PartitionSpec))
+        if stacks is True:
+            return x
+        return move(spec, x)
+
+    return jax.tree.map(
+        node, specs, tree, is_leaf=lambda v: v is None or isinstance(v, (PartitionSpec, OrderedStack))
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,6 +224,9 @@ class Stacked(OrderedStack):
         dims = None if plan is None else ParallelDims.of(plan)
         policy, compute_dtype = ("none", None) if dims is None else (dims.remat, dims.compute_dtype)
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        # Plan(offload=("params",)) off XLA:CPU: the step left the stack's weights in host
+        # memory (StepLayout.streams_stacked_params); each layer's slice comes over below.
+        offloaded = "params" in getattr(dims, "offload", ()) and plan.mesh.devices.flat[0].platform != "cpu"
         # Under a manual FSDP step: how each array of a layer is all-gathered in
         # the scanned body (one layer's weights whole at a time; the gather's
         # transpose reduce-scatters the gradient). Set by the step around the loss.
@@ -245,6 +248,7 @@ class Stacked(OrderedStack):
         def layer(h, params):
             if key is not None:
                 params, layer_key = params
+            params = _onto_device(params) if offloaded else params
             # This layer's weights only, before any gather: the step leaves a
             # stack's weights in their dtype (see casts_per_layer).
             params = params if compute_dtype is None else cast_floating(params, compute_dtype)
@@ -293,6 +297,13 @@ class Stacked(OrderedStack):
         if key is not None:
             return run(x, (arrays, jax.random.split(key, self.layers)))
         return run(x, arrays)
+
+
+def _onto_device(params: PyTree) -> PyTree:
+    """One layer's weights moved from host memory onto the device, in the scan's
+    body: the passes hold one layer's weights there, not the stack's (the
+    transfer's transpose sends the layer's gradient back to host memory)."""
+    return jax.tree.map(lambda w: jax.device_put(w, jax.memory.Space.Device), params)
 
 
 def _carried(out: PyTree, carry: Any) -> tuple[PyTree, PyTree]:
