@@ -304,6 +304,12 @@ def _resolve_sizes(sizes: dict[str, Any], n_devices: int, topology: Any) -> int:
     return total
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of `mesh`'s devices (`"cpu"`, `"tpu"`, `"gpu"`): a mesh lies
+    over devices of one platform."""
+    return mesh.devices.flat[0].platform
+
+
 def axis_size(mesh: Mesh, axes: str | Sequence[str] | None) -> int:
     """Number of devices a dimension split over `axes` of `mesh` is divided into."""
     if axes is None:

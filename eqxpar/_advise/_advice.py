@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 
 from .._batch_layout import BatchLayout
 from .._errors import EqxparError, PlanError
-from .._mesh import CONTEXT_AXIS, make_mesh
+from .._mesh import CONTEXT_AXIS, make_mesh, mesh_platform
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._specs import is_array_like
@@ -171,7 +171,7 @@ class Advice:
         batch = outline(self.batch)
         state = train.init(outline(self.model), self.optimizer, plan, key=jax.random.key(0), abstract=True)
         step = train.make_step(loss, self.optimizer, plan)
-        on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
+        on_cpu = mesh_platform(plan.mesh) == "cpu"
         compiled = step.lower(state, batch).compile(compiler_options=_MEMORY_ONLY if on_cpu else None)
         memory, stats, p = memory_report(compiled), collective_stats(compiled), c.prediction
         return Comparison(

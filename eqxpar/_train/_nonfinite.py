@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, PyTree
 
 from .._errors import NonFiniteError, PlanError
+from .._mesh import mesh_platform
 from ._step_layout import StepLayout
 from ._train_state import TrainState
 
@@ -39,7 +40,7 @@ def is_finite_step(loss: Array, grad_norm: Array) -> Bool[Array, ""]:
     return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
 
-def _select(finite: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
+def select_if_finite(finite: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     """`new`'s arrays where the step is finite, else `old`'s (same structure); the
     non-array leaves of `new`."""
     new_arrays, static = eqx.partition(new, eqx.is_array)
@@ -48,6 +49,11 @@ def _select(finite: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
     # produced `new`; a `lax.cond` would keep the update out of that fusion.
     chosen = jax.tree.map(lambda n, o: lax.select(finite, n, o), new_arrays, old_arrays)
     return eqx.combine(chosen, static)
+
+
+def count_skipped(skipped_steps: Array, finite: Bool[Array, ""]) -> Array:
+    """`skipped_steps`, one more where the step was not `finite`."""
+    return skipped_steps + jnp.logical_not(finite).astype(skipped_steps.dtype)
 
 
 def keep_unless_finite(old: TrainState, new: TrainState, finite: Bool[Array, ""]) -> TrainState:
@@ -60,11 +66,11 @@ def keep_unless_finite(old: TrainState, new: TrainState, finite: Bool[Array, ""]
     learning-rate schedules, count only the updates applied.
     """
     return TrainState(
-        model=_select(finite, new.model, old.model),
-        opt_state=_select(finite, new.opt_state, old.opt_state),
+        model=select_if_finite(finite, new.model, old.model),
+        opt_state=select_if_finite(finite, new.opt_state, old.opt_state),
         step=new.step,
         key=new.key,
-        skipped_steps=old.skipped_steps + jnp.logical_not(finite).astype(old.skipped_steps.dtype),
+        skipped_steps=count_skipped(old.skipped_steps, finite),
     )
 
 
@@ -119,7 +125,7 @@ def check_cpu_skip_nonfinite(layout: StepLayout, step_jaxpr: Callable[[], jcore.
     with a pool of one, and steps without a loop ran on 0.10.2.
     """
     mesh = layout.plan.mesh
-    if mesh.devices.flat[0].platform != "cpu" or _jaxlib_version() >= _CPU_OVERLAP_FIXED_JAXLIB:
+    if mesh_platform(mesh) != "cpu" or _jaxlib_version() >= _CPU_OVERLAP_FIXED_JAXLIB:
         return
     specs = jax.tree.leaves(layout.params, is_leaf=lambda s: isinstance(s, PartitionSpec))
     named = {a for s in specs if isinstance(s, PartitionSpec) for e in s for a in _axes_of(e)}

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from .._batch_layout import BatchLayout
 from .._errors import OffloadWarning, PlanError
-from .._mesh import CONTEXT_AXIS
+from .._mesh import CONTEXT_AXIS, mesh_platform
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
@@ -201,7 +201,7 @@ CPU_COLLECTIVE_ORDER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=fa
 
 
 def _on_cpu(mesh: Mesh) -> bool:
-    return mesh.devices.flat[0].platform == "cpu"
+    return mesh_platform(mesh) == "cpu"
 
 
 def warn_cpu_collective_order(resolved: ResolvedPlan) -> None:
@@ -243,7 +243,7 @@ def warn_cpu_offload(resolved: ResolvedPlan) -> None:
     if "activations" not in resolved.dims.offload or not _on_cpu(resolved.mesh):
         return
     warnings.warn(
-        f"Plan(offload=('activations', ...)) on XLA:CPU (platform {resolved.mesh.devices.flat[0].platform!r}): "
+        f"Plan(offload=('activations', ...)) on XLA:CPU (platform {mesh_platform(resolved.mesh)!r}): "
         "this backend ignores activation offload and keeps the activations the remat policy names as "
         f"offloaded ({resolved.dims.remat.offloaded}) in device memory, as saved ones. The step computes "
         "the same; the memory it saves shows on TPU and GPU only (compile for a TPU topology to measure "

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._errors import AccumulationWarning, OffloadWarning, PlanError
+from .._mesh import mesh_platform
 from .._outline_jit import OutlineJit, refuse_outlines
 from .._plan import Plan
 from .._sharding import check_batch, place_tree
@@ -20,7 +21,13 @@ from .._update_layout import UpdateLayout, updating
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
 from ._grad_manual import manual_gradients
-from ._nonfinite import check_cpu_skip_nonfinite, gradient_norm, is_finite_step, keep_unless_finite
+from ._nonfinite import (
+    check_cpu_skip_nonfinite,
+    count_skipped,
+    gradient_norm,
+    is_finite_step,
+    keep_unless_finite,
+)
 from ._resolved_plan import ResolvedPlan, warn_cpu_collective_order, warn_cpu_offload
 from ._step_layout import StepLayout
 from ._streamed_update import chunk_count, elementwise_update, streamed_update
@@ -67,7 +74,7 @@ def _apply(
     chunk."""
     model = state.model
     if streamed:
-        params, _ = layout.differentiated(model)
+        params, rest = layout.differentiated(model)
         new_params, opt_state = streamed_update(
             optimizer,
             grads,
@@ -80,7 +87,7 @@ def _apply(
             finite=finite,
         )
         return TrainState(
-            model=eqx.combine(new_params, layout.differentiated(model)[1]),
+            model=eqx.combine(new_params, rest),
             opt_state=opt_state,
             step=state.step + 1,
             key=state.key,
@@ -117,7 +124,7 @@ def _streams_update(
     cannot stream comes onto the device whole, with a warning saying why."""
     if layout.memory_kind("optimizer") is None or layout.sliced_update:
         return False
-    if layout.plan.mesh.devices.flat[0].platform == "cpu":
+    if mesh_platform(layout.plan.mesh) == "cpu":
         # XLA:CPU's host and device memory are one, so streaming saves nothing
         # there; and it fuses a chunk's update otherwise than the whole one's (a
         # new moment recomputed inside the parameter's fusion), a rounding apart
@@ -171,7 +178,7 @@ def _train_step(
         finite = is_finite_step(value, grad_norm) if skip_nonfinite else None
         new_state = _apply(optimizer, layout, state, grads, streamed=True, finite=finite)
         if finite is not None:
-            skipped = state.skipped_steps + jnp.logical_not(finite).astype(state.skipped_steps.dtype)
+            skipped = count_skipped(state.skipped_steps, finite)
             new_state = eqx.tree_at(lambda s: s.skipped_steps, new_state, skipped)
     else:
         # An offloaded optimizer state comes onto the device now, for the update

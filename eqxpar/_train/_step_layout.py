@@ -21,7 +21,7 @@ from jax.tree_util import keystr
 from jaxtyping import PyTree
 
 from .._errors import BatchError, PlanError
-from .._mesh import CONTEXT_AXIS, EXPERT_AXIS
+from .._mesh import CONTEXT_AXIS, EXPERT_AXIS, mesh_platform
 from .._plan import Plan
 from .._rules import mesh_axis_names
 from .._shard_map import region_manual_axes
@@ -294,7 +294,7 @@ class StepLayout:
         return (
             self.memory_kind("params") is not None
             and self.kind != "pipeline"
-            and self.plan.mesh.devices.flat[0].platform != "cpu"
+            and mesh_platform(self.plan.mesh) != "cpu"
         )
 
     def stacked_params_onto_device(self, model: PyTree) -> PyTree:

@@ -24,7 +24,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import optax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec
@@ -33,6 +32,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from .._sharding import HOST_MEMORY
 from .._specs import is_array_like, leaves_with_layout
+from ._nonfinite import select_if_finite
 
 #: Primitives whose output at a position is a function of their operands at that
 #: position (or of scalar operands): slicing commutes with them.
@@ -247,8 +247,8 @@ def streamed_update(
         new_params = eqx.apply_updates(params_, updates)
         new_s, new_p = jax.tree.leaves(new_state), jax.tree.leaves(new_params)
         if finite is not None:
-            new_s = [jnp.where(finite, new, old) for new, old in zip(new_s, s_device, strict=True)]
-            new_p = [jnp.where(finite, new, old) for new, old in zip(new_p, p, strict=True)]
+            new_s = select_if_finite(finite, new_s, s_device)
+            new_p = select_if_finite(finite, new_p, p)
         return moved(new_s, s_specs, HOST_MEMORY), new_p
 
     def chunks_of(xs: list[Array], index: Any) -> list[Array]:

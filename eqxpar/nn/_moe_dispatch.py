@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._errors import PlanError
-from .._mesh import EXPERT_AXIS
+from .._mesh import EXPERT_AXIS, mesh_platform
 from .._plan import current_plan
 from .._varying import mark_varying, varying_axes
 
@@ -42,7 +42,7 @@ def ragged_exchange(exchange: str) -> bool:
     platform in `RAGGED_PLATFORMS` (outside a plan: padded). Raises `PlanError`
     for `"ragged"` on a platform in `NO_RAGGED_PLATFORMS`."""
     plan = current_plan()
-    platform = None if plan is None else plan.mesh.devices.flat[0].platform
+    platform = None if plan is None else mesh_platform(plan.mesh)
     ragged = ragged_on(exchange, platform)
     if ragged and platform in NO_RAGGED_PLATFORMS:
         raise PlanError(

@@ -15,6 +15,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._casting import cast_floating
 from .._errors import PlanError
 from .._fsdp import gather_weights, layer_gathers_for
+from .._mesh import mesh_platform
 from .._parallel_dims import ParallelDims
 from .._param import stacked
 from .._plan import current_plan
@@ -226,7 +227,7 @@ class Stacked(OrderedStack):
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
         # Plan(offload=("params",)) off XLA:CPU: the step left the stack's weights in host
         # memory (StepLayout.streams_stacked_params); each layer's slice comes over below.
-        offloaded = "params" in getattr(dims, "offload", ()) and plan.mesh.devices.flat[0].platform != "cpu"
+        offloaded = "params" in getattr(dims, "offload", ()) and mesh_platform(plan.mesh) != "cpu"
         # Under a manual FSDP step: how each array of a layer is all-gathered in
         # the scanned body (one layer's weights whole at a time; the gather's
         # transpose reduce-scatters the gradient). Set by the step around the loss.
@@ -243,7 +244,7 @@ class Stacked(OrderedStack):
         # layer's FSDP gathers (and, transposed, its reduce-scatters) off from the
         # block's own collectives over other axes, or the simulated devices can
         # start them in different orders and wait on each other for ever.
-        fence = gathers is not None and plan is not None and plan.mesh.devices.flat[0].platform == "cpu"
+        fence = gathers is not None and plan is not None and mesh_platform(plan.mesh) == "cpu"
 
         def layer(h, params):
             if key is not None:

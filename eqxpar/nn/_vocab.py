@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._collectives import psum_scatter
 from .._context_split import context_size
 from .._errors import SpecError
+from .._mesh import mesh_platform
 from .._param import param
 from .._plan import current_plan
 from .._rules import mesh_axis_names
@@ -244,7 +245,7 @@ def _lookup_columns(layer: Embedding, ids: Array, ctx: TensorContext) -> Array |
     dtype = weight.dtype
     # The mesh's platform, not the default backend's: a program compiled here for a
     # TPU topology keeps its bfloat16 sum.
-    if (before or after) and dtype == jnp.bfloat16 and mesh.devices.flat[0].platform == "cpu":
+    if (before or after) and dtype == jnp.bfloat16 and mesh_platform(mesh) == "cpu":
         weight = weight.astype(jnp.float32)
     found = jax.shard_map(
         local,
