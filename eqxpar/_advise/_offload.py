@@ -69,7 +69,7 @@ def offload_terms(
         device -= host_temp
     if layout.memory_kind("params"):
         host += params_bytes
-        if platform != "cpu" and layout.kind != "pipeline":
+        if layout.streams_stacked_params_on(platform):
             stacked_bytes = _stacked_bytes(model, layout.params, layout.plan.mesh)
             # The weights outside the stacks come whole; the stacked gradients
             # wait in host memory, beside the compiler's copies.

@@ -288,14 +288,16 @@ class StepLayout:
     def streams_stacked_params(self) -> bool:
         """Whether the passes leave an offloaded model's stacked weights in host
         memory and the stack's scan brings one layer's slice at a time onto the
-        device: under `Plan(offload=("params",))`, off XLA:CPU (one memory there,
-        nothing to gain, and the transfers in the loop changed its float32
-        rounding) and outside pipelines (whose stages run the stack themselves)."""
-        return (
-            self.memory_kind("params") is not None
-            and self.kind != "pipeline"
-            and mesh_platform(self.plan.mesh) != "cpu"
-        )
+        device (`streams_stacked_params_on` the mesh's platform)."""
+        return self.streams_stacked_params_on(mesh_platform(self.plan.mesh))
+
+    def streams_stacked_params_on(self, platform: str) -> bool:
+        """`streams_stacked_params` on devices of `platform` (the advisor asks it
+        of a device profile's): under `Plan(offload=("params",))`, off XLA:CPU (one
+        memory there, nothing to gain, and the transfers in the loop changed its
+        float32 rounding) and outside pipelines (whose stages run the stack
+        themselves)."""
+        return self.memory_kind("params") is not None and self.kind != "pipeline" and platform != "cpu"
 
     def stacked_params_onto_device(self, model: PyTree) -> PyTree:
         """Inside the compiled step, once the gradients exist: the weights of an
