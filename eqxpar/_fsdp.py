@@ -44,7 +44,14 @@ def gather_weights(x: Shaped[Array, "..."], gather: Gather) -> Shaped[Array, "..
     return x.astype(dtype)
 
 
-def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int = 0, where: str) -> Gather:
+def gathers_of(
+    spec: PartitionSpec | None,
+    axes: Collection[str],
+    *,
+    skip: int = 0,
+    where: str,
+    unsplit: Collection[str] = (),
+) -> Gather:
     """The gathers that make an array with `spec` whole along the manual `axes`.
 
     `skip` leading dimensions (a stack's layer dimension) are dropped from the
@@ -54,6 +61,9 @@ def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int =
     all-to-alls bring every token of the expert group to them). A dimension
     split over `expert` beside other batch axes (`rules.EXPERT_FSDP`'s model
     dimension) is an FSDP split like any other, gathered over all of them.
+    `unsplit` names mesh axes of size 1: beside others in an entry they split
+    nothing, so they are neither gathered (a region leaves size-1 axes automatic)
+    nor mixed with the manual ones (`rules.EXPERT_FSDP` on a mesh without `fsdp`).
     """
     if spec is None:
         return ()
@@ -62,6 +72,7 @@ def gathers_of(spec: PartitionSpec | None, axes: Collection[str], *, skip: int =
         names = mesh_axis_names(entry)
         if names == (EXPERT_AXIS,):
             continue
+        names = tuple(a for a in names if a not in unsplit)
         hit = tuple(a for a in names if a in axes)
         if not hit:
             continue
@@ -118,19 +129,22 @@ def gathered_axes(spec: PartitionSpec | None, axes: Collection[str]) -> frozense
     return frozenset(a for entry in spec for a in mesh_axis_names(entry) if a in axes)
 
 
-def gather_whole(params: Any, specs: Any, axes: Collection[str]) -> Any:
+def gather_whole(params: Any, specs: Any, axes: Collection[str], *, unsplit: Collection[str] = ()) -> Any:
     """`params` (floating-point leaves, None elsewhere) with every shard over the
     manual `axes` gathered whole, stacks included (their layer dimension too).
 
     Gradient accumulation gathers once this way, before its micro-batch loop, so
     that the gradients are reduce-scattered once, after it (the gather's
-    transpose), rather than once per micro-batch.
+    transpose), rather than once per micro-batch. `unsplit`: the mesh's size-1
+    axes (`gathers_of`).
     """
     return jax.tree.map(
         lambda x, spec: (
             x
             if x is None
-            else gather_weights(x, gathers_of(spec, axes, where=f"a weight of shape {x.shape}"))
+            else gather_weights(
+                x, gathers_of(spec, axes, where=f"a weight of shape {x.shape}", unsplit=unsplit)
+            )
         ),
         params,
         specs,
@@ -177,9 +191,12 @@ def layer_gathers_for(arrays: Sequence[Any]) -> tuple[Gather, ...] | None:
     return tuple(found) if any(found) else None
 
 
-def prepare_model(model: Any, specs: Any, axes: Collection[str]) -> tuple[Any, dict[int, Gather]]:
+def prepare_model(
+    model: Any, specs: Any, axes: Collection[str], *, unsplit: Collection[str] = ()
+) -> tuple[Any, dict[int, Gather]]:
     """The per-device model with its FSDP shards made whole where used, and the
-    per-layer gathers of its stacks (for `layer_gathers`).
+    per-layer gathers of its stacks (for `layer_gathers`). `unsplit`: the mesh's
+    size-1 axes (`gathers_of`).
 
     Leaves outside stacked fields (`eqxpar.stacked`, e.g. `eqxpar.nn.Stacked`) are
     gathered now; leaves inside are gathered a layer at a time by the stack's scan.
@@ -192,8 +209,11 @@ def prepare_model(model: Any, specs: Any, axes: Collection[str]) -> tuple[Any, d
         if not (hasattr(leaf, "shape") and isinstance(spec, PartitionSpec)):
             out.append(leaf)
         elif leading:
-            per_layer[id(leaf)] = gathers_of(spec, axes, skip=1, where="a Stacked block's weight")
+            per_layer[id(leaf)] = gathers_of(
+                spec, axes, skip=1, where="a Stacked block's weight", unsplit=unsplit
+            )
             out.append(leaf)
         else:
-            out.append(gather_weights(leaf, gathers_of(spec, axes, where=f"a weight of shape {leaf.shape}")))
+            where = f"a weight of shape {leaf.shape}"
+            out.append(gather_weights(leaf, gathers_of(spec, axes, where=where, unsplit=unsplit)))
     return jax.tree.unflatten(treedef, out), per_layer

@@ -69,8 +69,8 @@ MEGATRON_FSDP = Logical(
 #: axis rather than replicated over `expert`, and gathered over both where used.
 #: An expert's weight keeps `expert` for its experts and splits its model
 #: dimension over `fsdp` alone (`Logical`: a mesh axis splits one dimension).
-#: For a mesh whose `fsdp` and `expert` axes are both larger than 1 (else
-#: `MEGATRON_FSDP` or `MEGATRON`).
+#: On a mesh without `fsdp` (size 1) those weights split over `expert` alone,
+#: still gathered where used.
 EXPERT_FSDP = Logical(
     {
         "mlp": "tensor",

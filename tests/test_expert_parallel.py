@@ -101,6 +101,21 @@ def test_expert_fsdp_splits_every_weight_over_expert_too(mode):
         assert stats.wire_bytes[kind] == minimum.wire_bytes[kind], (kind, stats.as_dict(), minimum)
 
 
+@pytest.mark.parametrize("mode", ["auto", "manual"])
+def test_expert_fsdp_without_an_fsdp_axis_splits_over_expert(mode):
+    """`rules.EXPERT_FSDP` on a mesh whose `fsdp` axis has size 1: the weights
+    outside the experts split over `expert` alone and are gathered over it where
+    used (the size-1 `fsdp` in their spec splits nothing), where a step used to
+    refuse them as mixing axes. Parity with one device over two steps."""
+    plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, data=2), rules=eqxpar.rules.EXPERT_FSDP, mode=mode)
+    assert plan.mesh.shape["fsdp"] == 1
+    _, state = train_checked(
+        plan, MoEModel(top_k=2, num_shared=1), optax.adamw(1e-2), moe_regression_loss, batches(2)
+    )
+    router = state.model.moe.router
+    assert router.sharding.shard_shape(router.shape)[0] == D // 4
+
+
 def _emulated_ragged_all_to_all(
     operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
 ):

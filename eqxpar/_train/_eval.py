@@ -36,7 +36,7 @@ def _device_loss(loss: LossFunction, layout: StepLayout, model: PyTree, batch: P
     model = loss.compute(model)
     per_layer: dict = {}
     if axes:
-        model, per_layer = prepare_model(model, layout.params, axes)
+        model, per_layer = prepare_model(model, layout.params, axes, unsplit=layout.unsplit_axes)
     with context_guard(layout), layer_gathers(per_layer):
         return loss(model, loss.compute(batch), key)
 

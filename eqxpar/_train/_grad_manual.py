@@ -116,17 +116,23 @@ def _local_gradients(
         params = jax.tree.map(lambda p: mark_varying(p, vary), params)
     batch = loss.compute(batch)
     if layout.accumulate == 1:
-        prepare = (lambda m: prepare_model(m, layout.params, axes)) if axes else None
+        prepare = (
+            (lambda m: prepare_model(m, layout.params, axes, unsplit=layout.unsplit_axes)) if axes else None
+        )
         return value_and_grad(loss, params, static, batch, key, prepare=prepare, allowed=vary)
     sum_dtypes = jax.tree.map(lambda p: p.dtype, params)
     pull = None
     if axes:
         # Cast before gathering, as the one-batch step does (its gathers move the
         # compute dtype).
-        params, pull = jax.vjp(lambda p: gather_whole(loss.compute(p), layout.params, axes), params)
+        params, pull = jax.vjp(
+            lambda p: gather_whole(loss.compute(p), layout.params, axes, unsplit=layout.unsplit_axes), params
+        )
         # Frozen weights are gathered once too (outside the differentiated function).
         frozen, rest = eqx.partition(static, eqx.is_inexact_array)
-        static = eqx.combine(gather_whole(loss.compute(frozen), layout.params, axes), rest)
+        static = eqx.combine(
+            gather_whole(loss.compute(frozen), layout.params, axes, unsplit=layout.unsplit_axes), rest
+        )
     value, aux, grads = accumulated_value_and_grad(
         loss,
         params,

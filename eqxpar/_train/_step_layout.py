@@ -189,6 +189,12 @@ class StepLayout:
         return axes + self.context_axes
 
     @property
+    def unsplit_axes(self) -> frozenset[str]:
+        """The mesh's axes of size 1: a spec naming one beside others splits nothing
+        over it (`rules.EXPERT_FSDP`'s `("fsdp", "expert")` on a mesh without fsdp)."""
+        return frozenset(a for a, n in self.plan.mesh.shape.items() if n == 1)
+
+    @property
     def context_axes(self) -> tuple[str, ...]:
         """`("context",)` when the step splits the sequence over it (size > 1), else `()`."""
         return (CONTEXT_AXIS,) if self.resolved.dims.context_size > 1 else ()

@@ -266,7 +266,12 @@ class Engine:
             lambda x, spec: (
                 None
                 if x is None
-                else gathers_of(spec, split_axes, where=f"a weight of shape {x.shape} under a pipeline")
+                else gathers_of(
+                    spec,
+                    split_axes,
+                    where=f"a weight of shape {x.shape} under a pipeline",
+                    unsplit=self.layout.unsplit_axes,
+                )
             ),
             params,
             self.layout.params,
@@ -276,7 +281,9 @@ class Engine:
         if self.sharded(split_axes):
             # Plan(stage_gradients="sharded"): the shards stay shards; each
             # action's stage gathers them where it uses them.
-            uses = StageGathers(params, self.layout.params, self.blocks_of, split_axes)
+            uses = StageGathers(
+                params, self.layout.params, self.blocks_of, split_axes, unsplit=self.layout.unsplit_axes
+            )
         else:
             params = jax.tree.map(
                 lambda x, g: x if x is None else gather_weights(x, g),

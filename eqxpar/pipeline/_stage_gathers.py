@@ -50,9 +50,12 @@ class StageGathers:
     - `specs`: their specs (mirroring `params`).
     - `blocks_of`: the pipelined stack's blocks in a tree like `params`.
     - `axes`: the manual batch axes of size > 1 the weights may be split over.
+    - `unsplit`: the mesh's size-1 axes (`gathers_of`).
     """
 
-    def __init__(self, params: Any, specs: Any, blocks_of: Any, axes: Collection[str]):
+    def __init__(
+        self, params: Any, specs: Any, blocks_of: Any, axes: Collection[str], *, unsplit: Collection[str] = ()
+    ):
         wrapped = jax.tree.map(
             lambda x, spec: None if x is None else _Spec(spec), params, specs, is_leaf=lambda x: x is None
         )
@@ -62,12 +65,14 @@ class StageGathers:
         #: Mirrors the rest of the model (the stack's blocks None): each leaf's
         #: gather whole.
         self.rest = jax.tree.map(
-            lambda s: None if s is None else _Whole(gathers_of(s.spec, axes, where=where)),
+            lambda s: None if s is None else _Whole(gathers_of(s.spec, axes, where=where, unsplit=unsplit)),
             rest,
             is_leaf=lambda x: x is None or isinstance(x, _Spec),
         )
         #: Per leaf of the blocks (in `jax.tree.leaves` order): one layer's gather.
-        self.layer = [gathers_of(s.spec, axes, skip=1, where=where) for s in jax.tree.leaves(blocks)]
+        self.layer = [
+            gathers_of(s.spec, axes, skip=1, where=where, unsplit=unsplit) for s in jax.tree.leaves(blocks)
+        ]
 
         #: Per leaf of the rest (in `jax.tree.leaves` order): whether `first` and
         #: whether `last` uses it (`find_uses`); None: not found yet (all are).
