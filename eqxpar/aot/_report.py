@@ -91,8 +91,8 @@ class AotReport:
     #: The device temporaries as the compiler's buffer assignment lays them out
     #: (its preallocated temp buffer: `memory_analysis()`'s
     #: `total_allocation_bytes - indefinite_allocations`), None where the
-    #: installed jaxlib does not say. libtpu 0.0.52 reports this as `temp_bytes`;
-    #: 0.0.50.1 reports more than it for a program with loops.
+    #: installed jaxlib does not say. libtpu 0.0.52's `temp_bytes` is this within
+    #: a few KiB; 0.0.50.1's is more than it for a program with loops.
     heap_temp_bytes: int | None = None
 
     @property
