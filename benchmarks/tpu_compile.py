@@ -310,7 +310,9 @@ def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
         # excess over them that the offload changes too.
         heap = None
         if r.get("heap_temp_bytes") is not None and base.get("heap_temp_bytes") is not None:
-            heap = r["argument_bytes"] + r["heap_temp_bytes"] - base["argument_bytes"] - base["heap_temp_bytes"]
+            heap = (
+                r["argument_bytes"] + r["heap_temp_bytes"] - base["argument_bytes"] - base["heap_temp_bytes"]
+            )
         misses = f"{(predicted - compiled) / offloaded if offloaded else 0:+.0%}"
         if heap is not None:
             misses += f", {(predicted - heap) / offloaded if offloaded else 0:+.0%}"

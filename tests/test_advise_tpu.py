@@ -101,6 +101,47 @@ def test_the_cpu_profile_keeps_every_gradient_whole_where_the_tpu_scatters_them(
     assert tpu.wire_bytes["all-to-all"] > 0
 
 
+def test_a_remat_policys_named_values_are_kept_per_layer_and_offloaded_but_one_layers():
+    # Under a RematPolicy the stack keeps each layer's named values beside its
+    # input (saved: on the device; offloaded: in host memory, but one layer's
+    # transfer buffers), every layer's: Llama-3-8B's shapes, 2 layers, on the
+    # TPU profile.
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import eqxpar
+    from eqxpar import aot
+    from eqxpar._advise._analysis import analyse
+    from eqxpar._advise._predict import predict
+
+    qkv = ("query_proj", "key_proj", "value_proj")
+    config = eqxpar.models.preset("llama3-8b", num_layers=2, loss_chunk=512)
+    outline = eqx.filter_eval_shape(eqxpar.models.GPT, config, key=jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((32, 2049), jnp.int32)
+    options = {
+        "full": {},
+        "saved": dict(saved_names=qkv),
+        "offloaded": dict(offload=("activations",), offloaded_names=qkv),
+    }
+    p = {}
+    for label, kw in options.items():
+        plan = aot.plan_of({"fsdp": 32}, topology="v5p-64", **kw)
+        state = eqxpar.train.init(outline, optax.adamw(1e-4), plan, key=jax.random.key(0), abstract=True)
+        with plan:
+            analysis = analyse(outline, eqxpar.models.lm_loss, tokens)
+        profile = eqxpar.DEVICE_PROFILES["tpu_v5p"]
+        p[label] = predict(
+            plan, state.model, state.opt_state, tokens, eqxpar.models.lm_loss, analysis, profile
+        )
+    # One layer's query, key and value per chip: 2,048 tokens x (4,096 + 2 x 1,024) in bfloat16.
+    layer = 2048 * (4096 + 2 * 1024) * 2
+    assert p["saved"].temp_bytes - p["full"].temp_bytes == 2 * layer
+    assert p["offloaded"].host_bytes == 2 * layer
+    assert p["saved"].temp_bytes - p["offloaded"].temp_bytes == 2 * layer - layer
+
+
 #: Per offload record: the bounds on the error of what the offload changes on
 #: the device (arguments + temporaries, this record against the one it offloads
 #: from), as a share of what it offloads: on `memory_analysis()`'s temporaries,
