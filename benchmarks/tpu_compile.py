@@ -71,8 +71,23 @@ OFFLOAD_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("optimizer",),
     ),
     # MaxText's qkv_proj_offloaded: the query, key and value projections in host
-    # memory, the rest recomputed (`aot.plan_of`'s default offloaded names).
-    "llama3-8b_v5p-64_fsdp32_offload-activations": ("llama3-8b_v5p-64_fsdp32", ("activations",)),
+    # memory, the rest recomputed (`aot.plan_of`'s default offloaded names),
+    # measured against the same names kept on the device (its full-remat case is
+    # the second figure).
+    "llama3-8b_v5p-64_fsdp32_offload-activations": (
+        "llama3-8b_v5p-64_fsdp32_save-activations",
+        ("activations",),
+    ),
+}
+#: Cases that keep named activations on the device for the backward pass
+#: (`RematPolicy(saved=...)`, `python -m eqxpar.aot --saved-names`), the rest
+#: recomputed: name -> (the case whose model and mesh they compile, the names).
+#: MaxText's save_qkv_proj: the base the activations' offload is measured against.
+SAVED_CASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llama3-8b_v5p-64_fsdp32_save-activations": (
+        "llama3-8b_v5p-64_fsdp32",
+        ("query_proj", "key_proj", "value_proj", "qkv_proj"),
+    ),
 }
 #: Cases whose axes cut a side of the chip grid (v5p-128 is 4x4x4), as MaxText's
 #: allow_split_physical_axes=true.
@@ -95,7 +110,7 @@ def run_case(name: str) -> dict[str, Any]:
     from eqxpar import aot
 
     config, plan = case_config_and_plan(name)
-    model, topology = CASES[OFFLOAD_CASES.get(name, (name,))[0]][:2]
+    model, topology = CASES[plain_case(name)][:2]
     start = time.perf_counter()
     report = aot.compile_train_step(config, plan, batch=BATCH, name=model)
     record = {"name": name, "topology_name": topology, **report.as_dict()}
@@ -105,15 +120,27 @@ def run_case(name: str) -> dict[str, Any]:
     return record
 
 
+def plain_case(name: str) -> str:
+    """The case of `CASES` whose model, topology and mesh case `name` compiles
+    (itself, or the plain case an offloaded or saved-activations case varies)."""
+    while name not in CASES:
+        name = {**OFFLOAD_CASES, **SAVED_CASES}[name][0]
+    return name
+
+
 def case_config_and_plan(name: str) -> tuple[Any, Any]:
     """The `GPTConfig` and `Plan` case `name` compiles (a mesh over its topology's chips)."""
     import eqxpar
     from eqxpar import aot
 
-    base, offload = OFFLOAD_CASES.get(name, (name, ()))
+    base = plain_case(name)
+    offload = OFFLOAD_CASES.get(name, (name, ()))[1]
+    saved = SAVED_CASES.get(name, (name, ()))[1]
     model, topology, axes, overrides = CASES[base]
     config = eqxpar.models.preset(model, **{"loss_chunk": LOSS_CHUNK, **overrides})
     options = dict(PLAN_OPTIONS.get(base, {}), **({"offload": offload} if offload else {}))
+    if saved:
+        options["saved_names"] = saved
     plan = aot.plan_of(
         axes,
         topology=topology,
@@ -191,8 +218,8 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
-        if name in OFFLOAD_CASES:
-            continue  # their own table, beside the case they offload from
+        if name in OFFLOAD_CASES or name in SAVED_CASES:
+            continue  # no MaxText record; the offload table shows them
         m = maxtext.get(name, {})
         memory = m.get("memory_bytes", {})
         theirs = memory.get("argument_size", 0) + memory.get("temp_size", 0) if memory else None
@@ -254,13 +281,17 @@ def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
     """The host-offload rows: each offloaded case beside the case it offloads from
     (device bytes: arguments + outputs not aliased + temporaries, `peak_bytes`;
     host bytes: the offloaded state, the host's arguments, and the host
-    temporaries the compiler adds), and the advisor's errors on both."""
+    temporaries the compiler adds), and the advisor's errors on both: on what
+    the offload changes on the device against that case, as a share of what it
+    offloads, and on the host bytes. Activations are offloaded from the same
+    names saved on the device (`SAVED_CASES`); their fall against the plain
+    full-remat case is the second figure."""
     rows = [
         "",
-        "| case | device GiB: plain / offloaded (fall) | host GiB: arguments + temporaries "
-        "| fall / offloaded | device argument + temp GiB: predicted / compiled (error) "
-        "| host GiB: predicted / compiled (error) |",
-        "|---|---|---|---|---|---|",
+        "| case | device GiB: base / offloaded (fall) | host GiB: arguments + temporaries "
+        "| fall / offloaded | device change GiB: predicted / compiled / compiled heap "
+        "| miss / offloaded: compiled, heap | host GiB: predicted / compiled (error) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
         base = records.get(OFFLOAD_CASES.get(name, ("",))[0])
@@ -270,13 +301,32 @@ def offload_table(records: dict[str, dict[str, Any]]) -> list[str]:
         host_args, host = r["host_argument_bytes"], r["host_bytes"]
         # Offloaded activations are host temporaries, not arguments.
         offloaded = host_args or host
-        p = r["predicted"]
-        device, predicted = r["argument_bytes"] + r["temp_bytes"], p["argument_bytes"] + p["temp_bytes"]
+        p, q = r["predicted"], base["predicted"]
+        compiled = r["argument_bytes"] + r["temp_bytes"] - base["argument_bytes"] - base["temp_bytes"]
+        predicted = p["argument_bytes"] + p["temp_bytes"] - q["argument_bytes"] - q["temp_bytes"]
         host_error = p["host_bytes"] / host - 1 if host else 0.0
+        # The buffer assignment's own temporaries, where the records have them
+        # (`AotReport.heap_temp_bytes`): libtpu 0.0.50.1's `temp_bytes` adds an
+        # excess over them that the offload changes too.
+        heap = None
+        if r.get("heap_temp_bytes") is not None and base.get("heap_temp_bytes") is not None:
+            heap = (
+                r["argument_bytes"] + r["heap_temp_bytes"] - base["argument_bytes"] - base["heap_temp_bytes"]
+            )
+        misses = f"{(predicted - compiled) / offloaded if offloaded else 0:+.0%}"
+        if heap is not None:
+            misses += f", {(predicted - heap) / offloaded if offloaded else 0:+.0%}"
+        device = f"{_gib(base['peak_bytes'])} / {_gib(r['peak_bytes'])} ({_gib(fall)})"
+        share = f"{fall / offloaded if offloaded else 0:.0%}"
+        plain = records.get(plain_case(name))
+        if plain is not None and plain is not base:
+            second = plain["peak_bytes"] - r["peak_bytes"]
+            device += f"; full remat {_gib(plain['peak_bytes'])} ({_gib(second)})"
+            share += f"; {second / offloaded if offloaded else 0:.0%} against full remat"
         rows.append(
-            f"| {name} | {_gib(base['peak_bytes'])} / {_gib(r['peak_bytes'])} ({_gib(fall)}) "
-            f"| {_gib(host_args)} + {_gib(host - host_args)} | {fall / offloaded if offloaded else 0:.0%} "
-            f"| {_gib(predicted)} / {_gib(device)} ({predicted / device - 1:+.0%}) "
+            f"| {name} | {device} | {_gib(host_args)} + {_gib(host - host_args)} | {share} "
+            f"| {predicted / GIB:+.2f} / {compiled / GIB:+.2f} / "
+            f"{'—' if heap is None else f'{heap / GIB:+.2f}'} | {misses} "
             f"| {_gib(p['host_bytes'])} / {_gib(host)} ({host_error:+.0%}) |"
         )
     return rows if len(rows) > 3 else []
@@ -325,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--tables-only reads --json and rewrites --markdown: pass both")
         _write_markdown(args.markdown, markdown(json.loads(args.json.read_text())["tpu_compile"]))
         return
-    names = args.only.split(",") if args.only else [*CASES, *OFFLOAD_CASES]
+    names = args.only.split(",") if args.only else [*CASES, *SAVED_CASES, *OFFLOAD_CASES]
     records = {}
     for name in names:
         result = subprocess.run(

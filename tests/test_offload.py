@@ -230,6 +230,19 @@ def test_aot_plan_of_offloads_the_named_activations():
     assert plan.remat == eqxpar.RematPolicy(offloaded=(*QKV, "qkv_proj"))
 
 
+def test_aot_plan_of_keeps_the_saved_names_on_the_device(capsys):
+    # The base an activation offload is measured against: the same names saved.
+    from eqxpar import aot
+
+    plan = aot.plan_of({"fsdp": 8}, topology=None, saved_names=QKV)
+    assert plan.offload == () and plan.remat == eqxpar.RematPolicy(saved=QKV)
+    both = aot.plan_of({"fsdp": 8}, topology=None, offload=("activations",), saved_names=("mlpwi",))
+    assert both.remat == eqxpar.RematPolicy(saved=("mlpwi",), offloaded=(*QKV, "qkv_proj"))
+    status = aot.main(["--model", "gpt2", "--plan", "data=8", "--saved-names", "query_proj,attention"])
+    assert status == 2
+    assert "['attention'] name no activation" in capsys.readouterr().out
+
+
 def _update_inputs(optimizer, depth=4):
     model = StackedLM(key=jax.random.key(0), depth=depth)
     params = eqx.filter(model, eqx.is_inexact_array)

@@ -14,6 +14,7 @@ from .._fsdp import kept_axes
 from .._mesh import AXES, EXPERT_AXIS, axis_size
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
+from .._remat import RematPolicy
 from .._rules import mesh_axis_names
 from .._sizes import itemsize, nbytes
 from .._specs import is_array_like
@@ -47,7 +48,7 @@ from ..pipeline._program import (
     tick_loops,
 )
 from ._analysis import Analysis, Slots, engine_slots
-from ._offload import offload_terms
+from ._offload import offload_terms, policy_activations
 from ._profile import DeviceProfile
 from ._tpu import TpuTerms, expert_terms, extra_wire, pipeline_wire, tpu_terms
 
@@ -339,7 +340,7 @@ def predict(
         grads, gathered = params_bytes, _gathered_at_use(facts, params, layout, loss, grads - params_bytes)
     # The TPU compiler partitions automatic FSDP otherwise (`_tpu`).
     on_tpu = auto_fsdp and profile.platform == "tpu"
-    tpu = tpu_terms(dims, mesh, analysis, params, layout.params, params_bytes) if on_tpu else None
+    tpu = _tpu_terms(layout, analysis, params, params_bytes, loss, batch) if on_tpu else None
     grads = grads if tpu is None else tpu.gradients
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
@@ -390,6 +391,21 @@ def predict(
         step_time_s=compute + comm,
         **offload_terms(layout, params, params_bytes, opt_bytes, profile.platform, loss=loss, batch=batch),
     )
+
+
+def _tpu_terms(
+    layout: StepLayout, analysis: Analysis, params: Any, params_bytes: int, loss: Any, batch: Any
+) -> TpuTerms:
+    """`tpu_terms` of the step `layout` lays out, with what a `RematPolicy` keeps
+    per layer beyond the layer's input, every layer's: its saved names (the
+    block's input among them is the input the stack keeps anyway) and its
+    offloaded ones (`_offload` takes those off the device)."""
+    dims, policy = layout.resolved.dims, layout.resolved.dims.remat
+    named = 0
+    if isinstance(policy, RematPolicy):
+        names = (*(n for n in policy.saved if n != "decoder_layer_input"), *policy.offloaded)
+        named = policy_activations(layout, params, loss, batch, names)[0]
+    return tpu_terms(dims, layout.resolved.mesh, analysis, params, layout.params, params_bytes, named=named)
 
 
 def _step_memory(

@@ -17,6 +17,11 @@ as `--xla_dump_to` writes them). What differs:
   layer per row (compute dtype; split over `tensor` under sequence parallelism,
   or where the stack splits what it keeps, `ParallelDims.split_saved_inputs`),
   which the loss's own residuals do not show (the stack saves only its input).
+  Under a `RematPolicy` the forward scan keeps the same inputs (its checkpoint's
+  arguments) and beside them, per layer, the values the policy names (8B, the
+  query, key and value projections saved: stacked `bf16[32,1,2048,32,128]` and
+  two `bf16[32,1,2048,8,128]`, live with the inputs' `bf16[32,1,2048,4096]`
+  from the forward to the backward; offloaded, `_offload` takes them off).
 - **The head is gathered whole.** The largest weight outside the stacks (the
   output head) is all-gathered over the batch axes for its matmul, in compute
   dtype; its backward holds it beside its gradient, whole in compute dtype
@@ -66,6 +71,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from .._mesh import EXPERT_AXIS
+from .._remat import RematPolicy
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
 from .._specs import is_array_like
@@ -102,11 +108,15 @@ class TpuTerms:
         return max(self.inputs + self.head, backward, self.gradients + update)
 
 
-def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, gradients: int) -> TpuTerms:
+def tpu_terms(
+    dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any, gradients: int, *, named: int = 0
+) -> TpuTerms:
     """The four terms (see the module) of a step under `dims` (`ParallelDims`) on
     `mesh`, with `params` and their `specs` (the step layout's) as outlines;
     `gradients`: the parameters' bytes per device (their shards), in the
-    parameters' dtype."""
+    parameters' dtype; `named`: under a `RematPolicy`, the bytes per device of
+    the values it keeps beyond the layers' inputs (saved or offloaded, every
+    layer's)."""
     compute = dims.compute_dtype
     attention = attention_layers(params)
     t, c = dims.tensor_size, dims.context_size
@@ -121,11 +131,11 @@ def tpu_terms(dims: Any, mesh: Any, analysis: Analysis, params: Any, specs: Any,
     d_model = layer.wo.shape[-1]
     size = itemsize(compute or layer.wo.dtype)
     inputs = 0
-    if dims.remat == "full":
+    if dims.remat == "full" or isinstance(dims.remat, RematPolicy):
         # Split over the tensor axis under sequence parallelism (along the
         # sequence) and where the stack splits what it keeps (along the features).
         split = t if dims.sequence_parallel or dims.split_saved_inputs else 1
-        inputs = analysis.layers * rows * seq * d_model * size // split
+        inputs = analysis.layers * rows * seq * d_model * size // split + named
     heads = max(1, layer.num_heads // t)
     block = min(getattr(layer, "attention_block", seq), seq)
     scores = _SCORE_BLOCKS * rows * heads * seq * block * 4

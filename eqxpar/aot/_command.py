@@ -66,6 +66,7 @@ def plan_of(
     split_physical_axes: bool = False,
     offload: Sequence[str] = (),
     offloaded_names: Sequence[str] = OFFLOADED_NAMES,
+    saved_names: Sequence[str] = (),
     dcn: dict[str, int] | None = None,
     slices: int | None = None,
 ) -> Plan:
@@ -79,7 +80,10 @@ def plan_of(
     `offload` as `Plan(offload=...)`; with `"activations"` the remat policy is
     `RematPolicy(offloaded=offloaded_names)` (default MaxText's
     `qkv_proj_offloaded`: the query, key and value projections) instead of
-    `remat`. `dcn` and `slices` as `make_mesh` takes them: `plan_of({"data": 2,
+    `remat`. `saved_names` (names of `eqxpar.ACTIVATION_NAMES`) are kept on the
+    device, the rest recomputed: `RematPolicy(saved=saved_names)`, beside any
+    offloaded names (the base an activation offload is measured against keeps
+    the same names on the device). `dcn` and `slices` as `make_mesh` takes them: `plan_of({"data": 2,
     "fsdp": 32}, topology="2xv5p-64", dcn={"data": 2})` is HSDP over two slices."""
     mesh = make_mesh(
         **sizes, topology=topology, split_physical_axes=split_physical_axes, dcn=dcn, slices=slices
@@ -108,8 +112,9 @@ def plan_of(
     if sizes.get("context", 1) > 1:
         options["context_attention"] = "ring"
     policy: Any = remat
-    if "activations" in offload:
-        policy = RematPolicy(offloaded=tuple(offloaded_names))
+    if "activations" in offload or saved_names:
+        offloaded = tuple(offloaded_names) if "activations" in offload else ()
+        policy = RematPolicy(saved=tuple(saved_names), offloaded=offloaded)
     return Plan(
         mesh,
         rules=rules,
@@ -182,6 +187,13 @@ def _parser() -> argparse.ArgumentParser:
         f"{','.join(OFFLOADED_NAMES)}; the rest are recomputed)",
     )
     parser.add_argument(
+        "--saved-names",
+        default="",
+        help="named activations kept on the device for the backward pass (RematPolicy(saved=...)), the rest "
+        f"recomputed, instead of --remat; e.g. {','.join(OFFLOADED_NAMES)}, the base --offload activations "
+        "is measured against",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a GPTConfig field"
     )
     parser.add_argument("--json", type=pathlib.Path, help="also write the report as JSON here")
@@ -222,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             split_physical_axes=args.split_physical_axes,
             offload=[p for p in args.offload.split(",") if p],
             offloaded_names=[n for n in args.offload_names.split(",") if n],
+            saved_names=[n for n in args.saved_names.split(",") if n],
             dcn=None if args.dcn is None else parse_axes(args.dcn, "--dcn"),
             slices=args.slices,
         )

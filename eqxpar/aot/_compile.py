@@ -169,6 +169,7 @@ def compile_train_step(
         temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes),
         **_host_memory(memory),
+        heap_temp_bytes=_heap_temp(memory),
         memory_per_chip=_device_memory(device),
         collectives=collective_stats(compiled, mesh=mesh),
         overlap=overlap_stats(compiled),
@@ -202,6 +203,15 @@ def _host_memory(memory: Any) -> dict[str, int]:
         f"host_{part}_bytes": int(getattr(memory, f"host_{part}_size_in_bytes", 0))
         for part in ("argument", "output", "alias", "temp")
     }
+
+
+def _heap_temp(memory: Any) -> int | None:
+    """The device temporaries as the buffer assignment lays them out: all it
+    allocates less the arguments' and outputs' buffers (`AotReport.heap_temp_bytes`);
+    None where the installed jaxlib's `memory_analysis()` does not give them."""
+    total = getattr(memory, "total_allocation_bytes", None)
+    held = getattr(memory, "indefinite_allocations", None)
+    return None if total is None or held is None else int(total) - int(held)
 
 
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([\d,]+)\}")

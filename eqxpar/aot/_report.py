@@ -45,7 +45,8 @@ class AotReport:
     (the TPU compiler's out-of-memory refusal, or None: see the field);
     `host_argument_bytes`, `host_output_bytes`, `host_alias_bytes`,
     `host_temp_bytes` (host memory, what `Plan(offload=...)` moves there) and
-    their `host_bytes`.
+    their `host_bytes`; `heap_temp_bytes` (the temporaries as the buffer
+    assignment lays them out, see the field).
     (the TPU compiler's out-of-memory refusal, or None: see the field); `slices`
     and `dcn` (the mesh's slices and the axes across them: what crosses is
     `collectives.dcn_wire_bytes`, its floor `dcn_minimum_wire_bytes`).
@@ -87,6 +88,12 @@ class AotReport:
     host_output_bytes: int = 0
     host_alias_bytes: int = 0
     host_temp_bytes: int = 0
+    #: The device temporaries as the compiler's buffer assignment lays them out
+    #: (its preallocated temp buffer: `memory_analysis()`'s
+    #: `total_allocation_bytes - indefinite_allocations`), None where the
+    #: installed jaxlib does not say. libtpu 0.0.52's `temp_bytes` is this within
+    #: a few KiB; 0.0.50.1's is more than it for a program with loops.
+    heap_temp_bytes: int | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -163,6 +170,7 @@ class AotReport:
             "host_alias_bytes": self.host_alias_bytes,
             "host_temp_bytes": self.host_temp_bytes,
             "host_bytes": self.host_bytes,
+            "heap_temp_bytes": self.heap_temp_bytes,
             "memory_per_chip": self.memory_per_chip,
             "fits": self.fits,
             "wire_bytes": dict(self.collectives.wire_bytes),
