@@ -368,18 +368,7 @@ def predict(
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
     wire, by_axis = _predicted_wire(
-        facts,
-        least,
-        layout,
-        params,
-        loss,
-        batch,
-        analysis,
-        moved,
-        auto_fsdp,
-        sent,
-        profile.platform,
-        devices_per_slice=profile.devices_per_slice,
+        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, profile
     )
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
@@ -445,21 +434,20 @@ def _predicted_wire(
     moved: Any,
     auto_fsdp: bool,
     sent: int | None,
-    platform: str | None = None,
-    *,
-    devices_per_slice: int | None = None,
+    profile: DeviceProfile,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """`_wire` of the plan's minimum `least` (an MoE exchange ragged or padded as
-    it is on the device's `platform`); on the TPU compiler, under its automatic
+    it is on the `profile`'s platform); on the TPU compiler, under its automatic
     partitioning the gradients are reduce-scattered, the experts' in the
     parameters' dtype, and the program's collectives beyond the minimum are added
     (`_tpu.extra_wire`); a pipeline's with sharded stage gradients likewise
     (`_tpu.pipeline_wire`). A program over several slices (`_tpu.spans_slices`,
     with the profile's `devices_per_slice`) all-reduces what it would
     reduce-scatter, twice the bytes, and windows no einsum."""
+    platform = profile.platform
     tpu = platform == "tpu"
     on_tpu = auto_fsdp and tpu
-    sliced = on_tpu and spans_slices(facts.mesh, devices_per_slice)
+    sliced = on_tpu and spans_slices(facts.mesh, profile.devices_per_slice)
     repeats = _repeated_sums(facts, params, loss, batch, moved)
     moe = _moe_split(facts, params, layout.params, layout.manual_axes)
     ragged = "exchange" in moe and ragged_on(moe["exchange"], platform)

@@ -63,6 +63,10 @@ as `--xla_dump_to` writes them). What differs:
   `--xla_tpu_decompose_every_reduce_scatters_hlos=false` does not stop it. The
   same program windows no einsum: its weights are plain all-gathers, as the
   minimum counts them (Llama-3 8B on two and four v5p-64 slices under HSDP).
+- **Plain scatters where eqxpar asks.** Under FSDP x tensor over an FSDP group
+  of at most 8, eqxpar compiles with the windowed gradient scatters off
+  (`eqxpar/_tpu_compiler.py`): the gradients are reduce-scattered as the minimum
+  counts them, and only the gathers are windowed.
 - **Experts are gathered, not windowed.** An MoE layer's expert weights (grouped
   matmuls) are all-gathered over the batch axes for the layer, in compute dtype,
   and their gradient is made whole over them in the parameters' dtype, then
@@ -81,6 +85,7 @@ from .._mesh import EXPERT_AXIS
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
 from .._slices import slice_factors
+from .._tpu_compiler import plain_gradient_scatters
 from .._specs import is_array_like
 from ..inspect._model_layers import attention_layers, moe_layers
 from ._analysis import Analysis
@@ -197,7 +202,10 @@ def extra_wire(
         # One gather of each layer's saved input (split along its features) in
         # the recomputed forward: (t - 1) / t of it comes over the wire.
         add("all-gather", (dims.tensor_axis,), analysis.layers * rows * seq * d_model * size * (t - 1) // t)
-    for axes, w in ({} if sliced else _windowed(dims, mesh, params, specs, manual)).items():
+    # Where eqxpar turns the windowed gradient scatters off (`_tpu_compiler`) they
+    # are plain reduce-scatters, as the minimum counts them.
+    plain = plain_gradient_scatters(dims, mesh)
+    for axes, w in ({} if sliced else _windowed(dims, mesh, params, specs, manual, plain=plain)).items():
         add("collective-permute", axes, w)
     head = _head_weight(params, specs, mesh, dims)
     chunk = getattr(getattr(params, "config", None), "loss_chunk", None)
@@ -212,7 +220,7 @@ def extra_wire(
             add("all-gather", over, whole * (g - 1) // g)
             add("all-reduce", over, 2 * whole * (g - 1) // g)
             add("reduce-scatter", over, -(whole * (g - 1) // g))
-        elif not manual & set(over) and not sliced:
+        elif not manual & set(over) and not sliced and not plain:
             # The head's gradient reduce-scattered as a windowed einsum (`_windowed`).
             add("collective-permute", over, 2 * whole // g)
     if not manual:
@@ -222,7 +230,7 @@ def extra_wire(
 
 
 def _windowed(
-    dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str]
+    dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str], *, plain: bool = False
 ) -> dict[tuple[str, ...], int]:
     """What the layers' windowed einsums move beyond the gathers and scatters the
     minimum counts, per device by batch axes. A windowed einsum over `g` devices
@@ -234,7 +242,8 @@ def _windowed(
     weight gradient's reduce-scatter, and the input gradient of the MLP's output
     weight (the widest product, `d_hidden`); the other input gradients gather.
     Where the step runs manual over the weight's axes (`manual`; an expert-parallel
-    model is) eqxpar gathers it itself: nothing is windowed. Read off the compiled programs of Llama-3 8B and 70B on v5p slices under FSDP
+    model is) eqxpar gathers it itself: nothing is windowed. With `plain`
+    (`_tpu_compiler.plain_gradient_scatters`) the gradients' scatters are not. Read off the compiled programs of Llama-3 8B and 70B on v5p slices under FSDP
     and FSDP x tensor."""
     from ..nn._linear import MLP
 
@@ -263,7 +272,7 @@ def _windowed(
             kept = math.prod(mesh.shape[a] for a in names if a not in batch)
             whole = x.size * itemsize(dims.compute_dtype or x.dtype) // kept
             summed = name in row_weights and dims.tensor_size > 1 and dims.tensor_axis in names
-            uses = 1 + (0 if summed else 2) + (1 if name == "w_out" else 0)
+            uses = (0 if plain else 1) + (0 if summed else 2) + (1 if name == "w_out" else 0)
             out[over] = out.get(over, 0) + uses * 2 * whole // g
     return out
 
