@@ -50,7 +50,7 @@ from ..pipeline._program import (
 from ._analysis import Analysis, Slots, engine_slots
 from ._offload import offload_terms, policy_activations
 from ._profile import DeviceProfile
-from ._tpu import TpuTerms, expert_terms, extra_wire, pipeline_wire, tpu_terms
+from ._tpu import TpuTerms, expert_terms, extra_wire, pipeline_wire, spans_slices, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
 #: optimizer update holds about this share of the updated parameters' bytes in
@@ -369,7 +369,7 @@ def predict(
     counted = dataclasses.replace(plan, remat="dots") if auto_fsdp and dims.remat == "none" else plan
     least = minimum_comm(counted, params, loss=loss, batch=batch, moved_dtype=moved)
     wire, by_axis = _predicted_wire(
-        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, profile.platform
+        facts, least, layout, params, loss, batch, analysis, moved, auto_fsdp, sent, profile
     )
     traffic = 3 * (params_bytes + opt_bytes) + 2 * activations
     bubble = None if dims.schedule is None else sched.bubble_fraction
@@ -450,16 +450,20 @@ def _predicted_wire(
     moved: Any,
     auto_fsdp: bool,
     sent: int | None,
-    platform: str | None = None,
+    profile: DeviceProfile,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """`_wire` of the plan's minimum `least` (an MoE exchange ragged or padded as
-    it is on the device's `platform`); on the TPU compiler, under its automatic
+    it is on the `profile`'s platform); on the TPU compiler, under its automatic
     partitioning the gradients are reduce-scattered, the experts' in the
     parameters' dtype, and the program's collectives beyond the minimum are added
     (`_tpu.extra_wire`); a pipeline's with sharded stage gradients likewise
-    (`_tpu.pipeline_wire`)."""
+    (`_tpu.pipeline_wire`). A program over several slices (`_tpu.spans_slices`,
+    with the profile's `devices_per_slice`) all-reduces what it would
+    reduce-scatter, twice the bytes, and windows no einsum."""
+    platform = profile.platform
     tpu = platform == "tpu"
     on_tpu = auto_fsdp and tpu
+    sliced = on_tpu and spans_slices(facts.mesh, profile.devices_per_slice)
     repeats = _repeated_sums(facts, params, loss, batch, moved)
     moe = _moe_split(facts, params, layout.params, layout.manual_axes)
     ragged = "exchange" in moe and ragged_on(moe["exchange"], platform)
@@ -471,7 +475,7 @@ def _predicted_wire(
         auto_fsdp=auto_fsdp,
         sent=sent,
         repeats=repeats,
-        scatters=on_tpu,
+        scatters=on_tpu and not sliced,
         ragged=ragged,
         joint_as_sums=platform == "tpu",
     )
@@ -493,11 +497,15 @@ def _predicted_wire(
             layout.params,
             layout.manual_axes,
             inputs_counted=gathers,
+            sliced=sliced,
         )
         experts = expert_terms(facts.dims, facts.mesh, params, layout.params)[1]
         for kind, by in (*extra.items(), ("reduce-scatter", experts)):
+            # Over several slices a reduce-scatter is an all-reduce and a slice (`_tpu`).
+            summed = sliced and kind == "reduce-scatter"
             for axes, w in by.items():
-                wire[kind] = wire.get(kind, 0) + w
+                k, w = ("all-reduce", 2 * w) if summed else (kind, w)
+                wire[k] = wire.get(k, 0) + w
                 by_axis[axes] = by_axis.get(axes, 0) + w
     return wire, by_axis
 

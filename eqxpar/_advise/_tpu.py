@@ -57,6 +57,21 @@ as `--xla_dump_to` writes them). What differs:
   table's shard and the looked-up rows by all-to-all, never gathering the table
   (`eqxpar.nn.Embedding`). A pipeline with sharded stage gradients all-reduces
   the MLP input weight's gradient each micro-batch.
+- **Over several slices, gradients are all-reduced.** In a program over several
+  slices joined by DCN (`make_mesh(dcn=...)`), the TPU compiler turns every
+  reduce-scatter into an all-reduce and a slice (its `reduce-scatter-decomposer`
+  pass, after the cross-slice rewrites; libtpu 0.0.50.1): each weight's gradient
+  is all-reduced whole over the batch axes inside the slice, twice the wire of
+  the minimum's reduce-scatter, and only the slice's shard crosses the slices
+  (the minimum's all-reduce over `data`). It does so to eqxpar's own
+  reduce-scatters too (`mode="manual"`'s), and
+  `--xla_tpu_decompose_every_reduce_scatters_hlos=false` does not stop it. The
+  same program windows no einsum: its weights are plain all-gathers, as the
+  minimum counts them (Llama-3 8B on two and four v5p-64 slices under HSDP).
+- **Plain scatters where eqxpar asks.** Under FSDP x tensor over an FSDP group
+  of at most 8, eqxpar compiles with the windowed gradient scatters off
+  (`eqxpar/_tpu_compiler.py`): the gradients are reduce-scattered as the minimum
+  counts them, and only the gathers are windowed.
 - **Experts are gathered, not windowed.** An MoE layer's expert weights (grouped
   matmuls) are all-gathered over the batch axes for the layer, in compute dtype,
   and their gradient is made whole over them in the parameters' dtype, then
@@ -68,12 +83,15 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from .._mesh import EXPERT_AXIS
 from .._remat import RematPolicy
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
+from .._slices import slice_factors
+from .._tpu_compiler import plain_gradient_scatters
 from .._specs import is_array_like
 from ..inspect._model_layers import attention_layers, moe_layers
 from ._analysis import Analysis
@@ -147,6 +165,17 @@ def tpu_terms(
     return TpuTerms(gradients, inputs, head, layer_bytes, weights)
 
 
+def spans_slices(mesh: Any, devices_per_slice: int | None) -> bool:
+    """Whether a step on `mesh` runs over several slices joined by DCN: its devices
+    are TPU devices of more than one slice (`make_mesh(dcn=...)` over a multi-slice
+    topology), or `devices_per_slice` (a profile's, as `advise(slices=...)` sets it)
+    is fewer than the mesh's devices."""
+    if devices_per_slice is not None and mesh.size > devices_per_slice:
+        return True
+    devices = getattr(mesh, "devices", None)
+    return devices is not None and math.prod(slice_factors(np.asarray(devices))) > 1
+
+
 def extra_wire(
     dims: Any,
     mesh: Any,
@@ -156,6 +185,7 @@ def extra_wire(
     manual: frozenset[str],
     *,
     inputs_counted: bool = False,
+    sliced: bool = False,
 ) -> dict[str, dict[tuple[str, ...], int]]:
     """Wire bytes per device, by kind and mesh axes, that the TPU compiler's program
     moves beyond (or, negative, short of) `minimum_comm`'s count (see the module's
@@ -163,7 +193,9 @@ def extra_wire(
     windowed einsums' extra shards, the head's and the embedding's collectives.
     `manual`: the step's manual axes (a model run manual over its batch axes, as
     an expert-parallel one is, looks its tokens up as the minimum counts);
-    `inputs_counted`: the minimum already counts the split saved inputs' gathers."""
+    `inputs_counted`: the minimum already counts the split saved inputs' gathers;
+    `sliced`: the program spans slices (`spans_slices`), where no einsum is
+    windowed (the caller counts its reduce-scatters as all-reduces)."""
     extra: dict[str, dict[tuple[str, ...], int]] = {}
 
     def add(kind: str, axes: tuple[str, ...], w: int) -> None:
@@ -180,7 +212,10 @@ def extra_wire(
         # One gather of each layer's saved input (split along its features) in
         # the recomputed forward: (t - 1) / t of it comes over the wire.
         add("all-gather", (dims.tensor_axis,), analysis.layers * rows * seq * d_model * size * (t - 1) // t)
-    for axes, w in _windowed(dims, mesh, params, specs, manual).items():
+    # Where eqxpar turns the windowed gradient scatters off (`_tpu_compiler`) they
+    # are plain reduce-scatters, as the minimum counts them.
+    plain = plain_gradient_scatters(dims, mesh)
+    for axes, w in ({} if sliced else _windowed(dims, mesh, params, specs, manual, plain=plain)).items():
         add("collective-permute", axes, w)
     head = _head_weight(params, specs, mesh, dims)
     chunk = getattr(getattr(params, "config", None), "loss_chunk", None)
@@ -195,7 +230,7 @@ def extra_wire(
             add("all-gather", over, whole * (g - 1) // g)
             add("all-reduce", over, 2 * whole * (g - 1) // g)
             add("reduce-scatter", over, -(whole * (g - 1) // g))
-        elif not manual & set(over):
+        elif not manual & set(over) and not sliced and not plain:
             # The head's gradient reduce-scattered as a windowed einsum (`_windowed`).
             add("collective-permute", over, 2 * whole // g)
     if not manual:
@@ -205,7 +240,7 @@ def extra_wire(
 
 
 def _windowed(
-    dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str]
+    dims: Any, mesh: Any, params: Any, specs: Any, manual: frozenset[str], *, plain: bool = False
 ) -> dict[tuple[str, ...], int]:
     """What the layers' windowed einsums move beyond the gathers and scatters the
     minimum counts, per device by batch axes. A windowed einsum over `g` devices
@@ -217,7 +252,8 @@ def _windowed(
     weight gradient's reduce-scatter, and the input gradient of the MLP's output
     weight (the widest product, `d_hidden`); the other input gradients gather.
     Where the step runs manual over the weight's axes (`manual`; an expert-parallel
-    model is) eqxpar gathers it itself: nothing is windowed. Read off the compiled programs of Llama-3 8B and 70B on v5p slices under FSDP
+    model is) eqxpar gathers it itself: nothing is windowed. With `plain`
+    (`_tpu_compiler.plain_gradient_scatters`) the gradients' scatters are not. Read off the compiled programs of Llama-3 8B and 70B on v5p slices under FSDP
     and FSDP x tensor."""
     from ..nn._linear import MLP
 
@@ -246,7 +282,7 @@ def _windowed(
             kept = math.prod(mesh.shape[a] for a in names if a not in batch)
             whole = x.size * itemsize(dims.compute_dtype or x.dtype) // kept
             summed = name in row_weights and dims.tensor_size > 1 and dims.tensor_axis in names
-            uses = 1 + (0 if summed else 2) + (1 if name == "w_out" else 0)
+            uses = (0 if plain else 1) + (0 if summed else 2) + (1 if name == "w_out" else 0)
             out[over] = out.get(over, 0) + uses * 2 * whole // g
     return out
 
