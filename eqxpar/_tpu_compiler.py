@@ -1,6 +1,6 @@
 """The options eqxpar hands the TPU compiler, shared by `eqxpar.aot` and
-`Advice.check` (which compile with them) and the advisor (which predicts the
-program they give).
+`Advice.check` and a step run on attached chips (the step's `jax.jit` holds
+them on a TPU mesh) and the advisor (which predicts the program they give).
 
 libtpu reduces each FSDP weight's gradient as a windowed einsum: a ring that
 passes `g + 1` shards of the gradient round the `g` devices of the FSDP group in
@@ -16,10 +16,9 @@ reduce-scatter moves `g - 1`. Two shards more is 2/31 of a scatter's bytes over
 - Llama-3-70B, FSDP 32 x tensor 4: wire 1.022x -> 1.026x, temporaries up 86 MB.
 
 So eqxpar turns them off only where the plan splits weights over `tensor` and
-over an FSDP group of at most 8 devices. A step run on attached chips
-(`make_step`, `jax.jit`) compiles with libtpu's defaults: to run the program
-`eqxpar.aot` reports, start it with the same flag in `LIBTPU_INIT_ARGS`
-(`tpu_compiler_flags`).
+over an FSDP group of at most 8 devices. `make_step` puts them in the step's
+`jax.jit` on a TPU mesh, so `eqxpar.aot`'s compile and a step run on attached
+chips are one program.
 """
 
 from typing import Any
@@ -47,13 +46,7 @@ def plain_gradient_scatters(dims: Any, mesh: Any) -> bool:
 
 
 def tpu_compiler_options(dims: Any, mesh: Any) -> dict[str, str]:
-    """The compiler options (`Lowered.compile(compiler_options=...)`) eqxpar
+    """The compiler options (`jax.jit(..., compiler_options=...)`) eqxpar
     compiles a step under `dims` for TPU with: `{}`, or the windowed scatters off
     where `plain_gradient_scatters`."""
     return {WINDOWED_SCATTERS: "false"} if plain_gradient_scatters(dims, mesh) else {}
-
-
-def tpu_compiler_flags(dims: Any, mesh: Any) -> str:
-    """`tpu_compiler_options` as `LIBTPU_INIT_ARGS` takes them (`""` for none), for
-    a run on attached chips to compile the program `eqxpar.aot` reports."""
-    return " ".join(f"--{k}={v}" for k, v in tpu_compiler_options(dims, mesh).items())

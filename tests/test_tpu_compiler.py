@@ -9,7 +9,7 @@ import pytest
 import eqxpar
 from eqxpar import aot
 from eqxpar._parallel_dims import ParallelDims
-from eqxpar._tpu_compiler import WINDOWED_SCATTERS, tpu_compiler_flags, tpu_compiler_options
+from eqxpar._tpu_compiler import WINDOWED_SCATTERS, tpu_compiler_options
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -33,29 +33,22 @@ def test_windowed_gradient_scatters_go_off_under_fsdp_x_tensor_over_small_groups
     assert _options({"fsdp": 2, "tensor": 4}, mode="manual") == {}
     assert _options({"pipe": 2, "fsdp": 2, "tensor": 2}) == {}
     assert _options({"tensor": 8}) == {}
-    plan = aot.plan_of({"fsdp": 2, "tensor": 4}, topology=None)
-    assert tpu_compiler_flags(ParallelDims.of(plan), plan.mesh) == f"--{WINDOWED_SCATTERS}=false"
 
 
 @needs_libtpu
-def test_compile_train_step_compiles_for_tpu_with_the_options(monkeypatch):
-    import jax
-
-    seen = []
-    original = jax.stages.Lowered.compile
-
-    def spy(self, compiler_options=None, **kwargs):
-        seen.append(compiler_options)
-        return original(self, compiler_options=compiler_options, **kwargs)
-
-    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+def test_the_step_carries_the_options_into_every_compile(monkeypatch):
+    """The step's own jit holds the options, so `eqxpar.aot`'s compile and a step
+    run on attached chips are one program: an option libtpu does not know, put in
+    their place, fails `compile_train_step`; the real one compiles; on this
+    machine's devices the step asks for none."""
     config = eqxpar.models.preset(
         "gpt2", num_layers=1, max_seq_len=64, vocab_size=1024, d_model=256, num_heads=4, d_hidden=1024
     )
     plan = aot.plan_of({"fsdp": 2, "tensor": 4}, topology="v5p:2x2x2")
-    # libtpu knows the flag: an option it did not know would fail the compile.
     report = aot.compile_train_step(config, plan, batch=(1, 32))
-    assert seen == [{WINDOWED_SCATTERS: "false"}] and report.refused is None
-    # On this machine's devices nothing is passed.
+    assert report.refused is None
+    monkeypatch.setattr("eqxpar._tpu_compiler.WINDOWED_SCATTERS", "xla_eqxpar_no_such_option")
+    with pytest.raises(Exception, match="xla_eqxpar_no_such_option"):
+        aot.compile_train_step(config, plan, batch=(1, 32))
+    # On this machine's devices the step asks for none (the unknown option would fail).
     aot.compile_train_step(config, aot.plan_of({"fsdp": 2, "tensor": 4}, topology=None), batch=(1, 32))
-    assert seen[-1] is None

@@ -16,7 +16,6 @@ from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._specs import is_array_like
 from .._text import fmt_int, render, short
-from .._tpu_compiler import tpu_compiler_options
 from .._train._resolved_plan import ResolvedPlan
 from .._train._step_layout import StepLayout
 from ._analysis import Analysis, analyse, outline
@@ -173,9 +172,8 @@ class Advice:
         state = train.init(outline(self.model), self.optimizer, plan, key=jax.random.key(0), abstract=True)
         step = train.make_step(loss, self.optimizer, plan)
         on_cpu = mesh_platform(plan.mesh) == "cpu"
-        # On TPU, the options eqxpar.aot compiles with (`_tpu_compiler`).
-        options = _MEMORY_ONLY if on_cpu else tpu_compiler_options(ParallelDims.of(plan), plan.mesh)
-        compiled = step.lower(state, batch).compile(compiler_options=options or None)
+        # On TPU the step's jit carries the options it runs with (`_tpu_compiler`).
+        compiled = step.lower(state, batch).compile(compiler_options=_MEMORY_ONLY if on_cpu else None)
         memory, stats, p = memory_report(compiled), collective_stats(compiled), c.prediction
         return Comparison(
             name=c.name,

@@ -91,8 +91,8 @@ from .._remat import RematPolicy
 from .._rules import mesh_axis_names
 from .._sizes import itemsize
 from .._slices import slice_factors
-from .._tpu_compiler import plain_gradient_scatters
 from .._specs import is_array_like
+from .._tpu_compiler import plain_gradient_scatters
 from ..inspect._model_layers import attention_layers, moe_layers
 from ._analysis import Analysis
 

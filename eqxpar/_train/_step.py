@@ -17,6 +17,7 @@ from .._outline_jit import OutlineJit, refuse_outlines
 from .._plan import Plan
 from .._sharding import check_batch, place_tree
 from .._specs import is_array_like
+from .._tpu_compiler import tpu_compiler_options
 from .._update_layout import UpdateLayout, updating
 from ._grad_automatic import automatic_gradients
 from ._grad_common import LossFunction
@@ -279,11 +280,16 @@ class Step:
                 )
             return new_dynamic, metrics
 
+        # On TPU, the compiler options eqxpar chooses for this plan (`_tpu_compiler`):
+        # in the jit itself, so that the step run on attached chips and its
+        # `lower(...).compile()` ahead of time (`eqxpar.aot`) are one program.
+        on_tpu = mesh_platform(resolved.mesh) == "tpu"
         jitted = jax.jit(
             step,
             in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,) if self._donate else (),
+            compiler_options=(tpu_compiler_options(resolved.dims, resolved.mesh) or None) if on_tpu else None,
         )
         if self._skip_nonfinite:
             check_cpu_skip_nonfinite(layout, lambda: jax.make_jaxpr(step)(dynamic, batch))

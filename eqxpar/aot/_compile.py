@@ -18,7 +18,6 @@ import optax
 from .._errors import PlanError
 from .._plan import Plan
 from .._slices import slice_factors
-from .._tpu_compiler import tpu_compiler_options
 from ..inspect import CollectiveStats, OverlapStats, collective_stats, minimum_comm, overlap_stats
 from ..internal import ResolvedPlan
 from ..models import GPT, GPTConfig, gpt_first, gpt_last, lm_loss, preset
@@ -95,8 +94,8 @@ def compile_train_step(
     only TPU slices that are not attached). Under FSDP x tensor with an FSDP
     group of at most 8 chips it compiles with libtpu's windowed gradient
     scatters off (`--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false`,
-    fewer wire bytes and temporaries there): a run on attached chips compiles
-    the same program with that flag in `LIBTPU_INIT_ARGS`.
+    fewer wire bytes and temporaries there), as the step itself does on
+    attached chips: the option is in its `jax.jit`.
 
     **Arguments:**
 
@@ -145,9 +144,9 @@ def compile_train_step(
     lowered = make_step(loss, optimizer, plan).lower(state, tokens)
     lowered_at = time.perf_counter()
     device = mesh.devices.flat[0]
-    # The windowed gradient scatters off where they cost more than they save (`_tpu_compiler`).
-    options = tpu_compiler_options(dims, mesh) if device.platform == "tpu" else {}
-    compiled, refusal = _compiled_or_refusal(lowered, options)
+    # The step's jit carries the compiler options eqxpar picks for the plan on TPU
+    # (`_tpu_compiler`), so this is the program the step runs on attached chips.
+    compiled, refusal = _compiled_or_refusal(lowered)
     compiled_at = time.perf_counter()
     least = minimum_comm(plan, state.model, loss=loss, batch=tokens) if minimum else None
     common = dict(
@@ -250,12 +249,11 @@ def _positive(n: Any) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
 
-def _compiled_or_refusal(lowered: Any, options: dict[str, str]) -> tuple[Any, Exception | None]:
-    """`(compiled, None)` with the compiler `options`, or `(None, error)` where the
-    TPU compiler refused the program for memory (its out-of-memory error); any
-    other error is raised."""
+def _compiled_or_refusal(lowered: Any) -> tuple[Any, Exception | None]:
+    """`(compiled, None)`, or `(None, error)` where the TPU compiler refused the
+    program for memory (its out-of-memory error); any other error is raised."""
     try:
-        return lowered.compile(compiler_options=options or None), None
+        return lowered.compile(), None
     except Exception as error:  # noqa: BLE001 - the TPU compiler's out-of-memory is a JaxRuntimeError
         if _out_of_memory(error) is None:
             raise
