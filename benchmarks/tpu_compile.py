@@ -213,9 +213,10 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
     """The BENCHMARKS.md tables: eqxpar beside MaxText, then the advisor's errors."""
     maxtext = _maxtext()
     lines = [
-        "| case | argument + temp, GiB: eqxpar / MaxText | wire GB: eqxpar / MaxText | eqxpar wire / minimum "
+        "| case | argument + temp, GiB: eqxpar / MaxText | compiler's peak, GiB: eqxpar / MaxText "
+        "| wire GB: eqxpar / MaxText | eqxpar wire / minimum "
         "| async share: eqxpar / MaxText | compile s: eqxpar / MaxText | peak RSS GiB: eqxpar / MaxText |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
         if name in OFFLOAD_CASES or name in SAVED_CASES:
@@ -231,8 +232,10 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         ratio = None if r.get("refused") else r.get("wire_ratio_to_minimum")
         wire = "—" if r.get("refused") else f"{r['total_wire_bytes'] / 1e9:.1f}"
         share = None if r.get("refused") else r["async_share"]
+        # memory_analysis()'s peak_memory_in_bytes, both sides (AotReport.compiler_peak_bytes).
+        peaks = f"{_gib(r.get('compiler_peak_bytes'))} / {_gib(memory.get('peak_memory'))}"
         lines.append(
-            f"| {name} | {mine} / {_gib(theirs)} "
+            f"| {name} | {mine} / {_gib(theirs)} | {peaks} "
             f"| {wire} / {'—' if their_wire is None else f'{their_wire / 1e9:.1f}'} "
             f"| {'—' if ratio is None else f'{ratio:.2f}x'} "
             f"| {_share(share)} / {_share(collectives.get('async_share'))} "
@@ -242,8 +245,9 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
     lines += [
         "",
         "| case | argument GiB: predicted / compiled (error) | temp GiB: predicted / compiled (error) "
-        "| argument + temp GiB: predicted / compiled (error) | wire GB: predicted / compiled (error) |",
-        "|---|---|---|---|---|",
+        "| argument + temp GiB: predicted / compiled (error) | against the compiler's peak "
+        "| wire GB: predicted / compiled (error) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in records.items():
         if r.get("refused") or name in OFFLOAD_CASES:
@@ -258,6 +262,14 @@ def markdown(records: dict[str, dict[str, Any]]) -> str:
         ):
             error = predicted / measured - 1 if measured else 0.0
             cells.append(f"{predicted / unit:.2f} / {measured / unit:.2f} ({error:+.1%})")
+        compiler_peak = r.get("compiler_peak_bytes")
+        total = p["argument_bytes"] + p["temp_bytes"]
+        cells.insert(
+            3,
+            "—"
+            if compiler_peak is None
+            else f"{total / GIB:.2f} / {compiler_peak / GIB:.2f} ({total / compiler_peak - 1:+.1%})",
+        )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     sliced = {name: r for name, r in records.items() if r.get("slices", 1) > 1 and not r.get("refused")}
     if sliced:

@@ -68,6 +68,10 @@ def test_report_for_a_tpu_topology_compares_with_the_chip_and_the_minimum():
     if report.heap_temp_bytes is not None:
         assert 0 < report.heap_temp_bytes <= report.temp_bytes
         assert report.as_dict()["heap_temp_bytes"] == report.heap_temp_bytes
+    if report.compiler_peak_bytes is not None:
+        # The busiest point holds the arguments and at most every temporary.
+        assert report.argument_bytes <= report.compiler_peak_bytes <= report.peak_bytes
+        assert report.as_dict()["compiler_peak_bytes"] == report.compiler_peak_bytes
 
 
 def test_command_prints_the_report_and_writes_json(tmp_path, capsys):

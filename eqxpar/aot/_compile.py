@@ -176,6 +176,7 @@ def compile_train_step(
         code_bytes=int(memory.generated_code_size_in_bytes),
         **_host_memory(memory),
         heap_temp_bytes=_heap_temp(memory),
+        compiler_peak_bytes=_optional_int(getattr(memory, "peak_memory_in_bytes", None)),
         memory_per_chip=_device_memory(device),
         collectives=collective_stats(compiled, mesh=mesh),
         overlap=overlap_stats(compiled),
@@ -218,6 +219,10 @@ def _heap_temp(memory: Any) -> int | None:
     total = getattr(memory, "total_allocation_bytes", None)
     held = getattr(memory, "indefinite_allocations", None)
     return None if total is None or held is None else int(total) - int(held)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 _FIRST_GROUP = re.compile(r"replica_groups=\{\{([\d,]+)\}")

@@ -46,8 +46,8 @@ class AotReport:
     `host_argument_bytes`, `host_output_bytes`, `host_alias_bytes`,
     `host_temp_bytes` (host memory, what `Plan(offload=...)` moves there) and
     their `host_bytes`; `heap_temp_bytes` (the temporaries as the buffer
-    assignment lays them out, see the field).
-    (the TPU compiler's out-of-memory refusal, or None: see the field); `slices`
+    assignment lays them out) and `compiler_peak_bytes` (the compiler's own
+    peak), see the fields; `slices`
     and `dcn` (the mesh's slices and the axes across them: what crosses is
     `collectives.dcn_wire_bytes`, its floor `dcn_minimum_wire_bytes`).
 
@@ -94,6 +94,12 @@ class AotReport:
     #: installed jaxlib does not say. libtpu 0.0.52's `temp_bytes` is this within
     #: a few KiB; 0.0.50.1's is more than it for a program with loops.
     heap_temp_bytes: int | None = None
+    #: The compiler's own peak of device memory over the program (`memory_analysis()`'s
+    #: `peak_memory_in_bytes`: arguments and the live temporaries at the busiest
+    #: point of its schedule), None where the installed jaxlib does not say. With
+    #: libtpu 0.0.50.1 it stays below `peak_bytes` by what that version's
+    #: `temp_bytes` adds for loops; MaxText's reference records hold the same field.
+    compiler_peak_bytes: int | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -171,6 +177,7 @@ class AotReport:
             "host_temp_bytes": self.host_temp_bytes,
             "host_bytes": self.host_bytes,
             "heap_temp_bytes": self.heap_temp_bytes,
+            "compiler_peak_bytes": self.compiler_peak_bytes,
             "memory_per_chip": self.memory_per_chip,
             "fits": self.fits,
             "wire_bytes": dict(self.collectives.wire_bytes),
