@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .._fsdp import kept_axes
-from .._mesh import AXES, EXPERT_AXIS, axis_size
+from .._mesh import AXES, axis_size
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._rules import mesh_axis_names
@@ -477,7 +477,6 @@ def _predicted_wire(
         repeats=repeats,
         scatters=on_tpu,
         ragged=ragged,
-        joint_as_sums=platform == "tpu",
     )
     if tpu and facts.dims.pipelined and facts.dims.stage_gradients == "sharded":
         # A pipeline with sharded stage gradients on the TPU compiler (`_tpu`).
@@ -736,7 +735,6 @@ def _wire(
     repeats: int,
     scatters: bool = False,
     ragged: bool = False,
-    joint_as_sums: bool = False,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """Wire bytes by kind and by axes: `least` (`minimum_comm`, automatic FSDP
     counted as gathering twice) plus what eqxpar's implementations move beyond
@@ -747,13 +745,7 @@ def _wire(
     counts per expert; automatic FSDP all-reduces; column-parallel
     weights sharing an input sum apart (`repeats`, `_repeated_sums`). With
     `scatters` (the TPU compiler) automatic FSDP reduce-scatters its gradients
-    as the minimum does, instead of all-reducing them. With `joint_as_sums`
-    (the TPU compiler), an FSDP all-gather or reduce-scatter over `expert` and
-    another batch axis together (`rules.EXPERT_FSDP`'s weights outside the
-    experts) is an all-reduce, twice its wire: the compiler writes such a gather
-    as an all-reduce of a zero-padded buffer and such a scatter as an
-    all-reduce and a slice (Mixtral on v5p-128, libtpu 0.0.50.1; MaxText's step
-    has the same all-reduces)."""
+    as the minimum does, instead of all-reducing them."""
     dims = facts.dims
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
@@ -788,8 +780,6 @@ def _wire(
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
                 add("collective-permute" if dims.tp_overlap else k, axes, w / 2)
-        elif joint_as_sums and kind in ("all-gather", "reduce-scatter") and {EXPERT_AXIS} < set(axes):
-            add("all-reduce", axes, 2 * w)
         elif auto_fsdp and kind == "reduce-scatter" and not scatters:
             add("all-reduce", axes, 2 * w)
         else:
