@@ -56,7 +56,8 @@ from jax import lax
 from jaxtyping import Array, Float, Shaped
 
 from ._errors import AxisNameError, DivisibilityError, SpecError
-from ._mesh import AXES
+from ._mesh import AXES, mesh_platform
+from ._plan import current_plan
 from ._varying import mark_varying, varying_axes
 
 # ---------------------------------------------------------------------------
@@ -161,13 +162,23 @@ def wire_dtype(dtype: Any) -> Any:
     transpose of a tiled all-gather) in a partial-manual region: JAX puts a sharding annotation (a `copy`)
     in the reduction, which XLA:CPU's widening of bfloat16 reductions cannot
     clone. XLA:CPU moves bfloat16 collectives as float32 anyway, so there they are
-    run in float32: same bytes, same rounding.
+    run in float32: same bytes, same rounding. The platform is that of the plan
+    being traced (the default backend's outside one): a program compiled here
+    for a TPU topology keeps its bfloat16 reductions (in float32 they doubled
+    the wire bytes of an MoE's expert gradients' reduce-scatters).
     """
-    if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+    if dtype != jnp.bfloat16 or _traced_platform() != "cpu":
         return dtype
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(mesh.manual_axes)
     return jnp.float32 if manual and manual != set(mesh.axis_names) else dtype
+
+
+def _traced_platform() -> str:
+    """The platform of the plan being traced (`with plan:`, or an eqxpar
+    step's), else the default backend's."""
+    plan = current_plan()
+    return jax.default_backend() if plan is None else mesh_platform(plan.mesh)
 
 
 def all_gather(x: Shaped[Array, "..."], *, axis_name: str, axis: int = 0) -> Shaped[Array, "..."]:

@@ -197,3 +197,23 @@ def test_llama3_8b_compiles_for_v5p_64_from_shapes_in_under_4_gb_of_host_memory(
     # 8.03e9 parameters: 32 GB of float32 weights and 64 GB of AdamW moments, none allocated.
     assert record["peak_rss_bytes"] < 4 * 2**30
     assert record["argument_bytes"] < 3 * 2**30 and record["fits"] is True
+
+
+@needs_libtpu
+def test_expert_gradients_are_reduce_scattered_in_compute_dtype_on_tpu():
+    # A step compiled here for a TPU topology keeps the bfloat16 reduce-scatters of
+    # the expert weights' gradients (gathered by eqxpar itself, manual over fsdp
+    # and expert): only XLA:CPU runs them in float32, and the platform is the
+    # plan's mesh's, not this machine's default backend (float32 doubled them).
+    small = dict(num_layers=2, d_model=256, d_hidden=512, num_heads=4, num_kv_heads=2, vocab_size=512)
+    config = eqxpar.models.preset("mixtral-8x7b", max_seq_len=128, **small)
+    plan = aot.plan_of({"expert": 2, "fsdp": 2}, topology="v5p:2x2x1")
+    report = aot.compile_train_step(config, plan, batch=(1, 64))
+    # Over fsdp alone: the experts' (the other weights split over fsdp x expert).
+    scattered = report.collectives.by_axes["reduce-scatter"][("fsdp",)]
+    least = sum(
+        c.wire_bytes for c in report.minimum.costs if c.kind == "reduce-scatter" and c.axes == ("fsdp",)
+    )
+    # The compiler may write one of them as an all-reduce (fewer scattered
+    # bytes); in float32 they were twice the minimum's bfloat16 bytes.
+    assert least > 0 and 0 < scattered <= least, (report.collectives.by_axes, report.minimum)

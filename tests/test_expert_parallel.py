@@ -78,10 +78,10 @@ def test_expert_parallel_matches_one_device(name):
 def test_expert_fsdp_splits_every_weight_over_expert_too(mode):
     """`rules.EXPERT_FSDP`: the weights outside the experts (here the input
     projection and the router) and their Adam moments split over fsdp x expert,
-    1/8 per device, gathered over both where used; the experts' model dimension
-    over fsdp. Parity with one device over three steps, and the gathers and
-    reduce-scatters over both axes in the compiled step, as `minimum_comm` counts
-    them."""
+    1/8 per device, gathered over both where used (one axis at a time); the
+    experts' model dimension over fsdp. Parity with one device over three steps,
+    and the gathers and reduce-scatters in the compiled step moving what
+    `minimum_comm` counts."""
     plan = eqxpar.Plan(eqxpar.make_mesh(expert=4, fsdp=2), rules=eqxpar.rules.EXPERT_FSDP, mode=mode)
     model = MoEModel(top_k=2, num_shared=1)
     _, state = train_checked(plan, model, optax.adamw(1e-2), moe_regression_loss, batches(3))
@@ -97,7 +97,10 @@ def test_expert_fsdp_splits_every_weight_over_expert_too(mode):
     data = batches(1)[0]
     minimum = eqxpar.inspect.minimum_comm(plan, model, loss=moe_regression_loss, batch=data)
     for kind in ("all-gather", "reduce-scatter"):
-        assert stats.by_axes[kind].get(("fsdp", "expert"), 0) > 0, stats.by_axes
+        # One axis at a time (expert, then fsdp), never over both at once: the
+        # TPU compiler writes that as an all-reduce (`_fsdp.gather_weights`).
+        assert stats.by_axes[kind].get(("expert",), 0) > 0, stats.by_axes
+        assert ("fsdp", "expert") not in stats.by_axes[kind], stats.by_axes
         assert stats.wire_bytes[kind] == minimum.wire_bytes[kind], (kind, stats.as_dict(), minimum)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .._fsdp import kept_axes
-from .._mesh import AXES, EXPERT_AXIS, axis_size
+from .._mesh import AXES, axis_size
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._remat import RematPolicy
@@ -50,7 +50,7 @@ from ..pipeline._program import (
 from ._analysis import Analysis, Slots, engine_slots
 from ._offload import offload_terms, policy_activations
 from ._profile import DeviceProfile
-from ._tpu import TpuTerms, expert_terms, extra_wire, pipeline_wire, spans_slices, tpu_terms
+from ._tpu import TpuTerms, extra_wire, pipeline_wire, spans_slices, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
 #: optimizer update holds about this share of the updated parameters' bytes in
@@ -204,7 +204,8 @@ def _activations(
     batch, then, under dropless expert parallelism over `n` devices, `n` times
     that (a device's experts take up to every device's rows: static buffers of
     `n` devices' assignments), split over the tensor axis only where the experts
-    are; those of the tokens (the router's) split as the batch. `specs`: the
+    are, less the experts' hidden activations there (recomputed a block at a
+    time); those of the tokens (the router's) split as the batch. `specs`: the
     parameters' (`StepLayout.params`); `manual`: the step's manual axes."""
     dims = facts.dims
     t = dims.tensor_size
@@ -213,11 +214,18 @@ def _activations(
     routed = analysis.routed.shape[0] if analysis.routed is not None else None
     tokens = b * analysis.seq_len if analysis.seq_len is not None else None
     moe = _moe_split(facts, params, specs, manual)
+    # Dropless expert parallelism runs the experts over the receive buffer one
+    # source's block at a time, rematerialised (`MoE._grouped_by_source`).
+    blocks = moe["dropless"] and dims.expert_size > 1
     total = 0
     for r in analysis.residuals:
         shape = r.shape
         if b not in shape[:-1] and routed is not None and routed in shape[:-1]:
             after = shape[shape.index(routed) + 1 :]
+            if blocks and after and after[-1] != analysis.routed.shape[1]:
+                # The experts' hidden activations: recomputed a block at a time
+                # (`_moe_buffers` counts one block's), never kept.
+                continue
             divisor = dims.batch_size_multiple * c
             if moe["tensor"] and split_dims & set(after):
                 divisor *= t
@@ -287,10 +295,13 @@ def _moe_buffers(
     """Per device, what one dropless MoE layer holds while it runs besides its
     residuals: the grouped matmuls (`ragged_dot`, which XLA:CPU computes as every
     local expert's product for all rows, then selects: local experts x rows x
-    hidden, and the result, rows x hidden), and under expert parallelism the
+    hidden, and the result, rows x hidden; under expert parallelism over `n`
+    devices they run one source's block of the receive buffer at a time, a
+    `n`-th of its rows), and under expert parallelism the
     static receive buffer (`n` x a device's assignments, of d_model, plus the
-    int32 expert of each row) and the send buffer (as large, padded; the routed
-    rows alone where the exchange is ragged on the device's `platform`). Rows: the
+    int32 expert of each row; on TPU three buffers of its size in the backward)
+    and the send buffer (as large, padded; the routed rows alone where the
+    exchange is ragged on the device's `platform`). Rows: the
     device's routed assignments, `n` times over under expert parallelism over `n`
     devices (all of them on every
     device over the batch axes the compiler partitions: see `_moe_split`)."""
@@ -299,13 +310,19 @@ def _moe_buffers(
     if analysis.routed is None or not moe.get("dropless"):
         return 0
     routed, d = analysis.routed.shape
-    size = itemsize(analysis.routed.dtype)
+    # The experts compute in the plan's compute dtype (the analysis traces the
+    # model in its parameters' dtype).
+    size = itemsize(dims.compute_dtype or analysis.routed.dtype)
     rows = routed * moe["rows"] // (dims.batch_size_multiple * dims.context_size)
-    grouped = rows * (moe["local"] + 1) * moe["hidden"] * size
+    grouped = rows // dims.expert_size * (moe["local"] + 1) * moe["hidden"] * size
     dispatch = 0
     if dims.expert_size > 1:
         sent = rows // dims.expert_size if ragged_on(moe["exchange"], platform) else rows
-        dispatch = rows * (d * size + 4) + sent * d * size
+        # On TPU the backward holds the receive buffer (recomputed), the
+        # cotangent of the experts' outputs over it and the buffer's own
+        # cotangent at once (Mixtral 8x7B's buffer assignment, 3 x 256 MiB).
+        copies = 3 if platform == "tpu" else 1
+        dispatch = rows * (copies * d * size + 4) + sent * d * size
     return grouped + dispatch
 
 
@@ -435,7 +452,10 @@ def _step_memory(
         return tpu.inputs, max(0, tpu.phases(update) - tpu.inputs - tpu.gradients), 0
     if tpu is not None:
         activations += tpu.inputs
-        buffers = max(tpu.head, tpu.layer + buffers)
+        # The weight shards cast to compute dtype live through both phases
+        # (hoisted out of the layer loops: 3 x 470 MB of expert shards on Mixtral
+        # 8x7B's buffer assignment), as in a dense step.
+        buffers = tpu.weights + max(tpu.head, tpu.layer + buffers)
     return activations, buffers, update
 
 
@@ -454,8 +474,8 @@ def _predicted_wire(
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """`_wire` of the plan's minimum `least` (an MoE exchange ragged or padded as
     it is on the `profile`'s platform); on the TPU compiler, under its automatic
-    partitioning the gradients are reduce-scattered, the experts' in the
-    parameters' dtype, and the program's collectives beyond the minimum are added
+    partitioning the gradients are reduce-scattered, and the program's
+    collectives beyond the minimum are added
     (`_tpu.extra_wire`); a pipeline's with sharded stage gradients likewise
     (`_tpu.pipeline_wire`). A program over several slices (`_tpu.spans_slices`,
     with the profile's `devices_per_slice`) all-reduces what it would
@@ -477,7 +497,6 @@ def _predicted_wire(
         repeats=repeats,
         scatters=on_tpu and not sliced,
         ragged=ragged,
-        joint_as_sums=platform == "tpu",
     )
     if tpu and facts.dims.pipelined and facts.dims.stage_gradients == "sharded":
         # A pipeline with sharded stage gradients on the TPU compiler (`_tpu`).
@@ -499,8 +518,7 @@ def _predicted_wire(
             inputs_counted=gathers,
             sliced=sliced,
         )
-        experts = expert_terms(facts.dims, facts.mesh, params, layout.params)[1]
-        for kind, by in (*extra.items(), ("reduce-scatter", experts)):
+        for kind, by in extra.items():
             # Over several slices a reduce-scatter is an all-reduce and a slice (`_tpu`).
             summed = sliced and kind == "reduce-scatter"
             for axes, w in by.items():
@@ -741,7 +759,6 @@ def _wire(
     repeats: int,
     scatters: bool = False,
     ragged: bool = False,
-    joint_as_sums: bool = False,
 ) -> tuple[dict[str, int], dict[tuple[str, ...], int]]:
     """Wire bytes by kind and by axes: `least` (`minimum_comm`, automatic FSDP
     counted as gathering twice) plus what eqxpar's implementations move beyond
@@ -752,13 +769,7 @@ def _wire(
     counts per expert; automatic FSDP all-reduces; column-parallel
     weights sharing an input sum apart (`repeats`, `_repeated_sums`). With
     `scatters` (the TPU compiler) automatic FSDP reduce-scatters its gradients
-    as the minimum does, instead of all-reducing them. With `joint_as_sums`
-    (the TPU compiler), an FSDP all-gather or reduce-scatter over `expert` and
-    another batch axis together (`rules.EXPERT_FSDP`'s weights outside the
-    experts) is an all-reduce, twice its wire: the compiler writes such a gather
-    as an all-reduce of a zero-padded buffer and such a scatter as an
-    all-reduce and a slice (Mixtral on v5p-128, libtpu 0.0.50.1; MaxText's step
-    has the same all-reduces)."""
+    as the minimum does, instead of all-reducing them."""
     dims = facts.dims
     wire: dict[str, int] = defaultdict(int)
     by_axis: dict[tuple[str, ...], int] = defaultdict(int)
@@ -793,8 +804,6 @@ def _wire(
             # (ring permutes with `tp_overlap`), the same wire bytes in all.
             for k in ("all-gather", "reduce-scatter"):
                 add("collective-permute" if dims.tp_overlap else k, axes, w / 2)
-        elif joint_as_sums and kind in ("all-gather", "reduce-scatter") and {EXPERT_AXIS} < set(axes):
-            add("all-reduce", axes, 2 * w)
         elif auto_fsdp and kind == "reduce-scatter" and not scatters:
             add("all-reduce", axes, 2 * w)
         else:

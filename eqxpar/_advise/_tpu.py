@@ -43,8 +43,8 @@ as `--xla_dump_to` writes them). What differs:
   activations and their gradients (gate, up, activation), and a few copies of
   the residual stream. Of an MoE model the head's phase and one layer's
   backward are not live at once: it holds the larger of the two beside what
-  lives throughout (gradient shards, kept inputs, residuals, the update's
-  temporaries).
+  lives throughout (gradient shards, kept inputs, residuals, the weights cast
+  to compute dtype, the update's temporaries).
 - **Collectives beyond the minimum** (`extra_wire`, `pipeline_wire`). Where
   the stack keeps its layer inputs split over `tensor`
   (`ParallelDims.split_saved_inputs`), the recomputed forward all-gathers each
@@ -74,8 +74,9 @@ as `--xla_dump_to` writes them). What differs:
   counts them, and only the gathers are windowed.
 - **Experts are gathered, not windowed.** An MoE layer's expert weights (grouped
   matmuls) are all-gathered over the batch axes for the layer, in compute dtype,
-  and their gradient is made whole over them in the parameters' dtype, then
-  reduce-scattered in that dtype (twice the bytes of a bfloat16 scatter).
+  and their gradient is made whole over them and reduce-scattered in compute
+  dtype, as `minimum_comm` counts (eqxpar gathers them itself, manual over the
+  batch axes).
 """
 
 import dataclasses
@@ -160,7 +161,7 @@ def tpu_terms(
     hidden = _mlp_hidden(params) // t
     mlp = _HIDDEN_COPIES * rows * seq * hidden * size
     stream = _STREAM_COPIES * rows * seq * d_model * size
-    experts, _ = expert_terms(dims, mesh, params, specs)
+    experts = expert_terms(dims, mesh, params, specs)
     layer_bytes = scores + mlp + stream + experts
     return TpuTerms(gradients, inputs, head, layer_bytes, weights)
 
@@ -391,14 +392,13 @@ def _lookup_wire(
     return out
 
 
-def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, dict[tuple[str, ...], int]]:
-    """One MoE layer's expert weights gathered over the batch axes (compute dtype)
-    with their gradient whole over them (parameters' dtype), per device; and by
-    batch axes, the wire bytes their gradients' reduce-scatters move beyond a
-    compute-dtype scatter (what `minimum_comm` counts)."""
+def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> int:
+    """One MoE layer's expert weights gathered over the batch axes and their
+    gradient whole over them, both in compute dtype, per device: the largest MoE
+    layer's (one layer's experts are whole at a time)."""
     # Experts split over the expert axis stay there: only the other batch axes gather.
     batch = set(dims.batch_axes) - {EXPERT_AXIS}
-    layer, extra = 0, {}
+    layer = 0
     for moe, spec in zip(moe_layers(params), moe_layers(specs), strict=True):
         depth = moe.w_in.shape[0] if moe.w_in.ndim == 4 else 1
         one = 0
@@ -408,17 +408,9 @@ def expert_terms(dims: Any, mesh: Any, params: Any, specs: Any) -> tuple[int, di
                 continue
             names = [a for e in s for a in mesh_axis_names(e)]
             kept = math.prod(mesh.shape[a] for a in names if a not in batch)
-            over = tuple(a for a in names if a in batch)
-            g = math.prod(mesh.shape[a] for a in over)
-            param = itemsize(x.dtype)
-            size = itemsize(dims.compute_dtype or x.dtype)
-            whole = x.size // depth // kept
-            one += whole * (size + param)
-            if g > 1 and param > size:
-                extra[over] = extra.get(over, 0) + x.size // kept * (param - size) * (g - 1) // g
-        # One layer's experts at a time: the largest MoE layer's.
+            one += 2 * x.size // depth // kept * itemsize(dims.compute_dtype or x.dtype)
         layer = max(layer, one)
-    return layer, extra
+    return layer
 
 
 def _mlp_hidden(params: Any) -> int:
