@@ -69,6 +69,7 @@ def compile_case(mesh: Any, layers: int, width: int, rows: int, mode: str, ys: b
             for i in range(layers):
                 h = layer(h, w[i])
             return h.sum()
+
         def body(h, wi):
             h = layer(h, wi)
             return h, (h if ys else None)

@@ -381,7 +381,9 @@ def main(argv: list[str] | None = None) -> None:
             if name in records and not records[name].get("refused"):
                 records[name]["predicted"] = predict_case(name)
         args.json.write_text(json.dumps(data, indent=1) + "\n")
-        args.tables_only = args.markdown is not None
+        if args.markdown is None:
+            return  # nothing compiled: the records keep their compiled figures
+        args.tables_only = True
     if args.tables_only:
         if args.json is None or args.markdown is None:
             raise SystemExit("--tables-only reads --json and rewrites --markdown: pass both")

@@ -122,6 +122,15 @@ class ParallelDims:
         """A pipeline schedule runs the step."""
         return self.schedule is not None
 
+    def streams_stacked_params_on(self, platform: str) -> bool:
+        """Whether a step on devices of `platform` leaves an offloaded model's
+        stacked weights in host memory through the passes, the stack's scan
+        bringing one layer's slice at a time onto the device: under
+        `Plan(offload=("params",))`, off XLA:CPU (one memory there, nothing to
+        gain, and the transfers in the loop changed its float32 rounding) and
+        outside pipelines (whose stages run the stack themselves)."""
+        return "params" in self.offload and not self.pipelined and platform != "cpu"
+
     @property
     def token_shards(self) -> int:
         """The devices a batch's tokens are split over: the batch axes' times the

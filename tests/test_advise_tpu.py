@@ -10,7 +10,7 @@ The goal is 10 % on memory and 5 % on wire. The wire meets it on every
 record (each collective the compiled program runs, `eqxpar/_advise/_tpu.py`),
 HSDP's over two and four slices included; the memory on three. On 8B FSDP 32
 and 70B FSDP 32 x tensor 4, libtpu 0.0.50.1 (the records' compiler) reports
-temporaries beyond its own buffer assignment (1.29 and 3.06 GiB, which no
+temporaries beyond its own buffer assignment (1.33 and 3.10 GiB, which no
 buffer of the HLO program holds; libtpu 0.0.52 reports its heap alone, and the
 prediction is within 5 % of it on both). Those two, and the HSDP records (whose
 gradients the compiler all-reduces whole inside the slice), are held to today's

@@ -217,3 +217,22 @@ def test_expert_gradients_are_reduce_scattered_in_compute_dtype_on_tpu():
     # The compiler may write one of them as an all-reduce (fewer scattered
     # bytes); in float32 they were twice the minimum's bfloat16 bytes.
     assert least > 0 and 0 < scattered <= least, (report.collectives.by_axes, report.minimum)
+
+
+def test_benchmark_predict_only_compiles_nothing(tmp_path, monkeypatch):
+    """`python -m benchmarks.tpu_compile --predict-only --json F` refreshes the
+    records' predictions and stops: without `--markdown` it fell through to
+    compiling every case and rewrote their compiled figures."""
+    from benchmarks import tpu_compile
+
+    path = tmp_path / "quick.json"
+    path.write_text(json.dumps({"tpu_compile": {"a": {"predicted": {}}, "b": {"refused": "over HBM"}}}))
+
+    def compile_refused(*args, **kwargs):
+        raise AssertionError(f"--predict-only started a compile: {args}")
+
+    monkeypatch.setattr(tpu_compile, "predict_case", lambda name: {"wire_bytes": len(name)})
+    monkeypatch.setattr(tpu_compile.subprocess, "run", compile_refused)
+    tpu_compile.main(["--predict-only", "--json", str(path)])
+    records = json.loads(path.read_text())["tpu_compile"]
+    assert records == {"a": {"predicted": {"wire_bytes": 1}}, "b": {"refused": "over HBM"}}

@@ -49,13 +49,12 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec
 
-from .._mesh import axis_size
-from .._rules import mesh_axis_names
-from .._sizes import itemsize, nbytes
+from .._sizes import itemsize
 from .._specs import is_array_like
 from .._stack_order import OrderedStack
 from .._train._step_layout import StepLayout
 from .._train._streamed_update import chunk_count
+from ._shard_bytes import per_device_bytes
 
 
 def offload_terms(
@@ -107,15 +106,10 @@ def _stacked_bytes(params: Any, specs: Any, mesh: Any) -> int:
         nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (OrderedStack, PartitionSpec)))
         return [n for n in nodes if isinstance(n, OrderedStack)]
 
-    total = 0
-    for stack, stack_specs in zip(stacks(params), stacks(specs), strict=True):
-        flat = jax.tree.structure(stack).flatten_up_to(stack_specs)
-        for x, spec in zip(jax.tree.leaves(stack), flat, strict=True):
-            if is_array_like(x):
-                split = spec if isinstance(spec, PartitionSpec) else ()
-                axes = [a for e in split for a in mesh_axis_names(e)]
-                total += nbytes(x) // axis_size(mesh, axes)
-    return total
+    return sum(
+        per_device_bytes(stack, stack_specs, mesh)
+        for stack, stack_specs in zip(stacks(params), stacks(specs), strict=True)
+    )
 
 
 def policy_activations(

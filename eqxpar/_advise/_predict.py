@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .._fsdp import kept_axes
-from .._mesh import AXES, axis_size
+from .._mesh import AXES
 from .._parallel_dims import ParallelDims
 from .._plan import Plan
 from .._remat import RematPolicy
@@ -50,6 +50,7 @@ from ..pipeline._program import (
 from ._analysis import Analysis, Slots, engine_slots
 from ._offload import offload_terms, policy_activations
 from ._profile import DeviceProfile
+from ._shard_bytes import per_device_bytes, split_count
 from ._tpu import TpuTerms, extra_wire, pipeline_wire, spans_slices, tpu_terms
 
 #: Fitted on the benchmark records (benchmarks/results/quick.json, XLA:CPU): the
@@ -161,27 +162,15 @@ class Prediction:
         return sum(self.wire_bytes.values())
 
 
-def _split(spec: Any, mesh: Mesh, drop: frozenset[str] = frozenset()) -> int:
-    if not isinstance(spec, PartitionSpec):
-        return 1
-    axes = [a for e in spec for a in mesh_axis_names(e) if a not in drop]
-    return axis_size(mesh, axes)
-
-
-def _per_device(tree: Any, specs: Any, mesh: Mesh, drop: frozenset[str] = frozenset()) -> int:
-    leaves = jax.tree.leaves(tree)
-    flat = jax.tree.structure(tree).flatten_up_to(specs)
-    pairs = zip(leaves, flat, strict=True)
-    return sum(nbytes(x) // _split(s, mesh, drop) for x, s in pairs if is_array_like(x))
-
-
 def _gradient_bytes(params: Any, specs: Any, mesh: Mesh, batch_axes: frozenset[str]) -> int:
     """Per device, the gradients as they come out of the loss: whole over the
     batch axes (then reduced or scattered), except over `expert` where it splits
     a dimension alone (the experts, never gathered: `kept_axes`)."""
     flat = jax.tree.structure(params).flatten_up_to(specs)
     pairs = zip(jax.tree.leaves(params), flat, strict=True)
-    return sum(nbytes(x) // _split(s, mesh, batch_axes - kept_axes(s)) for x, s in pairs if is_array_like(x))
+    return sum(
+        nbytes(x) // split_count(s, mesh, batch_axes - kept_axes(s)) for x, s in pairs if is_array_like(x)
+    )
 
 
 def _tensor_dims(params: Any, specs: Any, tensor: str) -> set[int]:
@@ -342,8 +331,8 @@ def predict(
     dims, mesh = facts.dims, facts.mesh
     layout = StepLayout.of(ResolvedPlan.of(plan), params, opt_state)
     batch_axes = frozenset(dims.batch_axes)
-    params_bytes = _per_device(params, layout.params, mesh)
-    opt_bytes = _per_device(opt_state, layout.opt_state, mesh)
+    params_bytes = per_device_bytes(params, layout.params, mesh)
+    opt_bytes = per_device_bytes(opt_state, layout.opt_state, mesh)
     batch_bytes = sum(nbytes(x) // dims.batch_size_multiple for x in jax.tree.leaves(batch))
     # Gradients come out whole over the batch axes but the experts' (`_gradient_bytes`).
     grads = _gradient_bytes(params, layout.params, mesh, batch_axes)
@@ -362,7 +351,7 @@ def predict(
     # Under ZeRO-1 the update runs on this device's share, but the new weights are
     # gathered whole, and XLA holds about the update's share of them in temporaries
     # (ZeRO-1 was 7.6 % under on the benchmark workload, 10.2 % on the demo's GPT).
-    updated = _per_device(params, layout.params if dims.zero1 else layout.updates, mesh)
+    updated = per_device_bytes(params, layout.params if dims.zero1 else layout.updates, mesh)
     update = int(UPDATE_SHARE * updated)
     if dims.schedule is None:
         activations, buffers, update = _step_memory(
@@ -599,7 +588,7 @@ def _pipeline_memory(
     slot = slots.slot_bytes
     bufs = sched.buffers
     io = (max(1, bufs.inputs) + max(1, bufs.cotangents)) * nbytes(slots.activation)
-    stack_grads = _per_device(
+    stack_grads = per_device_bytes(
         loss.stack(params).blocks,
         loss.stack(layout.params).blocks,
         facts.mesh,
@@ -645,14 +634,14 @@ def _gathered_at_use(facts: PlanFacts, params: Any, layout: StepLayout, loss: An
     dims = facts.dims
     blocks, specs = loss.stack(params).blocks, loss.stack(layout.params).blocks
     drop = frozenset(dims.batch_axes)
-    stack_whole = _per_device(blocks, specs, facts.mesh, drop)
-    stack_split = _per_device(blocks, specs, facts.mesh)
+    stack_whole = per_device_bytes(blocks, specs, facts.mesh, drop)
+    stack_split = per_device_bytes(blocks, specs, facts.mesh)
     rows = max(1, loss.stack_of(params).depth // facts.mesh.shape.get("pipe", 1))
     rest = gathered - (stack_whole - stack_split)
     in_stack = {id(x) for x in jax.tree.leaves(blocks)}
     flat = jax.tree.structure(params).flatten_up_to(layout.params)
     outside = [
-        nbytes(x) // _split(s, facts.mesh, drop) - nbytes(x) // _split(s, facts.mesh)
+        nbytes(x) // split_count(s, facts.mesh, drop) - nbytes(x) // split_count(s, facts.mesh)
         for x, s in zip(jax.tree.leaves(params), flat, strict=True)
         if is_array_like(x) and id(x) not in in_stack
     ]

@@ -299,11 +299,8 @@ class StepLayout:
 
     def streams_stacked_params_on(self, platform: str) -> bool:
         """`streams_stacked_params` on devices of `platform` (the advisor asks it
-        of a device profile's): under `Plan(offload=("params",))`, off XLA:CPU (one
-        memory there, nothing to gain, and the transfers in the loop changed its
-        float32 rounding) and outside pipelines (whose stages run the stack
-        themselves)."""
-        return self.memory_kind("params") is not None and self.kind != "pipeline" and platform != "cpu"
+        of a device profile's): `ParallelDims.streams_stacked_params_on`."""
+        return self.resolved.dims.streams_stacked_params_on(platform)
 
     def stacked_params_onto_device(self, model: PyTree) -> PyTree:
         """Inside the compiled step, once the gradients exist: the weights of an

@@ -225,9 +225,9 @@ class Stacked(OrderedStack):
         dims = None if plan is None else ParallelDims.of(plan)
         policy, compute_dtype = ("none", None) if dims is None else (dims.remat, dims.compute_dtype)
         arrays, static = eqx.partition(self.blocks, eqx.is_array)
-        # Plan(offload=("params",)) off XLA:CPU: the step left the stack's weights in host
-        # memory (StepLayout.streams_stacked_params); each layer's slice comes over below.
-        offloaded = "params" in getattr(dims, "offload", ()) and mesh_platform(plan.mesh) != "cpu"
+        # The step left the stack's weights in host memory (Plan(offload=("params",))
+        # off XLA:CPU, outside pipelines); each layer's slice comes over below.
+        offloaded = dims is not None and dims.streams_stacked_params_on(mesh_platform(plan.mesh))
         # Under a manual FSDP step: how each array of a layer is all-gathered in
         # the scanned body (one layer's weights whole at a time; the gather's
         # transpose reduce-scatters the gradient). Set by the step around the loss.
